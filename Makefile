@@ -1,0 +1,41 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each creates .venv when
+# missing and installs the pinned requirements once (a stamp keyed on their hash).
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+REQ_HASH := $(shell cat requirements.txt pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(REQ_HASH)
+export AIRFLOW_HOME := $(CURDIR)/airflow_home
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+AIRFLOW_PORT ?= 8080
+
+.PHONY: venv demo test test-fast airflow airflow-stop bench clean-runs
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade "pip>=24"
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip check
+	@rm -f $(VENV)/.installed-*; touch $@
+
+demo: venv
+	$(BIN)/python -m eagleflow.demo --config configs/local-demo.yaml
+
+test: venv
+	$(BIN)/python -m pytest tests -x -q -p no:cacheprovider $(PYTEST_ARGS)
+
+airflow: venv
+	$(BIN)/python -m eagleflow.airflow.standalone start --port $(AIRFLOW_PORT)
+
+airflow-stop:
+	$(BIN)/python -m eagleflow.airflow.standalone stop
+
+bench: venv
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean-runs:
+	rm -rf runs airflow_home/logs

@@ -1,0 +1,93 @@
+"""eagle3_pipeline: raw chat datasets to a trained EAGLE-3 draft model.
+
+Wiring only; every task body lives in the installed ``eagleflow`` package.
+Trigger it from the Airflow UI (the form below) or the REST API with a conf.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param
+
+from eagleflow.airflow.alerts import pipeline_failure_callbacks
+from eagleflow.airflow.capture_operators import (
+    CaptureServerReadySensor,
+    ExtractShardOperator,
+    StartCaptureServerOperator,
+    StopCaptureServerOperator,
+    VerifyHiddenStatesOperator,
+)
+from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
+from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
+from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
+
+DOC = __doc__ + """
+
+Phases: write the run config to the node; merge, shuffle and tokenise the
+corpus; check the disk budget (optionally delete old caches); free the GPUs
+and verify each is at its idle baseline; start the capture server (setup);
+extract every shard under the stall watchdog; stop the server (teardown);
+verify the stored hidden states; free and verify the GPUs again; train the
+draft on the node; export it in the format SGLang serves.
+"""
+
+with DAG(
+    dag_id="eagle3_pipeline",
+    description="EAGLE-3 draft: corpus, GPU gates, hidden-state capture under a stall watchdog, training, export",
+    doc_md=DOC,
+    schedule=None,
+    catchup=False,
+    max_active_runs=1,
+    tags=["eagleflow", "eagle3", "gpu"],
+    default_args={
+        "owner": "eagleflow",
+        "retries": 1,
+        "retry_delay": timedelta(seconds=30),
+        **pipeline_failure_callbacks(),
+    },
+    params={
+        "config_path": Param("configs/local-demo.yaml", type="string", title="Config file",
+                             description="Pipeline config (YAML) on the Airflow machine; the other fields override it."),
+        "target_model": Param(None, type=["null", "string"], title="Target model path",
+                              description="Local path of the target model on the node (config, weights, tokenizer)."),
+        "node_conn_id": Param(None, type=["null", "string"], title="GPU node SSH connection",
+                              description="Airflow SSH connection id of the GPU node; empty = the config's node."),
+        "capture_backend": Param(None, type=["null", "string"], enum=[None, "hf", "sglang"],
+                                 title="Capture backend",
+                                 description="sglang on a GPU node; hf (transformers) on CPU or for tiny models."),
+        "shards": Param(None, type=["null", "integer"], minimum=1, maximum=1024, title="Extraction shards",
+                        description="Number of extraction shards (one worker each)."),
+        "force_free_gpus": Param(False, type="boolean", title="Force-free GPUs",
+                                 description="Also kill processes we did not start that hold the selected GPUs. "
+                                             "GPU nodes are shared: leave off unless you own the node."),
+        "delete_old_caches": Param(False, type="boolean", title="Delete old caches",
+                                   description="Delete the old hidden-state caches listed in the config "
+                                               "(only under disk.cache_root) before the disk check."),
+        "max_train_steps": Param(None, type=["null", "integer"], minimum=1, title="Training steps",
+                                 description="Draft training steps; empty = the config's train.max_steps."),
+        "alert_emails": Param(None, type=["null", "array"], items={"type": "string"}, title="Alert emails",
+                              description="Who is mailed on a stall, a retry and a final failure."),
+    },
+) as dag:
+    write_config = WriteRunConfigOperator(task_id="write_run_config")
+    prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus")
+    delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
+    check_disk = CheckDiskOperator(task_id="check_disk")
+    free_before = FreeGpusOperator(task_id="free_gpus")
+    idle_before = GpuIdleSensor(task_id="gpus_idle", deferrable=True)
+    start_server = StartCaptureServerOperator(task_id="start_capture_server")
+    server_ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True)
+    shards = PlanShardsOperator(task_id="plan_shards")
+    extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2).expand(shard=shards.output)
+    stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
+    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states")
+    free_after = FreeGpusOperator(task_id="free_gpus_after_capture", trigger_rule="all_done")
+    idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", deferrable=True)
+    train = TrainDraftOperator(task_id="train_draft")
+    export = ExportDraftOperator(task_id="export_draft")
+
+    write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
+    idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
+    extract >> verify >> free_after >> idle_after >> train >> export
+    stop_server >> free_after

@@ -1,0 +1,1 @@
+"""The only code that imports Airflow: operators, sensors, triggers, notifiers."""

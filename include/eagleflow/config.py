@@ -1,0 +1,222 @@
+"""One typed pipeline config, loaded from YAML and overridable by DAG Params.
+
+Every section is a pydantic model with ``extra="forbid"`` so a typo in a key is
+an error, not a silently ignored setting. ``load_config`` turns pydantic's
+errors into one message per bad field: where it is, the value, what is allowed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names file, field, value and fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="short id used in sample ids (source:row)")
+    path: str = Field(min_length=1, description="JSONL, JSON, Parquet file or a datasets save_to_disk directory")
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = "auto"
+    limit: int | None = Field(default=None, ge=1, description="keep at most this many records")
+
+
+class CorpusConfig(_Section):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    seed: int = 42
+    max_length: int = Field(default=8192, ge=16, le=1_048_576)
+    max_bad_records: int = Field(default=0, ge=0)
+    num_proc: int = Field(default=1, ge=1, le=256)
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, v: list[SourceConfig]) -> list[SourceConfig]:
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(dup)}")
+        return v
+
+
+class DiskConfig(_Section):
+    cache_root: str | None = Field(default=None, description="only paths under this root may be deleted")
+    old_caches: list[str] = Field(default_factory=list, description="old hidden-state caches that may be deleted")
+    delete_old_caches: bool = False
+    headroom_fraction: float = Field(default=0.05, ge=0.0, le=1.0,
+                                     description="extra space kept free beyond the estimate")
+
+
+class NodeConfig(_Section):
+    name: str = Field(default="local", min_length=1, description="name shown in logs and alerts")
+    conn_id: str | None = Field(default=None, description="Airflow SSH connection id; null = this machine")
+    python: str = Field(default="", description="python on the node with eagleflow installed; empty = this interpreter (local) or python3 (ssh)")
+    state_dir: str = Field(default="", description="where the node keeps pid records and locks; empty = <run_root>/.node-state")
+    has_gpu: bool = Field(default=True, description="false on a CPU-only node: GPU gates log and pass")
+
+
+class GpuConfig(_Section):
+    select: list[str] = Field(default_factory=list, description="GPU UUIDs or indices; empty = all")
+    probe: Literal["auto", "nvml", "smi"] = "auto"
+    idle_threshold_mib: int = Field(default=16, ge=0, description="idle when used <= baseline + this margin")
+    baseline_file: str | None = Field(default=None, description="per-UUID idle baselines from `eagleflow gpu baseline`")
+    poll_interval_s: float = Field(default=5.0, gt=0)
+    idle_timeout_s: float = Field(default=300.0, gt=0)
+    force_free: bool = Field(default=False, description="also kill foreign processes holding the selected GPUs")
+    kill_grace_s: float = Field(default=15.0, ge=0)
+
+
+class CaptureConfig(_Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")
+    dump_dir: str = Field(default="/dev/shm/eagleflow_hs")
+    aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
+    tp: int = Field(default=1, ge=1, le=64)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    shards: int = Field(default=1, ge=1, le=1024)
+    in_flight: int = Field(default=2, ge=1, le=256)
+    request_timeout_base_s: float = Field(default=60.0, gt=0)
+    request_timeout_per_token_s: float = Field(default=0.05, ge=0)
+    ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    extra_server_args: list[str] = Field(default_factory=list)
+
+
+class WatchdogConfig(_Section):
+    poll_interval_s: float = Field(default=10.0, gt=0)
+    stall_after_s: float = Field(default=30.0, gt=0, description="no completed sample for this long starts a stall check")
+    health_timeout_s: float = Field(default=20.0, gt=0)
+    gpu_window_s: float = Field(default=30.0, gt=0)
+    startup_grace_s: float = Field(default=120.0, ge=0)
+    d_state_after_s: float = Field(default=30.0, gt=0)
+    alert_emails: list[str] = Field(default_factory=list)
+    smtp_conn_id: str = "smtp_default"
+    airflow_base_url: str = "http://localhost:8080"
+
+
+class TrainConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nproc_per_node: int = Field(default=1, ge=1, le=64)
+    max_steps: int = Field(default=200, ge=1)
+    batch_size: int = Field(default=4, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    ttt_length: int = Field(default=7, ge=1, le=32)
+    draft_vocab_size: int = Field(default=32000, ge=2)
+    checkpoint_every: int = Field(default=50, ge=1)
+    seed: int = 0
+    log_every: int = Field(default=10, ge=1)
+
+
+class PipelineConfig(_Section):
+    run_root: str = Field(default="runs", description="each run gets <run_root>/<run_id>")
+    target_model: str = Field(min_length=1, description="local path of the target model (config, weights, tokenizer)")
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    gpu: GpuConfig = Field(default_factory=GpuConfig)
+    corpus: CorpusConfig = Field(default_factory=CorpusConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    # Where the config was read from; relative paths resolve against its folder.
+    source_path: str | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _capture_matches_node(self) -> "PipelineConfig":
+        if self.capture.backend == "sglang" and not self.node.has_gpu:
+            raise ValueError("capture.backend 'sglang' needs a GPU node, but node.has_gpu is false; "
+                             "use backend 'hf' on a CPU node")
+        return self
+
+    def resolve(self, path: str | None) -> Path | None:
+        """A path from the config, made absolute against the config file's folder."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        if not p.is_absolute() and self.source_path:
+            p = Path(self.source_path).parent / p
+        return Path(os.path.normpath(p.absolute()))
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.resolve(self.run_root) / safe_run_id(run_id)
+
+    def node_state_dir(self) -> Path:
+        if self.node.state_dir:
+            return self.resolve(self.node.state_dir)
+        return self.resolve(self.run_root) / ".node-state"
+
+
+def safe_run_id(run_id: str) -> str:
+    """Airflow run ids hold ':' and '+'; keep a path-safe form."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = [f"invalid eagleflow config {where}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        elif e["type"] == "missing":
+            msg = "required field is missing; add it"
+            shown = "(absent)"
+        lines.append(f"  - {field} = {shown}: {msg}")
+    return "\n".join(lines)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in nested dicts, creating sections as needed."""
+    parts = dotted.split(".")
+    cur = data
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if nxt is None:
+            nxt = cur[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is a value, not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                data: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read YAML (or take ``data``), apply dotted overrides, validate."""
+    where = "(inline)"
+    raw: dict[str, Any] = dict(data or {})
+    if path is not None:
+        p = Path(path)
+        where = f"in {p}"
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass the path of a YAML file (see configs/)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top, not {type(loaded).__name__}")
+        raw = loaded
+    for key, value in (overrides or {}).items():
+        set_dotted(raw, key, value)
+    try:
+        cfg = PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, where)) from None
+    if path is not None:
+        cfg.source_path = str(Path(path).absolute())
+    return cfg

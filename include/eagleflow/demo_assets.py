@@ -1,0 +1,139 @@
+"""The demo's inputs, made locally (nothing can be downloaded from a model hub).
+
+- three small chat datasets (ShareGPT JSONL, OpenAI JSONL, Parquet) whose
+  replies follow simple rules, so a draft model has something to learn;
+- a byte-level BPE tokenizer trained on them with the `tokenizers` library,
+  with a Llama-3-style chat template that marks assistant turns with
+  ``{% generation %}`` (so loss masks come from the template itself);
+- a small Llama-architecture target with random weights (``save_pretrained``).
+
+Cached under ``<root>``; a second call returns at once.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|eot_id|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|eot_id|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>", "<|pad|>"]
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+         "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def _conversation(rng: random.Random) -> list[tuple[str, str]]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        a = rng.randrange(0, 200)
+        b = a + rng.randrange(5, 40)
+        return [("user", f"Count from {a} to {b}."), ("assistant", " ".join(str(i) for i in range(a, b + 1)))]
+    if kind == 1:
+        ws = rng.sample(WORDS, rng.randrange(3, 12))
+        return [("user", "Reverse these words: " + " ".join(ws)), ("assistant", " ".join(reversed(ws)))]
+    if kind == 2:
+        ws = rng.sample(WORDS, rng.randrange(3, 10))
+        turns = [("system", "You answer in capitals."), ("user", "Shout: " + " ".join(ws)),
+                 ("assistant", " ".join(w.upper() for w in ws))]
+        return turns
+    w = rng.choice(WORDS)
+    n = rng.randrange(3, 15)
+    return [("user", f"Repeat {w} {n} times."), ("assistant", " ".join([w] * n)),
+            ("user", "Now once more, with commas."), ("assistant", ", ".join([w] * n))]
+
+
+def write_demo_sources(out: Path, n_per_source: int = 48, seed: int = 7) -> list[dict]:
+    """Three sources in three forms; returns their config entries."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    role_sharegpt = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = out / "rules_sharegpt.jsonl"
+    with sharegpt.open("w") as f:
+        for _ in range(n_per_source):
+            conv = _conversation(rng)
+            f.write(json.dumps({"conversations": [{"from": role_sharegpt[r], "value": t} for r, t in conv]}) + "\n")
+    openai = out / "rules_openai.jsonl"
+    with openai.open("w") as f:
+        for _ in range(n_per_source):
+            conv = _conversation(rng)
+            f.write(json.dumps({"messages": [{"role": r, "content": t} for r, t in conv]}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"messages": [{"role": r, "content": t} for r, t in _conversation(rng)]} for _ in range(n_per_source)]
+    parquet = out / "rules_parquet.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    return [{"name": "sharegpt", "path": str(sharegpt)}, {"name": "openai", "path": str(openai)},
+            {"name": "parquet", "path": str(parquet)}]
+
+
+def _texts_for_tokenizer(source_dir: Path) -> list[str]:
+    texts = []
+    for p in sorted(source_dir.glob("*.jsonl")):
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            for m in rec.get("conversations", []):
+                texts.append(m["value"])
+            for m in rec.get("messages", []):
+                texts.append(m["content"])
+    return texts + ["system", "user", "assistant"] + WORDS
+
+
+def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 512) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_texts_for_tokenizer(source_dir), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                   eos_token="<|eot_id|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_llama(out: Path, vocab_size: int, hidden_size: int = 64, layers: int = 8,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32",
+                      bos_token_id=0, eos_token_id=4, pad_token_id=5)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def ensure_demo_assets(root: str | Path, n_per_source: int = 48) -> dict:
+    """Sources, tokenizer and target under root; returns {'sources': [...], 'target_model': path}."""
+    root = Path(root)
+    src_dir = root / "sources"
+    model_dir = root / "tiny-llama"
+    marker = root / "assets.json"
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    sources = write_demo_sources(src_dir, n_per_source=n_per_source)
+    build_tokenizer(src_dir, model_dir)
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))
+    build_tiny_llama(model_dir, vocab_size=vocab)
+    info = {"sources": sources, "target_model": str(model_dir)}
+    marker.write_text(json.dumps(info, indent=2))
+    return info
+
+
+if __name__ == "__main__":
+    import sys
+    print(json.dumps(ensure_demo_assets(sys.argv[1] if len(sys.argv) > 1 else ".cache/demo"), indent=2))

@@ -1,0 +1,151 @@
+"""The heartbeat file a long job (extraction worker, trainer) rewrites every few seconds.
+
+Two clocks on purpose: ``time`` says the process is alive and writing;
+``last_progress_at`` says work advances. The seeds' worker kept logging while
+nothing advanced: a watchdog must read both (and more, see eagleflow.watchdog).
+Written atomically (temp, fsync, rename) so a reader never sees half a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Literal
+
+HeartbeatState = Literal["starting", "running", "complete", "failed"]
+
+
+@dataclass
+class InFlight:
+    id: str
+    since: float          # unix time the request was sent
+    tokens: int = 0
+    timeout_s: float = 0.0
+
+
+@dataclass
+class Heartbeat:
+    job: str                       # e.g. "extract shard 3/8", "train"
+    pid: int
+    state: HeartbeatState = "starting"
+    time: float = 0.0              # when this file was written
+    started_at: float = 0.0
+    done: int = 0                  # units completed (samples, steps), including those resumed
+    total: int = 0
+    unit: str = "samples"
+    resumed: int = 0               # units already complete when this process started
+    tokens: int = 0
+    rate: float = 0.0              # units/s over this process's life
+    tokens_per_s: float = 0.0
+    last_progress_at: float = 0.0  # when the last unit completed (started_at if none yet)
+    in_flight: list[InFlight] = field(default_factory=list)
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Heartbeat":
+        data = json.loads(text)
+        data["in_flight"] = [InFlight(**x) for x in data.get("in_flight", [])]
+        return cls(**data)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "Heartbeat | None":
+        try:
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except FileNotFoundError:
+            return None
+
+    def write(self, path: str | os.PathLike) -> None:
+        self.time = time.time()
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".hb-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.rate <= 0 or self.total <= self.done:
+            return None
+        return (self.total - self.done) / self.rate
+
+    def progress_line(self) -> str:
+        pct = 100.0 * self.done / self.total if self.total else 0.0
+        eta = self.eta_s
+        eta_txt = f"{eta / 60:.1f} min" if eta is not None else "n/a"
+        return (f"{self.job}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f} %), "
+                f"{self.rate:.2f} {self.unit}/s, {self.tokens_per_s:,.0f} tokens/s, ETA {eta_txt}, state {self.state}")
+
+
+class HeartbeatWriter:
+    """Rewrites a heartbeat every ``interval_s`` from a daemon thread.
+
+    The job updates fields under ``lock`` (``update``); the thread only
+    writes. ``mark_progress`` bumps ``last_progress_at``.
+    """
+
+    def __init__(self, path: str | os.PathLike, hb: Heartbeat, interval_s: float = 2.0):
+        self.path = path
+        self.hb = hb
+        self.interval_s = interval_s
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        now = time.time()
+        hb.started_at = hb.started_at or now
+        hb.last_progress_at = hb.last_progress_at or now
+
+    def update(self, fn: Callable[[Heartbeat], None]) -> None:
+        with self.lock:
+            fn(self.hb)
+            elapsed = max(time.time() - self.hb.started_at, 1e-9)
+            self.hb.rate = (self.hb.done - self.hb.resumed) / elapsed
+            self.hb.tokens_per_s = self.hb.extra.get("tokens_this_run", self.hb.tokens) / elapsed
+
+    def mark_progress(self) -> None:
+        self.hb.last_progress_at = time.time()
+
+    def flush(self) -> None:
+        with self.lock:
+            self.hb.write(self.path)
+
+    def start(self) -> "HeartbeatWriter":
+        self.flush()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.flush()
+            except OSError:
+                pass  # disk full: the stale heartbeat is itself the signal
+
+    def stop(self, state: HeartbeatState | None = None, error: str | None = None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+        with self.lock:
+            if state:
+                self.hb.state = state
+            if error:
+                self.hb.error = error
+        self.flush()

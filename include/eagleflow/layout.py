@@ -1,0 +1,77 @@
+"""Where a run's files live, on the node. One place, so every phase agrees.
+
+    <run_root>/<run_id>/
+        corpus/                 corpus.parquet, stats.json
+        hidden_states/shard_00003/   <sample>.safetensors, manifest.jsonl, heartbeat.json
+        logs/                   one log per detached process
+        draft/                  checkpoints/, export/, metrics.jsonl, curves.png
+    <state_dir>/                node-wide, across runs
+        pids/<run_id>.<role>.json    every process we started (see nodes.detach)
+        locks/                  e.g. the capture-server restart lock
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from .config import PipelineConfig, safe_run_id
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    run_id: str
+    run_dir: PurePosixPath
+    state_dir: PurePosixPath
+
+    @classmethod
+    def for_run(cls, cfg: PipelineConfig, run_id: str) -> "RunLayout":
+        return cls(run_id=safe_run_id(run_id), run_dir=PurePosixPath(cfg.run_dir(run_id)),
+                   state_dir=PurePosixPath(cfg.node_state_dir()))
+
+    @property
+    def corpus_dir(self) -> PurePosixPath:
+        return self.run_dir / "corpus"
+
+    @property
+    def hidden_states_dir(self) -> PurePosixPath:
+        return self.run_dir / "hidden_states"
+
+    def shard_dir(self, shard: int) -> PurePosixPath:
+        return self.hidden_states_dir / f"shard_{shard:05d}"
+
+    @property
+    def logs_dir(self) -> PurePosixPath:
+        return self.run_dir / "logs"
+
+    @property
+    def draft_dir(self) -> PurePosixPath:
+        return self.run_dir / "draft"
+
+    @property
+    def pids_dir(self) -> PurePosixPath:
+        return self.state_dir / "pids"
+
+    @property
+    def locks_dir(self) -> PurePosixPath:
+        return self.state_dir / "locks"
+
+    def pid_file(self, role: str) -> PurePosixPath:
+        return self.pids_dir / f"{self.run_id}.{role}.json"
+
+    def log_file(self, role: str) -> PurePosixPath:
+        return self.logs_dir / f"{role}.log"
+
+    def heartbeat_file(self, shard: int) -> PurePosixPath:
+        return self.shard_dir(shard) / "heartbeat.json"
+
+    def manifest_file(self, shard: int) -> PurePosixPath:
+        return self.shard_dir(shard) / "manifest.jsonl"
+
+    @property
+    def server_info_file(self) -> PurePosixPath:
+        """Written by the capture server once it listens: url, pid, model, layers, backend."""
+        return self.run_dir / "capture_server.json"
+
+    @property
+    def train_heartbeat_file(self) -> PurePosixPath:
+        return self.draft_dir / "heartbeat.json"

@@ -1,0 +1,13 @@
+"""Where commands run: LocalNode here, SSHNode over an Airflow SSH connection."""
+from .base import CommandResult, DetachedProcess, Node, NodeCommandTimeout, NodeError
+from .local import LocalNode
+
+__all__ = ["CommandResult", "DetachedProcess", "Node", "NodeCommandTimeout", "NodeError", "LocalNode", "node_from_config"]
+
+
+def node_from_config(cfg) -> Node:
+    """LocalNode when ``node.conn_id`` is empty, else SSHNode over that Airflow connection."""
+    if not cfg.node.conn_id:
+        return LocalNode(name=cfg.node.name, python=cfg.node.python or None)
+    from .ssh import SSHNode  # imports the SSH provider: only when asked for
+    return SSHNode(conn_id=cfg.node.conn_id, name=cfg.node.name, python=cfg.node.python or "python3")

@@ -1,0 +1,47 @@
+"""Test-wide setup: a private Airflow home (SQLite) per test session, and shared fixtures.
+
+Airflow reads its settings when first imported, so the environment is set here,
+at import time, before any test module imports airflow.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+_home = os.environ.get("EAGLEFLOW_TEST_AIRFLOW_HOME") or tempfile.mkdtemp(prefix="eagleflow-airflow-")
+os.environ["AIRFLOW_HOME"] = _home
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")
+os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_home}/airflow.db"
+os.environ.setdefault("AIRFLOW__CORE__PARALLELISM", "4")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the venv's bin first: Airflow starts its parts as `airflow` from PATH
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> str:
+    """A migrated SQLite metadata DB in this session's Airflow home (needed by dag.test())."""
+    marker = Path(_home) / ".migrated"
+    if not marker.exists():
+        subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
+                       capture_output=True, env=os.environ.copy(), timeout=300)
+        marker.touch()
+    return _home
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory) -> dict:
+    """Tiny tokenizer, tiny random Llama and three small sources, built locally once per session."""
+    from eagleflow.demo_assets import ensure_demo_assets
+    cache = os.environ.get("EAGLEFLOW_TEST_ASSETS") or str(REPO / ".cache" / "test-assets")
+    return ensure_demo_assets(cache, n_per_source=24)
