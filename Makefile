@@ -26,7 +26,7 @@ demo: venv
 	$(BIN)/python -m eagleflow.demo --config configs/local-demo.yaml
 
 test: venv
-	$(BIN)/python -m pytest tests -x -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
 
 airflow: venv
 	$(BIN)/python -m eagleflow.airflow.standalone start --port $(AIRFLOW_PORT)

@@ -49,6 +49,8 @@ with DAG(
     params={
         "config_path": Param("configs/local-demo.yaml", type="string", title="Config file",
                              description="Pipeline config (YAML) on the Airflow machine; the other fields override it."),
+        "run_name": Param(None, type=["null", "string"], pattern="^[A-Za-z0-9_.-]+$", title="Run directory name",
+                          description="Name of this run's directory under run_root; empty = the Airflow run id."),
         "target_model": Param(None, type=["null", "string"], title="Target model path",
                               description="Local path of the target model on the node (config, weights, tokenizer)."),
         "node_conn_id": Param(None, type=["null", "string"], title="GPU node SSH connection",

@@ -73,7 +73,9 @@ class RunContext:
 
     @classmethod
     def from_airflow(cls, context) -> "RunContext":
-        return cls.from_params(dict(context["params"]), context["run_id"])
+        params = dict(context["params"])
+        # run_name names the run directory when set (the demo knows it before the run starts)
+        return cls.from_params(params, params.get("run_name") or context["run_id"])
 
     @classmethod
     def from_serialized(cls, config: dict[str, Any], run_id: str) -> "RunContext":

@@ -1,0 +1,52 @@
+"""The checkout's own Airflow home: SQLite, examples off, dags/ and plugins/ of the repo.
+
+Used by `make demo`, `make airflow` and the end-to-end tests, so all three run
+Airflow the same way. Settings go through AIRFLOW__* environment variables
+(they win over airflow.cfg), so nothing depends on a generated config file.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: dict[str, str] | None = None) -> dict[str, str]:
+    home = Path(home or os.environ.get("AIRFLOW_HOME") or REPO / "airflow_home").absolute()
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # `airflow standalone` starts its parts as `airflow` from PATH
+        "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
+    })
+    env.setdefault("EAGLEFLOW_CONFIG", str(REPO / "configs" / "local-demo.yaml"))
+    env.update(extra or {})
+    home.mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def airflow_bin() -> str:
+    return str(Path(sys.executable).parent / "airflow")
+
+
+def ensure_db(env: dict[str, str]) -> None:
+    """`airflow db migrate` once per home (it takes ~17 s; the marker skips it after)."""
+    marker = Path(env["AIRFLOW_HOME"]) / ".eagleflow-db-migrated"
+    if marker.exists():
+        return
+    res = subprocess.run([airflow_bin(), "db", "migrate"], env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"airflow db migrate failed in {env['AIRFLOW_HOME']}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    marker.touch()

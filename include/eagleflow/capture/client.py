@@ -1,0 +1,59 @@
+"""A minimal client for the capture API (stdlib http.client: no extra dependency on the node).
+
+Every call has a timeout; a server that accepts the connection and never
+answers raises ``CaptureTimeout`` after it, never hangs.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from urllib.parse import urlsplit
+
+
+class CaptureServerError(RuntimeError):
+    """The capture server could not be reached or answered with an error."""
+
+
+class CaptureTimeout(CaptureServerError):
+    pass
+
+
+def _request(url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+    except (socket.timeout, TimeoutError):
+        raise CaptureTimeout(f"{method} {url}{path} got no answer within {timeout_s:.1f} s") from None
+    except (ConnectionError, OSError, http.client.HTTPException) as e:
+        raise CaptureServerError(f"{method} {url}{path} failed: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    try:
+        payload = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        payload = {"raw": raw[:500].decode(errors="replace")}
+    if resp.status != 200:
+        raise CaptureServerError(f"{method} {url}{path} answered HTTP {resp.status}: "
+                                 f"{payload.get('error') or payload}")
+    return payload if isinstance(payload, dict) else {"value": payload}
+
+
+def generate(url: str, input_ids: list[int], rid: str, timeout_s: float) -> dict:
+    """One prefill with capture; a one-token generation (the dump is the point, not the text)."""
+    return _request(url, "POST", "/generate",
+                    {"input_ids": input_ids, "rid": rid,
+                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}, timeout_s)
+
+
+def health_generate(url: str, timeout_s: float) -> dict:
+    return _request(url, "GET", "/health_generate", None, timeout_s)
+
+
+def server_info(url: str, timeout_s: float = 10.0) -> dict:
+    return _request(url, "GET", "/get_server_info", None, timeout_s)

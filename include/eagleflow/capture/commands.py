@@ -1,0 +1,140 @@
+"""`eagleflow capture serve|run|verify|stop|health`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from eagleflow.cliargs import add_run_args, run_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("capture", help="hidden-state capture: server, extraction workers, verification")
+    csub = p.add_subparsers(dest="capture_command", metavar="ACTION", required=True)
+
+    s = csub.add_parser("serve", help="run the capture server in the foreground (hf or sglang backend)")
+    add_run_args(s)
+    s.add_argument("--backend", choices=["hf", "sglang"], help="override capture.backend")
+    s.set_defaults(func=_serve)
+
+    r = csub.add_parser("run", help="extract one shard of the corpus through the capture server")
+    add_run_args(r)
+    r.add_argument("--shard", type=int, required=True)
+    r.add_argument("--of", type=int, help="number of shards (default capture.shards)")
+    r.add_argument("--url", help="server URL (default: from <run_dir>/capture_server.json)")
+    r.set_defaults(func=_run)
+
+    v = csub.add_parser("verify", help="check every stored file against its shard's manifest")
+    add_run_args(v)
+    v.add_argument("--no-digest", action="store_true", help="check sizes only (fast)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_verify)
+
+    t = csub.add_parser("stop", help="stop the run's capture server (TERM, grace, KILL) and remove its dumps")
+    add_run_args(t)
+    t.add_argument("--grace", type=float, default=30.0)
+    t.set_defaults(func=_stop)
+
+    h = csub.add_parser("health", help="exit 0 when the run's capture server answers /health_generate")
+    add_run_args(h)
+    h.add_argument("--timeout", type=float, default=20.0)
+    h.set_defaults(func=_health)
+
+
+def _local_run(args):
+    from .lifecycle import LocalRun
+    cfg, layout = run_from_args(args)
+    return LocalRun(cfg=cfg, layout=layout, config_path=args.config)
+
+
+def _serve(args) -> int:
+    cfg, layout = run_from_args(args)
+    backend = args.backend or cfg.capture.backend
+    from .lifecycle import dump_dir
+    if backend == "hf":
+        from .hf_server import serve
+        serve(str(cfg.resolve(cfg.target_model)), host=cfg.capture.host, port=cfg.capture.port,
+              dump_dir=dump_dir(cfg), info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers,
+              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)))
+        return 0
+    from .sglang_launcher import launch
+    return launch(cfg, layout)
+
+
+def _run(args) -> int:
+    from .client import CaptureServerError, server_info
+    from .lifecycle import dump_dir
+    from .worker import ExtractionError, ShardWorker, WorkerSettings
+
+    cfg, layout = run_from_args(args)
+    of = args.of or cfg.capture.shards
+    if not 0 <= args.shard < of:
+        print(f"eagleflow capture run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
+        return 2
+    url = args.url
+    if not url:
+        try:
+            url = json.loads(open(str(layout.server_info_file)).read())["url"]
+        except (OSError, ValueError, KeyError):
+            print(f"eagleflow capture run: no capture server recorded at {layout.server_info_file}; start one "
+                  f"(`eagleflow capture serve`) or pass --url", file=sys.stderr)
+            return 3
+    model = str(cfg.resolve(cfg.target_model))
+    try:
+        model = server_info(url).get("model") or model
+    except CaptureServerError:
+        pass  # the first request reports the failure with its sample
+    settings = WorkerSettings(
+        run_id=layout.run_id, shard=args.shard, num_shards=of,
+        corpus_file=str(layout.corpus_dir / "corpus.parquet"), shard_dir=str(layout.shard_dir(args.shard)),
+        dump_dir=dump_dir(cfg), server_url=url, in_flight=cfg.capture.in_flight,
+        request_timeout_base_s=cfg.capture.request_timeout_base_s,
+        request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
+        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model)
+    try:
+        hb = ShardWorker(settings, log=lambda m: print(m, flush=True)).run()
+    except ExtractionError as e:
+        print(f"eagleflow capture run: FAILED: {e}", file=sys.stderr, flush=True)
+        return 3
+    print(hb.progress_line(), flush=True)
+    return 0
+
+
+def _verify(args) -> int:
+    from .verify import verify_shard
+    from .worker import shard_indexes
+
+    cfg, layout = run_from_args(args)
+    corpus = str(layout.corpus_dir / "corpus.parquet")
+    reports = [verify_shard(layout.shard_dir(s), s, shard_indexes(corpus, s, cfg.capture.shards),
+                            check_digest=not args.no_digest) for s in range(cfg.capture.shards)]
+    if args.json:
+        from dataclasses import asdict
+        print(json.dumps({"ok": all(r.ok for r in reports), "shards": [asdict(r) for r in reports]}))
+    else:
+        for r in reports:
+            print(r.line())
+        total = sum(r.expected for r in reports)
+        stored = sum(r.stored for r in reports)
+        print(f"{'OK' if all(r.ok for r in reports) else 'FAILED'}: {stored}/{total} samples verified "
+              f"in {layout.hidden_states_dir}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def _stop(args) -> int:
+    from .lifecycle import stop_capture_server
+    ctx = _local_run(args)
+    print(json.dumps(stop_capture_server(ctx, grace_s=args.grace, log=lambda m: print(m, file=sys.stderr))))
+    return 0
+
+
+def _health(args) -> int:
+    from .lifecycle import capture_server_healthy, server_info
+    ctx = _local_run(args)
+    info = server_info(ctx)
+    if not info or not info.get("url"):
+        print(f"no capture server info at {ctx.layout.server_info_file}", file=sys.stderr)
+        return 1
+    ok = capture_server_healthy(info["url"], args.timeout)
+    print(json.dumps({"healthy": ok, "url": info["url"]}))
+    return 0 if ok else 1

@@ -1,0 +1,211 @@
+"""The ``hf`` capture server: the capture API over a transformers model, stdlib HTTP only.
+
+For CPU machines, tiny models, tests and the demo. One forward at a time (a
+lock): the model is the bottleneck, and the HTTP threads only parse JSON and
+wait. Hidden states come from ``output_hidden_states=True``: entry i+1 is the
+output of layer i (0-based), the last entry the final post-norm states.
+
+Test hook: ``EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S`` sleeps inside every forward
+(simulates a slow or hung model for the watchdog's tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .protocol import PROTOCOL_VERSION, check_rid, resolve_aux_layers, write_dump
+
+DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
+HEALTH_INPUT = [1, 2, 3, 4]
+
+
+class CaptureModel:
+    """A causal LM and the capture of its EAGLE-3 hidden states."""
+
+    def __init__(self, model_path: str, dtype: str = "auto", aux_layers: list[int] | None = None,
+                 model_name: str | None = None, threads: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        torch_dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
+                       "float32": torch.float32}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+        cfg = self.model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(cfg.vocab_size)
+        self.aux_layers = resolve_aux_layers(aux_layers, self.num_layers)
+        self.dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
+        self.model_name = model_name or model_path
+        self.lock = threading.Lock()
+
+    def forward(self, input_ids: list[int]):
+        """(input_ids [L], aux [L, k*H], last [L, H], next token id) for one prefill."""
+        import torch
+
+        bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if not input_ids or bad:
+            raise ValueError(f"input_ids must be a non-empty list of ints in 0..{self.vocab_size - 1}"
+                             + (f"; bad values: {bad[:5]}" if bad else ""))
+        ids = torch.tensor([input_ids], dtype=torch.int64)
+        with self.lock, torch.inference_mode():
+            delay = float(os.environ.get(DELAY_ENV) or 0)
+            if delay:
+                time.sleep(delay)
+            out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+            hs = out.hidden_states
+            aux = torch.cat([hs[i + 1][0] for i in self.aux_layers], dim=-1)
+            last = hs[-1][0]
+            next_id = int(out.logits[0, -1].argmax())
+        return ids[0], aux, last, next_id
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("eagleflow")
+    except Exception:
+        return "unknown"
+
+
+class CaptureServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr, model: CaptureModel, dump_dir: str):
+        super().__init__(addr, CaptureHandler)
+        self.capture = model
+        self.dump_dir = dump_dir
+        self.started_at = time.time()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def server_info(self) -> dict:
+        import transformers
+        m = self.capture
+        return {"backend": "hf", "model": m.model_name, "num_layers": m.num_layers, "aux_layers": m.aux_layers,
+                "hidden_size": m.hidden_size, "dtype": m.dtype, "dump_dir": self.dump_dir,
+                "version": _package_version(), "transformers_version": transformers.__version__,
+                "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "started_at": self.started_at}
+
+
+class CaptureHandler(BaseHTTPRequestHandler):
+    server: CaptureServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # one line per request, to the server log
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {self.address_string()} {fmt % args}\n")
+
+    def _send(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self._send(200, {"status": "ok"})
+        elif path == "/health_generate":
+            try:
+                _, _, _, tok = self.server.capture.forward(HEALTH_INPUT)
+            except Exception as e:  # a broken model answers 503, like sglang
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"{type(e).__name__}: {e}"})
+                return
+            self._send(200, {"status": "ok", "output_ids": [tok]})
+        elif path in ("/get_server_info", "/get_model_info"):
+            self._send(200, self.server.server_info())
+        else:
+            self._send(404, {"error": f"no such endpoint {path}"})
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        if path != "/generate":
+            self._send(404, {"error": f"no such endpoint {path}"})
+            return
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            req = json.loads(self.rfile.read(n) or b"{}")
+            rid = check_rid(req.get("rid"))
+            input_ids = req.get("input_ids")
+            if not isinstance(input_ids, list):
+                raise ValueError("input_ids must be a list of token ids (this server does not tokenise text)")
+        except (ValueError, json.JSONDecodeError) as e:
+            self._send(400, {"error": str(e)})
+            return
+        try:
+            ids, aux, last, tok = self.server.capture.forward(input_ids)
+        except ValueError as e:
+            self._send(400, {"error": str(e)})
+            return
+        except Exception as e:
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
+        m = self.server.capture
+        path_ = write_dump(self.server.dump_dir, rid, input_ids=ids, aux_hidden_states=aux, hidden_states=last,
+                           aux_layers=m.aux_layers, model=m.model_name)
+        self._send(200, {"text": "", "output_ids": [tok],
+                         "meta_info": {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": 1,
+                                       "dump": str(path_)}})
+
+
+def write_info_file(path: str, info: dict) -> None:
+    """capture_server.json, atomically (a reader polls for it)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, p)
+
+
+def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
+          aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
+          threads: int | None = None) -> None:
+    model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads)
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    server = CaptureServer((host, port), model, dump_dir)
+    info = server.server_info()
+    info["url"] = server.url
+    if info_file:
+        write_info_file(info_file, info)
+    print(f"hf capture server for {model.model_name} listening on {server.url} "
+          f"(layers {model.num_layers}, aux {model.aux_layers}, dumps in {dump_dir})", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagleflow.capture.hf_server", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--dump-dir", required=True)
+    ap.add_argument("--info-file")
+    ap.add_argument("--aux-layers", type=int, nargs="*")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--model-name")
+    ap.add_argument("--threads", type=int)
+    a = ap.parse_args(argv)
+    serve(a.model, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file,
+          aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The extraction worker of one shard: corpus samples -> capture server -> stored hidden states.
+
+Order per sample, so that a crash at any point loses nothing and repeats
+nothing: request (a dump appears) -> final file (temp, fsync, rename) ->
+manifest append -> delete the dump. On start the manifest says what is done
+(each file must exist with its recorded size); temp files and this shard's
+orphaned dumps are removed; everything else is requested again.
+
+``in_flight`` requests run at once: while one thread writes a file, the
+others keep the server busy.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight
+
+from .client import CaptureServerError, generate
+from .manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
+from .protocol import DUMP_SUFFIX, DUMP_TMP_PREFIX, dump_path, read_dump, request_id, shard_dump_prefix
+from .storage import SampleWriter, remove_temp_files, sample_file_name
+
+
+class ExtractionError(RuntimeError):
+    """The shard cannot go on; the message says which sample, what failed and what to do."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    index: int
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    run_id: str
+    shard: int
+    num_shards: int
+    corpus_file: str
+    shard_dir: str
+    dump_dir: str
+    server_url: str
+    in_flight: int = 2
+    request_timeout_base_s: float = 60.0
+    request_timeout_per_token_s: float = 0.05
+    heartbeat_interval_s: float = 2.0
+    model: str = ""
+    fsync: bool = True
+
+    def request_timeout(self, tokens: int) -> float:
+        return self.request_timeout_base_s + self.request_timeout_per_token_s * tokens
+
+
+def shard_indexes(corpus_file: str, shard: int, num_shards: int) -> list[int]:
+    import pyarrow.parquet as pq
+    idx = pq.read_table(corpus_file, columns=["index"]).column("index").to_numpy()
+    return sorted(int(i) for i in idx[idx % num_shards == shard])
+
+
+def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int]) -> tuple[int, list[Sample]]:
+    """(shard total, samples still to do in index order); input ids are read only for those."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    if not Path(corpus_file).is_file():
+        raise ExtractionError(f"corpus file {corpus_file} does not exist; run `eagleflow corpus prepare` first")
+    pf = pq.ParquetFile(corpus_file)
+    idx = pf.read(columns=["index"]).column("index").to_numpy()
+    mine = np.nonzero(idx % num_shards == shard)[0]
+    total = int(len(mine))
+    todo_rows = [int(r) for r in mine if int(idx[r]) not in skip]
+    if not todo_rows:
+        return total, []
+    table = pf.read(columns=["index", "id", "input_ids", "loss_mask"]).take(todo_rows)
+    rows = table.to_pydict()
+    samples = [Sample(index=int(i), id=str(s), input_ids=[int(t) for t in ids], loss_mask=[int(m) for m in mask])
+               for i, s, ids, mask in zip(rows["index"], rows["id"], rows["input_ids"], rows["loss_mask"])]
+    samples.sort(key=lambda s: s.index)
+    return total, samples
+
+
+def remove_orphan_dumps(dump_dir: str, run_id: str, shard: int) -> int:
+    """Dumps of this shard left by an earlier worker (never consumed): safe to delete, they are re-requested."""
+    d = Path(dump_dir)
+    if not d.is_dir():
+        return 0
+    prefix = shard_dump_prefix(run_id, shard)
+    n = 0
+    for p in d.iterdir():
+        name = p.name
+        if name.endswith(DUMP_SUFFIX) and (name.startswith(prefix) or name.startswith(DUMP_TMP_PREFIX + prefix)):
+            try:
+                p.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+class ShardWorker:
+    def __init__(self, settings: WorkerSettings, log=print):
+        self.s = settings
+        self.log = log
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self) -> Heartbeat:
+        s = self.s
+        shard_dir = Path(s.shard_dir)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        hb = Heartbeat(job=f"extract shard {s.shard}/{s.num_shards}", pid=os.getpid(),
+                       extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url})
+        writer_hb = HeartbeatWriter(shard_dir / "heartbeat.json", hb, interval_s=s.heartbeat_interval_s)
+        writer_hb.start()
+        try:
+            self._run(writer_hb)
+        except BaseException as e:
+            msg = str(e) if isinstance(e, ExtractionError) else f"{type(e).__name__}: {e}"
+            writer_hb.stop(state="failed", error=msg)
+            raise
+        writer_hb.stop(state="complete")
+        return writer_hb.hb
+
+    def _run(self, hbw: HeartbeatWriter) -> None:
+        s = self.s
+        shard_dir = Path(s.shard_dir)
+        removed_tmp = remove_temp_files(shard_dir)
+        removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.shard)
+        scan = read_manifest(shard_dir / "manifest.jsonl")
+        done, broken = completed_indexes(shard_dir, scan)
+        total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done)
+        resumed = total - len(todo)
+        resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
+
+        def init(hb: Heartbeat) -> None:
+            hb.state = "running"
+            hb.total, hb.done, hb.resumed, hb.tokens = total, resumed, resumed, resumed_tokens
+        hbw.update(init)
+        hbw.flush()
+        self.log(f"shard {s.shard}/{s.num_shards}: {total} samples, {resumed} already stored, {len(todo)} to do; "
+                 f"removed {len(removed_tmp)} temp file(s), {removed_dumps} orphaned dump(s)"
+                 + (f"; {len(broken)} manifest entr(ies) whose file is missing or truncated will be redone"
+                    if broken else "")
+                 + (f"; ignored a partial last manifest line" if scan.partial_tail else ""))
+        if not todo:
+            return
+        work: queue.Queue[Sample | None] = queue.Queue()
+        for smp in todo:
+            work.put(smp)
+        writer = SampleWriter(shard_dir, fsync=s.fsync)
+        with ManifestWriter(shard_dir / "manifest.jsonl", fsync=s.fsync) as manifest:
+            threads = [threading.Thread(target=self._loop, args=(work, writer, manifest, hbw),
+                                        name=f"capture-{k}", daemon=True)
+                       for k in range(min(s.in_flight, len(todo)))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self, work: "queue.Queue[Sample | None]", writer: SampleWriter, manifest: ManifestWriter,
+              hbw: HeartbeatWriter) -> None:
+        while not self._stop.is_set():
+            try:
+                smp = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._one(smp, writer, manifest, hbw)
+            except BaseException as e:
+                with self._lock:
+                    if self._error is None:
+                        self._error = e
+                self._stop.set()
+                return
+
+    def _one(self, smp: Sample, writer: SampleWriter, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
+        s = self.s
+        rid = request_id(s.run_id, s.shard, smp.index)
+        timeout = s.request_timeout(smp.tokens)
+        fl = InFlight(id=rid, since=time.time(), tokens=smp.tokens, timeout_s=timeout)
+        hbw.update(lambda hb: hb.in_flight.append(fl))
+        try:
+            try:
+                generate(s.server_url, smp.input_ids, rid, timeout)
+            except CaptureServerError as e:
+                raise ExtractionError(
+                    f"shard {s.shard}: sample {smp.id} (index {smp.index}, {smp.tokens} tokens, request {rid}) "
+                    f"failed: {e}. The capture server at {s.server_url} is dead, hung or rejected the sample; "
+                    f"check its log, restart it (`eagleflow capture serve`) and re-run this shard: "
+                    f"stored samples are kept") from None
+            dpath = dump_path(s.dump_dir, rid)
+            try:
+                dump = read_dump(dpath)
+            except FileNotFoundError:
+                raise ExtractionError(f"shard {s.shard}: the server answered request {rid} but wrote no dump at "
+                                      f"{dpath}; is capture.dump_dir ({s.dump_dir}) the server's dump dir, and is "
+                                      "its capture hook installed?") from None
+            if dump.input_ids.tolist() != smp.input_ids:
+                raise ExtractionError(f"shard {s.shard}: the dump {dpath} holds {dump.input_ids.shape[0]} tokens "
+                                      f"that differ from sample {smp.id} ({smp.tokens} tokens); the server did not "
+                                      "run the whole sample in one prefill (radix cache or chunked prefill on?)")
+            import torch
+            stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
+                                  loss_mask=torch.tensor(smp.loss_mask, dtype=torch.uint8),
+                                  aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states,
+                                  aux_layers=dump.aux_layers, model=dump.model or s.model)
+            with self._lock:
+                manifest.append(ManifestEntry(id=smp.id, index=smp.index, file=sample_file_name(smp.index),
+                                              tokens=smp.tokens, bytes=stored.bytes, sha256=stored.sha256))
+            try:
+                os.unlink(dpath)
+            except FileNotFoundError:
+                pass
+        finally:
+            hbw.update(lambda hb: hb.in_flight.remove(fl) if fl in hb.in_flight else None)
+
+        def progressed(hb: Heartbeat) -> None:
+            hb.done += 1
+            hb.tokens += smp.tokens
+            hb.extra["tokens_this_run"] = hb.extra.get("tokens_this_run", 0) + smp.tokens
+        hbw.update(progressed)
+        hbw.mark_progress()
+        hb = hbw.hb
+        if hb.done == hb.total or (hb.done - hb.resumed) % 50 == 0:
+            self.log(hb.progress_line())

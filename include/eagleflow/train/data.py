@@ -1,0 +1,260 @@
+"""Streaming the stored hidden states into training batches.
+
+- Index: every shard's manifest (``hidden_states/shard_*/manifest.jsonl``);
+  each entry's file must exist with the recorded size (and, when asked, the
+  recorded sha256). A mismatch raises naming the file, or is skipped and
+  reported, per ``on_bad``.
+- Reading: ``safetensors.safe_open`` maps a file and copies out only the
+  tensors asked for; a sample is never loaded whole into memory beforehand.
+- Order: a pure function of (seed, epoch): shuffle, group ~``bucket_batches``
+  batches' worth of samples, sort each group by length (less padding), cut
+  into batches, shuffle the batches. The position in that order
+  (epoch, cursor) is all a resume needs.
+- Several processes (DDP): global batch ``cursor + rank`` goes to ``rank``.
+"""
+from __future__ import annotations
+
+import os
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from eagleflow.capture.manifest import read_manifest
+from eagleflow.capture.storage import file_sha256
+
+SAMPLE_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+
+
+class BadSampleError(ValueError):
+    """A stored sample that does not match its manifest or the storage format."""
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: int
+    index: int
+    id: str
+    path: str
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "skip"] = "raise",
+                 verify_sha256: bool = False, log: Callable[[str], None] = print) -> list[SampleRef]:
+    """Every sample the manifests record, checked against its file; ordered by sample index."""
+    root = Path(hidden_states_dir)
+    shard_dirs = sorted(p for p in root.glob("shard_*") if p.is_dir()) if root.is_dir() else []
+    if not shard_dirs:
+        raise FileNotFoundError(f"no shard directories (shard_NNNNN) under {root}; run the extraction first "
+                                "(`eagleflow extract`) or point run_root/--run-id at the run that has them")
+    refs: list[SampleRef] = []
+    bad: list[str] = []
+    for d in shard_dirs:
+        shard = int(d.name.split("_", 1)[1])
+        manifest = d / "manifest.jsonl"
+        if not manifest.is_file():
+            raise FileNotFoundError(f"{manifest} does not exist: shard {shard} has no record of stored samples; "
+                                    "re-run its extraction")
+        scan = read_manifest(manifest)
+        if scan.bad_lines:
+            log(f"{manifest}: ignoring unreadable line(s) {scan.bad_lines[:10]}")
+        for idx in sorted(scan.entries):
+            e = scan.entries[idx]
+            path = d / e.file
+            problem = _check_file(path, e.bytes, e.sha256 if verify_sha256 else None)
+            if problem:
+                bad.append(f"{path}: {problem}")
+                continue
+            refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=str(path), tokens=e.tokens,
+                                  bytes=e.bytes, sha256=e.sha256))
+    if bad:
+        head = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        if on_bad == "raise":
+            raise BadSampleError(f"{len(bad)} stored sample(s) do not match their manifest: {head}. "
+                                 "Re-run extraction for those shards (it resumes from the manifest), or set "
+                                 "train.on_bad_sample: skip to train without them")
+        log(f"skipping {len(bad)} stored sample(s) that do not match their manifest: {head}")
+    if not refs:
+        raise FileNotFoundError(f"the manifests under {root} record no usable sample; nothing to train on")
+    refs.sort(key=lambda r: r.index)
+    return refs
+
+
+def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
+    try:
+        actual = os.stat(path).st_size
+    except FileNotFoundError:
+        return "file is missing"
+    if actual != size:
+        return f"size {actual} bytes, manifest says {size}"
+    if sha256 is not None and file_sha256(path) != sha256:
+        return "sha256 differs from the manifest"
+    return None
+
+
+def read_sample_keys(ref: SampleRef, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of one stored sample, checked for presence and length."""
+    from safetensors import safe_open
+    try:
+        with safe_open(ref.path, framework="pt") as f:
+            have = set(f.keys())
+            missing = [k for k in keys if k not in have]
+            if missing:
+                raise BadSampleError(f"{ref.path}: missing key(s) {missing}; a stored sample has "
+                                     f"{list(SAMPLE_KEYS)}")
+            out = {k: f.get_tensor(k) for k in keys}
+    except BadSampleError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise BadSampleError(f"{ref.path}: not a readable safetensors file ({e}); re-run its shard's extraction") from None
+    for k, t in out.items():
+        if int(t.shape[0]) != ref.tokens:
+            raise BadSampleError(f"{ref.path}: {k} has {int(t.shape[0])} rows but the manifest records "
+                                 f"{ref.tokens} tokens")
+    return out
+
+
+def read_aux_layers(ref: SampleRef) -> list[int]:
+    """The target layers whose outputs were captured (sample metadata ``aux_layers``)."""
+    import json
+
+    from safetensors import safe_open
+    with safe_open(ref.path, framework="pt") as f:
+        meta = f.metadata() or {}
+    if "aux_layers" not in meta:
+        raise BadSampleError(f"{ref.path}: metadata has no aux_layers; the export needs the capture layers")
+    return [int(x) for x in json.loads(meta["aux_layers"])]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor          # [B, T] int64, 0 past each length
+    loss_mask: torch.Tensor          # [B, T] bool
+    attention_mask: torch.Tensor     # [B, T] bool, True on real tokens
+    aux_hidden_states: torch.Tensor  # [B, T, 3H]
+    hidden_states: torch.Tensor      # [B, T, H]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "Batch":
+        def mv(t: torch.Tensor, cast: bool) -> torch.Tensor:
+            t = t.to(device, non_blocking=True)
+            return t.to(dtype) if cast and dtype is not None else t
+        return Batch(mv(self.input_ids, False), mv(self.loss_mask, False), mv(self.attention_mask, False),
+                     mv(self.aux_hidden_states, True), mv(self.hidden_states, True))
+
+
+def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = None) -> Batch:
+    """Right-pad to the longest sample (causal attention never looks right, so padding needs no mask)."""
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    t = max(lengths) if max_length is None else min(max(lengths), max_length)
+    b = len(samples)
+    aux_w = samples[0]["aux_hidden_states"].shape[1]
+    h = samples[0]["hidden_states"].shape[1]
+    dtype = samples[0]["hidden_states"].dtype
+    ids = torch.zeros(b, t, dtype=torch.int64)
+    lm = torch.zeros(b, t, dtype=torch.bool)
+    am = torch.zeros(b, t, dtype=torch.bool)
+    aux = torch.zeros(b, t, aux_w, dtype=dtype)
+    hid = torch.zeros(b, t, h, dtype=dtype)
+    for i, s in enumerate(samples):
+        n = min(lengths[i], t)
+        ids[i, :n] = s["input_ids"][:n]
+        lm[i, :n] = s["loss_mask"][:n].bool()
+        am[i, :n] = True
+        aux[i, :n] = s["aux_hidden_states"][:n]
+        hid[i, :n] = s["hidden_states"][:n]
+    return Batch(ids, lm, am, aux, hid)
+
+
+def epoch_batches(refs: Sequence[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int = 1,
+                  bucket_batches: int = 32) -> list[list[int]]:
+    """The epoch's batches as lists of positions in ``refs``; the same on every process."""
+    rng = random.Random(f"eagleflow-train/{seed}/{epoch}")
+    order = list(range(len(refs)))
+    rng.shuffle(order)
+    group = batch_size * bucket_batches
+    batches: list[list[int]] = []
+    for g in range(0, len(order), group):
+        chunk = sorted(order[g:g + group], key=lambda i: (-refs[i].tokens, refs[i].index))
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    usable = len(batches) - len(batches) % world_size
+    if usable == 0:
+        raise ValueError(f"{len(refs)} samples make {len(batches)} batch(es) of {batch_size}, fewer than the "
+                         f"{world_size} training processes; lower train.batch_size or nproc_per_node")
+    return batches[:usable]
+
+
+@dataclass
+class DataPosition:
+    epoch: int = 0
+    cursor: int = 0      # next global batch of the epoch
+
+    def to_json(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+
+class HiddenStateLoader:
+    """Yields this process's micro-batches in the planned order, reading one ahead on a thread."""
+
+    def __init__(self, refs: Sequence[SampleRef], *, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1, position: DataPosition | None = None, prefetch: bool = True,
+                 max_length: int | None = None):
+        self.refs = list(refs)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.position = position or DataPosition()
+        self.max_length = max_length
+        self._plan_epoch = -1
+        self._plan: list[list[int]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
+        self._ahead: tuple[tuple[int, int], Future] | None = None
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        if epoch != self._plan_epoch:
+            self._plan = epoch_batches(self.refs, self.batch_size, self.seed, epoch, self.world_size)
+            self._plan_epoch = epoch
+        return self._plan
+
+    def _following(self, pos: DataPosition) -> DataPosition:
+        nxt = DataPosition(pos.epoch, pos.cursor + self.world_size)
+        if nxt.cursor >= len(self._batches(pos.epoch)):
+            nxt = DataPosition(pos.epoch + 1, 0)
+        return nxt
+
+    def _load(self, epoch: int, cursor: int) -> Batch:
+        members = epoch_batches(self.refs, self.batch_size, self.seed, epoch, self.world_size)[cursor + self.rank] \
+            if epoch != self._plan_epoch else self._plan[cursor + self.rank]
+        return collate([read_sample_keys(self.refs[i], SAMPLE_KEYS) for i in members], self.max_length)
+
+    def next_batch(self) -> Batch:
+        pos = self.position
+        self._batches(pos.epoch)
+        key = (pos.epoch, pos.cursor)
+        if self._ahead is not None and self._ahead[0] == key:
+            batch = self._ahead[1].result()
+        else:
+            batch = self._load(*key)
+        self.position = self._following(pos)
+        if self._pool is not None:
+            nk = (self.position.epoch, self.position.cursor)
+            plan = self._plan if nk[0] == self._plan_epoch else None
+            if plan is not None:  # an epoch boundary is read in line: the plan must be rebuilt first
+                self._ahead = (nk, self._pool.submit(self._load, *nk))
+            else:
+                self._ahead = None
+        return batch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
