@@ -36,14 +36,18 @@ def test_compose_services_and_mounts():
             assert (REPO / src).exists(), f"mounted path {src} does not exist in the repo"
 
 
-def _has_compose() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+def _compose_cmd() -> list[str] | None:
+    """`docker compose` (plugin) or `docker-compose` (Debian's package, installed by .ci/run)."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
+                                                 timeout=30).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
 
 
-@pytest.mark.skipif(not _has_compose(), reason="no docker compose client on this machine")
+@pytest.mark.skipif(_compose_cmd() is None, reason="no docker compose client on this machine")
 def test_docker_compose_config_validates():
-    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+    res = subprocess.run([*_compose_cmd(), "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
