@@ -60,3 +60,17 @@ def test_params_override_config(tmp_path):
     assert ctx.cfg.capture.backend == "hf"  # None keeps the file's value
     assert ctx.cfg.watchdog.alert_emails == ["a@example.com"]
     assert Path(ctx.cfg.target_model).is_absolute() and ctx.layout.run_id == "manual__x"
+
+
+def test_false_boolean_param_keeps_config_value(tmp_path):
+    import yaml
+    from eagleflow.airflow.runtime import RunContext
+    cfg = yaml.safe_load((REPO / "configs" / "local-demo.yaml").read_text())
+    cfg["gpu"] = {"force_free": True}
+    for s in cfg["corpus"]["sources"]:
+        s["path"] = str((REPO / "configs" / s["path"]).resolve())
+    cfg["target_model"] = str((REPO / "configs" / cfg["target_model"]).resolve())
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    ctx = RunContext.from_params({"config_path": str(p), "force_free_gpus": False}, "r")
+    assert ctx.cfg.gpu.force_free is True

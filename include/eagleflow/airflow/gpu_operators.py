@@ -1,20 +1,249 @@
-"""PLACEHOLDER until its issue lands: every class fails loudly at run time."""
+"""The GPU gates of the pipeline: FreeGpusOperator and GpuIdleSensor.
+
+Both read everything from the run config (``gpu.*``, ``node.*``); in a DAG
+they are just ``FreeGpusOperator(task_id=...)`` and
+``GpuIdleSensor(task_id=..., deferrable=True)``. On a node without GPU
+(``node.has_gpu: false``) they log that and succeed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+from airflow.sdk import BaseOperator, BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
+
 from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
+from eagleflow.airflow.runtime import RunContext
+
+
+class GpusNotIdle(Exception):
+    """The selected GPUs stayed busy past the gate's timeout (retryable: the task's retries retry it)."""
+
+
+class GpuGateError(Exception):
+    """The GPUs could not be read (SSH, driver); retryable."""
 
 
 class FreeGpusOperator(RunOperator):
+    """Stop what eagleflow recorded on the node (TERM, grace, KILL), then wait for idle GPUs.
+
+    Runs ``eagleflow gpu free --on-node`` on the node over the run's node
+    connection. Foreign processes are killed only when the run sets
+    ``gpu.force_free`` (Param force_free_gpus), and only those on the selected
+    GPUs; otherwise they are reported and left alone.
+    """
+
+    ui_color = "#fbe9e7"
+
     def __init__(self, *, deferrable: bool = False, **kw):
         super().__init__(**kw)
+        self.deferrable = deferrable  # accepted for a uniform DAG signature; stopping is short
 
-    def run(self, ctx, context):
-        raise AirflowFailException("FreeGpusOperator is not built yet")
+    def run(self, ctx: RunContext, context):
+        from eagleflow.gpu.cleanup import CleanupReport
+        from eagleflow.gpu.idle_gate import IdleGate, no_gpu_message
+
+        cfg, node = ctx.cfg, ctx.node
+        if node.read_text(ctx.run_config_path) is None:
+            ctx.write_run_config()  # the node-side command reads the run's config
+        argv = ctx.eagleflow_argv("gpu", "free", "--on-node", "--json")
+        if cfg.gpu.force_free:
+            argv.append("--force")
+            self.log.warning("force_free is set: foreign processes on the selected GPUs of node %s will be killed",
+                             node.name)
+        res = node.run(argv, timeout=600)
+        for line in res.stderr.strip().splitlines():
+            self.log.info("node %s: %s", node.name, line)
+        if not res.ok:
+            raise GpuGateError(f"`eagleflow gpu free` on node {node.name} exited {res.exit_code}: "
+                               f"{(res.stderr or res.stdout).strip()[-1500:]}")
+        report = CleanupReport.from_dict(json.loads(res.stdout))
+        if report.unkillable:
+            raise GpuGateError(f"node {node.name}: process(es) did not die after SIGKILL:\n"
+                               + "\n".join("  " + o.describe() for o in report.unkillable)
+                               + "\nA process in D state waits for the kernel (see wchan); it cannot be killed "
+                                 "until the I/O or driver call returns. Check the device/driver on the node.")
+        if not cfg.node.has_gpu:
+            self.log.info(no_gpu_message(cfg))
+            return report.to_dict()
+        if report.left_running:
+            self.log.warning("node %s: %d foreign process(es) left running on the selected GPUs (not started by "
+                             "eagleflow; set force_free_gpus to kill them); the idle gate will report them",
+                             node.name, len(report.left_running))
+            return report.to_dict()
+        idle = IdleGate(node, cfg).wait(cfg.gpu.idle_timeout_s, cfg.gpu.poll_interval_s, log=self.log.info)
+        if not idle.all_idle:
+            raise GpusNotIdle(f"after stopping eagleflow's processes, GPUs still not idle after "
+                              f"{cfg.gpu.idle_timeout_s:.0f} s (gpu.idle_timeout_s):\n{idle.message()}")
+        self.log.info(idle.message())
+        return report.to_dict()
 
 
-class GpuIdleSensor(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
+class GpuIdleSensor(BaseSensorOperator):
+    """Succeeds when every selected GPU is at its idle baseline with no compute process.
+
+    Timeout and poll interval come from the run config (``gpu.idle_timeout_s``,
+    ``gpu.poll_interval_s``) unless given here. Deferrable (the default in the
+    pipeline), or poke/reschedule mode. On timeout it fails with each GPU that
+    is not idle and each process on it (pid, user, command, MiB); the failure
+    is retryable, so the task's retries retry it.
+    """
+
+    ui_color = "#e8f5e9"
+
+    def __init__(self, *, deferrable: bool = False, gate_timeout_s: float | None = None,
+                 poll_interval_s: float | None = None, **kw):
+        kw.setdefault("timeout", 24 * 3600)  # the gate's own timeout (from config) fires first
         super().__init__(**kw)
+        self.deferrable = deferrable
+        self.gate_timeout_s = gate_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._started: float | None = None
+        self._gate = None
 
-    def run(self, ctx, context):
-        raise AirflowFailException("GpuIdleSensor is not built yet")
+    def _settings(self, ctx: RunContext) -> tuple[float, float]:
+        timeout = self.gate_timeout_s if self.gate_timeout_s is not None else ctx.cfg.gpu.idle_timeout_s
+        poll = self.poll_interval_s if self.poll_interval_s is not None else ctx.cfg.gpu.poll_interval_s
+        return float(timeout), float(poll)
 
+    def _check(self, ctx: RunContext, gate=None):
+        from eagleflow.gpu.errors import GpuProbeError, NoGpuError
+        from eagleflow.gpu.idle_gate import IdleGate
+        from eagleflow.nodes import NodeError
+        try:
+            return (gate or IdleGate(ctx.node, ctx.cfg)).check()
+        except NoGpuError as e:
+            raise AirflowFailException(f"{e}\n(the config says node.has_gpu: true)") from None
+        except (GpuProbeError, NodeError, ValueError) as e:
+            raise GpuGateError(str(e)) from None
+
+    def execute(self, context):
+        from eagleflow.gpu.idle_gate import no_gpu_message
+        ctx = RunContext.from_airflow(context)
+        try:
+            if not ctx.cfg.node.has_gpu:
+                self.log.info(no_gpu_message(ctx.cfg))
+                return None
+            timeout, poll = self._settings(ctx)
+            report = self._check(ctx)  # one cheap look before deferring or poking
+            if report.all_idle:
+                self.log.info(report.message())
+                return None
+            self.log.info("waiting up to %.0f s for idle GPUs: %s", timeout, report.message())
+        finally:
+            ctx.close()
+        if self.deferrable:
+            self.defer(trigger=GpuIdleTrigger(run=ctx.serialize(), end_at=time.time() + timeout,
+                                              poll_interval_s=poll),
+                       method_name="execute_complete", timeout=timedelta(seconds=timeout + 300))
+        self.poke_interval = poll
+        self.timeout = timeout + 10 * poll + 60
+        self._started = time.monotonic()
+        try:
+            return super().execute(context)
+        finally:
+            if self._gate is not None:
+                self._gate.node.close()
+                self._gate = None
+
+    def _elapsed(self, context) -> float:
+        if self.reschedule:
+            from datetime import datetime, timezone
+            first = context["ti"].get_first_reschedule_date(context)
+            return 0.0 if first is None else (datetime.now(timezone.utc) - first).total_seconds()
+        return time.monotonic() - (self._started or time.monotonic())
+
+    def poke(self, context) -> bool:
+        from eagleflow.gpu.idle_gate import IdleGate
+        ctx = RunContext.from_airflow(context)
+        timeout, _ = self._settings(ctx)
+        if self._gate is None:  # held across pokes in poke mode: one connection for the whole wait
+            self._gate = IdleGate(ctx.node, ctx.cfg)
+        report = self._check(ctx, self._gate)
+        if self.reschedule:  # the task process ends after this poke
+            self._gate.node.close()
+            self._gate = None
+        if report.all_idle:
+            self.log.info(report.message())
+            return True
+        if self._elapsed(context) >= timeout:
+            raise GpusNotIdle(f"GPUs not idle after {timeout:.0f} s:\n{report.message()}")
+        self.log.info("not idle yet: %s", report.message())
+        return False
+
+    def execute_complete(self, context, event: dict):
+        if event.get("status") == "idle":
+            self.log.info(event["message"])
+            return None
+        if event.get("status") == "no_gpu":
+            raise AirflowFailException(f"{event['message']}\n(the config says node.has_gpu: true)")
+        if event.get("status") == "not_idle":
+            raise GpusNotIdle(f"GPUs not idle before the gate's timeout:\n{event['message']}")
+        raise GpuGateError(event.get("message", f"unexpected event {event!r}"))
+
+
+class GpuNodeHealthOperator(BaseOperator):
+    """Snapshot every configured node; fail with the message when a node looks like the seeds' incident.
+
+    Alerts: a GPU holds more than ``memory_threshold_mib`` at 0 % utilisation
+    for longer than ``window_s`` while no eagleflow job is registered on it, or
+    its uncorrected ECC count rose since the last check. State between checks
+    and the latest snapshots (for the status page) live in a StatusStore on
+    the control plane. Params: config_paths, memory_threshold_mib, window_s.
+    """
+
+    ui_color = "#fff3e0"
+
+    def __init__(self, *, status_dir: str | None = None, **kw):
+        super().__init__(**kw)
+        self.status_dir = status_dir
+
+    def execute(self, context):
+        from eagleflow.config import load_config
+        from eagleflow.gpu.health import HealthRules, StatusStore, assess, registered_jobs
+        from eagleflow.gpu.probes import probe_for
+        from eagleflow.nodes import node_from_config
+
+        params = dict(context["params"])
+        paths = params.get("config_paths") or []
+        if isinstance(paths, str):
+            paths = [paths]
+        rules = HealthRules(memory_threshold_mib=int(params.get("memory_threshold_mib") or 1024),
+                            window_s=float(params.get("window_s") or 600))
+        store = StatusStore(self.status_dir)
+        problems: list[str] = []
+        checked = 0
+        for path in paths:
+            cfg = load_config(path)
+            if not cfg.node.has_gpu:
+                self.log.info("%s: node %s has no GPU (node.has_gpu is false); nothing to check", path, cfg.node.name)
+                continue
+            node = node_from_config(cfg)
+            try:
+                snaps = probe_for(node, cfg).snapshot()
+                job_pids, any_job = registered_jobs(node, str(cfg.node_state_dir()))
+            except Exception as e:  # an unreadable node is itself worth a person's look
+                problems.append(f"node {cfg.node.name} ({path}): GPUs could not be read: {e}")
+                store.save(cfg.node.name, [], store.load(cfg.node.name).get("state", {}), [], error=str(e))
+                continue
+            finally:
+                node.close()
+            prev = store.load(cfg.node.name).get("state", {})
+            alerts, state = assess(cfg.node.name, snaps, prev, now=time.time(), rules=rules,
+                                   job_pids=job_pids, any_job_alive=any_job)
+            store.save(cfg.node.name, snaps, state, alerts)
+            checked += 1
+            for s in snaps:
+                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", cfg.node.name, s.index, s.uuid,
+                              s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
+            problems += [a.message for a in alerts]
+        if problems:
+            raise GpuNodeUnhealthy("GPU node health check found:\n" + "\n".join(f"- {p}" for p in problems))
+        return {"nodes_checked": checked}
+
+
+class GpuNodeUnhealthy(Exception):
+    """What gpu_node_health found; the failed task carries it to the alert callbacks."""

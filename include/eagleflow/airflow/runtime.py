@@ -37,8 +37,9 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
         from eagleflow.config import ConfigError
         raise ConfigError("no config: set the DAG Param 'config_path' (or $EAGLEFLOW_CONFIG) to a YAML file; "
                           "see configs/local-demo.yaml")
+    # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
-                 if params.get(p) not in (None, "", [])}
+                 if params.get(p) not in (None, "", [], False)}
     return load_config(path, overrides)
 
 

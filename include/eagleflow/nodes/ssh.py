@@ -1,0 +1,170 @@
+"""SSHNode: commands on a GPU node over an Airflow SSH connection.
+
+The connection comes from apache-airflow-providers-ssh's ``SSHHook`` (so the
+node is configured once, as an Airflow connection, with its key and host-key
+settings) and is held open across calls: a fresh connection costs ~0.3-0.5 s,
+a new channel on an open one ~0.2 s (see bench/probe.py). Every argv element
+is quoted with shlex before it reaches the remote shell. Host keys are checked
+(pinned ``host_key`` extra or ~/.ssh/known_hosts) unless the connection sets
+``no_host_key_check``. This is the one core module that imports Airflow's SSH
+provider, and only ``node_from_config`` imports it, lazily.
+"""
+from __future__ import annotations
+
+import shlex
+import socket
+import time
+
+from .base import CommandResult, Node, NodeCommandTimeout, NodeError
+
+
+class SSHNode(Node):
+    def __init__(self, conn_id: str, name: str | None = None, python: str = "python3",
+                 connect_timeout_s: float = 15.0):
+        self.conn_id = conn_id
+        self.name = name or conn_id
+        self._python = python
+        self.connect_timeout_s = connect_timeout_s
+        self._hook = None
+        self.connects = 0  # how many SSH connections this node opened (tests, bench)
+
+    @property
+    def python(self) -> str:
+        return self._python
+
+    # -- connection -----------------------------------------------------------------------------
+    def _where(self) -> str:
+        h = self._hook
+        if h is None:
+            return f"connection {self.conn_id!r}"
+        return f"{h.username}@{h.remote_host}:{h.port} (connection {self.conn_id!r})"
+
+    def _get_hook(self):
+        if self._hook is None:
+            try:
+                from airflow.providers.ssh.hooks.ssh import SSHHook
+            except ImportError:
+                raise NodeError(f"node {self.name}: SSH needs apache-airflow-providers-ssh; install it or "
+                                f"leave node.conn_id empty to run locally") from None
+            try:
+                # one attempt: auth or host-key failures do not get better by retrying in a loop
+                hook = SSHHook(ssh_conn_id=self.conn_id, conn_retry_attempts=1)
+            except Exception as e:  # AirflowNotFoundException and bad extras
+                if "isn't defined" in str(e) or "not found" in str(e).lower():
+                    raise NodeError(f"node {self.name}: Airflow connection {self.conn_id!r} is not defined; create "
+                                    f"it (Admin > Connections, or env AIRFLOW_CONN_{self.conn_id.upper()})") from None
+                raise NodeError(f"node {self.name}: Airflow connection {self.conn_id!r} cannot be used: {e}") from None
+            hook.conn_timeout = hook.conn_timeout or self.connect_timeout_s
+            hook.auth_timeout = hook.auth_timeout or self.connect_timeout_s
+            hook.banner_timeout = min(hook.banner_timeout or self.connect_timeout_s, self.connect_timeout_s)
+            self._hook = hook
+        return self._hook
+
+    def _client(self):
+        import paramiko
+        hook = self._get_hook()
+        fresh = hook.client is None or not (hook.client.get_transport() and hook.client.get_transport().is_active())
+        try:
+            client = hook.get_conn()
+        except paramiko.BadHostKeyException as e:
+            raise NodeError(
+                f"node {self.name}: HOST KEY MISMATCH for {self._where()}: the server offered "
+                f"{e.key.get_name()} {e.key.get_fingerprint().hex()} but the pinned key is "
+                f"{e.expected_key.get_name()} {e.expected_key.get_fingerprint().hex()}. If the node was "
+                f"reinstalled, update the connection's host_key extra (or known_hosts); otherwise do not "
+                f"connect: this is what a man-in-the-middle looks like") from None
+        except paramiko.AuthenticationException as e:
+            raise NodeError(f"node {self.name}: SSH authentication failed for {self._where()}: {e}; check the "
+                            f"connection's login and its key_file/private_key (is the public key in the node's "
+                            f"authorized_keys?)") from None
+        except paramiko.SSHException as e:
+            if "known_hosts" in str(e):
+                raise NodeError(f"node {self.name}: host key of {self._where()} is unknown ({e}); pin it in the "
+                                f"connection's host_key extra or add it to ~/.ssh/known_hosts "
+                                f"(no_host_key_check: true skips the check; not for shared networks)") from None
+            raise NodeError(f"node {self.name}: SSH to {self._where()} failed: {e}") from None
+        except (socket.timeout, TimeoutError) as e:
+            raise NodeCommandTimeout(f"node {self.name}: SSH to {self._where()} got no answer within "
+                                     f"{self._hook.conn_timeout} s ({e}); is the host up and the port right?") from None
+        except OSError as e:
+            raise NodeError(f"node {self.name}: cannot reach {self._where()}: {e}") from None
+        if fresh:
+            self.connects += 1
+        return client
+
+    def _open_channel(self):
+        import paramiko
+        for attempt in (1, 2):
+            client = self._client()
+            try:
+                return client.get_transport().open_session(timeout=self.connect_timeout_s)
+            except (paramiko.SSHException, EOFError, OSError, AttributeError):
+                if attempt == 2:
+                    raise NodeError(f"node {self.name}: SSH connection to {self._where()} dropped and a "
+                                    f"reconnect failed") from None
+                self._drop()  # connection went stale (node rebooted, sshd restarted): reconnect once
+
+    def _drop(self) -> None:
+        if self._hook is not None and self._hook.client is not None:
+            try:
+                self._hook.client.close()
+            except Exception:
+                pass
+            self._hook.client = None
+
+    def close(self) -> None:
+        self._drop()
+
+    # -- commands -------------------------------------------------------------------------------
+    @staticmethod
+    def remote_command(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+        """The shell line for argv: every element quoted, env through `env`, cwd through `cd`."""
+        parts = list(argv)
+        if env:
+            parts = ["env", *[f"{k}={v}" for k, v in env.items()], *parts]
+        cmd = shlex.join(parts)
+        if cwd:
+            cmd = f"cd {shlex.quote(cwd)} && {cmd}"
+        return cmd
+
+    def run(self, argv, *, timeout=60.0, input=None, env=None, cwd=None) -> CommandResult:
+        argv = [str(a) for a in argv]
+        cmd = self.remote_command(argv, env, cwd)
+        chan = self._open_channel()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out, err = bytearray(), bytearray()
+        try:
+            chan.settimeout(0.2)
+            chan.exec_command(cmd)
+            if input is not None:
+                chan.sendall(input.encode())
+            chan.shutdown_write()
+            while True:
+                got = False
+                while chan.recv_ready():
+                    out += chan.recv(65536)
+                    got = True
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                    got = True
+                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s")
+                if not got:
+                    try:
+                        data = chan.recv(65536)
+                        if data:
+                            out += data
+                        elif not chan.exit_status_ready():
+                            time.sleep(0.005)  # stdout closed, exit status not in yet
+                    except socket.timeout:
+                        pass
+            code = chan.recv_exit_status()
+        finally:
+            chan.close()
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        if code == 127 and ("not found" in stderr or "No such file" in stderr):
+            raise NodeError(f"on node {self.name}: {argv[0]!r} is not on PATH ({stderr.strip()[:300]}); "
+                            f"install it there or give its full path")
+        return CommandResult(tuple(argv), code, stdout, stderr)
