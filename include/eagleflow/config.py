@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -92,15 +92,31 @@ class CaptureConfig(_Section):
 
 
 class WatchdogConfig(_Section):
-    poll_interval_s: float = Field(default=10.0, gt=0)
-    stall_after_s: float = Field(default=30.0, gt=0, description="no completed sample for this long starts a stall check")
-    health_timeout_s: float = Field(default=20.0, gt=0)
-    gpu_window_s: float = Field(default=30.0, gt=0)
-    startup_grace_s: float = Field(default=120.0, ge=0)
-    d_state_after_s: float = Field(default=30.0, gt=0)
+    # Defaults for real runs (seeds: ~1 sample/s, samples up to 8k tokens): a stall like the seeds' is
+    # failed within detection_bound_s = 15 + 20 + (20 + 2) = 57 s and mailed right after (see eagleflow.watchdog).
+    poll_interval_s: float = Field(default=20.0, gt=0, description="one node-side `eagleflow watch` per poll")
+    stall_after_s: float = Field(default=15.0, gt=0, description="no completed sample for this long starts a stall check")
+    health_timeout_s: float = Field(default=20.0, gt=0, description="/health_generate timeout (SGLang's own is 20 s)")
+    gpu_window_s: float = Field(default=20.0, gt=0, description="GPUs held at 0 % for this long count as evidence")
+    startup_grace_s: float = Field(default=120.0, ge=0, description="no verdict before a job's first unit this early")
+    d_state_after_s: float = Field(default=20.0, gt=0, description="a job in D state this long counts as evidence")
     alert_emails: list[str] = Field(default_factory=list)
     smtp_conn_id: str = "smtp_default"
     airflow_base_url: str = "http://localhost:8080"
+
+    # What one `eagleflow watch` costs besides the health check: interpreter start, /proc, GPU samples, SSH.
+    WATCH_COMMAND_ALLOWANCE_S: ClassVar[float] = 2.0
+
+    @property
+    def detection_bound_s(self) -> float:
+        """Worst time from the last progress to the failed task.
+
+        The detecting poll starts at most one poll_interval after progress is stall_after_s old and
+        lasts at most the health timeout plus the command's own cost. Equals the issue's
+        stall_after_s + 2 x poll_interval_s whenever health_timeout_s + 2 s <= poll_interval_s.
+        """
+        return self.stall_after_s + self.poll_interval_s + max(self.poll_interval_s,
+                                                                self.health_timeout_s + self.WATCH_COMMAND_ALLOWANCE_S)
 
 
 class TrainConfig(_Section):
@@ -116,6 +132,13 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=50, ge=1)
     seed: int = 0
     log_every: int = Field(default=10, ge=1)
+    max_grad_norm: float = Field(default=0.5, gt=0, description="gradient clipping norm")
+    keep_checkpoints: int = Field(default=2, ge=1, description="newest checkpoints kept on disk")
+    on_bad_sample: Literal["raise", "skip"] = Field(
+        default="raise", description="a stored sample that does not match its manifest: stop, or train without it")
+    verify_sha256: bool = Field(default=False, description="hash every stored sample against its manifest at start")
+    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="dtype of the exported weights; auto = the target's")
 
 
 class PipelineConfig(_Section):

@@ -1,20 +1,84 @@
-"""PLACEHOLDER until its issue lands: every class fails loudly at run time."""
-from airflow.sdk.exceptions import AirflowFailException
+"""Draft training and export as Airflow tasks.
+
+``TrainDraftOperator`` starts ``eagleflow train`` detached on the node (under
+torchrun when ``train.nproc_per_node`` > 1), or attaches to the run's live
+trainer, then defers to ``TrainWatchTrigger``: the stall watchdog guards
+training as it guards extraction (a step that stops advancing is a stall).
+A retry restarts an unhealthy trainer, which resumes from its last checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
 from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 
 
 class TrainDraftOperator(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
-        super().__init__(**kw)
+    ui_color = "#f3e8fb"
 
-    def run(self, ctx, context):
-        raise AirflowFailException("TrainDraftOperator is not built yet")
+    def __init__(self, *, deferrable: bool = True, poll_interval_s: float | None = None, **kw):
+        super().__init__(**kw)
+        self.deferrable = deferrable
+        self.poll_interval_s = poll_interval_s
+
+    def run(self, ctx: RunContext, context):
+        tc = ctx.cfg.train
+        hb = read_train_heartbeat(ctx)
+        if hb is not None and hb.state == "complete" and hb.done >= tc.max_steps:
+            self.log.info("training of run %s already complete: %s", ctx.layout.run_id, hb.progress_line())
+            return {"status": "complete", "step": hb.done, "draft_dir": str(ctx.layout.draft_dir)}
+        try_number = int(getattr(context.get("ti"), "try_number", 1) or 1)
+        if try_number > 1:
+            self._restart_if_unhealthy(ctx, hb)
+        rec, attached = start_or_attach_trainer(ctx, log=self.log.info)
+        self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec["pid"], ctx.node.name,
+                      "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.get("log_file"))
+        from eagleflow.airflow.shard_watch import TrainWatchTrigger
+        trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s)
+        if self.deferrable:
+            self.defer(trigger=trigger, method_name="execute_complete")
+        return self.execute_complete(context, asyncio.run(_first_event(trigger)))
+
+    def _restart_if_unhealthy(self, ctx: RunContext, hb) -> None:
+        """On a retry a live trainer is kept only if its heartbeat still advances."""
+        wd = ctx.cfg.watchdog
+        fresh = hb is not None and hb.state == "running" and time.time() - hb.last_progress_at < wd.stall_after_s
+        if not fresh:
+            outcome = stop_trainer(ctx, log=self.log.info)
+            self.log.info("retry: previous trainer %s; starting again from the last checkpoint", outcome)
+
+    def execute_complete(self, context, event):
+        event = event or {}
+        if event.get("status") == "complete":
+            self.log.info("%s", event.get("summary", "training complete"))
+            return {"status": "complete", "summary": event.get("summary", "")}
+        from eagleflow.watchdog.diagnosis import StallDetected
+        raise StallDetected(event.get("subject") or f"[eagleflow] training {event.get('status', 'failed')}",
+                            event.get("diagnosis") or f"the training watch ended with {event!r}")
+
+
+async def _first_event(trigger) -> dict:
+    async for ev in trigger.run():
+        return ev.payload
+    return {"status": "failed", "subject": "[eagleflow] training watch ended", "diagnosis": "no event"}
 
 
 class ExportDraftOperator(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
+    """`eagleflow export` on the node: the newest checkpoint as a draft directory SGLang serves."""
+
+    ui_color = "#f3e8fb"
+
+    def __init__(self, *, deferrable: bool = False, timeout_s: float = 1800.0, **kw):
         super().__init__(**kw)
+        self.timeout_s = timeout_s
 
-    def run(self, ctx, context):
-        raise AirflowFailException("ExportDraftOperator is not built yet")
-
+    def run(self, ctx: RunContext, context):
+        res = ctx.node.check(ctx.eagleflow_argv("export"), timeout=self.timeout_s)
+        out_dir = res.stdout.strip().splitlines()[-1]
+        self.log.info("draft exported to %s on node %s; serve it with --speculative-algorithm EAGLE3 "
+                      "--speculative-draft-model-path %s", out_dir, ctx.node.name, out_dir)
+        return {"export_dir": out_dir, "curves": str(ctx.layout.draft_dir / "curves.png"),
+                "metrics": str(ctx.layout.draft_dir / "metrics.jsonl")}

@@ -168,6 +168,9 @@ class TrainingTimeTest(nn.Module):
             if k == 0:
                 first_valid = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
                 first_valid[:, :n] = mask
+        # A zero that reaches every parameter: a batch too short for any step must not leave
+        # DDP waiting for gradients that never come.
+        total = total + 0.0 * self.draft.logits(hidden[:, :1]).float().sum()
         fv = first_valid if first_valid is not None else torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
         accept_sum = (accept * fv.float()).sum() + fv.float().sum()   # 1 + run length per position
         stats = torch.stack([*losses, *corrects, *counts, accept_sum, fv.float().sum()]).detach().float()

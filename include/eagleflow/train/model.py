@@ -152,6 +152,9 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+EXPLICIT_ATTENTION_MAX_LEN = 2048
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -175,6 +178,33 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Up to this length the scores are materialised (fewest FLOPs); past it one fused
+        # attention call over all steps' keys keeps memory linear in the length (8k-token samples).
+        self.explicit_max_len = EXPLICIT_ATTENTION_MAX_LEN
+
+    def _explicit(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        t = q.shape[2]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        k0, v0 = cache[0]
+        scores = (q @ k0.transpose(-1, -2)).float() * scale                      # [B, h, T, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        diag = [(q.float() * ki.float()).sum(-1, keepdim=True) * scale for ki, _ in cache[1:]]  # [B, h, T, 1]
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1).to(v0.dtype)
+        out = probs[..., :t] @ v0
+        for i, (_, vi) in enumerate(cache[1:]):
+            out = out + probs[..., t + i:t + i + 1] * vi
+        return out
+
+    def _fused(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The same attention as ``_explicit``: keys of all steps side by side, causal block + diagonals."""
+        t = q.shape[2]
+        keys = torch.cat([ki for ki, _ in cache], dim=2)
+        values = torch.cat([vi for _, vi in cache], dim=2)
+        eye = torch.eye(t, dtype=torch.bool, device=q.device)
+        mask = torch.cat([torch.ones(t, t, dtype=torch.bool, device=q.device).tril()] + [eye] * (len(cache) - 1),
+                         dim=1)
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -189,16 +219,8 @@ class DraftAttention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         cache.append((k, v))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        scores = (q @ k0.transpose(-1, -2)).float() * scale                      # [B, h, T, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(causal, float("-inf"))
-        diag = [(q * ki).sum(-1, keepdim=True).float() * scale for ki, _ in cache[1:]]  # [B, h, T, 1] each
-        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1).to(v0.dtype)
-        out = probs[..., :t] @ v0
-        for i, (_, vi) in enumerate(cache[1:]):
-            out = out + probs[..., t + i:t + i + 1] * vi
+        long = t > self.explicit_max_len
+        out = self._fused(q, cache) if long else self._explicit(q, cache)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)
 

@@ -1,0 +1,146 @@
+"""Training checkpoints without pickle: safetensors for tensors, JSON for everything else.
+
+    <draft_dir>/checkpoints/step_00000050/
+        model.safetensors       draft weights (not the frozen target embedding)
+        optimizer.safetensors   every optimizer state tensor (``state.<param>.<key>``) and RNG states
+        trainer_state.json      step, data position, optimizer param groups and scalars, RNG, config
+
+A checkpoint is written into a temporary directory, fsynced, then renamed:
+a directory named ``step_*`` is always complete. The newest ``keep`` remain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "trainer_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_", 1)[1]))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for key, val in st.items():
+            if torch.is_tensor(val):
+                tensors[f"state.{pid}.{key}"] = val.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = val
+    return tensors, {"param_groups": sd["param_groups"], "state_scalars": scalars}
+
+
+def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        if not name.startswith("state."):
+            continue
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = t
+    for pid, d in meta.get("state_scalars", {}).items():
+        state.setdefault(int(pid), {}).update(d)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng.cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], python_state: list | None) -> None:
+    if "rng.torch_cpu" in tensors:
+        torch.set_rng_state(tensors["rng.torch_cpu"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    if python_state is not None:
+        version, internal, gauss = python_state
+        random.setstate((version, tuple(internal), gauss))
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(str(p), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically; returns its directory."""
+    from safetensors.torch import save_file
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    opt_tensors, opt_meta = optimizer_to_flat(optimizer)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+    save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
+    full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()))
+    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+    for f in tmp.iterdir():
+        _fsync_path(f)
+    if final.exists():  # a rerun of the same step: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_path(root)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
+    from safetensors.torch import load_file
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        model_state = load_file(str(path / MODEL_FILE))
+        opt_all = load_file(str(path / OPTIMIZER_FILE))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({e}); delete that directory to resume from the "
+                         "one before it") from None
+    rng = {k: v for k, v in opt_all.items() if k.startswith("rng.")}
+    opt_tensors = {k: v for k, v in opt_all.items() if k.startswith("state.")}
+    return LoadedCheckpoint(path=path, step=int(state["step"]), model_state=model_state,
+                            optimizer_state=optimizer_from_flat(opt_tensors, state["optimizer"]), rng=rng,
+                            state=state)

@@ -1,0 +1,131 @@
+"""Export a trained draft as the directory SGLang serves.
+
+    sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \
+        --speculative-draft-model-path <draft_dir>/export
+
+- ``config.json``: ``LlamaForCausalLMEagle3``, the draft's dims, one hidden
+  layer, the target's ``vocab_size`` and ``draft_vocab_size``, untied
+  embeddings, the target's context length and rope settings (SGLang builds the
+  draft with the target's context length), and ``eagle_config`` with the
+  capture layers the hidden states were recorded from.
+- ``model.safetensors``: exactly the names ``LlamaForCausalLMEagle3.load_weights``
+  knows (it drops unknown names silently): see ``SGLANG_WEIGHT_NAMES``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import MODEL_FILE, STATE_FILE, latest_checkpoint
+from .model import DraftConfig, Eagle3Draft
+
+# The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):
+# q/k/v and gate/up are stacked by its loader, d2t becomes the hot-token map, t2d is skipped.
+SGLANG_WEIGHT_NAMES = (
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def target_dtype_name(target_dir: str | Path) -> str:
+    tc = json.loads((Path(target_dir) / "config.json").read_text())
+    name = str(tc.get("torch_dtype") or tc.get("dtype") or "bfloat16")
+    return name if name in _DTYPES else "bfloat16"
+
+
+def export_config(dcfg: DraftConfig, aux_layers: list[int], dtype: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": dcfg.hidden_size,
+        "intermediate_size": dcfg.intermediate_size,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "hidden_act": dcfg.hidden_act,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "num_hidden_layers": 1,
+        "vocab_size": dcfg.vocab_size,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
+    }
+    if dcfg.target_hidden_size and dcfg.target_hidden_size != dcfg.hidden_size:
+        cfg["target_hidden_size"] = dcfg.target_hidden_size
+    # Context length, rope and token ids exactly as the target has them.
+    for k, v in dcfg.target_fields.items():
+        if k not in ("rms_norm_eps", "hidden_act"):
+            cfg[k] = v
+    cfg.setdefault("max_position_embeddings", dcfg.max_position_embeddings)
+    if "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        cfg["rope_theta"] = dcfg.rope_theta
+    return cfg
+
+
+def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
+    """Write ``out_dir`` (config.json + model.safetensors) from a training checkpoint, atomically."""
+    from safetensors.torch import load_file, save_file
+    ckpt = Path(checkpoint)
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    dcfg = DraftConfig.from_json(state["draft_config"])
+    weights = load_file(str(ckpt / MODEL_FILE))
+    missing = [n for n in SGLANG_WEIGHT_NAMES if n not in weights]
+    if missing:
+        raise KeyError(f"checkpoint {ckpt} lacks {missing}; it was not written by `eagleflow train`")
+    name = target_dtype_name(state["target_model"]) if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
+    out: dict[str, torch.Tensor] = {}
+    for n in SGLANG_WEIGHT_NAMES:
+        t = weights[n]
+        out[n] = t.contiguous() if n in ("d2t", "t2d") else t.to(_DTYPES[name]).contiguous()
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source_checkpoint": str(ckpt)})
+    (tmp / "config.json").write_text(json.dumps(export_config(dcfg, state["aux_layers"], name), indent=2) + "\n")
+    (tmp / "eagleflow_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
+         "target_model": state["target_model"]}, indent=2) + "\n")
+    old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def export_latest(draft_dir: str | Path, out_dir: str | Path | None = None, dtype: str = "auto") -> Path:
+    ckpt = latest_checkpoint(Path(draft_dir) / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint under {Path(draft_dir) / 'checkpoints'}; run `eagleflow train` first")
+    return export_draft(ckpt, out_dir or Path(draft_dir) / "export", dtype)
+
+
+def load_exported(export_dir: str | Path, target_dir: str | Path) -> Eagle3Draft:
+    """A draft rebuilt from an export (weights as SGLang reads them) plus the target's embedding."""
+    from safetensors.torch import load_file
+
+    from .loss import load_target_head_and_embedding
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    dcfg = DraftConfig.from_target(target_dir, int(cfg["draft_vocab_size"]))
+    model = Eagle3Draft(dcfg)
+    weights = load_file(str(export_dir / "model.safetensors"))
+    _, embed = load_target_head_and_embedding(target_dir)
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    model.load_state_dict({**weights, "embed_tokens.weight": embed.float()}, strict=True)
+    return model

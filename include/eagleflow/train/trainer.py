@@ -1,0 +1,275 @@
+"""The draft training loop: one process on CPU, or one per GPU under torchrun (DDP).
+
+Under torchrun (``WORLD_SIZE`` > 1 in the environment) the process group is
+initialised from the environment: NCCL on GPUs, gloo on CPU. Rank 0 alone
+writes the vocabulary, checkpoints, metrics, curves and the heartbeat.
+
+Resume is the default: if ``<draft_dir>/checkpoints`` holds a checkpoint, the
+weights, optimizer state, step, RNG and data position come back from it, and
+the learning rate is a pure function of the step, so the run continues as if
+it had never stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from eagleflow.config import PipelineConfig
+from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
+from eagleflow.layout import RunLayout
+
+from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .curves import append_metrics, plot_curves, truncate_metrics
+from .data import DataPosition, HiddenStateLoader, read_aux_layers, scan_samples
+from .loss import TargetHead, TrainingTimeTest, load_target_head_and_embedding, summarize, target_batch
+from .model import DraftConfig, Eagle3Draft
+from .vocab import DraftVocab, build_draft_vocab, count_loss_tokens
+
+
+def lr_at(step_index: int, base_lr: float, warmup: int, max_steps: int) -> float:
+    """Learning rate of the ``step_index``-th update (0-based): linear warmup, then cosine to zero."""
+    if step_index < warmup:
+        return base_lr * (step_index + 1) / warmup
+    span = max(1, max_steps - warmup)
+    progress = min(1.0, (step_index - warmup) / span)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_pref: str) -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but torch sees no GPU on this node; set train.device: cpu "
+                           "or install a CUDA build of torch")
+    if use_cuda:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo", init_method="env://")
+    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def _barrier(d: DistInfo) -> None:
+    if d.world_size > 1:
+        torch.distributed.barrier()
+
+
+def training_paths(layout: RunLayout) -> dict[str, Path]:
+    draft = Path(layout.draft_dir)
+    return {"draft": draft, "checkpoints": draft / "checkpoints", "vocab": draft / "vocab.safetensors",
+            "metrics": draft / "metrics.jsonl", "curves": draft / "curves.png",
+            "heartbeat": Path(layout.train_heartbeat_file), "export": draft / "export"}
+
+
+def prepare_vocab(cfg: PipelineConfig, layout: RunLayout, refs, dcfg: DraftConfig, d: DistInfo,
+                  resuming: bool, log: Callable[[str], None]) -> DraftVocab:
+    """Rank 0 counts loss tokens and writes the vocabulary once; every rank then reads that file."""
+    path = training_paths(layout)["vocab"]
+    if d.is_main:
+        existing = DraftVocab.load(path) if path.is_file() else None
+        fits = (existing is not None and existing.size == dcfg.draft_vocab_size
+                and existing.target_vocab_size == dcfg.vocab_size)
+        if not fits:
+            if resuming:
+                raise ValueError(f"{path} does not match the checkpoint's draft vocabulary "
+                                 f"({dcfg.draft_vocab_size} of {dcfg.vocab_size}); delete {Path(path).parent} "
+                                 "to train from scratch, or restore the vocabulary file")
+            log(f"counting loss-position tokens over {len(refs)} stored samples")
+            build_draft_vocab(count_loss_tokens(refs, dcfg.vocab_size), dcfg.draft_vocab_size, log).save(path)
+    _barrier(d)
+    return DraftVocab.load(path)
+
+
+def build_draft(dcfg: DraftConfig, vocab: DraftVocab, head: torch.Tensor, embed: torch.Tensor,
+                seed: int) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    model = Eagle3Draft(dcfg)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed.float())
+        model.d2t.copy_(vocab.d2t)
+        model.t2d.copy_(vocab.t2d)
+        # Start lm_head at the target's rows for the draft vocab: the output norm mimics the
+        # target's, so the first steps already point the right way.
+        model.lm_head.weight.copy_(head.float()[vocab.draft_ids])
+    return model
+
+
+@dataclass
+class TrainResult:
+    step: int
+    completed: bool
+    metrics: dict[str, Any]
+    checkpoint: Path | None
+
+
+def train(cfg: PipelineConfig, layout: RunLayout, *, stop_after_step: int | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) the draft of this run; returns where it stopped."""
+    tc = cfg.train
+    d = init_distributed(tc.device)
+    paths = training_paths(layout)
+    if d.is_main:
+        paths["draft"].mkdir(parents=True, exist_ok=True)
+    hb: HeartbeatWriter | None = None
+    if d.is_main:
+        hb = HeartbeatWriter(paths["heartbeat"], Heartbeat(job="train", pid=os.getpid(), unit="steps",
+                                                           total=tc.max_steps),
+                             interval_s=cfg.capture.heartbeat_interval_s).start()
+    try:
+        result = _train(cfg, layout, d, paths, hb, stop_after_step, log)
+    except BaseException as e:
+        if hb is not None:
+            hb.stop("failed", error=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    if hb is not None:
+        hb.stop("complete" if result.completed else None)
+    return result
+
+
+def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str, Path],
+           hb: HeartbeatWriter | None, stop_after_step: int | None, log: Callable[[str], None]) -> TrainResult:
+    tc = cfg.train
+    say = log if d.is_main else (lambda _msg: None)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256, log=say)
+    aux_layers = read_aux_layers(refs[0])
+    target_dir = cfg.resolve(cfg.target_model)
+    dcfg = DraftConfig.from_target(target_dir, tc.draft_vocab_size)
+    ckpt_path = latest_checkpoint(paths["checkpoints"])
+    vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say)
+    head, embed = load_target_head_and_embedding(target_dir)
+    model = build_draft(dcfg, vocab, head, embed, tc.seed)
+    ttt = TrainingTimeTest(model, tc.ttt_length).to(d.device)
+    params = [p for p in ttt.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    start_step, position = 0, DataPosition()
+    if ckpt_path is not None:
+        ck = load_checkpoint(ckpt_path)
+        if ck.state.get("draft_config") != dcfg.to_json():
+            raise ValueError(f"checkpoint {ckpt_path} was trained with another draft config (target or "
+                             f"train.draft_vocab_size changed); delete {paths['checkpoints']} to start over")
+        missing = set(model.trainable_state_dict()) - set(ck.model_state)
+        if missing:
+            raise ValueError(f"checkpoint {ckpt_path} lacks {sorted(missing)}")
+        model.load_state_dict(ck.model_state, strict=False)
+        opt.load_state_dict(ck.optimizer_state)
+        restore_rng(ck.rng, ck.state.get("python_rng"))
+        start_step = ck.step
+        position = DataPosition(**ck.state["data_position"])
+        say(f"resuming from {ckpt_path} at step {start_step} (epoch {position.epoch}, batch {position.cursor})")
+    if d.is_main:
+        truncate_metrics(paths["metrics"], start_step)
+    module: torch.nn.Module = ttt
+    if d.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        module = DDP(ttt, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    on_gpu = d.device.type == "cuda"
+    data_dtype = torch.bfloat16 if on_gpu else torch.float32
+    head_t = TargetHead(head, vocab.draft_ids, vocab.t2d).to(d.device, data_dtype)
+    del head
+    loader = HiddenStateLoader(refs, batch_size=tc.batch_size, seed=tc.seed, rank=d.rank,
+                               world_size=d.world_size, position=position)
+    micro = tc.grad_accum
+    say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
+        f"{len(refs)} samples, batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
+        f"steps {start_step}->{tc.max_steps}")
+    if hb is not None:
+        hb.update(lambda h: (setattr(h, "state", "running"), setattr(h, "done", start_step),
+                             setattr(h, "resumed", start_step), h.extra.update(aux_layers=aux_layers)))
+
+    last_metrics: dict[str, Any] = {}
+    last_ckpt: Path | None = ckpt_path
+    step = start_step
+    tokens_this_run = 0
+    t_start = time.time()
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
+    try:
+        while step < tc.max_steps and (stop_after_step is None or step < stop_after_step):
+            t0 = time.time()
+            lr = lr_at(step, tc.lr, tc.warmup_steps, tc.max_steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            stats_sum = None
+            tokens = 0
+            for m in range(micro):
+                batch = loader.next_batch().to(d.device, data_dtype)
+                tb = target_batch(head_t, batch)
+                sync = contextlib.nullcontext() if (m == micro - 1 or d.world_size == 1) else module.no_sync()
+                with sync:
+                    with autocast():
+                        loss, stats = module(batch.input_ids, batch.aux_hidden_states, tb.probs, tb.top, tb.valid)
+                    (loss / micro).backward()
+                stats_sum = stats if stats_sum is None else stats_sum + stats
+                tokens += batch.num_tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            packed = torch.cat([stats_sum, torch.tensor([float(tokens)], device=stats_sum.device)])
+            if d.world_size > 1:
+                torch.distributed.all_reduce(packed)
+            tokens_all = int(packed[-1].item())
+            sm = summarize(packed[:-1], tc.ttt_length, micro * d.world_size)
+            tokens_this_run += tokens_all
+            dt = time.time() - t0
+            row = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
+                   "tokens": tokens_all, "tokens_per_s": tokens_all / max(dt, 1e-9),
+                   "epoch": loader.position.epoch, **sm.as_dict()}
+            last_metrics = row
+            if d.is_main:
+                append_metrics(paths["metrics"], row)
+                if hb is not None:
+                    def bump(h: Heartbeat, row=row) -> None:
+                        h.done = step
+                        h.tokens += tokens_all
+                        h.extra.update(tokens_this_run=tokens_this_run, loss=row["loss"], acc_0=row["acc_0"],
+                                       accept_length=row["accept_length"])
+                    hb.update(bump)
+                    hb.mark_progress()
+                if step % tc.log_every == 0 or step == start_step + 1:
+                    say(f"step {step}/{tc.max_steps} loss {sm.loss:.4f} acc_0 {sm.acc[0]:.3f} "
+                        f"accept_len {sm.accept_length:.2f} lr {lr:.2e} {row['tokens_per_s']:,.0f} tok/s")
+            end_now = step == tc.max_steps or (stop_after_step is not None and step >= stop_after_step)
+            if step % tc.checkpoint_every == 0 or end_now:
+                if d.is_main:
+                    state = {"data_position": loader.position.to_json(), "draft_config": dcfg.to_json(),
+                             "aux_layers": aux_layers, "target_model": str(target_dir),
+                             "max_steps": tc.max_steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
+                             "world_size": d.world_size, "metrics": row}
+                    last_ckpt = save_checkpoint(paths["checkpoints"], step, model.trainable_state_dict(), opt,
+                                                state, keep=tc.keep_checkpoints)
+                    plot_curves(paths["metrics"], paths["curves"])
+                    say(f"checkpoint {last_ckpt}")
+                _barrier(d)
+    finally:
+        loader.close()
+    elapsed = time.time() - t_start
+    say(f"stopped at step {step}/{tc.max_steps} after {elapsed:.1f} s "
+        f"({tokens_this_run / max(elapsed, 1e-9):,.0f} tokens/s)")
+    return TrainResult(step=step, completed=step >= tc.max_steps, metrics=last_metrics, checkpoint=last_ckpt)
