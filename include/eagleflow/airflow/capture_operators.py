@@ -1,45 +1,171 @@
-"""PLACEHOLDER until its issue lands: every class fails loudly at run time."""
+"""The capture phase in Airflow: start the server (setup), wait until ready, extract shards, stop (teardown), verify.
+
+Each operator is a thin adapter over eagleflow.capture.lifecycle; everything
+that touches the node goes through the run's Node.
+"""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
 from airflow.sdk.exceptions import AirflowFailException
+
 from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_ready, start_capture_server,
+                                         start_or_attach_worker, stop_capture_server, stop_recorded,
+                                         wait_capture_server_ready)
+from eagleflow.heartbeat import Heartbeat
 
 
 class StartCaptureServerOperator(RunOperator):
+    """Start the capture server detached on the node (kept if one is already running for this run)."""
+
+    ui_color = "#d9f2e6"
+
     def __init__(self, *, deferrable: bool = False, **kw):
         super().__init__(**kw)
 
     def run(self, ctx, context):
-        raise AirflowFailException("StartCaptureServerOperator is not built yet")
+        started = start_capture_server(ctx, log=self.log.info)
+        pid = started["pid"] if isinstance(started, dict) else started.pid
+        return {"pid": pid, "log_file": str(ctx.layout.log_file("capture_server"))}
 
 
 class CaptureServerReadySensor(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
+    """Ready when /health_generate answers; fails at once when the server died while loading."""
+
+    def __init__(self, *, deferrable: bool = True, poll_interval_s: float = 2.0, **kw):
         super().__init__(**kw)
+        self.deferrable = deferrable
+        self.poll_interval_s = poll_interval_s
 
     def run(self, ctx, context):
-        raise AirflowFailException("CaptureServerReadySensor is not built yet")
+        state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)   # one cheap look first
+        if state == "ready":
+            self.log.info("capture server ready at %s (model %s, aux layers %s)", info["url"], info.get("model"),
+                          info.get("aux_layers"))
+            return info
+        if state == "dead":
+            raise AirflowFailException(detail)
+        timeout_s = ctx.cfg.capture.ready_timeout_s
+        if not self.deferrable:
+            try:
+                return wait_capture_server_ready(ctx, timeout_s=timeout_s, poll_s=self.poll_interval_s,
+                                                 log=self.log.info)
+            except CaptureServerNotReady as e:
+                raise AirflowFailException(str(e)) from None
+        self.log.info("capture server loading (%s); deferring for up to %.0f s", detail, timeout_s)
+        self.defer(trigger=CaptureServerReadyTrigger(run=ctx.serialize(), timeout_s=timeout_s,
+                                                     poll_interval_s=self.poll_interval_s),
+                   method_name="execute_complete", timeout=timedelta(seconds=timeout_s + 120))
+
+    def execute_complete(self, context, event: dict[str, Any]):
+        if event.get("status") == "ready":
+            info = event["info"]
+            self.log.info("capture server ready at %s (model %s, aux layers %s)", info["url"], info.get("model"),
+                          info.get("aux_layers"))
+            return info
+        raise AirflowFailException(event.get("detail") or f"capture server not ready: {event}")
 
 
 class ExtractShardOperator(RunOperator):
+    """Run one shard's extraction worker detached, then watch it until its manifest is complete.
+
+    A re-run attaches to the shard's live worker (pid record + /proc start
+    ticks) instead of starting a second one. A retry first lets the watchdog
+    put the capture server back on its feet, then resumes from the manifest.
+    """
+
+    ui_color = "#fdf2d0"
+
     def __init__(self, *, shard: int, deferrable: bool = True, **kw):
         super().__init__(**kw)
         self.shard = shard
+        self.deferrable = deferrable
 
     def run(self, ctx, context):
-        raise AirflowFailException("ExtractShardOperator is not built yet")
+        shard = int(self.shard)
+        ti = context.get("ti")
+        if ti is not None and (ti.try_number or 1) > 1:
+            from eagleflow.watchdog.recovery import recover_before_retry
+            self.log.info("shard %d: try %d, recovering before resuming from the manifest", shard, ti.try_number)
+            recover_before_retry(ctx, shard, self.log)
+        rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
+        self._log_progress(ctx, shard)
+        from eagleflow.airflow.shard_watch import ShardWatchTrigger
+        trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
+        if not self.deferrable:     # same watch, run in this worker slot
+            return self._finish(ctx, asyncio.run(_first_event(trigger)))
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def execute_complete(self, context, event: dict[str, Any]):
+        ctx = RunContext.from_airflow(context)
+        try:
+            return self._finish(ctx, event)
+        finally:
+            ctx.close()
+
+    def _finish(self, ctx: RunContext, event: dict[str, Any]):
+        shard = int(self.shard)
+        self._log_progress(ctx, shard)
+        if event.get("status") == "complete":
+            self.log.info("shard %d complete: %s", shard, event.get("summary", ""))
+            return {"shard": shard, "summary": event.get("summary", "")}
+        from eagleflow.watchdog.diagnosis import StallDetected
+        self.log.error("shard %d %s: %s", shard, event.get("status"), event.get("diagnosis"))
+        raise StallDetected(event.get("subject") or f"shard {shard} {event.get('status')}",
+                            event.get("diagnosis") or str(event))
+
+    def _log_progress(self, ctx: RunContext, shard: int) -> None:
+        text = ctx.node.read_text(str(ctx.layout.heartbeat_file(shard)))
+        if text:
+            try:
+                self.log.info("%s", Heartbeat.from_json(text).progress_line())
+            except (ValueError, TypeError, KeyError):
+                self.log.warning("shard %d: unreadable heartbeat %s", shard, ctx.layout.heartbeat_file(shard))
+
+
+async def _first_event(trigger) -> dict:
+    async for ev in trigger.run():
+        return ev.payload
+    raise RuntimeError(f"{type(trigger).__name__} ended without an event")
 
 
 class StopCaptureServerOperator(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
+    """Teardown: stop this run's live workers and the capture server (TERM, grace, KILL); remove its dumps."""
+
+    def __init__(self, *, deferrable: bool = False, grace_s: float = 30.0, **kw):
         super().__init__(**kw)
+        self.grace_s = grace_s
 
     def run(self, ctx, context):
-        raise AirflowFailException("StopCaptureServerOperator is not built yet")
+        prefix = f"{ctx.layout.run_id}.worker_shard_"
+        res = ctx.node.run(["ls", "-1", "--", str(ctx.layout.pids_dir)], timeout=30)
+        for name in sorted(res.stdout.split() if res.ok else []):
+            if name.startswith(prefix) and name.endswith(".json"):
+                outcome = stop_recorded(ctx.node, str(ctx.layout.pids_dir / name), grace_s=self.grace_s,
+                                        log=self.log.info)
+                if outcome != "not running":
+                    self.log.warning("stopped a still-running extraction worker (%s): %s", name, outcome)
+        return stop_capture_server(ctx, grace_s=self.grace_s, log=self.log.info)
 
 
 class VerifyHiddenStatesOperator(RunOperator):
-    def __init__(self, *, deferrable: bool = False, **kw):
+    """Every stored sample against its manifest; fails (no retry) with the per-shard report."""
+
+    def __init__(self, *, deferrable: bool = False, check_digest: bool = True, **kw):
         super().__init__(**kw)
+        self.check_digest = check_digest
 
     def run(self, ctx, context):
-        raise AirflowFailException("VerifyHiddenStatesOperator is not built yet")
-
+        argv = ctx.eagleflow_argv("capture", "verify", *([] if self.check_digest else ["--no-digest"]))
+        res = ctx.node.run(argv, timeout=None)
+        for line in res.stdout.strip().splitlines():
+            self.log.info("%s", line)
+        if not res.ok:
+            raise AirflowFailException(f"hidden-state verification failed on node {ctx.node.name} "
+                                       f"(exit {res.exit_code}):\n{res.stdout.strip()[-3000:]}\n{res.stderr.strip()[-2000:]}")
+        return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""

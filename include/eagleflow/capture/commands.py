@@ -1,7 +1,6 @@
 """`eagleflow capture serve|run|verify|stop|health`."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -91,6 +90,13 @@ def _run(args) -> int:
         request_timeout_base_s=cfg.capture.request_timeout_base_s,
         request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
         heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model)
+    import signal
+
+    def _stopped(signum, _frame):
+        # Leaves "failed: stopped by SIGTERM" in the heartbeat instead of a stale "running".
+        raise ExtractionError(f"shard {args.shard}: stopped by {signal.Signals(signum).name}; stored samples are "
+                              "kept and a re-run resumes from the manifest")
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         hb = ShardWorker(settings, log=lambda m: print(m, flush=True)).run()
     except ExtractionError as e:

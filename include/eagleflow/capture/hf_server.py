@@ -5,8 +5,10 @@ lock): the model is the bottleneck, and the HTTP threads only parse JSON and
 wait. Hidden states come from ``output_hidden_states=True``: entry i+1 is the
 output of layer i (0-based), the last entry the final post-norm states.
 
-Test hook: ``EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S`` sleeps inside every forward
-(simulates a slow or hung model for the watchdog's tests).
+Test hooks (simulate a slow or hung model for the watchdog's tests):
+``EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S`` sleeps that long inside every forward;
+``EAGLEFLOW_HF_SERVER_DELAY_FILE`` names a file read at every forward whose
+content (seconds) is the sleep, so a test can slow a server that is running.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from .protocol import PROTOCOL_VERSION, check_rid, resolve_aux_layers, write_dump
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
+DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
 HEALTH_INPUT = [1, 2, 3, 4]
 
 
@@ -58,7 +61,7 @@ class CaptureModel:
                              + (f"; bad values: {bad[:5]}" if bad else ""))
         ids = torch.tensor([input_ids], dtype=torch.int64)
         with self.lock, torch.inference_mode():
-            delay = float(os.environ.get(DELAY_ENV) or 0)
+            delay = _forward_delay()
             if delay:
                 time.sleep(delay)
             out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
@@ -67,6 +70,17 @@ class CaptureModel:
             last = hs[-1][0]
             next_id = int(out.logits[0, -1].argmax())
         return ids[0], aux, last, next_id
+
+
+def _forward_delay() -> float:
+    delay = float(os.environ.get(DELAY_ENV) or 0)
+    path = os.environ.get(DELAY_FILE_ENV)
+    if path:
+        try:
+            delay += float(Path(path).read_text().strip() or 0)
+        except (OSError, ValueError):
+            pass
+    return delay
 
 
 def _package_version() -> str:

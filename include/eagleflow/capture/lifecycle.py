@@ -246,3 +246,30 @@ def stop_capture_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict[s
     if log:
         log(f"capture server: {outcome}; removed {removed} dump(s) of run {ctx.layout.run_id}")
     return {"server": outcome, "dumps_removed": removed}
+
+
+# --- extraction workers ---------------------------------------------------------------
+
+def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[dict, bool]:
+    """Start the detached worker of ``shard``, or return the live one: never two workers on one shard.
+
+    Returns (pid record, attached). Liveness is the pid record checked against
+    /proc start ticks, so a stale record (worker gone, PID reused) starts a new one.
+    """
+    role = worker_role(shard)
+    pid_file = str(ctx.layout.pid_file(role))
+    rec = live_record(ctx.node, pid_file)
+    if rec is not None:
+        if log:
+            log(f"shard {shard}: worker pid {rec['pid']} is still running (record {pid_file}); attaching to it")
+        return rec, True
+    argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
+    proc = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)))
+    if log:
+        log(f"shard {shard}: worker started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}")
+    return {"pid": proc.pid, "pgid": proc.pgid, "start_ticks": proc.start_ticks, "role": role,
+            "log_file": proc.log_file}, False
+
+
+def stop_worker(ctx: RunLike, shard: int, grace_s: float = 15.0, log=None) -> str:
+    return stop_recorded(ctx.node, str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s, log=log)

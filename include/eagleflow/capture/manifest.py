@@ -9,13 +9,15 @@ good record.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ManifestEntry:
     id: str
     index: int
@@ -37,6 +39,17 @@ class ManifestScan:
 
 
 def read_manifest(path: str | os.PathLike) -> ManifestScan:
+    # Tens of thousands of small objects: the cyclic GC would rescan them all, repeatedly, for nothing.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _read_manifest(path)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _read_manifest(path: str | os.PathLike) -> ManifestScan:
     entries: dict[int, ManifestEntry] = {}
     dups: list[int] = []
     bad: list[int] = []
@@ -49,11 +62,26 @@ def read_manifest(path: str | os.PathLike) -> ManifestScan:
     if lines and lines[-1] != b"":
         partial = True          # no newline at the end: a crash mid-append
     lines = lines[:-1]
-    for n, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
+    numbered = None
+    if all(x.strip() for x in lines):
         try:
-            d = json.loads(raw)
+            # Fast path (37k lines in tens of ms): the whole file as one JSON array, one record per line.
+            records = json.loads(b"[" + b",".join(lines) + b"]")
+            if len(records) == len(lines):
+                numbered = list(enumerate(records, start=1))
+        except ValueError:
+            pass
+    if numbered is None:        # a bad or blank line somewhere: parse line by line to find it
+        numbered = []
+        for n, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                numbered.append((n, json.loads(raw)))
+            except ValueError:
+                bad.append(n)
+    for n, d in numbered:
+        try:
             e = ManifestEntry(id=str(d["id"]), index=int(d["index"]), file=str(d["file"]),
                               tokens=int(d["tokens"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]))
         except (ValueError, KeyError, TypeError):
@@ -66,12 +94,23 @@ def read_manifest(path: str | os.PathLike) -> ManifestScan:
 
 
 class ManifestWriter:
-    """Appends entries with one write + fsync each; repairs a partial tail first."""
+    """Appends entries with one unbuffered write each; repairs a partial tail first.
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = True):
+    Group commit: a line reaches the OS at once (a killed process loses
+    nothing), but is fsynced at most every ``fsync_every_s`` and at close.
+    That is safe because the line is written after its sample file was
+    fsynced and renamed: a machine crash can only lose recent lines, whose
+    samples are then redone (their files overwritten), never a line pointing
+    at a file that is not on disk. One fsync per sample would double the
+    journal commits of the storage path.
+    """
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = True, fsync_every_s: float = 1.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        self.fsync_every_s = fsync_every_s
+        self._last_fsync = time.monotonic()
         self._f = open(self.path, "ab")
         if self._f.tell() > 0:
             with open(self.path, "rb") as r:
@@ -80,17 +119,21 @@ class ManifestWriter:
                     self._f.write(b"\n")   # seal the partial line so it stays a bad line, not a merged one
                     self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = True) -> None:
         self._f.flush()
-        if self.fsync:
+        now = time.monotonic()
+        if self.fsync and (force or now - self._last_fsync >= self.fsync_every_s):
             os.fsync(self._f.fileno())
+            self._last_fsync = now
 
     def append(self, entry: ManifestEntry) -> None:
         self._f.write(entry.to_line().encode())
-        self._flush()
+        self._flush(force=False)
 
     def close(self) -> None:
-        self._f.close()
+        if not self._f.closed:
+            self._flush(force=True)
+            self._f.close()
 
     def __enter__(self) -> "ManifestWriter":
         return self

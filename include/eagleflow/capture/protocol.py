@@ -27,6 +27,9 @@ DUMP_AUX = "aux_hidden_states"      # [L, k*H], k aux layers concatenated in ord
 DUMP_LAST = "hidden_states"         # [L, H], the target's final (post-norm) hidden states
 DUMP_IDS = "input_ids"              # [L] int64, what the server actually ran
 
+# rid prefix of the launcher's self-check request (proves the capture hook writes dumps)
+SELFCHECK_PREFIX = "eagleflow-selfcheck-"
+
 _RID_RE = re.compile(r"^(?P<run>[A-Za-z0-9_.-]+)\.s(?P<shard>\d{5})\.(?P<index>\d{8})$")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,6 @@ class SampleWriter:
     def write(self, *, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_states, hidden_states,
               aux_layers: list[int], model: str) -> StoredSample:
         import torch
-        from safetensors.torch import save
 
         n = int(input_ids.shape[0])
         for name, t in (("loss_mask", loss_mask), ("aux_hidden_states", aux_hidden_states),
@@ -69,16 +69,25 @@ class SampleWriter:
             "hidden_states": hidden_states.contiguous(),
         }
         meta = {"id": sample_id, "index": str(index), "aux_layers": json.dumps(list(aux_layers)), "model": model}
-        data = save(tensors, metadata=meta)
-        digest = hashlib.sha256(data).hexdigest()
+        parts = safetensors_parts(tensors, meta)
+        size = sum(len(p) for p in parts)
+        # Hash while the bytes go to disk: hashlib and write/fsync both release the GIL.
+        hasher = hashlib.sha256()
+        hashing = threading.Thread(target=lambda: [hasher.update(p) for p in parts], name="sample-sha256")
+        hashing.start()
         final = self.shard_dir / sample_file_name(index)
-        tmp = self.shard_dir / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
+        tmp = self.shard_dir / f"{TMP_PREFIX}{final.name}.{os.getpid()}.{threading.get_ident()}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            try:
+                with open(tmp, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                    f.flush()
+                    if self.fsync:
+                        os.fsync(f.fileno())
+            finally:
+                hashing.join()
+            digest = hasher.hexdigest()
             _maybe_fault(self.stored)
             os.replace(tmp, final)
             if self.fsync:
@@ -90,7 +99,36 @@ class SampleWriter:
                 pass
             raise
         self.stored += 1
-        return StoredSample(path=final, bytes=len(data), sha256=digest)
+        return StoredSample(path=final, bytes=size, sha256=digest)
+
+
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_parts(tensors: dict, metadata: dict[str, str]) -> list:
+    """A safetensors file as [header, tensor bytes...] without copying the tensors into one buffer.
+
+    Same layout as ``safetensors.torch.save``: u64 little-endian header length,
+    JSON header (padded with spaces to 8 bytes), then the tensors back to back
+    in key order. Readers (``safe_open``) check it; the tests read every file back.
+    """
+    import torch
+
+    header: dict = {"__metadata__": dict(metadata)}
+    views = []
+    offset = 0
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        views.append(memoryview(raw).cast("B") if nbytes else b"")
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-(8 + len(hjson)) % 8)
+    return [len(hjson).to_bytes(8, "little") + hjson, *views]
 
 
 def _maybe_fault(stored_so_far: int) -> None:

@@ -67,6 +67,7 @@ def verify_shard(shard_dir: str | os.PathLike, shard: int, expected: list[int], 
             rep.mismatched.append(e.file)
             continue
         rep.stored += 1
-    extra_entries = [e.file for i, e in scan.entries.items() if i not in set(expected)]
+    wanted = set(expected)
+    extra_entries = [e.file for i, e in scan.entries.items() if i not in wanted]
     rep.extra = sorted((on_disk - recorded) | set(extra_entries))
     return rep

@@ -1,0 +1,208 @@
+"""`eagleflow capture serve --backend sglang`: sglang's own server, with our capture installed at runtime.
+
+Checks first (each failure names what to do): the installed sglang is a
+version we support; the target's sglang model class can capture EAGLE-3
+auxiliary states (``set_eagle3_layers_to_capture``). Then it starts
+``python -m sglang.launch_server`` in this process group with the extraction
+flags (one prefill = one whole sample: no CUDA graphs, no radix cache, no
+chunked prefill), TP from the config, and the env that makes sglang load our
+plugin (``SGLANG_PLUGINS=eagleflow_capture``) in every scheduler process.
+
+Once ``/health_generate`` answers, a self-check request must leave a dump:
+only then is ``<run_dir>/capture_server.json`` written (so "ready" means
+"captures"). SIGTERM to this process group stops sglang with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from eagleflow.config import PipelineConfig
+from eagleflow.layout import RunLayout
+
+from .protocol import SELFCHECK_PREFIX, dump_path, resolve_aux_layers
+from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODE, ENV_MODEL
+
+PLUGIN_NAME = "eagleflow_capture"
+# version -> capture mode of sglang_plugin (see its docstring)
+SUPPORTED_VERSIONS = {"0.5.14": "logits", "0.5.23": "native"}
+MODE_OVERRIDE_ENV = "EAGLEFLOW_SGLANG_CAPTURE_MODE"   # for the GPU check: try the other mode
+
+
+class SglangLaunchError(RuntimeError):
+    pass
+
+
+def installed_sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        raise SglangLaunchError("sglang is not installed in this interpreter "
+                                f"({sys.executable}); install requirements-node.txt on the GPU node, or use "
+                                "capture.backend hf") from None
+
+
+def capture_mode_for(version: str) -> str:
+    mode = SUPPORTED_VERSIONS.get(version)
+    if mode is None:
+        raise SglangLaunchError(f"sglang {version} is not a version eagleflow's capture supports "
+                                f"({', '.join(sorted(SUPPORTED_VERSIONS))}); install one of them "
+                                "(requirements-node.txt pins 0.5.23) or use capture.backend hf")
+    return os.environ.get(MODE_OVERRIDE_ENV) or mode
+
+
+def model_config(model_path: str) -> dict:
+    p = Path(model_path) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SglangLaunchError(f"target_model {model_path} has no config.json; point target_model at a local "
+                                "model folder") from None
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config") or cfg
+
+
+def sglang_model_class(architectures: list[str]):
+    from sglang.srt.models.registry import ModelRegistry
+    cls, _arch = ModelRegistry.resolve_model_cls(architectures)
+    return cls
+
+
+def check_model_supports_capture(model_path: str,
+                                 resolve_class: Callable[[list[str]], type] = sglang_model_class) -> str:
+    """The sglang class name of the target; refuses one without EAGLE-3 aux capture."""
+    archs = model_config(model_path).get("architectures") or []
+    if not archs:
+        raise SglangLaunchError(f"{model_path}/config.json lists no architectures; sglang cannot pick a model class")
+    try:
+        cls = resolve_class(archs)
+    except Exception as e:
+        raise SglangLaunchError(f"sglang has no model class for {archs} ({e}); use capture.backend hf") from None
+    if not hasattr(cls, "set_eagle3_layers_to_capture"):
+        raise SglangLaunchError(
+            f"sglang's {cls.__name__} (for {', '.join(archs)}) has no set_eagle3_layers_to_capture: it cannot "
+            "capture EAGLE-3 auxiliary hidden states. Use a model sglang supports for EAGLE-3 (llama, qwen2/3, "
+            "deepseek_v2/v3, kimi, gpt_oss, glm4_moe, ...) or capture.backend hf")
+    return cls.__name__
+
+
+def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int, version: str, mode: str,
+                  aux_layers: list[int], python: str = sys.executable) -> list[str]:
+    cap = cfg.capture
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(cap.tp), "--dtype", cap.dtype,
+            # one request = one whole prefill = one whole sample:
+            "--disable-cuda-graph", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
+    if version == "0.5.23":
+        argv += ["--disable-prefill-cuda-graph"]    # breakable prefill graphs are on by default there
+    if mode == "native":
+        argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                 "--return-aux-hidden-state-layer-ids", *[str(x) for x in aux_layers]]
+    return argv + list(cap.extra_server_args)
+
+
+def capture_env(*, dump_dir: str, aux_layers: list[int], model: str, mode: str) -> dict[str, str]:
+    return {"SGLANG_PLUGINS": PLUGIN_NAME, ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers),
+            ENV_MODEL: model, ENV_MODE: mode}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    from .client import CaptureServerError, health_generate
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SglangLaunchError(f"sglang exited with code {proc.returncode} while loading; its output is above "
+                                    "in this log")
+        try:
+            health_generate(url, 20)
+            return
+        except CaptureServerError:
+            time.sleep(2)
+    raise SglangLaunchError(f"sglang did not answer {url}/health_generate within {timeout_s:.0f} s")
+
+
+def self_check(url: str, dump_dir: str, timeout_s: float = 120) -> Path:
+    """One capture request; its dump must appear, whole, with the sample's rows."""
+    from .client import generate
+    from .protocol import read_dump
+    rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    generate(url, ids, rid, timeout_s)
+    p = dump_path(dump_dir, rid)
+    deadline = time.monotonic() + 10
+    while not p.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not p.exists():
+        raise SglangLaunchError(f"sglang answered the self-check request {rid} but no dump appeared at {p}: the "
+                                "capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
+                                "venv with its entry point, `pip install -e .`?)")
+    d = read_dump(p)
+    if d.input_ids.tolist() != ids or d.hidden_states.shape[0] != len(ids):
+        raise SglangLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
+    p.unlink()
+    return p
+
+
+def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
+    from .hf_server import write_info_file
+    from .lifecycle import dump_dir as _dump_dir
+
+    try:
+        version = installed_sglang_version()
+        mode = capture_mode_for(version)
+        model_path = str(cfg.resolve(cfg.target_model))
+        cls_name = check_model_supports_capture(model_path)
+        tcfg = _text_config(model_config(model_path))
+        aux = resolve_aux_layers(cfg.capture.aux_layers, int(tcfg["num_hidden_layers"]))
+    except (SglangLaunchError, ValueError) as e:
+        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
+        return 2
+    port = cfg.capture.port or free_port(cfg.capture.host)
+    url = f"http://{cfg.capture.host}:{port}"
+    dumps = _dump_dir(cfg)
+    Path(dumps).mkdir(parents=True, exist_ok=True)
+    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, version=version, mode=mode,
+                         aux_layers=aux)
+    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path, mode=mode)}
+    print(f"eagleflow capture serve: sglang {version} ({mode} mode), {cls_name}, aux layers {aux}: "
+          f"{' '.join(argv)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
+
+    def _forward(signum, _frame):
+        proc.send_signal(signum)
+    signal.signal(signal.SIGTERM, _forward)
+    signal.signal(signal.SIGINT, _forward)
+    try:
+        _wait_healthy(url, proc, cfg.capture.ready_timeout_s)
+        self_check(url, dumps)
+    except Exception as e:
+        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 4
+    dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
+    write_info_file(str(layout.server_info_file), {
+        "url": url, "pid": proc.pid, "backend": "sglang", "model": model_path, "aux_layers": aux,
+        "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
+        "version": version, "capture_mode": mode, "dump_dir": dumps, "started_at": time.time()})
+    print(f"eagleflow capture serve: sglang ready and capturing at {url}", file=sys.stderr, flush=True)
+    return proc.wait()

@@ -1,0 +1,136 @@
+"""The capture phase under Airflow: operators, the readiness trigger and the whole sequence under dag.test()."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.capture_corpus import write_corpus, write_run_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _config(tmp_path: Path, demo_assets) -> Path:
+    p = write_run_config(tmp_path, demo_assets["target_model"], shards=2)
+    data = yaml.safe_load(p.read_text())
+    data["watchdog"] = {"poll_interval_s": 1, "stall_after_s": 20, "startup_grace_s": 30, "health_timeout_s": 10}
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_ready_trigger_round_trips_and_reports_a_dead_server(tmp_path, demo_assets):
+    import asyncio
+
+    from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
+    from eagleflow.airflow.runtime import RunContext
+
+    ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "trig")
+    trig = CaptureServerReadyTrigger(run=ctx.serialize(), timeout_s=5, poll_interval_s=0.1)
+    path, kwargs = trig.serialize()
+    assert path == "eagleflow.airflow.capture_triggers.CaptureServerReadyTrigger"
+    rebuilt = CaptureServerReadyTrigger(**kwargs)
+    assert rebuilt.serialize() == (path, kwargs)
+
+    async def first():
+        async for ev in rebuilt.run():
+            return ev.payload
+    ev = asyncio.run(first())
+    assert ev["status"] == "dead" and "capture server is not running" in ev["detail"]
+
+
+def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_assets, monkeypatch):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.runtime import RunContext
+    from eagleflow.capture.lifecycle import live_record, stop_worker, worker_role
+
+    ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "rerun")
+    ctx.write_run_config()
+    write_corpus(Path(ctx.layout.corpus_dir) / "corpus.parquet", 8, 300)
+    Path(ctx.layout.server_info_file).write_text(json.dumps({"url": "http://127.0.0.1:9"}))  # never answers
+    # keep the worker alive: it waits on the server before its first sample
+    monkeypatch.setenv("EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME", "pause:60")
+    op = ExtractShardOperator(task_id="extract_shard", shard=0)
+    pids = []
+    try:
+        for _ in range(2):
+            with pytest.raises(TaskDeferred) as d:
+                op.run(ctx, {"ti": None})
+            assert d.value.trigger.serialize()[1]["shard"] == 0
+            pids.append(live_record(ctx.node, str(ctx.layout.pid_file(worker_role(0))))["pid"])
+    finally:
+        stop_worker(ctx, 0, grace_s=5)
+    assert pids[0] == pids[1]
+
+
+DAG_FILE = """
+from datetime import datetime
+from pathlib import Path
+
+from airflow.sdk import DAG, Param, task
+
+from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
+                                                 StartCaptureServerOperator, StopCaptureServerOperator,
+                                                 VerifyHiddenStatesOperator)
+from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+
+
+@task
+def make_corpus(**context):
+    from eagleflow.airflow.runtime import RunContext
+    from tests.fixtures.capture_corpus import write_corpus
+    ctx = RunContext.from_airflow(context)
+    write_corpus(Path(ctx.layout.corpus_dir) / "corpus.parquet", 10, 300)
+    return str(ctx.layout.run_dir)
+
+
+with DAG("capture_sequence_test", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         params={"config_path": Param(CONFIG, type="string")}) as dag:
+    write = WriteRunConfigOperator(task_id="write_run_config")
+    corpus = make_corpus()
+    start = StartCaptureServerOperator(task_id="start_capture_server")
+    ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True, poll_interval_s=0.5)
+    shards = PlanShardsOperator(task_id="plan_shards")
+    extract = ExtractShardOperator.partial(task_id="extract_shard").expand(shard=shards.output)
+    stop = StopCaptureServerOperator(task_id="stop_capture_server", grace_s=10)
+    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states")
+    write >> corpus >> start >> ready >> shards >> extract >> stop.as_teardown(setups=start)
+    extract >> verify
+"""
+
+
+def test_capture_sequence_under_dag_test(airflow_db, tmp_path, demo_assets, monkeypatch):
+    """The DAG lives in a file of its own bundle: dag.test() syncs DAGs from bundles, not from memory."""
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "include/eagleflow/airflow/shard_watch.py").exists():
+        pytest.skip("eagleflow.airflow.shard_watch (watchdog) is not there yet")
+    import importlib.util
+
+    cfgp = _config(tmp_path, demo_assets)
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "capture_sequence_test.py").write_text(f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
+    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
+        {"name": "capture-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
+    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    spec = importlib.util.spec_from_file_location("capture_sequence_test_dag", dags / "capture_sequence_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    dr = mod.dag.test()
+    states = {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state
+              for ti in dr.get_task_instances()}
+    assert dr.state == "success", states
+    assert states["extract_shard[0]"] == states["extract_shard[1]"] == "success"
+    assert states["verify_hidden_states"] == states["stop_capture_server"] == "success"
+    run_dir = next(p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
+    for shard in (0, 1):
+        lines = (run_dir / "hidden_states" / f"shard_{shard:05d}" / "manifest.jsonl").read_text().splitlines()
+        assert len(lines) == 5
+    assert not list((tmp_path / "state" / "pids").glob("*.capture_server.json")), "teardown removes the record"
+    assert not [p for p in (tmp_path / "dumps").iterdir() if not p.name.startswith(".")]

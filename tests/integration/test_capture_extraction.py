@@ -1,0 +1,244 @@
+"""Extraction end to end on CPU: the hf capture server (detached, as in production) and CLI workers.
+
+Checks the stored tensors against a direct transformers forward, and that
+crashes (worker SIGKILL, also between temp write and rename; server hang or
+death) neither lose, duplicate nor expose a partial sample.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
+                                         stop_worker, wait_capture_server_ready, worker_role)
+from eagleflow.capture.manifest import read_manifest
+from eagleflow.capture.storage import read_sample
+from eagleflow.config import load_config
+from eagleflow.heartbeat import Heartbeat
+from eagleflow.layout import RunLayout
+from tests.fixtures.capture_corpus import write_corpus, write_run_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+N_SAMPLES = 12
+VOCAB = 300
+
+
+def _ctx(cfgp: Path, run_id: str, n: int = N_SAMPLES) -> LocalRun:
+    cfg = load_config(cfgp)
+    lay = RunLayout.for_run(cfg, run_id)
+    corpus = Path(lay.corpus_dir) / "corpus.parquet"
+    if not corpus.exists():
+        write_corpus(corpus, n, VOCAB, seed=sum(map(ord, run_id)))
+    return LocalRun(cfg=cfg, layout=lay, config_path=str(cfgp))
+
+
+def _worker_argv(ctx: LocalRun, shard: int, url: str | None = None, *extra: str) -> list[str]:
+    argv = [sys.executable, "-m", "eagleflow.cli", "capture", "run", "--config", ctx.config_path,
+            "--run-id", ctx.layout.run_id, "--shard", str(shard), *extra]
+    return argv + (["--url", url] if url else [])
+
+
+def _run_worker(ctx, shard, url=None, env=None, timeout=120, extra=()) -> subprocess.CompletedProcess:
+    return subprocess.run(_worker_argv(ctx, shard, url, *extra), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _manifest_lines(ctx, shard) -> list[dict]:
+    p = Path(ctx.layout.manifest_file(shard))
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+
+
+def _assert_shard_exact(ctx, shard):
+    """Exactly the shard's samples, each once, each file whole; no temp file visible."""
+    d = Path(ctx.layout.shard_dir(shard))
+    expected = [i for i in range(N_SAMPLES) if i % ctx.cfg.capture.shards == shard]
+    lines = _manifest_lines(ctx, shard)
+    assert sorted(e["index"] for e in lines) == expected, "manifest must list every sample exactly once"
+    assert sorted(p.name for p in d.glob("*.safetensors")) == [f"{i:08d}.safetensors" for i in expected]
+    assert not list(d.glob(".tmp-*"))
+    for e in lines:
+        tensors, meta = read_sample(d / e["file"])
+        assert int(meta["index"]) == e["index"] and tensors["input_ids"].shape[0] == e["tokens"]
+
+
+@pytest.fixture(scope="module")
+def server(demo_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("capture")
+    cfgp = write_run_config(tmp, demo_assets["target_model"])
+    ctx = _ctx(cfgp, "full")
+    start_capture_server(ctx)
+    try:
+        info = wait_capture_server_ready(ctx, timeout_s=120, poll_s=0.3)
+        yield ctx, info
+    finally:
+        stop_capture_server(ctx, grace_s=10)
+        assert not Path(ctx.layout.pid_file("capture_server")).exists()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_assets):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(demo_assets["target_model"]).eval()
+
+
+def test_every_sample_matches_a_direct_forward(server, reference):
+    ctx, info = server
+    assert info["aux_layers"] == [1, 3, 4] and info["hidden_size"] == 64 and info["backend"] == "hf"
+    health = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "health", "--config", ctx.config_path,
+                             "--run-id", "full"], capture_output=True, text=True, timeout=60)
+    assert health.returncode == 0 and json.loads(health.stdout)["healthy"] is True
+    for shard in (0, 1):
+        res = _run_worker(ctx, shard)
+        assert res.returncode == 0, res.stderr
+        assert "6/6 samples" in res.stdout
+        _assert_shard_exact(ctx, shard)
+        hb = Heartbeat.read(ctx.layout.heartbeat_file(shard))
+        assert hb.state == "complete" and hb.done == hb.total == 6 and hb.in_flight == []
+    import pyarrow.parquet as pq
+    rows = pq.read_table(Path(ctx.layout.corpus_dir) / "corpus.parquet").to_pylist()
+    for row in rows:
+        t, meta = read_sample(Path(ctx.layout.shard_dir(row["index"] % 2)) / f"{row['index']:08d}.safetensors")
+        with torch.inference_mode():
+            hs = reference(torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states
+        assert t["input_ids"].tolist() == row["input_ids"]
+        assert t["loss_mask"].tolist() == row["loss_mask"]
+        torch.testing.assert_close(t["aux_hidden_states"], torch.cat([hs[i + 1][0] for i in (1, 3, 4)], -1))
+        torch.testing.assert_close(t["hidden_states"], hs[-1][0])
+        assert meta["id"] == row["id"] and json.loads(meta["aux_layers"]) == [1, 3, 4]
+    verify = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "verify", "--config",
+                             ctx.config_path, "--run-id", "full"], capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "OK: 12/12 samples verified" in verify.stdout
+    assert not [p for p in Path(ctx.cfg.capture.dump_dir).iterdir() if p.name.startswith("full.")]
+    # a second run is a no-op resume
+    again = _run_worker(ctx, 0)
+    assert again.returncode == 0 and "6 already stored, 0 to do" in again.stdout
+
+
+def test_worker_killing_itself_between_temp_write_and_rename_resumes_exactly(server):
+    base, info = server
+    ctx = _ctx(Path(base.config_path), "selfkill")
+    # one request in flight: the kill lands at a known point (with two, the other may be anywhere)
+    res = _run_worker(ctx, 0, url=info["url"], env={"EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME": "kill",
+                                                    "EAGLEFLOW_CAPTURE_FAULT_AFTER_N": "2"},
+                      extra=("--set", "capture.in_flight=1"))
+    assert res.returncode == -signal.SIGKILL
+    d = Path(ctx.layout.shard_dir(0))
+    assert len(_manifest_lines(ctx, 0)) == 2
+    assert list(d.glob(".tmp-*")), "the fault fires after the temp file is written"
+    assert len(list(d.glob("0*.safetensors"))) == 2, "no final-named file before its rename"
+    res = _run_worker(ctx, 0, url=info["url"])
+    assert res.returncode == 0, res.stderr
+    assert "2 already stored, 4 to do" in res.stdout and "removed 1 temp file(s)" in res.stdout
+    _assert_shard_exact(ctx, 0)
+
+
+def test_worker_sigkilled_mid_shard_resumes_exactly(server):
+    base, info = server
+    ctx = _ctx(Path(base.config_path), "extkill")
+    d = Path(ctx.layout.shard_dir(1))
+    proc = subprocess.Popen(_worker_argv(ctx, 1, info["url"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME": "pause:60",
+                                 "EAGLEFLOW_CAPTURE_FAULT_AFTER_N": "3"})
+    try:
+        deadline = time.time() + 60
+        # every sample passes through a temp file: wait for those that stay (paused once 3 are stored;
+        # with two threads in flight, the other one may have stored a 4th before it reached the pause)
+        while time.time() < deadline and not (list(d.glob(".tmp-*")) and len(_manifest_lines(ctx, 1)) >= 3):
+            time.sleep(0.1)
+        assert list(d.glob(".tmp-*")), "worker never reached the pause before the rename"
+        time.sleep(1.0)   # let the heartbeat thread write the in-flight request
+        stored = len(_manifest_lines(ctx, 1))
+        hb = Heartbeat.read(ctx.layout.heartbeat_file(1))
+        assert hb.state == "running" and hb.done == stored and hb.total == 6
+        assert hb.in_flight and all(f.id.startswith("extkill.s00001.") and f.since > 0 for f in hb.in_flight)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert len(_manifest_lines(ctx, 1)) == stored in (3, 4)
+    res = _run_worker(ctx, 1, url=info["url"])
+    assert res.returncode == 0, res.stderr
+    assert f"{stored} already stored, {6 - stored} to do" in res.stdout
+    _assert_shard_exact(ctx, 1)
+
+
+def test_rerun_attaches_to_the_live_worker(server):
+    base, info = server
+    ctx = _ctx(Path(base.config_path), "attach")
+    # the worker reads the server URL from the run's capture_server.json
+    Path(ctx.layout.server_info_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(ctx.layout.server_info_file).write_text(json.dumps(info))
+    os.environ["EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME"] = "pause:60"
+    try:
+        rec1, attached1 = start_or_attach_worker(ctx, 0)
+    finally:
+        del os.environ["EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME"]
+    try:
+        deadline = time.time() + 60    # until it is paused before its first rename
+        while time.time() < deadline and not list(Path(ctx.layout.shard_dir(0)).glob(".tmp-*")):
+            time.sleep(0.1)
+        rec2, attached2 = start_or_attach_worker(ctx, 0)
+        assert (attached1, attached2) == (False, True) and rec2["pid"] == rec1["pid"]
+    finally:
+        assert stop_worker(ctx, 0, grace_s=5) == "stopped"
+    assert not Path(ctx.layout.pid_file(worker_role(0))).exists()
+    hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
+    assert hb.state == "failed" and "stopped by SIGTERM" in hb.error
+    # a dead worker's record does not block a new start
+    rec3, attached3 = start_or_attach_worker(ctx, 0)
+    assert not attached3 and rec3["pid"] != rec1["pid"]
+    deadline = time.time() + 60
+    while time.time() < deadline and (Heartbeat.read(ctx.layout.heartbeat_file(0)) or Heartbeat("", 0)).state != "complete":
+        time.sleep(0.2)
+    _assert_shard_exact(ctx, 0)
+
+
+def test_server_hang_or_death_fails_the_worker_clearly_within_its_timeout(demo_assets, tmp_path, monkeypatch):
+    cfgp = write_run_config(tmp_path, demo_assets["target_model"], request_timeout_base_s=2.0,
+                            request_timeout_per_token_s=0.01, in_flight=1)
+    ctx = _ctx(cfgp, "hang")
+    monkeypatch.setenv("EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S", "0.3")   # slow enough to act mid-shard
+    start_capture_server(ctx)
+    try:
+        wait_capture_server_ready(ctx, timeout_s=120, poll_s=0.3)
+        rec = json.loads(Path(ctx.layout.pid_file("capture_server")).read_text())
+        proc = subprocess.Popen(_worker_argv(ctx, 0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and len(_manifest_lines(ctx, 0)) < 2:
+            time.sleep(0.05)
+        os.killpg(rec["pgid"], signal.SIGSTOP)                       # hung: accepts, never answers
+        stopped_at = time.time()
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            os.killpg(rec["pgid"], signal.SIGCONT)
+        took = time.time() - stopped_at
+        assert proc.returncode == 3, err
+        assert "got no answer within" in err and "check its log, restart it" in err and "hang.s00000." in err
+        assert took < 2.0 + 0.01 * 40 + 8, f"worker took {took:.1f} s to notice the hung server"
+        hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
+        assert hb.state == "failed" and "got no answer" in hb.error
+        assert len(_manifest_lines(ctx, 0)) >= 2
+
+        os.killpg(rec["pgid"], signal.SIGKILL)                       # dead: connection refused at once
+        time.sleep(0.5)
+        t0 = time.time()
+        res = _run_worker(ctx, 0)
+        assert res.returncode == 3 and "Connection" in res.stderr and time.time() - t0 < 30
+        assert Heartbeat.read(ctx.layout.heartbeat_file(0)).state == "failed"
+        health = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "health", "--config",
+                                 ctx.config_path, "--run-id", "hang", "--timeout", "2"], capture_output=True, text=True)
+        assert health.returncode == 1 and json.loads(health.stdout)["healthy"] is False
+    finally:
+        stop = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "stop", "--config", ctx.config_path,
+                               "--run-id", "hang", "--grace", "5"], capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert not Path(ctx.layout.pid_file("capture_server")).exists()
