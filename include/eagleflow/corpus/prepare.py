@@ -33,6 +33,7 @@ CORPUS_FILE = "corpus.parquet"
 STATS_FILE = "stats.json"
 BAD_RECORDS_FILE = "bad_records.jsonl"
 SHOWN_BAD_RECORDS = 10
+NORMALISE_ROWS_PER_PROCESS = 20_000  # below this a pool's start costs more than parsing the JSON
 _WRITE_BATCH = 256
 
 
@@ -59,10 +60,11 @@ def _features():
     return norm, tok
 
 
-def _procs(requested: int, rows: int, batch: int) -> int | None:
-    """More processes than batches only costs start-up time."""
+def _split(requested: int, rows: int, max_batch: int) -> tuple[int, int | None]:
+    """(batch size, processes): every process gets work, no more processes than batches."""
+    batch = max(1, min(max_batch, -(-rows // max(requested, 1))))
     n = max(1, min(requested, -(-rows // batch)))
-    return n if n > 1 else None
+    return batch, (n if n > 1 else None)
 
 
 def _column(ds, name: str):
@@ -88,6 +90,14 @@ def _percentiles(lengths) -> dict:
     return {"min": int(a.min()), "mean": round(float(a.mean()), 1), **pct, "max": int(a.max())}
 
 
+def _no_records_left(read: dict[str, int], n_bad: int, dropped: Counter, max_length: int) -> None:
+    raise BadRecordsError(
+        f"corpus: no record left to train on: {sum(read.values())} read "
+        f"({', '.join(f'{k} {v}' for k, v in read.items())}), {n_bad} bad, "
+        f"{sum(dropped.values())} without assistant tokens; check the sources' paths and "
+        f"contents, and corpus.max_length ({max_length})")
+
+
 def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | None = None,
                    mask_method: str = "auto", log: Callable[[str], None] = print) -> dict:
     """Build corpus.parquet and stats.json under the run's corpus dir; return the stats."""
@@ -107,6 +117,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (CORPUS_FILE, STATS_FILE, BAD_RECORDS_FILE):
         (out_dir / stale).unlink(missing_ok=True)  # a failed run must not leave an old claim behind
+    for old_work in out_dir.glob(".work-*"):  # left by a killed run of this same run dir
+        shutil.rmtree(old_work, ignore_errors=True)
     model_path = str(cfg.resolve(cfg.target_model))
     tokenizer = load_tokenizer(model_path)
     method = mask_method_for(tokenizer, mask_method)
@@ -121,13 +133,20 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
             path = cfg.resolve(src.path)
             raw = load_source(src, path, cache_dir=os.path.join(work, "sources"))
             read_per_source[src.name] = len(raw)
-            norm = raw.map(normalise_batch, batched=True, batch_size=1000, num_proc=_procs(procs, len(raw), 1000),
+            if len(raw) == 0:  # datasets' map drops the columns of an empty dataset
+                log(f"corpus: source {src.name}: no records in {path}")
+                normalised.append(datasets.Dataset.from_dict({k: [] for k in norm_features}, features=norm_features))
+                continue
+            # parsing JSON is cheap next to a process pool's start: several processes only for big sources
+            batch, nproc = _split(min(procs, max(1, len(raw) // NORMALISE_ROWS_PER_PROCESS)), len(raw), 1000)
+            norm = raw.map(normalise_batch, batched=True, batch_size=batch, num_proc=nproc,
                            remove_columns=raw.column_names, features=norm_features,
                            fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed},
                            cache_file_name=os.path.join(work, f"norm-{src.name}.arrow"),
                            load_from_cache_file=False, desc=f"normalise {src.name}")
             normalised.append(norm)
-            log(f"corpus: source {src.name}: {len(raw)} record(s) read from {path}")
+            log(f"corpus: source {src.name}: {len(raw)} record(s) read from {path}, "
+                f"normalised in {nproc or 1} process(es) ({time.monotonic() - started:.1f} s so far)")
         merged = datasets.concatenate_datasets(normalised)
 
         # Bad records: counted by kind, all written to bad_records.jsonl, the first ten shown.
@@ -163,17 +182,23 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         good = merged.filter(lambda e: [x is None for x in e], input_columns="error", batched=True,
                              batch_size=1000).remove_columns(["error"])
 
-        tok_batch = 64
+        if len(good) == 0:
+            _no_records_left(read_per_source, n_bad, Counter(), cc.max_length)
+        tok_batch, tok_procs = _split(procs, len(good), 64)
         tokenised = good.map(tokenize_batch, batched=True, batch_size=tok_batch,
-                             num_proc=_procs(procs, len(good), tok_batch), remove_columns=["messages"],
+                             num_proc=tok_procs, remove_columns=good.column_names,
                              features=tok_features,
                              fn_kwargs={"model_path": model_path, "max_length": cc.max_length, "method": method},
                              cache_file_name=os.path.join(work, "tokenised.arrow"), load_from_cache_file=False,
                              desc="tokenise")
+        log(f"corpus: {len(good)} record(s) tokenised in {tok_procs or 1} process(es), batches of {tok_batch} "
+            f"({time.monotonic() - started:.1f} s so far)")
         reasons = _column(tokenised, "drop_reason")
         dropped = Counter({v["values"]: v["counts"] for v in pc.value_counts(reasons.drop_null()).to_pylist()})
         kept = tokenised.filter(lambda r: [x is None for x in r], input_columns="drop_reason", batched=True,
                                 batch_size=1000)
+        if len(kept) == 0:
+            _no_records_left(read_per_source, n_bad, dropped, cc.max_length)
         keys = kept.select_columns(["shuffle_key", "id"]).with_format("arrow")[:]
         order = pc.sort_indices(keys, sort_keys=[("shuffle_key", "ascending"), ("id", "ascending")])
         ordered = kept.select(order.to_numpy(), indices_cache_file_name=os.path.join(work, "order.arrow"))

@@ -76,6 +76,8 @@ def load_source(src: SourceConfig, path: Path, cache_dir: str):
                                   "__raw": datasets.Value("string")})
     if fmt in ("jsonl", "json"):
         gen = _jsonl_lines if fmt == "jsonl" else _json_elements
+        if next(gen(str(path), src.limit), None) is None:  # datasets cannot build from an empty generator
+            return datasets.Dataset.from_dict({"__row": [], "__where": [], "__raw": []}, features=features)
         try:
             ds = datasets.Dataset.from_generator(gen, gen_kwargs={"path": str(path), "limit": src.limit},
                                                  features=features, cache_dir=cache_dir, keep_in_memory=False)

@@ -113,24 +113,45 @@ def encode_conversations(tokenizer, conversations: list[list[dict]], method: str
     return [encode_prefix_diff(tokenizer, conv) for conv in conversations]
 
 
-def tokenize_batch(batch: dict[str, list], *, model_path: str, max_length: int, method: str) -> dict[str, list]:
-    """``datasets.map`` body: messages in; ids, mask, counts and a drop reason (or None) out."""
+def _list_array(rows: list[list[int]], lengths, value_type):
+    """A pyarrow list array built from offsets: ~10x faster than converting nested Python lists."""
+    import itertools
+
+    import numpy as np
+    import pyarrow as pa
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=value_type, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
+def tokenize_batch(batch: dict[str, list], *, model_path: str, max_length: int, method: str):
+    """``datasets.map`` body: messages in; a pyarrow Table of the other columns plus ids, mask,
+    counts and a drop reason (or None) out."""
+    import numpy as np
     tok = load_tokenizer(model_path)
     encoded = encode_conversations(tok, batch["messages"], method)
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_tokens": [], "masked_tokens": [],
-                            "truncated": [], "drop_reason": []}
+    ids_rows, mask_rows, masked_counts, truncated, reasons = [], [], [], [], []
     for ids, mask in encoded:
         had_assistant = any(mask)
-        truncated = len(ids) > max_length
+        truncated.append(len(ids) > max_length)
         ids, mask = ids[:max_length], mask[:max_length]
         masked = sum(mask)
         reason = None
         if masked == 0:
             reason = "no_assistant_tokens_after_truncation" if had_assistant else "no_assistant_tokens"
-        out["input_ids"].append(ids)
-        out["loss_mask"].append(mask)
-        out["num_tokens"].append(len(ids))
-        out["masked_tokens"].append(masked)
-        out["truncated"].append(truncated)
-        out["drop_reason"].append(reason)
-    return out
+        ids_rows.append(ids)
+        mask_rows.append(mask)
+        masked_counts.append(masked)
+        reasons.append(reason)
+    import pyarrow as pa
+    lengths = np.fromiter((len(r) for r in ids_rows), dtype=np.int32, count=len(ids_rows))
+    # A table (not a dict) is written by datasets as is: the other columns are passed through here.
+    passthrough = {k: v for k, v in batch.items() if k != "messages"}
+    return pa.table({**passthrough,
+                     "input_ids": _list_array(ids_rows, lengths, np.int32),
+                     "loss_mask": _list_array(mask_rows, lengths, np.int8),
+                     "num_tokens": pa.array(lengths, pa.int32()),
+                     "masked_tokens": pa.array(masked_counts, pa.int32()),
+                     "truncated": pa.array(truncated, pa.bool_()),
+                     "drop_reason": pa.array(reasons, pa.string())})
