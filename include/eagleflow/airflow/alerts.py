@@ -1,5 +1,95 @@
-"""PLACEHOLDER until the watchdog issue lands: no alert callbacks yet."""
+"""Alert emails on a stall, a retry and a final failure, through the SMTP provider's notifier.
+
+Recipients and the SMTP connection come from the run's own config (its
+``alert_emails`` Param or ``watchdog.alert_emails``, ``watchdog.smtp_conn_id``),
+read when the callback fires, so a run triggered with other recipients mails
+them. No recipients: the callback logs that and sends nothing.
+
+A stall arrives as ``StallDetected`` (subject and diagnosis from the
+watchdog); any other failure is mailed with its exception text.
+"""
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any
+from urllib.parse import quote
+
+from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+from eagleflow.watchdog.diagnosis import StallDetected
+
+log = logging.getLogger(__name__)
+
+
+def task_log_url(base_url: str, context: dict[str, Any]) -> str:
+    """The task instance's log page in the Airflow 3 UI."""
+    ti = context["ti"]
+    url = (f"{base_url.rstrip('/')}/dags/{quote(ti.dag_id, safe='')}/runs/{quote(ti.run_id, safe='')}"
+           f"/tasks/{quote(ti.task_id, safe='')}")
+    map_index = getattr(ti, "map_index", -1)
+    if map_index is not None and map_index >= 0:
+        url += f"/mapped/{map_index}"
+    return url + f"?try_number={getattr(ti, 'try_number', 1)}"
+
+
+def alert_content(context: dict[str, Any], kind: str, base_url: str) -> tuple[str, str]:
+    """(subject, html body) for a failed or retried task."""
+    ti = context["ti"]
+    exc = context.get("exception")
+    try_number = getattr(ti, "try_number", 1)
+    max_tries = getattr(ti, "max_tries", None)
+    where = f"task {ti.task_id}" + (f"[{ti.map_index}]" if getattr(ti, "map_index", -1) not in (None, -1) else "")
+    if isinstance(exc, StallDetected):
+        subject, text = exc.subject, exc.diagnosis
+    else:
+        subject = f"[eagleflow] FAILED {where} of {ti.dag_id}"
+        text = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception recorded"
+    if kind == "retry":
+        next_step = (f"Airflow retries it (try {try_number} failed; up to {max_tries} retries): the retry restarts "
+                     "an unhealthy capture server once and resumes the shard from its manifest.")
+    else:
+        next_step = f"No retries left (try {try_number}): this is the final failure; a person must act."
+    url = task_log_url(base_url, context)
+    body = (f"<p><b>{html.escape(subject)}</b></p>"
+            f"<p>{html.escape(where)} of DAG {html.escape(ti.dag_id)}, run {html.escape(ti.run_id)}. "
+            f"{html.escape(next_step)}</p>"
+            f"<pre>{html.escape(text)}</pre>"
+            f"<p>Task log: <a href=\"{html.escape(url)}\">{html.escape(url)}</a></p>")
+    return subject, body
+
+
+class PipelineAlertNotifier(SmtpNotifier):
+    """SmtpNotifier whose recipients, connection, subject and body are decided per run when it fires."""
+
+    def __init__(self, kind: str):
+        super().__init__(to=[], from_email=None, subject=None, html_content=None)
+        self.kind = kind
+
+    def notify(self, context) -> None:
+        from eagleflow.airflow.runtime import RunContext
+        try:
+            params = dict(context.get("params") or {})
+            if not params.get("config_path") and params.get("config_paths"):
+                params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
+            cfg = RunContext.from_params(params, context["run_id"]).cfg
+        except Exception as e:  # a broken config must not hide the failure it accompanies
+            log.error("eagleflow alert (%s) not sent: the run's config cannot be read: %s", self.kind, e)
+            return
+        wd = cfg.watchdog
+        if not wd.alert_emails:
+            log.info("eagleflow alert (%s) for %s: no recipients configured (watchdog.alert_emails / the "
+                     "alert_emails Param); nothing sent", self.kind, context["ti"].task_id)
+            return
+        self.to = list(wd.alert_emails)
+        self.smtp_conn_id = wd.smtp_conn_id
+        self.subject, self.html_content = alert_content(context, self.kind, wd.airflow_base_url)
+        self.__dict__.pop("hook", None)  # the cached hook was built for the default connection
+        super().notify(context)
+        log.info("eagleflow alert (%s) sent to %s: %s", self.kind, ", ".join(self.to), self.subject)
 
 
 def pipeline_failure_callbacks() -> dict:
-    return {}
+    """default_args entries: mail on every retry and on the final failure."""
+    return {"on_failure_callback": PipelineAlertNotifier("failure"),
+            "on_retry_callback": PipelineAlertNotifier("retry")}

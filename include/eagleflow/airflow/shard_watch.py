@@ -6,9 +6,14 @@ watcher's memory (when a D state was first seen, the GPU window) in a small
 state file, so the trigger itself holds no state a triggerer restart would lose.
 
 Polls are paced from their start: the next one begins ``poll_interval_s``
-after the previous began (or at once if it took longer). With a poll bounded
-by the health-check timeout, the time from the last progress to the event is
-at most ``stall_after_s + 2 x poll_interval_s`` (see WatchdogConfig).
+after the previous began (or at once if it took longer). The server is asked
+for health only once progress is stale, so polls before that are quick; the
+detecting poll starts at most one interval after progress turned stale and
+lasts at most the health timeout plus the command's cost (~2 s). Hence the
+time from the last progress to the event is at most
+``WatchdogConfig.detection_bound_s`` = stall_after + poll_interval +
+max(poll_interval, health_timeout + 2 s), which is the issue's
+``stall_after_s + 2 x poll_interval_s`` whenever the health check fits in a poll.
 
 Every trigger yields exactly one event:
 ``{"status": "complete", "summary": str}`` or

@@ -15,7 +15,7 @@ The rules, in order:
      catches that case instead);
    - an in-flight request is older than its own timeout;
    - the worker is alive but its heartbeat has not been rewritten for
-     ``max(5 x heartbeat interval, 10 s)`` (the process is frozen);
+     ``max(5 x heartbeat interval, stall_after_s, 10 s)`` (the process is frozen);
    - the worker (or a thread) has been in D state for ``d_state_after_s``;
    - the GPUs hold memory above baseline at 0 % for ``gpu_window_s``;
    - a shard worker has no request in flight at all.
@@ -32,8 +32,17 @@ from eagleflow.watchdog.signals import Observation, progress_at
 
 
 def heartbeat_stale_after_s(cfg: PipelineConfig) -> float:
-    """How old a heartbeat may be before the writer itself counts as frozen."""
-    return max(5 * cfg.capture.heartbeat_interval_s, 10.0)
+    """How old a heartbeat may be before the writer itself counts as frozen.
+
+    Not just a few intervals: the writer fsyncs, and on a node busy writing
+    hidden states one fsync can take seconds (seen at 4 s on a loaded CI box).
+    """
+    return max(5 * cfg.capture.heartbeat_interval_s, cfg.watchdog.stall_after_s, 10.0)
+
+
+def no_step_limit_s(cfg: PipelineConfig) -> float:
+    """The longest a trainer step may take before it counts as stuck whatever else is seen."""
+    return max(20 * cfg.watchdog.stall_after_s, 300.0)
 
 
 def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
@@ -45,6 +54,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     p_age = None if p_at is None else max(0.0, now - p_at)
     unit = hb.unit if hb else "samples"
     counts = f"{done:,}/{total:,} done" if total else f"{done:,} done"
+    counts_u = (f"{done:,}/{total:,} {unit} done" if total else f"{done:,} {unit} done")
     last_txt = f"last at {_clock(p_at)}" if p_at else "never"
 
     def diag(verdict: str, headline: str, evidence: list[str] | None = None, with_log: bool = False) -> StallDiagnosis:
@@ -55,21 +65,21 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
 
     # 1. the job said how it ended
     if hb is not None and hb.state == "complete":
-        return diag("complete", f"{counts} {unit}; {hb.progress_line()}")
+        return diag("complete", hb.progress_line())
     if hb is not None and hb.state == "failed":
         ev = [f"the job reported: {hb.error or 'no error text'}"]
-        ev += _disk_evidence(obs)
+        ev += _server_process_evidence(obs) + _disk_evidence(obs)
         return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True)
 
     # 2. the worker is gone
     w = obs.worker
     if not w.recorded:
-        return diag("dead", f"no {w.role} process is recorded (no pid file); {counts}", _disk_evidence(obs),
+        return diag("dead", f"no {w.role} process is recorded (no pid file); {counts_u}", _disk_evidence(obs),
                     with_log=True)
     if not w.alive:
-        what = "is a zombie" if w.zombie else "is gone"
+        what = "is a zombie (exited, not yet reaped)" if w.zombie else "is gone"
         hb_txt = f"; last heartbeat at {_clock(hb.time)}" if hb else "; it never wrote a heartbeat"
-        ev = [f"{counts} {unit}, {last_txt}{hb_txt}"] + _disk_evidence(obs)
+        ev = [f"{counts_u}, {last_txt}{hb_txt}"] + _server_process_evidence(obs) + _disk_evidence(obs)
         if obs.heartbeat_error:
             ev.append(obs.heartbeat_error)
         return diag("dead", f"worker pid {w.pid} {what} without completing", ev, with_log=True)
@@ -82,10 +92,15 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     nothing_yet = hb is None or hb.done <= hb.resumed
     started = w.started_at or (hb.started_at if hb else None) or now
     if nothing_yet and now - started < wd.startup_grace_s:
-        return diag("starting", f"{counts} {unit}; started {now - started:.0f} s ago, within the "
+        # The grace covers loading (0 %, nothing done), not a process that is visibly frozen or gone.
+        frozen = _frozen_evidence(obs, cfg)
+        if frozen and p_age is not None and p_age >= wd.stall_after_s:
+            head = f"nothing completed {now - started:.0f} s after the start ({counts}), inside the startup grace"
+            return diag("stalled", head, frozen, with_log=True)
+        return diag("starting", f"{counts_u}; started {now - started:.0f} s ago, within the "
                                 f"{wd.startup_grace_s:.0f} s startup grace")
     if p_age is not None and p_age < wd.stall_after_s:
-        return diag("healthy", f"{counts} {unit}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago)")
+        return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago)")
 
     # 4. progress is stale: stalled only with independent evidence
     head = f"no {unit[:-1] if unit.endswith('s') else unit} completed for {p_age:.0f} s ({counts}, {last_txt})"
@@ -96,12 +111,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
 
     s = obs.server
     if obs.job.uses_server:
-        if s is None or not s.recorded:
-            bad.append("no capture server is recorded (no pid file)")
-        elif not s.alive:
-            bad.append(f"server pid {s.pid} is {'a zombie' if s.zombie else 'gone'}")
-        elif s.stopped:
-            bad.append(f"server pid {s.pid} is stopped (state {s.state}: SIGSTOP or a debugger), so it cannot answer")
+        bad += _server_process_evidence(obs)
         h = obs.health
         if h.checked and h.ok:
             fine.append(f"server answered /health_generate in {h.latency_s:.1f} s")
@@ -117,6 +127,12 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         if s is not None and s.alive and s.d_state and s.d_since is not None and now - s.d_since >= wd.d_state_after_s:
             bad.append(f"server pid {s.pid} in D state for {now - s.d_since:.0f} s"
                        + (f" (waiting in {s.wchan})" if s.wchan else ""))
+
+    if gpu.applicable and gpu.readings:
+        if gpu.idle_held_since is not None and now - gpu.idle_held_since >= wd.gpu_window_s:
+            bad.append(f"{_gpu_span(obs)} hold {_held_gb(obs):.1f} GB at 0 % for {now - gpu.idle_held_since:.0f} s")
+        elif gpu_busy:
+            fine.append(f"{_gpu_span(obs)} busy ({_max_util(obs):.0f} % now)")
 
     if hb is not None:
         overdue = []
@@ -144,16 +160,41 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         bad.append(f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
                    + (f" (waiting in {w.wchan})" if w.wchan else ""))
 
-    if gpu.applicable and gpu.readings:
-        if gpu.idle_held_since is not None and now - gpu.idle_held_since >= wd.gpu_window_s:
-            bad.append(f"{_gpu_span(obs)} hold {_held_gb(obs):.1f} GB at 0 % for {now - gpu.idle_held_since:.0f} s")
-        elif gpu_busy:
-            fine.append(f"{_gpu_span(obs)} busy ({_max_util(obs):.0f} % now)")
     bad += _disk_evidence(obs, only_low=True)
+    if not obs.job.uses_server and p_age is not None and p_age >= no_step_limit_s(cfg):
+        # a trainer has no per-request timeout: a deadlock that keeps its heartbeat thread and the GPU
+        # spinning (an NCCL hang reads 100 %) would otherwise stay "slow" for ever
+        bad.append(f"no step for {p_age:.0f} s, over the {no_step_limit_s(cfg):.0f} s limit for one step")
 
     if bad:
         return diag("stalled", head, bad, with_log=True)
     return diag("slow", head, fine or ["no signal says it is stuck"])
+
+
+def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[str]:
+    """Signals that no loading phase explains: a stopped or long-D worker, a stale heartbeat, a dead server."""
+    w, hb, now = obs.worker, obs.heartbeat, obs.now
+    out = _server_process_evidence(obs) if obs.server is not None and obs.server.recorded else []
+    if w.stopped:
+        out.append(f"worker pid {w.pid} is stopped (state {w.state})")
+    if w.d_state and w.d_since is not None and now - w.d_since >= cfg.watchdog.d_state_after_s:
+        out.append(f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s")
+    if hb is not None and now - hb.time > heartbeat_stale_after_s(cfg):
+        out.append(f"worker pid {w.pid} is alive but its heartbeat was last written {now - hb.time:.0f} s ago")
+    return out
+
+
+def _server_process_evidence(obs: Observation) -> list[str]:
+    s = obs.server
+    if not obs.job.uses_server:
+        return []
+    if s is None or not s.recorded:
+        return ["no capture server is recorded (no pid file)"]
+    if not s.alive:
+        return [f"server pid {s.pid} is {'a zombie (exited, not yet reaped)' if s.zombie else 'gone'}"]
+    if s.stopped:
+        return [f"server pid {s.pid} is stopped (state {s.state}: SIGSTOP or a debugger), so it cannot answer"]
+    return []
 
 
 # --------------------------------------------------------------------------- phrasing helpers

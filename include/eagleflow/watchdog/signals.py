@@ -180,46 +180,28 @@ class GpuSampler(Protocol):
 
 
 class ProbeSampler:
-    """Adapts eagleflow.gpu's probe (``probe_for(node, cfg).snapshot()``) to GpuReading."""
+    """Adapts eagleflow.gpu (``probe_for(node, cfg).snapshot()`` and ``IdlePolicy``) to GpuReading."""
 
     def __init__(self, cfg: PipelineConfig):
-        from eagleflow.gpu import probe_for
+        from eagleflow.gpu import IdlePolicy, probe_for
         from eagleflow.nodes import LocalNode
         self.cfg = cfg
         self.probe = probe_for(LocalNode(name=cfg.node.name), cfg)
-        self.baselines = _load_baselines(cfg)
-        self.select = set(cfg.gpu.select)
+        baseline_text = None
+        if cfg.gpu.baseline_file:
+            try:
+                baseline_text = Path(cfg.resolve(cfg.gpu.baseline_file)).read_text()
+            except OSError:
+                baseline_text = None  # no baseline yet: the margin over 0 MiB still tells "held"
+        self.policy = IdlePolicy.from_config(cfg, baseline_text)
 
     def sample(self) -> list[GpuReading]:
-        out = []
-        for s in self.probe.snapshot():
-            if self.select and str(s.index) not in self.select and s.uuid not in self.select:
-                continue
-            base = self.baselines.get(s.uuid, 0.0)
-            held = s.memory_used_mib is not None and s.memory_used_mib > base + self.cfg.gpu.idle_threshold_mib
-            out.append(GpuReading(index=s.index, name=s.name, memory_used_mib=s.memory_used_mib,
-                                  memory_total_mib=s.memory_total_mib, utilization_pct=s.utilization_pct,
-                                  held=held))
-        return out
-
-
-def _load_baselines(cfg: PipelineConfig) -> dict[str, float]:
-    path = cfg.resolve(cfg.gpu.baseline_file) if cfg.gpu.baseline_file else None
-    if not path:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    if isinstance(data, dict) and isinstance(data.get("baselines"), dict):
-        data = data["baselines"]
-    out = {}
-    for k, v in (data.items() if isinstance(data, dict) else []):
-        if isinstance(v, (int, float)):
-            out[k] = float(v)
-        elif isinstance(v, dict) and isinstance(v.get("memory_used_mib"), (int, float)):
-            out[k] = float(v["memory_used_mib"])
-    return out
+        from eagleflow.gpu.idle_policy import select_gpus
+        snaps = select_gpus(self.probe.snapshot(), list(self.cfg.gpu.select), self.cfg.node.name)
+        return [GpuReading(index=s.index, name=s.name, memory_used_mib=s.memory_used_mib,
+                           memory_total_mib=s.memory_total_mib, utilization_pct=s.utilization_pct,
+                           held=s.memory_used_mib is not None and s.memory_used_mib > self.policy.allowed_mib(s.uuid))
+                for s in snaps]
 
 
 def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory, now: float,

@@ -1,0 +1,152 @@
+"""Operators of ``eagle3_shard_reconcile``: find unattended incomplete shards, rerun them watched, mail a summary.
+
+The decisions are made on the node by ``eagleflow reconcile scan|claim|release``
+(eagleflow.watchdog.reconcile); these operators only run those commands and
+watch the restarted workers with the same ShardWatchTrigger as the pipeline.
+"""
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.config import load_config
+from eagleflow.layout import RunLayout
+
+
+def _reconcile_config_path(ctx: RunContext) -> str:
+    """The reconcile run's config on the node: beside the node state, never a run dir of its own."""
+    return str(ctx.layout.state_dir / "reconcile" / "config.json")
+
+
+def _scan(ctx: RunContext, latest: int) -> list[dict]:
+    path = _reconcile_config_path(ctx)
+    ctx.node.write_text(path, json.dumps(ctx.cfg.model_dump(mode="json")))
+    res = ctx.node.check(ctx.node.eagleflow_argv("reconcile", "scan", "--config", path, "--latest", str(latest)),
+                         timeout=300)
+    return [json.loads(line) for line in res.stdout.splitlines() if line.strip().startswith("{")]
+
+
+class FindIncompleteShardsOperator(RunOperator):
+    """The shards of the latest runs that are incomplete with no live worker (the mapped reruns' input)."""
+
+    def __init__(self, *, latest_runs: int | str = 3, **kw):
+        super().__init__(**kw)
+        self.latest_runs = latest_runs
+
+    template_fields = ("latest_runs",)
+
+    def run(self, ctx, context):
+        states = _scan(ctx, int(self.latest_runs))
+        for st in states:
+            self.log.info("%s%s", st["line"], "  -> rerun" if st["needs_rerun"] else "")
+        todo = [{"run_id": st["run_id"], "shard": st["shard"], "run_config": st["run_config"],
+                 "stored": st["stored"], "expected": st["expected"]} for st in states if st["needs_rerun"]]
+        self.log.info("%d shard(s) to rerun of %d looked at on node %s", len(todo), len(states), ctx.node.name)
+        context["ti"].xcom_push(key="scanned", value=states)
+        return todo
+
+
+class RerunShardOperator(BaseOperator):
+    """Claim one shard on the node (lock, recheck, server, worker), then watch it to the end."""
+
+    ui_color = "#fdf2d0"
+    template_fields = ("target",)
+
+    def __init__(self, *, target: dict, **kw):
+        super().__init__(**kw)
+        self.target = target
+
+    def _run_context(self, context) -> RunContext:
+        # the run's own config, as its pipeline wrote it on the node; the node from the reconcile config
+        node_ctx = RunContext.from_airflow(context)
+        text = node_ctx.node.read_text(self.target["run_config"])
+        if text is None:
+            raise FileNotFoundError(f"run config {self.target['run_config']} vanished from node {node_ctx.node.name}")
+        cfg = load_config(data=json.loads(text))
+        return RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, self.target["run_id"]), _node=node_ctx.node)
+
+    def execute(self, context):
+        ctx = self._run_context(context)
+        shard = int(self.target["shard"])
+        ti = context.get("ti")
+        if ti is not None and (ti.try_number or 1) > 1:
+            # the rerun itself stalled: same recovery as the pipeline's retry (stuck worker, frozen server)
+            from eagleflow.watchdog.recovery import recover_before_retry
+            recover_before_retry(ctx, shard, self.log)
+        res = ctx.node.run(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard)),
+                           timeout=ctx.cfg.capture.ready_timeout_s + 300)
+        for line in res.stderr.strip().splitlines()[-20:]:
+            self.log.info("claim (node %s): %s", ctx.node.name, line)
+        try:
+            result = json.loads(res.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            raise RuntimeError(f"`eagleflow reconcile claim --shard {shard}` failed on node {ctx.node.name} "
+                               f"(exit {res.exit_code}): {res.stderr.strip()[-1500:]}") from None
+        self.log.info("run %s shard %d: %s (%s)", ctx.layout.run_id, shard, result["action"], result["reason"])
+        if result["action"] == "skipped":
+            ctx.close()
+            return {**self.target, "outcome": "skipped", "reason": result["reason"]}
+        from eagleflow.airflow.shard_watch import ShardWatchTrigger
+        trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
+        ctx.close()
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def execute_complete(self, context, event: dict[str, Any]):
+        if event.get("status") == "complete":
+            self.log.info("run %s shard %s rerun complete: %s", self.target["run_id"], self.target["shard"],
+                          event.get("summary"))
+            return {**self.target, "outcome": "complete", "reason": event.get("summary", "")}
+        from eagleflow.watchdog.diagnosis import StallDetected
+        raise StallDetected(event.get("subject") or f"rerun of shard {self.target['shard']} {event.get('status')}",
+                            event.get("diagnosis") or str(event))
+
+
+class ReconcileSummaryOperator(RunOperator):
+    """After the reruns (whatever their outcome): release servers reconcile started, mail what was rerun."""
+
+    def run(self, ctx, context):
+        ti = context["ti"]
+        todo = ti.xcom_pull(task_ids="find_incomplete_shards") or []
+        if not todo:
+            self.log.info("nothing was rerun: every shard of the latest runs is complete or has a live worker")
+            return {"rerun": 0, "summary": "nothing to rerun"}
+        after = {(s["run_id"], s["shard"]): s for s in _scan(ctx, 1000)}
+        lines = []
+        for t in todo:
+            now = after.get((t["run_id"], t["shard"]))
+            stored = now["stored"] if now else "?"
+            state = ("complete" if now and now["stored"] >= now["expected"] else
+                     "still incomplete" + (", worker running" if now and now["worker_alive"] else ""))
+            lines.append(f"run {t['run_id']} shard {t['shard']}: {t['stored']}/{t['expected']} -> "
+                         f"{stored}/{t['expected']} stored ({state})")
+        for run_id in sorted({t["run_id"] for t in todo}):
+            t = next(x for x in todo if x["run_id"] == run_id)
+            res = ctx.node.run(ctx.node.eagleflow_argv("reconcile", "release", "--config", t["run_config"],
+                                                       "--run-id", run_id), timeout=300)
+            lines.append(f"run {run_id} capture server: {res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr.strip()[-300:]}")
+        summary = "\n".join(lines)
+        self.log.info("reconcile summary:\n%s", summary)
+        subject = f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s)"
+        _mail(ctx, context, subject, summary, self.log)
+        return {"rerun": len(todo), "summary": summary}
+
+
+def _mail(ctx: RunContext, context, subject: str, text: str, log) -> None:
+    wd = ctx.cfg.watchdog
+    if not wd.alert_emails:
+        log.info("no recipients configured (watchdog.alert_emails): summary not mailed")
+        return
+    from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+    from eagleflow.airflow.alerts import task_log_url
+    url = task_log_url(wd.airflow_base_url, context)
+    body = (f"<p><b>{html.escape(subject)}</b></p><pre>{html.escape(text)}</pre>"
+            f"<p>Task log: <a href=\"{html.escape(url)}\">{html.escape(url)}</a></p>")
+    SmtpNotifier(to=list(wd.alert_emails), subject=subject, html_content=body,
+                 smtp_conn_id=wd.smtp_conn_id).notify(context)
+    log.info("reconcile summary mailed to %s", ", ".join(wd.alert_emails))
+

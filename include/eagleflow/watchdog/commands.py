@@ -1,0 +1,126 @@
+"""`eagleflow watch` (the live diagnosis of a shard or the trainer) and `eagleflow recover`.
+
+``eagleflow watch --shard I --json`` is what the Airflow trigger runs on the
+node at every poll: one command, one JSON line, one SSH round trip.
+
+Exit codes of `eagleflow watch`: 0 healthy, starting or complete; 3 slow;
+4 stalled; 5 dead; 6 failed (2 is a config error).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from eagleflow.cliargs import add_run_args, run_from_args
+
+
+def register(sub) -> None:
+    w = sub.add_parser("watch", help="diagnose an extraction shard or the trainer: healthy, slow, stalled, dead",
+                       description=__doc__)
+    add_run_args(w)
+    which = w.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shard", type=int, help="the extraction shard to watch")
+    which.add_argument("--train", action="store_true", help="watch the draft training job")
+    w.add_argument("--json", action="store_true", help="print the diagnosis as one JSON line")
+    w.add_argument("--follow", action="store_true",
+                   help="look again every watchdog.poll_interval_s until the job completes, stalls or dies")
+    w.set_defaults(func=_watch)
+
+    r = sub.add_parser("recover", help="before a shard's retry: restart an unhealthy capture server once per "
+                                       "incident (under a node lock), free and verify the GPUs")
+    add_run_args(r)
+    r.add_argument("--shard", type=int, required=True, help="the shard about to be retried (for the log)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=_recover)
+
+    c = sub.add_parser("reconcile", help="find extraction shards left incomplete with no worker, and rerun them")
+    csub = c.add_subparsers(dest="reconcile_command", metavar="ACTION", required=True)
+    sc = csub.add_parser("scan", help="list the shards of the latest runs under run_root, as JSON lines")
+    add_run_args(sc)
+    sc.add_argument("--latest", type=int, default=3, help="how many of the newest runs to look at")
+    sc.set_defaults(func=_reconcile_scan)
+    cl = csub.add_parser("claim", help="under a node lock: start the shard's worker (and the server) if still needed")
+    add_run_args(cl)
+    cl.add_argument("--shard", type=int, required=True)
+    cl.set_defaults(func=_reconcile_claim)
+    rl = csub.add_parser("release", help="stop the run's capture server if reconcile started it and it is unused")
+    add_run_args(rl)
+    rl.set_defaults(func=_reconcile_release)
+
+
+def _watch(args) -> int:
+    from .signals import WatchMemory, WatchedJob, memory_path, observe
+    from .policy import decide
+
+    cfg, layout = run_from_args(args)
+    if args.shard is not None and not 0 <= args.shard < cfg.capture.shards:
+        print(f"eagleflow watch: --shard {args.shard} is outside 0..{cfg.capture.shards - 1} "
+              f"(capture.shards = {cfg.capture.shards})", file=sys.stderr)
+        return 2
+    job = WatchedJob(shard=None if args.train else args.shard, num_shards=cfg.capture.shards)
+    mpath = memory_path(layout, job)
+    while True:
+        started = time.monotonic()
+        mem = WatchMemory.load(mpath)
+        diag = decide(observe(cfg, layout, job, mem), cfg)
+        mem.save(mpath)
+        if args.json:
+            print(diag.to_json(), flush=True)
+        else:
+            print(diag.summary if args.follow and diag.status is None else diag.render(), flush=True)
+        if not args.follow or diag.status is not None:
+            return diag.exit_code
+        time.sleep(max(0.0, cfg.watchdog.poll_interval_s - (time.monotonic() - started)))
+
+
+def _recover(args) -> int:
+    from eagleflow.capture.lifecycle import LocalRun
+    from .recovery import recover_capture_server
+
+    cfg, layout = run_from_args(args)
+    run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        lines.append(msg)
+        print(msg, file=sys.stderr, flush=True)
+
+    result = recover_capture_server(run, args.shard, log=log)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(result["summary"])
+    return 0 if result["ok"] else 1
+
+
+def _reconcile_scan(args) -> int:
+    from dataclasses import asdict
+    from .reconcile import scan
+
+    cfg, _ = run_from_args(args)
+    for st in scan(cfg, args.latest):
+        print(json.dumps({**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}), flush=True)
+    return 0
+
+
+def _reconcile_claim(args) -> int:
+    from eagleflow.capture.lifecycle import LocalRun
+    from .reconcile import claim
+
+    cfg, layout = run_from_args(args)
+    result = claim(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shard,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _reconcile_release(args) -> int:
+    from eagleflow.capture.lifecycle import LocalRun
+    from .reconcile import release
+
+    cfg, layout = run_from_args(args)
+    result = release(LocalRun(cfg=cfg, layout=layout, config_path=args.config),
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result), flush=True)
+    return 0

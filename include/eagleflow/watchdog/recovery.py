@@ -1,0 +1,181 @@
+"""Put a shard back on its feet before its retry: restart an unhealthy capture server once per incident.
+
+Several shards notice one frozen server at about the same time, and each
+retry calls this. Under a node lock (<state_dir>/locks/<run>.capture_server.lock)
+the first one finds the server unhealthy and restarts it; the others, once
+they get the lock, find it healthy (or still loading after that restart) and
+only wait. The incident log beside the lock records each restart.
+
+Steps of a restart: stop the shard's stuck worker (its pid record) so the
+retry never runs two workers on one shard; stop the server (pid record:
+TERM, grace, KILL, with a SIGCONT first so a SIGSTOPped server can act on
+TERM); wait until the GPUs read idle again (baseline + margin, eagleflow.gpu.IdlePolicy);
+start the server; wait until /health_generate answers.
+
+``recover_capture_server`` runs ON the node (``eagleflow recover``);
+``recover_before_retry`` is what the Airflow operator calls: one node command.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any, Callable
+
+from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, live_record, read_pid_record,
+                                         start_capture_server, stop_capture_server, stop_recorded,
+                                         wait_capture_server_ready, worker_role)
+from eagleflow.nodes.proc import read_proc_state
+from eagleflow.watchdog.node_lock import NodeLock
+
+Log = Callable[[str], None]
+
+
+def lock_path(run: RunLike) -> str:
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.lock")
+
+
+def incidents_path(run: RunLike) -> str:
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.incidents.jsonl")
+
+
+def read_incidents(run: RunLike) -> list[dict]:
+    try:
+        with open(incidents_path(run)) as f:
+            return [json.loads(line) for line in f if line.strip().endswith("}")]
+    except (OSError, ValueError):
+        return []
+
+
+def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[str, Any]:
+    """On the node: make the run's capture server healthy, restarting it at most once per incident."""
+    cfg = run.cfg
+    lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
+    t0 = time.time()
+    # Long enough for another shard's full restart: stop, GPU wait, model load.
+    waited = lock.acquire(timeout_s=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+    try:
+        if waited:
+            log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
+        stopped_worker = _stop_stuck_worker(run, shard, log)
+        state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
+        if state == "ready":
+            last = read_incidents(run)[-1:] or [None]
+            by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last[0]['at']))} for shard "
+                  f"{last[0]['shard']})") if last[0] and time.time() - last[0]["at"] < 3600 else ""
+            summary = f"capture server healthy at {info['url']}{by}: nothing to restart"
+            log(f"shard {shard}: {summary}")
+            return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
+        rec = read_pid_record(run.node, str(run.layout.pid_file(SERVER_ROLE)))
+        if state == "loading" and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s):
+            log(f"shard {shard}: capture server pid {rec['pid']} was restarted by a recovery "
+                f"{time.time() - float(rec['started_at']):.0f} s ago and is loading ({detail}); waiting for it")
+            info = wait_capture_server_ready(run, log=log)
+            summary = f"capture server pid {rec['pid']} became ready at {info['url']}; no second restart"
+            return {"ok": True, "action": "waited", "summary": summary, "worker": stopped_worker}
+        reason = detail if state == "dead" else f"not answering /health_generate within " \
+                                                 f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
+        log(f"shard {shard}: capture server unhealthy: {reason}; restarting it")
+        old_pid = rec["pid"] if rec else None
+        _wake_if_stopped(run, rec)
+        stop_capture_server(run, grace_s=min(cfg.gpu.kill_grace_s, 30.0), log=log)
+        gpus = _free_and_verify_gpus(run, log)
+        proc = start_capture_server(run, log=log)
+        info = wait_capture_server_ready(run, log=log)
+        new_pid = proc.pid if hasattr(proc, "pid") else proc.get("pid")
+        incident = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid,
+                    "new_pid": new_pid, "url": info.get("url"), "gpus": gpus}
+        with open(incidents_path(run), "a") as f:
+            f.write(json.dumps(incident) + "\n")
+        summary = (f"capture server restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
+                   f"at {info.get('url')}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
+        log(summary)
+        return {"ok": True, "action": "restarted", "summary": summary, "worker": stopped_worker,
+                "incident": incident}
+    except Exception as e:  # the retry must say what went wrong, never hang on it
+        summary = f"recovery for shard {shard} failed: {type(e).__name__}: {e}"
+        log(summary)
+        return {"ok": False, "action": "failed", "summary": summary}
+    finally:
+        lock.release()
+
+
+def _stop_stuck_worker(run: RunLike, shard: int, log: Log) -> str:
+    """The diagnosed worker may still be alive (blocked on a frozen server): never let two run one shard."""
+    pid_file = str(run.layout.pid_file(worker_role(shard)))
+    rec = live_record(run.node, pid_file)
+    if rec is None:
+        return "not running"
+    _wake_if_stopped(run, rec)
+    outcome = stop_recorded(run.node, pid_file, grace_s=10.0, log=log)
+    return f"pid {rec['pid']} {outcome}"
+
+
+def _restarted_by_us_and_loading(run: RunLike, rec: dict | None, within_s: float) -> bool:
+    """The same incident: the live server is the one a recovery started less than ``within_s`` ago."""
+    if not rec or not rec.get("started_at"):
+        return False
+    last = read_incidents(run)[-1:]
+    if not last or last[0].get("new_pid") != rec.get("pid"):
+        return False
+    st = read_proc_state(int(rec["pid"]))
+    return (st is not None and st.state not in ("T", "t", "Z")
+            and time.time() - float(rec["started_at"]) < within_s)
+
+
+def _wake_if_stopped(run: RunLike, rec: dict | None) -> None:
+    """A stopped (SIGSTOP) group keeps TERM pending; CONT lets it act on the TERM that follows."""
+    if not rec:
+        return
+    st = read_proc_state(int(rec["pid"]))
+    if st is not None and st.state in ("T", "t"):
+        run.node.signal(int(rec.get("pgid") or rec["pid"]), signal.SIGCONT, group=True)
+
+
+def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
+    """After the server's process group stopped: wait until the selected GPUs read idle (baseline + margin)."""
+    cfg = run.cfg
+    if not cfg.node.has_gpu:
+        return "not applicable (node.has_gpu is false)"
+    from eagleflow.gpu import IdlePolicy, probe_for
+    probe = probe_for(run.node, cfg)
+    baseline = None
+    if cfg.gpu.baseline_file:
+        baseline = run.node.read_text(str(cfg.resolve(cfg.gpu.baseline_file)))
+    policy = IdlePolicy.from_config(cfg, baseline)
+    # Not eagleflow.gpu.free_recorded_processes: it stops every recorded process of the node (other
+    # shards' workers, other runs). The server's group was stopped above; only waiting is left.
+    deadline = time.monotonic() + cfg.gpu.idle_timeout_s
+    while True:
+        report = policy.evaluate(probe.snapshot(), cfg.gpu.select, node=run.node.name)
+        if report.all_idle:
+            return "idle (" + ", ".join(f"GPU {v.snapshot.index}" for v in report.verdicts) + ")"
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"GPUs not idle {cfg.gpu.idle_timeout_s:.0f} s after stopping the capture server: "
+                               f"{report.message()}")
+        time.sleep(cfg.gpu.poll_interval_s)
+
+
+# ----------------------------------------------------------------------------- control plane side
+def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
+    """Called by ExtractShardOperator on a retry: one node command, ``eagleflow recover --shard I --json``.
+
+    ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
+    recovery failed, so the retry fails with the reason instead of running blind.
+    """
+    say = log.info if hasattr(log, "info") else log
+    cfg = ctx.cfg
+    timeout = cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + cfg.capture.ready_timeout_s + 300
+    res = ctx.node.run(ctx.eagleflow_argv("recover", "--shard", str(shard), "--json"), timeout=timeout)
+    for line in res.stderr.strip().splitlines()[-20:]:
+        say(f"recover (node {ctx.node.name}): {line}")
+    out = res.stdout.strip().splitlines()
+    try:
+        result = json.loads(out[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"`eagleflow recover --shard {shard}` on node {ctx.node.name} exited {res.exit_code} "
+                           f"without a result: {res.stderr.strip()[-1500:]}") from None
+    say(f"shard {shard}: {result['summary']}")
+    if not result.get("ok"):
+        raise RuntimeError(result["summary"])
+    return result

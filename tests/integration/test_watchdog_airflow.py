@@ -1,0 +1,170 @@
+"""The seeds' failure under Airflow: the capture server freezes mid-shard (SIGSTOP) while the worker lives on.
+
+One dag.test() run of the real operators (start server, ready, extract shard
+under ShardWatchTrigger, teardown), a real SMTP server (aiosmtpd) and the
+alert callbacks of the pipeline:
+- the extract task fails within stall_after + 2 x poll_interval with a diagnosis naming the
+  stopped server and the stale progress;
+- the alert arrives with that subject, the diagnosis, the GPU table line and the log link;
+- the retry restarts the server (once: one incident recorded) and the shard completes with
+  exactly its samples, none twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.smtp import SmtpSink, body_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+N = 24
+WATCH = {"poll_interval_s": 1.0, "stall_after_s": 4.0, "health_timeout_s": 1.0, "startup_grace_s": 60.0,
+         "gpu_window_s": 4.0, "d_state_after_s": 4.0, "alert_emails": ["oncall@example.test"],
+         "smtp_conn_id": "smtp_watchdog_test", "airflow_base_url": "http://airflow.test:8080"}
+
+
+class _Freezer(threading.Thread):
+    """SIGSTOPs the recorded capture server once shard 0 has stored ``after`` samples."""
+
+    def __init__(self, state_dir: Path, run_root: Path, after: int = 3):
+        super().__init__(daemon=True)
+        self.state_dir, self.run_root, self.after = state_dir, run_root, after
+        self.stopped_pid: int | None = None
+        self.stopped_at: float | None = None
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            manifests = list(self.run_root.glob("*/hidden_states/shard_00000/manifest.jsonl"))
+            servers = list((self.state_dir / "pids").glob("*.capture_server.json"))
+            if manifests and servers and len(manifests[0].read_text().splitlines()) >= self.after:
+                pid = json.loads(servers[0].read_text())["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped_pid, self.stopped_at = pid, time.time()
+                return
+            time.sleep(0.05)
+
+
+def _kill_everything_recorded(state_dir: Path) -> None:
+    for rec_file in (state_dir / "pids").glob("*.json"):
+        try:
+            pgid = json.loads(rec_file.read_text())["pgid"]
+            os.killpg(pgid, signal.SIGCONT)
+            os.killpg(pgid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+DAG_FILE = """
+from datetime import timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG, Param
+
+from eagleflow.airflow.alerts import pipeline_failure_callbacks
+from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
+                                                 StartCaptureServerOperator, StopCaptureServerOperator)
+from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
+from tests.fixtures.capture_corpus import write_corpus
+
+
+class WriteTestCorpus(RunOperator):
+    def run(self, ctx, context):
+        write_corpus(Path(ctx.layout.corpus_dir) / "corpus.parquet", N, 300, seed=5)
+
+
+with DAG("watchdog_seeds_stall", schedule=None, catchup=False,
+         default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
+         params={"config_path": Param(CONFIG, type="string")}) as dag:
+    start = StartCaptureServerOperator(task_id="start_capture_server")
+    extract = ExtractShardOperator(task_id="extract_shard", shard=0, retries=1)
+    (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start
+     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poll_interval_s=0.3)
+     >> extract >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+"""
+
+
+def _load_dag(tmp_path: Path, cfgp: Path, monkeypatch):
+    """dag.test() syncs DAGs from bundles, not from memory: the DAG lives in a file of its own bundle."""
+    import importlib.util
+    repo = Path(__file__).resolve().parents[2]
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "watchdog_seeds_stall.py").write_text(f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
+    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
+        {"name": "watchdog-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
+    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    spec = importlib.util.spec_from_file_location("watchdog_seeds_stall_dag", dags / "watchdog_seeds_stall.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.dag
+
+
+def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactly(
+        airflow_db, demo_assets, tmp_path, monkeypatch):
+    from eagleflow.capture.hf_server import DELAY_ENV
+
+    cfgp = write_run_config(tmp_path, demo_assets["target_model"], shards=2, request_timeout_base_s=120)
+    data = yaml.safe_load(cfgp.read_text())
+    data["watchdog"] = WATCH
+    cfgp.write_text(yaml.safe_dump(data))
+    state_dir, run_root = tmp_path / "state", tmp_path / "runs"
+    dag = _load_dag(tmp_path, cfgp, monkeypatch)
+
+    monkeypatch.setenv(DELAY_ENV, "0.3")   # about 0.3 s per sample: a stall lands mid-shard
+    freezer = _Freezer(state_dir, run_root)
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env(WATCH["smtp_conn_id"]).items():
+            monkeypatch.setenv(k, v)
+        freezer.start()
+        try:
+            dr = dag.test()
+        finally:
+            freezer.done.set()
+            _kill_everything_recorded(state_dir)
+
+    assert freezer.stopped_pid, "the server was never frozen: the shard finished before 3 samples?"
+    run_dir = next(run_root.iterdir())
+    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
+    assert tis["extract_shard"].state == "success" and tis["extract_shard"].try_number == 2
+
+    # the alert: the retry callback mailed the diagnosis of try 1, within the detection bound
+    stall_mails = [(m, t) for m, t in zip(smtp.messages, smtp.received_at) if "STALLED" in m["Subject"]]
+    assert len(stall_mails) == 1, [m["Subject"] for m in smtp.messages]
+    msg, received = stall_mails[0]
+    assert msg["Subject"] == "[eagleflow] STALLED shard 0/2 on local"
+    body = body_text(msg)
+    assert f"server pid {freezer.stopped_pid} is stopped (state T" in body
+    assert "no sample completed for" in body and "server /health_generate timed out after 1 s" in body
+    assert "GPUs: not applicable: node.has_gpu is false" in body
+    assert "http://airflow.test:8080/dags/watchdog_seeds_stall/runs/" in body and "try_number=1" in body
+    from eagleflow.config import load_config
+    bound = load_config(cfgp).watchdog.detection_bound_s
+    # progress stopped at or before the SIGSTOP; the mail follows the failed task by the callback's SMTP round trip
+    assert received - freezer.stopped_at <= bound + 3.0, (received - freezer.stopped_at, bound)
+    print("received alert email:", f"Subject: {msg['Subject']}", f"To: {msg['To']}", body, sep="\n")
+
+    # the retry restarted the frozen server exactly once
+    incidents = [json.loads(x) for x in
+                 (state_dir / "locks" / f"{run_dir.name}.capture_server.incidents.jsonl").read_text().splitlines()]
+    assert len(incidents) == 1 and incidents[0]["old_pid"] == freezer.stopped_pid
+    assert incidents[0]["new_pid"] != freezer.stopped_pid
+
+    # exactly the shard's samples, each once, and no partial file
+    shard_dir = run_dir / "hidden_states" / "shard_00000"
+    entries = [json.loads(x) for x in (shard_dir / "manifest.jsonl").read_text().splitlines() if x.strip()]
+    expected = [i for i in range(N) if i % 2 == 0]
+    assert sorted(e["index"] for e in entries) == expected
+    assert sorted(p.name for p in shard_dir.glob("*.safetensors")) == [f"{i:08d}.safetensors" for i in expected]
+    assert not list(shard_dir.glob(".tmp-*"))

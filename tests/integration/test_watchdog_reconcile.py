@@ -1,0 +1,130 @@
+"""eagle3_shard_reconcile: under dag.test() it reruns exactly the incomplete, unattended shard; claims are idempotent."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.shard_watch import ShardWatchTrigger
+from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
+                                         wait_capture_server_ready)
+from eagleflow.capture.storage import FAULT_AFTER_ENV, FAULT_ENV
+from eagleflow.config import load_config
+from eagleflow.layout import RunLayout
+from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.watchdog.reconcile import claim, scan
+from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.smtp import SmtpSink, body_text
+
+REPO = Path(__file__).resolve().parents[2]
+N = 12
+WATCH = {"poll_interval_s": 1.0, "stall_after_s": 10.0, "health_timeout_s": 5.0, "startup_grace_s": 60.0,
+         "alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_reconcile_test"}
+
+
+def _pipeline_run(tmp: Path, assets: dict) -> tuple[Path, LocalRun]:
+    cfgp = write_run_config(tmp, assets["target_model"], shards=2)
+    data = yaml.safe_load(cfgp.read_text())
+    data["watchdog"] = WATCH
+    cfgp.write_text(yaml.safe_dump(data))
+    cfg = load_config(cfgp)
+    layout = RunLayout.for_run(cfg, "pipeline-run")
+    ctx = RunContext(cfg=cfg, layout=layout)
+    ctx.write_run_config()
+    write_corpus(Path(layout.corpus_dir) / "corpus.parquet", N, 300, seed=9)
+    return cfgp, LocalRun(cfg=cfg, layout=layout, config_path=ctx.run_config_path)
+
+
+def _watch(run: LocalRun, shard: int) -> dict:
+    async def first():
+        async for ev in ShardWatchTrigger(RunContext(cfg=run.cfg, layout=run.layout).serialize(), shard).run():
+            return ev.payload
+    return asyncio.run(asyncio.wait_for(first(), 120))
+
+
+def _manifest_indexes(run: LocalRun, shard: int) -> list[int]:
+    p = Path(run.layout.manifest_file(shard))
+    return sorted(json.loads(x)["index"] for x in p.read_text().splitlines() if x.strip())
+
+
+def _kill_recorded(state_dir: Path) -> None:
+    for rec_file in (state_dir / "pids").glob("*.json"):
+        try:
+            pgid = json.loads(rec_file.read_text())["pgid"]
+            os.killpg(pgid, signal.SIGCONT)
+            os.killpg(pgid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_reconcile_reruns_exactly_the_incomplete_shard(airflow_db, demo_assets, tmp_path, monkeypatch):
+    cfgp, run = _pipeline_run(tmp_path, demo_assets)
+    state_dir = tmp_path / "state"
+    try:
+        # the "pipeline": shard 0 completes; shard 1's worker dies after 2 samples; the server is stopped
+        start_capture_server(run)
+        wait_capture_server_ready(run, timeout_s=120, poll_s=0.3)
+        start_or_attach_worker(run, 0)
+        assert _watch(run, 0)["status"] == "complete"
+        monkeypatch.setenv(FAULT_ENV, "kill")
+        monkeypatch.setenv(FAULT_AFTER_ENV, "2")
+        start_or_attach_worker(run, 1)
+        monkeypatch.delenv(FAULT_ENV)
+        monkeypatch.delenv(FAULT_AFTER_ENV)
+        assert _watch(run, 1)["status"] == "dead"
+        stop_capture_server(run, grace_s=5)
+        shard0_before = Path(run.layout.manifest_file(0)).read_bytes()
+        states = {s.shard: s for s in scan(load_config(cfgp))}
+        assert states[0].stored == 6 and not states[0].needs_rerun
+        assert states[1].stored == 2 and states[1].needs_rerun
+
+        spec = importlib.util.spec_from_file_location("eagle3_shard_reconcile", REPO / "dags" / "eagle3_shard_reconcile.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        with SmtpSink() as smtp:
+            for k, v in smtp.airflow_conn_env(WATCH["smtp_conn_id"]).items():
+                monkeypatch.setenv(k, v)
+            dr = mod.dag.test(run_conf={"config_path": str(cfgp), "latest_runs": 3})
+            msg = smtp.wait_for(lambda m: "reconcile" in m["Subject"], timeout_s=10)
+    finally:
+        _kill_recorded(state_dir)
+
+    tis = [ti for ti in dr.get_task_instances()]
+    reruns = [ti for ti in tis if ti.task_id == "rerun_shard"]
+    assert len(reruns) == 1 and reruns[0].state == "success", [(t.task_id, t.map_index, t.state) for t in tis]
+    assert dr.state == "success"
+    assert _manifest_indexes(run, 1) == [i for i in range(N) if i % 2 == 1]   # each once
+    assert Path(run.layout.manifest_file(0)).read_bytes() == shard0_before     # untouched
+    assert msg["Subject"] == "[eagleflow] reconcile on local: reran 1 shard(s)"
+    body = body_text(msg)
+    assert "run pipeline-run shard 1: 2/6 -&gt; 6/6 stored (complete)" in body or \
+        "run pipeline-run shard 1: 2/6 -> 6/6 stored (complete)" in body
+    assert '"action": "stopped"' in body.replace("&quot;", '"')  # reconcile stopped the server it started
+    assert not (state_dir / "pids" / "pipeline-run.capture_server.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_claim_is_idempotent_under_the_node_lock_and_for_complete_shards(demo_assets, tmp_path):
+    _, run = _pipeline_run(tmp_path, demo_assets)
+    Path(run.layout.shard_dir(0)).mkdir(parents=True)
+    lock = NodeLock(Path(str(run.layout.locks_dir)) / "pipeline-run.reconcile.worker_shard_00000.lock", "test")
+    lock.acquire()
+    try:
+        r = claim(run, 0)
+        assert r["action"] == "skipped" and "another reconcile holds" in r["reason"]
+    finally:
+        lock.release()
+    # a shard with nothing to do (corpus of 0 samples for it) is left alone without starting anything
+    write_corpus(Path(run.layout.corpus_dir) / "corpus.parquet", 1, 300, seed=9)  # only index 0 -> shard 0
+    r = claim(run, 1)
+    assert r["action"] == "skipped" and "already complete" in r["reason"]
+    assert not (Path(str(run.layout.pids_dir))).exists() or not list(Path(str(run.layout.pids_dir)).iterdir())

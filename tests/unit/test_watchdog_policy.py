@@ -1,0 +1,165 @@
+"""The verdict rules on hand-built observations: each signal, and the slow/stalled line between them."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from eagleflow.config import load_config
+from eagleflow.heartbeat import Heartbeat, InFlight
+from eagleflow.watchdog.diagnosis import StallDetected, StallDiagnosis
+from eagleflow.watchdog.policy import decide
+from eagleflow.watchdog.signals import (GpuReading, GpuSignal, HealthSignal, Observation, ProcessSignal,
+                                        WatchedJob)
+
+NOW = 1_800_000_000.0
+
+
+def cfg(**wd):
+    base = {"poll_interval_s": 15, "stall_after_s": 20, "health_timeout_s": 20, "startup_grace_s": 120,
+            "gpu_window_s": 20, "d_state_after_s": 20}
+    base.update(wd)
+    return load_config(data={"target_model": "/m", "node": {"name": "gpu-node-1", "has_gpu": True},
+                             "capture": {"shards": 8}, "watchdog": base})
+
+
+def obs(*, done=18_402, total=37_312, progress_ago=5.0, written_ago=1.0, state="running", in_flight=None,
+        worker=None, server=None, health=None, gpu=None, error=None, started_ago=3600.0, resumed=0):
+    hb = Heartbeat(job="extract shard 3/8", pid=4242, state=state, time=NOW - written_ago,
+                   started_at=NOW - started_ago, done=done, total=total, resumed=resumed,
+                   last_progress_at=NOW - progress_ago, error=error, rate=1.09,
+                   in_flight=in_flight if in_flight is not None else
+                   [InFlight(id="r.s00003.00018403", since=NOW - min(progress_ago, 30), tokens=4000, timeout_s=260)])
+    return Observation(
+        job=WatchedJob(shard=3, num_shards=8), node="gpu-node-1", now=NOW, heartbeat=hb, heartbeat_error=None,
+        worker=worker or ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="S",
+                                       started_at=NOW - started_ago),
+        server=server or ProcessSignal(role="capture_server", recorded=True, pid=4100, alive=True, state="S"),
+        health=health or HealthSignal(), gpu=gpu or GpuSignal(applicable=True, readings=[]),
+        free_bytes=10**12, done_since_last_look=12, last_look_at=NOW - 15, log_tail=["worker log line"])
+
+
+def idle_held_gpus(since_ago: float) -> GpuSignal:
+    rows = [GpuReading(index=i, name="RTX PRO 6000", memory_used_mib=92_262, memory_total_mib=97_887,
+                       utilization_pct=0, held=True) for i in range(8)]
+    return GpuSignal(applicable=True, readings=rows, busy_now=False, idle_held_since=NOW - since_ago,
+                     max_util_window={i: 0.0 for i in range(8)})
+
+
+def busy_gpus() -> GpuSignal:
+    rows = [GpuReading(index=i, name="RTX PRO 6000", memory_used_mib=92_262, memory_total_mib=97_887,
+                       utilization_pct=97, held=True) for i in range(8)]
+    return GpuSignal(applicable=True, readings=rows, busy_now=True, max_util_window={i: 99.0 for i in range(8)})
+
+
+def test_the_seeds_stall_is_stalled_with_every_signal_in_numbers():
+    d_since = NOW - 540
+    o = obs(progress_ago=612, health=HealthSignal(checked=True, ok=False, outcome="timeout", latency_s=20),
+            gpu=idle_held_gpus(600),
+            worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="D",
+                                 d_state=True, d_since=d_since, wchan="futex_wait", started_at=NOW - 7200))
+    d = decide(o, cfg())
+    assert d.verdict == "stalled"
+    s = d.summary
+    assert s.startswith("STALLED shard 3/8 on gpu-node-1: no sample completed for 612 s (18,402/37,312 done, last at ")
+    assert "server /health_generate timed out after 20 s" in s
+    assert "GPUs 0-7 hold 90.1 GB at 0 % for 600 s" in s
+    assert "worker pid 4242 in D state for 540 s (waiting in futex_wait)" in s
+    assert d.subject == "[eagleflow] STALLED shard 3/8 on gpu-node-1"
+    table = d.gpu_table()
+    assert table.count("90.1 GB / 95.6 GB") == 8 and "yes" in table
+    assert d.event_payload()["status"] == "stalled"
+
+
+def test_one_long_sample_with_busy_gpus_is_slow_not_stalled():
+    o = obs(progress_ago=120, in_flight=[InFlight(id="r1", since=NOW - 120, tokens=8000, timeout_s=460)],
+            health=HealthSignal(checked=True, ok=True, outcome="ok", latency_s=0.4), gpu=busy_gpus())
+    d = decide(o, cfg())
+    assert d.verdict == "slow", d.summary
+    assert "request r1 (8,000 tokens) in flight for 120 s of its 460 s timeout" in d.summary
+    assert d.status is None and d.exit_code == 3
+
+
+def test_health_timeout_while_gpus_busy_is_slow_but_an_overdue_request_is_stalled():
+    h = HealthSignal(checked=True, ok=False, outcome="timeout", latency_s=20)
+    assert decide(obs(progress_ago=60, health=h, gpu=busy_gpus()), cfg()).verdict == "slow"
+    hung = obs(progress_ago=500, health=h, gpu=busy_gpus(),
+               in_flight=[InFlight(id="r9", since=NOW - 500, tokens=8000, timeout_s=460)])
+    d = decide(hung, cfg())
+    assert d.verdict == "stalled"
+    assert "request r9 in flight for 500 s, past its 460 s timeout" in d.summary
+
+
+def test_fresh_progress_is_healthy_and_counts_samples_since_the_last_look():
+    d = decide(obs(progress_ago=2), cfg())
+    assert d.verdict == "healthy" and d.status is None and d.exit_code == 0
+    assert "18,402/37,312 samples done, +12 since the last look 15 s ago" in d.summary
+
+
+def test_startup_grace_hides_a_loading_job_then_expires():
+    young = obs(done=0, progress_ago=100, started_ago=100, health=HealthSignal(True, False, "timeout", 20))
+    assert decide(young, cfg()).verdict == "starting"
+    old = obs(done=0, progress_ago=130, started_ago=130, health=HealthSignal(True, False, "timeout", 20))
+    assert decide(old, cfg()).verdict == "stalled"
+    # the grace covers loading, not a worker frozen (SIGSTOP) before its first sample
+    frozen = obs(done=0, progress_ago=30, started_ago=30,
+                 worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="T",
+                                      started_at=NOW - 30))
+    d = decide(frozen, cfg())
+    assert d.verdict == "stalled" and "worker pid 4242 is stopped (state T)" in d.summary
+    assert "inside the startup grace" in d.summary
+
+
+def test_dead_worker_and_zombie_and_failed_and_complete():
+    gone = obs(worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=False))
+    d = decide(gone, cfg())
+    assert d.verdict == "dead" and "worker pid 4242 is gone without completing" in d.summary
+    assert d.log_tail == ["worker log line"] and "worker log line" in d.render()
+    zombie = obs(worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=False, state="Z"))
+    assert "is a zombie" in decide(zombie, cfg()).summary
+    failed = obs(state="failed", error="OSError: [Errno 28] No space left on device")
+    d = decide(failed, cfg())
+    assert d.verdict == "failed" and "No space left on device" in d.summary and d.exit_code == 6
+    done = decide(obs(state="complete", done=37_312), cfg())
+    assert done.verdict == "complete" and done.event_payload() == {"status": "complete", "summary": done.summary}
+
+
+def test_stale_heartbeat_of_a_live_worker_and_a_stopped_server_are_named():
+    d = decide(obs(progress_ago=90, written_ago=80, health=HealthSignal(True, True, "ok", 0.2)), cfg())
+    assert d.verdict == "stalled"
+    assert "worker pid 4242 is alive but its heartbeat was last written 80 s ago" in d.summary
+    stopped = obs(progress_ago=40, health=HealthSignal(True, False, "timeout", 20),
+                  gpu=GpuSignal(applicable=False, note="not applicable: node.has_gpu is false"),
+                  server=ProcessSignal(role="capture_server", recorded=True, pid=4100, alive=True, state="T"))
+    d = decide(stopped, cfg())
+    assert "server pid 4100 is stopped (state T" in d.summary
+    assert d.gpu_table() == "GPUs: not applicable: node.has_gpu is false"
+
+
+def test_diagnosis_round_trips_json_and_stall_detected_reads_well():
+    d = decide(obs(progress_ago=612, health=HealthSignal(True, False, "timeout", 20), gpu=idle_held_gpus(600)),
+               cfg())
+    again = StallDiagnosis.from_json(d.to_json())
+    assert again == d and again.render() == d.render()
+    e = StallDetected(d.subject, d.render())
+    assert str(e).startswith("[eagleflow] STALLED shard 3/8 on gpu-node-1\nSTALLED shard 3/8")
+    assert isinstance(e, Exception) and e.subject == d.subject
+
+
+@pytest.mark.parametrize("progress_ago, verdict", [(19.9, "healthy"), (20.0, "stalled")])
+def test_stall_after_is_the_threshold(progress_ago, verdict):
+    o = obs(progress_ago=progress_ago, health=HealthSignal(True, False, "refused", 0.01))
+    assert decide(o, cfg()).verdict == verdict
+
+
+def test_a_trainer_that_makes_no_step_for_too_long_is_stalled_even_with_busy_gpus():
+    def train_obs(progress_ago):
+        o = obs(progress_ago=progress_ago, in_flight=[], gpu=busy_gpus())
+        o.job = WatchedJob(shard=None)
+        o.server = None
+        o.heartbeat.unit = "steps"
+        return o
+    assert decide(train_obs(100), cfg()).verdict == "slow"
+    d = decide(train_obs(401), cfg())  # limit: max(20 x stall_after (20 s), 300 s)
+    assert d.verdict == "stalled" and d.job == "training"
+    assert "no step for 401 s, over the 400 s limit for one step" in d.summary

@@ -1,0 +1,127 @@
+"""ShardWatchTrigger / TrainWatchTrigger against real detached processes and the real `eagleflow watch` CLI."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.shard_watch import ShardWatchTrigger, TrainWatchTrigger
+from eagleflow.heartbeat import Heartbeat
+from eagleflow.layout import RunLayout
+from tests.fixtures.watchdog_jobs import backdate_record, kill_group, spawn_sleeper, wait_gone, watch_config, write_heartbeat
+
+
+@pytest.fixture
+def run(tmp_path):
+    cfg = watch_config(tmp_path)
+    ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, "manual__2026-11-29T15:00:00+00:00"))
+    ctx.write_run_config()
+    started = []
+    yield ctx, started
+    for p in started:
+        kill_group(p.pgid)
+
+
+async def _first_event(trigger, timeout_s: float):
+    agen = trigger.run()
+    try:
+        return await asyncio.wait_for(agen.__anext__(), timeout_s)
+    finally:
+        await agen.aclose()
+
+
+def test_serialize_round_trips_every_argument(run):
+    ctx, _ = run
+    t = ShardWatchTrigger(ctx.serialize(), 3, poll_interval_s=2.5)
+    path, kwargs = t.serialize()
+    assert path == "eagleflow.airflow.shard_watch.ShardWatchTrigger"
+    again = ShardWatchTrigger(**kwargs)
+    assert again.serialize() == (path, kwargs) and kwargs == {"run": ctx.serialize(), "shard": 3,
+                                                              "poll_interval_s": 2.5}
+    tpath, tkw = TrainWatchTrigger(ctx.serialize()).serialize()
+    assert tpath.endswith("TrainWatchTrigger") and TrainWatchTrigger(**tkw).serialize() == (tpath, tkw)
+
+
+@pytest.mark.timeout(60)
+def test_complete_heartbeat_yields_complete(run):
+    ctx, started = run
+    p = spawn_sleeper(ctx.layout, "worker_shard_00001")
+    started.append(p)
+    write_heartbeat(ctx.layout, 1, pid=p.pid, state="complete", done=25, total=25)
+    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 1), 30))
+    assert ev.payload["status"] == "complete"
+    assert "25/25" in ev.payload["summary"]
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_without_completing_yields_dead_with_its_pid(run):
+    ctx, started = run
+    p = spawn_sleeper(ctx.layout, "worker_shard_00002")
+    started.append(p)
+    write_heartbeat(ctx.layout, 2, pid=p.pid, done=7, total=25)
+    kill_group(p.pgid)
+    wait_gone(p.pid)
+    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 2), 30))
+    assert ev.payload["status"] == "dead"
+    assert ev.payload["subject"] == "[eagleflow] DEAD shard 2/4 on test-node"
+    # gone, or a zombie until whoever inherited it reaps it: both are dead
+    assert (f"worker pid {p.pid} is gone without completing" in ev.payload["diagnosis"]
+            or f"worker pid {p.pid} is a zombie (exited, not yet reaped) without completing" in ev.payload["diagnosis"])
+    assert "7/25 samples done" in ev.payload["diagnosis"]
+
+
+@pytest.mark.timeout(60)
+def test_stopped_worker_is_caught_within_the_bound(run):
+    """A live but frozen (SIGSTOP) worker: progress and heartbeat go stale; the event comes within the bound."""
+    ctx, started = run
+    wd = ctx.cfg.watchdog
+    p = spawn_sleeper(ctx.layout, "worker_shard_00000")
+    started.append(p)
+    hb = write_heartbeat(ctx.layout, 0, pid=p.pid, done=5, total=25, in_flight=[("r", 0.0, 60.0)])
+    import os
+    os.kill(p.pid, signal.SIGSTOP)
+    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 0), 30))
+    latency = time.time() - hb.last_progress_at
+    assert ev.payload["status"] == "stalled", ev.payload
+    d = ev.payload["diagnosis"]
+    assert f"worker pid {p.pid} is stopped (state T)" in d
+    assert "no sample completed for" in d
+    assert latency <= wd.detection_bound_s
+
+
+@pytest.mark.timeout(60)
+def test_live_worker_with_a_stale_heartbeat_is_stalled(run):
+    """The process runs (not stopped) but its heartbeat stopped being rewritten 30 s ago."""
+    ctx, started = run
+    p = spawn_sleeper(ctx.layout, "worker_shard_00003")
+    started.append(p)
+    backdate_record(ctx.layout, "worker_shard_00003", 600)
+    write_heartbeat(ctx.layout, 3, pid=p.pid, done=5, total=25, progress_ago_s=40, written_ago_s=30,
+                    in_flight=[("r", 40, 600)])
+    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 3), 30))
+    assert ev.payload["status"] == "stalled"
+    assert f"worker pid {p.pid} is alive but its heartbeat was last written 30 s ago" in ev.payload["diagnosis"]
+
+
+@pytest.mark.timeout(60)
+def test_train_trigger_watches_the_trainer_heartbeat(run):
+    ctx, started = run
+    p = spawn_sleeper(ctx.layout, "trainer")
+    started.append(p)
+    Heartbeat(job="train", pid=p.pid, state="complete", done=60, total=60, unit="steps").write(
+        str(ctx.layout.train_heartbeat_file))
+    ev = asyncio.run(_first_event(TrainWatchTrigger(ctx.serialize()), 30))
+    assert ev.payload["status"] == "complete" and "60/60" in ev.payload["summary"]
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_node_becomes_a_failed_event(run, monkeypatch):
+    ctx, _ = run
+    data = ctx.serialize()
+    data["config"]["node"]["python"] = "/nonexistent/python3"
+    ev = asyncio.run(_first_event(ShardWatchTrigger(data, 0, poll_interval_s=0.2), 30))
+    assert ev.payload["status"] == "failed" and ev.payload["verdict"] == "unreachable"
+    assert "/nonexistent/python3" in ev.payload["diagnosis"]
