@@ -5,7 +5,8 @@
 - a byte-level BPE tokenizer trained on them with the `tokenizers` library,
   with a Llama-3-style chat template that marks assistant turns with
   ``{% generation %}`` (so loss masks come from the template itself);
-- a small Llama-architecture target with random weights (``save_pretrained``).
+- a small Llama-architecture target (``save_pretrained``), briefly fitted to the
+  demo's conversations so that its predictions are confident (optional).
 
 Cached under ``<root>``; a second call returns at once.
 """
@@ -103,7 +104,8 @@ def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 512) -> None:
 
 
 def build_tiny_llama(out: Path, vocab_size: int, hidden_size: int = 64, layers: int = 8,
-                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0) -> None:
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+                     fit_on: list[list[int]] | None = None, fit_steps: int = 300) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,23 +115,62 @@ def build_tiny_llama(out: Path, vocab_size: int, hidden_size: int = 64, layers: 
                       max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32",
                       bos_token_id=0, eos_token_id=4, pad_token_id=5)
     model = LlamaForCausalLM(cfg)
+    if fit_on:
+        _fit_target(model, fit_on, steps=fit_steps, seed=seed)
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def ensure_demo_assets(root: str | Path, n_per_source: int = 48) -> dict:
+def _fit_target(model, sequences: list[list[int]], steps: int, seed: int, batch: int = 16, lr: float = 3e-3) -> None:
+    """A few hundred steps of plain LM training, so the tiny target is confident on the
+    demo's rules. A random target predicts nearly uniform distributions, which leaves a
+    draft model nothing to learn and makes the demo's curves flat."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(sequences), (batch,), generator=g).tolist()
+        seqs = [sequences[i] for i in idx]
+        width = max(len(x) for x in seqs)
+        ids = torch.full((batch, width), model.config.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, width), -100, dtype=torch.long)
+        for r, x in enumerate(seqs):
+            ids[r, :len(x)] = torch.tensor(x)
+            labels[r, :len(x)] = torch.tensor(x)
+        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+ASSETS_VERSION = 2
+
+
+def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: bool = True) -> dict:
     """Sources, tokenizer and target under root; returns {'sources': [...], 'target_model': path}."""
     root = Path(root)
     src_dir = root / "sources"
     model_dir = root / "tiny-llama"
     marker = root / "assets.json"
     if marker.is_file():
-        return json.loads(marker.read_text())
+        info = json.loads(marker.read_text())
+        if info.get("version") == ASSETS_VERSION:
+            return info
     sources = write_demo_sources(src_dir, n_per_source=n_per_source)
     build_tokenizer(src_dir, model_dir)
     from transformers import AutoTokenizer
-    vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))
-    build_tiny_llama(model_dir, vocab_size=vocab)
-    info = {"sources": sources, "target_model": str(model_dir)}
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    conversations = []
+    for p in sorted(src_dir.glob("*.jsonl")):
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            msgs = rec.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]),
+                                            "content": m["value"]} for m in rec["conversations"]]
+            conversations.append(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+    build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
+    info = {"version": ASSETS_VERSION, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))
     return info
 

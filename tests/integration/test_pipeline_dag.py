@@ -24,11 +24,11 @@ def test_pipeline_runs_green_under_dag_test(tmp_path, airflow_db, demo_assets):
 
     run_dir = tmp_path / "runs" / "dagtest"
     stats = json.loads((run_dir / "corpus" / "stats.json").read_text())
-    assert stats["total"]["records"] > 0
+    assert stats["records"] > 0
     stored = sorted((run_dir / "hidden_states").glob("shard_*/*.safetensors"))
     manifests = [l for p in (run_dir / "hidden_states").glob("shard_*/manifest.jsonl")
                  for l in p.read_text().splitlines() if l.strip()]
-    assert len(stored) == len(manifests) == stats["total"]["records"]
+    assert len(stored) == len(manifests) == stats["records"]
     export = run_dir / "draft" / "export"
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     assert (run_dir / "draft" / "curves.png").is_file()
