@@ -41,7 +41,10 @@ def airflow_db() -> str:
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> dict:
-    """Tiny tokenizer, tiny random Llama and three small sources, built locally once per session."""
+    """Tiny tokenizer, tiny random Llama and three small sources, built locally once per session.
+
+    The target keeps its random weights here (the demo fits it to its rules): tests that
+    check learning build their own learnable data."""
     from eagleflow.demo_assets import ensure_demo_assets
     cache = os.environ.get("EAGLEFLOW_TEST_ASSETS") or str(REPO / ".cache" / "test-assets")
-    return ensure_demo_assets(cache, n_per_source=24)
+    return ensure_demo_assets(cache, n_per_source=24, fit_target=False)

@@ -51,7 +51,35 @@ def main(argv: list[str] | None = None) -> int:
         p = run_dir / rel
         print(f"  {label:32s} {p}{'' if p.exists() else '   (not produced)'}")
     print(f"  {'Airflow task logs':32s} {Path(env['AIRFLOW_HOME']) / 'logs'}")
+    for line in summary_lines(run_dir):
+        print(line)
     return 0
+
+
+def summary_lines(run_dir: Path) -> list[str]:
+    """What each phase produced, in numbers, read back from its files."""
+    lines = ["\n[demo] what each phase produced:"]
+    stats_file = run_dir / "corpus" / "stats.json"
+    if stats_file.is_file():
+        st = json.loads(stats_file.read_text())
+        lines.append(f"  corpus: {st['records']:,} records, {st['tokens']:,} tokens ({st['masked_tokens']:,} in the "
+                     f"loss mask) from {len(st.get('per_source', {}))} sources; loss mask by {st.get('mask_method')}")
+    manifests = sorted((run_dir / "hidden_states").glob("shard_*/manifest.jsonl"))
+    if manifests:
+        entries = [json.loads(l) for m in manifests for l in m.read_text().splitlines() if l.strip()]
+        size = sum(e["bytes"] for e in entries)
+        lines.append(f"  hidden states: {len(entries):,} samples in {len(manifests)} shards, {size / 2**20:,.1f} MiB "
+                     f"({len({e['id'] for e in entries}):,} distinct ids)")
+    metrics = run_dir / "draft" / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip() and '"loss"' in l]
+        if rows:
+            tail = rows[-10:]
+            mean = lambda k: sum(r.get(k, 0.0) for r in tail) / len(tail)  # noqa: E731
+            lines.append(f"  draft training: {rows[-1]['step']} steps; loss {rows[0]['loss']:.2f} -> {mean('loss'):.2f}, "
+                         f"acc_0 {rows[0].get('acc_0', 0):.2f} -> {mean('acc_0'):.2f}, acceptance length "
+                         f"{mean('accept_length'):.2f} (means of the last {len(tail)} steps)")
+    return lines
 
 
 if __name__ == "__main__":

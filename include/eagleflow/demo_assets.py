@@ -156,7 +156,7 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     marker = root / "assets.json"
     if marker.is_file():
         info = json.loads(marker.read_text())
-        if info.get("version") == ASSETS_VERSION:
+        if info.get("version") == ASSETS_VERSION and info.get("fitted") == fit_target:
             return info
     sources = write_demo_sources(src_dir, n_per_source=n_per_source)
     build_tokenizer(src_dir, model_dir)
@@ -170,7 +170,7 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
                                             "content": m["value"]} for m in rec["conversations"]]
             conversations.append(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
     build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
-    info = {"version": ASSETS_VERSION, "sources": sources, "target_model": str(model_dir)}
+    info = {"version": ASSETS_VERSION, "fitted": fit_target, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))
     return info
 

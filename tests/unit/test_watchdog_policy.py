@@ -163,3 +163,17 @@ def test_a_trainer_that_makes_no_step_for_too_long_is_stalled_even_with_busy_gpu
     d = decide(train_obs(401), cfg())  # limit: max(20 x stall_after (20 s), 300 s)
     assert d.verdict == "stalled" and d.job == "training"
     assert "no step for 401 s, over the 400 s limit for one step" in d.summary
+
+
+def test_a_predecessors_failed_heartbeat_does_not_fail_the_worker_that_replaced_it():
+    # A retry stopped the old worker (it wrote "failed: stopped by SIGTERM") and started a new one
+    # that has not written its first heartbeat yet: that is a start, not a failure.
+    replaced = obs(state="failed", error="shard 3: stopped by SIGTERM", written_ago=2.0, started_ago=3600.0,
+                   worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=5151, alive=True, state="S",
+                                        started_at=NOW - 1.0))
+    assert decide(replaced, cfg()).verdict == "starting"
+    # the same file written after the live worker started is its own: failed
+    own = obs(state="failed", error="shard 3: stopped by SIGTERM", written_ago=0.5,
+              worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=5151, alive=True, state="S",
+                                   started_at=NOW - 1.0))
+    assert decide(own, cfg()).verdict == "failed"

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from eagleflow.airflow.home import airflow_bin, airflow_env
+from eagleflow.nodes.proc import parse_stat
 
 
 def free_port() -> int:
@@ -100,13 +101,27 @@ def admin_password(home: Path, wait_s: float = 0) -> str | None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Any process of the group that is not a zombie (a zombie holds no port and no memory)."""
+    _reap(pgid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                _, state, rest = parse_stat(f.read())
+        except (OSError, ValueError):
+            continue
+        if int(rest[1]) == pgid and state != "Z":  # rest[1] is field 5, the process group
+            return True
+    return False
+
+
+def _reap(pid: int) -> None:
+    """Collect the leader's exit status when this process started it (tests, `make airflow`)."""
     try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
 def stop(home: str | Path | None = None, *, grace_s: float = 30) -> bool:

@@ -48,6 +48,11 @@ def no_step_limit_s(cfg: PipelineConfig) -> float:
 def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     wd = cfg.watchdog
     hb = obs.heartbeat
+    w = obs.worker
+    if hb is not None and w.recorded and w.alive and w.started_at and hb.time < w.started_at:
+        # Written by the previous process (e.g. the worker a retry replaced); the live one has not
+        # written its first heartbeat yet, so that file's "failed" or "complete" is not its state.
+        hb = None
     now = obs.now
     done, total = (hb.done, hb.total) if hb else (0, 0)
     p_at = progress_at(obs)
@@ -72,7 +77,6 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True)
 
     # 2. the worker is gone
-    w = obs.worker
     if not w.recorded:
         return diag("dead", f"no {w.role} process is recorded (no pid file); {counts_u}", _disk_evidence(obs),
                     with_log=True)
