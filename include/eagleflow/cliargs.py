@@ -14,13 +14,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set capture.shards=4 (value parsed as YAML)")
 
 
-def run_from_args(args: argparse.Namespace) -> tuple[PipelineConfig, RunLayout]:
+def parse_overrides(sets: list[str]) -> dict:
+    """``--set FIELD=VALUE`` pairs as dotted overrides, each value parsed as YAML."""
     import yaml
     overrides = {}
-    for kv in args.set:
+    for kv in sets:
         k, sep, v = kv.partition("=")
         if not sep:
             raise SystemExit(f"--set {kv!r}: expected FIELD=VALUE")
         overrides[k] = yaml.safe_load(v)
-    cfg = load_config(args.config, overrides)
+    return overrides
+
+
+def run_from_args(args: argparse.Namespace) -> tuple[PipelineConfig, RunLayout]:
+    cfg = load_config(args.config, parse_overrides(args.set))
     return cfg, RunLayout.for_run(cfg, args.run_id)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Protocol
 
 from .config import PipelineConfig, safe_run_id
+
+if TYPE_CHECKING:
+    from .nodes import Node
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,14 @@ class RunLayout:
     @property
     def train_heartbeat_file(self) -> PurePosixPath:
         return self.draft_dir / "heartbeat.json"
+
+
+class RunLike(Protocol):
+    """What phase code needs of a run: the Airflow RunContext and the CLI's local run both fit."""
+    cfg: PipelineConfig
+    layout: RunLayout
+
+    @property
+    def node(self) -> "Node": ...
+
+    def eagleflow_argv(self, *args: str) -> list[str]: ...

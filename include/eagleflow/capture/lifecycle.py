@@ -15,10 +15,10 @@ import shlex
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from eagleflow.config import PipelineConfig
-from eagleflow.layout import RunLayout
+from eagleflow.layout import RunLayout, RunLike
 from eagleflow.nodes import DetachedProcess, LocalNode, Node
 from eagleflow.nodes.proc import parse_stat
 
@@ -29,16 +29,6 @@ SERVER_ROLE = "capture_server"
 
 class CaptureServerNotReady(RuntimeError):
     """The server died while loading or did not answer /health_generate in time."""
-
-
-class RunLike(Protocol):
-    cfg: PipelineConfig
-    layout: RunLayout
-
-    @property
-    def node(self) -> Node: ...
-
-    def eagleflow_argv(self, *args: str) -> list[str]: ...
 
 
 @dataclass

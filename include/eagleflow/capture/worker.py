@@ -165,7 +165,7 @@ class ShardWorker:
                  f"removed {len(removed_tmp)} temp file(s), {removed_dumps} orphaned dump(s)"
                  + (f"; {len(broken)} manifest entr(ies) whose file is missing or truncated will be redone"
                     if broken else "")
-                 + (f"; ignored a partial last manifest line" if scan.partial_tail else ""))
+                 + ("; ignored a partial last manifest line" if scan.partial_tail else ""))
         if not todo:
             return
         work: queue.Queue[Sample | None] = queue.Queue()

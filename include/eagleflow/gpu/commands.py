@@ -7,12 +7,11 @@ With ``node.has_gpu: false`` every command says so and succeeds.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.cliargs import add_run_args, run_from_args, parse_overrides
 from eagleflow.config import PipelineConfig, load_config
 from eagleflow.nodes import LocalNode, Node, NodeError, node_from_config
 
@@ -59,13 +58,7 @@ def register(subparsers) -> None:
 
 
 def _status_config(args) -> PipelineConfig:
-    import yaml
-    overrides = {}
-    for kv in args.set:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {kv!r}: expected FIELD=VALUE")
-        overrides[k] = yaml.safe_load(v)
+    overrides = parse_overrides(args.set)
     if args.node:
         overrides["node.conn_id"] = args.node
         overrides.setdefault("node.name", args.node)

@@ -8,25 +8,13 @@ the run instead of restarting it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from eagleflow.capture.lifecycle import live_record, stop_recorded
-from eagleflow.config import PipelineConfig
 from eagleflow.heartbeat import Heartbeat
-from eagleflow.layout import RunLayout
-from eagleflow.nodes import Node
+from eagleflow.layout import RunLike
 
 TRAINER_ROLE = "trainer"
-
-
-class RunLike(Protocol):
-    cfg: PipelineConfig
-    layout: RunLayout
-
-    @property
-    def node(self) -> Node: ...
-
-    def eagleflow_argv(self, *args: str) -> list[str]: ...
 
 
 def trainer_argv(ctx: RunLike) -> list[str]:
