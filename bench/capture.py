@@ -98,7 +98,7 @@ def direct_loop(model_dir: str, samples: list[list[int]], aux: list[int], thread
 
 
 def bench_throughput(root: Path, n: int, hidden: int, layers: int, tokens: int, threads: int,
-                     rounds: int = 3) -> dict:
+                     rounds: int = 3, in_flight: int = 4) -> dict:
     import yaml
 
     from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
@@ -114,7 +114,7 @@ def bench_throughput(root: Path, n: int, hidden: int, layers: int, tokens: int, 
         "run_root": str(root / "runs"), "target_model": str(model_dir),
         "node": {"has_gpu": False, "state_dir": str(root / "state")},
         "capture": {"backend": "hf", "port": 0, "dump_dir": "/dev/shm/eagleflow-bench-capture", "shards": 1,
-                    "in_flight": 2, "heartbeat_interval_s": 1.0}}))
+                    "in_flight": in_flight, "heartbeat_interval_s": 1.0}}))
     cfg = load_config(cfgp)
     lay = RunLayout.for_run(cfg, "bench")
     rows = write_corpus(Path(lay.corpus_dir) / "corpus.parquet", n, 512, seed=1, min_len=tokens, max_len=tokens)
@@ -178,6 +178,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the direct loop")
+    ap.add_argument("--in-flight", type=int, default=4, help="worker requests in flight (capture.in_flight)")
+    ap.add_argument("--skip-storage", action="store_true", help="only the throughput and resume parts")
     ap.add_argument("--files", type=int, default=60)
     ap.add_argument("--file-tokens", type=int, default=512)
     ap.add_argument("--file-hidden", type=int, default=1024)
@@ -192,10 +194,12 @@ def main() -> int:
         print(f"[1] storage: {st['files']} files of {st['file_mb']:.2f} MB: final format {st['ours_files_per_s']:.1f} "
               f"files/s vs raw write+fsync {st['raw_files_per_s']:.1f} files/s -> ratio {st['ratio']:.3f} "
               f"(goal >= 0.9)", flush=True)
-        tp = bench_throughput(root / "throughput", a.samples, a.hidden, a.layers, a.tokens, a.threads)
+        tp = bench_throughput(root / "throughput", a.samples, a.hidden, a.layers, a.tokens, a.threads,
+                              in_flight=a.in_flight)
         fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
         print(f"[2] throughput: {tp['samples']} samples x {tp['tokens_per_sample']} tokens, {a.threads} torch "
-              f"thread(s), one forward {tp['forward_ms']:.1f} ms: server+worker {fmt(tp['full_path_samples_per_s'])} "
+              f"thread(s), {a.in_flight} request(s) in flight"
+              f", one forward {tp['forward_ms']:.1f} ms: server+worker {fmt(tp['full_path_samples_per_s'])} "
               f"samples/s vs direct loop {fmt(tp['direct_samples_per_s'])} samples/s (alternating rounds) -> "
               f"ratio median {tp['ratio']:.3f} of {fmt(tp['ratios'])} (goal >= 0.95)", flush=True)
         mf = bench_manifest(root)

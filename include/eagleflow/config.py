@@ -83,7 +83,7 @@ class CaptureConfig(_Section):
     tp: int = Field(default=1, ge=1, le=64)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     shards: int = Field(default=1, ge=1, le=1024)
-    in_flight: int = Field(default=2, ge=1, le=256)
+    in_flight: int = Field(default=4, ge=1, le=256, description="requests in flight per worker, so the model never waits on the disk")
     request_timeout_base_s: float = Field(default=60.0, gt=0)
     request_timeout_per_token_s: float = Field(default=0.05, ge=0)
     ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")

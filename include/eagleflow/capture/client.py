@@ -25,6 +25,10 @@ def _request(url: str, method: str, path: str, body: dict | None, timeout_s: flo
     try:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.connect()
+        # A long sample's token ids (> 2 kB) go out after the headers in a second write:
+        # without NODELAY, Nagle holds them until the server's delayed ACK.
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()

@@ -118,6 +118,9 @@ class CaptureServer(ThreadingHTTPServer):
 class CaptureHandler(BaseHTTPRequestHandler):
     server: CaptureServer
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in two writes; with Nagle on, the body waits for the client's
+    # delayed ACK of the headers, which cost ~13 ms a request (0.83 of a bare loop's speed).
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):  # one line per request, to the server log
         sys.stderr.write(f"{time.strftime('%H:%M:%S')} {self.address_string()} {fmt % args}\n")
