@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
+from .durable import discard_temp
+
 HeartbeatState = Literal["starting", "running", "complete", "failed"]
 
 
@@ -74,10 +76,7 @@ class Heartbeat:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            discard_temp(tmp)
             raise
 
     @property

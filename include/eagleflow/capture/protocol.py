@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow.durable import discard_temp
+
 PROTOCOL_VERSION = "eagleflow-capture/1"
 DUMP_SUFFIX = ".safetensors"
 DUMP_TMP_PREFIX = ".tmp-"
@@ -112,10 +114,7 @@ def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_s
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, final)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        discard_temp(tmp)
         raise
     return final
 

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow.durable import discard_temp, fsync_path
+
 SAMPLE_SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
@@ -33,14 +35,6 @@ class StoredSample:
     path: Path
     bytes: int
     sha256: str
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(str(d), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SampleWriter:
@@ -91,12 +85,9 @@ class SampleWriter:
             _maybe_fault(self.stored)
             os.replace(tmp, final)
             if self.fsync:
-                _fsync_dir(self.shard_dir)
+                fsync_path(self.shard_dir)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            discard_temp(tmp)
             raise
         self.stored += 1
         return StoredSample(path=final, bytes=size, sha256=digest)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from eagleflow.durable import fsync_path
+
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -84,14 +86,6 @@ def restore_rng(tensors: dict[str, torch.Tensor], python_state: list | None) -> 
         random.setstate((version, tuple(internal), gauss))
 
 
-def _fsync_path(p: Path) -> None:
-    fd = os.open(str(p), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` atomically; returns its directory."""
@@ -109,11 +103,11 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
     full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()))
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     for f in tmp.iterdir():
-        _fsync_path(f)
+        fsync_path(f)
     if final.exists():  # a rerun of the same step: replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_path(root)
+    fsync_path(root)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
