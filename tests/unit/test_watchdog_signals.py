@@ -220,3 +220,25 @@ def test_gpu_signal_through_the_real_probe_on_a_fake_nvidia_smi(tmp_path, http_s
     finally:
         kill_group(p.pgid)
         kill_group(srv.pgid)
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_workers_count_comes_from_its_manifest_not_its_lagging_heartbeat(tmp_path):
+    import json as _json
+    cfg = watch_config(tmp_path)
+    layout = RunLayout.for_run(cfg, "r1")
+    p = spawn_sleeper(layout, "worker_shard_00001")
+    write_heartbeat(layout, 1, pid=p.pid, done=1, total=6, progress_ago_s=1)
+    lines = [_json.dumps({"id": f"s:{i}", "index": i, "file": f"{i:08d}.safetensors", "tokens": 5, "bytes": 9,
+                          "sha256": "0" * 64}) for i in (1, 5)]
+    with open(str(layout.manifest_file(1)), "w") as f:
+        f.write("\n".join(lines) + "\n" + '{"id": "s:9", "ind')  # a crash mid-append leaves a partial line
+    job = WatchedJob(shard=1, num_shards=4)
+    assert observe(cfg, layout, job, WatchMemory()).heartbeat.done == 1  # alive: the heartbeat is its word
+    kill_group(p.pgid)
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{p.pid}"):
+            break
+        time.sleep(0.05)
+    d = decide(observe(cfg, layout, job, WatchMemory()), cfg)
+    assert d.verdict == "dead" and "2/6 samples done" in d.summary, d.summary

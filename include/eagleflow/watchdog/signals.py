@@ -343,6 +343,10 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     except (ValueError, TypeError, KeyError) as e:
         hb, hb_err = None, f"{hb_path} unreadable: {e}"
     worker = read_process(layout, job.role, mem, now)
+    if hb is not None and job.shard is not None and not worker.alive and hb.state != "complete":
+        # A dead worker's heartbeat lags its last stored samples by up to one interval;
+        # the manifest is what is stored, so the diagnosis counts from it.
+        hb.done = max(hb.done, stored_samples(layout, job.shard))
     server = read_process(layout, "capture_server", mem, now) if job.uses_server else None
     health = HealthSignal()
     stale_after = cfg.watchdog.stall_after_s if health_when_stale_after_s is None else health_when_stale_after_s
@@ -361,6 +365,15 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     mem.last_look_at = now
     mem.last_done = hb.done if hb is not None else mem.last_done
     return obs
+
+
+def stored_samples(layout: RunLayout, shard: int) -> int:
+    """Distinct samples in the shard's manifest (a partial last line is not one)."""
+    from eagleflow.capture.manifest import read_manifest
+    try:
+        return len(read_manifest(layout.manifest_file(shard)).entries)
+    except OSError:
+        return 0
 
 
 def _progress_at(hb: Heartbeat, worker: ProcessSignal) -> float:
