@@ -11,21 +11,11 @@ import pytest
 
 from eagleflow.airflow.runtime import RunContext
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
+from tests.fixtures.processes import IGNORE_TERM, alive
 from tests.fixtures.sshd import sshd  # noqa: F401  (fixture)
 from tests.integration.gpu_run_config import write_gpu_config
 
 pytestmark = [pytest.mark.slow]
-
-IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 @pytest.mark.timeout(120)
 def test_free_gpus_operator(sshd, monkeypatch, tmp_path):  # noqa: F811

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.processes import kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -52,16 +53,6 @@ class _Freezer(threading.Thread):
                 self.stopped_pid, self.stopped_at = pid, time.time()
                 return
             time.sleep(0.05)
-
-
-def _kill_everything_recorded(state_dir: Path) -> None:
-    for rec_file in (state_dir / "pids").glob("*.json"):
-        try:
-            pgid = json.loads(rec_file.read_text())["pgid"]
-            os.killpg(pgid, signal.SIGCONT)
-            os.killpg(pgid, signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
 
 
 DAG_FILE = """
@@ -132,7 +123,7 @@ def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactl
             dr = dag.test()
         finally:
             freezer.done.set()
-            _kill_everything_recorded(state_dir)
+            kill_recorded(state_dir)
 
     assert freezer.stopped_pid, "the server was never frozen: the shard finished before 3 samples?"
     run_dir = next(run_root.iterdir())

@@ -4,8 +4,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.watchdog.node_lock import NodeLock
 from eagleflow.watchdog.reconcile import claim, scan
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.processes import kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,16 +51,6 @@ def _watch(run: LocalRun, shard: int) -> dict:
 def _manifest_indexes(run: LocalRun, shard: int) -> list[int]:
     p = Path(run.layout.manifest_file(shard))
     return sorted(json.loads(x)["index"] for x in p.read_text().splitlines() if x.strip())
-
-
-def _kill_recorded(state_dir: Path) -> None:
-    for rec_file in (state_dir / "pids").glob("*.json"):
-        try:
-            pgid = json.loads(rec_file.read_text())["pgid"]
-            os.killpg(pgid, signal.SIGCONT)
-            os.killpg(pgid, signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
 
 
 @pytest.mark.slow
@@ -96,7 +85,7 @@ def test_reconcile_reruns_exactly_the_incomplete_shard(airflow_db, demo_assets, 
             dr = mod.dag.test(run_conf={"config_path": str(cfgp), "latest_runs": 3})
             msg = smtp.wait_for(lambda m: "reconcile" in m["Subject"], timeout_s=10)
     finally:
-        _kill_recorded(state_dir)
+        kill_recorded(state_dir)
 
     tis = [ti for ti in dr.get_task_instances()]
     reruns = [ti for ti in tis if ti.task_id == "rerun_shard"]

@@ -15,16 +15,7 @@ from eagleflow.gpu.process_info import describe_pid
 from eagleflow.gpu.snapshot import GpuProcess
 from eagleflow.nodes import LocalNode
 from eagleflow.nodes.proc import ProcState, read_start_ticks
-
-IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.fixtures.processes import IGNORE_TERM, alive
 
 
 def spawn_recorded(state, role, code):
