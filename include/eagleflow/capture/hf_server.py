@@ -22,7 +22,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .protocol import PROTOCOL_VERSION, check_rid, resolve_aux_layers, write_dump
+from .aux_layers import resolve_aux_layers
+from .protocol import PROTOCOL_VERSION, check_rid, write_dump
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
@@ -66,6 +67,8 @@ class CaptureModel:
                 time.sleep(delay)
             out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
             hs = out.hidden_states
+            # the output of layer j is hidden_states[j + 1] (entry 0 is the embedding): the same layers
+            # sglang captures as the input of layer j + 1 (eagleflow.capture.aux_layers)
             aux = torch.cat([hs[i + 1][0] for i in self.aux_layers], dim=-1)
             last = hs[-1][0]
             next_id = int(out.logits[0, -1].argmax())

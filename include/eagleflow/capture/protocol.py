@@ -20,6 +20,9 @@ from pathlib import Path
 
 from eagleflow.durable import discard_temp
 
+# The capture layers live in aux_layers (one place for the per-family sglang numbering too).
+from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
+
 PROTOCOL_VERSION = "eagleflow-capture/1"
 DUMP_SUFFIX = ".safetensors"
 DUMP_TMP_PREFIX = ".tmp-"
@@ -33,27 +36,6 @@ DUMP_IDS = "input_ids"              # [L] int64, what the server actually ran
 SELFCHECK_PREFIX = "eagleflow-selfcheck-"
 
 _RID_RE = re.compile(r"^(?P<run>[A-Za-z0-9_.-]+)\.s(?P<shard>\d{5})\.(?P<index>\d{8})$")
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default: outputs of layers 1, N/2-1 and N-4 (0-based) of an N-layer target."""
-    if num_layers < 5:
-        raise ValueError(f"the target has {num_layers} layers; EAGLE-3's default capture layers need at least 5 "
-                         "(set capture.aux_layers explicitly)")
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def resolve_aux_layers(configured: list[int] | None, num_layers: int) -> list[int]:
-    """The capture layers to use: the config's, checked against the model, or the default."""
-    layers = list(configured) if configured else default_aux_layers(num_layers)
-    # The output of the last layer is only available after the final norm; a capture
-    # layer must be a residual-stream state before it (sglang captures the input of layer i+1).
-    bad = [x for x in layers if not 0 <= x <= num_layers - 2]
-    if bad:
-        raise ValueError(f"capture.aux_layers {layers}: layer(s) {bad} are outside 0..{num_layers - 2} "
-                         f"for a target with {num_layers} layers; use the 0-based index of a layer whose output "
-                         "feeds another layer")
-    return layers
 
 
 def request_id(run_id: str, shard: int, index: int) -> str:

@@ -6,8 +6,11 @@
 - ``config.json``: ``LlamaForCausalLMEagle3``, the draft's dims, one hidden
   layer, the target's ``vocab_size`` and ``draft_vocab_size``, untied
   embeddings, the target's context length and rope settings (SGLang builds the
-  draft with the target's context length), and ``eagle_config`` with the
-  capture layers the hidden states were recorded from.
+  draft with the target's context length), and ``eagle_config`` naming the
+  capture layers the hidden states were recorded from, in the numbering the
+  target's sglang model family reads (``eagleflow.capture.aux_layers``: the
+  same list the capture server was given, so serving captures the layers the
+  draft was trained on).
 - ``model.safetensors``: exactly the names ``LlamaForCausalLMEagle3.load_weights``
   knows (it drops unknown names silently): see ``SGLANG_WEIGHT_NAMES``.
 """
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers
 
 from .checkpoint import MODEL_FILE, STATE_FILE, latest_checkpoint
 from .model import DraftConfig, Eagle3Draft
@@ -41,7 +46,18 @@ def target_dtype_name(target_dir: str | Path) -> str:
     return name if name in _DTYPES else "bfloat16"
 
 
-def export_config(dcfg: DraftConfig, aux_layers: list[int], dtype: str) -> dict[str, Any]:
+def eagle_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` for the samples' layer outputs ``aux_layers`` on this target."""
+    path = Path(target_dir) / "config.json"
+    archs, num_layers = target_architectures_and_layers(json.loads(path.read_text()))
+    try:
+        return sglang_aux_layer_ids(aux_layers, archs, num_layers)
+    except ValueError as e:
+        raise ValueError(f"exporting for target {path}: {e}") from None
+
+
+def export_config(dcfg: DraftConfig, sglang_layer_ids: list[int], dtype: str) -> dict[str, Any]:
+    """config.json; ``sglang_layer_ids`` from :func:`eagle_layer_ids` (sglang's numbering, not ours)."""
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -59,7 +75,7 @@ def export_config(dcfg: DraftConfig, aux_layers: list[int], dtype: str) -> dict[
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(sglang_layer_ids), "use_aux_hidden_state": True},
     }
     if dcfg.target_hidden_size and dcfg.target_hidden_size != dcfg.hidden_size:
         cfg["target_hidden_size"] = dcfg.target_hidden_size
@@ -86,6 +102,7 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
     name = target_dtype_name(state["target_model"]) if dtype == "auto" else dtype
     if name not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
+    layer_ids = eagle_layer_ids(state["target_model"], state["aux_layers"])   # fails before anything is written
     out: dict[str, torch.Tensor] = {}
     for n in SGLANG_WEIGHT_NAMES:
         t = weights[n]
@@ -96,10 +113,10 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source_checkpoint": str(ckpt)})
-    (tmp / "config.json").write_text(json.dumps(export_config(dcfg, state["aux_layers"], name), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(export_config(dcfg, layer_ids, name), indent=2) + "\n")
     (tmp / "eagleflow_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
-         "target_model": state["target_model"]}, indent=2) + "\n")
+         "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"]}, indent=2) + "\n")
     old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
     if out_dir.exists():
         os.replace(out_dir, old)
