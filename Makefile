@@ -10,7 +10,7 @@ export AIRFLOW_HOME := $(CURDIR)/airflow_home
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 AIRFLOW_PORT ?= 8080
 
-.PHONY: venv demo test test-fast airflow airflow-stop bench clean-runs
+.PHONY: venv venv-node demo test test-node test-fast airflow airflow-stop bench clean-runs
 
 venv: $(STAMP)
 
@@ -26,7 +26,26 @@ demo: venv
 	$(BIN)/python -m eagleflow.demo --config configs/local-demo.yaml
 
 test: venv
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node $(PYTEST_ARGS)
+
+# The GPU node's environment (real sglang 0.5.23 with its CUDA torch, ~11 GB, ~5 min once):
+# tests/node/ checks the capture hook, launcher flags and export against sglang's own classes on the CPU.
+NODE_VENV := .venv-node
+NODE_BIN := $(NODE_VENV)/bin
+NODE_REQ_HASH := $(shell cat requirements-node.txt requirements-node-test.txt pyproject.toml | sha1sum | cut -c1-12)
+NODE_STAMP := $(NODE_VENV)/.installed-$(NODE_REQ_HASH)
+
+venv-node: $(NODE_STAMP)
+
+$(NODE_STAMP): requirements-node.txt requirements-node-test.txt pyproject.toml
+	@test -x $(NODE_BIN)/python || $(PY) -m venv $(NODE_VENV) || python3 -m venv $(NODE_VENV)
+	$(NODE_BIN)/pip install -q --upgrade "pip>=24"
+	$(NODE_BIN)/pip install -q -r requirements-node-test.txt
+	$(NODE_BIN)/pip install -q --no-deps -e .
+	@rm -f $(NODE_VENV)/.installed-*; touch $@
+
+test-node: venv-node
+	$(NODE_BIN)/python -m pytest tests/node -q -p no:cacheprovider $(PYTEST_ARGS)
 
 airflow: venv
 	$(BIN)/python -m eagleflow.airflow.standalone start --port $(AIRFLOW_PORT)

@@ -27,13 +27,13 @@ from typing import Callable
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-from .protocol import SELFCHECK_PREFIX, dump_path, resolve_aux_layers
-from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODE, ENV_MODEL
+from .aux_layers import resolve_aux_layers, sglang_aux_layer_ids, target_architectures_and_layers
+from .protocol import SELFCHECK_PREFIX, dump_path
+from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
 
 PLUGIN_NAME = "eagleflow_capture"
-# version -> capture mode of sglang_plugin (see its docstring)
-SUPPORTED_VERSIONS = {"0.5.14": "logits", "0.5.23": "native"}
-MODE_OVERRIDE_ENV = "EAGLEFLOW_SGLANG_CAPTURE_MODE"   # for the GPU check: try the other mode
+# The sglang versions whose classes the capture hook is proven against (`make test-node`).
+SUPPORTED_VERSIONS = ("0.5.23",)
 
 
 class SglangLaunchError(RuntimeError):
@@ -50,13 +50,12 @@ def installed_sglang_version() -> str:
                                 "capture.backend hf") from None
 
 
-def capture_mode_for(version: str) -> str:
-    mode = SUPPORTED_VERSIONS.get(version)
-    if mode is None:
+def check_supported_version(version: str) -> str:
+    if version not in SUPPORTED_VERSIONS:
         raise SglangLaunchError(f"sglang {version} is not a version eagleflow's capture supports "
-                                f"({', '.join(sorted(SUPPORTED_VERSIONS))}); install one of them "
-                                "(requirements-node.txt pins 0.5.23) or use capture.backend hf")
-    return os.environ.get(MODE_OVERRIDE_ENV) or mode
+                                f"({', '.join(SUPPORTED_VERSIONS)}); install requirements-node.txt (it pins "
+                                f"{SUPPORTED_VERSIONS[-1]}) or use capture.backend hf")
+    return version
 
 
 def model_config(model_path: str) -> dict:
@@ -96,24 +95,27 @@ def check_model_supports_capture(model_path: str,
     return cls.__name__
 
 
-def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int, version: str, mode: str,
-                  aux_layers: list[int], python: str = sys.executable) -> list[str]:
+def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int, sglang_layer_ids: list[int],
+                  python: str = sys.executable) -> list[str]:
+    """sglang 0.5.23's argv for extraction; ``sglang_layer_ids`` are already in sglang's convention for the
+    target's family (see ``capture.aux_layers``). Proven against sglang's own parser and resolution in
+    tests/node/test_sglang_launch_args.py."""
     cap = cfg.capture
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(cap.tp), "--dtype", cap.dtype,
-            # one request = one whole prefill = one whole sample:
-            "--disable-cuda-graph", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
-    if version == "0.5.23":
-        argv += ["--disable-prefill-cuda-graph"]    # breakable prefill graphs are on by default there
-    if mode == "native":
-        argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-                 "--return-aux-hidden-state-layer-ids", *[str(x) for x in aux_layers]]
+            # one request = one whole prefill = one whole sample: no radix cache (a hit computes only the
+            # suffix), no chunked prefill, no CUDA graphs (0.5.23 turns breakable prefill graphs on by default)
+            "--disable-radix-cache", "--chunked-prefill-size", "-1",
+            "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+            # the draft-free capture switch: the algorithm only names the capture convention
+            "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *[str(x) for x in sglang_layer_ids]]
     return argv + list(cap.extra_server_args)
 
 
-def capture_env(*, dump_dir: str, aux_layers: list[int], model: str, mode: str) -> dict[str, str]:
+def capture_env(*, dump_dir: str, aux_layers: list[int], model: str) -> dict[str, str]:
     return {"SGLANG_PLUGINS": PLUGIN_NAME, ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers),
-            ENV_MODEL: model, ENV_MODE: mode}
+            ENV_MODEL: model}
 
 
 def free_port(host: str) -> int:
@@ -164,12 +166,14 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     from .lifecycle import dump_dir as _dump_dir
 
     try:
-        version = installed_sglang_version()
-        mode = capture_mode_for(version)
+        version = check_supported_version(installed_sglang_version())
         model_path = str(cfg.resolve(cfg.target_model))
         cls_name = check_model_supports_capture(model_path)
-        tcfg = _text_config(model_config(model_path))
-        aux = resolve_aux_layers(cfg.capture.aux_layers, int(tcfg["num_hidden_layers"]))
+        mcfg = model_config(model_path)
+        tcfg = _text_config(mcfg)
+        archs, num_layers = target_architectures_and_layers(mcfg)
+        aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
+        sglang_ids = sglang_aux_layer_ids(aux, archs, num_layers)
     except (SglangLaunchError, ValueError) as e:
         print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
         return 2
@@ -177,11 +181,10 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     url = f"http://{cfg.capture.host}:{port}"
     dumps = _dump_dir(cfg)
     Path(dumps).mkdir(parents=True, exist_ok=True)
-    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, version=version, mode=mode,
-                         aux_layers=aux)
-    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path, mode=mode)}
-    print(f"eagleflow capture serve: sglang {version} ({mode} mode), {cls_name}, aux layers {aux}: "
-          f"{' '.join(argv)}", file=sys.stderr, flush=True)
+    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, sglang_layer_ids=sglang_ids)
+    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
+    print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {aux} (sglang ids "
+          f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
 
     def _forward(signum, _frame):
@@ -203,6 +206,6 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     write_info_file(str(layout.server_info_file), {
         "url": url, "pid": proc.pid, "backend": "sglang", "model": model_path, "aux_layers": aux,
         "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
-        "version": version, "capture_mode": mode, "dump_dir": dumps, "started_at": time.time()})
+        "version": version, "sglang_layer_ids": sglang_ids, "dump_dir": dumps, "started_at": time.time()})
     print(f"eagleflow capture serve: sglang ready and capturing at {url}", file=sys.stderr, flush=True)
     return proc.wait()

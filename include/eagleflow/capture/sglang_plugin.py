@@ -6,22 +6,30 @@ the launcher never reaches them. Instead our package declares the entry point
 with ``SGLANG_PLUGINS=eagleflow_capture`` sglang's ``load_plugins()`` calls
 ``register()`` at the start of every scheduler process. Nothing of sglang is edited.
 
-Two modes, chosen by the launcher from the sglang version (``EAGLEFLOW_CAPTURE_MODE``):
+sglang 0.5.23 (the version requirements-node.txt pins; proven by ``make test-node``
+against its real classes): the server runs with ``--enable-return-aux-hidden-states
+--speculative-algorithm EAGLE3``, which makes every prefill's
+``logits_output.hidden_states`` the packed aux concat [T, k*H] and
+``logits_output.last_hidden_states`` the final post-norm states [T, H]
+(``srt/layers/logits_processor.py``). An AFTER hook on
+``TpModelWorker.forward_batch_generation(self, batch: ScheduleBatch | None,
+forward_batch: ForwardBatch | None = None, ...)`` slices them per request:
 
-- ``native`` (0.5.23): the server runs with ``--enable-return-aux-hidden-states``;
-  each prefill's ``logits_output.hidden_states`` holds the aux concat [T, k*H]
-  and ``logits_output.last_hidden_states`` the final states [T, H]. An AFTER
-  hook on ``TpModelWorker.forward_batch_generation`` slices them per request.
-- ``logits`` (0.5.14): an AFTER hook on ``ModelRunner.load_model`` turns aux
-  capture on (``set_eagle3_layers_to_capture``) and a BEFORE hook on
-  ``LogitsProcessor.forward`` receives (final states, aux list, ForwardBatch).
+- scheduler path: ``batch`` is a ``ScheduleBatch``; request i is ``batch.reqs[i].rid``
+  and owns rows ``[sum(extend_lens[:i]), sum(extend_lens[:i+1]))``; ``prefix_lens[i]``
+  cached tokens were not recomputed (no dump: it would be short);
+- ``forward_batch``-only path (``batch`` None): ``ForwardBatch.rids``,
+  ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu``, ``extend_start_loc``.
 
-Per request i of a batched prefill, rows ``[start[i], start[i] + len[i])``
-belong to rid i. Only TP rank 0 writes. A hook that did not install is an
-error that stops the scheduler with a message (sglang only logs failed hooks).
+Only attention-TP rank 0 writes (``sglang.srt.runtime_context.get_parallel().attn_tp_rank``).
+Before anything is hooked, ``check_sglang_contract`` proves every attribute the hook
+reads exists in the installed sglang; a missing one stops the scheduler with the
+version and the attribute named (sglang itself only logs a failed plugin).
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -36,12 +44,15 @@ log = logging.getLogger("eagleflow.capture.sglang_plugin")
 ENV_DUMP_DIR = "EAGLEFLOW_CAPTURE_DUMP_DIR"
 ENV_AUX_LAYERS = "EAGLEFLOW_CAPTURE_AUX_LAYERS"
 ENV_MODEL = "EAGLEFLOW_CAPTURE_MODEL"
-ENV_MODE = "EAGLEFLOW_CAPTURE_MODE"
 
-NATIVE_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
-LOAD_MODEL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
-LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
-TARGETS = {"native": [NATIVE_TARGET], "logits": [LOAD_MODEL_TARGET, LOGITS_TARGET]}
+TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+
+# What the hook reads, per sglang class: the contract checked at start-up.
+SCHEDULE_BATCH_FIELDS = ("reqs", "extend_lens", "prefix_lens", "input_ids", "forward_mode")
+FORWARD_BATCH_FIELDS = ("rids", "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "extend_start_loc", "input_ids",
+                        "forward_mode")
+LOGITS_OUTPUT_FIELDS = ("hidden_states", "last_hidden_states")
+FORWARD_PARAMS = ("self", "batch", "forward_batch")
 
 
 class CaptureHookError(RuntimeError):
@@ -53,21 +64,74 @@ class CaptureSettings:
     dump_dir: str
     aux_layers: list[int]
     model: str
-    mode: str
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "CaptureSettings":
         env = dict(os.environ if env is None else env)
-        missing = [k for k in (ENV_DUMP_DIR, ENV_AUX_LAYERS, ENV_MODE) if not env.get(k)]
+        missing = [k for k in (ENV_DUMP_DIR, ENV_AUX_LAYERS) if not env.get(k)]
         if missing:
             raise CaptureHookError(f"eagleflow capture plugin loaded without {', '.join(missing)}; start sglang "
                                    "through `eagleflow capture serve --backend sglang`, which sets them")
-        mode = env[ENV_MODE]
-        if mode not in TARGETS:
-            raise CaptureHookError(f"{ENV_MODE}={mode!r}: expected one of {sorted(TARGETS)}")
         return cls(dump_dir=env[ENV_DUMP_DIR], aux_layers=[int(x) for x in json.loads(env[ENV_AUX_LAYERS])],
-                   model=env.get(ENV_MODEL, ""), mode=mode)
+                   model=env.get(ENV_MODEL, ""))
 
+
+# --- the contract with the installed sglang ------------------------------------------------
+
+def _sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _field_names(cls: type) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(getattr(cls, "__annotations__", {}))
+
+
+def check_sglang_contract() -> None:
+    """Every class attribute and API the hook reads, proven present in this sglang; else CaptureHookError."""
+    version = _sglang_version()
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise CaptureHookError(f"sglang {version}: {what}; the eagleflow capture hook supports sglang 0.5.23 "
+                                   "(requirements-node.txt). Install that version or use capture.backend hf")
+    try:
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.managers.tp_worker import TpModelWorker
+        from sglang.srt.managers.utils import GenerationBatchResult
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    except ImportError as e:
+        raise CaptureHookError(f"sglang {version}: cannot import {e.name or e} that the capture hook reads; the "
+                               "eagleflow capture hook supports sglang 0.5.23 (requirements-node.txt)") from None
+    for cls, fields in ((ScheduleBatch, SCHEDULE_BATCH_FIELDS), (ForwardBatch, FORWARD_BATCH_FIELDS),
+                        (LogitsProcessorOutput, LOGITS_OUTPUT_FIELDS), (GenerationBatchResult, ("logits_output",))):
+        have = _field_names(cls)
+        for f in fields:
+            need(f in have, f"{cls.__module__}.{cls.__name__} has no attribute {f!r}")
+    need("rid" in inspect.signature(Req.__init__).parameters, "Req has no 'rid'")
+    params = list(inspect.signature(inspect.unwrap(TpModelWorker.forward_batch_generation)).parameters)
+    need(params[:3] == list(FORWARD_PARAMS),
+         f"TpModelWorker.forward_batch_generation takes {params[:3]}, not {list(FORWARD_PARAMS)}")
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        need(False, "sglang.srt.runtime_context.get_parallel (the attention-TP rank API) is missing")
+    need(callable(get_parallel), "sglang.srt.runtime_context.get_parallel is not callable")
+
+
+def attention_tp_rank() -> int:
+    """This scheduler's attention-TP rank, from sglang 0.5.23's runtime context (published before serving)."""
+    from sglang.srt.runtime_context import get_parallel
+    return int(get_parallel().attn_tp_rank)
+
+
+# --- slicing a prefill per request ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class ExtendView:
@@ -78,56 +142,62 @@ class ExtendView:
     prefix_lens: list[int]
 
 
-def _as_list(x) -> list[int] | None:
-    if x is None:
-        return None
+def _ints(x) -> list[int]:
     if hasattr(x, "tolist"):
         x = x.tolist()
     return [int(v) for v in x]
 
 
-def extend_view(batch: Any) -> ExtendView | None:
-    """The per-request split of a prefill batch (ForwardBatch, ModelWorkerBatch or ScheduleBatch); None for decode."""
-    mode = getattr(batch, "forward_mode", None)
-    if mode is None or not mode.is_extend():
+def _cumulative_starts(lens: list[int]) -> list[int]:
+    starts, acc = [], 0
+    for n in lens:
+        starts.append(acc)
+        acc += n
+    return starts
+
+
+def _is_prefill(mode: Any) -> bool:
+    # EXTEND and MIXED carry whole prefills here; a verify or decode pass carries no sample.
+    return mode is not None and mode.is_extend() and not mode.is_target_verify()
+
+
+def extend_view(batch: Any = None, forward_batch: Any = None) -> ExtendView | None:
+    """The per-request split of a prefill (from the ScheduleBatch, or the ForwardBatch alone); None for decode."""
+    if batch is not None:
+        if not _is_prefill(batch.forward_mode):
+            return None
+        lens = _ints(batch.extend_lens)
+        rids = [str(r.rid) for r in batch.reqs]
+        prefix = _ints(batch.prefix_lens)
+        starts = _cumulative_starts(lens)
+    elif forward_batch is not None:
+        if not _is_prefill(forward_batch.forward_mode):
+            return None
+        lens = _ints(forward_batch.extend_seq_lens_cpu)
+        rids = [str(r) for r in forward_batch.rids]
+        prefix = _ints(forward_batch.extend_prefix_lens_cpu)
+        starts = _ints(forward_batch.extend_start_loc)
+    else:
         return None
-    rids = getattr(batch, "rids", None)
-    reqs = getattr(batch, "reqs", None)
-    if not rids and reqs:
-        rids = [r.rid for r in reqs]
-    lens = _as_list(getattr(batch, "extend_seq_lens_cpu", None)) or _as_list(getattr(batch, "extend_seq_lens", None))
-    if not rids or lens is None:
-        raise CaptureHookError(f"prefill batch {type(batch).__name__} carries no request ids or extend lengths; "
-                               "this sglang version is not supported by the eagleflow capture hook")
-    if len(rids) != len(lens):
-        raise CaptureHookError(f"prefill batch has {len(rids)} request ids but {len(lens)} extend lengths")
-    starts = _as_list(getattr(batch, "extend_start_loc", None))
-    if starts is None:
-        starts, acc = [], 0
-        for n in lens:
-            starts.append(acc)
-            acc += n
-    prefix = (_as_list(getattr(batch, "extend_prefix_lens_cpu", None))
-              or _as_list(getattr(batch, "extend_prefix_lens", None)) or [0] * len(lens))
-    return ExtendView(rids=[str(r) for r in rids], lens=lens, starts=starts, prefix_lens=prefix)
-
-
-def concat_aux(aux: Any):
-    """A list of [T, H] tensors (Llama) or one packed [T, k*H] tensor (DeepSeek 0.5.23) -> [T, k*H]."""
-    import torch
-    if isinstance(aux, (list, tuple)):
-        return torch.cat(list(aux), dim=-1)
-    return aux
+    if not (len(rids) == len(lens) == len(prefix) == len(starts)):
+        raise CaptureHookError(f"prefill batch has {len(rids)} requests but {len(lens)} extend lengths, "
+                               f"{len(prefix)} prefix lengths and {len(starts)} starts")
+    return ExtendView(rids=rids, lens=lens, starts=starts, prefix_lens=prefix)
 
 
 def slice_requests(view: ExtendView, aux, last) -> list[tuple[str, int, Any, Any]]:
     """(rid, first row, aux rows, last rows) per request whose prefill is whole (no cached prefix)."""
+    rows = aux.shape[0]
+    if view.lens and view.starts[-1] + view.lens[-1] > rows:
+        raise CaptureHookError(f"prefill of {len(view.rids)} requests spans {view.starts[-1] + view.lens[-1]} rows "
+                               f"but the hidden states have {rows}")
     out = []
     for rid, n, s, p in zip(view.rids, view.lens, view.starts, view.prefix_lens):
         if p:
-            # A cache hit computed only the suffix: a dump of it would be silently short.
-            log.error("eagleflow capture: request %s reused %d cached tokens; no dump written "
-                      "(start sglang with --disable-radix-cache)", rid, p)
+            if is_capture_rid(rid):
+                # A cache hit computed only the suffix: a dump of it would be silently short.
+                log.error("eagleflow capture: request %s reused %d cached tokens; no dump written "
+                          "(start sglang with --disable-radix-cache)", rid, p)
             continue
         out.append((rid, s, aux[s:s + n], last[s:s + n]))
     return out
@@ -138,52 +208,24 @@ def is_capture_rid(rid: str) -> bool:
     return parse_request_id(rid) is not None or rid.startswith(SELFCHECK_PREFIX)
 
 
-def write_request_dumps(settings: CaptureSettings, view: ExtendView, aux, last, input_ids=None) -> list[str]:
+def write_request_dumps(settings: CaptureSettings, view: ExtendView, aux, last, input_ids) -> list[str]:
     """Write one dump per capture request of the prefill; returns the rids written."""
-    aux = concat_aux(aux)
+    import torch
+    if isinstance(aux, (list, tuple)):      # a model that hands back one [T, H] tensor per layer
+        aux = torch.cat(list(aux), dim=-1)
     written = []
     for rid, s, a, h in slice_requests(view, aux, last):
         if not is_capture_rid(rid):
             continue
         check_rid(rid)
-        ids = input_ids[s:s + a.shape[0]] if input_ids is not None else _arange_like(a)
-        write_dump(settings.dump_dir, rid, input_ids=ids.to(dtype=_int64()), aux_hidden_states=a,
-                   hidden_states=h, aux_layers=settings.aux_layers, model=settings.model)
+        ids = input_ids[s:s + a.shape[0]].to(dtype=torch.int64)
+        write_dump(settings.dump_dir, rid, input_ids=ids, aux_hidden_states=a, hidden_states=h,
+                   aux_layers=settings.aux_layers, model=settings.model)
         written.append(rid)
     return written
 
 
-def _int64():
-    import torch
-    return torch.int64
-
-
-def _arange_like(a):
-    import torch
-    return torch.arange(a.shape[0])
-
-
-def tp_rank(obj: Any = None) -> int:
-    """The attention-TP rank of this scheduler (0 when not distributed)."""
-    for attr in ("attn_tp_rank", "tp_rank"):
-        v = getattr(obj, attr, None)
-        if isinstance(v, int):
-            return v
-    try:
-        from sglang.srt.layers.dp_attention import get_attention_tp_rank
-        return int(get_attention_tp_rank())
-    except Exception:
-        pass
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
-    return 0
-
-
-# --- hooks --------------------------------------------------------------------------------
+# --- the hook --------------------------------------------------------------------------------
 
 _settings: CaptureSettings | None = None
 
@@ -195,93 +237,61 @@ def _s() -> CaptureSettings:
     return _settings
 
 
-def after_forward_batch_generation(result, worker, batch, *args, **kwargs):
-    """native mode: AFTER TpModelWorker.forward_batch_generation."""
-    if tp_rank(worker) != 0:
+def after_forward_batch_generation(result, worker, batch=None, forward_batch=None, *args, **kwargs):
+    """AFTER TpModelWorker.forward_batch_generation(self, batch, forward_batch=None, ...): dump each prefill."""
+    view = extend_view(batch, forward_batch)
+    if view is None or attention_tp_rank() != 0:
         return None
-    view = extend_view(batch)
-    if view is None:
-        return None
-    out = getattr(result, "logits_output", None)
+    out = result.logits_output
     aux = getattr(out, "hidden_states", None)
     last = getattr(out, "last_hidden_states", None)
     if aux is None or last is None:
         raise CaptureHookError("prefill result has no hidden_states/last_hidden_states: the server was not "
                                "started with --enable-return-aux-hidden-states (use `eagleflow capture serve`)")
-    write_request_dumps(_s(), view, aux, last, getattr(batch, "input_ids", None))
+    ids = batch.input_ids if batch is not None else forward_batch.input_ids
+    write_request_dumps(_s(), view, aux, last, ids)
     return None
 
 
-def after_load_model(result, runner, *args, **kwargs):
-    """logits mode: turn on aux capture of the target model (not a draft runner)."""
-    if getattr(runner, "is_draft_worker", False):
-        return None
-    model = getattr(runner, "model", None)
-    fn = getattr(model, "set_eagle3_layers_to_capture", None)
-    if fn is None:
-        raise CaptureHookError(f"{type(model).__name__} has no set_eagle3_layers_to_capture: sglang cannot "
-                               "capture its auxiliary hidden states; use backend hf or an EAGLE-3-capable model")
-    fn(_s().aux_layers)
-    return None
-
-
-def before_logits_forward(processor, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
-                          *args, **kwargs):
-    """logits mode: BEFORE LogitsProcessor.forward(input_ids, final states, lm_head, ForwardBatch, aux list)."""
-    if aux_hidden_states is None or tp_rank() != 0:
-        return None
-    view = extend_view(logits_metadata)
-    if view is not None:
-        write_request_dumps(_s(), view, aux_hidden_states, hidden_states, input_ids)
-    return None
-
-
-HOOKS: dict[str, tuple[str, Callable]] = {
-    NATIVE_TARGET: ("AFTER", after_forward_batch_generation),
-    LOAD_MODEL_TARGET: ("AFTER", after_load_model),
-    LOGITS_TARGET: ("BEFORE", before_logits_forward),
-}
-
-
-def install(registry, hook_type_enum, mode: str, hooks: dict[str, tuple[str, Callable]] | None = None) -> list[str]:
-    """Register this mode's hooks, apply them now and check each target really is wrapped.
+def install(registry, hook_type_enum, hooks: dict[str, tuple[str, Callable]] | None = None) -> list[str]:
+    """Register the hooks, apply them now and check each target really is wrapped by ours.
 
     Applying early is safe: sglang's ``apply_hooks`` skips targets already patched.
+    Identity is checked by ``id()`` taken before: ``apply_hooks`` rebinds every stale
+    reference to the original it finds in ``sys.modules``, ours included.
     """
     import pkgutil
-    hooks = hooks or {t: HOOKS[t] for t in TARGETS[mode]}
-    targets = list(hooks)
-    originals = {}
-    for t in targets:
+    hooks = hooks or {TARGET: ("AFTER", after_forward_batch_generation)}
+    original_ids = {}
+    for t, (kind, fn) in hooks.items():
         obj_path, attr = t.rsplit(".", 1)
         try:
-            originals[t] = getattr(pkgutil.resolve_name(obj_path), attr)
+            original_ids[t] = id(getattr(pkgutil.resolve_name(obj_path), attr))
         except (ImportError, AttributeError, ValueError) as e:
-            raise CaptureHookError(f"cannot find {t} in this sglang ({e}); capture mode {mode!r} does not fit "
-                                   "this version") from None
-        kind, fn = hooks[t]
+            raise CaptureHookError(f"cannot find {t} in this sglang ({e}); install sglang 0.5.23") from None
         registry.register(t, fn, getattr(hook_type_enum, kind))
     registry.apply_hooks()
     missing = []
-    for t in targets:
+    for t in hooks:
         obj_path, attr = t.rsplit(".", 1)
         now = getattr(pkgutil.resolve_name(obj_path), attr)
-        if now is originals[t] or t not in getattr(registry, "_patched", {t}):
+        if id(now) == original_ids[t] or t not in registry._patched:
             missing.append(t)
     if missing:
         raise CaptureHookError(f"sglang did not apply the eagleflow capture hook(s) to {', '.join(missing)}; "
                                "see the 'Failed to apply hooks' line above in this log")
-    return targets
+    return list(hooks)
 
 
 def register() -> None:
     """sglang's plugin entry point (runs in every scheduler process)."""
     try:
         settings = _s()
+        check_sglang_contract()
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-        targets = install(HookRegistry, HookType, settings.mode)
-        print(f"eagleflow capture: hooks installed in pid {os.getpid()} ({settings.mode} mode: "
-              f"{', '.join(targets)}); dumps to {settings.dump_dir}", file=sys.stderr, flush=True)
+        targets = install(HookRegistry, HookType)
+        print(f"eagleflow capture: hook installed in pid {os.getpid()} ({', '.join(targets)}); dumps to "
+              f"{settings.dump_dir}", file=sys.stderr, flush=True)
     except CaptureHookError as e:
         # sglang catches Exception from plugins and only logs it: stop this process so the launch fails loudly.
         print(f"eagleflow capture: FATAL: {e}", file=sys.stderr, flush=True)
