@@ -26,7 +26,7 @@ import torch
 
 from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers
 
-from .checkpoint import MODEL_FILE, STATE_FILE, latest_checkpoint
+from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
 from .model import DraftConfig, Eagle3Draft
 
 # The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):
@@ -84,8 +84,10 @@ def export_config(dcfg: DraftConfig, sglang_layer_ids: list[int], dtype: str) ->
         if k not in ("rms_norm_eps", "hidden_act"):
             cfg[k] = v
     cfg.setdefault("max_position_embeddings", dcfg.max_position_embeddings)
-    if "rope_theta" not in cfg and "rope_parameters" not in cfg:
-        cfg["rope_theta"] = dcfg.rope_theta
+    # transformers 5 writes rope_parameters only; sglang servers that predate it read the legacy pair
+    # (rope_theta, rope_scaling: null for plain rope). Both forms, the same values.
+    cfg.setdefault("rope_theta", dcfg.rope_theta)
+    cfg.setdefault("rope_scaling", dcfg.rope_scaling)
     return cfg
 
 
@@ -93,7 +95,8 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
     """Write ``out_dir`` (config.json + model.safetensors) from a training checkpoint, atomically."""
     from safetensors.torch import load_file, save_file
     ckpt = Path(checkpoint)
-    state = json.loads((ckpt / STATE_FILE).read_text())
+    # a damaged checkpoint is refused by name (never a raw SafetensorError, never an older one silently)
+    state = verify_checkpoint_files(ckpt)
     dcfg = DraftConfig.from_json(state["draft_config"])
     weights = load_file(str(ckpt / MODEL_FILE))
     missing = [n for n in SGLANG_WEIGHT_NAMES if n not in weights]
