@@ -62,6 +62,10 @@ class RunLayout:
     def pid_file(self, role: str) -> PurePosixPath:
         return self.pids_dir / f"{self.run_id}.{role}.json"
 
+    def lock_file(self, role: str) -> PurePosixPath:
+        """The lock a job of ``role`` holds for its lifetime (one worker per shard); an exact name per run."""
+        return self.locks_dir / f"{self.run_id}.{role}.lock"
+
     def log_file(self, role: str) -> PurePosixPath:
         return self.logs_dir / f"{role}.log"
 

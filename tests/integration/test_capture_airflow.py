@@ -46,7 +46,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
 
     from eagleflow.airflow.capture_operators import ExtractShardOperator
     from eagleflow.airflow.runtime import RunContext
-    from eagleflow.capture.lifecycle import live_record, stop_worker, worker_role
+    from eagleflow.capture.lifecycle import stop_worker, worker_role
 
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "rerun")
     ctx.write_run_config()
@@ -61,7 +61,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
             with pytest.raises(TaskDeferred) as d:
                 op.run(ctx, {"ti": None})
             assert d.value.trigger.serialize()[1]["shard"] == 0
-            pids.append(live_record(ctx.node, str(ctx.layout.pid_file(worker_role(0))))["pid"])
+            pids.append(ctx.node.live_record(str(ctx.layout.pid_file(worker_role(0)))).pid)
     finally:
         stop_worker(ctx, 0, grace_s=5)
     assert pids[0] == pids[1]

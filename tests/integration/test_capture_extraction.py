@@ -186,15 +186,15 @@ def test_rerun_attaches_to_the_live_worker(server):
         while time.time() < deadline and not list(Path(ctx.layout.shard_dir(0)).glob(".tmp-*")):
             time.sleep(0.1)
         rec2, attached2 = start_or_attach_worker(ctx, 0)
-        assert (attached1, attached2) == (False, True) and rec2["pid"] == rec1["pid"]
+        assert (attached1, attached2) == (False, True) and rec2.pid == rec1.pid
     finally:
-        assert stop_worker(ctx, 0, grace_s=5) == "stopped"
+        assert stop_worker(ctx, 0, grace_s=5) == "terminated"
     assert not Path(ctx.layout.pid_file(worker_role(0))).exists()
     hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
     assert hb.state == "failed" and "stopped by SIGTERM" in hb.error
     # a dead worker's record does not block a new start
     rec3, attached3 = start_or_attach_worker(ctx, 0)
-    assert not attached3 and rec3["pid"] != rec1["pid"]
+    assert not attached3 and rec3.pid != rec1.pid
     deadline = time.time() + 60
     while time.time() < deadline and (Heartbeat.read(ctx.layout.heartbeat_file(0)) or Heartbeat("", 0)).state != "complete":
         time.sleep(0.2)

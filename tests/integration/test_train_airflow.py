@@ -111,7 +111,6 @@ def test_retry_keeps_a_progressing_trainer_and_restarts_a_stalled_one(tmp_path, 
 
     from eagleflow.airflow.runtime import RunContext
     from eagleflow.airflow.train_operators import TrainDraftOperator
-    from eagleflow.capture.lifecycle import live_record
     from eagleflow.heartbeat import Heartbeat
     from eagleflow.train.job import read_train_heartbeat, stop_trainer
 
@@ -126,11 +125,11 @@ def test_retry_keeps_a_progressing_trainer_and_restarts_a_stalled_one(tmp_path, 
         fresh = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 5,
                           last_progress_at=now - 1, unit="steps", total=30, done=4)
         op._restart_if_unhealthy(ctx, fresh)
-        assert live_record(ctx.node, pid_file)["pid"] == proc.pid, "a progressing trainer is attached to, not killed"
+        assert ctx.node.live_record(pid_file).pid == proc.pid, "a progressing trainer is attached to, not killed"
         stale = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 500,
                           last_progress_at=now - 400, unit="steps", total=30, done=4)
         op._restart_if_unhealthy(ctx, stale)
-        assert live_record(ctx.node, pid_file) is None, "a stalled trainer is stopped before the retry restarts it"
+        assert ctx.node.live_record(pid_file) is None, "a stalled trainer is stopped before the retry restarts it"
         assert read_train_heartbeat(ctx) is None
     finally:
         stop_trainer(ctx, grace_s=2)

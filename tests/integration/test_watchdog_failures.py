@@ -132,7 +132,7 @@ def test_server_killed_worker_killed_before_rename_frozen_worker_and_full_disk(s
     monkeypatch.delenv(FAULT_AFTER_ENV)
     ev = _watch(run, 1)
     assert ev["status"] == "dead", ev
-    assert f"worker pid {rec['pid']} is" in ev["diagnosis"] and "without completing" in ev["diagnosis"]
+    assert f"worker pid {rec.pid} is" in ev["diagnosis"] and "without completing" in ev["diagnosis"]
     assert "2/6 samples done" in ev["diagnosis"]
     assert len(_manifest(run, 1)) == 2 and list(Path(run.layout.shard_dir(1)).glob(".tmp-*"))
     start_or_attach_worker(run, 1)  # resume: the temp file is dropped, the sample redone once
@@ -142,13 +142,13 @@ def test_server_killed_worker_killed_before_rename_frozen_worker_and_full_disk(s
     # 2. a live worker whose heartbeat goes stale (frozen with SIGSTOP)
     rec, _ = start_or_attach_worker(run, 2)
     _wait_manifest(run, 2, 1)
-    os.kill(rec["pid"], signal.SIGSTOP)
+    os.kill(rec.pid, signal.SIGSTOP)
     ev = _watch(run, 2)
     assert ev["status"] == "stalled", ev
-    assert f"worker pid {rec['pid']} is stopped (state T)" in ev["diagnosis"]
+    assert f"worker pid {rec.pid} is stopped (state T)" in ev["diagnosis"]
     # frozen before or after its first sample: "no sample completed for N s" or "nothing completed ... grace"
     assert "completed" in ev["diagnosis"] and "/6 done" in ev["diagnosis"]
-    os.kill(rec["pid"], signal.SIGCONT)
+    os.kill(rec.pid, signal.SIGCONT)
     stop_worker(run, 2, grace_s=2)
 
     # 3. the disk fills up: the worker may not write files beyond 20 kB (RLIMIT_FSIZE), a sample is larger

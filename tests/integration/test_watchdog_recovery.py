@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.lifecycle import (LocalRun, capture_server_healthy, read_pid_record, server_info,
+from eagleflow.capture.lifecycle import (LocalRun, capture_server_healthy, server_info,
                                          start_capture_server, stop_capture_server, wait_capture_server_ready)
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
@@ -34,8 +34,8 @@ def test_two_shards_recover_one_frozen_server_with_one_restart(demo_assets, tmp_
         start_capture_server(run)
         wait_capture_server_ready(run, timeout_s=120, poll_s=0.3)
         assert recover_before_retry(ctx, 0, print)["action"] == "none"  # healthy: nothing to do
-        old = read_pid_record(run.node, pid_file)
-        os.kill(old["pid"], signal.SIGSTOP)  # frozen: alive, not answering
+        old = run.node.process_status(pid_file).record
+        os.kill(old.pid, signal.SIGSTOP)  # frozen: alive, not answering
 
         procs = [subprocess.Popen(ctx.eagleflow_argv("recover", "--shard", str(s), "--json"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (0, 1)]
@@ -47,19 +47,19 @@ def test_two_shards_recover_one_frozen_server_with_one_restart(demo_assets, tmp_
         actions = sorted(r["action"] for r in results)
         assert actions == ["none", "restarted"], results
         incidents = read_incidents(run)
-        assert len(incidents) == 1 and incidents[0]["old_pid"] == old["pid"]
-        new = read_pid_record(run.node, pid_file)
-        assert new["pid"] == incidents[0]["new_pid"] != old["pid"]
-        st = read_proc_state(old["pid"])
+        assert len(incidents) == 1 and incidents[0]["old_pid"] == old.pid
+        new = run.node.process_status(pid_file).record
+        assert new.pid == incidents[0]["new_pid"] != old.pid
+        st = read_proc_state(old.pid)
         assert st is None or st.state == "Z"  # the frozen server is gone
         assert capture_server_healthy(server_info(run)["url"], 10)
         restarted = next(r for r in results if r["action"] == "restarted")
         assert "not answering /health_generate" in restarted["summary"]
     finally:
-        rec = read_pid_record(run.node, pid_file)
+        rec = run.node.process_status(pid_file).record
         if rec:
             try:
-                os.killpg(rec["pgid"], signal.SIGCONT)
+                os.killpg(rec.pgid, signal.SIGCONT)
             except OSError:
                 pass
         stop_capture_server(run, grace_s=3)

@@ -9,11 +9,10 @@ import time
 
 import pytest
 
-from eagleflow.gpu import cleanup
 from eagleflow.gpu.cleanup import free_recorded_processes
 from eagleflow.gpu.process_info import describe_pid
 from eagleflow.gpu.snapshot import GpuProcess
-from eagleflow.nodes import LocalNode
+from eagleflow.nodes import LocalNode, process_record
 from eagleflow.nodes.proc import ProcState, read_start_ticks
 from tests.fixtures.processes import IGNORE_TERM, alive
 
@@ -75,10 +74,10 @@ def test_recorded_stopped_foreign_and_stale_survive(tmp_path):
 def test_d_state_process_is_reported_with_wchan_not_waited_on(monkeypatch, tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        # a D-state process ignores SIGKILL; stand in for one: it never leaves and /proc says D
-        monkeypatch.setattr(cleanup, "_alive", lambda pid: True)
-        monkeypatch.setattr(cleanup, "read_proc_state", lambda pid: ProcState(pid, "python3", "D", 0, (pid,), "nfs_wait"))
-        monkeypatch.setattr(cleanup, "_signal", lambda pid, sig, group: None)
+        # a D-state process ignores SIGKILL; stand in for one: signals do nothing and /proc says D
+        monkeypatch.setattr(process_record, "_kill", lambda pid, sig: None)
+        monkeypatch.setattr(process_record, "read_proc_state",
+                            lambda pid: ProcState(pid, "python3", "D", 0, (pid,), "nfs_wait"))
         t0 = time.monotonic()
         rep = free_recorded_processes(tmp_path, grace_s=0.2, kill_wait_s=0.3, force=True,
                                       gpu_processes=[GpuProcess(child.pid, "python3", 10)], log=lambda m: None)

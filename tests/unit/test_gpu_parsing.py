@@ -9,7 +9,7 @@ import pytest
 
 from eagleflow.gpu.errors import GpuProbeError, NoGpuError, SmiParseError
 from eagleflow.gpu.smi_probe import (SmiProbe, build_snapshots, parse_app_rows, parse_gpu_rows, smi_failure,
-                                     snapshots_from_report)
+                                     read_node_report, snapshots_from_report)
 from eagleflow.nodes import LocalNode
 from tests.fixtures.gpu_scenarios import FIXTURES, gpu, proc, write_scenario
 
@@ -163,6 +163,9 @@ def test_node_report_one_round_trip_adds_user_and_state(tmp_path, monkeypatch):
 
 def test_report_error_is_raised_with_node_name():
     with pytest.raises(NoGpuError, match="on node n7: NVML library"):
-        snapshots_from_report("n7", json.dumps({"error": "NVML library not found", "no_gpu": True}))
-    with pytest.raises(GpuProbeError, match="printed no JSON"):
-        snapshots_from_report("n7", "Traceback ...")
+        snapshots_from_report("n7", {"error": "NVML library not found", "no_gpu": True})
+    node = LocalNode(name="n7")
+    with pytest.raises(GpuProbeError, match="on node n7: node_report gave no report: .*is not JSON.*Traceback"):
+        read_node_report(node, ["sh", "-c", "echo 'Traceback ...'"], 10)
+    with pytest.raises(GpuProbeError, match="on node n7: .* exited 3: boom"):
+        read_node_report(node, ["sh", "-c", "echo boom >&2; exit 3"], 10)

@@ -15,8 +15,9 @@ from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_ready, start_capture_server,
-                                         start_or_attach_worker, stop_capture_server, stop_recorded,
-                                         wait_capture_server_ready)
+                                         start_or_attach_worker, stop_capture_server, wait_capture_server_ready,
+                                         worker_role_pattern)
+from eagleflow.nodes.process_record import RecordList
 from eagleflow.heartbeat import Heartbeat
 
 
@@ -29,9 +30,8 @@ class StartCaptureServerOperator(RunOperator):
         super().__init__(**kw)
 
     def run(self, ctx, context):
-        started = start_capture_server(ctx, log=self.log.info)
-        pid = started["pid"] if isinstance(started, dict) else started.pid
-        return {"pid": pid, "log_file": str(ctx.layout.log_file("capture_server"))}
+        rec, _ = start_capture_server(ctx, log=self.log.info)
+        return {"pid": rec.pid, "log_file": rec.log_file or str(ctx.layout.log_file("capture_server"))}
 
 
 class CaptureServerReadySensor(RunOperator):
@@ -142,14 +142,16 @@ class StopCaptureServerOperator(RunOperator):
         self.grace_s = grace_s
 
     def run(self, ctx, context):
-        prefix = f"{ctx.layout.run_id}.worker_shard_"
-        res = ctx.node.run(["ls", "-1", "--", str(ctx.layout.pids_dir)], timeout=30)
-        for name in sorted(res.stdout.split() if res.ok else []):
-            if name.startswith(prefix) and name.endswith(".json"):
-                outcome = stop_recorded(ctx.node, str(ctx.layout.pids_dir / name), grace_s=self.grace_s,
-                                        log=self.log.info)
-                if outcome != "not running":
-                    self.log.warning("stopped a still-running extraction worker (%s): %s", name, outcome)
+        # every worker record of exactly this run (another run's id may start with this one's)
+        records = ctx.node.run_json([ctx.node.python, "-m", "eagleflow.nodes.process_record", "list",
+                                     "--pids-dir", str(ctx.layout.pids_dir), "--run-id", ctx.layout.run_id,
+                                     "--role-pattern", worker_role_pattern()], RecordList, timeout=60)
+        for st in records.records:
+            if st.record is None:
+                continue
+            stopped = ctx.node.stop_recorded(st.record.pid_file, grace_s=self.grace_s)
+            if stopped.outcome not in ("already_gone", "not_recorded"):
+                self.log.warning("stopped a still-running extraction worker (%s): %s", st.record.role, stopped.detail)
         return stop_capture_server(ctx, grace_s=self.grace_s, log=self.log.info)
 
 

@@ -11,35 +11,39 @@ the run dir and the corpus' numbers in its ``extra``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from airflow.sdk import Asset
 from airflow.sdk.exceptions import AirflowFailException
+from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.corpus.commands import EXIT_BAD_RECORDS, EXIT_NOT_ENOUGH_DISK, EXIT_REFUSED
-from eagleflow.nodes import NodeError
+from eagleflow.nodes import NodeCommandFailed
 
 CORPUS_ASSET = Asset(name="eagleflow_corpus", uri="eagleflow://corpus")
 
 PREPARE_TIMEOUT_S = 12 * 3600.0  # the seeds' 87.8 M tokens take minutes; leave ample room on slow nodes
 
 
-def _last_json(stdout: str) -> dict:
-    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
-    return json.loads(lines[-1]) if lines else {}
+class CorpusAnswer(BaseModel):
+    """The last stdout line of a `eagleflow corpus ...` command: its result document (fields vary per command)."""
+    model_config = ConfigDict(extra="allow")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
 
 
-def _run_cli(op: RunOperator, ctx, args: list[str], timeout: float, final_codes: dict[int, str]):
+def _run_cli(op: RunOperator, ctx, args: list[str], timeout: float, final_codes: dict[int, str]) -> CorpusAnswer:
     """Run the command; log its stderr lines; a known exit code fails without retry."""
-    res = ctx.node.run(ctx.eagleflow_argv(*args), timeout=timeout)
-    for line in res.stderr.strip().splitlines():
-        op.log.info("%s", line)
-    if res.exit_code in final_codes:
-        raise AirflowFailException(f"{final_codes[res.exit_code]} (node {ctx.node.name}):\n{res.stderr.strip()[-4000:]}")
-    if not res.ok:
-        raise NodeError(f"on node {ctx.node.name}: `eagleflow {' '.join(args)}` exited {res.exit_code}: "
-                        f"{(res.stderr or res.stdout).strip()[-4000:]}")
-    return res
+    try:
+        return ctx.node.run_json(ctx.eagleflow_argv(*args), CorpusAnswer, timeout=timeout,
+                                 log=lambda line: op.log.info("%s", line))
+    except NodeCommandFailed as e:
+        if e.exit_code in final_codes:
+            raise AirflowFailException(f"{final_codes[e.exit_code]} (node {ctx.node.name}):\n"
+                                       f"{e.stderr.strip()[-4000:]}") from None
+        raise
 
 
 class PrepareCorpusOperator(RunOperator):
@@ -50,9 +54,8 @@ class PrepareCorpusOperator(RunOperator):
         super().__init__(**kw)
 
     def run(self, ctx, context):
-        res = _run_cli(self, ctx, ["corpus", "prepare"], PREPARE_TIMEOUT_S,
-                       {EXIT_BAD_RECORDS: "corpus has bad records"})
-        stats = _last_json(res.stdout)
+        stats = _run_cli(self, ctx, ["corpus", "prepare"], PREPARE_TIMEOUT_S,
+                         {EXIT_BAD_RECORDS: "corpus has bad records"})
         summary = {"run_dir": str(ctx.layout.run_dir), "corpus_file": stats.get("corpus_file"),
                    "records": stats.get("records"), "tokens": stats.get("tokens"),
                    "masked_tokens": stats.get("masked_tokens"), "length": stats.get("length"),
@@ -75,15 +78,14 @@ class DeleteOldCachesOperator(RunOperator):
         super().__init__(**kw)
 
     def run(self, ctx, context):
-        res = _run_cli(self, ctx, ["corpus", "delete-caches"], 6 * 3600.0,
-                       {EXIT_REFUSED: "cache deletion refused"})
-        result = _last_json(res.stdout)
+        result = _run_cli(self, ctx, ["corpus", "delete-caches"], 6 * 3600.0,
+                          {EXIT_REFUSED: "cache deletion refused"})
         if result.get("enabled"):
             self.log.info("deleted %d old cache(s), %d bytes freed", len(result.get("deleted", {})),
                           result.get("freed_bytes", 0))
         else:
             self.log.info("old cache deletion is off (Param delete_old_caches): nothing deleted")
-        return result
+        return result.model_dump()
 
 
 class CheckDiskOperator(RunOperator):
@@ -93,9 +95,8 @@ class CheckDiskOperator(RunOperator):
         super().__init__(**kw)
 
     def run(self, ctx, context):
-        res = _run_cli(self, ctx, ["corpus", "budget", "--check"], 3600.0,
-                       {EXIT_NOT_ENOUGH_DISK: "not enough disk for the hidden states"})
-        verdict = _last_json(res.stdout)
+        verdict = _run_cli(self, ctx, ["corpus", "budget", "--check"], 3600.0,
+                           {EXIT_NOT_ENOUGH_DISK: "not enough disk for the hidden states"})
         self.log.info("%s", verdict.get("message", ""))
         return {k: verdict.get(k) for k in ("ok", "where", "free_bytes")} | {
             "needed_bytes": verdict.get("estimate", {}).get("needed_bytes")}

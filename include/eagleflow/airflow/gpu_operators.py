@@ -7,7 +7,6 @@ they are just ``FreeGpusOperator(task_id=...)`` and
 """
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.nodes import NodeError
 
 
 class GpusNotIdle(Exception):
@@ -54,13 +54,11 @@ class FreeGpusOperator(RunOperator):
             argv.append("--force")
             self.log.warning("force_free is set: foreign processes on the selected GPUs of node %s will be killed",
                              node.name)
-        res = node.run(argv, timeout=600)
-        for line in res.stderr.strip().splitlines():
-            self.log.info("node %s: %s", node.name, line)
-        if not res.ok:
-            raise GpuGateError(f"`eagleflow gpu free` on node {node.name} exited {res.exit_code}: "
-                               f"{(res.stderr or res.stdout).strip()[-1500:]}")
-        report = CleanupReport.from_dict(json.loads(res.stdout))
+        try:
+            report = node.run_json(argv, CleanupReport, timeout=600,
+                                   log=lambda line: self.log.info("node %s: %s", node.name, line))
+        except NodeError as e:
+            raise GpuGateError(str(e)) from None
         if report.unkillable:
             raise GpuGateError(f"node {node.name}: process(es) did not die after SIGKILL:\n"
                                + "\n".join("  " + o.describe() for o in report.unkillable)

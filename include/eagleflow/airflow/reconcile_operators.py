@@ -11,11 +11,13 @@ import json
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
+from eagleflow.nodes import NodeError
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -23,12 +25,23 @@ def _reconcile_config_path(ctx: RunContext) -> str:
     return str(ctx.layout.state_dir / "reconcile" / "config.json")
 
 
+class ScanAnswer(BaseModel):
+    """What ``eagleflow reconcile scan`` prints: one entry per shard (``ShardState`` + needs_rerun, line)."""
+    shards: list[dict[str, Any]]
+
+
+class ClaimAnswer(BaseModel):
+    """What ``eagleflow reconcile claim`` prints (``eagleflow.watchdog.reconcile.claim``)."""
+    model_config = ConfigDict(extra="allow")
+    action: str
+    reason: str
+
+
 def _scan(ctx: RunContext, latest: int) -> list[dict]:
     path = _reconcile_config_path(ctx)
     ctx.node.write_text(path, json.dumps(ctx.cfg.model_dump(mode="json")))
-    res = ctx.node.check(ctx.node.eagleflow_argv("reconcile", "scan", "--config", path, "--latest", str(latest)),
-                         timeout=300)
-    return [json.loads(line) for line in res.stdout.splitlines() if line.strip().startswith("{")]
+    return ctx.node.run_json(ctx.node.eagleflow_argv("reconcile", "scan", "--config", path, "--latest", str(latest)),
+                             ScanAnswer, timeout=300).shards
 
 
 class FindIncompleteShardsOperator(RunOperator):
@@ -78,19 +91,13 @@ class RerunShardOperator(BaseOperator):
             # the rerun itself stalled: same recovery as the pipeline's retry (stuck worker, frozen server)
             from eagleflow.watchdog.recovery import recover_before_retry
             recover_before_retry(ctx, shard, self.log)
-        res = ctx.node.run(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard)),
-                           timeout=ctx.cfg.capture.ready_timeout_s + 300)
-        for line in res.stderr.strip().splitlines()[-20:]:
-            self.log.info("claim (node %s): %s", ctx.node.name, line)
-        try:
-            result = json.loads(res.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            raise RuntimeError(f"`eagleflow reconcile claim --shard {shard}` failed on node {ctx.node.name} "
-                               f"(exit {res.exit_code}): {res.stderr.strip()[-1500:]}") from None
-        self.log.info("run %s shard %d: %s (%s)", ctx.layout.run_id, shard, result["action"], result["reason"])
-        if result["action"] == "skipped":
+        result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard)), ClaimAnswer,
+                                   timeout=ctx.cfg.capture.ready_timeout_s + 300,
+                                   log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
+        self.log.info("run %s shard %d: %s (%s)", ctx.layout.run_id, shard, result.action, result.reason)
+        if result.action == "skipped":
             ctx.close()
-            return {**self.target, "outcome": "skipped", "reason": result["reason"]}
+            return {**self.target, "outcome": "skipped", "reason": result.reason}
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
         trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
         ctx.close()
@@ -126,9 +133,13 @@ class ReconcileSummaryOperator(RunOperator):
                          f"{stored}/{t['expected']} stored ({state})")
         for run_id in sorted({t["run_id"] for t in todo}):
             t = next(x for x in todo if x["run_id"] == run_id)
-            res = ctx.node.run(ctx.node.eagleflow_argv("reconcile", "release", "--config", t["run_config"],
-                                                       "--run-id", run_id), timeout=300)
-            lines.append(f"run {run_id} capture server: {res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr.strip()[-300:]}")
+            try:
+                released = ctx.node.run_json(ctx.node.eagleflow_argv("reconcile", "release", "--config",
+                                                                     t["run_config"], "--run-id", run_id),
+                                             ClaimAnswer, timeout=300)
+                lines.append(f"run {run_id} capture server: {released.action} ({released.reason})")
+            except NodeError as e:
+                lines.append(f"run {run_id} capture server: release failed: {e}")
         summary = "\n".join(lines)
         self.log.info("reconcile summary:\n%s", summary)
         subject = f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s)"

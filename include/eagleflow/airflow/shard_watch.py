@@ -22,7 +22,6 @@ Every trigger yields exactly one event:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, AsyncIterator
 
@@ -31,6 +30,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
 from eagleflow.watchdog.diagnosis import StallDiagnosis
+
+WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come with a diagnosis
 
 
 class _NodeJobWatchTrigger(BaseTrigger):
@@ -83,16 +84,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
         """One node-side `eagleflow watch ... --json` call (blocking; run off the event loop)."""
         wd = ctx.cfg.watchdog
         argv = ctx.eagleflow_argv("watch", *self._watch_args(), "--json")
-        res = ctx.node.run(argv, timeout=wd.health_timeout_s + 60)
-        out = res.stdout.strip().splitlines()
-        if not out:
-            raise NodeError(f"`eagleflow watch` on node {ctx.node.name} printed nothing (exit {res.exit_code}): "
-                            f"{res.stderr.strip()[-1000:]}")
-        try:
-            return StallDiagnosis.from_json(out[-1])
-        except (json.JSONDecodeError, TypeError, KeyError) as e:
-            raise ValueError(f"`eagleflow watch` on node {ctx.node.name} printed no diagnosis ({e}); "
-                             f"stdout: {out[-1][:300]!r}; stderr: {res.stderr.strip()[-500:]}") from None
+        # exit 0 healthy/complete, 3 slow, 4 stalled, 5 dead, 6 failed: each carries the diagnosis
+        return ctx.node.run_json(argv, StallDiagnosis, timeout=wd.health_timeout_s + 60, answer_codes=WATCH_ANSWER_CODES)
 
     def _unreachable_event(self, ctx: RunContext, for_s: float, error: str) -> dict:
         job = self._job_name(ctx)

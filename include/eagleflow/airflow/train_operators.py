@@ -34,8 +34,8 @@ class TrainDraftOperator(RunOperator):
         if try_number > 1:
             self._restart_if_unhealthy(ctx, hb)
         rec, attached = start_or_attach_trainer(ctx, log=self.log.info)
-        self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec["pid"], ctx.node.name,
-                      "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.get("log_file"))
+        self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec.pid, ctx.node.name,
+                      "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.log_file)
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
         trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s)
         if self.deferrable:

@@ -6,6 +6,8 @@ import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
 
+EXIT_ALREADY_RUNNING = 4  # `capture run`: another live worker holds the shard's lock
+
 
 def register(sub) -> None:
     p = sub.add_parser("capture", help="hidden-state capture: server, extraction workers, verification")
@@ -70,6 +72,15 @@ def _run(args) -> int:
     if not 0 <= args.shard < of:
         print(f"eagleflow capture run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
         return 2
+    from eagleflow.nodes.job_lock import JobLockHeld, hold_for_life
+    from .lifecycle import worker_role
+    try:
+        # one worker per shard: held until this process exits (the kernel releases it, however it ends)
+        hold_for_life(str(layout.lock_file(worker_role(args.shard))),
+                      purpose=f"extraction worker of shard {args.shard} of run {layout.run_id}")
+    except JobLockHeld as e:
+        print(f"eagleflow capture run: {e}", file=sys.stderr, flush=True)
+        return EXIT_ALREADY_RUNNING
     url = args.url
     if not url:
         try:

@@ -5,22 +5,24 @@ a LocalNode, an SSHNode, the Airflow operators and the watchdog's recovery.
 ``ctx`` is anything with ``cfg``, ``layout``, ``node`` and ``eagleflow_argv``
 (``eagleflow.airflow.runtime.RunContext`` or ``LocalRun`` below).
 
-A process is "ours and alive" only when its pid record's start ticks match
-``/proc/<pid>/stat`` now: a reused PID is never signalled.
+Pid records, their proof of ownership and the one stop are
+``eagleflow.nodes.process_record``, checked and run on the node through
+``Node.process_status`` / ``Node.live_record`` / ``Node.stop_recorded``: a
+reused PID or a foreign process group is never signalled.
 """
 from __future__ import annotations
 
 import json
 import shlex
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout, RunLike
-from eagleflow.nodes import DetachedProcess, LocalNode, Node
-from eagleflow.nodes.proc import parse_stat
+from eagleflow.nodes import JobAlreadyRunning, LocalNode, Node, ProcessRecord
 
 from .client import CaptureServerError, health_generate
 
@@ -53,71 +55,13 @@ def worker_role(shard: int) -> str:
     return f"worker_shard_{shard:05d}"
 
 
+def worker_role_pattern() -> str:
+    """A regular expression matching every ``worker_role`` whole."""
+    return r"worker_shard_\d{5}"
+
+
 def dump_dir(cfg: PipelineConfig) -> str:
     return str(cfg.resolve(cfg.capture.dump_dir))
-
-
-# --- pid records -----------------------------------------------------------------
-
-def read_pid_record(node: Node, pid_file: str) -> dict | None:
-    text = node.read_text(pid_file)
-    if not text:
-        return None
-    try:
-        rec = json.loads(text)
-        int(rec["pid"])
-        return rec
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def record_alive(node: Node, rec: dict | None) -> bool:
-    """True when the recorded process still runs and is the one we started (same start ticks)."""
-    if not rec:
-        return False
-    stat = node.read_text(f"/proc/{int(rec['pid'])}/stat")
-    if not stat:
-        return False
-    try:
-        _, state, rest = parse_stat(stat)
-    except ValueError:
-        return False
-    if state in ("Z", "X"):
-        return False
-    ticks = int(rest[22 - 4])
-    return not rec.get("start_ticks") or ticks == int(rec["start_ticks"])
-
-
-def live_record(node: Node, pid_file: str) -> dict | None:
-    rec = read_pid_record(node, pid_file)
-    return rec if record_alive(node, rec) else None
-
-
-def stop_recorded(node: Node, pid_file: str, grace_s: float = 15.0, log=None) -> str:
-    """TERM the recorded process group, wait ``grace_s``, then KILL it; remove the record.
-
-    Returns what happened ("not running", "stopped", "killed").
-    """
-    rec = read_pid_record(node, pid_file)
-    outcome = "not running"
-    if record_alive(node, rec):
-        pid, pgid = int(rec["pid"]), int(rec.get("pgid") or rec["pid"])
-        node.signal(pgid, signal.SIGTERM, group=True)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and record_alive(node, rec):
-            time.sleep(0.2)
-        outcome = "stopped"
-        if record_alive(node, rec):
-            node.signal(pgid, signal.SIGKILL, group=True)
-            outcome = "killed"
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and record_alive(node, rec):
-                time.sleep(0.1)
-        if log:
-            log(f"{rec.get('role', '?')} pid {pid} (group {pgid}) {outcome}")
-    if rec is not None:
-        node.run(["rm", "-f", "--", pid_file], timeout=30)
-    return outcome
 
 
 # --- the capture server -------------------------------------------------------------
@@ -132,14 +76,17 @@ def server_info(ctx: RunLike) -> dict | None:
         return None
 
 
-def start_capture_server(ctx: RunLike, log=None) -> DetachedProcess | dict:
-    """Start ``eagleflow capture serve`` detached; a live recorded server is kept (returns its record)."""
+def start_capture_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
+    """Start ``eagleflow capture serve`` detached; a live recorded server is kept.
+
+    Returns (its record, whether it was started now).
+    """
     pid_file = str(ctx.layout.pid_file(SERVER_ROLE))
-    rec = live_record(ctx.node, pid_file)
+    rec = ctx.node.live_record(pid_file)
     if rec is not None:
         if log:
-            log(f"capture server already running: pid {rec['pid']} (record {pid_file}); keeping it")
-        return rec
+            log(f"capture server already running: pid {rec.pid} (record {pid_file}); keeping it")
+        return rec, False
     # A stale info file from an earlier server would make readiness read the wrong URL.
     ctx.node.run(["rm", "-f", "--", str(ctx.layout.server_info_file)], timeout=30)
     argv = ctx.eagleflow_argv("capture", "serve")
@@ -148,7 +95,7 @@ def start_capture_server(ctx: RunLike, log=None) -> DetachedProcess | dict:
     if log:
         log(f"capture server ({ctx.cfg.capture.backend}) started on node {ctx.node.name}: pid {proc.pid}, "
             f"log {proc.log_file}, command {shlex.join(argv)}")
-    return proc
+    return proc, True
 
 
 def capture_server_healthy(url: str, timeout_s: float) -> bool:
@@ -166,12 +113,11 @@ def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict
     Over SSH the health request runs on the node (the server binds the node's
     loopback), through ``eagleflow capture health``.
     """
-    rec = read_pid_record(ctx.node, str(ctx.layout.pid_file(SERVER_ROLE)))
-    alive = record_alive(ctx.node, rec)
-    if not alive:
+    st = ctx.node.process_status(str(ctx.layout.pid_file(SERVER_ROLE)))
+    if not st.alive:
         tail = log_tail(ctx, SERVER_ROLE)
         return "dead", None, (f"the capture server is not running (pid record "
-                              f"{ctx.layout.pid_file(SERVER_ROLE)}: {'absent' if rec is None else 'process gone'}); "
+                              f"{ctx.layout.pid_file(SERVER_ROLE)}: {'absent' if not st.recorded else st.detail}); "
                               f"last lines of {ctx.layout.log_file(SERVER_ROLE)}:\n{tail}")
     info = server_info(ctx)
     if not info or not info.get("url"):
@@ -212,54 +158,75 @@ def log_tail(ctx: RunLike, role: str, lines: int = 20) -> str:
     return res.stdout if res.ok else "(no log)"
 
 
-_REMOVE_DUMPS = (
-    "import os,sys\n"
-    "d,p=sys.argv[1],sys.argv[2];n=0\n"
-    "for f in (os.listdir(d) if os.path.isdir(d) else []):\n"
-    "    if f.startswith(p) or f.startswith('.tmp-'+p):\n"
-    "        try: os.unlink(os.path.join(d,f)); n+=1\n"
-    "        except FileNotFoundError: pass\n"
-    "print(n)\n")
+class RemovedDumps(BaseModel):
+    removed: int
 
 
 def remove_run_dumps(ctx: RunLike) -> int:
-    """This run's dumps (all shards) in the dump dir; other runs' dumps are left alone."""
-    res = ctx.node.check([ctx.node.python, "-c", _REMOVE_DUMPS, dump_dir(ctx.cfg), f"{ctx.layout.run_id}.s"],
-                         timeout=120)
-    return int(res.stdout.strip() or 0)
+    """This run's dumps (all shards) in the dump dir, matched by exact run id; other runs' dumps are left alone."""
+    argv = [ctx.node.python, "-m", "eagleflow.capture.protocol", "remove-dumps", "--dump-dir", dump_dir(ctx.cfg),
+            "--run-id", ctx.layout.run_id]
+    return ctx.node.run_json(argv, RemovedDumps, timeout=120).removed
 
 
 def stop_capture_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict[str, Any]:
-    outcome = stop_recorded(ctx.node, str(ctx.layout.pid_file(SERVER_ROLE)), grace_s=grace_s, log=log)
+    stopped = ctx.node.stop_recorded(str(ctx.layout.pid_file(SERVER_ROLE)), grace_s=grace_s)
     ctx.node.run(["rm", "-f", "--", str(ctx.layout.server_info_file)], timeout=30)
     removed = remove_run_dumps(ctx)
     if log:
-        log(f"capture server: {outcome}; removed {removed} dump(s) of run {ctx.layout.run_id}")
-    return {"server": outcome, "dumps_removed": removed}
+        log(f"capture server: {stopped.detail}; removed {removed} dump(s) of run {ctx.layout.run_id}")
+    return {"server": stopped.outcome, "detail": stopped.detail, "dumps_removed": removed}
 
 
 # --- extraction workers ---------------------------------------------------------------
 
-def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[dict, bool]:
+def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
     """Start the detached worker of ``shard``, or return the live one: never two workers on one shard.
 
-    Returns (pid record, attached). Liveness is the pid record checked against
-    /proc start ticks, so a stale record (worker gone, PID reused) starts a new one.
+    Returns (its record, attached). The start is exclusive on the node: the
+    worker holds ``<state_dir>/locks/<run>.worker_shard_NNNNN.lock`` for its
+    lifetime, taken by detach before the worker starts, so two callers at
+    once start one worker; the other attaches to it. A holder that is not the
+    recorded worker (a hand-started ``capture run``) raises JobAlreadyRunning
+    naming its PID.
     """
     role = worker_role(shard)
     pid_file = str(ctx.layout.pid_file(role))
-    rec = live_record(ctx.node, pid_file)
-    if rec is not None:
-        if log:
-            log(f"shard {shard}: worker pid {rec['pid']} is still running (record {pid_file}); attaching to it")
-        return rec, True
-    argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
-    proc = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)))
+    rec = ctx.node.live_record(pid_file)
+    if rec is None:
+        argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
+        try:
+            rec = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
+                                          lock_file=str(ctx.layout.lock_file(role)))
+        except JobAlreadyRunning as e:
+            rec = _recorded_holder(ctx, pid_file, e)
+        else:
+            if log:
+                log(f"shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
+            return rec, False
     if log:
-        log(f"shard {shard}: worker started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}")
-    return {"pid": proc.pid, "pgid": proc.pgid, "start_ticks": proc.start_ticks, "role": role,
-            "log_file": proc.log_file}, False
+        log(f"shard {shard}: worker pid {rec.pid} is still running (record {pid_file}); attaching to it")
+    return rec, True
+
+
+def _recorded_holder(ctx: RunLike, pid_file: str, refused: JobAlreadyRunning, wait_s: float = 10.0) -> ProcessRecord:
+    """The recorded worker that holds the lock (a concurrent start records it within moments), else the refusal.
+
+    A live recorded worker is the holder: detach hands the lock to the worker it records, and a
+    worker that finds the lock taken exits at once.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        rec = ctx.node.live_record(pid_file)
+        if rec is not None:
+            return rec
+        if time.monotonic() >= deadline:
+            raise refused
+        time.sleep(0.2)
 
 
 def stop_worker(ctx: RunLike, shard: int, grace_s: float = 15.0, log=None) -> str:
-    return stop_recorded(ctx.node, str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s, log=log)
+    res = ctx.node.stop_recorded(str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s)
+    if log and res.outcome != "not_recorded":
+        log(res.detail)
+    return res.outcome

@@ -18,14 +18,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.durable import discard_temp
+from eagleflow.durable import TEMP_PREFIX, atomic_replace
 
 # The capture layers live in aux_layers (one place for the per-family sglang numbering too).
 from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
 
 PROTOCOL_VERSION = "eagleflow-capture/1"
 DUMP_SUFFIX = ".safetensors"
-DUMP_TMP_PREFIX = ".tmp-"
+DUMP_TMP_PREFIX = TEMP_PREFIX  # eagleflow.durable's temp names: .tmp-<rid>.safetensors.<random>
 
 # Keys inside a dump (one per request).
 DUMP_AUX = "aux_hidden_states"      # [L, k*H], k aux layers concatenated in order
@@ -61,8 +61,41 @@ def dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
     return Path(dump_dir) / f"{check_rid(rid)}{DUMP_SUFFIX}"
 
 
-def shard_dump_prefix(run_id: str, shard: int) -> str:
-    return f"{run_id}.s{shard:05d}."
+def dump_rid(name: str) -> str | None:
+    """The request id a dump file name belongs to, final (``<rid>.safetensors``) or temp
+    (``.tmp-<rid>.safetensors.<random>``); None for any other file."""
+    if name.startswith(DUMP_TMP_PREFIX):
+        rest = name[len(DUMP_TMP_PREFIX):]
+        head, dot, _ = rest.rpartition(".")
+        if dot and head.endswith(DUMP_SUFFIX):
+            return head[:-len(DUMP_SUFFIX)]
+        rid, dot, pid = rest[:-len(DUMP_SUFFIX)].rpartition(".")  # older servers: .tmp-<rid>.<pid>.safetensors
+        return rid if rest.endswith(DUMP_SUFFIX) and dot and pid.isdigit() else None
+    return name[:-len(DUMP_SUFFIX)] if name.endswith(DUMP_SUFFIX) else None
+
+
+def remove_dumps(dump_dir: str | os.PathLike, run_id: str, shard: int | None = None) -> int:
+    """Delete the dumps of exactly this run (and shard), never another run's whose id merely starts the same.
+
+    The dump dir is shared by every run on the node (default /dev/shm/eagleflow_hs):
+    ``exp`` must not match ``exp.s2`` or ``exp2``, so each name is parsed back into
+    (run, shard, index) and compared whole.
+    """
+    d = Path(dump_dir)
+    if not d.is_dir():
+        return 0
+    n = 0
+    for p in d.iterdir():
+        rid = dump_rid(p.name)
+        parsed = parse_request_id(rid) if rid else None
+        if parsed is None or parsed[0] != run_id or (shard is not None and parsed[1] != shard):
+            continue
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
 
 
 @dataclass(frozen=True)
@@ -85,19 +118,13 @@ def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_s
     from safetensors.torch import save_file
 
     final = dump_path(dump_dir, rid)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{DUMP_TMP_PREFIX}{rid}.{os.getpid()}{DUMP_SUFFIX}"
     tensors = {DUMP_IDS: input_ids.detach().to("cpu").contiguous(),
                DUMP_AUX: aux_hidden_states.detach().to("cpu").contiguous(),
                DUMP_LAST: hidden_states.detach().to("cpu").contiguous()}
     meta = {"rid": rid, "aux_layers": json.dumps(list(aux_layers)), "model": model,
             "protocol": PROTOCOL_VERSION}
-    try:
+    with atomic_replace(final, fsync=False) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, final)
-    except BaseException:
-        discard_temp(tmp)
-        raise
     return final
 
 
@@ -110,3 +137,23 @@ def read_dump(path: str | os.PathLike) -> Dump:
     return Dump(rid=meta.get("rid", ""), input_ids=t[DUMP_IDS], aux_hidden_states=t[DUMP_AUX],
                 hidden_states=t[DUMP_LAST], aux_layers=json.loads(meta.get("aux_layers", "[]")),
                 model=meta.get("model", ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagleflow.capture.protocol remove-dumps --dump-dir D --run-id R [--shard S]``: one JSON line."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="eagleflow.capture.protocol")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rm = sub.add_parser("remove-dumps", help="delete exactly one run's dumps (or one shard's) from a dump dir")
+    rm.add_argument("--dump-dir", required=True)
+    rm.add_argument("--run-id", required=True)
+    rm.add_argument("--shard", type=int)
+    a = ap.parse_args(argv)
+    print(json.dumps({"removed": remove_dumps(a.dump_dir, a.run_id, a.shard)}), flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

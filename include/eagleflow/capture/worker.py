@@ -22,7 +22,7 @@ from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight
 
 from .client import CaptureServerError, generate
 from .manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
-from .protocol import DUMP_SUFFIX, DUMP_TMP_PREFIX, dump_path, read_dump, request_id, shard_dump_prefix
+from .protocol import dump_path, read_dump, remove_dumps, request_id
 from .storage import SampleWriter, remove_temp_files, sample_file_name
 
 
@@ -99,20 +99,7 @@ def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int]) 
 
 def remove_orphan_dumps(dump_dir: str, run_id: str, shard: int) -> int:
     """Dumps of this shard left by an earlier worker (never consumed): safe to delete, they are re-requested."""
-    d = Path(dump_dir)
-    if not d.is_dir():
-        return 0
-    prefix = shard_dump_prefix(run_id, shard)
-    n = 0
-    for p in d.iterdir():
-        name = p.name
-        if name.endswith(DUMP_SUFFIX) and (name.startswith(prefix) or name.startswith(DUMP_TMP_PREFIX + prefix)):
-            try:
-                p.unlink()
-                n += 1
-            except FileNotFoundError:
-                pass
-    return n
+    return remove_dumps(dump_dir, run_id, shard)  # exact run and shard: never another run's by prefix
 
 
 class ShardWorker:

@@ -72,7 +72,7 @@ def _status_config(args) -> PipelineConfig:
 
 
 def _print(obj, as_json: bool, text: str) -> None:
-    print(json.dumps(obj, indent=2) if as_json else text)
+    print(json.dumps(obj) if as_json else text)  # one line: the control plane reads the last line (Node.run_json)
 
 
 def cmd_status(args) -> int:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagleflow.durable import atomic_write
+
 from .snapshot import GpuSnapshot
 
 
@@ -76,13 +78,11 @@ def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, Any], *, now: f
 
 def registered_jobs(node, state_dir: str) -> tuple[set[int], bool]:
     """PIDs and process groups of live eagleflow jobs recorded on the node, and whether any is alive."""
-    from eagleflow.nodes import NodeError
-    argv = [node.python, "-m", "eagleflow.gpu.node_report", "--records", f"{state_dir}/pids"]
-    res = node.run(argv, timeout=60)
-    if not res.ok:
-        raise NodeError(f"on node {node.name}: reading eagleflow's pid records failed: {(res.stderr or res.stdout)[-300:]}")
-    recs = [r for r in json.loads(res.stdout.strip().splitlines()[-1])["records"] if r["alive"]]
-    return {r["pid"] for r in recs} | {r["pgid"] for r in recs}, bool(recs)
+    from eagleflow.nodes.process_record import RecordList
+    listed = node.run_json([node.python, "-m", "eagleflow.nodes.process_record", "list", "--pids-dir",
+                            f"{state_dir}/pids"], RecordList, timeout=60)
+    recs = [st.record for st in listed.records if st.alive and st.record is not None]
+    return {r.pid for r in recs} | {r.pgid for r in recs}, bool(recs)
 
 
 def _safe_name(node: str) -> str:
@@ -127,11 +127,7 @@ class StatusStore:
             gpus.append(d)
         doc = {"node": node, "taken_at": time.time(), "gpus": gpus, "state": state,
                "alerts": [asdict(a) for a in alerts], "error": error}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(node).with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, self.path(node))
-        return self.path(node)
+        return atomic_write(self.path(node), json.dumps(doc, indent=1))
 
     def all(self) -> list[dict[str, Any]]:
         if not self.folder.is_dir():

@@ -58,29 +58,12 @@ def nvml_report() -> dict:
         probe.close()
 
 
-def records_report(pids_dir: str) -> dict:
-    """The processes eagleflow recorded on this node, each with whether it still runs (same start time)."""
-    from eagleflow.nodes.proc import read_start_ticks
-    from .cleanup import read_records
-    out = []
-    for path, rec in read_records(pids_dir):
-        ticks = read_start_ticks(int(rec["pid"]))
-        alive = ticks is not None and (not rec.get("start_ticks") or ticks == rec["start_ticks"])
-        out.append({"pid": int(rec["pid"]), "pgid": int(rec.get("pgid") or rec["pid"]), "role": rec.get("role"),
-                    "alive": alive, "record": path.name})
-    return {"records": out}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagleflow.gpu.node_report")
     ap.add_argument("--probe", choices=["smi", "nvml"], default="smi")
     ap.add_argument("--nvidia-smi", default="nvidia-smi")
-    ap.add_argument("--records", metavar="PIDS_DIR", help="report eagleflow's pid records instead of GPUs")
     a = ap.parse_args(argv)
-    if a.records:
-        rep = records_report(a.records)
-    else:
-        rep = smi_report(a.nvidia_smi) if a.probe == "smi" else nvml_report()
+    rep = smi_report(a.nvidia_smi) if a.probe == "smi" else nvml_report()
     print(json.dumps(rep), flush=True)
     return 0
 

@@ -13,7 +13,7 @@ from eagleflow.nodes import LocalNode, Node
 
 from .errors import GpuProbeError, NoGpuError
 from .nvml_probe import NvmlProbe
-from .smi_probe import SmiProbe, snapshots_from_report
+from .smi_probe import SmiProbe, read_node_report, snapshots_from_report
 from .snapshot import GpuSnapshot
 
 
@@ -30,11 +30,7 @@ class RemoteNvmlProbe:
 
     def snapshot(self) -> list[GpuSnapshot]:
         argv = [self.node.python, "-m", "eagleflow.gpu.node_report", "--probe", "nvml"]
-        res = self.node.run(argv, timeout=self.timeout_s)
-        if not res.ok:
-            raise GpuProbeError(f"on node {self.node.name}: node_report exited {res.exit_code}: "
-                                f"{(res.stderr or res.stdout).strip()[-500:]}")
-        return snapshots_from_report(self.node.name, res.stdout)
+        return snapshots_from_report(self.node.name, read_node_report(self.node, argv, self.timeout_s))
 
 
 class AutoProbe:
@@ -76,5 +72,4 @@ class _LocalSmiProbe(SmiProbe):
 
     def snapshot(self) -> list[GpuSnapshot]:
         from .node_report import smi_report
-        import json
-        return snapshots_from_report(self.node.name, json.dumps(smi_report(self.nvidia_smi)))
+        return snapshots_from_report(self.node.name, smi_report(self.nvidia_smi))

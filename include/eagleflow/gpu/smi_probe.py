@@ -14,11 +14,11 @@ node's /proc, so one SSH channel gives the whole picture.
 """
 from __future__ import annotations
 
-import json
 import re
 import shlex
+from typing import Any
 
-from eagleflow.nodes import Node, NodeError
+from eagleflow.nodes import Node, NodeAnswerError, NodeCommandFailed, NodeError
 
 from .errors import GpuProbeError, NoGpuError, SmiParseError
 from .snapshot import GpuProcess, GpuSnapshot
@@ -172,22 +172,25 @@ class SmiProbe:
     def _via_helper(self) -> list[GpuSnapshot]:
         argv = [self.node.python, "-m", "eagleflow.gpu.node_report", "--probe", "smi",
                 "--nvidia-smi", self.nvidia_smi]
-        res = self.node.run(argv, timeout=self.timeout_s)
-        if not res.ok:
-            err = (res.stderr or res.stdout).strip()
-            if "No module named" in err:
-                raise GpuProbeError(f"on node {self.node.name}: {self.node.python} cannot import eagleflow "
-                                    f"({err[-200:]}); install the package on the node or set node.python")
-            raise GpuProbeError(f"on node {self.node.name}: `{shlex.join(argv)}` exited {res.exit_code}: {err[-500:]}")
-        return snapshots_from_report(self.node.name, res.stdout)
+        return snapshots_from_report(self.node.name, read_node_report(self.node, argv, self.timeout_s))
 
 
-def snapshots_from_report(node: str, text: str) -> list[GpuSnapshot]:
-    """Turn node_report's JSON into snapshots, raising the error it carried."""
+def read_node_report(node, argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run ``eagleflow.gpu.node_report`` on the node and return its document; GpuProbeError says what failed."""
     try:
-        rep = json.loads(text.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise GpuProbeError(f"on node {node}: node_report printed no JSON: {text[-300:]!r}") from None
+        return node.run_json(argv, dict[str, Any], timeout=timeout_s)
+    except NodeCommandFailed as e:
+        err = (e.stderr or e.stdout).strip()
+        if "No module named" in err:
+            raise GpuProbeError(f"on node {node.name}: {node.python} cannot import eagleflow "
+                                f"({err[-200:]}); install the package on the node or set node.python") from None
+        raise GpuProbeError(f"on node {node.name}: `{shlex.join(argv)}` exited {e.exit_code}: {err[-500:]}") from None
+    except NodeAnswerError as e:
+        raise GpuProbeError(f"on node {node.name}: node_report gave no report: {e}") from None
+
+
+def snapshots_from_report(node: str, rep: dict[str, Any]) -> list[GpuSnapshot]:
+    """Turn node_report's document into snapshots, raising the error it carried."""
     if rep.get("error"):
         cls = NoGpuError if rep.get("no_gpu") else GpuProbeError
         raise cls(f"on node {node}: {rep['error']}")

@@ -1,8 +1,12 @@
 """Where commands run: LocalNode here, SSHNode over an Airflow SSH connection."""
-from .base import CommandResult, DetachedProcess, Node, NodeCommandTimeout, NodeError
+from .base import (CommandResult, DetachedProcess, JobAlreadyRunning, Node, NodeAnswerError, NodeCommandFailed,
+                   NodeCommandTimeout, NodeError)
 from .local import LocalNode
+from .process_record import ProcessRecord, RecordStatus, StopResult
 
-__all__ = ["CommandResult", "DetachedProcess", "Node", "NodeCommandTimeout", "NodeError", "LocalNode", "node_from_config"]
+__all__ = ["CommandResult", "DetachedProcess", "JobAlreadyRunning", "Node", "NodeAnswerError", "NodeCommandFailed",
+           "NodeCommandTimeout", "NodeError", "LocalNode", "ProcessRecord", "RecordStatus", "StopResult",
+           "node_from_config"]
 
 
 def node_from_config(cfg) -> Node:

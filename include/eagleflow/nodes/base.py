@@ -11,6 +11,14 @@ import shlex
 import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from .process_record import ProcessRecord, RecordStatus, StopResult
+
+T = TypeVar("T")
+
+# detach's exit code when the job's lock is held by a live process (EX_TEMPFAIL)
+EXIT_LOCKED = 75
 
 
 class NodeError(RuntimeError):
@@ -19,6 +27,48 @@ class NodeError(RuntimeError):
 
 class NodeCommandTimeout(NodeError):
     pass
+
+
+class NodeCommandFailed(NodeError):
+    """A node command exited with a code that carries no answer; ``exit_code`` and ``stderr`` say why."""
+
+    def __init__(self, node: str, argv, exit_code: int, stdout: str, stderr: str):
+        self.node, self.argv, self.exit_code, self.stdout, self.stderr = node, tuple(argv), exit_code, stdout, stderr
+        super().__init__(f"on node {node}: `{shlex.join(self.argv)}` exited {exit_code}: "
+                         f"{(stderr or stdout).strip()[-2000:]}")
+
+
+class NodeAnswerError(NodeError):
+    """A node command ran but its last stdout line is not the JSON answer it owes."""
+
+
+class JobAlreadyRunning(NodeError):
+    """A job's lock is held: ``holder_pid`` runs it (one worker per shard)."""
+
+    def __init__(self, message: str, holder_pid: int | None, lock_file: str):
+        super().__init__(message)
+        self.holder_pid, self.lock_file = holder_pid, lock_file
+
+
+# ProcessRecord is what spawn_detached returns and what every pid record holds (one shape).
+DetachedProcess = ProcessRecord
+
+
+def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, model: type[T]) -> T:
+    """The last non-empty stdout line as JSON, validated into ``model`` (a pydantic model, dataclass or type)."""
+    from pydantic import TypeAdapter, ValidationError
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    cmd = shlex.join(tuple(argv))
+    if not lines:
+        raise NodeAnswerError(f"on node {node}: `{cmd}` (exit {exit_code}) printed no answer; "
+                              f"stderr: {stderr.strip()[-1500:]}")
+    try:
+        return TypeAdapter(model).validate_python(json.loads(lines[-1]))
+    except ValueError as e:  # JSONDecodeError and ValidationError
+        what = "is not JSON" if not isinstance(e, ValidationError) else f"does not fit {getattr(model, '__name__', model)}"
+        why = " ".join(str(e).split())[:500]  # pydantic's report spans lines: one line for a log
+        raise NodeAnswerError(f"on node {node}: the last line `{cmd}` printed {what} ({why}): "
+                              f"{lines[-1][:300]!r}; stderr: {stderr.strip()[-1000:]}") from None
 
 
 @dataclass(frozen=True)
@@ -33,15 +83,14 @@ class CommandResult:
         return self.exit_code == 0
 
 
-@dataclass(frozen=True)
-class DetachedProcess:
-    """What ``spawn_detached`` recorded: enough to find and signal it later."""
-    pid: int
-    pgid: int
-    start_ticks: int  # /proc/<pid>/stat field 22: tells a PID from a reused one
-    role: str
-    pid_file: str
-    log_file: str
+@dataclass
+class DetachAnswer:
+    """What ``eagleflow.nodes.detach`` prints: the started process, or the holder of the job's lock."""
+    started: bool
+    record: ProcessRecord | None = None
+    holder_pid: int | None = None
+    lock_file: str = ""
+    detail: str = ""
 
 
 class Node(ABC):
@@ -55,9 +104,28 @@ class Node(ABC):
     def check(self, argv: list[str], **kw) -> CommandResult:
         res = self.run(argv, **kw)
         if not res.ok:
-            raise NodeError(f"on node {self.name}: `{shlex.join(argv)}` exited {res.exit_code}: "
-                            f"{(res.stderr or res.stdout).strip()[-2000:]}")
+            raise NodeCommandFailed(self.name, argv, res.exit_code, res.stdout, res.stderr)
         return res
+
+    def run_json(self, argv: list[str], model: type[T], *, timeout: float | None = 60.0, input: str | None = None,
+                 env: dict[str, str] | None = None, cwd: str | None = None, answer_codes: tuple[int, ...] = (0,),
+                 log: Callable[[str], None] | None = None) -> T:
+        """The one way the control plane asks the node something: run argv, read its answer.
+
+        The answer is the last non-empty stdout line, JSON, validated into
+        ``model``. Each stderr line goes to ``log``. An exit code outside
+        ``answer_codes`` raises NodeCommandFailed (exit code and stderr in it);
+        a missing or malformed answer raises NodeAnswerError; timeouts raise
+        NodeCommandTimeout.
+        """
+        res = self.run(argv, timeout=timeout, input=input, env=env, cwd=cwd)
+        if log is not None:
+            for line in res.stderr.splitlines():
+                if line.strip():
+                    log(line)
+        if res.exit_code not in answer_codes:
+            raise NodeCommandFailed(self.name, argv, res.exit_code, res.stdout, res.stderr)
+        return parse_answer(self.name, argv, res.exit_code, res.stdout, res.stderr, model)
 
     @property
     @abstractmethod
@@ -68,22 +136,43 @@ class Node(ABC):
         return [self.python, "-m", "eagleflow.cli", *args]
 
     def spawn_detached(self, argv: list[str], *, role: str, pid_file: str, log_file: str,
-                       env: dict[str, str] | None = None, cwd: str | None = None) -> DetachedProcess:
-        """Start argv in its own session so it outlives this task; record its PID.
+                       env: dict[str, str] | None = None, cwd: str | None = None,
+                       lock_file: str | None = None) -> ProcessRecord:
+        """Start argv in its own session so it outlives this task; record it (``eagleflow.nodes.detach``).
 
-        The record (pid, pgid, start ticks, role, argv) is written atomically by
-        ``eagleflow.nodes.detach`` on the node before this returns.
+        The record is on the node before this returns. With ``lock_file`` the
+        start is exclusive: detach takes the lock, the process inherits it and
+        holds it for its lifetime; when a live process already holds it this
+        raises JobAlreadyRunning naming that PID, and nothing is started.
         """
         cmd = [self.python, "-m", "eagleflow.nodes.detach", "--role", role, "--pid-file", pid_file,
                "--log-file", log_file]
         if cwd:
             cmd += ["--cwd", cwd]
+        if lock_file:
+            cmd += ["--lock", lock_file]
         for k, v in (env or {}).items():
             cmd += ["--env", f"{k}={v}"]
-        res = self.check(cmd + ["--", *argv], timeout=60)
-        rec = json.loads(res.stdout.strip().splitlines()[-1])
-        return DetachedProcess(pid=rec["pid"], pgid=rec["pgid"], start_ticks=rec["start_ticks"],
-                               role=role, pid_file=pid_file, log_file=log_file)
+        ans = self.run_json(cmd + ["--", *argv], DetachAnswer, answer_codes=(0, EXIT_LOCKED))
+        if not ans.started or ans.record is None:
+            raise JobAlreadyRunning(f"on node {self.name}: {ans.detail}", ans.holder_pid, ans.lock_file)
+        return ans.record
+
+    def process_status(self, pid_file: str) -> RecordStatus:
+        """Whether the recorded process still runs and is the one we started (checked on the node)."""
+        return self.run_json([self.python, "-m", "eagleflow.nodes.process_record", "status", "--pid-file", pid_file],
+                             RecordStatus, timeout=60)
+
+    def live_record(self, pid_file: str) -> ProcessRecord | None:
+        """The record when its process is alive and ours; None when absent, gone or stale."""
+        st = self.process_status(pid_file)
+        return st.record if st.alive else None
+
+    def stop_recorded(self, pid_file: str, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> StopResult:
+        """The one stop (``eagleflow.nodes.process_record.stop``) run on the node: TERM, grace, KILL."""
+        return self.run_json([self.python, "-m", "eagleflow.nodes.process_record", "stop", "--pid-file", pid_file,
+                              "--grace", str(grace_s), "--kill-wait", str(kill_wait_s)], StopResult,
+                             timeout=grace_s + kill_wait_s + 60)
 
     def read_text(self, path: str, *, missing_ok: bool = True) -> str | None:
         res = self.run(["cat", "--", path], timeout=30)
@@ -94,11 +183,8 @@ class Node(ABC):
         raise NodeError(f"on node {self.name}: cannot read {path}: {res.stderr.strip()}")
 
     def write_text(self, path: str, text: str) -> None:
-        """Atomic write on the node (temp file, then rename)."""
-        self.check([self.python, "-c",
-                    "import os,sys,tempfile;p=sys.argv[1];d=os.path.dirname(p) or '.';os.makedirs(d,exist_ok=True);"
-                    "fd,t=tempfile.mkstemp(dir=d,prefix='.tmp-');f=os.fdopen(fd,'w');f.write(sys.stdin.read());"
-                    "f.flush();os.fsync(f.fileno());f.close();os.replace(t,p)", path], input=text, timeout=30)
+        """Atomic write on the node (``eagleflow.durable.atomic_write``)."""
+        self.check([self.python, "-m", "eagleflow.durable", path], input=text, timeout=30)
 
     def signal(self, pid: int, sig: int = _signal.SIGTERM, *, group: bool = False) -> bool:
         """Send a signal; False when the process no longer exists."""

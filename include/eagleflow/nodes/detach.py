@@ -1,21 +1,35 @@
-"""Start a command detached from the caller and record its PID atomically.
+"""Start a command detached from the caller and record it atomically.
 
 Run on the node as ``python -m eagleflow.nodes.detach --role R --pid-file F
---log-file L -- argv...``. The child gets its own session (so it survives the
-SSH channel or Airflow task that started it, and can be signalled as a group)
-and the pid record is on disk before this prints it: nothing we start is ever
-unrecorded.
+--log-file L [--lock K] -- argv...``. The child gets its own session (so it
+survives the SSH channel or Airflow task that started it, and can be
+signalled as a group) and a random token in its environment (the proof that
+a process of its group is ours, see ``process_record``); the pid record is
+on disk before this prints it: nothing we start is ever unrecorded.
+
+With ``--lock K`` the start is exclusive (one worker per shard): detach takes
+``flock`` on K without waiting, the child inherits the locked descriptor and
+holds it for its whole life (the kernel releases it when the child dies), so
+check-then-start cannot race. When a live process holds K, nothing is started
+and the answer names its PID (exit 75).
+
+Prints one JSON line, ``eagleflow.nodes.base.DetachAnswer``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
 
+from .job_lock import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
+from .process_record import TOKEN_ENV, ProcessRecord, write_record
+
+EXIT_LOCKED = 75  # = eagleflow.nodes.base.EXIT_LOCKED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", required=True)
     ap.add_argument("--pid-file", required=True)
     ap.add_argument("--log-file", required=True)
+    ap.add_argument("--lock", help="hold this lock file for the child's lifetime; refuse if it is held")
     ap.add_argument("--cwd")
     ap.add_argument("--env", action="append", default=[])
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -34,21 +49,32 @@ def main(argv: list[str] | None = None) -> int:
     for kv in a.env:
         k, _, v = kv.partition("=")
         env[k] = v
+    token = secrets.token_hex(16)
+    env[TOKEN_ENV] = token
+    pass_fds: tuple[int, ...] = ()
+    lock_fd = None
+    if a.lock:
+        try:
+            lock_fd = lock_exclusive(a.lock, purpose=a.role)
+        except JobLockHeld as e:
+            print(json.dumps({"started": False, "holder_pid": e.holder_pid, "lock_file": e.path,
+                              "detail": str(e)}), flush=True)
+            return EXIT_LOCKED
+        env[LOCK_FD_ENV] = f"{lock_fd}:{os.path.abspath(a.lock)}"
+        pass_fds = (lock_fd,)
     os.makedirs(os.path.dirname(os.path.abspath(a.log_file)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.pid_file)), exist_ok=True)
     with open(a.log_file, "ab", buffering=0) as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=a.cwd, env=env, start_new_session=True)
-    rec = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0,
-           "role": a.role, "argv": cmd, "started_at": time.time(), "log_file": os.path.abspath(a.log_file),
-           "user": _user()}
-    tmp = a.pid_file + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rec, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, a.pid_file)
-    print(json.dumps(rec), flush=True)
+                                cwd=a.cwd, env=env, start_new_session=True, pass_fds=pass_fds)
+    if lock_fd is not None:
+        write_holder(lock_fd, proc.pid, a.role)  # the holder a refused start names is the child, not us
+    rec = ProcessRecord(pid=proc.pid, pgid=proc.pid, start_ticks=read_start_ticks(proc.pid) or 0, role=a.role,
+                        pid_file=os.path.abspath(a.pid_file), log_file=os.path.abspath(a.log_file),
+                        argv=tuple(cmd), started_at=time.time(), user=_user(), token=token)
+    write_record(rec)
+    print(json.dumps({"started": True, "record": rec.to_dict(), "lock_file": a.lock or "",
+                      "detail": f"{a.role} started: pid {proc.pid}"}), flush=True)
     return 0
 
 

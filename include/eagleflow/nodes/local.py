@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 from .base import CommandResult, Node, NodeCommandTimeout, NodeError
+
+KILL_AFTER_S = 5.0  # as SSHNode: TERM at the deadline, KILL what is left this much later
 
 
 class LocalNode(Node):
@@ -23,10 +26,33 @@ class LocalNode(Node):
             full_env = dict(os.environ)
             full_env.update(env)
         try:
-            p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
-                               env=full_env, cwd=cwd)
+            # its own process group: a timeout ends the command and its children, nothing else
+            p = subprocess.Popen(list(argv), stdin=subprocess.PIPE if input is not None else None,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
+                                 process_group=0)
         except FileNotFoundError as e:
             raise NodeError(f"on node {self.name}: {argv[0]!r} is not on PATH ({e})") from None
+        try:
+            out, err = p.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise NodeCommandTimeout(f"on node {self.name}: `{' '.join(argv)}` did not finish within {timeout} s") from None
-        return CommandResult(tuple(argv), p.returncode, p.stdout, p.stderr)
+            _end_group(p)
+            raise NodeCommandTimeout(f"on node {self.name}: `{' '.join(argv)}` did not finish within {timeout} s; "
+                                     f"its process group was ended") from None
+        except BaseException:
+            _end_group(p)
+            raise
+        return CommandResult(tuple(argv), p.returncode, out, err)
+
+
+def _end_group(p: subprocess.Popen) -> None:
+    """TERM the command's group (the leader is our child, not yet reaped: its group id is still ours), then KILL."""
+    for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.communicate(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -17,6 +17,8 @@ import time
 
 from .base import CommandResult, Node, NodeCommandTimeout, NodeError
 
+KILL_AFTER_S = 5.0  # after the TERM at the deadline, KILL whatever of the remote command is left
+
 
 class SSHNode(Node):
     def __init__(self, conn_id: str, name: str | None = None, python: str = "python3",
@@ -127,15 +129,40 @@ class SSHNode(Node):
             cmd = f"cd {shlex.quote(cwd)} && {cmd}"
         return cmd
 
+    @staticmethod
+    def bounded_command(cmd: str, timeout: float) -> str:
+        """``cmd`` with its time limit enforced by the node itself, even when this side is gone.
+
+        Closing an SSH channel ends nothing on the node (no pty, no SIGHUP). So
+        coreutils ``timeout`` runs the command in a process group of its own and,
+        past ``timeout`` s, sends that group TERM (KILL ``KILL_AFTER_S`` later if
+        the command is still there); what is left of the group after that (a
+        child that ignores TERM while its parent exited) gets KILL once another
+        ``KILL_AFTER_S`` has passed. The group id is ``timeout``'s own PID, so
+        only the command's own processes are signalled; detached jobs start a
+        session of their own and are not touched. stdin is passed through fd 3
+        (an asynchronous command's stdin would be /dev/null).
+        """
+        k = f"{KILL_AFTER_S:g}"
+        polls = int(KILL_AFTER_S * 10)
+        wrapper = (f'exec 3<&0; timeout -s TERM -k {k} {max(timeout, 0.001):.3f} sh -c "$0" <&3 3<&- & t=$!; '
+                   'exec 3<&-; wait $t; rc=$?; '
+                   'if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then '
+                   f'i=0; while [ $i -lt {polls} ] && kill -0 -$t 2>/dev/null; do sleep 0.1; i=$((i+1)); done; '
+                   'kill -9 -$t 2>/dev/null; fi; exit $rc')
+        return f"sh -c {shlex.quote(wrapper)} {shlex.quote(cmd)}"
+
     def run(self, argv, *, timeout=60.0, input=None, env=None, cwd=None) -> CommandResult:
         argv = [str(a) for a in argv]
         cmd = self.remote_command(argv, env, cwd)
         chan = self._open_channel()
+        # past the deadline, wait for the node to end the command (TERM, then KILL) before reporting it
         deadline = None if timeout is None else time.monotonic() + timeout
+        give_up = None if timeout is None else deadline + 2 * KILL_AFTER_S + 10.0
         out, err = bytearray(), bytearray()
         try:
             chan.settimeout(0.2)
-            chan.exec_command(cmd)
+            chan.exec_command(cmd if timeout is None else self.bounded_command(cmd, timeout))
             if input is not None:
                 chan.sendall(input.encode())
             chan.shutdown_write()
@@ -149,8 +176,9 @@ class SSHNode(Node):
                     got = True
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
-                if deadline is not None and time.monotonic() > deadline:
-                    raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s")
+                if give_up is not None and time.monotonic() > give_up:
+                    raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s, and "
+                                             f"did not end {2 * KILL_AFTER_S + 10:.0f} s after TERM/KILL (stuck in D?)")
                 if not got:
                     try:
                         data = chan.recv(65536)
@@ -163,6 +191,9 @@ class SSHNode(Node):
             code = chan.recv_exit_status()
         finally:
             chan.close()
+        if deadline is not None and time.monotonic() > deadline and code in (124, 137):
+            raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s; the node "
+                                     f"ended it (TERM to its process group, KILL {KILL_AFTER_S:g} s later if needed)")
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
         if code == 127 and ("not found" in stderr or "No such file" in stderr):
             raise NodeError(f"on node {self.name}: {argv[0]!r} is not on PATH ({stderr.strip()[:300]}); "

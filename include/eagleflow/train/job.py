@@ -8,11 +8,11 @@ the run instead of restarting it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from eagleflow.capture.lifecycle import live_record, stop_recorded
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLike
+from eagleflow.nodes import ProcessRecord
 
 TRAINER_ROLE = "trainer"
 
@@ -38,13 +38,13 @@ def read_train_heartbeat(ctx: RunLike) -> Heartbeat | None:
         return None
 
 
-def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], bool]:
+def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = None) -> tuple[ProcessRecord, bool]:
     """(pid record, attached): the live trainer of this run, or a newly started one."""
     pid_file = str(ctx.layout.pid_file(TRAINER_ROLE))
-    rec = live_record(ctx.node, pid_file)
+    rec = ctx.node.live_record(pid_file)
     if rec is not None:
         if log:
-            log(f"trainer pid {rec['pid']} is still running (record {pid_file}); attaching to it")
+            log(f"trainer pid {rec.pid} is still running (record {pid_file}); attaching to it")
         return rec, True
     # A heartbeat left by an earlier trainer ("failed", old times) must not be read as this one's.
     now = time.time()
@@ -55,10 +55,12 @@ def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = No
                                    log_file=str(ctx.layout.log_file(TRAINER_ROLE)))
     if log:
         log(f"trainer started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}")
-    return {"pid": proc.pid, "pgid": proc.pgid, "start_ticks": proc.start_ticks, "role": TRAINER_ROLE,
-            "log_file": proc.log_file}, False
+    return proc, False
 
 
 def stop_trainer(ctx: RunLike, grace_s: float = 30.0, log: Callable[[str], None] | None = None) -> str:
     """TERM then KILL the recorded trainer's process group (torchrun and its workers)."""
-    return stop_recorded(ctx.node, str(ctx.layout.pid_file(TRAINER_ROLE)), grace_s=grace_s, log=log)
+    res = ctx.node.stop_recorded(str(ctx.layout.pid_file(TRAINER_ROLE)), grace_s=grace_s)
+    if log and res.outcome != "not_recorded":
+        log(res.detail)
+    return res.outcome

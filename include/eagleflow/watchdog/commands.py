@@ -99,8 +99,12 @@ def _reconcile_scan(args) -> int:
     from .reconcile import scan
 
     cfg, _ = run_from_args(args)
-    for st in scan(cfg, args.latest):
-        print(json.dumps({**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}), flush=True)
+    states = scan(cfg, args.latest)
+    for st in states:
+        print(st.line(), file=sys.stderr, flush=True)
+    # one JSON line: the control plane reads the last line (Node.run_json)
+    print(json.dumps({"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()} for st in states]}),
+          flush=True)
     return 0
 
 

@@ -23,12 +23,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleflow.capture.lifecycle import (SERVER_ROLE, LocalRun, live_record, start_capture_server,
+from eagleflow.capture.lifecycle import (SERVER_ROLE, LocalRun, start_capture_server,
                                          start_or_attach_worker, stop_capture_server, wait_capture_server_ready,
                                          worker_role)
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.layout import RunLayout
+from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.watchdog.node_lock import NodeLock
 
 RUN_CONFIG = "run-config.json"
@@ -82,7 +83,7 @@ def shard_state(run: LocalRun, shard: int) -> ShardState:
     expected = len(shard_indexes(corpus, shard, n)) if os.path.exists(corpus) else 0
     scan = read_manifest(str(lay.manifest_file(shard)))
     done, _ = completed_indexes(str(lay.shard_dir(shard)), scan)
-    alive = live_record(run.node, str(lay.pid_file(worker_role(shard)))) is not None
+    alive = run.node.live_record(str(lay.pid_file(worker_role(shard)))) is not None
     return ShardState(run_id=lay.run_id, shard=shard, num_shards=n, expected=expected, stored=len(done),
                       worker_alive=alive, run_config=run.config_path)
 
@@ -117,14 +118,16 @@ def claim(run: LocalRun, shard: int, log=print) -> dict:
         # the server lock of the watchdog's recovery: never start a server while a recovery restarts it
         from eagleflow.watchdog.recovery import lock_path
         with NodeLock(lock_path(run), purpose=f"reconcile start of the capture server for run {run.layout.run_id}"):
-            started = start_capture_server(run, log=log)
-            server_started = not isinstance(started, dict)
+            started, server_started = start_capture_server(run, log=log)
             if server_started:
                 _marker(run).parent.mkdir(parents=True, exist_ok=True)
                 _marker(run).write_text(json.dumps({"pid": started.pid, "at": time.time()}))
             wait_capture_server_ready(run, log=log)
-        rec, attached = start_or_attach_worker(run, shard, log=log)
-        return {"action": "attached" if attached else "started", "reason": st.line(), "worker_pid": rec["pid"],
+        try:
+            rec, attached = start_or_attach_worker(run, shard, log=log)
+        except JobAlreadyRunning as e:  # a worker not recorded by us (started by hand) holds the shard
+            return {"action": "skipped", "reason": str(e), **asdict(st)}
+        return {"action": "attached" if attached else "started", "reason": st.line(), "worker_pid": rec.pid,
                 "server_started": server_started, **asdict(st)}
     finally:
         lock.release()
@@ -136,7 +139,7 @@ def release(run: LocalRun, log=print) -> dict:
     if not marker.exists():
         return {"action": "none", "reason": "reconcile did not start this run's server"}
     alive = [s for s in range(run.cfg.capture.shards)
-             if live_record(run.node, str(run.layout.pid_file(worker_role(s)))) is not None]
+             if run.node.live_record(str(run.layout.pid_file(worker_role(s)))) is not None]
     if alive:
         return {"action": "kept", "reason": f"workers of shards {alive} still run"}
     result = stop_capture_server(run, log=log)

@@ -18,17 +18,26 @@ start the server; wait until /health_generate answers.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from typing import Any, Callable
 
-from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, live_record, read_pid_record,
-                                         start_capture_server, stop_capture_server, stop_recorded,
-                                         wait_capture_server_ready, worker_role)
+from pydantic import BaseModel, ConfigDict
+
+from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, start_capture_server,
+                                         stop_capture_server, wait_capture_server_ready, worker_role)
+from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.proc import read_proc_state
 from eagleflow.watchdog.node_lock import NodeLock
 
 Log = Callable[[str], None]
+
+
+class RecoveryResult(BaseModel):
+    """What ``eagleflow recover --json`` prints (``recover_capture_server``'s result)."""
+    model_config = ConfigDict(extra="allow")
+    ok: bool
+    action: str
+    summary: str
 
 
 def lock_path(run: RunLike) -> str:
@@ -66,23 +75,23 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
             summary = f"capture server healthy at {info['url']}{by}: nothing to restart"
             log(f"shard {shard}: {summary}")
             return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
-        rec = read_pid_record(run.node, str(run.layout.pid_file(SERVER_ROLE)))
+        rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
         if state == "loading" and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s):
-            log(f"shard {shard}: capture server pid {rec['pid']} was restarted by a recovery "
-                f"{time.time() - float(rec['started_at']):.0f} s ago and is loading ({detail}); waiting for it")
+            log(f"shard {shard}: capture server pid {rec.pid} was restarted by a recovery "
+                f"{time.time() - rec.started_at:.0f} s ago and is loading ({detail}); waiting for it")
             info = wait_capture_server_ready(run, log=log)
-            summary = f"capture server pid {rec['pid']} became ready at {info['url']}; no second restart"
+            summary = f"capture server pid {rec.pid} became ready at {info['url']}; no second restart"
             return {"ok": True, "action": "waited", "summary": summary, "worker": stopped_worker}
         reason = detail if state == "dead" else f"not answering /health_generate within " \
                                                  f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
         log(f"shard {shard}: capture server unhealthy: {reason}; restarting it")
-        old_pid = rec["pid"] if rec else None
-        _wake_if_stopped(run, rec)
+        old_pid = rec.pid if rec else None
+        # the stop sends CONT after TERM: a SIGSTOPped server acts on it
         stop_capture_server(run, grace_s=min(cfg.gpu.kill_grace_s, 30.0), log=log)
         gpus = _free_and_verify_gpus(run, log)
-        proc = start_capture_server(run, log=log)
+        proc, _ = start_capture_server(run, log=log)
         info = wait_capture_server_ready(run, log=log)
-        new_pid = proc.pid if hasattr(proc, "pid") else proc.get("pid")
+        new_pid = proc.pid
         incident = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid,
                     "new_pid": new_pid, "url": info.get("url"), "gpus": gpus}
         with open(incidents_path(run), "a") as f:
@@ -102,34 +111,23 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
 
 def _stop_stuck_worker(run: RunLike, shard: int, log: Log) -> str:
     """The diagnosed worker may still be alive (blocked on a frozen server): never let two run one shard."""
-    pid_file = str(run.layout.pid_file(worker_role(shard)))
-    rec = live_record(run.node, pid_file)
-    if rec is None:
+    res = run.node.stop_recorded(str(run.layout.pid_file(worker_role(shard))), grace_s=10.0)
+    if res.outcome in ("already_gone", "not_recorded"):
         return "not running"
-    _wake_if_stopped(run, rec)
-    outcome = stop_recorded(run.node, pid_file, grace_s=10.0, log=log)
-    return f"pid {rec['pid']} {outcome}"
+    log(res.detail)
+    return f"pid {res.pid} {res.outcome}"
 
 
-def _restarted_by_us_and_loading(run: RunLike, rec: dict | None, within_s: float) -> bool:
+def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within_s: float) -> bool:
     """The same incident: the live server is the one a recovery started less than ``within_s`` ago."""
-    if not rec or not rec.get("started_at"):
+    if rec is None or not rec.started_at:
         return False
     last = read_incidents(run)[-1:]
-    if not last or last[0].get("new_pid") != rec.get("pid"):
+    if not last or last[0].get("new_pid") != rec.pid:
         return False
-    st = read_proc_state(int(rec["pid"]))
-    return (st is not None and st.state not in ("T", "t", "Z")
-            and time.time() - float(rec["started_at"]) < within_s)
-
-
-def _wake_if_stopped(run: RunLike, rec: dict | None) -> None:
-    """A stopped (SIGSTOP) group keeps TERM pending; CONT lets it act on the TERM that follows."""
-    if not rec:
-        return
-    st = read_proc_state(int(rec["pid"]))
-    if st is not None and st.state in ("T", "t"):
-        run.node.signal(int(rec.get("pgid") or rec["pid"]), signal.SIGCONT, group=True)
+    st = read_proc_state(rec.pid)
+    return (st is not None and st.state not in ("T", "t", "Z") and st.start_ticks == rec.start_ticks
+            and time.time() - rec.started_at < within_s)
 
 
 def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
@@ -166,16 +164,14 @@ def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
     say = log.info if hasattr(log, "info") else log
     cfg = ctx.cfg
     timeout = cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + cfg.capture.ready_timeout_s + 300
-    res = ctx.node.run(ctx.eagleflow_argv("recover", "--shard", str(shard), "--json"), timeout=timeout)
-    for line in res.stderr.strip().splitlines()[-20:]:
-        say(f"recover (node {ctx.node.name}): {line}")
-    out = res.stdout.strip().splitlines()
     try:
-        result = json.loads(out[-1])
-    except (IndexError, ValueError):
-        raise RuntimeError(f"`eagleflow recover --shard {shard}` on node {ctx.node.name} exited {res.exit_code} "
-                           f"without a result: {res.stderr.strip()[-1500:]}") from None
-    say(f"shard {shard}: {result['summary']}")
-    if not result.get("ok"):
-        raise RuntimeError(result["summary"])
-    return result
+        # exit 1 still carries the result: a recovery that failed says why
+        result = ctx.node.run_json(ctx.eagleflow_argv("recover", "--shard", str(shard), "--json"), RecoveryResult,
+                                   timeout=timeout, answer_codes=(0, 1),
+                                   log=lambda line: say(f"recover (node {ctx.node.name}): {line}"))
+    except NodeError as e:
+        raise RuntimeError(f"`eagleflow recover --shard {shard}` gave no result: {e}") from None
+    say(f"shard {shard}: {result.summary}")
+    if not result.ok:
+        raise RuntimeError(result.summary)
+    return result.model_dump()

@@ -1,0 +1,384 @@
+"""Process records: what eagleflow started on a node, the proof that a PID is still ours, and the one stop.
+
+A record (``<state_dir>/pids/<run_id>.<role>.json``, written by
+``eagleflow.nodes.detach`` before the start is reported) holds the leader's
+pid, its process group, its start time (field 22 of ``/proc/<pid>/stat``)
+and a random token that detach puts into the environment of the process, so
+every descendant inherits it.
+
+Proof of "ours", checked on the node each time before a signal:
+- the leader: alive (not a zombie) with the recorded start time; while it
+  lives the group id cannot name anyone else's group, so the group is
+  signalled as one (``killpg``);
+- with the leader gone: each member of the recorded group that carries the
+  record's token in ``/proc/<pid>/environ`` is signalled by PID, one by one.
+  A group id whose number is now used by someone else (the old group died
+  out, the PID was reused) has no such member: nothing is signalled, the
+  record is reported as stale and left for a person.
+
+``stop`` (TERM, CONT so a stopped process acts on it, grace, KILL) is the
+only way eagleflow stops a process. It runs on the node: in this process for
+``gpu free``, through ``python -m eagleflow.nodes.process_record stop`` from
+the control plane (``Node.stop_recorded``). Standard library only: it runs
+with whatever interpreter the node has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagleflow.durable import atomic_write
+from eagleflow.nodes.proc import parse_stat, read_proc_state
+
+TOKEN_ENV = "EAGLEFLOW_PROC_TOKEN"
+RECORD_SUFFIX = ".json"
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """One process eagleflow started, as recorded on the node."""
+    pid: int
+    pgid: int
+    start_ticks: int       # /proc/<pid>/stat field 22: tells our process from a later one with the same PID
+    role: str
+    pid_file: str = ""
+    log_file: str = ""
+    argv: tuple[str, ...] = ()
+    started_at: float = 0.0
+    user: str = ""
+    token: str = ""        # in the environment of the process and its descendants
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.argv)[:200]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["argv"] = list(self.argv)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, pid_file: str = "") -> "ProcessRecord":
+        """Raises ValueError naming the field when the record is not one of ours."""
+        if not isinstance(d, dict):
+            raise ValueError(f"pid record {pid_file}: expected a JSON object, got {type(d).__name__}")
+        try:
+            pid = int(d["pid"])
+            pgid = int(d.get("pgid") or pid)
+            ticks = int(d.get("start_ticks") or 0)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"pid record {pid_file}: field pid/pgid/start_ticks missing or not an integer "
+                             f"({ {k: d.get(k) for k in ('pid', 'pgid', 'start_ticks')} })") from None
+        if pid <= 1 or pgid <= 1:
+            raise ValueError(f"pid record {pid_file}: pid {pid} / pgid {pgid} cannot be a process we started")
+        return cls(pid=pid, pgid=pgid, start_ticks=ticks, role=str(d.get("role") or "?"),
+                   pid_file=pid_file or str(d.get("pid_file") or ""), log_file=str(d.get("log_file") or ""),
+                   argv=tuple(str(a) for a in d.get("argv") or ()), started_at=float(d.get("started_at") or 0.0),
+                   user=str(d.get("user") or ""), token=str(d.get("token") or ""))
+
+
+def record_file(pids_dir: str | os.PathLike, run_id: str, role: str) -> Path:
+    """The exact record file of a run's role (the same name as ``RunLayout.pid_file``)."""
+    return Path(pids_dir) / f"{run_id}.{role}{RECORD_SUFFIX}"
+
+
+def read_record(pid_file: str | os.PathLike) -> ProcessRecord | None:
+    """The record at ``pid_file``; None when there is none or it cannot be one of ours (never half-written)."""
+    try:
+        with open(pid_file) as f:
+            return ProcessRecord.from_dict(json.load(f), str(pid_file))
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(rec: ProcessRecord) -> None:
+    atomic_write(rec.pid_file, json.dumps(rec.to_dict()))
+
+
+def records_in(pids_dir: str | os.PathLike, run_id: str | None = None,
+               role_pattern: str | None = None) -> list[ProcessRecord]:
+    """Records in ``pids_dir``; with ``run_id``, only that run's, matched exactly (never by prefix).
+
+    ``role_pattern`` is a regular expression the whole role must match (e.g. ``worker_shard_\\d{5}``).
+    """
+    d = Path(pids_dir)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in sorted(d.iterdir()):
+        if not p.name.endswith(RECORD_SUFFIX) or p.name.startswith("."):
+            continue
+        rec = read_record(p)
+        if rec is None:
+            continue
+        # the file name is <run_id>.<role>.json: compare both parts whole
+        if run_id is not None and p.name != f"{run_id}.{rec.role}{RECORD_SUFFIX}":
+            continue
+        if role_pattern is not None and not re.fullmatch(role_pattern, rec.role):
+            continue
+        out.append(rec)
+    return out
+
+
+# ----------------------------------------------------------------------------- proof of ownership
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgid, start ticks) of a PID, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            _, state, rest = parse_stat(f.read())
+        return state, int(rest[1]), int(rest[22 - 4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _carries_token(pid: int, token: str) -> bool:
+    if not token:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False  # not readable: not provably ours
+    return f"{TOKEN_ENV}={token}".encode() in env.split(b"\0")
+
+
+def leader_is_ours(rec: ProcessRecord) -> bool:
+    """The recorded PID runs (not a zombie) and started when the record says: it is the process we started."""
+    st = _stat(rec.pid)
+    return st is not None and st[0] not in ("Z", "X") and rec.start_ticks > 0 and st[2] == rec.start_ticks
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) PIDs whose process group is ``pgid``, whoever they belong to."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
+                out.append(int(name))
+    return out
+
+
+def members(rec: ProcessRecord) -> list[int]:
+    """The live processes of the record's group that are provably ours (the leader, or carrying the token)."""
+    leader = leader_is_ours(rec)
+    return [p for p in group_pids(rec.pgid)
+            if (p == rec.pid and leader) or (p != rec.pid and _carries_token(p, rec.token))]
+
+
+@dataclass
+class RecordStatus:
+    """What ``status`` tells the control plane about one record."""
+    recorded: bool
+    alive: bool = False                  # the leader runs with the recorded start time
+    members: int = 0                     # live processes of the group proven ours
+    state: str | None = None             # the leader's /proc state (R S D T Z ...)
+    record: ProcessRecord | None = None
+    detail: str = ""
+
+
+def status(pid_file: str | os.PathLike) -> RecordStatus:
+    rec = read_record(pid_file)
+    if rec is None:
+        return RecordStatus(recorded=False, detail=f"no pid record at {pid_file}")
+    st = _stat(rec.pid)
+    alive = leader_is_ours(rec)
+    mine = members(rec)
+    if alive:
+        detail = f"{rec.role} pid {rec.pid} running"
+    elif st is not None and st[0] not in ("Z", "X"):
+        detail = f"{rec.role} pid {rec.pid} gone; the PID now belongs to another process (start time differs)"
+    else:
+        detail = f"{rec.role} pid {rec.pid} gone"
+    return RecordStatus(recorded=True, alive=alive, members=len(mine), state=st[0] if st else None, record=rec,
+                        detail=detail)
+
+
+@dataclass
+class RecordList:
+    records: list[RecordStatus] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- the one stop
+@dataclass
+class StopResult:
+    """terminated | killed | already_gone | stale_record | unkillable | survived | not_recorded | left_running."""
+    outcome: str
+    pid: int = 0
+    pgid: int = 0
+    role: str = ""
+    user: str | None = None
+    command: str = ""
+    record: str = ""
+    wchan: str | None = None
+    left_alone: list[int] = field(default_factory=list)  # group members not proven ours: never signalled
+    detail: str = ""
+    foreign: bool = False          # not started by eagleflow (a GPU holder stopped only with force)
+    gpu_mib: int | None = None
+
+    @property
+    def stuck(self) -> bool:
+        return self.outcome in ("unkillable", "survived")
+
+    def describe(self) -> str:
+        what = "foreign process" if self.foreign else self.role
+        wchan = f", waiting in kernel function {self.wchan}" if self.wchan else ""
+        mem = f", {self.gpu_mib} MiB on GPU" if self.gpu_mib is not None else ""
+        return f"{what} pid {self.pid} ({self.user or 'user ?'}, `{self.command}`{mem}): {self.outcome}{wchan}"
+
+
+def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float) -> tuple[str, str | None]:
+    """TERM (and CONT, so a SIGSTOPped process acts on it), wait, KILL, wait. (outcome, wchan when stuck in D)."""
+    def wait_gone(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while remaining():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    send(signal.SIGTERM)
+    send(signal.SIGCONT)
+    if wait_gone(grace_s):
+        return "terminated", None
+    send(signal.SIGKILL)
+    if wait_gone(kill_wait_s):
+        return "killed", None
+    for p in remaining():
+        ps = read_proc_state(p)
+        if ps is not None and ps.in_d_state:
+            return "unkillable", ps.wchan or "?"
+    return "survived", None
+
+
+def _send(rec: ProcessRecord, sig: int) -> None:
+    """One signal to what is proven ours right now: the whole group through a live leader, else member by member."""
+    try:
+        if leader_is_ours(rec):
+            os.killpg(rec.pgid, sig)
+            return
+    except ProcessLookupError:
+        pass
+    for p in members(rec):
+        _kill(p, sig)
+
+
+def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
+         remove_record: bool = True) -> StopResult:
+    """TERM what is ours of the record's group, grace, KILL; report a process stuck in D with its wchan.
+
+    The record is removed once nothing of ours is left (kept when something
+    survived, so a later stop can try again). A stale record is reported and
+    removed; what now holds its PID or group id is left alone.
+    """
+    res = StopResult(outcome="already_gone", pid=rec.pid, pgid=rec.pgid, role=rec.role, user=rec.user or None,
+                     command=rec.command, record=rec.pid_file)
+    mine = members(rec)
+    foreign = [p for p in group_pids(rec.pgid) if p not in mine]
+    res.left_alone = foreign
+    if not mine:
+        st = _stat(rec.pid)
+        if st is not None and st[0] not in ("Z", "X"):
+            res.outcome = "stale_record"
+            res.detail = (f"record {rec.pid_file}: pid {rec.pid} now belongs to another process (start time "
+                          f"{st[2]}, recorded {rec.start_ticks}); not signalled")
+        elif foreign:
+            res.outcome = "stale_record"
+            res.detail = (f"record {rec.pid_file}: {rec.role} pid {rec.pid} is gone and process group {rec.pgid} now "
+                          f"holds {len(foreign)} process(es) it did not start ({_pids(foreign)}); not signalled")
+        else:
+            res.detail = f"{rec.role} pid {rec.pid} not running"
+        if remove_record:
+            _remove(rec)  # gone or stale: it can never name our process again; the report says which
+        return res
+    res.outcome, res.wchan = _term_grace_kill(lambda: members(rec), lambda sig: _send(rec, sig), grace_s, kill_wait_s)
+    res.detail = f"{rec.role} pid {rec.pid} (group {rec.pgid}) {res.outcome}" + (
+        f", waiting in kernel function {res.wchan}" if res.wchan else "") + (
+        f"; left {len(foreign)} process(es) of the group that are not ours: {_pids(foreign)}" if foreign else "")
+    if remove_record and not res.stuck:
+        _remove(rec)
+    return res
+
+
+def stop_pid(pid: int, *, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> tuple[str, str | None]:
+    """TERM, grace, KILL one process we did not start (``gpu free --force``), as it is now: never its group.
+
+    Its start time is read first and checked before every signal, so a PID
+    reused meanwhile is not touched. Returns (outcome, wchan).
+    """
+    st = _stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return "already_gone", None
+    ticks = st[2]
+
+    def remaining() -> list[int]:
+        now = _stat(pid)
+        return [pid] if now is not None and now[0] not in ("Z", "X") and now[2] == ticks else []
+
+    def send(sig: int) -> None:
+        if remaining():
+            _kill(pid, sig)
+    return _term_grace_kill(remaining, send, grace_s, kill_wait_s)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_file(pid_file: str | os.PathLike, *, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> StopResult:
+    rec = read_record(pid_file)
+    if rec is None:
+        return StopResult(outcome="not_recorded", record=str(pid_file), detail=f"no pid record at {pid_file}")
+    return stop(rec, grace_s=grace_s, kill_wait_s=kill_wait_s)
+
+
+def _remove(rec: ProcessRecord) -> None:
+    if rec.pid_file:
+        try:
+            os.unlink(rec.pid_file)
+        except FileNotFoundError:
+            pass
+
+
+def _pids(pids: list[int]) -> str:
+    return ", ".join(f"pid {p}" for p in pids[:10]) + (" ..." if len(pids) > 10 else "")
+
+
+# ----------------------------------------------------------------------------- node-side command
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagleflow.nodes.process_record",
+                                 description="eagleflow's pid records on this node: status and stop (one JSON line)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="is the recorded process still the one we started?")
+    s.add_argument("--pid-file", required=True)
+    t = sub.add_parser("stop", help="TERM, grace, KILL what is proven ours of the record's group")
+    t.add_argument("--pid-file", required=True)
+    t.add_argument("--grace", type=float, default=15.0)
+    t.add_argument("--kill-wait", type=float, default=5.0)
+    ls = sub.add_parser("list", help="every record in a pids dir with whether it still runs")
+    ls.add_argument("--pids-dir", required=True)
+    ls.add_argument("--run-id", help="only this run's records (exact run id)")
+    ls.add_argument("--role-pattern", help="only roles this regular expression matches whole")
+    a = ap.parse_args(argv)
+    if a.cmd == "status":
+        out = asdict(status(a.pid_file))
+    elif a.cmd == "stop":
+        out = asdict(stop_file(a.pid_file, grace_s=a.grace, kill_wait_s=a.kill_wait))
+    else:
+        out = asdict(RecordList([status(r.pid_file) for r in records_in(a.pids_dir, a.run_id, a.role_pattern)]))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Process records: signals only to what is proven ours (issue 11 item 7), exact names, the one stop."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagleflow.gpu.cleanup import free_recorded_processes
+from eagleflow.nodes import LocalNode, ProcessRecord
+from eagleflow.nodes import process_record as pr
+from eagleflow.nodes.proc import read_start_ticks
+from tests.fixtures.processes import alive
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def foreign_group():
+    """`setsid bash -c 'sleep 600 &'`: bash leads a new group and exits; its sleep stays in that group.
+
+    Yields (group id = the dead bash's PID, the sleep's PID). The test stops the sleep itself, by PID.
+    """
+    out = subprocess.run(["setsid", "bash", "-c", "sleep 600 >/dev/null 2>&1 & echo $$ $!"], capture_output=True,
+                         text=True, timeout=30, stdin=subprocess.DEVNULL)
+    pgid, sleep_pid = (int(x) for x in out.stdout.split())
+    assert alive(sleep_pid) and not alive(pgid)   # bash (the group's leader) has exited and was reaped
+    assert os.getpgid(sleep_pid) == pgid and pgid != sleep_pid
+    try:
+        yield pgid, sleep_pid
+    finally:
+        if alive(sleep_pid):
+            os.kill(sleep_pid, signal.SIGKILL)
+
+
+def _stale_record(tmp_path: Path, pgid: int, run_id: str = "old", role: str = "worker_shard_00001") -> Path:
+    """What a crashed run left: its leader (pid = pgid) is long gone; the group id is now someone else's."""
+    path = tmp_path / "pids" / f"{run_id}.{role}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": pgid, "pgid": pgid, "start_ticks": 4242, "role": role,
+                                "argv": ["eagleflow", "capture", "run"], "token": secrets.token_hex(16)}))
+    return path
+
+
+def test_stale_record_whose_group_id_now_holds_a_foreign_sleep_signals_nothing(tmp_path, foreign_group):
+    pgid, sleep_pid = foreign_group
+    path = _stale_record(tmp_path, pgid)
+    lines: list[str] = []
+    rep = free_recorded_processes(tmp_path, grace_s=0.5, kill_wait_s=0.5, log=lines.append)
+    (out,) = rep.outcomes
+    assert out.outcome == "stale_record" and out.left_alone == [sleep_pid]
+    assert f"process group {pgid}" in out.detail and "not signalled" in out.detail
+    time.sleep(0.3)
+    st = open(f"/proc/{sleep_pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    assert alive(sleep_pid) and st == "S", "the foreign sleep got a signal"
+    assert not path.exists(), "a stale record is reported and dropped (it can never name our process again)"
+
+
+def test_stale_record_through_the_node_command_signals_nothing(tmp_path, foreign_group):
+    pgid, sleep_pid = foreign_group
+    path = _stale_record(tmp_path, pgid)
+    node = LocalNode()
+    st = node.process_status(str(path))
+    assert st.recorded and not st.alive and st.members == 0
+    res = node.stop_recorded(str(path), grace_s=0.5, kill_wait_s=0.5)
+    assert res.outcome == "stale_record" and res.left_alone == [sleep_pid]
+    assert alive(sleep_pid)
+
+
+def test_pid_reused_by_another_process_is_stale_and_left_alone(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        path = tmp_path / "pids" / "r.trainer.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"pid": other.pid, "pgid": other.pid, "role": "trainer",
+                                    "start_ticks": read_start_ticks(other.pid) - 1}))
+        res = pr.stop_file(path, grace_s=0.5)
+        assert res.outcome == "stale_record" and "start time" in res.detail
+        assert other.poll() is None
+        # a record without a start time proves nothing either
+        path.write_text(json.dumps({"pid": other.pid, "pgid": other.pid, "role": "trainer"}))
+        assert pr.stop_file(path, grace_s=0.5).outcome == "stale_record" and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_leader_gone_members_carrying_the_token_are_stopped_one_by_one(tmp_path):
+    node = LocalNode()
+    rec = node.spawn_detached(["bash", "-c", "sleep 600 & sleep 600 & wait"], role="trainer",
+                              pid_file=str(tmp_path / "pids" / "r.trainer.json"), log_file=str(tmp_path / "t.log"))
+    assert _wait(lambda: len(pr.group_pids(rec.pgid)) == 3)
+    children = [p for p in pr.group_pids(rec.pgid) if p != rec.pid]
+    os.kill(rec.pid, signal.SIGKILL)                 # the leader dies; its children stay in the group
+    assert _wait(lambda: not pr.leader_is_ours(rec))
+    assert sorted(pr.members(rec)) == sorted(children), "members are ours by the token they inherited"
+    res = pr.stop_file(rec.pid_file, grace_s=2)
+    assert res.outcome == "terminated" and not any(alive(p) for p in children)
+    assert not Path(rec.pid_file).exists()
+
+
+def test_stop_terms_a_live_group_and_wakes_a_stopped_one(tmp_path):
+    node = LocalNode()
+    rec = node.spawn_detached([sys.executable, "-c", "import time; time.sleep(600)"], role="capture_server",
+                              pid_file=str(tmp_path / "pids" / "r.capture_server.json"),
+                              log_file=str(tmp_path / "s.log"))
+    os.killpg(rec.pgid, signal.SIGSTOP)   # a stopped process keeps TERM pending unless it is continued
+    st = node.process_status(rec.pid_file)
+    assert st.alive and st.members == 1 and st.record == rec and isinstance(st.record, ProcessRecord)
+    t0 = time.monotonic()
+    res = node.stop_recorded(rec.pid_file, grace_s=10)
+    assert res.outcome == "terminated" and time.monotonic() - t0 < 8
+    assert node.process_status(rec.pid_file).recorded is False
+    assert node.stop_recorded(rec.pid_file).outcome == "not_recorded"
+
+
+def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        rec = ProcessRecord(pid=child.pid, pgid=child.pid, start_ticks=read_start_ticks(child.pid), role="trainer")
+        # a D-state process ignores SIGKILL; stand in for one: signals do nothing and /proc says D
+        monkeypatch.setattr(pr, "_send", lambda rec, sig: None)
+        monkeypatch.setattr(pr, "read_proc_state", lambda pid: SimpleNamespace(in_d_state=True, wchan="nfs_wait"))
+        t0 = time.monotonic()
+        res = pr.stop(rec, grace_s=0.2, kill_wait_s=0.3)
+        assert res.outcome == "unkillable" and res.wchan == "nfs_wait" and "nfs_wait" in res.describe()
+        assert time.monotonic() - t0 < 5
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_records_of_a_run_are_found_by_exact_name(tmp_path):
+    d = tmp_path / "pids"
+    d.mkdir()
+    for run_id in ("exp", "exp.s2", "exp2", "exp.worker_shard_00001"):
+        for role in ("worker_shard_00001", "capture_server"):
+            (d / f"{run_id}.{role}.json").write_text(json.dumps({"pid": 99999, "pgid": 99999, "role": role}))
+    found = sorted(Path(r.pid_file).name for r in pr.records_in(d, "exp"))
+    assert found == ["exp.capture_server.json", "exp.worker_shard_00001.json"]
+    workers = pr.records_in(d, "exp", role_pattern=r"worker_shard_\d{5}")
+    assert [r.role for r in workers] == ["worker_shard_00001"]
+    assert len(pr.records_in(d)) == 8
