@@ -14,7 +14,9 @@ RESULTS=${GPU_CHECK_RESULTS:-bench/results/gpu_check-$(hostname)-$(date +%Y%m%dT
 mkdir -p "$RESULTS"
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  # the node environment (sglang, `make venv-node`) when present: the capture check needs it
+  if [ -x .venv-node/bin/python ]; then PY=.venv-node/bin/python
+  elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD/include:$PWD/.cache/device-py${PYTHONPATH:+:$PYTHONPATH}"
 status=0
