@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
-from .durable import discard_temp
+from .durable import atomic_write
 
 HeartbeatState = Literal["starting", "running", "complete", "failed"]
 
@@ -66,18 +65,7 @@ class Heartbeat:
 
     def write(self, path: str | os.PathLike) -> None:
         self.time = time.time()
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".hb-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            discard_temp(tmp)
-            raise
+        atomic_write(path, self.to_json())
 
     @property
     def eta_s(self) -> float | None:

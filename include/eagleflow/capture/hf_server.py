@@ -22,6 +22,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from eagleflow.durable import atomic_write
+
 from .aux_layers import resolve_aux_layers
 from .protocol import PROTOCOL_VERSION, check_rid, write_dump
 
@@ -185,11 +187,7 @@ class CaptureHandler(BaseHTTPRequestHandler):
 
 def write_info_file(path: str, info: dict) -> None:
     """capture_server.json, atomically (a reader polls for it)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, p)
+    atomic_write(path, json.dumps(info, indent=2))
 
 
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,

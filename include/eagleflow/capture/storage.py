@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.durable import discard_temp, fsync_path
+from eagleflow.durable import TEMP_PREFIX, atomic_replace
 
 SAMPLE_SUFFIX = ".safetensors"
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = TEMP_PREFIX  # eagleflow.durable names its temp files .tmp-<name>.<random>
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 
 # Test-only fault injection: when set to "kill" or "pause:<seconds>", the writer
@@ -70,25 +70,15 @@ class SampleWriter:
         hashing = threading.Thread(target=lambda: [hasher.update(p) for p in parts], name="sample-sha256")
         hashing.start()
         final = self.shard_dir / sample_file_name(index)
-        tmp = self.shard_dir / f"{TMP_PREFIX}{final.name}.{os.getpid()}.{threading.get_ident()}"
-        try:
+        with atomic_replace(final, fsync=self.fsync) as tmp:
             try:
                 with open(tmp, "wb") as f:
                     for part in parts:
                         f.write(part)
-                    f.flush()
-                    if self.fsync:
-                        os.fsync(f.fileno())
             finally:
                 hashing.join()
             digest = hasher.hexdigest()
             _maybe_fault(self.stored)
-            os.replace(tmp, final)
-            if self.fsync:
-                fsync_path(self.shard_dir)
-        except BaseException:
-            discard_temp(tmp)
-            raise
         self.stored += 1
         return StoredSample(path=final, bytes=size, sha256=digest)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagleflow.config import PipelineConfig
+from eagleflow.durable import atomic_replace, atomic_write
 from eagleflow.layout import RunLayout
 
 from .normalise import BAD_KINDS, BadRecord, normalise_batch
@@ -70,15 +71,6 @@ def _split(requested: int, rows: int, max_batch: int) -> tuple[int, int | None]:
 def _column(ds, name: str):
     """One column as a pyarrow ChunkedArray, honouring a filter's indices mapping."""
     return ds.select_columns([name]).with_format("arrow")[:][name]
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _percentiles(lengths) -> dict:
@@ -205,7 +197,6 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
 
         # Stream to Parquet in shuffled order; gather the statistics on the way.
         schema = corpus_schema()
-        tmp_path = out_dir / f".{CORPUS_FILE}.tmp"
         lengths = array("i")  # 4 bytes a record: the only per-record state kept in memory
         per_source: dict[str, dict] = {s.name: {"read": read_per_source[s.name], "bad": bad_per_source[s.name],
                                                "records": 0, "tokens": 0, "masked_tokens": 0}
@@ -214,7 +205,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         order_digest = hashlib.sha256()
         index = 0
         cols = ["id", "source", "input_ids", "loss_mask", "num_tokens", "masked_tokens", "truncated"]
-        with pq.ParquetWriter(str(tmp_path), schema) as writer:
+        # the corpus appears whole or not at all (temp, fsync, rename); the writer closes first
+        with atomic_replace(out_dir / CORPUS_FILE) as tmp_path, pq.ParquetWriter(str(tmp_path), schema) as writer:
             for batch in ordered.select_columns(cols).with_format("arrow").iter(batch_size=_WRITE_BATCH):
                 n = batch.num_rows
                 table = pa.table({"index": pa.array(range(index, index + n), pa.int64()), "id": batch["id"],
@@ -233,7 +225,6 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                     ps["tokens"] += t
                     ps["masked_tokens"] += m
                 truncated += sum(batch["truncated"].to_pylist())
-        os.replace(tmp_path, out_dir / CORPUS_FILE)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -262,7 +253,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "elapsed_s": round(elapsed, 2),
         "tokens_per_s": round(total_tokens / elapsed, 1) if elapsed > 0 else None,
     }
-    _atomic_write_text(out_dir / STATS_FILE, json.dumps(stats, indent=2) + "\n")
+    atomic_write(out_dir / STATS_FILE, json.dumps(stats, indent=2) + "\n")
     log(f"corpus: {stats['records']} record(s), {total_tokens} tokens ({stats['masked_tokens']} masked for loss), "
         f"length p50 {stats['length']['p50']} p99 {stats['length']['p99']} max {stats['length']['max']}, "
         f"dropped {sum(dropped.values())} without assistant tokens, {n_bad} bad; "

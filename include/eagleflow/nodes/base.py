@@ -65,7 +65,8 @@ def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, mode
     try:
         return TypeAdapter(model).validate_python(json.loads(lines[-1]))
     except ValueError as e:  # JSONDecodeError and ValidationError
-        what = "is not JSON" if not isinstance(e, ValidationError) else f"does not fit {getattr(model, '__name__', model)}"
+        name = getattr(model, "__name__", model)
+        what = f"does not fit {name}" if isinstance(e, ValidationError) else "is not JSON"
         why = " ".join(str(e).split())[:500]  # pydantic's report spans lines: one line for a log
         raise NodeAnswerError(f"on node {node}: the last line `{cmd}` printed {what} ({why}): "
                               f"{lines[-1][:300]!r}; stderr: {stderr.strip()[-1000:]}") from None

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from eagleflow.durable import atomic_replace, atomic_write
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -27,9 +28,7 @@ def truncate_metrics(path: str | Path, keep_until_step: int) -> None:
     rows = [r for r in read_metrics(path) if int(r.get("step", 0)) <= keep_until_step]
     if not path.exists():
         return
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def append_metrics(path: str | Path, row: dict[str, Any]) -> None:
@@ -64,8 +63,9 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "EA
     fig.suptitle(title)
     fig.tight_layout()
     png_path = Path(png_path)
-    tmp = png_path.with_name(f".tmp-{png_path.name}")
-    fig.savefig(tmp, dpi=90, format="png")
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        with atomic_replace(png_path) as tmp:
+            fig.savefig(tmp, dpi=90, format="png")
+    finally:
+        plt.close(fig)
     return png_path

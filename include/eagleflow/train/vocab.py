@@ -16,6 +16,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from eagleflow.durable import atomic_replace
+
 from .data import SampleRef, read_sample_keys
 
 
@@ -47,14 +49,11 @@ class DraftVocab:
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{path.name}")
-        save_file({"draft_ids": self.draft_ids.contiguous(), "d2t": self.d2t.contiguous(),
-                   "t2d": self.t2d.contiguous(), "counts": self.counts.contiguous()}, str(tmp),
-                  metadata={"target_vocab_size": str(self.target_vocab_size),
-                            "coverage": json.dumps(self.coverage)})
-        tmp.replace(path)
+        with atomic_replace(path) as tmp:
+            save_file({"draft_ids": self.draft_ids.contiguous(), "d2t": self.d2t.contiguous(),
+                       "t2d": self.t2d.contiguous(), "counts": self.counts.contiguous()}, str(tmp),
+                      metadata={"target_vocab_size": str(self.target_vocab_size),
+                                "coverage": json.dumps(self.coverage)})
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftVocab":
