@@ -1,0 +1,96 @@
+"""The node host itself: its own address and stack, a pinned host key, teardown by name and PID, and
+SSHNode over the link (commands, a timeout that ends the remote work there, partitions and reconnects)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagleflow.nodes import NodeCommandTimeout, NodeError
+from eagleflow.nodes.ssh import SSHNode
+from tests.fixtures.gpu_scenarios import gpu, write_scenario
+from tests.fixtures.node_host import _ip, node_host, node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.processes import IGNORE_TERM, alive
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def node(node_host_fixture, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_TEST", node_host_fixture.airflow_conn())
+    with SSHNode("node_host_test", name="gpu-node-ns", python=sys.executable) as n:
+        yield n
+
+
+def running_in_ns(host, argv: list[str]) -> list[int]:
+    """PIDs in the node's namespace whose command line is exactly argv (checked on the node's side)."""
+    want = "\0".join(argv).encode() + b"\0"
+    out = []
+    for pid in host.pids():
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == want:
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_the_node_is_another_host_with_its_own_stack(node_host_fixture, node):  # noqa: F811
+    h = node_host_fixture
+    res = node.run(["sh", "-c", 'echo "$SSH_CONNECTION"; cat /proc/net/dev'], timeout=20)
+    client_ip, _, server_ip, server_port = res.stdout.splitlines()[0].split()
+    assert (client_ip, server_ip, int(server_port)) == (h.host_ip, h.node_ip, h.port)
+    assert h.veth_node in res.stdout and h.veth_host not in res.stdout   # the node sees only its end of the link
+    # the sessions find the fake nvidia-smi first on PATH and the package's CLI on the venv's python
+    write_scenario(h.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(0, 5), gpu(1, 7)], "processes": []})
+    smi = node.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"], timeout=20)
+    assert smi.stdout == "0, 5\n1, 7\n"
+    assert node.run(node.eagleflow_argv("--help"), timeout=60).ok
+    # unreachable from outside its link: nothing listens on loopback for it
+    assert _ip("-n", h.netns, "-4", "addr", "show").stdout.count("inet ") == 2   # 127.0.0.1 and its veth address
+
+
+def test_host_key_is_checked(node_host_fixture, monkeypatch, tmp_path):  # noqa: F811
+    from tests.fixtures.sshd import keygen
+    other = keygen(tmp_path / "impostor")
+    monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_WRONG_KEY", node_host_fixture.airflow_conn(host_key=other))
+    with SSHNode("node_host_wrong_key", name="gpu-node-ns") as n:
+        with pytest.raises(NodeError, match="HOST KEY MISMATCH"):
+            n.run(["true"], timeout=10)
+
+
+def test_teardown_removes_namespace_link_and_processes(tmp_path):
+    from tests.fixtures.gpu_scenarios import fake_smi_env
+    scenario = write_scenario(tmp_path / "sc.json", {"gpus": [gpu(0)], "processes": []})
+    with node_host(tmp_path / "node", fake_smi_env(scenario, sys.executable)) as h:
+        sshd_pid = h.sshd_pid
+        # a process that outlives its SSH session on the node (setsid, as detached jobs are)
+        h.exec_in(["sh", "-c", "setsid -f sleep 3600 </dev/null >/dev/null 2>&1"])
+        assert running_in_ns(h, ["sleep", "3600"])
+        ns, vh, vn = h.netns, h.veth_host, h.veth_node
+        sleeper = running_in_ns(h, ["sleep", "3600"])
+    assert ns not in _ip("netns", "list").stdout.split()
+    links = _ip("-o", "link", "show").stdout
+    assert f" {vh}@" not in links and f" {vn}@" not in links
+    assert not alive(sshd_pid)
+    assert sleeper and not any(alive(p) for p in sleeper), "teardown left a process of the node running"
+
+
+def test_a_command_that_times_out_over_the_link_leaves_nothing_on_the_node(node_host_fixture, node):  # noqa: F811
+    h = node_host_fixture
+    with pytest.raises(NodeCommandTimeout, match="the node ended it"):
+        node.run(["sh", "-c", "sleep 41.5 & sleep 42.5 & wait"], timeout=2)
+    deadline = time.monotonic() + 3
+    while (running_in_ns(h, ["sleep", "41.5"]) or running_in_ns(h, ["sleep", "42.5"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running_in_ns(h, ["sleep", "41.5"]) and not running_in_ns(h, ["sleep", "42.5"])
+    with pytest.raises(NodeCommandTimeout):
+        node.run([sys.executable, "-c", IGNORE_TERM, "over-the-link"], timeout=2)
+    deadline = time.monotonic() + 3
+    while running_in_ns(h, [sys.executable, "-c", IGNORE_TERM, "over-the-link"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running_in_ns(h, [sys.executable, "-c", IGNORE_TERM, "over-the-link"])
+    assert node.run(["echo", "ok"], timeout=10).stdout == "ok\n"
