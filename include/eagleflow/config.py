@@ -125,8 +125,23 @@ class TrainConfig(_Section):
     max_steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=4, ge=1)
     grad_accum: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-3, gt=0)
-    warmup_steps: int = Field(default=10, ge=0)
+    # Optimisation defaults follow SpecForge, the reference EAGLE-3 trainer (specforge 0.2.0:
+    # config/schema.py TrainingConfig learning_rate 1e-4, warmup_ratio 0.015, max_grad_norm 0.5,
+    # ttt_length 7; optimizer.py BF16Optimizer: AdamW with torch's default betas, weight decay 0,
+    # warm-up int(warmup_ratio x total steps) then cosine to 0, as train/trainer.py lr_at).
+    lr: float = Field(default=1e-4, gt=0, description="peak learning rate (SpecForge: 1e-4)")
+    warmup_steps: int | None = Field(default=None, ge=0,
+                                     description="linear warm-up steps; null = int(warmup_ratio x max_steps)")
+    warmup_ratio: float = Field(default=0.015, ge=0, le=1, description="warm-up share of max_steps when "
+                                "warmup_steps is null (SpecForge: 0.015)")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas (SpecForge: torch's "
+                                            "defaults, 0.9 and 0.999)")
+    loss_normalization: Literal["all_positions", "loss_positions"] = Field(
+        default="all_positions", description="each TTT step's loss sum divided by B x T of the padded batch "
+        "(SpecForge's core/loss.py _compute_loss) or by the positions that count")
+    loss_mask_alignment: Literal["specforge", "predicted_token"] = Field(
+        default="specforge", description="which loss-mask entry lets target_j count: j-1 as SpecForge's "
+        "_compute_target_p, or j+1 (the token target_j predicts); see eagleflow.train.loss")
     ttt_length: int = Field(default=7, ge=1, le=32)
     draft_vocab_size: int = Field(default=32000, ge=2)
     checkpoint_every: int = Field(default=50, ge=1)
@@ -139,6 +154,18 @@ class TrainConfig(_Section):
     verify_sha256: bool = Field(default=False, description="hash every stored sample against its manifest at start")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the exported weights; auto = the target's")
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"train.adam_betas {list(v)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return v
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in effect: ``warmup_steps``, or SpecForge's int(warmup_ratio x max_steps)."""
+        return self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * self.max_steps)
 
 
 class PipelineConfig(_Section):

@@ -1,17 +1,30 @@
 """Training-time test (TTT): the EAGLE-3 objective over ``ttt_length`` chained draft steps.
 
-Alignment (position t of a sample with tokens x_0..x_{L-1}):
+Alignment (position t of a sample with tokens x_0..x_{L-1}), as SpecForge's
+(the reference trainer; its files cited below are those of specforge 0.2.0):
 - the target's stored last hidden state at j gives, through its frozen
   ``lm_head``, the distribution of x_{j+1}; call it target_j;
 - draft step k (k = 0..K-1) at t reads the token x_{t+k+1} and its own
   previous output (step 0: ``fc`` of the aux states at t) and is scored
-  against target_{t+k+1};
-- a target counts when x_{j+1} is a loss-mask (assistant) token and the
-  target's top token is in the draft vocabulary.
-Loss: soft cross-entropy against the target restricted to the draft
-vocabulary, step k weighted 0.8^k. Metrics: ``acc_k`` (top-1 agreement at
-step k) and the simulated acceptance length (1 + the run of consecutive
-correct steps from each position, averaged).
+  against target_{t+k+1} (SpecForge: ``TargetHead.preprocess`` shifts target
+  and input ids left by one, ``OnlineEagle3Model.forward`` shifts input ids,
+  loss mask and position mask left by one more per step, and
+  ``SdpaLikeAdapter.step_view`` takes target rows ``[k, k + T)``);
+- target_j counts when the target's top token is in the draft vocabulary and
+  the loss mask holds (``train.loss_mask_alignment``): ``specforge`` (default)
+  reads the mask at j-1, as SpecForge's ``_compute_target_p`` does
+  (``position_mask = t2d[argmax] * loss_mask`` on the shifted target, so step k
+  at t uses loss_mask[t+k]); ``predicted_token`` reads it at j+1, the token
+  target_j predicts.
+Loss: soft cross-entropy against the target renormalised over the draft
+vocabulary, step k weighted 0.8^k (SpecForge: ``Eagle3TrainStrategy``
+``ploss_decay=0.8``), each step's sum divided by ``train.loss_normalization``:
+``all_positions`` (default) = B x T of the padded batch, as SpecForge's
+``core/loss.py`` ``_compute_loss`` (``-sum(position_mask * plogp, 2).mean()``);
+``loss_positions`` = the positions that count. Metrics: ``acc_k`` (top-1
+agreement at step k over the positions that count) and the simulated
+acceptance length (1 + the run of consecutive correct steps from each
+position, averaged).
 """
 from __future__ import annotations
 
@@ -25,7 +38,9 @@ from torch import nn
 from .data import Batch
 from .model import Eagle3Draft
 
-STEP_WEIGHT_DECAY = 0.8
+STEP_WEIGHT_DECAY = 0.8   # SpecForge: training/strategies/base.py Eagle3TrainStrategy(ploss_decay=0.8)
+MASK_ALIGNMENTS = ("specforge", "predicted_token")
+NORMALIZATIONS = ("all_positions", "loss_positions")
 
 
 def load_target_tensors(target_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -107,11 +122,21 @@ class TargetBatch:
     valid: torch.Tensor      # [B, T] target_j counts
 
 
-def target_batch(head: TargetHead, batch: Batch) -> TargetBatch:
+def target_batch(head: TargetHead, batch: Batch, mask_alignment: str = "specforge") -> TargetBatch:
     logits, top_in = head(batch.hidden_states)
     valid = torch.zeros_like(batch.loss_mask)
-    # target_j predicts x_{j+1}: it counts when x_{j+1} is a real loss token
-    valid[:, :-1] = batch.loss_mask[:, 1:] & batch.attention_mask[:, 1:] & top_in[:, :-1]
+    lm, real = batch.loss_mask, batch.attention_mask
+    if mask_alignment == "specforge":
+        # SpecForge (algorithms/eagle3/model.py _compute_target_p on TargetHead.preprocess's shifted
+        # target): the row for target_j carries loss_mask[j-1]; its normaliser zeroes the last
+        # real position's mask (algorithms/eagle3/data.py), i.e. target_j must be a real position.
+        valid[:, 1:] = lm[:, :-1] & real[:, 1:] & top_in[:, 1:]
+    elif mask_alignment == "predicted_token":
+        # target_j predicts x_{j+1}: it counts when x_{j+1} is a real loss token
+        valid[:, :-1] = lm[:, 1:] & real[:, 1:] & top_in[:, :-1]
+    else:
+        raise ValueError(f"train.loss_mask_alignment {mask_alignment!r}: use one of {', '.join(MASK_ALIGNMENTS)}")
+    # SpecForge: softmax over the draft-vocabulary columns only (_compute_target_p's target_p)
     probs = torch.softmax(logits, dim=-1)
     return TargetBatch(probs=probs, top=probs.argmax(-1), valid=valid)
 
@@ -119,10 +144,13 @@ def target_batch(head: TargetHead, batch: Batch) -> TargetBatch:
 class TrainingTimeTest(nn.Module):
     """The draft plus its TTT objective: one module so DDP sees a single forward."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int):
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, normalization: str = "all_positions"):
         super().__init__()
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"train.loss_normalization {normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
         self.draft = draft
         self.ttt_length = ttt_length
+        self.normalization = normalization
 
     def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, probs: torch.Tensor,
                 top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +183,10 @@ class TrainingTimeTest(nn.Module):
             per_pos = -(probs[:, s:] * logp).sum(-1)
             m = mask.float()
             cnt = m.sum()
-            loss_k = (per_pos * m).sum() / cnt.clamp(min=1.0)
+            # SpecForge divides every step by B x T of the padded batch (core/loss.py _compute_loss's
+            # .mean() over [B, T]; its mask is zero past the end), not by the positions that count.
+            denom = float(b * t) if self.normalization == "all_positions" else cnt.clamp(min=1.0)
+            loss_k = (per_pos * m).sum() / denom
             total = total + (STEP_WEIGHT_DECAY ** k) * loss_k
             hit = (logits.argmax(-1) == top[:, s:]) & mask
             losses.append(loss_k.detach())

@@ -35,7 +35,10 @@ from .vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 
 
 def lr_at(step_index: int, base_lr: float, warmup: int, max_steps: int) -> float:
-    """Learning rate of the ``step_index``-th update (0-based): linear warmup, then cosine to zero."""
+    """Learning rate of the ``step_index``-th update (0-based): linear warmup, then cosine to zero.
+
+    SpecForge's schedule (lr_scheduler.py CosineAnnealingWarmupLR: warm-up lr x (i + 1) / warmup, then
+    torch's CosineAnnealingLR over the remaining steps down to eta_min 0)."""
     if step_index < warmup:
         return base_lr * (step_index + 1) / warmup
     span = max(1, max_steps - warmup)
@@ -164,9 +167,10 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say)
     head, embed = load_target_head_and_embedding(target_dir)
     model = build_draft(dcfg, vocab, head, embed, tc.seed)
-    ttt = TrainingTimeTest(model, tc.ttt_length).to(d.device)
+    ttt = TrainingTimeTest(model, tc.ttt_length, tc.loss_normalization).to(d.device)
     params = [p for p in ttt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # SpecForge (optimizer.py BF16Optimizer): AdamW, weight decay 0, betas from the config (torch's defaults)
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=0.0)
 
     start_step, position = 0, DataPosition()
     if ckpt_path is not None:
@@ -198,7 +202,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     micro = tc.grad_accum
     say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
         f"{len(refs)} samples, batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
-        f"steps {start_step}->{tc.max_steps}")
+        f"steps {start_step}->{tc.max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
+        f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}")
     if hb is not None:
         hb.update(lambda h: (setattr(h, "state", "running"), setattr(h, "done", start_step),
                              setattr(h, "resumed", start_step), h.extra.update(aux_layers=aux_layers)))
@@ -212,14 +217,14 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     try:
         while step < tc.max_steps and (stop_after_step is None or step < stop_after_step):
             t0 = time.time()
-            lr = lr_at(step, tc.lr, tc.warmup_steps, tc.max_steps)
+            lr = lr_at(step, tc.lr, tc.warmup, tc.max_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             stats_sum = None
             tokens = 0
             for m in range(micro):
                 batch = loader.next_batch().to(d.device, data_dtype)
-                tb = target_batch(head_t, batch)
+                tb = target_batch(head_t, batch, tc.loss_mask_alignment)
                 sync = contextlib.nullcontext() if (m == micro - 1 or d.world_size == 1) else module.no_sync()
                 with sync:
                     with autocast():
@@ -260,7 +265,7 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                 if d.is_main:
                     state = {"data_position": loader.position.to_json(), "draft_config": dcfg.to_json(),
                              "aux_layers": aux_layers, "target_model": str(target_dir),
-                             "max_steps": tc.max_steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
+                             "max_steps": tc.max_steps, "lr": tc.lr, "warmup_steps": tc.warmup,
                              "world_size": d.world_size, "metrics": row}
                     last_ckpt = save_checkpoint(paths["checkpoints"], step, model.trainable_state_dict(), opt,
                                                 state, keep=tc.keep_checkpoints)
