@@ -39,9 +39,8 @@ class TargetShape:
         return DTYPE_BYTES[self.dtype]
 
     def default_aux_layers(self) -> list[int]:
-        # EAGLE-3's usual choice (see config.capture.aux_layers)
-        n = self.num_layers
-        return [1, n // 2 - 1, n - 4]
+        from eagleflow.capture.aux_layers import default_aux_layers
+        return default_aux_layers(self.num_layers)   # the layers capture takes when none are configured
 
 
 def target_shape(config_json: str, where: str, dtype_override: str = "auto") -> TargetShape:
