@@ -49,7 +49,7 @@ def test_health_alerts_on_held_idle_memory_not_on_our_job(sshd, monkeypatch, tmp
                 time.sleep(1.2)
                 assert op.execute({"params": params}) == {"nodes_checked": 1}
             finally:
-                node.signal(job.pid, 9, group=True)
+                node.stop_recorded(job.pid_file, grace_s=2)
     finally:
         write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
 

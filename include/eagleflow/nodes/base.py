@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -186,15 +185,6 @@ class Node(ABC):
     def write_text(self, path: str, text: str) -> None:
         """Atomic write on the node (``eagleflow.durable.atomic_write``)."""
         self.check([self.python, "-m", "eagleflow.durable", path], input=text, timeout=30)
-
-    def signal(self, pid: int, sig: int = _signal.SIGTERM, *, group: bool = False) -> bool:
-        """Send a signal; False when the process no longer exists."""
-        target = f"-{pid}" if group else str(pid)
-        res = self.run(["kill", f"-{int(sig)}", "--", target], timeout=30)
-        return res.ok
-
-    def pid_alive(self, pid: int) -> bool:
-        return self.run(["kill", "-0", str(pid)], timeout=30).ok
 
     def free_bytes(self, path: str) -> int:
         """Free space for an unprivileged writer at path (its nearest existing parent)."""

@@ -54,6 +54,8 @@ class ProcessRecord:
     started_at: float = 0.0
     user: str = ""
     token: str = ""        # in the environment of the process and its descendants
+    exit_code: int | None = None    # kept by whoever reaped it, where known
+    exit_signal: int | None = None
 
     @property
     def command(self) -> str:
@@ -81,7 +83,15 @@ class ProcessRecord:
         return cls(pid=pid, pgid=pgid, start_ticks=ticks, role=str(d.get("role") or "?"),
                    pid_file=pid_file or str(d.get("pid_file") or ""), log_file=str(d.get("log_file") or ""),
                    argv=tuple(str(a) for a in d.get("argv") or ()), started_at=float(d.get("started_at") or 0.0),
-                   user=str(d.get("user") or ""), token=str(d.get("token") or ""))
+                   user=str(d.get("user") or ""), token=str(d.get("token") or ""),
+                   exit_code=_int_or_none(d.get("exit_code")), exit_signal=_int_or_none(d.get("exit_signal")))
+
+
+def _int_or_none(v) -> int | None:
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def record_file(pids_dir: str | os.PathLike, run_id: str, role: str) -> Path:
@@ -153,6 +163,16 @@ def leader_is_ours(rec: ProcessRecord) -> bool:
     """The recorded PID runs (not a zombie) and started when the record says: it is the process we started."""
     st = _stat(rec.pid)
     return st is not None and st[0] not in ("Z", "X") and rec.start_ticks > 0 and st[2] == rec.start_ticks
+
+
+def leader_state(rec: ProcessRecord):
+    """The /proc state (``ProcState``) of the recorded leader when it is the process we started (same start
+    time), a zombie included so its exit can be read; None when it is gone or the PID is someone else's.
+    What the watchdog reads; it never signals through this."""
+    st = read_proc_state(rec.pid)
+    if st is None or rec.start_ticks <= 0 or st.start_ticks != rec.start_ticks:
+        return None
+    return st
 
 
 def group_pids(pgid: int) -> list[int]:
