@@ -3,9 +3,11 @@
 Fails (and so alerts, through the pipeline's failure callbacks) when a GPU
 holds memory at 0 % utilisation for longer than a window while no eagleflow
 job is registered on it (the seeds' silent stall), or when its uncorrected ECC
-count rises. The latest snapshots feed the GPU status page (plugins/).
+count rises. Every check is stored in Airflow's metadata DB with the last hour
+of readings: the GPU view (Browse -> GPU nodes) and /eagleflow-gpu/metrics read it.
+Unpaused on creation: the view must never wait for someone to switch it on.
 
-Schedule: every $EAGLEFLOW_GPU_HEALTH_EVERY_MIN minutes (default 5). Nodes: the
+Schedule: every $EAGLEFLOW_GPU_HEALTH_EVERY_MIN minutes (default 1). Nodes: the
 configs in $EAGLEFLOW_HEALTH_CONFIGS (os.pathsep-separated), else $EAGLEFLOW_CONFIG.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from airflow.sdk import DAG, Param
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.gpu_operators import GpuNodeHealthOperator
 
-EVERY_MIN = float(os.environ.get("EAGLEFLOW_GPU_HEALTH_EVERY_MIN", "5"))
+EVERY_MIN = float(os.environ.get("EAGLEFLOW_GPU_HEALTH_EVERY_MIN", "1"))
 CONFIGS = [p for p in os.environ.get("EAGLEFLOW_HEALTH_CONFIGS", "").split(os.pathsep) if p] or \
     [os.environ.get("EAGLEFLOW_CONFIG", "configs/local-demo.yaml")]
 
@@ -29,6 +31,7 @@ with DAG(
     schedule=timedelta(minutes=EVERY_MIN),
     start_date=datetime(2026, 1, 1),
     catchup=False,
+    is_paused_upon_creation=False,
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=max(EVERY_MIN, 2)),
     tags=["eagleflow", "gpu", "health"],
@@ -44,4 +47,4 @@ with DAG(
                           description="Alert when a GPU has been held at 0 % for this long with no eagleflow job."),
     },
 ) as dag:
-    GpuNodeHealthOperator(task_id="check_gpu_nodes")
+    GpuNodeHealthOperator(task_id="check_gpu_nodes", interval_s=EVERY_MIN * 60)

@@ -62,7 +62,8 @@ def test_store_keeps_only_the_program_name(tmp_path):
     store = StatusStore(tmp_path)
     store.save("gpu-node/1", [snap(90000, 0, [GpuProcess(7, "/usr/bin/python3 serve.py --api-key sk-SECRET", 10)])],
                {"GPU-0": {"held_idle_since": 1.0}}, [])
-    doc = json.loads(store.path("gpu-node/1").read_text())
-    assert store.path("gpu-node/1").name == "gpu-node_1.json"
-    assert doc["gpus"][0]["processes"][0]["name"] == "python3" and "sk-SECRET" not in store.path("gpu-node/1").read_text()
+    (path,) = tmp_path.glob("*.json")
+    assert path.name == "eagleflow.gpu_status.gpu-node_1.json"
+    doc = json.loads(path.read_text())
+    assert doc["gpus"][0]["processes"][0]["program"] == "python3" and "sk-SECRET" not in path.read_text()
     assert store.load("gpu-node/1")["state"] == {"GPU-0": {"held_idle_since": 1.0}}

@@ -4,20 +4,13 @@ This is the seeds' incident seen from outside any run: ~90 GB per GPU held at
 0 % utilisation for hours. ``assess`` is pure: it takes this reading, the
 state kept from the previous ones (since when each GPU has looked like that,
 the last ECC count) and which processes belong to a registered eagleflow job,
-and returns alerts plus the new state. ``StatusStore`` keeps that state and
-the latest snapshots per node on the control plane (the status page reads it).
+and returns alerts plus the new state. ``eagleflow.console.status_store``
+keeps that state and the node's status document (the GPU view reads it).
 """
 from __future__ import annotations
 
-import json
-import os
-import re
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
-
-from eagleflow.durable import atomic_write
 
 from .snapshot import GpuSnapshot
 
@@ -76,66 +69,11 @@ def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, Any], *, now: f
     return alerts, new_state
 
 
-def registered_jobs(node, state_dir: str) -> tuple[set[int], bool]:
-    """PIDs and process groups of live eagleflow jobs recorded on the node, and whether any is alive."""
-    from eagleflow.nodes.process_record import RecordList
-    listed = node.run_json([node.python, "-m", "eagleflow.nodes.process_record", "list", "--pids-dir",
-                            f"{state_dir}/pids"], RecordList, timeout=60)
-    recs = [st.record for st in listed.records if st.alive and st.record is not None]
-    return {r.pid for r in recs} | {r.pgid for r in recs}, bool(recs)
-
-
-def _safe_name(node: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", node) or "node"
-
-
 def public_process_name(name: str) -> str:
-    """Only the program, never its arguments: command lines carry tokens, paths and user data."""
-    first = (name or "?").strip().split(" ")[0]
-    return os.path.basename(first) or "?"
+    """Only the program, never its arguments (kept here for callers of the health module)."""
+    from eagleflow.console.status_doc import program_name
+    return program_name(name)
 
 
-def default_status_dir() -> Path:
-    explicit = os.environ.get("EAGLEFLOW_GPU_STATUS_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("AIRFLOW_HOME") or "~/airflow").expanduser() / "eagleflow" / "gpu-status"
-
-
-class StatusStore:
-    """One JSON file per node: latest snapshots (process names reduced to the program), alerts, rule state."""
-
-    def __init__(self, folder: str | Path | None = None):
-        self.folder = Path(folder) if folder else default_status_dir()
-
-    def path(self, node: str) -> Path:
-        return self.folder / f"{_safe_name(node)}.json"
-
-    def load(self, node: str) -> dict[str, Any]:
-        try:
-            return json.loads(self.path(node).read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def save(self, node: str, snaps: list[GpuSnapshot], state: dict[str, Any], alerts: list[HealthAlert],
-             error: str | None = None) -> Path:
-        gpus = []
-        for s in snaps:
-            d = s.to_dict()
-            d["processes"] = [{"pid": p["pid"], "name": public_process_name(p["name"]), "used_mib": p["used_mib"],
-                               "user": p["user"], "state": p["state"]} for p in d["processes"]]
-            gpus.append(d)
-        doc = {"node": node, "taken_at": time.time(), "gpus": gpus, "state": state,
-               "alerts": [asdict(a) for a in alerts], "error": error}
-        return atomic_write(self.path(node), json.dumps(doc, indent=1))
-
-    def all(self) -> list[dict[str, Any]]:
-        if not self.folder.is_dir():
-            return []
-        out = []
-        for p in sorted(self.folder.glob("*.json")):
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+# the status documents (latest snapshots, history, the rules' state) live in the console's store
+from eagleflow.console.status_store import StatusStore  # noqa: E402,F401

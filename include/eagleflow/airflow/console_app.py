@@ -1,0 +1,107 @@
+"""The operator's console as a FastAPI app, served by Airflow's API server (plugins/eagleflow_gpu_plugin.py).
+
+Every route is behind Airflow's own authentication and authorisation: the
+caller is resolved exactly as Airflow's core API does it
+(``airflow.api_fastapi.core_api.security.get_user``: a bearer token, else the
+UI's ``_token`` cookie, which the browser sends to this iframe'd page), then the
+auth manager must allow reading the gpu_node_health DAG, whose checks are what
+this app shows. A browser without a session is sent to Airflow's login page and
+back; an API caller gets 401/403.
+
+Routes: ``/`` the page (refreshes itself), ``/panel`` its body, ``/api/status``
+JSON, ``/metrics`` Prometheus text (dcgm-exporter names).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from eagleflow.console import gpu_page, prometheus
+from eagleflow.console.status_store import StatusStore
+
+HEALTH_DAG_ID = gpu_page.HEALTH_DAG_ID
+_PUBLIC_KEYS = ("node", "has_gpu", "checked_at", "last_seen", "unreachable_since", "error", "interval_s",
+                "retention_s", "held_threshold_mib", "held_since", "gpus", "history", "activity", "alerts")
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def authorized_user(request: Request, bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
+    """Airflow's user for this request, allowed to read gpu_node_health; else HTTPException 401/403."""
+    from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
+    user = await get_user(request, None, bearer)
+    requires_access_dag("GET", param_dag_id=HEALTH_DAG_ID)(request, user)
+    return user
+
+
+def health_dag_state() -> dict[str, Any] | None:
+    """gpu_node_health as Airflow knows it (paused?), None when it is not loaded."""
+    from sqlalchemy import select
+
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    with create_session() as session:
+        row = session.execute(select(DagModel.is_paused, DagModel.is_stale)
+                              .where(DagModel.dag_id == HEALTH_DAG_ID)).first()
+    if row is None or row.is_stale:
+        return None
+    return {"is_paused": bool(row.is_paused)}
+
+
+def refresh_s() -> float:
+    v = os.environ.get("EAGLEFLOW_GPU_VIEW_REFRESH_S", "15")
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1
+    if s <= 0:
+        raise ValueError(f"EAGLEFLOW_GPU_VIEW_REFRESH_S={v!r}: must be a number of seconds > 0 (e.g. 15)")
+    return s
+
+
+def create_app(store: StatusStore | None = None,
+               dag_state: Callable[[], dict[str, Any] | None] = health_dag_state) -> FastAPI:
+    app = FastAPI(title="eagleflow console", docs_url=None, redoc_url=None, openapi_url=None)
+    refresh = refresh_s()  # a bad setting fails the plugin's load, with the variable named
+
+    def docs() -> list[dict[str, Any]]:
+        if store is not None:
+            return store.all()
+        from eagleflow.airflow.status_variables import variable_status_store
+        return variable_status_store(in_task=False).all()
+
+    def panel() -> str:
+        return gpu_page.render_panel(docs(), dag=dag_state())
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page(request: Request, bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
+        try:
+            await authorized_user(request, bearer)
+        except HTTPException as e:
+            if e.status_code == 401:
+                from airflow.api_fastapi.app import get_auth_manager
+                return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)), status_code=303)
+            return HTMLResponse("<p>Your Airflow user may not read the gpu_node_health DAG, whose checks this "
+                                "page shows. Ask an Airflow admin for read access to it.</p>", status_code=e.status_code)
+        return gpu_page.page_shell(panel(), refresh_s=refresh)
+
+    @app.get("/panel", response_class=HTMLResponse, dependencies=[Depends(authorized_user)])
+    def panel_route() -> str:
+        return panel()
+
+    @app.get("/api/status", dependencies=[Depends(authorized_user)])
+    def status() -> dict[str, Any]:
+        d = docs()
+        return {"now": time.time(), "health_dag": dag_state(),
+                "warnings": gpu_page.health_warnings(d, dag_state(), time.time()),
+                "nodes": [{k: doc.get(k) for k in _PUBLIC_KEYS} for doc in d]}
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(authorized_user)])
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus.render(docs()), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,207 @@
+"""The GPU view as HTML: a page shell that refreshes itself, and the panel it reloads.
+
+``render_panel`` turns the status documents into one HTML fragment (every value
+escaped); ``page_shell`` is the page around it, whose script reloads the panel
+every ``refresh_s`` and keeps every "… ago" ticking between reloads (a time is
+written once as ``data-ts`` and counted on the client, so it never freezes).
+Sparklines are inline SVG over the document's own history. Held GPUs (memory
+above the threshold at 0 %) are marked ``held`` with the time they started.
+"""
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from .status_doc import is_held_idle
+
+HEALTH_DAG_ID = "gpu_node_health"
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _cell(v: Any, unit: str = "") -> str:
+    return "n/a" if v is None else _e(f"{v}{unit}")
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%H:%M UTC", time.gmtime(ts))
+
+
+def ago(ts: float | None, now: float) -> str:
+    """A span that says how long ago ``ts`` was and keeps counting in the browser."""
+    if not ts:
+        return "<span>never</span>"
+    return f"<span class='ago' data-ts='{float(ts):.0f}'>{_span(now - float(ts))} ago</span>"
+
+
+def _span(s: float) -> str:
+    s = max(0, int(s))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def sparkline(ts: list[float], values: list[float | None], *, top: float, now: float, span_s: float,
+              label: str, width: int = 150, height: int = 28) -> str:
+    """An SVG polyline over the last ``span_s``; gaps where a reading was unknown (never drawn as 0)."""
+    if not top or top <= 0:
+        return "<span class='nospark'>no history</span>"
+    segs, cur = [], []
+    for t, v in zip(ts, values):
+        if t < now - span_s:
+            continue
+        if v is None:
+            if cur:
+                segs.append(cur)
+            cur = []
+            continue
+        x = width * (1 - (now - t) / span_s)
+        y = height - 1 - (height - 2) * min(float(v), top) / top
+        cur.append(f"{x:.1f},{y:.1f}")
+    if cur:
+        segs.append(cur)
+    lines = "".join(f"<polyline points='{' '.join(s)}'/>" if len(s) > 1 else
+                    f"<circle cx='{s[0].split(',')[0]}' cy='{s[0].split(',')[1]}' r='1.5'/>" for s in segs)
+    return (f"<svg class='spark' width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img' "
+            f"aria-label='{_e(label)}'><title>{_e(label)}</title>{lines}</svg>")
+
+
+def _process(p: dict[str, Any]) -> str:
+    who = f"{_cell(p.get('program'))} · user {_cell(p.get('user'))} · pid {_cell(p.get('pid'))}"
+    mem = f" · {_cell(p.get('used_mib'), ' MiB')}"
+    state = f" · state {_e(p['state'])}" if p.get("state") else ""
+    if p.get("ours"):
+        tag = f"<span class='ours'>ours: run {_e(p.get('run_id'))} · {_e(p.get('task') or p.get('role'))}</span>"
+    else:
+        tag = "<span class='foreign'>not eagleflow's</span>"
+    return f"<li>{tag} {who}{mem}{state}</li>"
+
+
+def _gpu_row(g: dict[str, Any], doc: dict[str, Any], now: float) -> str:
+    held_since = (doc.get("held_since") or {}).get(g["uuid"])
+    held = held_since is not None and is_held_idle(g, int(doc.get("held_threshold_mib") or 1024))
+    hist = doc.get("history") or {}
+    series = (hist.get("gpus") or {}).get(g["uuid"]) or {}
+    span = float(doc.get("retention_s") or 3600)
+    mem_spark = sparkline(hist.get("t") or [], series.get("mem") or [], top=g.get("memory_total_mib") or 0, now=now,
+                          span_s=span, label=f"GPU {g['index']} memory used over the last {_span(span)}")
+    util_spark = sparkline(hist.get("t") or [], series.get("util") or [], top=100, now=now, span_s=span,
+                           label=f"GPU {g['index']} utilisation over the last {_span(span)}")
+    held_txt = (f"<div class='heldtxt'>holds memory at 0 % since {_utc(held_since)} "
+                f"(held since {ago(held_since, now)})</div>" if held else "")
+    procs = "".join(_process(p) for p in g.get("processes") or []) or "<li class='none'>no compute process</li>"
+    return (f"<tr class='gpu{' held' if held else ''}' data-uuid='{_e(g['uuid'])}'>"
+            f"<td>{_cell(g.get('index'))}</td><td>{_cell(g.get('name'))}<div class='uuid'>{_e(g['uuid'])}</div>{held_txt}</td>"
+            f"<td>{_cell(g.get('memory_used_mib'))} / {_cell(g.get('memory_total_mib'))} MiB<br>{mem_spark}</td>"
+            f"<td>{_cell(g.get('utilization_pct'), ' %')}<br>{util_spark}</td>"
+            f"<td>{_cell(g.get('temperature_c'), ' °C')}</td><td>{_cell(g.get('power_w'), ' W')}</td>"
+            f"<td>{_cell(g.get('ecc_uncorrected'))}</td><td><ul class='procs'>{procs}</ul></td></tr>")
+
+
+def _activity(doc: dict[str, Any], now: float) -> str:
+    act = doc.get("activity") or {}
+    parts = []
+    for run_id, shards in sorted((act.get("shards") or {}).items()):
+        cells = "".join(f"<span class='shard {_e(s.get('state'))}'>shard {int(s['shard'])}: {int(s['done'])}/"
+                        f"{int(s['total'])}</span>" for s in shards)
+        parts.append(f"<div class='run'>run {_e(run_id)}: {cells or 'no shard started yet'}</div>")
+    for inc in act.get("incidents") or []:
+        if inc.get("outcome") == "open":
+            parts.append(f"<div class='incident'>open incident {_e(inc.get('id'))}: {_e(inc.get('cause'))} "
+                         f"(opened {ago(inc.get('opened_at'), now)})</div>")
+    return "".join(parts)
+
+
+def _node(doc: dict[str, Any], now: float) -> str:
+    name = _e(doc["node"])
+    head = f"<h2>{name}</h2>"
+    if doc.get("error"):
+        since = doc.get("unreachable_since")
+        status = (f"<p class='status unreachable'>unreachable ({_e(doc['error'])}) since {ago(since, now)}; "
+                  f"last seen {ago(doc.get('last_seen'), now)}. Readings below are from then.</p>")
+    elif not doc.get("has_gpu", True):
+        status = f"<p class='status cpu'>CPU-only node (node.has_gpu: false); last seen {ago(doc.get('last_seen'), now)}</p>"
+    else:
+        status = f"<p class='status ok'>last seen {ago(doc.get('last_seen'), now)}</p>"
+    gpus = doc.get("gpus") or []
+    table = ""
+    if gpus:
+        table = ("<table class='gpus'><tr><th>GPU</th><th>model / UUID</th><th>memory</th><th>utilisation</th>"
+                 "<th>temp</th><th>power</th><th>ECC</th><th>processes</th></tr>"
+                 + "".join(_gpu_row(g, doc, now) for g in gpus) + "</table>")
+    elif doc.get("has_gpu", True) and not doc.get("error"):
+        table = "<p>no GPU listed by the driver</p>"
+    cls = "node unreachable" if doc.get("error") else "node"
+    return f"<section class='{cls}' data-node='{name}'>{head}{status}{_activity(doc, now)}{table}</section>"
+
+
+def health_warnings(docs: list[dict[str, Any]], dag: dict[str, Any] | None, now: float) -> list[str]:
+    """Why the page may be stale: gpu_node_health missing, paused, or not run within two intervals."""
+    if dag is None:
+        return [f"the {HEALTH_DAG_ID} DAG is not loaded in Airflow: nothing refreshes this page"]
+    out = []
+    if dag.get("is_paused"):
+        out.append(f"{HEALTH_DAG_ID} is paused: these readings are not refreshed (unpause it in the DAG list)")
+    interval = float(dag.get("interval_s") or max([float(d.get("interval_s") or 0) for d in docs] + [0]) or 300)
+    last = max([float(d.get("checked_at") or 0) for d in docs] + [0])
+    if not docs:
+        out.append(f"no reading yet: {HEALTH_DAG_ID} has not finished a check")
+    elif now - last > 2 * interval + 60:
+        out.append(f"{HEALTH_DAG_ID} is late: its last check was {_span(now - last)} ago, "
+                   f"it should run every {_span(interval)}")
+    return out
+
+
+def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    warn = "".join(f"<p class='warning'>{_e(w)}</p>" for w in health_warnings(docs, dag, now))
+    held = sum(1 for d in docs for g in d.get("gpus") or []
+               if g["uuid"] in (d.get("held_since") or {}) and not d.get("error"))
+    summary = (f"<p class='summary' data-nodes='{len(docs)}' data-held='{held}'>{len(docs)} node(s); "
+               f"{held} GPU(s) holding memory at 0 %; page read {time.strftime('%H:%M:%S UTC', time.gmtime(now))}</p>")
+    return warn + summary + "".join(_node(d, now) for d in docs)
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:12px;color:#222}
+h1{font-size:1.3em}h2{font-size:1.1em;margin:.2em 0}
+table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top;font-size:.9em}
+.uuid{color:#777;font-size:.8em}.warning{background:#fff3cd;border:1px solid #e0b000;padding:6px}
+tr.held{background:#ffe0e0}tr.held td:first-child{border-left:6px solid #d00}.heldtxt{color:#b00;font-weight:bold}
+.unreachable .status{color:#b00;font-weight:bold}.cpu{color:#555}.ok{color:#2a7a2a}
+.ours{background:#e3f2fd;padding:0 4px}.foreign{background:#ffd8a8;padding:0 4px;font-weight:bold}
+ul.procs{margin:0;padding-left:1em}svg.spark{display:block;stroke:#1565c0;fill:#1565c0;stroke-width:1.2}
+svg.spark polyline{fill:none}.shard{margin-right:.8em}.incident{color:#b00}.node{margin-bottom:1.2em}
+#conn{color:#b00}
+"""
+
+_JS = """
+const REFRESH_MS = %d;
+function span(s){s=Math.max(0,Math.floor(s));if(s<120)return s+' s';if(s<7200)return Math.floor(s/60)+' min';
+  return Math.floor(s/3600)+' h '+Math.floor(s%%3600/60)+' min';}
+function tick(){const now=Date.now()/1000;document.querySelectorAll('.ago').forEach(e=>{
+  e.textContent=span(now-parseFloat(e.dataset.ts))+' ago';});}
+async function reload(){
+  try{const r=await fetch('panel',{credentials:'same-origin',cache:'no-store'});
+    if(r.status===401||r.status===403){document.getElementById('conn').textContent=
+      'not signed in to Airflow any more: reload the page to sign in';return;}
+    if(!r.ok)throw new Error('HTTP '+r.status);
+    document.getElementById('panel').innerHTML=await r.text();
+    document.getElementById('conn').textContent='';
+    document.body.dataset.refreshed=String(Date.now());
+  }catch(err){document.getElementById('conn').textContent='could not refresh ('+err.message+'); retrying';}
+  tick();}
+setInterval(reload, REFRESH_MS);setInterval(tick, 1000);
+"""
+
+
+def page_shell(panel_html: str, *, refresh_s: float = 15) -> str:
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>eagleflow GPU nodes</title>"
+            f"<style>{_CSS}</style></head><body data-refreshed='0'><h1>eagleflow: GPU nodes</h1>"
+            f"<p>Refreshes every {refresh_s:.0f} s from what {HEALTH_DAG_ID} stored. <span id='conn'></span></p>"
+            f"<div id='panel'>{panel_html}</div><script>{_JS % int(refresh_s * 1000)}</script></body></html>")

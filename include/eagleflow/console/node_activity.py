@@ -1,0 +1,164 @@
+"""What eagleflow runs on a node right now: live process records, shard progress, incidents.
+
+One node-side command (``python -m eagleflow.console.node_activity --state-dir D``,
+one JSON line), so gpu_node_health learns in one round trip which GPU processes
+are ours (run, role, shard), how far each live run's shards are, and the
+watchdog's incidents. Standard library plus eagleflow's own record module: it
+runs with whatever interpreter the node has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagleflow.nodes.process_record import RECORD_SUFFIX, records_in, status
+
+_SHARD_ROLE = re.compile(r"worker_shard_(\d{5})")
+INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
+
+
+@dataclass
+class OurProcess:
+    """One live process group eagleflow started: the proof it is ours is the pid record's start time."""
+    pid: int
+    pgid: int
+    run_id: str
+    role: str
+    started_at: float = 0.0
+
+    @property
+    def shard(self) -> int | None:
+        m = _SHARD_ROLE.fullmatch(self.role)
+        return int(m.group(1)) if m else None
+
+    @property
+    def task(self) -> str:
+        """The pipeline task that started it, as the Airflow UI names it."""
+        if self.shard is not None:
+            return f"extract_shard[{self.shard}]"
+        return {"capture_server": "start_capture_server", "trainer": "train_draft"}.get(self.role, self.role)
+
+
+@dataclass
+class ShardProgress:
+    shard: int
+    done: int
+    total: int
+    state: str                  # the worker's heartbeat state: starting, running, complete, failed
+    last_progress_at: float
+    written_at: float
+    rate: float = 0.0
+
+
+@dataclass
+class NodeActivity:
+    processes: list[OurProcess] = field(default_factory=list)
+    shards: dict[str, list[ShardProgress]] = field(default_factory=dict)   # run_id -> its shards
+    incidents: list[dict] = field(default_factory=list)                    # the watchdog's, newest last
+    read_at: float = 0.0
+
+    def job_pids(self) -> set[int]:
+        return {p.pid for p in self.processes} | {p.pgid for p in self.processes}
+
+    def owner_of(self, pid: int, pgid: int | None) -> OurProcess | None:
+        for p in self.processes:
+            if pid == p.pid or (pgid is not None and pgid == p.pgid):
+                return p
+        return None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeActivity":
+        return cls(processes=[OurProcess(**p) for p in d.get("processes") or []],
+                   shards={r: [ShardProgress(**s) for s in v] for r, v in (d.get("shards") or {}).items()},
+                   incidents=list(d.get("incidents") or []), read_at=float(d.get("read_at") or 0.0))
+
+
+def _run_dir(log_file: str) -> Path | None:
+    """A record's log is <run_dir>/logs/<role>.log: its run directory, without needing the run's config."""
+    p = Path(log_file) if log_file else None
+    return p.parent.parent if p is not None and p.parent.name == "logs" else None
+
+
+def _shards(run_dir: Path) -> list[ShardProgress]:
+    out = []
+    for hb in sorted((run_dir / "hidden_states").glob("shard_*/heartbeat.json")):
+        try:
+            d = json.loads(hb.read_text())
+            shard = int(hb.parent.name.split("_")[1])
+        except (OSError, ValueError, IndexError):
+            continue  # half a run dir is not an error of this probe
+        out.append(ShardProgress(shard=shard, done=int(d.get("done") or 0), total=int(d.get("total") or 0),
+                                 state=str(d.get("state") or "?"), last_progress_at=float(d.get("last_progress_at") or 0),
+                                 written_at=float(d.get("time") or 0), rate=float(d.get("rate") or 0)))
+    return out
+
+
+def _incidents(state_dir: Path, now: float) -> list[dict]:
+    """The incident book folded to one entry per incident (opened, then recovered or not)."""
+    try:
+        lines = (state_dir / "incidents" / "incidents.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    by_id: dict[str, dict] = {}
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line being appended right now
+        if e.get("event") == "opened":
+            by_id[e["id"]] = {"id": e["id"], "node": e.get("node"), "cause": e.get("cause"),
+                              "opened_at": e.get("opened_at"), "ended_at": None, "outcome": "open",
+                              "shards": sorted((e.get("shards") or {}).keys()),
+                              "run_ids": sorted({s.get("run_id") for s in (e.get("shards") or {}).values()
+                                                 if isinstance(s, dict) and s.get("run_id")})}
+        elif e.get("id") in by_id:
+            by_id[e["id"]].update(ended_at=e.get("at"), outcome=e.get("event"),
+                                  shard_count=e.get("shard_count"))
+    return [i for i in by_id.values() if now - float(i.get("opened_at") or 0) < INCIDENT_DAYS * 86400]
+
+
+def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
+    now = time.time() if now is None else now
+    state_dir = Path(state_dir)
+    act = NodeActivity(read_at=now)
+    run_dirs: dict[str, Path] = {}
+    for rec in records_in(state_dir / "pids"):
+        st = status(rec.pid_file)
+        if not st.alive:
+            continue
+        run_id = Path(rec.pid_file).name[: -len(f".{rec.role}{RECORD_SUFFIX}")]
+        act.processes.append(OurProcess(pid=rec.pid, pgid=rec.pgid, run_id=run_id, role=rec.role,
+                                        started_at=rec.started_at))
+        rd = _run_dir(rec.log_file)
+        if rd is not None:
+            run_dirs[run_id] = rd
+    for run_id, rd in sorted(run_dirs.items()):
+        act.shards[run_id] = _shards(rd)
+    act.incidents = _incidents(state_dir, now)
+    return act
+
+
+def read_node_activity(node, state_dir: str) -> NodeActivity:
+    """``collect`` run on the node: one command, its answer validated (``Node.run_json``)."""
+    return node.run_json([node.python, "-m", "eagleflow.console.node_activity", "--state-dir", state_dir],
+                         NodeActivity, timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagleflow.console.node_activity", description=__doc__)
+    ap.add_argument("--state-dir", required=True, help="the node's eagleflow state dir (node.state_dir)")
+    a = ap.parse_args(argv)
+    print(json.dumps(collect(a.state_dir).to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Where the status documents live: one key per node in a key-value store.
+
+gpu_node_health writes them, the API server reads them. In Airflow that store
+is Airflow's metadata database (eagleflow.airflow.status_variables: Airflow
+Variables, reachable from every worker through the execution API and from the
+API server directly, in every deployment); ``FolderKV`` is the same on local
+disk, for the CLI and tests. A document whose node was not checked for
+``forget_after_s`` (a node removed from the configs) is deleted: retention is
+bounded both in time per node (the history) and in the number of nodes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from eagleflow.durable import atomic_write
+
+from .status_doc import next_status
+
+KEY_PREFIX = "eagleflow.gpu_status."
+
+
+class KeyValue(Protocol):
+    def get(self, key: str) -> str | None: ...
+    def set(self, key: str, value: str) -> None: ...
+    def delete(self, key: str) -> None: ...
+    def items(self, prefix: str) -> list[tuple[str, str]]: ...
+
+
+class FolderKV:
+    """One file per key in a folder (atomic writes)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    def _path(self, key: str) -> Path:
+        return self.folder / (re.sub(r"[^A-Za-z0-9_.-]", "_", key) + ".json")
+
+    def get(self, key: str) -> str | None:
+        try:
+            return self._path(key).read_text()
+        except OSError:
+            return None
+
+    def set(self, key: str, value: str) -> None:
+        atomic_write(self._path(key), value)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def items(self, prefix: str) -> list[tuple[str, str]]:
+        if not self.folder.is_dir():
+            return []
+        out = []
+        for p in sorted(self.folder.glob("*.json")):
+            if p.stem.startswith(prefix):
+                try:
+                    out.append((p.stem, p.read_text()))
+                except OSError:
+                    continue
+        return out
+
+
+def node_key(node: str) -> str:
+    return KEY_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", node)
+
+
+class StatusStore:
+    """The latest status document per node (with its history and the health rules' state)."""
+
+    def __init__(self, kv: KeyValue | str | Path):
+        self.kv: KeyValue = FolderKV(kv) if isinstance(kv, (str, Path)) else kv
+
+    def load(self, node: str) -> dict[str, Any]:
+        text = self.kv.get(node_key(node))
+        try:
+            doc = json.loads(text) if text else {}
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def save(self, node: str, snaps=None, state: dict[str, Any] | None = None, alerts=(), error: str | None = None,
+             *, now: float | None = None, **kw) -> dict[str, Any]:
+        """One check's result merged into the node's document; ``kw``: see ``status_doc.next_status``."""
+        from dataclasses import asdict, is_dataclass
+        alert_dicts = [asdict(a) if is_dataclass(a) else dict(a) for a in alerts or ()]
+        doc = next_status(self.load(node), node=node, now=time.time() if now is None else now, snaps=snaps,
+                          state=state, alerts=alert_dicts, error=error, **kw)
+        self.kv.set(node_key(node), json.dumps(doc, separators=(",", ":")))
+        return doc
+
+    def all(self) -> list[dict[str, Any]]:
+        out = []
+        for _, text in self.kv.items(KEY_PREFIX):
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.get("node"):
+                out.append(doc)
+        return sorted(out, key=lambda d: str(d["node"]))
+
+    def forget_unchecked(self, *, keep: set[str], forget_after_s: float, now: float | None = None) -> list[str]:
+        """Delete documents of nodes outside ``keep`` not checked for ``forget_after_s``; their names."""
+        now = time.time() if now is None else now
+        gone = []
+        for doc in self.all():
+            if doc["node"] not in keep and now - float(doc.get("checked_at") or 0) > forget_after_s:
+                self.kv.delete(node_key(doc["node"]))
+                gone.append(doc["node"])
+        return gone
+
+
+def history_retention_s() -> float:
+    """How much history each node document keeps: $EAGLEFLOW_GPU_HISTORY_MIN minutes (default 60)."""
+    import os
+    v = os.environ.get("EAGLEFLOW_GPU_HISTORY_MIN", "60")
+    try:
+        minutes = float(v)
+    except ValueError:
+        minutes = -1
+    if not 0 < minutes <= 24 * 60:
+        raise ValueError(f"EAGLEFLOW_GPU_HISTORY_MIN={v!r}: must be minutes in (0, 1440] (default 60)")
+    return minutes * 60
