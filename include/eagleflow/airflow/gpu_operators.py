@@ -188,20 +188,24 @@ class GpuNodeHealthOperator(BaseOperator):
 
     Alerts: a GPU holds more than ``memory_threshold_mib`` at 0 % utilisation
     for longer than ``window_s`` while no eagleflow job is registered on it, or
-    its uncorrected ECC count rose since the last check. State between checks
-    and the latest snapshots (for the status page) live in a StatusStore on
-    the control plane. Params: config_paths, memory_threshold_mib, window_s.
+    its uncorrected ECC count rose since the last check. State between checks,
+    the latest readings and their last hour (the GPU view, the metrics) live in
+    Airflow's metadata DB (eagleflow.airflow.status_variables); CPU-only and
+    unreachable nodes get a document too. Params: config_paths, memory_threshold_mib, window_s.
     """
 
     ui_color = "#fff3e0"
 
-    def __init__(self, *, status_dir: str | None = None, **kw):
+    def __init__(self, *, status_dir: str | None = None, interval_s: float | None = None, **kw):
         super().__init__(**kw)
-        self.status_dir = status_dir
+        self.status_dir = status_dir  # None: Airflow's metadata DB (Variables), where the API server reads them
+        self.interval_s = interval_s  # the DAG's schedule, so the GPU view can tell when a check is late
 
     def execute(self, context):
         from eagleflow.config import load_config
-        from eagleflow.gpu.health import HealthRules, StatusStore, assess, registered_jobs
+        from eagleflow.console.node_activity import read_node_activity
+        from eagleflow.console.status_store import StatusStore, history_retention_s
+        from eagleflow.gpu.health import HealthRules, assess
         from eagleflow.gpu.probes import probe_for
         from eagleflow.nodes import node_from_config
 
@@ -211,33 +215,48 @@ class GpuNodeHealthOperator(BaseOperator):
             paths = [paths]
         rules = HealthRules(memory_threshold_mib=int(params.get("memory_threshold_mib") or 1024),
                             window_s=float(params.get("window_s") or 600))
-        store = StatusStore(self.status_dir)
+        if self.status_dir:
+            store = StatusStore(self.status_dir)
+        else:
+            from eagleflow.airflow.status_variables import variable_status_store
+            store = variable_status_store()
+        retention_s = history_retention_s()
+        status_kw = {"interval_s": self.interval_s, "held_threshold_mib": rules.memory_threshold_mib,
+                     "retention_s": retention_s}
         problems: list[str] = []
         checked = 0
+        names: set[str] = set()
         for path in paths:
             cfg = load_config(path)
-            if not cfg.node.has_gpu:
-                self.log.info("%s: node %s has no GPU (node.has_gpu is false); nothing to check", path, cfg.node.name)
-                continue
+            name = cfg.node.name
+            names.add(name)
             node = node_from_config(cfg)
-            try:
-                snaps = probe_for(node, cfg).snapshot()
-                job_pids, any_job = registered_jobs(node, str(cfg.node_state_dir()))
+            try:  # one call for our jobs (pid records, shard progress, incidents), one for the GPUs
+                activity = read_node_activity(node, str(cfg.node_state_dir()))
+                snaps = probe_for(node, cfg).snapshot() if cfg.node.has_gpu else []
             except Exception as e:  # an unreadable node is itself worth a person's look
-                problems.append(f"node {cfg.node.name} ({path}): GPUs could not be read: {e}")
-                store.save(cfg.node.name, [], store.load(cfg.node.name).get("state", {}), [], error=str(e))
+                problems.append(f"node {name} ({path}): could not be read: {e}")
+                store.save(name, error=str(e), has_gpu=cfg.node.has_gpu, config_path=str(path), **status_kw)
                 continue
             finally:
                 node.close()
-            prev = store.load(cfg.node.name).get("state", {})
-            alerts, state = assess(cfg.node.name, snaps, prev, now=time.time(), rules=rules,
-                                   job_pids=job_pids, any_job_alive=any_job)
-            store.save(cfg.node.name, snaps, state, alerts)
+            if not cfg.node.has_gpu:
+                self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
+                              path, name, len(activity.processes))
+                store.save(name, [], None, [], has_gpu=False, activity=activity, config_path=str(path), **status_kw)
+                continue
+            prev = store.load(name).get("state", {})
+            alerts, state = assess(name, snaps, prev, now=time.time(), rules=rules,
+                                   job_pids=activity.job_pids(), any_job_alive=bool(activity.processes))
+            store.save(name, snaps, state, alerts, activity=activity, config_path=str(path), **status_kw)
             checked += 1
             for s in snaps:
-                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", cfg.node.name, s.index, s.uuid,
+                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", name, s.index, s.uuid,
                               s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
             problems += [a.message for a in alerts]
+        for gone in store.forget_unchecked(keep=names, forget_after_s=retention_s):
+            self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
+                          gone, retention_s)
         if problems:
             raise GpuNodeUnhealthy("GPU node health check found:\n" + "\n".join(f"- {p}" for p in problems))
         return {"nodes_checked": checked}
