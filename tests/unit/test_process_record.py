@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagleflow.gpu.cleanup import free_recorded_processes
-from eagleflow.nodes import LocalNode, ProcessRecord
+from eagleflow.nodes import LocalNode, Node, ProcessRecord
 from eagleflow.nodes import process_record as pr
 from eagleflow.nodes.proc import read_start_ticks
 from tests.fixtures.processes import alive
@@ -73,14 +73,16 @@ def test_stale_record_whose_group_id_now_holds_a_foreign_sleep_signals_nothing(t
 
 
 def test_stale_record_through_the_node_command_signals_nothing(tmp_path, foreign_group):
+    """The command a remote node runs (Node's own process_status/stop_recorded: a new interpreter, one JSON line)."""
     pgid, sleep_pid = foreign_group
     path = _stale_record(tmp_path, pgid)
     node = LocalNode()
-    st = node.process_status(str(path))
-    assert st.recorded and not st.alive and st.members == 0
-    res = node.stop_recorded(str(path), grace_s=0.5, kill_wait_s=0.5)
+    st = Node.process_status(node, str(path))
+    assert st.recorded and not st.alive and st.members == 0 and st.record.pgid == pgid
+    res = Node.stop_recorded(node, str(path), grace_s=0.5, kill_wait_s=0.5)
     assert res.outcome == "stale_record" and res.left_alone == [sleep_pid]
     assert alive(sleep_pid)
+    assert Node.process_status(node, str(path)).recorded is False
 
 
 def test_pid_reused_by_another_process_is_stale_and_left_alone(tmp_path):

@@ -143,9 +143,9 @@ class StopCaptureServerOperator(RunOperator):
 
     def run(self, ctx, context):
         # every worker record of exactly this run (another run's id may start with this one's)
-        records = ctx.node.run_json([ctx.node.python, "-m", "eagleflow.nodes.process_record", "list",
-                                     "--pids-dir", str(ctx.layout.pids_dir), "--run-id", ctx.layout.run_id,
-                                     "--role-pattern", worker_role_pattern()], RecordList, timeout=60)
+        records = ctx.node.run_json(ctx.node.process_record_argv(
+            "list", "--pids-dir", str(ctx.layout.pids_dir), "--run-id", ctx.layout.run_id,
+            "--role-pattern", worker_role_pattern()), RecordList, timeout=60)
         for st in records.records:
             if st.record is None:
                 continue

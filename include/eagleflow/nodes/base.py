@@ -6,6 +6,7 @@ needs a shell (SSH) quotes every element itself.
 """
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from abc import ABC, abstractmethod
@@ -53,16 +54,22 @@ class JobAlreadyRunning(NodeError):
 DetachedProcess = ProcessRecord
 
 
+@functools.lru_cache(maxsize=None)
+def _adapter(model):
+    from pydantic import TypeAdapter
+    return TypeAdapter(model)  # building one costs milliseconds: once per model
+
+
 def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, model: type[T]) -> T:
     """The last non-empty stdout line as JSON, validated into ``model`` (a pydantic model, dataclass or type)."""
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import ValidationError
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     cmd = shlex.join(tuple(argv))
     if not lines:
         raise NodeAnswerError(f"on node {node}: `{cmd}` (exit {exit_code}) printed no answer; "
                               f"stderr: {stderr.strip()[-1500:]}")
     try:
-        return TypeAdapter(model).validate_python(json.loads(lines[-1]))
+        return _adapter(model).validate_python(json.loads(lines[-1]))
     except ValueError as e:  # JSONDecodeError and ValidationError
         name = getattr(model, "__name__", model)
         what = f"does not fit {name}" if isinstance(e, ValidationError) else "is not JSON"
@@ -160,8 +167,7 @@ class Node(ABC):
 
     def process_status(self, pid_file: str) -> RecordStatus:
         """Whether the recorded process still runs and is the one we started (checked on the node)."""
-        return self.run_json([self.python, "-m", "eagleflow.nodes.process_record", "status", "--pid-file", pid_file],
-                             RecordStatus, timeout=60)
+        return self.run_json(self.process_record_argv("status", "--pid-file", pid_file), RecordStatus, timeout=60)
 
     def live_record(self, pid_file: str) -> ProcessRecord | None:
         """The record when its process is alive and ours; None when absent, gone or stale."""
@@ -170,9 +176,15 @@ class Node(ABC):
 
     def stop_recorded(self, pid_file: str, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> StopResult:
         """The one stop (``eagleflow.nodes.process_record.stop``) run on the node: TERM, grace, KILL."""
-        return self.run_json([self.python, "-m", "eagleflow.nodes.process_record", "stop", "--pid-file", pid_file,
-                              "--grace", str(grace_s), "--kill-wait", str(kill_wait_s)], StopResult,
+        return self.run_json(self.process_record_argv("stop", "--pid-file", pid_file, "--grace", str(grace_s),
+                                                      "--kill-wait", str(kill_wait_s)), StopResult,
                              timeout=grace_s + kill_wait_s + 60)
+
+    def process_record_argv(self, *args: str) -> list[str]:
+        """``eagleflow.nodes.process_record``'s command on the node (``-c``: the package imports the module
+        itself, and ``-m`` would run a second copy of it)."""
+        return [self.python, "-c", "import sys; from eagleflow.nodes.process_record import main; sys.exit(main())",
+                *args]
 
     def read_text(self, path: str, *, missing_ok: bool = True) -> str | None:
         res = self.run(["cat", "--", path], timeout=30)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+from . import process_record
 from .base import CommandResult, Node, NodeCommandTimeout, NodeError
 
 KILL_AFTER_S = 5.0  # as SSHNode: TERM at the deadline, KILL what is left this much later
@@ -42,6 +43,15 @@ class LocalNode(Node):
             _end_group(p)
             raise
         return CommandResult(tuple(argv), p.returncode, out, err)
+
+    # This machine is the node: the same process_record functions, called here instead of through a
+    # new interpreter (a reconcile scan asks once per shard; a poke every few seconds).
+    def process_status(self, pid_file: str) -> process_record.RecordStatus:
+        return process_record.status(pid_file)
+
+    def stop_recorded(self, pid_file: str, grace_s: float = 15.0,
+                      kill_wait_s: float = 5.0) -> process_record.StopResult:
+        return process_record.stop_file(pid_file, grace_s=grace_s, kill_wait_s=kill_wait_s)
 
 
 def _end_group(p: subprocess.Popen) -> None:

@@ -18,7 +18,7 @@ Proof of "ours", checked on the node each time before a signal:
 
 ``stop`` (TERM, CONT so a stopped process acts on it, grace, KILL) is the
 only way eagleflow stops a process. It runs on the node: in this process for
-``gpu free``, through ``python -m eagleflow.nodes.process_record stop`` from
+``gpu free``, through ``eagleflow.nodes.process_record.main`` (``stop``) from
 the control plane (``Node.stop_recorded``). Standard library only: it runs
 with whatever interpreter the node has.
 """
