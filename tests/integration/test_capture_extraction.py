@@ -188,7 +188,7 @@ def test_rerun_attaches_to_the_live_worker(server):
         rec2, attached2 = start_or_attach_worker(ctx, 0)
         assert (attached1, attached2) == (False, True) and rec2.pid == rec1.pid
     finally:
-        assert stop_worker(ctx, 0, grace_s=5) == "terminated"
+        assert stop_worker(ctx, 0, grace_s=15) == "terminated"  # TERM handled (a loaded machine may be slow)
     assert not Path(ctx.layout.pid_file(worker_role(0))).exists()
     hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
     assert hb.state == "failed" and "stopped by SIGTERM" in hb.error

@@ -200,11 +200,10 @@ class Node(ABC):
 
     def free_bytes(self, path: str) -> int:
         """Free space for an unprivileged writer at path (its nearest existing parent)."""
-        res = self.check([self.python, "-c",
-                          "import os,sys;p=os.path.abspath(sys.argv[1])\n"
-                          "while not os.path.exists(p): p=os.path.dirname(p)\n"
-                          "s=os.statvfs(p);print(s.f_bavail*s.f_frsize)", path], timeout=30)
-        return int(res.stdout.strip())
+        return self.run_json([self.python, "-c",
+                              "import os,sys;p=os.path.abspath(sys.argv[1])\n"
+                              "while not os.path.exists(p): p=os.path.dirname(p)\n"
+                              "s=os.statvfs(p);print(s.f_bavail*s.f_frsize)", path], int, timeout=30)
 
     def close(self) -> None:
         pass
