@@ -63,6 +63,9 @@ def main() -> int:
         probe.snapshot()  # warm: the first call also imports Airflow's SSH hook
         reused = timed(probe.snapshot, a.polls)
         two_channels = timed(SmiProbe(node, helper=False).snapshot, a.polls)
+        # the node-side time limit (timeout + group KILL wrapper) against a bare channel: what bounding costs
+        bounded = timed(lambda: node.run(["true"], timeout=60), a.polls)
+        unbounded = timed(lambda: node.run(["true"], timeout=None), a.polls)
         assert node.connects == 1, node.connects
         node.close()
 
@@ -73,7 +76,9 @@ def main() -> int:
 
         results = {"polls": a.polls, "reused_median_s": statistics.median(reused),
                    "fresh_median_s": statistics.median(fresh),
-                   "reused_no_helper_median_s": statistics.median(two_channels)}
+                   "reused_no_helper_median_s": statistics.median(two_channels),
+                   "bounded_command_median_s": statistics.median(bounded),
+                   "unbounded_command_median_s": statistics.median(unbounded)}
     results["fresh_over_reused"] = results["fresh_median_s"] / results["reused_median_s"]
     results["no_helper_over_helper"] = results["reused_no_helper_median_s"] / results["reused_median_s"]
     print(f"SSH poll of 8 fake GPUs on 127.0.0.1, {a.polls} polls each, medians:")
@@ -81,6 +86,10 @@ def main() -> int:
     print(f"  reused connection, 2 nvidia-smi calls : {results['reused_no_helper_median_s'] * 1000:7.1f} ms")
     print(f"  fresh connection per poll             : {results['fresh_median_s'] * 1000:7.1f} ms")
     print(f"  fresh / reused = {results['fresh_over_reused']:.2f}x;  2 calls / helper = {results['no_helper_over_helper']:.2f}x")
+    results["bounded_over_unbounded"] = results["bounded_command_median_s"] / results["unbounded_command_median_s"]
+    print(f"`true` with its time limit enforced on the node: {results['bounded_command_median_s'] * 1000:.1f} ms, "
+          f"without: {results['unbounded_command_median_s'] * 1000:.1f} ms, "
+          f"bounded / unbounded = {results['bounded_over_unbounded']:.2f}x")
 
     from eagleflow.gpu.errors import NoGpuError
     from eagleflow.gpu.nvml_probe import NvmlProbe
