@@ -1,14 +1,19 @@
 """Benchmark: `eagleflow corpus prepare` against a plain single-process loop, side by side.
 
 Generates a synthetic corpus shaped like the seeds' (8 sources, 37,312 records,
-mean ~2,353 tokens, at most 8,192) scaled down by --scale, in the five source
-forms (ShareGPT/OpenAI JSONL, JSON, Parquet, a `datasets` directory), with the
-demo's local tokenizer and its chat template. Then, at each size in --sizes
-(multiples of the scaled corpus), it runs in fresh processes:
+mean ~2,353 tokens, at most 8,192, some over it) scaled by --scale, in the five
+source forms (ShareGPT/OpenAI JSONL, JSON, Parquet, a `datasets` directory),
+about half of them agentic: tool schemas, assistant tool calls (parallel ones
+too), tool results, reasoning, in OpenAI form (tool_calls, content null, tool
+role) and ShareGPT function-calling form (function_call / observation, tools as
+JSON text); rendered by the demo's local tokenizer and its chat template. Then,
+at each size in --sizes (multiples of the scaled corpus), it runs in fresh
+processes:
 
 - prepare: ``prepare_corpus`` (datasets/Arrow, batched map in --num-proc processes);
-- loop: read every record, normalise, ``apply_chat_template`` one record at a
-  time, keep everything in Python lists, shuffle, write one Parquet file.
+- loop: read every record, normalise, render + tokenise + mask + cut it at a
+  message boundary one record at a time (the same functions), keep the kept
+  records in memory (numpy arrays), shuffle, write one Parquet file.
 
 It prints tokens/s of each (whole process: start-up, reading, tokenising,
 writing; fastest of --repeat runs) and their ratio, and the peak memory (PSS summed over
@@ -16,6 +21,7 @@ the process tree, sampled every 50 ms) of each, so that the growth of memory
 with corpus size is visible; and extrapolates prepare's time to the seeds' size.
 
     .venv/bin/python bench/corpus.py --scale 0.1 --sizes 1 2 --num-proc 2 --repeat 2
+    .venv/bin/python bench/corpus.py --scale 0.5 --sizes 1 2 --num-proc 2   # half and full seeds scale
 """
 from __future__ import annotations
 
@@ -60,8 +66,62 @@ def _conversation(rng: random.Random, words: list[str], tokens: int, tokens_per_
     return conv
 
 
-def make_sources(out: Path, records: int, model_path: str, seed: int = 0) -> list[dict]:
-    """8 sources, ``records`` in all, lengths lognormal around the seeds' mean, clipped to 8,192 tokens."""
+TOOL_NAMES = ["read_file", "run_tests", "search_code", "edit_file", "list_dir", "web_search", "python", "bash"]
+
+
+def _tool_schema(name: str, rng: random.Random, words: list[str]) -> dict:
+    params = {w: {"type": "string", "description": _text(rng, words, 4)} for w in rng.sample(words, 2)}
+    return {"name": name, "description": _text(rng, words, 8),
+            "parameters": {"type": "object", "properties": params, "required": sorted(params)}}
+
+
+def _trajectory(rng: random.Random, words: list[str], tokens: int, tokens_per_word: float) -> dict:
+    """An agent trajectory: tools, a task, rounds of (thought + tool calls, results), a final answer.
+    Returned in a neutral form that _as_openai / _as_sharegpt turn into the two record forms."""
+    words_total = max(40, int(tokens / tokens_per_word))
+    tools = [_tool_schema(n, rng, words) for n in rng.sample(TOOL_NAMES, rng.randrange(2, 5))]
+    rounds = max(1, min(40, words_total // rng.randrange(120, 400)))
+    per_round = max(12, (words_total - 60) // (rounds + 1))
+    steps = []
+    for _ in range(rounds):
+        calls = []
+        for _ in range(1 if rng.random() < 0.8 else 2):  # some parallel calls
+            t = rng.choice(tools)
+            calls.append({"name": t["name"], "arguments": {k: _text(rng, words, rng.randrange(1, 6))
+                                                           for k in t["parameters"]["properties"]}})
+        steps.append({"thought": _text(rng, words, max(2, per_round // 5)), "calls": calls,
+                      "results": [_text(rng, words, max(4, per_round * 3 // (5 * len(calls)))) for _ in calls]})
+    return {"tools": tools, "system": _text(rng, words, 12), "task": _text(rng, words, 30), "steps": steps,
+            "answer": _text(rng, words, max(8, per_round // 2)), "reasoning": _text(rng, words, 10)}
+
+
+def _as_openai(t: dict, args_as_text: bool) -> dict:
+    msgs = [{"role": "system", "content": t["system"]}, {"role": "user", "content": t["task"]}]
+    for r, step in enumerate(t["steps"]):
+        calls = [{"id": f"call_{r}_{j}", "type": "function",
+                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"]) if args_as_text
+                               else c["arguments"]}} for j, c in enumerate(step["calls"])]
+        msgs.append({"role": "assistant", "content": step["thought"], "tool_calls": calls,
+                     **({"reasoning_content": t["reasoning"]} if r == 0 else {})})
+        msgs += [{"role": "tool", "tool_call_id": c["id"], "content": res} for c, res in zip(calls, step["results"])]
+    msgs.append({"role": "assistant", "content": t["answer"]})
+    return {"messages": msgs, "tools": [{"type": "function", "function": f} for f in t["tools"]]}
+
+
+def _as_sharegpt(t: dict) -> dict:
+    conv = [{"from": "human", "value": t["task"]}]
+    for step in t["steps"]:
+        conv.append({"from": "gpt", "value": step["thought"]})
+        calls = step["calls"]
+        conv.append({"from": "function_call", "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
+        conv += [{"from": "observation", "value": res} for res in step["results"]]
+    conv.append({"from": "gpt", "value": t["answer"]})
+    return {"system": t["system"], "conversations": conv, "tools": json.dumps(t["tools"])}
+
+
+def make_sources(out: Path, records: int, model_path: str, seed: int = 0, tool_share: float = 0.5) -> list[dict]:
+    """8 sources, ``records`` in all, lengths lognormal around the seeds' mean, a few over 8,192 tokens;
+    ``tool_share`` of the records agent trajectories with tool calls."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -78,17 +138,28 @@ def make_sources(out: Path, records: int, model_path: str, seed: int = 0) -> lis
     out.mkdir(parents=True, exist_ok=True)
     sources = []
     per = [records // len(FORMS) + (1 if i < records % len(FORMS) else 0) for i in range(len(FORMS))]
+    role = {"system": "system", "user": "human", "assistant": "gpt"}
     for i, (form, n) in enumerate(zip(FORMS, per)):
         name = f"src{i}_{form}"
-        convs = []
+        structured = form.endswith(("parquet", "arrow"))
+        rows = []
         for _ in range(n):
             tokens = int(min(MAX_TOKENS * 1.05, max(48, rng.lognormvariate(mu, sigma))))
-            convs.append(_conversation(rng, list(WORDS), tokens, tokens_per_word))
-        if form.startswith("sharegpt"):
-            role = {"system": "system", "user": "human", "assistant": "gpt"}
-            rows = [{"conversations": [{"from": role[r], "value": t} for r, t in c]} for c in convs]
-        else:
-            rows = [{"messages": [{"role": r, "content": t} for r, t in c]} for c in convs]
+            if rng.random() < tool_share:
+                t = _trajectory(rng, list(WORDS), tokens, tokens_per_word)
+                rec = _as_sharegpt(t) if form.startswith("sharegpt") else _as_openai(t, args_as_text=structured
+                                                                                     or rng.random() < 0.5)
+                if structured:  # nested schemas differ from row to row: Arrow columns hold their JSON text
+                    rec["tools"] = rec["tools"] if isinstance(rec["tools"], str) else json.dumps(rec["tools"])
+            else:
+                c = _conversation(rng, list(WORDS), tokens, tokens_per_word)
+                rec = ({"conversations": [{"from": role[r], "value": x} for r, x in c]} if form.startswith("sharegpt")
+                       else {"messages": [{"role": r, "content": x} for r, x in c]})
+                if structured:  # one schema for the column: plain chats carry the same (empty) fields
+                    rec["tools"] = ""
+                    if form.startswith("sharegpt"):
+                        rec["system"] = ""
+            rows.append(rec)
         if form.endswith("jsonl"):
             path = out / f"{name}.jsonl"
             with path.open("w") as f:
@@ -111,6 +182,8 @@ def make_sources(out: Path, records: int, model_path: str, seed: int = 0) -> lis
 
 def _records(src: dict):
     import pyarrow.parquet as pq
+
+    from eagleflow.corpus.normalise import _drop_nulls
     path = Path(src["path"])
     if path.suffix == ".jsonl":
         with path.open() as f:
@@ -120,39 +193,43 @@ def _records(src: dict):
     elif path.suffix == ".json":
         yield from json.loads(path.read_text())
     elif path.suffix == ".parquet":
-        yield from pq.read_table(path).to_pylist()
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+            yield from (_drop_nulls(r) for r in batch.to_pylist())
     else:
         import datasets
-        yield from datasets.load_from_disk(str(path))
+        yield from (_drop_nulls(r) for r in datasets.load_from_disk(str(path)))
 
 
 def plain_loop(cfg_path: str, out: str) -> dict:
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from eagleflow.config import load_config
-    from eagleflow.corpus.normalise import normalise_record, shuffle_key
+    from eagleflow.corpus.normalise import normalise_conversation, shuffle_key
+    from eagleflow.corpus.tokenize import mask_method_for, tokenise_record
 
     cfg = load_config(cfg_path)
+    cc = cfg.corpus
     tok = AutoTokenizer.from_pretrained(str(cfg.resolve(cfg.target_model)))
+    method = mask_method_for(tok)
     rows = []
-    for src in cfg.corpus.sources:
+    for src in cc.sources:
         for i, rec in enumerate(_records({"path": str(cfg.resolve(src.path))})):
-            messages = normalise_record(rec)
-            enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-            ids = list(enc["input_ids"])[: cfg.corpus.max_length]
-            mask = list(enc["assistant_masks"])[: cfg.corpus.max_length]
-            if any(mask):
+            t = tokenise_record(tok, normalise_conversation(rec, non_text=cc.non_text_parts), max_length=cc.max_length,
+                                method=method, over_max_length=cc.over_max_length)
+            if t.drop_reason is None and t.template_error is None:
                 sid = f"{src.name}:{i}"
-                rows.append((shuffle_key(cfg.corpus.seed, sid), sid, src.name, ids, mask))
-    rows.sort()
+                rows.append((shuffle_key(cc.seed, sid), sid, src.name, np.array(t.ids, np.int32),
+                             np.array(t.mask, np.int8)))
+    rows.sort(key=lambda r: (r[0], r[1]))
     table = pa.table({"index": list(range(len(rows))), "id": [r[1] for r in rows], "source": [r[2] for r in rows],
                       "input_ids": pa.array([r[3] for r in rows], pa.list_(pa.int32())),
                       "loss_mask": pa.array([r[4] for r in rows], pa.list_(pa.int8())),
                       "num_tokens": pa.array([len(r[3]) for r in rows], pa.int32())})
     pq.write_table(table, out)
-    return {"records": len(rows), "tokens": sum(len(r[3]) for r in rows)}
+    return {"records": len(rows), "tokens": int(sum(len(r[3]) for r in rows))}
 
 
 # --- measuring -----------------------------------------------------------------------------------------
@@ -226,13 +303,16 @@ def main() -> None:
             from eagleflow.layout import RunLayout
             cfg = load_config(cfg_path)
             stats = prepare_corpus(cfg, RunLayout.for_run(cfg, out), log=lambda _: None)
-            print(json.dumps({"records": stats["records"], "tokens": stats["tokens"]}))
+            print(json.dumps({"records": stats["records"], "tokens": stats["tokens"],
+                              "records_with_tool_calls": stats["records_with_tool_calls"],
+                              "tool_messages": stats["tool_messages"], "cut": stats["cut_at_message_boundary"],
+                              "dropped_over_max_length": stats["dropped"]["over_max_length"]}))
         return
 
     import yaml
 
     from eagleflow.demo_assets import ensure_demo_assets
-    assets = ensure_demo_assets(REPO / ".cache" / "bench-assets")
+    assets = ensure_demo_assets(REPO / ".cache" / "bench-assets", fit_target=False)  # only its tokenizer is used
     work = Path(args.work or tempfile.mkdtemp(prefix="eagleflow-bench-corpus-"))
     base = max(8, round(SEEDS_RECORDS * args.scale))
     print(f"corpus benchmark: seeds shape (8 sources, {SEEDS_RECORDS} records, mean {SEEDS_MEAN_TOKENS} tokens) "
@@ -260,10 +340,16 @@ def main() -> None:
             pq.read_table(work / f"loop_{n}.parquet"))
         if not same:
             raise SystemExit(f"prepare and the plain loop disagree at {n} records: {prep} vs {loop}")
-        row = {"records": n, "tokens": prep["tokens"], "mean_tokens": prep["tokens"] / max(prep["records"], 1),
+        row = {"records": n, "kept": prep["records"], "tokens": prep["tokens"],
+               "mean_tokens": prep["tokens"] / max(prep["records"], 1),
+               "records_with_tool_calls": prep["records_with_tool_calls"], "tool_messages": prep["tool_messages"],
+               "cut": prep["cut"], "dropped_over_max_length": prep["dropped_over_max_length"],
                "prepare_s": prep_s, "prepare_tok_s": prep["tokens"] / prep_s, "prepare_peak_mib": prep_rss / 2**20,
                "loop_s": loop_s, "loop_tok_s": loop["tokens"] / loop_s, "loop_peak_mib": loop_rss / 2**20}
         results.append(row)
+        print(f"  {n:>6} records: {row['kept']} kept, {row['records_with_tool_calls']} with tool calls, "
+              f"{row['tool_messages']} tool results, {row['cut']} cut at a message boundary, "
+              f"{row['dropped_over_max_length']} dropped over max_length")
         print(f"  {n:>6} records {row['tokens']:>11,} tokens (mean {row['mean_tokens']:.0f}): "
               f"prepare {prep_s:6.1f} s {row['prepare_tok_s']:>9,.0f} tok/s peak {row['prepare_peak_mib']:6.0f} MiB | "
               f"loop {loop_s:6.1f} s {row['loop_tok_s']:>9,.0f} tok/s peak {row['loop_peak_mib']:6.0f} MiB | "
@@ -273,6 +359,10 @@ def main() -> None:
         print(f"  memory growth from {a['records']} to {b['records']} records ({b['tokens'] / a['tokens']:.1f}x tokens): "
               f"prepare {b['prepare_peak_mib'] / a['prepare_peak_mib']:.2f}x, loop {b['loop_peak_mib'] / a['loop_peak_mib']:.2f}x")
     best = results[-1]
+    if best["records"] >= SEEDS_RECORDS:
+        print(f"  seeds scale measured: {best['records']} records, {best['tokens'] / 1e6:.1f} M tokens: prepare "
+              f"{best['prepare_s'] / 60:.1f} min, peak {best['prepare_peak_mib']:.0f} MiB; loop "
+              f"{best['loop_s'] / 60:.1f} min, peak {best['loop_peak_mib']:.0f} MiB")
     print(f"  seeds-sized corpus ({SEEDS_TOKENS / 1e6:.1f} M tokens) at prepare's rate here: "
           f"~{SEEDS_TOKENS / best['prepare_tok_s'] / 60:.0f} min (loop: ~{SEEDS_TOKENS / best['loop_tok_s'] / 60:.0f} min)")
     print(json.dumps({"scale": args.scale, "num_proc": args.num_proc, "repeat": args.repeat, "results": results}))

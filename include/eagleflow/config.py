@@ -36,6 +36,11 @@ class CorpusConfig(_Section):
     max_length: int = Field(default=8192, ge=16, le=1_048_576)
     max_bad_records: int = Field(default=0, ge=0)
     num_proc: int = Field(default=1, ge=1, le=256)
+    over_max_length: Literal["cut_at_message", "drop", "truncate"] = Field(
+        default="cut_at_message", description="a record over max_length: cut after the last assistant message "
+        "that fits, drop it (counted), or truncate at the token")
+    non_text_parts: Literal["error", "drop"] = Field(
+        default="error", description="a non-text content part (image, audio): a bad record, or dropped (counted)")
 
     @field_validator("sources")
     @classmethod

@@ -2,9 +2,13 @@
 
 - three small chat datasets (ShareGPT JSONL, OpenAI JSONL, Parquet) whose
   replies follow simple rules, so a draft model has something to learn;
+- every fourth record of each source a tool-calling one (a tool schema, an
+  assistant tool call, the tool's result, the answer), in OpenAI form (with
+  reasoning_content) and in ShareGPT function_call/observation form;
 - a byte-level BPE tokenizer trained on them with the `tokenizers` library,
-  with a Llama-3-style chat template that marks assistant turns with
-  ``{% generation %}`` (so loss masks come from the template itself);
+  with a Llama-3-style chat template that renders the tools, tool calls,
+  reasoning and tool results, and marks assistant turns (text and tool calls)
+  with ``{% generation %}`` (so loss masks come from the template itself);
 - a small Llama-architecture target (``save_pretrained``), briefly fitted to the
   demo's conversations so that its predictions are confident (optional).
 
@@ -18,9 +22,16 @@ from pathlib import Path
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:\n"
+    "{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
     "{% for m in messages %}"
     "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|eot_id|>{% endgeneration %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m.get('content') or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}<|eot_id|>{% endgeneration %}"
     "{% else %}{{ m['content'] }}<|eot_id|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
@@ -51,43 +62,104 @@ def _conversation(rng: random.Random) -> list[tuple[str, str]]:
             ("user", "Now once more, with commas."), ("assistant", ", ".join([w] * n))]
 
 
+TOOLS = {
+    "add": {"name": "add", "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]}},
+    "reverse_words": {"name": "reverse_words", "description": "Reverse a list of words.",
+                      "parameters": {"type": "object",
+                                     "properties": {"words": {"type": "array", "items": {"type": "string"}}},
+                                     "required": ["words"]}},
+}
+
+
+def _tool_conversation(rng: random.Random) -> dict:
+    """One tool call and its result, by a rule: {tool, user, arguments, result, answer, reasoning}."""
+    if rng.random() < 0.5:
+        a, b = rng.randrange(0, 100), rng.randrange(0, 100)
+        return {"tool": "add", "user": f"What is {a} plus {b}?", "arguments": {"a": a, "b": b},
+                "result": json.dumps({"sum": a + b}), "answer": f"{a} plus {b} is {a + b}.",
+                "reasoning": "The user wants a sum: call add."}
+    ws = rng.sample(WORDS, rng.randrange(2, 6))
+    return {"tool": "reverse_words", "user": "Use the tool to reverse: " + " ".join(ws),
+            "arguments": {"words": ws}, "result": json.dumps(list(reversed(ws))),
+            "answer": "Reversed: " + " ".join(reversed(ws)), "reasoning": "Reverse words: call reverse_words."}
+
+
+def _openai_tool_record(t: dict, i: int) -> dict:
+    """OpenAI form: content null beside tool_calls, arguments as a JSON string, a tool message, tools."""
+    call_id = f"call_{i}"
+    return {"messages": [
+        {"role": "user", "content": t["user"]},
+        {"role": "assistant", "content": None, "reasoning_content": t["reasoning"],
+         "tool_calls": [{"id": call_id, "type": "function",
+                         "function": {"name": t["tool"], "arguments": json.dumps(t["arguments"])}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": t["result"]},
+        {"role": "assistant", "content": t["answer"]}],
+        "tools": [{"type": "function", "function": TOOLS[t["tool"]]}]}
+
+
+def _sharegpt_tool_record(t: dict) -> dict:
+    """ShareGPT function-calling form (glaive / LLaMA-Factory): function_call and observation turns,
+    tools as the JSON text of bare function schemas."""
+    return {"conversations": [
+        {"from": "human", "value": t["user"]},
+        {"from": "function_call", "value": json.dumps({"name": t["tool"], "arguments": t["arguments"]})},
+        {"from": "observation", "value": t["result"]},
+        {"from": "gpt", "value": t["answer"]}],
+        "tools": json.dumps([TOOLS[t["tool"]]])}
+
+
 def write_demo_sources(out: Path, n_per_source: int = 48, seed: int = 7) -> list[dict]:
-    """Three sources in three forms; returns their config entries."""
+    """Three sources in three forms, every fourth record a tool-calling one; returns their config entries."""
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     role_sharegpt = {"system": "system", "user": "human", "assistant": "gpt"}
     sharegpt = out / "rules_sharegpt.jsonl"
     with sharegpt.open("w") as f:
-        for _ in range(n_per_source):
-            conv = _conversation(rng)
-            f.write(json.dumps({"conversations": [{"from": role_sharegpt[r], "value": t} for r, t in conv]}) + "\n")
+        for i in range(n_per_source):
+            if i % 4 == 1:
+                rec = _sharegpt_tool_record(_tool_conversation(rng))
+            else:
+                rec = {"conversations": [{"from": role_sharegpt[r], "value": t} for r, t in _conversation(rng)]}
+            f.write(json.dumps(rec) + "\n")
     openai = out / "rules_openai.jsonl"
     with openai.open("w") as f:
-        for _ in range(n_per_source):
-            conv = _conversation(rng)
-            f.write(json.dumps({"messages": [{"role": r, "content": t} for r, t in conv]}) + "\n")
+        for i in range(n_per_source):
+            rec = (_openai_tool_record(_tool_conversation(rng), i) if i % 4 == 1
+                   else {"messages": [{"role": r, "content": t} for r, t in _conversation(rng)]})
+            f.write(json.dumps(rec) + "\n")
     import pyarrow as pa
     import pyarrow.parquet as pq
-    rows = [{"messages": [{"role": r, "content": t} for r, t in _conversation(rng)]} for _ in range(n_per_source)]
+    # Parquet rows hold tool calls and tool schemas as structs; Arrow fills the fields other rows have with nulls
+    rows = [_openai_tool_record(_tool_conversation(rng), i) if i % 4 == 1
+            else {"messages": [{"role": r, "content": t} for r, t in _conversation(rng)]} for i in range(n_per_source)]
     parquet = out / "rules_parquet.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     return [{"name": "sharegpt", "path": str(sharegpt)}, {"name": "openai", "path": str(openai)},
             {"name": "parquet", "path": str(parquet)}]
 
 
+def _records(source_dir: Path) -> list:
+    """The demo's JSONL records, normalised (messages and tools as the chat template gets them)."""
+    from eagleflow.corpus.normalise import normalise_conversation
+    return [normalise_conversation(json.loads(line)) for p in sorted(source_dir.glob("*.jsonl"))
+            for line in p.read_text().splitlines()]
+
+
 def _texts_for_tokenizer(source_dir: Path) -> list[str]:
     texts = []
-    for p in sorted(source_dir.glob("*.jsonl")):
-        for line in p.read_text().splitlines():
-            rec = json.loads(line)
-            for m in rec.get("conversations", []):
-                texts.append(m["value"])
-            for m in rec.get("messages", []):
-                texts.append(m["content"])
-    return texts + ["system", "user", "assistant"] + WORDS
+    for conv in _records(source_dir):
+        texts += [json.dumps(t["function"]) for t in conv.tools or []]
+        for m in conv.messages:
+            texts += [m["content"], m.get("reasoning_content", "")]
+            texts += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                      for c in m.get("tool_calls", [])]
+    return texts + ["system", "user", "assistant", "tool", "Tools:", "<think>", "</think>", "<tool_call>",
+                    "</tool_call>"] + WORDS
 
 
-def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 512) -> None:
+def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 1024) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -145,7 +217,7 @@ def _fit_target(model, sequences: list[list[int]], steps: int, seed: int, batch:
     model.eval()
 
 
-ASSETS_VERSION = 2
+ASSETS_VERSION = 3  # 3: tool-calling records and a template that renders tools
 
 
 def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: bool = True) -> dict:
@@ -162,13 +234,8 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     build_tokenizer(src_dir, model_dir)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    conversations = []
-    for p in sorted(src_dir.glob("*.jsonl")):
-        for line in p.read_text().splitlines():
-            rec = json.loads(line)
-            msgs = rec.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]),
-                                            "content": m["value"]} for m in rec["conversations"]]
-            conversations.append(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+    conversations = [tok.apply_chat_template(c.messages, tools=c.tools, tokenize=True, return_dict=True)["input_ids"]
+                     for c in _records(src_dir)]
     build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
     info = {"version": ASSETS_VERSION, "fitted": fit_target, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))

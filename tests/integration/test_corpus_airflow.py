@@ -23,7 +23,7 @@ def test_corpus_tasks_in_a_dag(tmp_path, demo_assets, airflow_db):
     cache_root = tmp_path / "caches"
     (cache_root / "old_capture").mkdir(parents=True)
     (cache_root / "old_capture" / "00000001.safetensors").write_bytes(b"\0" * 40_000)
-    cfg = write_config(tmp_path, demo_assets["target_model"], demo_assets["sources"], corpus={"max_length": 96},
+    cfg = write_config(tmp_path, demo_assets["target_model"], demo_assets["sources"], corpus={"max_length": 256},
                        disk={"cache_root": str(cache_root), "old_caches": [str(cache_root / "old_capture")]})
 
     # eagle3_pipeline's own first four tasks, as wired there (the later phases belong to other issues)

@@ -23,7 +23,7 @@ def test_prepare_stats_budget_delete(tmp_path, demo_assets):
     (cache_root / "old").mkdir(parents=True)
     (cache_root / "old" / "x.bin").write_bytes(b"0" * 20_000)
     cfg = write_config(tmp_path, demo_assets["target_model"], demo_assets["sources"],
-                       corpus={"max_length": 128, "num_proc": 2},
+                       corpus={"max_length": 256, "num_proc": 2},
                        disk={"cache_root": str(cache_root), "old_caches": [str(cache_root / "old")]})
     run = ["--config", str(cfg), "--run-id", "cli"]
 
@@ -31,6 +31,10 @@ def test_prepare_stats_budget_delete(tmp_path, demo_assets):
     assert prep.returncode == 0, prep.stderr
     stats = json.loads(prep.stdout.strip().splitlines()[-1])
     assert stats["records"] == 3 * 24 and stats["mask_method"] == "generation_tags"
+    # every fourth demo record calls a tool: OpenAI form, ShareGPT function_call form, Parquet structs
+    assert {k: v["records_with_tool_calls"] for k, v in stats["per_source"].items()} == {
+        "sharegpt": 6, "openai": 6, "parquet": 6}
+    assert stats["tool_messages"] == 18 and stats["dropped"]["over_max_length"] == 0
     assert "tokenised in 2 process(es)" in prep.stderr
     corpus_dir = tmp_path / "runs" / "cli" / "corpus"
     assert (corpus_dir / "corpus.parquet").is_file()
@@ -38,7 +42,7 @@ def test_prepare_stats_budget_delete(tmp_path, demo_assets):
 
     st = _cli("stats", *run)
     assert st.returncode == 0 and f"records {stats['records']}, tokens {stats['tokens']}" in st.stdout
-    assert "sharegpt" in st.stdout and "p99" in st.stdout
+    assert "sharegpt" in st.stdout and "p99" in st.stdout and "tool calls" in st.stdout
 
     bud = _cli("budget", "--check", *run)
     assert bud.returncode == 0, bud.stderr

@@ -143,10 +143,14 @@ def test_empty_sources_and_nothing_to_train_on(tmp_path, demo_assets):
     only_user = tmp_path / "only_user.jsonl"
     only_user.write_text(json.dumps({"messages": [{"role": "user", "content": "hello?"}]}) + "\n")
     _, _, stats, logs = _prepare(tmp_path, demo_assets, [{"name": "e", "path": str(empty)}] + GOOD_SOURCES[:1])
-    assert stats["per_source"]["e"] == {"read": 0, "bad": 0, "records": 0, "tokens": 0, "masked_tokens": 0,
-                                        "dropped": 0}
+    assert stats["per_source"]["e"] == {"read": 0, "bad": 0, "bad_by_reason": {}, "dropped": 0,
+                                        "dropped_by_reason": {}, "records": 0, "turns": 0,
+                                        "records_with_tool_calls": 0, "tool_calls": 0, "tool_messages": 0,
+                                        "tokens": 0, "masked_tokens": 0, "cut_at_message": 0, "truncated": 0,
+                                        "reasoning_not_rendered": 0, "non_text_parts_dropped": 0}
     assert stats["records"] == 6 and any("no records in" in line for line in logs)
-    with pytest.raises(BadRecordsError, match=r"no record left to train on: 1 read \(e 0, u 1\), 0 bad, 1 without"):
+    with pytest.raises(BadRecordsError, match=r"no record left to train on: 1 read \(e 0, u 1\), 0 bad, 1 dropped "
+                                              r"\(no_assistant_tokens 1\)"):
         _prepare(tmp_path, demo_assets, [{"name": "e", "path": str(empty)}, {"name": "u", "path": str(only_user)}],
                  run_id="none")
 

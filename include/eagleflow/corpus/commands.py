@@ -42,17 +42,25 @@ def format_stats(stats: dict) -> str:
     lines = [f"corpus {stats['corpus_file']}",
              f"  records {stats['records']}, tokens {stats['tokens']}, masked (loss) tokens {stats['masked_tokens']}, "
              f"mask method {stats['mask_method']}, seed {stats['seed']}, max_length {stats['max_length']}"]
+    if stats.get("chat_template"):
+        lines.append(f"  rendered by {stats['chat_template']}")
     ln = stats["length"]
     lines.append(f"  length: min {ln['min']} mean {ln['mean']} p50 {ln['p50']} p90 {ln['p90']} p99 {ln['p99']} "
-                 f"max {ln['max']}; truncated to max_length: {stats['truncated_to_max_length']}")
-    lines.append(f"  {'source':<20} {'read':>9} {'bad':>6} {'dropped':>8} {'records':>9} {'tokens':>12} {'masked':>12}")
+                 f"max {ln['max']}; over max_length: {stats.get('over_max_length', 'truncate')}, "
+                 f"{stats.get('cut_at_message_boundary', 0)} cut at a message boundary, "
+                 f"{stats['truncated_to_max_length']} truncated")
+    lines.append(f"  {'source':<20} {'read':>8} {'bad':>5} {'dropped':>7} {'records':>8} {'turns':>8} "
+                 f"{'w/ tool calls':>13} {'tool msgs':>9} {'tokens':>12} {'masked':>12}")
     for name, s in stats["per_source"].items():
-        lines.append(f"  {name:<20} {s['read']:>9} {s['bad']:>6} {s['dropped']:>8} {s['records']:>9} "
+        lines.append(f"  {name:<20} {s['read']:>8} {s['bad']:>5} {s['dropped']:>7} {s['records']:>8} "
+                     f"{s.get('turns', 0):>8} {s.get('records_with_tool_calls', 0):>13} {s.get('tool_messages', 0):>9} "
                      f"{s['tokens']:>12} {s['masked_tokens']:>12}")
-    bad = stats["dropped"]["bad_record"]
-    lines.append("  dropped: " + ", ".join(f"{k} {v}" for k, v in bad.items()) +
-                 f"; no_assistant_tokens {stats['dropped']['no_assistant_tokens']}, "
-                 f"no_assistant_tokens_after_truncation {stats['dropped']['no_assistant_tokens_after_truncation']}")
+        why = {**s.get("bad_by_reason", {}), **s.get("dropped_by_reason", {})}
+        if why:
+            lines.append(f"  {'':<20} bad/dropped by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(why.items())))
+    dropped = stats["dropped"]
+    lines.append("  bad records: " + (", ".join(f"{k} {v}" for k, v in dropped["bad_record"].items() if v) or "none"))
+    lines.append("  dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.items() if k != "bad_record"))
     return "\n".join(lines)
 
 

@@ -1,9 +1,27 @@
 """One message schema for every source, and a precise report of each bad record.
 
 A record arrives either as the raw text of a JSON line / array element, or as a
-structured row (Parquet, a ``datasets`` directory). It leaves as a list of
-``{"role", "content"}`` messages with roles ``system``/``user``/``assistant``,
-or as a ``BadRecord`` naming file, line or row, field, value and the problem.
+structured row (Parquet, a ``datasets`` directory). It leaves as a
+``Conversation``: messages in the schema that ``apply_chat_template`` renders
+(OpenAI's, as transformers documents it) plus the record's ``tools`` list, or as
+a ``BadRecord`` naming file, line or row, field, value and the problem.
+
+Message schema (keys absent when empty):
+
+- ``role``: ``system`` | ``user`` | ``assistant`` | ``tool``;
+- ``content``: a string (``""`` for an assistant turn that only calls tools);
+- assistant: ``tool_calls`` = ``[{"type": "function", "id"?, "function":
+  {"name", "arguments": {...}}}]`` (arguments always an object: a JSON string is
+  parsed), ``reasoning_content``;
+- tool: ``tool_call_id``, ``name`` (taken from the matching call when absent).
+
+Accepted forms: OpenAI ``messages`` (content null / string / list of parts,
+``tool_calls``, legacy ``function_call`` and ``function`` role, ``tool`` role,
+per-record ``tools``); ShareGPT ``conversations`` with ``human``/``gpt``/
+``system`` and the function-calling variants ``function_call`` (a JSON call or
+list of calls) and ``observation``/``tool``/``function_response`` (results),
+with top-level ``system`` and ``tools`` (a list or its JSON text) as
+function-calling datasets ship them.
 """
 from __future__ import annotations
 
@@ -12,20 +30,31 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT `from` values seen in the wild, mapped to the one schema.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-                  "bing": "assistant", "model": "assistant"}
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+                  "bing": "assistant", "model": "assistant", "function_call": "assistant",
+                  "observation": "tool", "tool": "tool", "function_response": "tool", "ipython": "tool"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                "tool": "tool", "function": "tool", "ipython": "tool"}
 
 # kinds of bad record, as counted in stats.json
 MALFORMED_JSON = "malformed_json"
+INVALID_UTF8 = "invalid_utf8"
 MISSING_FIELD = "missing_field"
 WRONG_TYPE = "wrong_type"
 UNKNOWN_ROLE = "unknown_role"
 EMPTY_CONVERSATION = "empty_conversation"
-BAD_KINDS = (MALFORMED_JSON, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_CONVERSATION)
+NON_TEXT_CONTENT = "non_text_content"
+BAD_TOOL_CALL = "bad_tool_call"
+BAD_TOOLS = "bad_tools"
+TEMPLATE_ERROR = "template_error"  # raised by the chat template on this record (found while tokenising)
+BAD_KINDS = (MALFORMED_JSON, INVALID_UTF8, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_CONVERSATION,
+             NON_TEXT_CONTENT, BAD_TOOL_CALL, BAD_TOOLS, TEMPLATE_ERROR)
+
+NON_TEXT_ERROR = "error"
+NON_TEXT_DROP = "drop"
 
 
 @dataclass(frozen=True)
@@ -65,24 +94,270 @@ def short_repr(value: Any, limit: int = 80) -> str:
 _ABSENT = object()
 
 
-def _content_text(content: Any, field: str) -> str:
-    """OpenAI content is a string or a list of text parts; anything else is a wrong type."""
+@dataclass
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None = None
+    non_text_parts_dropped: int = 0
+
+    def uses_tools(self) -> bool:
+        return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
+
+    def to_json(self) -> str:
+        return json.dumps({"messages": self.messages, "tools": self.tools}, ensure_ascii=False)
+
+    @staticmethod
+    def from_json(text: str) -> "Conversation":
+        d = json.loads(text)
+        return Conversation(d["messages"], d.get("tools"))
+
+
+def _get(d: dict, key: str) -> Any:
+    """A field's value; None counts as absent (Arrow fills missing struct fields with nulls)."""
+    v = d.get(key, _ABSENT)
+    return _ABSENT if v is None else v
+
+
+def _content_text(content: Any, field: str, non_text: str, dropped: list[int]) -> str:
+    """OpenAI content: a string, or a list of parts whose text parts are joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+    if isinstance(content, list) and content:
+        texts = []
+        for j, p in enumerate(content):
+            if isinstance(p, str):  # some exports keep plain strings as parts
+                texts.append(p)
+                continue
+            if not isinstance(p, dict) or not isinstance(_get(p, "type"), str):
+                raise RecordError(f"{field}[{j}]", p, WRONG_TYPE, "expected a content part {type: ..., ...}")
+            if p["type"] == "text":
+                if not isinstance(_get(p, "text"), str):
+                    raise RecordError(f"{field}[{j}].text", p.get("text", _ABSENT), WRONG_TYPE,
+                                      "a text part needs a string 'text'")
+                texts.append(p["text"])
+            elif non_text == NON_TEXT_DROP:
+                dropped[0] += 1
+            else:
+                raise RecordError(f"{field}[{j}].type", p["type"], NON_TEXT_CONTENT,
+                                  "a non-text part cannot be rendered for a text-only target; set "
+                                  "corpus.non_text_parts: drop to drop such parts (counted in stats.json)")
+        return "".join(texts)
     raise RecordError(field, content, WRONG_TYPE, "expected a string (or a list of {type: text, text: str} parts)")
 
 
-def normalise_record(record: Any) -> list[dict[str, str]]:
-    """The record's messages in the one schema; raises RecordError naming the bad field."""
+def _arguments(value: Any, field: str) -> dict:
+    """Tool call arguments as an object; a JSON string (OpenAI's wire form) is parsed."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RecordError(field, value, BAD_TOOL_CALL,
+                              f"arguments are a string but not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise RecordError(field, value, BAD_TOOL_CALL, "arguments must be a JSON object (or its JSON text)")
+    return value
+
+
+def _tool_call(call: Any, field: str) -> dict:
+    """One call in {type: function, id?, function: {name, arguments}} form; flat {name, arguments} accepted."""
+    if not isinstance(call, dict):
+        raise RecordError(field, call, BAD_TOOL_CALL, "expected a tool call object {function: {name, arguments}}")
+    fn, fn_field = (call["function"], f"{field}.function") if isinstance(_get(call, "function"), dict) \
+        else (call, field)
+    name = _get(fn, "name")
+    if name is _ABSENT:
+        raise RecordError(f"{fn_field}.name", _ABSENT, BAD_TOOL_CALL, "a tool call needs the function's 'name'")
+    if not isinstance(name, str) or not name:
+        raise RecordError(f"{fn_field}.name", name, BAD_TOOL_CALL, "the function name must be a non-empty string")
+    args = _get(fn, "arguments")
+    if args is _ABSENT:
+        args = _get(fn, "parameters")  # some function-calling sets call them parameters
+    out: dict = {"type": "function",
+                 "function": {"name": name, "arguments": _arguments({} if args is _ABSENT else args,
+                                                                    f"{fn_field}.arguments")}}
+    call_id = _get(call, "id")
+    if call_id is not _ABSENT:
+        if not isinstance(call_id, str):
+            raise RecordError(f"{field}.id", call_id, BAD_TOOL_CALL, "a tool call id must be a string")
+        out["id"] = call_id
+    return out
+
+
+def _tool_calls(value: Any, field: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise RecordError(field, value, BAD_TOOL_CALL, "tool_calls must be a list of calls")
+    return [_tool_call(c, f"{field}[{j}]") for j, c in enumerate(value)]
+
+
+def _tools(value: Any, field: str = "tools") -> list[dict] | None:
+    """The record's tool schemas as [{type: function, function: {name, description?, parameters?}}]."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RecordError(field, value, BAD_TOOLS, f"tools is a string but not valid JSON ({e.msg})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise RecordError(field, value, BAD_TOOLS, "expected a list of tool (function) schemas")
+    out = []
+    for j, t in enumerate(value):
+        if not isinstance(t, dict):
+            raise RecordError(f"{field}[{j}]", t, BAD_TOOLS, "expected a tool schema object")
+        fn = t["function"] if isinstance(_get(t, "function"), dict) else t
+        name = _get(fn, "name")
+        if not isinstance(name, str) or not name:
+            where = f"{field}[{j}].function.name" if fn is not t else f"{field}[{j}].name"
+            raise RecordError(where, name, BAD_TOOLS, "each tool needs a non-empty string 'name'")
+        if fn is t:  # a bare function schema (glaive, xLAM): wrap it the way chat templates expect
+            t = {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        out.append(t)
+    return out or None
+
+
+def _parse_function_call_value(text: Any, field: str) -> list:
+    """A ShareGPT `function_call` value: the JSON of one call or of a list of calls."""
+    if not isinstance(text, str):
+        if isinstance(text, (dict, list)):
+            return text if isinstance(text, list) else [text]
+        raise RecordError(field, text, WRONG_TYPE, "expected the JSON text of a call {name, arguments}")
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(field, text, BAD_TOOL_CALL,
+                          f"a function_call value must be JSON {{name, arguments}} ({e.msg} at column {e.colno})") from None
+    return calls if isinstance(calls, list) else [calls]
+
+
+def _link_tool_results(messages: list[dict]) -> None:
+    """Give each tool result the name (and id) of the call it answers, when the record left them out."""
+    pending: list[dict] = []
+    by_id: dict[str, dict] = {}
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            pending = list(m["tool_calls"])
+            by_id.update({c["id"]: c for c in m["tool_calls"] if "id" in c})
+        elif m["role"] == "tool":
+            call = by_id.get(m.get("tool_call_id", "")) or (pending[0] if pending else None)
+            if call is not None:
+                if call in pending:
+                    pending.remove(call)
+                m.setdefault("name", call["function"]["name"])
+                if "id" in call:
+                    m.setdefault("tool_call_id", call["id"])
+
+
+def _sharegpt(record: dict, turns: list, non_text: str, dropped: list[int]) -> list[dict]:
+    out: list[dict] = []
+    system = _get(record, "system")
+    if system is not _ABSENT:
+        if not isinstance(system, str):
+            raise RecordError("system", system, WRONG_TYPE, "expected the system prompt as a string")
+        if system:
+            out.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        where = f"conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise RecordError(where, turn, WRONG_TYPE, "expected an object with 'from' and 'value'")
+        role = _get(turn, "from")
+        if role is _ABSENT:
+            raise RecordError(f"{where}.from", _ABSENT, MISSING_FIELD, "each message needs 'from'")
+        if not isinstance(role, str):
+            raise RecordError(f"{where}.from", role, WRONG_TYPE, "expected a string role")
+        if role not in SHAREGPT_ROLES:
+            raise RecordError(f"{where}.from", role, UNKNOWN_ROLE,
+                              f"unknown role; expected one of {', '.join(sorted(SHAREGPT_ROLES))}")
+        value = _get(turn, "value")
+        if value is _ABSENT:
+            raise RecordError(f"{where}.value", _ABSENT, MISSING_FIELD, "each message needs 'value'")
+        if role == "function_call":
+            calls = _tool_calls(_parse_function_call_value(value, f"{where}.value"), f"{where}.value")
+            prev = out[-1] if out else None
+            if prev is not None and prev["role"] == "assistant" and "tool_calls" not in prev:
+                prev["tool_calls"] = calls  # the gpt text before the call is the same assistant turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
+        mapped = SHAREGPT_ROLES[role]
+        if mapped == "tool" and isinstance(value, (dict, list)):
+            value = json.dumps(value, ensure_ascii=False)
+        out.append({"role": mapped, "content": _content_text(value, f"{where}.value", non_text, dropped)})
+    return out
+
+
+def _openai(turns: list, non_text: str, dropped: list[int]) -> list[dict]:
+    out: list[dict] = []
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise RecordError(where, turn, WRONG_TYPE, "expected an object with 'role' and 'content'")
+        role = _get(turn, "role")
+        if role is _ABSENT:
+            raise RecordError(f"{where}.role", _ABSENT, MISSING_FIELD, "each message needs 'role'")
+        if not isinstance(role, str):
+            raise RecordError(f"{where}.role", role, WRONG_TYPE, "expected a string role")
+        if role not in OPENAI_ROLES:
+            raise RecordError(f"{where}.role", role, UNKNOWN_ROLE,
+                              f"unknown role; expected one of {', '.join(sorted(OPENAI_ROLES))}")
+        mapped = OPENAI_ROLES[role]
+        msg: dict[str, Any] = {"role": mapped}
+        calls: list[dict] = []
+        reasoning = _ABSENT
+        if mapped == "assistant":
+            if _get(turn, "tool_calls") is not _ABSENT:
+                calls = _tool_calls(turn["tool_calls"], f"{where}.tool_calls")
+            if _get(turn, "function_call") is not _ABSENT:  # the legacy single-call form
+                calls.append(_tool_call(turn["function_call"], f"{where}.function_call"))
+            for key in ("reasoning_content", "reasoning", "thinking"):
+                reasoning = _get(turn, key)
+                if reasoning is not _ABSENT:
+                    if not isinstance(reasoning, str):
+                        raise RecordError(f"{where}.{key}", reasoning, WRONG_TYPE, "expected reasoning as a string")
+                    break
+        content = _get(turn, "content")
+        if content is _ABSENT:
+            # an assistant turn that only calls tools (or only reasons) has content null: OpenAI's own form
+            if not calls and reasoning is _ABSENT:
+                raise RecordError(f"{where}.content", _ABSENT, MISSING_FIELD,
+                                  "each message needs 'content' (null only on an assistant turn with tool_calls)")
+            content = ""
+        elif mapped == "tool" and isinstance(content, dict):
+            content = json.dumps(content, ensure_ascii=False)
+        msg["content"] = _content_text(content, f"{where}.content", non_text, dropped) if content != "" else ""
+        if calls:
+            msg["tool_calls"] = calls
+        if reasoning not in (_ABSENT, ""):
+            msg["reasoning_content"] = reasoning
+        if mapped == "tool":
+            for key in ("tool_call_id", "name"):
+                v = _get(turn, key)
+                if v is not _ABSENT:
+                    if not isinstance(v, str):
+                        raise RecordError(f"{where}.{key}", v, WRONG_TYPE, f"expected {key} as a string")
+                    msg[key] = v
+        out.append(msg)
+    return out
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Arrow unifies struct fields across rows and fills the missing ones with nulls: drop them again."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def normalise_conversation(record: Any, *, non_text: str = NON_TEXT_ERROR) -> Conversation:
+    """The record in the one schema; raises RecordError naming the bad field."""
     if not isinstance(record, dict):
         raise RecordError("(record)", record, WRONG_TYPE, "expected a JSON object with 'conversations' or 'messages'")
-    if record.get("conversations") is not None:
-        key, role_key, text_key, roles = "conversations", "from", "value", SHAREGPT_ROLES
-    elif record.get("messages") is not None:
-        key, role_key, text_key, roles = "messages", "role", "content", OPENAI_ROLES
+    if _get(record, "conversations") is not _ABSENT:
+        key = "conversations"
+    elif _get(record, "messages") is not _ABSENT:
+        key = "messages"
     else:
         raise RecordError("conversations|messages", _ABSENT, MISSING_FIELD,
                           "no 'conversations' (ShareGPT from/value) or 'messages' (OpenAI role/content) list")
@@ -91,24 +366,17 @@ def normalise_record(record: Any) -> list[dict[str, str]]:
         raise RecordError(key, turns, WRONG_TYPE, "expected a list of messages")
     if not turns:
         raise RecordError(key, turns, EMPTY_CONVERSATION, "the conversation has no messages")
-    out: list[dict[str, str]] = []
-    for i, turn in enumerate(turns):
-        where = f"{key}[{i}]"
-        if not isinstance(turn, dict):
-            raise RecordError(where, turn, WRONG_TYPE, f"expected an object with '{role_key}' and '{text_key}'")
-        role = turn.get(role_key, _ABSENT)
-        if role is _ABSENT or role is None:
-            raise RecordError(f"{where}.{role_key}", _ABSENT, MISSING_FIELD, f"each message needs '{role_key}'")
-        if not isinstance(role, str):
-            raise RecordError(f"{where}.{role_key}", role, WRONG_TYPE, "expected a string role")
-        if role not in roles:
-            raise RecordError(f"{where}.{role_key}", role, UNKNOWN_ROLE,
-                              f"unknown role; expected one of {', '.join(sorted(roles))}")
-        text = turn.get(text_key, _ABSENT)
-        if text is _ABSENT or text is None:
-            raise RecordError(f"{where}.{text_key}", _ABSENT, MISSING_FIELD, f"each message needs '{text_key}'")
-        out.append({"role": roles[role], "content": _content_text(text, f"{where}.{text_key}")})
-    return out
+    dropped = [0]
+    messages = (_sharegpt(record, turns, non_text, dropped) if key == "conversations"
+                else _openai(turns, non_text, dropped))
+    tools = _tools(record["tools"]) if _get(record, "tools") is not _ABSENT else None
+    _link_tool_results(messages)
+    return Conversation(messages, tools, dropped[0])
+
+
+def normalise_record(record: Any, *, non_text: str = NON_TEXT_ERROR) -> list[dict]:
+    """The record's messages only (see normalise_conversation)."""
+    return normalise_conversation(record, non_text=non_text).messages
 
 
 def parse_raw(raw: str) -> Any:
@@ -125,29 +393,37 @@ def shuffle_key(seed: int, sample_id: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # fits int64
 
 
-def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int) -> dict[str, list]:
-    """``datasets.map`` body: raw or structured rows in, one schema (or an error) out."""
+def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int,
+                    non_text: str = NON_TEXT_ERROR) -> dict[str, list]:
+    """``datasets.map`` body: raw or structured rows in, one schema (as JSON text) or an error out."""
     n = len(batch["__row"])
-    out: dict[str, list] = {"id": [], "source": [], "messages": [], "error": [], "shuffle_key": []}
+    out: dict[str, list] = {"id": [], "source": [], "where": [], "conversation": [], "uses_tools": [],
+                            "non_text_dropped": [], "error": [], "shuffle_key": []}
     record_cols = [c for c in batch if not c.startswith("__")]
+    decode_errors = batch.get("__decode_error")
     for i in range(n):
         row = batch["__row"][i]
         where = batch["__where"][i] if "__where" in batch else f"row {row}"
         sample_id = f"{source}:{row}"
+        conv: Conversation | None = None
         try:
+            if decode_errors is not None and decode_errors[i] is not None:
+                raise RecordError("(line)", batch["__raw"][i], INVALID_UTF8, decode_errors[i])
             if "__raw" in batch:
                 record = parse_raw(batch["__raw"][i])
             else:
-                record = {c: batch[c][i] for c in record_cols}
-            messages = normalise_record(record)
+                record = _drop_nulls({c: batch[c][i] for c in record_cols})
+            conv = normalise_conversation(record, non_text=non_text)
             error = None
         except RecordError as e:
-            messages = []
             error = BadRecord(source=source, file=file, where=where, field=e.field, value=short_repr(e.value),
                               kind=e.kind, problem=e.problem).to_json()
         out["id"].append(sample_id)
         out["source"].append(source)
-        out["messages"].append(messages)
+        out["where"].append(where)
+        out["conversation"].append(conv.to_json() if conv else None)
+        out["uses_tools"].append(conv.uses_tools() if conv else False)
+        out["non_text_dropped"].append(conv.non_text_parts_dropped if conv else 0)
         out["error"].append(error)
         out["shuffle_key"].append(shuffle_key(seed, sample_id))
     return out

@@ -26,9 +26,10 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_replace, atomic_write
 from eagleflow.layout import RunLayout
 
-from .normalise import BAD_KINDS, BadRecord, normalise_batch
+from .normalise import BAD_KINDS, TEMPLATE_ERROR, BadRecord, normalise_batch, short_repr
 from .sources import load_source
-from .tokenize import load_tokenizer, mask_method_for, tokenize_batch
+from .tokenize import (DROP_REASONS, TemplateError, load_tokenizer, mask_method_for, template_label,
+                       tokenize_batch)
 
 CORPUS_FILE = "corpus.parquet"
 STATS_FILE = "stats.json"
@@ -51,13 +52,17 @@ def corpus_schema():
 
 def _features():
     from datasets import Features, List, Value
-    norm = Features({"id": Value("string"), "source": Value("string"),
-                     "messages": List({"role": Value("string"), "content": Value("string")}),
-                     "error": Value("string"), "shuffle_key": Value("int64")})
-    tok = Features({"id": Value("string"), "source": Value("string"), "shuffle_key": Value("int64"),
+    norm = Features({"id": Value("string"), "source": Value("string"), "where": Value("string"),
+                     "conversation": Value("string"), "uses_tools": Value("bool"),
+                     "non_text_dropped": Value("int32"), "error": Value("string"), "shuffle_key": Value("int64")})
+    tok = Features({"id": Value("string"), "source": Value("string"), "where": Value("string"),
+                    "uses_tools": Value("bool"), "non_text_dropped": Value("int32"), "shuffle_key": Value("int64"),
                     "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
                     "num_tokens": Value("int32"), "masked_tokens": Value("int32"),
-                    "truncated": Value("bool"), "drop_reason": Value("string")})
+                    "length_status": Value("string"), "drop_reason": Value("string"), "turns": Value("int32"),
+                    "tool_calls": Value("int32"), "tool_messages": Value("int32"),
+                    "reasoning_not_rendered": Value("int32"), "template_error": Value("string"),
+                    "content_dropped": Value("string")})
     return norm, tok
 
 
@@ -86,8 +91,86 @@ def _no_records_left(read: dict[str, int], n_bad: int, dropped: Counter, max_len
     raise BadRecordsError(
         f"corpus: no record left to train on: {sum(read.values())} read "
         f"({', '.join(f'{k} {v}' for k, v in read.items())}), {n_bad} bad, "
-        f"{sum(dropped.values())} without assistant tokens; check the sources' paths and "
-        f"contents, and corpus.max_length ({max_length})")
+        f"{sum(dropped.values())} dropped ({', '.join(f'{k} {v}' for k, v in sorted(dropped.items())) or 'none'}); "
+        f"check the sources' paths and contents, corpus.max_length ({max_length}) and corpus.over_max_length")
+
+
+class _BadRecordLedger:
+    """Bad records of every stage: counted by source and kind, all in bad_records.jsonl, the first ten shown."""
+
+    def __init__(self, path: Path, allowed: int, log: Callable[[str], None]):
+        self.path, self.allowed, self.log = path, allowed, log
+        self.by_kind: Counter = Counter()
+        self.by_source: dict[str, Counter] = {}
+        self.shown: list[BadRecord] = []
+        self._logged = 0
+        path.unlink(missing_ok=True)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_kind.values())
+
+    def add(self, records) -> None:
+        with open(self.path, "a") as f:
+            for rec in records:
+                self.by_kind[rec.kind] += 1
+                self.by_source.setdefault(rec.source, Counter())[rec.kind] += 1
+                if len(self.shown) < SHOWN_BAD_RECORDS:
+                    self.shown.append(rec)
+                f.write(rec.to_json() + "\n")
+
+    def enforce(self, stage: str) -> None:
+        n = self.count
+        if n > self.allowed:
+            lines = [f"corpus: {n} bad record(s), more than corpus.max_bad_records={self.allowed}. "
+                     f"First {len(self.shown)}:"]
+            lines += [f"  - {r.describe()}" for r in self.shown]
+            lines.append(f"All of them are in {self.path}. Fix those records, or set corpus.max_bad_records to at "
+                         f"least {n} to skip them (counted in stats.json).")
+            raise BadRecordsError("\n".join(lines))
+        if n > self._logged:
+            self._logged = n
+            self.log(f"corpus: skipping {n} bad record(s) found by {stage} (max_bad_records {self.allowed}): "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items())))
+
+    def finish(self) -> None:
+        if not self.count:
+            self.path.unlink(missing_ok=True)
+        for r in self.shown:
+            self.log(f"corpus: skipped {r.describe()}")
+
+
+def _first_true(flags) -> int | None:
+    """Position of the first true value of a boolean (Chunked)Array, in source order."""
+    import pyarrow.compute as pc
+    hits = pc.indices_nonzero(flags.combine_chunks() if hasattr(flags, "combine_chunks") else flags)
+    return int(hits[0].as_py()) if len(hits) else None
+
+
+def _record_name(row: dict, files: dict[str, str]) -> str:
+    return f"record {row['id']} ({files[row['source']]} {row['where']})"
+
+
+def _check_template(tokenizer, label: str, good, files: dict[str, str], *, max_length: int, method: str,
+                    policy: str, fail_on_template_error: bool) -> None:
+    """Before tokenising everything: render the first record and the first that uses tools in this
+    process, so a template that cannot render tools fails in seconds, not after the whole corpus."""
+    from .normalise import Conversation
+    from .tokenize import tokenise_record
+    first_tools = _first_true(_column(good, "uses_tools"))
+    for i in sorted({0, first_tools} - {None}):
+        row = good[int(i)]
+        rec = tokenise_record(tokenizer, Conversation.from_json(row["conversation"]), max_length=max_length,
+                              method=method, over_max_length=policy)
+        if rec.content_dropped:
+            raise TemplateError(f"{label} drops content of {_record_name(row, files)}: {rec.content_dropped}. "
+                                "Use the target's own template that renders tools and tool calls (transformers "
+                                "passes them as apply_chat_template(messages, tools=...) with assistant "
+                                "'tool_calls'), or fix the template in the target's chat_template.jinja / "
+                                "tokenizer_config.json")
+        if rec.template_error and fail_on_template_error:
+            raise TemplateError(f"{label} cannot render {_record_name(row, files)}: {rec.template_error}. "
+                                "Fix the template or the record (or allow it with corpus.max_bad_records)")
 
 
 def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | None = None,
@@ -114,9 +197,12 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     model_path = str(cfg.resolve(cfg.target_model))
     tokenizer = load_tokenizer(model_path)
     method = mask_method_for(tokenizer, mask_method)
+    label = template_label(tokenizer, model_path)
     log(f"corpus: {len(cc.sources)} source(s), tokenizer {model_path}, loss mask by {method}, "
-        f"max_length {cc.max_length}, seed {cc.seed}, {procs} process(es)")
+        f"max_length {cc.max_length} ({cc.over_max_length} when over), seed {cc.seed}, {procs} process(es)")
     norm_features, tok_features = _features()
+    files = {s.name: str(cfg.resolve(s.path)) for s in cc.sources}
+    ledger = _BadRecordLedger(out_dir / BAD_RECORDS_FILE, cc.max_bad_records, log)
     work = tempfile.mkdtemp(dir=out_dir, prefix=".work-")
     try:
         normalised = []
@@ -133,7 +219,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
             batch, nproc = _split(min(procs, max(1, len(raw) // NORMALISE_ROWS_PER_PROCESS)), len(raw), 1000)
             norm = raw.map(normalise_batch, batched=True, batch_size=batch, num_proc=nproc,
                            remove_columns=raw.column_names, features=norm_features,
-                           fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed},
+                           fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed,
+                                      "non_text": cc.non_text_parts},
                            cache_file_name=os.path.join(work, f"norm-{src.name}.arrow"),
                            load_from_cache_file=False, desc=f"normalise {src.name}")
             normalised.append(norm)
@@ -141,73 +228,70 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                 f"normalised in {nproc or 1} process(es) ({time.monotonic() - started:.1f} s so far)")
         merged = datasets.concatenate_datasets(normalised)
 
-        # Bad records: counted by kind, all written to bad_records.jsonl, the first ten shown.
+        # Bad records: fail now (before the costly tokenising) unless they are allowed.
         errors = _column(merged, "error")
-        bad_mask = errors.is_valid()
-        bad_kinds: Counter = Counter()
-        bad_per_source: Counter = Counter()
-        shown: list[BadRecord] = []
-        with open(out_dir / BAD_RECORDS_FILE, "w") as bad_file:
-            for chunk in errors.filter(bad_mask).chunks:
-                for text in chunk.to_pylist():
-                    rec = BadRecord.from_json(text)
-                    bad_kinds[rec.kind] += 1
-                    bad_per_source[rec.source] += 1
-                    if len(shown) < SHOWN_BAD_RECORDS:
-                        shown.append(rec)
-                    bad_file.write(text + "\n")
-        n_bad = sum(bad_kinds.values())
-        if n_bad > cc.max_bad_records:
-            lines = [f"corpus: {n_bad} bad record(s), more than corpus.max_bad_records={cc.max_bad_records}. "
-                     f"First {len(shown)}:"]
-            lines += [f"  - {r.describe()}" for r in shown]
-            lines.append(f"All of them are in {out_dir / BAD_RECORDS_FILE}. Fix those records, or set "
-                         f"corpus.max_bad_records to at least {n_bad} to skip them (counted in stats.json).")
-            raise BadRecordsError("\n".join(lines))
-        if n_bad:
-            log(f"corpus: skipping {n_bad} bad record(s) (max_bad_records {cc.max_bad_records}): "
-                + ", ".join(f"{k} {v}" for k, v in sorted(bad_kinds.items())))
-            for r in shown:
-                log(f"corpus: skipped {r.describe()}")
-        else:
-            (out_dir / BAD_RECORDS_FILE).unlink()
+        ledger.add(BadRecord.from_json(t) for chunk in errors.filter(errors.is_valid()).chunks
+                   for t in chunk.to_pylist())
+        ledger.enforce("normalise")
         good = merged.filter(lambda e: [x is None for x in e], input_columns="error", batched=True,
                              batch_size=1000).remove_columns(["error"])
-
         if len(good) == 0:
-            _no_records_left(read_per_source, n_bad, Counter(), cc.max_length)
+            _no_records_left(read_per_source, ledger.count, Counter(), cc.max_length)
+
+        _check_template(tokenizer, label, good, files, max_length=cc.max_length, method=method,
+                        policy=cc.over_max_length, fail_on_template_error=cc.max_bad_records == 0)
         tok_batch, tok_procs = _split(procs, len(good), 64)
         tokenised = good.map(tokenize_batch, batched=True, batch_size=tok_batch,
                              num_proc=tok_procs, remove_columns=good.column_names,
                              features=tok_features,
-                             fn_kwargs={"model_path": model_path, "max_length": cc.max_length, "method": method},
+                             fn_kwargs={"model_path": model_path, "max_length": cc.max_length, "method": method,
+                                        "over_max_length": cc.over_max_length},
                              cache_file_name=os.path.join(work, "tokenised.arrow"), load_from_cache_file=False,
                              desc="tokenise")
         log(f"corpus: {len(good)} record(s) tokenised in {tok_procs or 1} process(es), batches of {tok_batch} "
             f"({time.monotonic() - started:.1f} s so far)")
-        reasons = _column(tokenised, "drop_reason")
-        dropped = Counter({v["values"]: v["counts"] for v in pc.value_counts(reasons.drop_null()).to_pylist()})
-        kept = tokenised.filter(lambda r: [x is None for x in r], input_columns="drop_reason", batched=True,
-                                batch_size=1000)
-        if len(kept) == 0:
-            _no_records_left(read_per_source, n_bad, dropped, cc.max_length)
-        keys = kept.select_columns(["shuffle_key", "id"]).with_format("arrow")[:]
-        order = pc.sort_indices(keys, sort_keys=[("shuffle_key", "ascending"), ("id", "ascending")])
-        ordered = kept.select(order.to_numpy(), indices_cache_file_name=os.path.join(work, "order.arrow"))
+        meta = tokenised.select_columns(
+            ["id", "source", "where", "shuffle_key", "drop_reason", "template_error", "content_dropped",
+             "uses_tools", "non_text_dropped", "length_status", "turns", "tool_calls", "tool_messages",
+             "reasoning_not_rendered", "num_tokens", "masked_tokens"]).with_format("arrow")[:]
 
-        # Stream to Parquet in shuffled order; gather the statistics on the way.
+        first_dropped = _first_true(meta["content_dropped"].is_valid())
+        if first_dropped is not None:
+            row = {k: meta[k][first_dropped].as_py() for k in ("id", "source", "where", "content_dropped")}
+            raise TemplateError(f"{label} drops content of {_record_name(row, files)}: {row['content_dropped']}. "
+                                "Use a chat template that renders tools and tool calls, or fix the template")
+        template_failed = meta["template_error"].is_valid()
+        ledger.add(BadRecord(source=s, file=files[s], where=w, field="(chat template)", value=short_repr(e),
+                             kind=TEMPLATE_ERROR, problem=f"{label} raised on this record")
+                   for s, w, e in zip(*(meta.filter(template_failed)[k].to_pylist()
+                                        for k in ("source", "where", "template_error"))))
+        ledger.enforce("tokenise")
+        ledger.finish()
+
+        dropped = Counter({v["values"]: v["counts"]
+                           for v in pc.value_counts(meta["drop_reason"].drop_null()).to_pylist()})
+        kept_mask = pc.and_(meta["drop_reason"].is_null(), meta["template_error"].is_null())
+        kept_rows = pc.indices_nonzero(kept_mask.combine_chunks())
+        if len(kept_rows) == 0:
+            _no_records_left(read_per_source, ledger.count, dropped, cc.max_length)
+        keys = pa.table({"shuffle_key": meta["shuffle_key"].take(kept_rows), "id": meta["id"].take(kept_rows),
+                         "row": kept_rows})
+        order = keys.take(pc.sort_indices(keys, sort_keys=[("shuffle_key", "ascending"), ("id", "ascending")]))
+        order_rows = order["row"].to_numpy()
+
+        per_source: dict[str, dict] = {s.name: _source_stats(read_per_source[s.name]) for s in cc.sources}
+        _count_per_source(per_source, meta, kept_mask, ledger)
+
+        # Stream to Parquet in shuffled order, reading the rows by position (flat memory).
         schema = corpus_schema()
         lengths = array("i")  # 4 bytes a record: the only per-record state kept in memory
-        per_source: dict[str, dict] = {s.name: {"read": read_per_source[s.name], "bad": bad_per_source[s.name],
-                                               "records": 0, "tokens": 0, "masked_tokens": 0}
-                                       for s in cc.sources}
-        truncated = 0
         order_digest = hashlib.sha256()
         index = 0
-        cols = ["id", "source", "input_ids", "loss_mask", "num_tokens", "masked_tokens", "truncated"]
+        rows = tokenised.select_columns(["id", "source", "input_ids", "loss_mask", "num_tokens"]).with_format("arrow")
         # the corpus appears whole or not at all (temp, fsync, rename); the writer closes first
         with atomic_replace(out_dir / CORPUS_FILE) as tmp_path, pq.ParquetWriter(str(tmp_path), schema) as writer:
-            for batch in ordered.select_columns(cols).with_format("arrow").iter(batch_size=_WRITE_BATCH):
+            for start in range(0, len(order_rows), _WRITE_BATCH):
+                batch = rows[order_rows[start:start + _WRITE_BATCH].tolist()]
                 n = batch.num_rows
                 table = pa.table({"index": pa.array(range(index, index + n), pa.int64()), "id": batch["id"],
                                   "source": batch["source"], "input_ids": batch["input_ids"],
@@ -215,36 +299,34 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                                  schema=schema)
                 writer.write_table(table)
                 index += n
-                ids = batch["id"].to_pylist()
-                order_digest.update("\n".join(ids).encode() + b"\n")
-                ntok = batch["num_tokens"].to_pylist()
-                lengths.extend(ntok)
-                for s, t, m in zip(batch["source"].to_pylist(), ntok, batch["masked_tokens"].to_pylist()):
-                    ps = per_source[s]
-                    ps["records"] += 1
-                    ps["tokens"] += t
-                    ps["masked_tokens"] += m
-                truncated += sum(batch["truncated"].to_pylist())
+                order_digest.update("\n".join(batch["id"].to_pylist()).encode() + b"\n")
+                lengths.extend(batch["num_tokens"].to_pylist())
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    for name, ps in per_source.items():
-        ps["dropped"] = ps["read"] - ps["bad"] - ps["records"]
     elapsed = time.monotonic() - started
     total_tokens = sum(lengths)
+    n_bad = ledger.count
+    status = Counter()
+    for ps in per_source.values():
+        status.update({"cut": ps["cut_at_message"], "truncated": ps["truncated"]})
     stats = {
         "records": index,
         "tokens": total_tokens,
         "masked_tokens": sum(ps["masked_tokens"] for ps in per_source.values()),
+        "records_with_tool_calls": sum(ps["records_with_tool_calls"] for ps in per_source.values()),
+        "tool_messages": sum(ps["tool_messages"] for ps in per_source.values()),
         "per_source": per_source,
         "length": _percentiles(lengths),
-        "truncated_to_max_length": truncated,
-        "dropped": {"bad_record": {k: bad_kinds.get(k, 0) for k in BAD_KINDS}, **{
-            "no_assistant_tokens": dropped.get("no_assistant_tokens", 0),
-            "no_assistant_tokens_after_truncation": dropped.get("no_assistant_tokens_after_truncation", 0)}},
-        "bad_records_shown": [r.describe() for r in shown],
+        "over_max_length": cc.over_max_length,
+        "cut_at_message_boundary": status["cut"],
+        "truncated_to_max_length": status["truncated"],
+        "dropped": {"bad_record": {k: ledger.by_kind.get(k, 0) for k in BAD_KINDS},
+                    **{k: dropped.get(k, 0) for k in DROP_REASONS}},
+        "bad_records_shown": [r.describe() for r in ledger.shown],
         "bad_records_file": str(out_dir / BAD_RECORDS_FILE) if n_bad else None,
         "mask_method": method,
+        "chat_template": label,
         "seed": cc.seed,
         "max_length": cc.max_length,
         "tokenizer": model_path,
@@ -254,11 +336,53 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "tokens_per_s": round(total_tokens / elapsed, 1) if elapsed > 0 else None,
     }
     atomic_write(out_dir / STATS_FILE, json.dumps(stats, indent=2) + "\n")
+    not_rendered = sum(ps["reasoning_not_rendered"] for ps in per_source.values())
+    if not_rendered:
+        log(f"corpus: {not_rendered} assistant reasoning text(s) not rendered by {label} (the template leaves "
+            "them out, so the target never sees them either); counted per source as reasoning_not_rendered")
     log(f"corpus: {stats['records']} record(s), {total_tokens} tokens ({stats['masked_tokens']} masked for loss), "
+        f"{stats['records_with_tool_calls']} with tool calls, "
         f"length p50 {stats['length']['p50']} p99 {stats['length']['p99']} max {stats['length']['max']}, "
-        f"dropped {sum(dropped.values())} without assistant tokens, {n_bad} bad; "
-        f"{elapsed:.1f} s -> {out_dir / CORPUS_FILE}")
+        f"{status['cut']} cut at a message boundary, {status['truncated']} truncated, "
+        f"dropped {sum(dropped.values())} ({', '.join(f'{k} {v}' for k, v in sorted(dropped.items())) or 'none'}), "
+        f"{n_bad} bad; {elapsed:.1f} s -> {out_dir / CORPUS_FILE}")
     return stats
+
+
+def _source_stats(read: int) -> dict:
+    return {"read": read, "bad": 0, "bad_by_reason": {}, "dropped": 0, "dropped_by_reason": {}, "records": 0,
+            "turns": 0, "records_with_tool_calls": 0, "tool_calls": 0, "tool_messages": 0, "tokens": 0,
+            "masked_tokens": 0, "cut_at_message": 0, "truncated": 0, "reasoning_not_rendered": 0,
+            "non_text_parts_dropped": 0}
+
+
+def _count_per_source(per_source: dict[str, dict], meta, kept_mask, ledger: _BadRecordLedger) -> None:
+    """Per-source statistics of the kept records, of the dropped ones by reason, of bad ones by kind."""
+    for name, kinds in ledger.by_source.items():
+        per_source[name]["bad"] = sum(kinds.values())
+        per_source[name]["bad_by_reason"] = dict(sorted(kinds.items()))
+    kept = meta.filter(kept_mask)
+    cols = {k: kept[k].to_pylist() for k in ("source", "turns", "tool_calls", "tool_messages", "num_tokens",
+                                             "masked_tokens", "length_status", "reasoning_not_rendered",
+                                             "non_text_dropped")}
+    for s, turns, calls, tools, ntok, masked, status, reasoning, non_text in zip(*cols.values()):
+        ps = per_source[s]
+        ps["records"] += 1
+        ps["turns"] += turns
+        ps["records_with_tool_calls"] += calls > 0
+        ps["tool_calls"] += calls
+        ps["tool_messages"] += tools
+        ps["tokens"] += ntok
+        ps["masked_tokens"] += masked
+        ps["cut_at_message"] += status == "cut"
+        ps["truncated"] += status == "truncated"
+        ps["reasoning_not_rendered"] += reasoning
+        ps["non_text_parts_dropped"] += non_text
+    dropped = meta.filter(meta["drop_reason"].is_valid())
+    for s, reason in zip(dropped["source"].to_pylist(), dropped["drop_reason"].to_pylist()):
+        ps = per_source[s]
+        ps["dropped"] += 1
+        ps["dropped_by_reason"][reason] = ps["dropped_by_reason"].get(reason, 0) + 1
 
 
 def read_stats(layout: RunLayout) -> dict:

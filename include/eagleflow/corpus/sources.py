@@ -36,22 +36,32 @@ def detect_format(path: Path, declared: str) -> str:
 
 
 def _jsonl_lines(path: str, limit: int | None) -> Iterator[dict]:
+    # Bytes, decoded line by line: invalid UTF-8 is that line's bad record, never U+FFFD counted good.
     row = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, data in enumerate(f, start=1):
+            if not data.strip():
                 continue  # blank lines are not records
             if limit is not None and row >= limit:
                 return
-            yield {"__row": row, "__where": f"line {lineno}", "__raw": line}
+            try:
+                line, problem = data.decode("utf-8"), None
+            except UnicodeDecodeError as e:
+                line = data.decode("utf-8", errors="replace")
+                problem = (f"not valid UTF-8: byte {data[e.start:e.start + 1]!r} at byte {e.start + 1} of the line "
+                           f"({e.reason}); re-encode the file as UTF-8")
+            yield {"__row": row, "__where": f"line {lineno}", "__raw": line, "__decode_error": problem}
             row += 1
 
 
 def _json_elements(path: str, limit: int | None) -> Iterator[dict]:
     # A JSON document must be parsed whole; a top-level list or {"data": [...]} is accepted.
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         try:
-            doc = json.load(f)
+            doc = json.loads(f.read().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise SourceError(f"source {path}: not valid UTF-8 at byte {e.start} ({e.reason}); "
+                              "re-encode the file as UTF-8") from None
         except json.JSONDecodeError as e:
             raise SourceError(f"source {path}: not valid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
                               "a .json source must hold one list of records (use .jsonl for one record a line)") from None
@@ -62,7 +72,7 @@ def _json_elements(path: str, limit: int | None) -> Iterator[dict]:
     for row, rec in enumerate(doc):
         if limit is not None and row >= limit:
             return
-        yield {"__row": row, "__where": f"row {row}", "__raw": json.dumps(rec)}
+        yield {"__row": row, "__where": f"row {row}", "__raw": json.dumps(rec), "__decode_error": None}
 
 
 def load_source(src: SourceConfig, path: Path, cache_dir: str):
@@ -73,11 +83,11 @@ def load_source(src: SourceConfig, path: Path, cache_dir: str):
         raise SourceError(f"source {src.name!r}: {path} does not exist; fix corpus.sources[].path")
     fmt = detect_format(path, src.format)
     features = datasets.Features({"__row": datasets.Value("int64"), "__where": datasets.Value("string"),
-                                  "__raw": datasets.Value("string")})
+                                  "__raw": datasets.Value("string"), "__decode_error": datasets.Value("string")})
     if fmt in ("jsonl", "json"):
         gen = _jsonl_lines if fmt == "jsonl" else _json_elements
         if next(gen(str(path), src.limit), None) is None:  # datasets cannot build from an empty generator
-            return datasets.Dataset.from_dict({"__row": [], "__where": [], "__raw": []}, features=features)
+            return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
         try:
             ds = datasets.Dataset.from_generator(gen, gen_kwargs={"path": str(path), "limit": src.limit},
                                                  features=features, cache_dir=cache_dir, keep_in_memory=False)
