@@ -93,6 +93,29 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, demo_assets):
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 
 
+def test_trainer_takes_specforges_schedule_betas_and_objective_from_the_config(tmp_path, demo_assets):
+    """No warmup_steps: warm-up is int(0.015 x max_steps) (here 3); AdamW gets the config's betas; the
+    loss normalisation and mask alignment settings reach the loss (the first step's loss changes)."""
+    target = demo_assets["target_model"]
+    cfg, layout, _ = _setup(tmp_path / "a", target, max_steps=200, warmup_steps=None, lr=1e-4)
+    assert cfg.train.warmup == 3
+    train(cfg, layout, stop_after_step=4, log=_quiet)
+    rows = read_metrics(Path(layout.draft_dir) / "metrics.jsonl")
+    assert [r["lr"] for r in rows[:3]] == pytest.approx([1e-4 / 3, 2e-4 / 3, 1e-4])
+    ck = load_checkpoint(latest_checkpoint(Path(layout.draft_dir) / "checkpoints"))
+    assert [tuple(g["betas"]) for g in ck.optimizer_state["param_groups"]] == [(0.9, 0.999)]
+    assert ck.state["warmup_steps"] == 3
+    first = {}
+    for name, extra in (("specforge", {}), ("loss_positions", {"loss_normalization": "loss_positions"}),
+                        ("predicted_token", {"loss_mask_alignment": "predicted_token"})):
+        c, lay, _ = _setup(tmp_path / name, target, max_steps=1, **extra)
+        train(c, lay, log=_quiet)
+        first[name] = read_metrics(Path(lay.draft_dir) / "metrics.jsonl")[0]
+    # same data and seed: only the objective differs. Loss over all B x T positions is the smaller one.
+    assert first["loss_positions"]["loss"] > first["specforge"]["loss"] * 1.05
+    assert first["predicted_token"]["loss"] != pytest.approx(first["specforge"]["loss"], rel=1e-3)
+
+
 # What SGLang's LlamaForCausalLMEagle3 holds (python/sglang/srt/models/llama_eagle3.py): its
 # load_weights maps q/k/v -> qkv_proj and gate/up -> gate_up_proj, prefixes "model." when the name
 # is not a top-level parameter, turns d2t into hot token ids and skips t2d. Any other name is dropped.
