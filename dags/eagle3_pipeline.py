@@ -20,6 +20,7 @@ from eagleflow.airflow.capture_operators import (
 from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+from eagleflow.airflow.report_operators import RunReportOperator
 from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
 
 DOC = __doc__ + """
@@ -93,3 +94,6 @@ with DAG(
     idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
     extract >> verify >> free_after >> idle_after >> train >> export
     stop_server >> free_after
+    # the run report, written however the run went (all done); as a teardown it never decides the
+    # run's outcome: export_draft and the other leaves do, so a failed run stays failed
+    export >> RunReportOperator(task_id="run_report").as_teardown()

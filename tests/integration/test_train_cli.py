@@ -41,6 +41,11 @@ def test_train_and_export_commands_on_captured_hidden_states(tmp_path, demo_asse
         stop_capture_server(ctx, grace_s=10)
 
     run = ["--config", str(cfgp), "--run-id", "cli"]
+    refused = _cli("train", *run)   # training takes only data that `capture verify` passed
+    assert refused.returncode == 1 and "have not passed verification" in refused.stderr, refused.stderr
+    assert "eagleflow capture verify" in refused.stderr and "Traceback" not in refused.stderr
+    verified = _cli("capture", "verify", *run)
+    assert verified.returncode == 0 and "OK: 16/16 samples verified" in verified.stdout, verified.stdout
     first = _cli("train", *run, "--stop-after-steps", "7")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "step 4/12" in first.stdout and "checkpoint" in first.stdout

@@ -68,8 +68,8 @@ def test_resume_check_requires_file_with_recorded_size(tmp_path):
             m.append(e)
     os.truncate(tmp_path / sample_file_name(2), 10)
     os.unlink(tmp_path / sample_file_name(4))
-    done, broken = completed_indexes(tmp_path, read_manifest(tmp_path / "manifest.jsonl"))
-    assert done == {0} and sorted(e.index for e in broken) == [2, 4]
+    check = completed_indexes(tmp_path, read_manifest(tmp_path / "manifest.jsonl"))
+    assert check.done == {0} and sorted(e.index for e, _ in check.broken) == [2, 4]
 
 
 def test_verify_reports_missing_extra_truncated_mismatched(tmp_path):

@@ -9,7 +9,8 @@ this app shows. A browser without a session is sent to Airflow's login page and
 back; an API caller gets 401/403.
 
 Routes: ``/`` the page (refreshes itself), ``/panel`` its body, ``/api/status``
-JSON, ``/metrics`` Prometheus text (dcgm-exporter names).
+JSON, ``/metrics`` Prometheus text (dcgm-exporter names), ``/report/<dag_id>/<run_id>``
+a run's report (the run_report task's copy in XCom; needs read access to that DAG's XComs).
 """
 from __future__ import annotations
 
@@ -104,4 +105,41 @@ def create_app(store: StatusStore | None = None,
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus.render(docs()), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/report/{dag_id}/{run_id}", response_class=HTMLResponse)
+    async def report(dag_id: str, run_id: str, request: Request,
+                     bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
+        from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+        from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
+        user = await get_user(request, None, bearer)
+        requires_access_dag("GET", DagAccessEntity.XCOM)(request, user)  # dag_id from the path
+        html = stored_report(dag_id, run_id)
+        if html is None:
+            raise HTTPException(404, f"no report for run {run_id} of {dag_id} yet: its run_report task writes it "
+                                     "when the run's other tasks are done")
+        return HTMLResponse(html)
+
     return app
+
+
+def stored_report(dag_id: str, run_id: str) -> str | None:
+    """The newest report the run's run_report task pushed to XCom."""
+    import json
+
+    from sqlalchemy import select
+
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    from eagleflow.airflow.report_operators import REPORT_XCOM_KEY
+    with create_session() as session:
+        value = session.scalars(select(XComModel.value).where(
+            XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.key == REPORT_XCOM_KEY)
+            .order_by(XComModel.timestamp.desc()).limit(1)).first()
+    if value is None:
+        return None
+    if isinstance(value, str) and not value.lstrip().startswith("<"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    return value if isinstance(value, str) else None

@@ -118,24 +118,26 @@ def _run(args) -> int:
 
 
 def _verify(args) -> int:
-    from .verify import verify_shard
+    from .verify import verify_hidden_states
     from .worker import shard_indexes
 
     cfg, layout = run_from_args(args)
     corpus = str(layout.corpus_dir / "corpus.parquet")
-    reports = [verify_shard(layout.shard_dir(s), s, shard_indexes(corpus, s, cfg.capture.shards),
-                            check_digest=not args.no_digest) for s in range(cfg.capture.shards)]
+    import os
+    if not os.path.isfile(corpus):
+        print(f"eagleflow capture verify: FAILED: no corpus at {corpus}, so nothing was captured to verify; "
+              "run `eagleflow corpus prepare` and the extraction first", file=sys.stderr)
+        return 1
+    n = cfg.capture.shards
+    result = verify_hidden_states(layout.hidden_states_dir, {s: shard_indexes(corpus, s, n) for s in range(n)},
+                                  check_digest=not args.no_digest)
     if args.json:
-        from dataclasses import asdict
-        print(json.dumps({"ok": all(r.ok for r in reports), "shards": [asdict(r) for r in reports]}))
+        print(json.dumps(result.to_json()))
     else:
-        for r in reports:
+        for r in result.reports:
             print(r.line())
-        total = sum(r.expected for r in reports)
-        stored = sum(r.stored for r in reports)
-        print(f"{'OK' if all(r.ok for r in reports) else 'FAILED'}: {stored}/{total} samples verified "
-              f"in {layout.hidden_states_dir}")
-    return 0 if all(r.ok for r in reports) else 1
+        print(f"{result.summary()} in {layout.hidden_states_dir}")
+    return 0 if result.ok else 1
 
 
 def _stop(args) -> int:

@@ -1,11 +1,14 @@
 """A shard's manifest: append-only JSONL, one line per stored sample, written after its rename.
 
     {"id": "sharegpt:12", "index": 57, "file": "00000057.safetensors", "tokens": 123,
-     "bytes": 45678, "sha256": "<hex>"}
+     "bytes": 45678, "sha256": "<hex>", "mtime_ns": 1764560000123456789}
 
 A crash mid-append leaves a trailing partial line: readers ignore it, and the
 next append starts on a fresh line so the partial bytes never merge with a
-good record.
+good record. A resume rewrites the manifest whole (``compact_manifest``) when
+it holds damaged, repeated or stale lines, so a redone sample leaves one clean
+line. ``mtime_ns`` (the file's after its rename) lets a resume hash only the
+files changed since they were recorded (older lines lack it: hashed once).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -25,9 +28,13 @@ class ManifestEntry:
     tokens: int
     bytes: int
     sha256: str
+    mtime_ns: int | None = None
 
     def to_line(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":")) + "\n"
+        d = asdict(self)
+        if d["mtime_ns"] is None:
+            del d["mtime_ns"]
+        return json.dumps(d, separators=(",", ":")) + "\n"
 
 
 @dataclass
@@ -36,6 +43,11 @@ class ManifestScan:
     partial_tail: bool                  # the file ended in an incomplete line
     bad_lines: list[int]                # 1-based line numbers that were not valid records
     duplicates: list[int]               # indexes recorded more than once
+    duplicate_ids: list[str] = field(default_factory=list)   # sample ids recorded under two indexes
+
+    @property
+    def clean(self) -> bool:
+        return not (self.partial_tail or self.bad_lines or self.duplicates or self.duplicate_ids)
 
 
 def read_manifest(path: str | os.PathLike) -> ManifestScan:
@@ -82,15 +94,23 @@ def _read_manifest(path: str | os.PathLike) -> ManifestScan:
                 bad.append(n)
     for n, d in numbered:
         try:
+            mt = d.get("mtime_ns")
             e = ManifestEntry(id=str(d["id"]), index=int(d["index"]), file=str(d["file"]),
-                              tokens=int(d["tokens"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]))
-        except (ValueError, KeyError, TypeError):
+                              tokens=int(d["tokens"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]),
+                              mtime_ns=None if mt is None else int(mt))
+        except (ValueError, KeyError, TypeError, AttributeError):
             bad.append(n)
             continue
         if e.index in entries:
             dups.append(e.index)
         entries[e.index] = e
-    return ManifestScan(entries, partial, bad, dups)
+    # one id under two indexes: the same sample stored twice (a sample id names one corpus record)
+    first: dict[str, int] = {}
+    dup_ids: list[str] = []
+    for idx, e in entries.items():
+        if first.setdefault(e.id, idx) != idx:
+            dup_ids.append(e.id)
+    return ManifestScan(entries, partial, bad, dups, dup_ids)
 
 
 class ManifestWriter:
@@ -142,18 +162,49 @@ class ManifestWriter:
         self.close()
 
 
-def completed_indexes(shard_dir: str | os.PathLike, scan: ManifestScan) -> tuple[set[int], list[ManifestEntry]]:
-    """Indexes whose file exists with the recorded size; and the entries that failed that check."""
+@dataclass
+class ResumeCheck:
+    done: set[int]                  # indexes whose stored file is intact
+    broken: list[tuple[ManifestEntry, str]]   # entries to redo, with why
+    hashed: int                     # files whose content was hashed (changed since recorded, or never stamped)
+    refreshed: dict[int, ManifestEntry]       # intact entries given their file's current mtime_ns
+
+
+def completed_indexes(shard_dir: str | os.PathLike, scan: ManifestScan) -> ResumeCheck:
+    """Which recorded samples are intact: size always; content (sha256) for files changed since recorded.
+
+    A file whose mtime still equals the one stamped at its rename has not been written since its
+    sha256 was taken, so a stat is enough; any other file (a same-size byte flip bumps its mtime,
+    an old line has no stamp) is hashed. The 37,312-entry scan stays a stat per file.
+    """
+    from .storage import file_sha256
     done: set[int] = set()
-    broken: list[ManifestEntry] = []
+    broken: list[tuple[ManifestEntry, str]] = []
+    refreshed: dict[int, ManifestEntry] = {}
+    hashed = 0
     d = Path(shard_dir)
     for idx, e in scan.entries.items():
+        p = d / e.file
         try:
-            ok = os.stat(d / e.file).st_size == e.bytes
+            st = os.stat(p)
         except FileNotFoundError:
-            ok = False
-        if ok:
-            done.add(idx)
-        else:
-            broken.append(e)
-    return done, broken
+            broken.append((e, "file missing"))
+            continue
+        if st.st_size != e.bytes:
+            broken.append((e, f"size {st.st_size} bytes, manifest says {e.bytes}"))
+            continue
+        if e.mtime_ns is None or st.st_mtime_ns != e.mtime_ns:
+            hashed += 1
+            if file_sha256(p) != e.sha256:
+                broken.append((e, "sha256 differs from the manifest (content changed after it was stored)"))
+                continue
+            refreshed[idx] = ManifestEntry(e.id, e.index, e.file, e.tokens, e.bytes, e.sha256, st.st_mtime_ns)
+        done.add(idx)
+    return ResumeCheck(done, broken, hashed, refreshed)
+
+
+def compact_manifest(path: str | os.PathLike, keep: list[ManifestEntry], fsync: bool = True) -> None:
+    """Rewrite the manifest whole (atomically) with exactly ``keep``, one line each, by index."""
+    from eagleflow.durable import atomic_write
+    data = "".join(e.to_line() for e in sorted(keep, key=lambda e: e.index)).encode()
+    atomic_write(path, data, fsync=fsync)

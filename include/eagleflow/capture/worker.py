@@ -3,7 +3,10 @@
 Order per sample, so that a crash at any point loses nothing and repeats
 nothing: request (a dump appears) -> final file (temp, fsync, rename) ->
 manifest append -> delete the dump. On start the manifest says what is done
-(each file must exist with its recorded size); temp files and this shard's
+(each file must exist with its recorded size, and a file changed since it was
+recorded must still hash to its sha256); a manifest with damaged, repeated or
+stale lines is rewritten atomically with one line per intact sample; temp
+files and this shard's
 orphaned dumps are removed; everything else is requested again.
 
 ``in_flight`` requests run at once: while one thread writes a file, the
@@ -11,6 +14,7 @@ others keep the server busy.
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -21,7 +25,7 @@ from pathlib import Path
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight
 
 from .client import CaptureServerError, generate
-from .manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
+from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
 from .protocol import dump_path, read_dump, remove_dumps, request_id
 from .storage import SampleWriter, remove_temp_files, sample_file_name
 
@@ -102,6 +106,30 @@ def remove_orphan_dumps(dump_dir: str, run_id: str, shard: int) -> int:
     return remove_dumps(dump_dir, run_id, shard)  # exact run and shard: never another run's by prefix
 
 
+def free_space(path: str) -> str:
+    import shutil
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as e:
+        return f"free space unknown ({e.strerror})"
+    return f"{free / 2**20:.1f} MiB free on that filesystem"
+
+
+def dump_dir_full(dump_dir: str, needed_bytes: int, server_error: str) -> str | None:
+    """Why a failed request is the dump dir's fault (full), or None: a full dump_dir is no dead server."""
+    import shutil
+    try:
+        free = shutil.disk_usage(dump_dir).free
+    except OSError:
+        return None
+    said_enospc = any(t in server_error for t in ("No space left", "ENOSPC", "Errno 28", "Disk quota"))
+    if said_enospc or free < max(needed_bytes, 1 << 20):
+        return (f"capture.dump_dir {dump_dir} is full (ENOSPC: {free / 2**20:.1f} MiB free"
+                + (f", this sample's dump needs about {needed_bytes / 2**20:.1f} MiB" if needed_bytes else "")
+                + "); the server could not write the dump")
+    return None
+
+
 class ShardWorker:
     def __init__(self, settings: WorkerSettings, log=print):
         self.s = settings
@@ -109,6 +137,7 @@ class ShardWorker:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._dump_bytes_per_token = 0     # learnt from the first dump: what a full dump_dir cannot hold
 
     def run(self) -> Heartbeat:
         s = self.s
@@ -133,7 +162,13 @@ class ShardWorker:
         removed_tmp = remove_temp_files(shard_dir)
         removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.shard)
         scan = read_manifest(shard_dir / "manifest.jsonl")
-        done, broken = completed_indexes(shard_dir, scan)
+        check = completed_indexes(shard_dir, scan)
+        done, broken = check.done, check.broken
+        if broken or check.refreshed or not scan.clean:
+            # one clean line per intact sample before anything is appended: a redone sample
+            # must not sit beside a damaged, repeated or stale line of itself
+            keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
+            compact_manifest(shard_dir / "manifest.jsonl", keep, fsync=s.fsync)
         total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done)
         resumed = total - len(todo)
         resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
@@ -150,9 +185,12 @@ class ShardWorker:
         hbw.flush()
         self.log(f"shard {s.shard}/{s.num_shards}: {total} samples, {resumed} already stored, {len(todo)} to do; "
                  f"removed {len(removed_tmp)} temp file(s), {removed_dumps} orphaned dump(s)"
-                 + (f"; {len(broken)} manifest entr(ies) whose file is missing or truncated will be redone"
-                    if broken else "")
-                 + ("; ignored a partial last manifest line" if scan.partial_tail else ""))
+                 + (f"; {len(broken)} stored sample(s) will be redone ("
+                    + ", ".join(f"{e.file}: {why}" for e, why in broken[:5])
+                    + (f", +{len(broken) - 5} more" if len(broken) > 5 else "") + ")" if broken else "")
+                 + (f"; hashed {check.hashed} file(s) changed since recorded" if check.hashed else "")
+                 + (f"; manifest rewritten without {len(scan.bad_lines) + scan.partial_tail} damaged and "
+                    f"{len(scan.duplicates) + len(scan.duplicate_ids)} repeated line(s)" if not scan.clean else ""))
         if not todo:
             return
         work: queue.Queue[Sample | None] = queue.Queue()
@@ -196,6 +234,12 @@ class ShardWorker:
             try:
                 generate(s.server_url, smp.input_ids, rid, timeout)
             except CaptureServerError as e:
+                full = dump_dir_full(s.dump_dir, smp.tokens * self._dump_bytes_per_token, str(e))
+                if full:
+                    raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}, request {rid}) "
+                                          f"failed because {full}. The server is not at fault: free space in "
+                                          f"capture.dump_dir or point it at a bigger filesystem, then re-run this "
+                                          f"shard: stored samples are kept") from None
                 raise ExtractionError(
                     f"shard {s.shard}: sample {smp.id} (index {smp.index}, {smp.tokens} tokens, request {rid}) "
                     f"failed: {e}. The capture server at {s.server_url} is dead, hung or rejected the sample; "
@@ -213,13 +257,28 @@ class ShardWorker:
                                       f"that differ from sample {smp.id} ({smp.tokens} tokens); the server did not "
                                       "run the whole sample in one prefill (radix cache or chunked prefill on?)")
             import torch
-            stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
-                                  loss_mask=torch.tensor(smp.loss_mask, dtype=torch.uint8),
-                                  aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states,
-                                  aux_layers=dump.aux_layers, model=dump.model or s.model)
-            with self._lock:
-                manifest.append(ManifestEntry(id=smp.id, index=smp.index, file=sample_file_name(smp.index),
-                                              tokens=smp.tokens, bytes=stored.bytes, sha256=stored.sha256))
+            try:
+                self._dump_bytes_per_token = max(self._dump_bytes_per_token,
+                                                 os.stat(dpath).st_size // max(smp.tokens, 1))
+            except FileNotFoundError:
+                pass
+            try:
+                stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
+                                      loss_mask=torch.tensor(smp.loss_mask, dtype=torch.uint8),
+                                      aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states,
+                                      aux_layers=dump.aux_layers, model=dump.model or s.model)
+                mtime_ns = os.stat(stored.path).st_mtime_ns   # lets a resume skip hashing an unchanged file
+                with self._lock:
+                    manifest.append(ManifestEntry(id=smp.id, index=smp.index, file=sample_file_name(smp.index),
+                                                  tokens=smp.tokens, bytes=stored.bytes, sha256=stored.sha256,
+                                                  mtime_ns=mtime_ns))
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise ExtractionError(f"shard {s.shard}: disk full ({errno.errorcode[e.errno]}) storing sample "
+                                      f"{smp.id} (index {smp.index}) in {s.shard_dir}: {free_space(s.shard_dir)}. "
+                                      "Free space there (or move run_root to a bigger disk) and re-run this shard: "
+                                      "every sample stored so far is kept and verified at resume") from None
             try:
                 os.unlink(dpath)
             except FileNotFoundError:

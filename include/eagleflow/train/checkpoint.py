@@ -7,6 +7,10 @@
 
 A checkpoint is written into a temporary directory, fsynced, then renamed:
 a directory named ``step_*`` is always complete. The newest ``keep`` remain.
+``trainer_state.json`` records each tensor file's sha256, so a checkpoint
+damaged later (a zeroed or flipped file) is found at load; a resume then
+falls back to the newest intact one and says which it skipped and why.
+Temp directories a killed writer left behind are removed at the next start.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -100,7 +104,9 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
     opt_tensors, opt_meta = optimizer_to_flat(optimizer)
     save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
     save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
-    full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()))
+    from eagleflow.capture.storage import file_sha256
+    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+    full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     for f in tmp.iterdir():
         fsync_path(f)
@@ -128,13 +134,65 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     path = Path(path)
     try:
         state = json.loads((path / STATE_FILE).read_text())
+        _check_recorded_digests(path, state)
         model_state = load_file(str(path / MODEL_FILE))
         opt_all = load_file(str(path / OPTIMIZER_FILE))
+        rng = {k: v for k, v in opt_all.items() if k.startswith("rng.")}
+        opt_tensors = {k: v for k, v in opt_all.items() if k.startswith("state.")}
+        return LoadedCheckpoint(path=path, step=int(state["step"]), model_state=model_state,
+                                optimizer_state=optimizer_from_flat(opt_tensors, state["optimizer"]), rng=rng,
+                                state=state)
+    except CheckpointDamaged:
+        raise
+    except Exception as e:  # OSError, JSON errors, safetensors' own SafetensorError on a damaged header
+        raise CheckpointDamaged(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint directory whose files cannot be read or do not match their recorded sha256."""
+
+
+def verify_checkpoint_files(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's state, after checking its tensor files against their recorded sha256 (export uses it)."""
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {path} cannot be read ({e}); delete that directory to resume from the "
-                         "one before it") from None
-    rng = {k: v for k, v in opt_all.items() if k.startswith("rng.")}
-    opt_tensors = {k: v for k, v in opt_all.items() if k.startswith("state.")}
-    return LoadedCheckpoint(path=path, step=int(state["step"]), model_state=model_state,
-                            optimizer_state=optimizer_from_flat(opt_tensors, state["optimizer"]), rng=rng,
-                            state=state)
+        raise CheckpointDamaged(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+    _check_recorded_digests(path, state)
+    return state
+
+
+def _check_recorded_digests(path: Path, state: dict[str, Any]) -> None:
+    from eagleflow.capture.storage import file_sha256
+    for name, digest in (state.get("files") or {}).items():   # older checkpoints recorded none
+        try:
+            actual = file_sha256(path / name)
+        except OSError as e:
+            raise CheckpointDamaged(f"checkpoint {path}: {name} cannot be read ({e.strerror or e})") from None
+        if actual != digest:
+            raise CheckpointDamaged(f"checkpoint {path}: {name} does not match the sha256 recorded when it was "
+                                    "written (the file was changed or damaged)")
+
+
+def load_newest_intact_checkpoint(root: str | Path, log: Callable[[str], None] = print) -> LoadedCheckpoint | None:
+    """The newest checkpoint that loads and matches its digests; each damaged newer one is named and skipped."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return load_checkpoint(path)
+        except CheckpointDamaged as e:
+            log(f"skipping damaged checkpoint {path.name}: {e}; falling back to the one before it")
+    return None
+
+
+def remove_leftover_temp_dirs(root: str | Path, log: Callable[[str], None] = print) -> list[str]:
+    """Delete ``.tmp-step_*`` directories a killed writer left (never complete, never read)."""
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for p in sorted(root.glob(".tmp-step_*")):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    if removed:
+        log(f"removed {len(removed)} leftover temporary checkpoint dir(s) in {root}: {', '.join(removed)}")
+    return removed

@@ -35,8 +35,14 @@ def _log(msg: str) -> None:
 def _train(args) -> int:
     from .trainer import train
 
+    from eagleflow.capture.verify import NotVerifiedError
+
     cfg, layout = run_from_args(args)
-    result = train(cfg, layout, stop_after_step=args.stop_after_steps, log=_log)
+    try:
+        result = train(cfg, layout, stop_after_step=args.stop_after_steps, log=_log)
+    except NotVerifiedError as e:   # not a crash: the data is not (or no longer) verified; say why
+        print(f"eagleflow train: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0 if result.completed or args.stop_after_steps is not None else 1
 
 

@@ -3,7 +3,9 @@
 - Index: every shard's manifest (``hidden_states/shard_*/manifest.jsonl``);
   each entry's file must exist with the recorded size (and, when asked, the
   recorded sha256). A mismatch raises naming the file, or is skipped and
-  reported, per ``on_bad``.
+  reported, per ``on_bad``. Given the verification record, only its shards
+  are read, and a file written after verification counts as a mismatch
+  (training takes only what ``capture verify`` passed).
 - Reading: ``safetensors.safe_open`` maps a file and copies out only the
   tensors asked for; a sample is never loaded whole into memory beforehand.
 - Order: a pure function of (seed, epoch): shuffle, group ~``bucket_batches``
@@ -19,12 +21,15 @@ import random
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import torch
 
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.storage import file_sha256
+
+if TYPE_CHECKING:
+    from eagleflow.capture.verify import VerificationRecord
 
 SAMPLE_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 
@@ -45,10 +50,13 @@ class SampleRef:
 
 
 def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "skip"] = "raise",
-                 verify_sha256: bool = False, log: Callable[[str], None] = print) -> list[SampleRef]:
+                 verify_sha256: bool = False, log: Callable[[str], None] = print,
+                 verified: "VerificationRecord | None" = None) -> list[SampleRef]:
     """Every sample the manifests record, checked against its file; ordered by sample index."""
     root = Path(hidden_states_dir)
     shard_dirs = sorted(p for p in root.glob("shard_*") if p.is_dir()) if root.is_dir() else []
+    if verified is not None:
+        shard_dirs = [p for p in shard_dirs if p.name in verified.shards]
     if not shard_dirs:
         raise FileNotFoundError(f"no shard directories (shard_NNNNN) under {root}; run the extraction first "
                                 "(`eagleflow extract`) or point run_root/--run-id at the run that has them")
@@ -66,7 +74,8 @@ def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "ski
         for idx in sorted(scan.entries):
             e = scan.entries[idx]
             path = d / e.file
-            problem = _check_file(path, e.bytes, e.sha256 if verify_sha256 else None)
+            problem = _check_file(path, e.bytes, e.sha256 if verify_sha256 else None,
+                                  verified.newest_mtime_ns if verified is not None else None)
             if problem:
                 bad.append(f"{path}: {problem}")
                 continue
@@ -85,13 +94,16 @@ def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "ski
     return refs
 
 
-def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
+def _check_file(path: Path, size: int, sha256: str | None, verified_mtime_ns: int | None = None) -> str | None:
     try:
-        actual = os.stat(path).st_size
+        st = os.stat(path)
     except FileNotFoundError:
         return "file is missing"
+    actual = st.st_size
     if actual != size:
         return f"size {actual} bytes, manifest says {size}"
+    if verified_mtime_ns is not None and st.st_mtime_ns > verified_mtime_ns:
+        return "written after `capture verify` passed (not verified)"
     if sha256 is not None and file_sha256(path) != sha256:
         return "sha256 differs from the manifest"
     return None

@@ -22,11 +22,13 @@ from typing import Any, Callable
 
 import torch
 
+from eagleflow.capture.verify import require_verified
 from eagleflow.config import PipelineConfig
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
 from eagleflow.layout import RunLayout
 
-from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .checkpoint import (load_newest_intact_checkpoint, remove_leftover_temp_dirs, restore_rng,
+                         save_checkpoint)
 from .curves import append_metrics, plot_curves, truncate_metrics
 from .data import DataPosition, HiddenStateLoader, read_aux_layers, scan_samples
 from .loss import TargetHead, TrainingTimeTest, load_target_head_and_embedding, summarize, target_batch
@@ -159,11 +161,17 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     say = log if d.is_main else (lambda _msg: None)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256, log=say)
+    verified = require_verified(layout.hidden_states_dir,
+                                f"`eagleflow capture verify --config <run config> --run-id {layout.run_id}`")
+    refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256, log=say,
+                        verified=verified)
     aux_layers = read_aux_layers(refs[0])
     target_dir = cfg.resolve(cfg.target_model)
     dcfg = DraftConfig.from_target(target_dir, tc.draft_vocab_size)
-    ckpt_path = latest_checkpoint(paths["checkpoints"])
+    if d.is_main:
+        remove_leftover_temp_dirs(paths["checkpoints"], log=say)
+    ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
+    ckpt_path = ck.path if ck is not None else None
     vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say)
     head, embed = load_target_head_and_embedding(target_dir)
     model = build_draft(dcfg, vocab, head, embed, tc.seed)
@@ -173,8 +181,7 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=0.0)
 
     start_step, position = 0, DataPosition()
-    if ckpt_path is not None:
-        ck = load_checkpoint(ckpt_path)
+    if ck is not None:
         if ck.state.get("draft_config") != dcfg.to_json():
             raise ValueError(f"checkpoint {ckpt_path} was trained with another draft config (target or "
                              f"train.draft_vocab_size changed); delete {paths['checkpoints']} to start over")

@@ -82,7 +82,7 @@ def shard_state(run: LocalRun, shard: int) -> ShardState:
     n = run.cfg.capture.shards
     expected = len(shard_indexes(corpus, shard, n)) if os.path.exists(corpus) else 0
     scan = read_manifest(str(lay.manifest_file(shard)))
-    done, _ = completed_indexes(str(lay.shard_dir(shard)), scan)
+    done = completed_indexes(str(lay.shard_dir(shard)), scan).done
     alive = run.node.live_record(str(lay.pid_file(worker_role(shard)))) is not None
     return ShardState(run_id=lay.run_id, shard=shard, num_shards=n, expected=expected, stored=len(done),
                       worker_alive=alive, run_config=run.config_path)

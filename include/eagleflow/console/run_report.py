@@ -1,0 +1,290 @@
+"""One HTML page per run, written into the run directory: what happened, with the numbers.
+
+Built on the node (``eagleflow report``), where the run's files are: corpus
+stats per source, each shard's progress over time (the stored files' times,
+so a stall shows as a flat line) with the watchdog's incidents marked, the GPU
+memory/utilisation during capture (the health checks' history, handed in by
+the control plane), the training curves and acceptance, and the export with the
+exact SGLang command that serves it. It is written on success and on failure
+alike; a missing phase says why it is missing. Self-contained (inline SVG), every
+value escaped.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from eagleflow.durable import atomic_write
+
+REPORT_FILE = "report.html"
+_COLORS = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#4e342e")
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being appended while we read
+    return out
+
+
+# ----------------------------------------------------------------------------- gathering (on the node)
+def shard_timelines(hidden_states_dir: Path) -> dict[int, dict[str, Any]]:
+    """Per shard: (time, samples stored) from each stored file's mtime, plus its heartbeat's state."""
+    out: dict[int, dict[str, Any]] = {}
+    for d in sorted(hidden_states_dir.glob("shard_*")):
+        try:
+            shard = int(d.name.split("_")[1])
+        except (IndexError, ValueError):
+            continue
+        times = []
+        for entry in _jsonl(d / "manifest.jsonl"):
+            try:
+                times.append(os.stat(d / str(entry["file"])).st_mtime)
+            except (OSError, KeyError):
+                continue  # listed but gone: verification reports it
+        times.sort()
+        hb = _read_json(d / "heartbeat.json") or {}
+        out[shard] = {"points": [[t, i + 1] for i, t in enumerate(times)], "done": len(times),
+                      "total": hb.get("total"), "state": hb.get("state"), "started_at": hb.get("started_at")}
+    return out
+
+
+def gather(cfg, layout, state_dir: str | os.PathLike) -> dict[str, Any]:
+    run_dir = Path(str(layout.run_dir))
+    draft = Path(str(layout.draft_dir))
+    incidents = [i for i in _jsonl(Path(state_dir) / "incidents" / "incidents.jsonl")]
+    ours = {i["id"] for i in incidents if i.get("event") == "opened"
+            and any(isinstance(s, dict) and s.get("run_id") == layout.run_id for s in (i.get("shards") or {}).values())}
+    export = draft / "export"
+    return {
+        "run_id": layout.run_id, "run_dir": str(run_dir), "node": cfg.node.name,
+        "corpus": _read_json(Path(str(layout.corpus_dir)) / "stats.json"),
+        "shards": shard_timelines(Path(str(layout.hidden_states_dir))),
+        "verified": _read_json(Path(str(layout.hidden_states_dir)) / "verified.json"),
+        "incidents": [i for i in incidents if i.get("id") in ours],
+        "metrics": _jsonl(draft / "metrics.jsonl"),
+        "export_dir": str(export) if (export / "config.json").is_file() else None,
+        "export_files": sorted(p.name for p in export.iterdir()) if export.is_dir() else [],
+        "serve_command": serve_command(cfg, str(export)),
+    }
+
+
+def serve_command(cfg, export_dir: str) -> str:
+    """The SGLang command that serves the target with this draft (the TP the capture used)."""
+    argv = ["python3", "-m", "sglang.launch_server", "--model-path", str(cfg.target_model),
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", export_dir,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+            "--tp", str(cfg.capture.tp)]
+    if cfg.capture.dtype != "auto":
+        argv += ["--dtype", cfg.capture.dtype]
+    return shlex.join(argv)
+
+
+# ----------------------------------------------------------------------------- charts
+def line_chart(series: list[tuple[str, list[tuple[float, float | None]]]], *, title: str, y_label: str,
+               x_is_time: bool = True, markers: list[tuple[float, str]] = (), width: int = 720,
+               height: int = 220, y_max: float | None = None) -> str:
+    pts = [(x, y) for _, s in series for x, y in s if y is not None]
+    if not pts:
+        return f"<p class='none'>{_e(title)}: no data</p>"
+    x0 = min([x for x, _ in pts] + [m for m, _ in markers])
+    x1 = max([x for x, _ in pts] + [m for m, _ in markers])
+    x1 = x1 if x1 > x0 else x0 + 1
+    top = y_max if y_max is not None else max(y for _, y in pts) or 1
+    left, bottom = 50, 30
+    w, h = width - left - 10, height - bottom - 10
+
+    def px(x: float) -> float:
+        return left + w * (x - x0) / (x1 - x0)
+
+    def py(y: float) -> float:
+        return 10 + h - h * min(y, top) / top
+
+    parts = [f"<line x1='{left}' y1='{10 + h}' x2='{left + w}' y2='{10 + h}' stroke='#999'/>",
+             f"<line x1='{left}' y1='10' x2='{left}' y2='{10 + h}' stroke='#999'/>",
+             f"<text x='2' y='16' font-size='10'>{_e(f'{top:.4g}')}</text>",
+             f"<text x='2' y='{10 + h}' font-size='10'>0</text>",
+             f"<text x='{left}' y='{height - 4}' font-size='10'>{_e(_fmt_x(x0, x_is_time))}</text>",
+             f"<text x='{left + w - 120}' y='{height - 4}' font-size='10'>{_e(_fmt_x(x1, x_is_time))}</text>"]
+    for k, (label, s) in enumerate(series):
+        color = _COLORS[k % len(_COLORS)]
+        seg: list[str] = []
+        for x, y in s + [(None, None)]:
+            if y is None or x is None:
+                if len(seg) > 1:
+                    parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{' '.join(seg)}'>"
+                                 f"<title>{_e(label)}</title></polyline>")
+                seg = []
+                continue
+            seg.append(f"{px(x):.1f},{py(y):.1f}")
+    for x, label in markers:
+        parts.append(f"<line class='incident' x1='{px(x):.1f}' y1='10' x2='{px(x):.1f}' y2='{10 + h}' stroke='#d00' "
+                     f"stroke-dasharray='4 2'><title>{_e(label)}</title></line>")
+    legend = " ".join(f"<span style='color:{_COLORS[k % len(_COLORS)]}'>&#9632; {_e(label)}</span>"
+                      for k, (label, _) in enumerate(series))
+    return (f"<figure><figcaption>{_e(title)} ({_e(y_label)})</figcaption><svg width='{width}' height='{height}' "
+            f"role='img' aria-label='{_e(title)}'>{''.join(parts)}</svg><div class='legend'>{legend}</div></figure>")
+
+
+def _fmt_x(x: float, is_time: bool) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(x)) if is_time else f"{x:g}"
+
+
+# ----------------------------------------------------------------------------- sections
+def _corpus(stats: dict | None) -> str:
+    if not stats:
+        return "<p class='missing'>No corpus statistics: prepare_corpus did not finish.</p>"
+    rows = "".join(f"<tr><td>{_e(name)}</td><td>{int(s.get('read', 0)):,}</td><td>{int(s.get('records', 0)):,}</td>"
+                   f"<td>{int(s.get('bad', 0)):,}</td><td>{int(s.get('dropped', 0)):,}</td>"
+                   f"<td>{int(s.get('tokens', 0)):,}</td><td>{int(s.get('masked_tokens', 0)):,}</td></tr>"
+                   for name, s in sorted((stats.get("per_source") or {}).items()))
+    length = stats.get("length") or {}
+    return (f"<p>{int(stats.get('records', 0)):,} records, {int(stats.get('tokens', 0)):,} tokens "
+            f"({int(stats.get('masked_tokens', 0)):,} in the loss mask); length p50 {_e(length.get('p50'))}, "
+            f"p99 {_e(length.get('p99'))}, max {_e(length.get('max'))}.</p>"
+            "<table><tr><th>source</th><th>read</th><th>records</th><th>bad</th><th>dropped</th><th>tokens</th>"
+            f"<th>loss-mask tokens</th></tr>{rows}</table>")
+
+
+def _shards(data: dict) -> str:
+    shards = data.get("shards") or {}
+    if not shards:
+        return "<p class='missing'>No shard stored anything: extraction did not start.</p>"
+    markers = []
+    for inc in data.get("incidents") or []:
+        if inc.get("opened_at"):
+            markers.append((float(inc["opened_at"]), f"incident {inc.get('id')}: {inc.get('cause')}, shards "
+                                                      f"{', '.join(sorted((inc.get('shards') or {}).keys()))}"))
+    series = [(f"shard {k}", [(float(t), float(n)) for t, n in v["points"]]) for k, v in sorted(shards.items(),
+                                                                                             key=lambda kv: int(kv[0]))]
+    rows = "".join(f"<tr><td>{_e(k)}</td><td>{int(v['done']):,}</td><td>{_e(v.get('total') if v.get('total') is not None else 'n/a')}</td>"
+                   f"<td>{_e(v.get('state') or 'n/a')}</td></tr>" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))
+    incidents = "".join(f"<li class='incident'>{_e(time.strftime('%H:%M:%S UTC', time.gmtime(float(i['opened_at']))))}: "
+                        f"{_e(i.get('cause'))} on {_e(i.get('node'))}, shards {_e(', '.join(sorted((i.get('shards') or {}).keys())))}"
+                        f" ({_e(i.get('id'))})</li>" for i in data.get("incidents") or [] if i.get("opened_at"))
+    verified = data.get("verified")
+    ver = (f"<p>Verification: {_e(json.dumps(verified)[:300])}</p>" if verified else
+           "<p class='missing'>Not verified (verify_hidden_states did not pass).</p>")
+    return (line_chart(series, title="samples stored per shard", y_label="samples", markers=markers)
+            + f"<table><tr><th>shard</th><th>stored</th><th>total</th><th>worker state</th></tr>{rows}</table>"
+            + (f"<p>Stall incidents (red dashed lines):</p><ul>{incidents}</ul>" if incidents else
+               "<p>No stall incident in this run.</p>") + ver)
+
+
+def capture_window(data: dict) -> tuple[float, float] | None:
+    ts = [float(t) for v in (data.get("shards") or {}).values() for t, _ in v["points"]]
+    starts = [float(v["started_at"]) for v in (data.get("shards") or {}).values() if v.get("started_at")]
+    if not ts and not starts:
+        return None
+    return min(ts + starts), max(ts + starts)
+
+
+def _gpus(data: dict, gpu: dict | None) -> str:
+    window = capture_window(data)
+    if gpu is None:
+        return "<p class='missing'>No GPU history for this node in Airflow (gpu_node_health has not checked it).</p>"
+    if not gpu.get("has_gpu", True):
+        return "<p>The node has no GPU (node.has_gpu: false): nothing to show.</p>"
+    if window is None:
+        return "<p class='missing'>Capture did not run: no GPU timeline.</p>"
+    lo, hi = window[0] - 120, window[1] + 120
+    hist = gpu.get("history") or {}
+    ts = hist.get("t") or []
+    idx = [i for i, t in enumerate(ts) if lo <= t <= hi]
+    if not idx:
+        kept = (gpu.get("retention_s") or 3600) / 60
+        return (f"<p class='missing'>No health check fell inside the capture window; the GPU history keeps the "
+                f"last {kept:.0f} min (EAGLEFLOW_GPU_HISTORY_MIN).</p>")
+    names = {g["uuid"]: f"GPU {g.get('index')}" for g in gpu.get("gpus") or []}
+    mem = [(names.get(u, u), [(ts[i], s["mem"][i]) for i in idx]) for u, s in sorted((hist.get("gpus") or {}).items())]
+    util = [(names.get(u, u), [(ts[i], s["util"][i]) for i in idx]) for u, s in sorted((hist.get("gpus") or {}).items())]
+    return (line_chart(mem, title="GPU memory used during capture", y_label="MiB")
+            + line_chart(util, title="GPU utilisation during capture", y_label="%", y_max=100))
+
+
+def _training(metrics: list[dict]) -> str:
+    if not metrics:
+        return "<p class='missing'>No training metrics: train_draft did not run.</p>"
+    step = max(1, len(metrics) // 400)
+    pts = metrics[::step]
+    loss = [("loss", [(float(m["step"]), m.get("loss")) for m in pts])]
+    acc = [(k, [(float(m["step"]), m.get(k)) for m in pts]) for k in ("acc_0", "acc_1", "acc_2") if k in metrics[-1]]
+    accept = [("acceptance length", [(float(m["step"]), m.get("accept_length")) for m in pts])]
+    last = metrics[-10:]
+
+    def mean(k: str) -> str:
+        vals = [float(m[k]) for m in last if m.get(k) is not None]
+        return f"{sum(vals) / len(vals):.3f}" if vals else "n/a"
+    return (f"<p>{int(metrics[-1]['step']):,} steps; last 10 steps: loss {mean('loss')}, acc_0 {mean('acc_0')}, "
+            f"acceptance length {mean('accept_length')}.</p>"
+            + line_chart(loss, title="training loss", y_label="loss", x_is_time=False)
+            + line_chart(acc, title="draft accuracy per step", y_label="accuracy", x_is_time=False, y_max=1)
+            + line_chart(accept, title="acceptance length (simulated)", y_label="tokens", x_is_time=False))
+
+
+def _export(data: dict) -> str:
+    if not data.get("export_dir"):
+        return "<p class='missing'>No export: export_draft did not finish.</p>"
+    return (f"<p>Exported draft: <code>{_e(data['export_dir'])}</code> ({_e(', '.join(data['export_files']))})</p>"
+            f"<p>Serve it with SGLang:</p><pre class='cmd'>{_e(data['serve_command'])}</pre>")
+
+
+def _tasks(tasks: dict[str, str] | None) -> str:
+    if not tasks:
+        return ""
+    bad = {t: s for t, s in tasks.items() if s not in ("success", "skipped", None)}
+    rows = "".join(f"<tr class='{_e(s)}'><td>{_e(t)}</td><td>{_e(s)}</td></tr>" for t, s in tasks.items())
+    head = (f"<p class='failed'>Did not succeed: {_e(', '.join(f'{t} ({s})' for t, s in bad.items()))}</p>" if bad
+            else "<p class='ok'>Every task before this report succeeded.</p>")
+    return f"<h2>Tasks</h2>{head}<details><summary>all tasks</summary><table>{rows}</table></details>"
+
+
+def render(data: dict, *, tasks: dict[str, str] | None = None, gpu: dict | None = None,
+           now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    css = ("body{font-family:system-ui,sans-serif;margin:16px;max-width:1000px}table{border-collapse:collapse}"
+           "td,th{border:1px solid #ccc;padding:2px 6px;font-size:.9em}.missing{color:#a60}.failed{color:#b00;"
+           "font-weight:bold}.ok{color:#2a7a2a}pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap}"
+           "figure{margin:.5em 0}figcaption{font-weight:bold;font-size:.9em}.legend{font-size:.8em}")
+    return ("<!doctype html><html><head><meta charset='utf-8'>"
+            f"<title>eagleflow run {_e(data['run_id'])}</title><style>{css}</style></head><body>"
+            f"<h1>eagleflow run {_e(data['run_id'])}</h1>"
+            f"<p>node {_e(data['node'])} · run directory <code>{_e(data['run_dir'])}</code> · report written "
+            f"{_e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now)))}</p>"
+            + _tasks(tasks)
+            + "<h2>Corpus</h2>" + _corpus(data.get("corpus"))
+            + "<h2>Extraction</h2>" + _shards(data)
+            + "<h2>GPUs during capture</h2>" + _gpus(data, gpu)
+            + "<h2>Training</h2>" + _training(data.get("metrics") or [])
+            + "<h2>Export</h2>" + _export(data)
+            + "</body></html>")
+
+
+def write_report(cfg, layout, *, tasks: dict[str, str] | None = None, gpu: dict | None = None) -> Path:
+    data = gather(cfg, layout, cfg.node_state_dir())
+    path = Path(str(layout.run_dir)) / REPORT_FILE
+    atomic_write(path, render(data, tasks=tasks, gpu=gpu))
+    return path

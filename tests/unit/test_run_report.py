@@ -1,0 +1,83 @@
+"""The run report from a run directory as the pipeline leaves it (complete, and cut short by a failure)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from eagleflow.config import load_config
+from eagleflow.console.run_report import REPORT_FILE, serve_command, write_report
+from eagleflow.layout import RunLayout
+from eagleflow.watchdog import incidents
+
+
+def _config(tmp_path):
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/Kimi K2.5",
+                            "node": {"name": "gpu-node-1", "state_dir": str(tmp_path / "state")},
+                            "capture": {"tp": 8, "dtype": "bfloat16"}})
+    return cfg, RunLayout.for_run(cfg, "manual__r1")
+
+
+def _complete_run(cfg, layout, t0):
+    run = layout.run_dir
+    os.makedirs(f"{run}/corpus")
+    json.dump({"records": 6, "tokens": 900, "masked_tokens": 400, "length": {"p50": 150, "p99": 200, "max": 210},
+               "per_source": {"sharegpt": {"read": 4, "records": 4, "bad": 0, "dropped": 0, "tokens": 600,
+                                           "masked_tokens": 250},
+                              "tool<calls>": {"read": 3, "records": 2, "bad": 1, "dropped": 0, "tokens": 300,
+                                              "masked_tokens": 150}}}, open(f"{run}/corpus/stats.json", "w"))
+    for shard in (0, 1):
+        d = f"{run}/hidden_states/shard_{shard:05d}"
+        os.makedirs(d)
+        with open(f"{d}/manifest.jsonl", "w") as m:
+            for i in range(3):
+                name = f"{i:08d}.safetensors"
+                open(f"{d}/{name}", "wb").write(b"x")
+                os.utime(f"{d}/{name}", (t0 + 10 * i + shard * 200, t0 + 10 * i + shard * 200))  # shard 1 stalled
+                m.write(json.dumps({"id": f"s:{i}", "file": name, "tokens": 10, "bytes": 1}) + "\n")
+        json.dump({"total": 3, "state": "complete", "started_at": t0}, open(f"{d}/heartbeat.json", "w"))
+    inc, _ = incidents.open_or_join(cfg.node_state_dir(), node="gpu-node-1", cause="server_frozen",
+                                    run_id="manual__r1", shard=1, summary="frozen", join_window_s=30, now=t0 + 60)
+    incidents.open_or_join(cfg.node_state_dir(), node="gpu-node-1", cause="worker_dead", run_id="other_run",
+                           shard=0, summary="not this run", join_window_s=30, now=t0 + 70)
+    os.makedirs(f"{run}/draft/export")
+    with open(f"{run}/draft/metrics.jsonl", "w") as f:
+        for step in range(1, 51):
+            f.write(json.dumps({"step": step, "loss": 20 / step, "acc_0": step / 60, "acc_1": step / 80,
+                                "accept_length": 1 + step / 20}) + "\n")
+    for name in ("config.json", "model.safetensors"):
+        open(f"{run}/draft/export/{name}", "w").write("{}")
+
+
+def test_complete_run_report(tmp_path):
+    cfg, layout = _config(tmp_path)
+    t0 = time.time() - 3600
+    _complete_run(cfg, layout, t0)
+    gpu = {"has_gpu": True, "gpus": [{"uuid": "GPU-a", "index": 0}],
+           "history": {"t": [t0 - 3000, t0 + 30, t0 + 150], "gpus": {"GPU-a": {"mem": [1, 90000, 90000],
+                                                                                "util": [0, 95, 0]}}}}
+    path = write_report(cfg, layout, tasks={"export_draft": "success", "train_draft": "success"}, gpu=gpu)
+    assert path == tmp_path / "runs" / "manual__r1" / REPORT_FILE
+    html = path.read_text()
+    assert "Every task before this report succeeded." in html
+    assert "tool&lt;calls&gt;" in html and "<td>sharegpt</td><td>4</td>" in html
+    assert "samples stored per shard" in html and html.count("class='incident'") == 2  # marker + list item
+    assert "server_frozen" in html and "worker_dead" not in html  # another run's incident is not this run's
+    assert "GPU memory used during capture" in html and "GPU utilisation during capture" in html
+    assert "training loss" in html and "acceptance length 3.275" in html
+    cmd = ("python3 -m sglang.launch_server --model-path &#x27;/models/Kimi K2.5&#x27; --speculative-algorithm EAGLE3 "
+           f"--speculative-draft-model-path {tmp_path}/runs/manual__r1/draft/export")
+    assert cmd in html and "--tp 8 --dtype bfloat16" in html
+    assert serve_command(cfg, "/x").endswith("--tp 8 --dtype bfloat16")
+
+
+def test_failed_run_report_says_what_is_missing(tmp_path):
+    cfg, layout = _config(tmp_path)
+    os.makedirs(layout.run_dir)
+    html = write_report(cfg, layout, tasks={"prepare_corpus": "failed", "export_draft": "upstream_failed"},
+                        gpu=None).read_text()
+    assert re.search(r"Did not succeed: prepare_corpus \(failed\), export_draft \(upstream_failed\)", html)
+    for missing in ("No corpus statistics", "extraction did not start", "No GPU history", "train_draft did not run",
+                    "No export"):
+        assert missing in html
