@@ -94,3 +94,95 @@ def test_a_command_that_times_out_over_the_link_leaves_nothing_on_the_node(node_
         time.sleep(0.05)
     assert not running_in_ns(h, [sys.executable, "-c", IGNORE_TERM, "over-the-link"])
     assert node.run(["echo", "ok"], timeout=10).stdout == "ok\n"
+
+
+# -- partitions at the SSHNode level: the link, sshd, a dropped connection ------------------------------
+def _run_in_thread(node, argv, timeout):
+    import threading
+    out: dict = {}
+
+    def go():
+        t0 = time.monotonic()
+        try:
+            out["result"] = node.run(argv, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+        out["took"] = time.monotonic() - t0
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th, out
+
+
+def _wait_running(host, argv, within_s=10.0) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        pids = running_in_ns(host, argv)
+        if pids:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{argv} never ran on the node")
+
+
+def test_link_down_mid_command_is_unreachable_within_the_dead_link_bound_and_the_work_goes_on(
+        node_host_fixture, node):  # noqa: F811
+    from eagleflow.nodes import NodeUnreachable
+    from eagleflow.nodes.ssh import DEAD_LINK_S, KEEPALIVE_S
+    h = node_host_fixture
+    assert node.run(["true"], timeout=10).ok
+    connects = node.connects
+    argv = ["sleep", "43.25"]
+    th, out = _run_in_thread(node, argv, timeout=120)
+    (pid,) = _wait_running(h, argv)
+    h.link_down()
+    try:
+        th.join(KEEPALIVE_S + DEAD_LINK_S + 10)
+        assert not th.is_alive(), "a command on a dead link hung past keepalive + TCP_USER_TIMEOUT"
+        assert isinstance(out.get("error"), NodeUnreachable), out
+        assert "dropped while" in str(out["error"])
+        assert alive(pid), "the node's work must not depend on the control plane's connection"
+        # while the cable is out, a new command fails at once, naming the node, not after a long timeout
+        t0 = time.monotonic()
+        with pytest.raises(NodeUnreachable, match="gpu-node-ns"):
+            node.run(["true"], timeout=10)
+        assert time.monotonic() - t0 < h_conn_timeout() + 2
+    finally:
+        h.link_up()
+    assert node.run(["echo", "back"], timeout=20).stdout == "back\n"
+    assert node.connects == connects + 1
+    import os
+    import signal
+    os.kill(pid, signal.SIGKILL)
+
+
+def h_conn_timeout() -> float:
+    return 5.0   # the fixture's conn_timeout extra
+
+
+def test_a_connection_dropped_mid_command_is_unreachable_at_once_and_the_next_call_reconnects(
+        node_host_fixture, node):  # noqa: F811
+    from eagleflow.nodes import NodeUnreachable
+    h = node_host_fixture
+    argv = ["sleep", "44.25"]
+    th, out = _run_in_thread(node, argv, timeout=120)
+    _wait_running(h, argv)
+    connects = node.connects
+    assert h.drop_connections()
+    th.join(10)
+    assert not th.is_alive() and isinstance(out.get("error"), NodeUnreachable), out
+    assert out["took"] < 5
+    assert node.run(["echo", "again"], timeout=20).stdout == "again\n" and node.connects == connects + 1
+
+
+def test_sshd_killed_then_restarted(node_host_fixture, node):  # noqa: F811
+    from eagleflow.nodes import NodeUnreachable
+    h = node_host_fixture
+    assert node.run(["true"], timeout=10).ok
+    h.kill_sshd()
+    try:
+        with pytest.raises(NodeUnreachable):
+            node.run(["true"], timeout=10)
+        with pytest.raises(NodeUnreachable, match="cannot reach|refused"):
+            node.run(["true"], timeout=10)
+    finally:
+        h.start_sshd()
+    assert node.run(["echo", "restarted"], timeout=20).stdout == "restarted\n"

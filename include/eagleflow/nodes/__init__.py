@@ -1,11 +1,11 @@
 """Where commands run: LocalNode here, SSHNode over an Airflow SSH connection."""
 from .base import (CommandResult, DetachedProcess, JobAlreadyRunning, Node, NodeAnswerError, NodeCommandFailed,
-                   NodeCommandTimeout, NodeError)
+                   NodeCommandTimeout, NodeError, NodeUnreachable)
 from .local import LocalNode
 from .process_record import ProcessRecord, RecordStatus, StopResult
 
 __all__ = ["CommandResult", "DetachedProcess", "JobAlreadyRunning", "Node", "NodeAnswerError", "NodeCommandFailed",
-           "NodeCommandTimeout", "NodeError", "LocalNode", "ProcessRecord", "RecordStatus", "StopResult",
+           "NodeCommandTimeout", "NodeError", "NodeUnreachable", "LocalNode", "ProcessRecord", "RecordStatus", "StopResult",
            "node_from_config"]
 
 

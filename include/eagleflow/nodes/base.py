@@ -29,6 +29,11 @@ class NodeCommandTimeout(NodeError):
     pass
 
 
+class NodeUnreachable(NodeError):
+    """The node could not be reached, or the connection to it dropped: it says nothing about the node's jobs
+    (detached ones keep running there); the caller may reconnect later."""
+
+
 class NodeCommandFailed(NodeError):
     """A node command exited with a code that carries no answer; ``exit_code`` and ``stderr`` say why."""
 

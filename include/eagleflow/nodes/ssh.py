@@ -15,9 +15,14 @@ import shlex
 import socket
 import time
 
-from .base import CommandResult, Node, NodeCommandTimeout, NodeError
+from .base import CommandResult, Node, NodeCommandTimeout, NodeError, NodeUnreachable
 
 KILL_AFTER_S = 5.0  # after the TERM at the deadline, KILL whatever of the remote command is left
+# A pulled cable leaves an open TCP connection silent, not closed: a keepalive every KEEPALIVE_S puts data
+# on the wire and TCP_USER_TIMEOUT aborts the connection once data stays unacknowledged for DEAD_LINK_S,
+# so a command waiting on a dead link ends within about KEEPALIVE_S + DEAD_LINK_S, not TCP's ~15 minutes.
+KEEPALIVE_S = 3.0
+DEAD_LINK_S = 10.0
 
 
 class SSHNode(Node):
@@ -84,15 +89,26 @@ class SSHNode(Node):
                 raise NodeError(f"node {self.name}: host key of {self._where()} is unknown ({e}); pin it in the "
                                 f"connection's host_key extra or add it to ~/.ssh/known_hosts "
                                 f"(no_host_key_check: true skips the check; not for shared networks)") from None
-            raise NodeError(f"node {self.name}: SSH to {self._where()} failed: {e}") from None
+            raise NodeUnreachable(f"node {self.name}: SSH to {self._where()} failed: {e}") from None
         except (socket.timeout, TimeoutError) as e:
-            raise NodeCommandTimeout(f"node {self.name}: SSH to {self._where()} got no answer within "
-                                     f"{self._hook.conn_timeout} s ({e}); is the host up and the port right?") from None
-        except OSError as e:
-            raise NodeError(f"node {self.name}: cannot reach {self._where()}: {e}") from None
+            raise NodeUnreachable(f"node {self.name}: SSH to {self._where()} got no answer within "
+                                  f"{self._hook.conn_timeout} s ({e}); is the host up and the port right?") from None
+        except (OSError, EOFError) as e:
+            raise NodeUnreachable(f"node {self.name}: cannot reach {self._where()}: {e}") from None
         if fresh:
             self.connects += 1
+            self._watch_link(client)
         return client
+
+    @staticmethod
+    def _watch_link(client) -> None:
+        transport = client.get_transport()
+        transport.set_keepalive(KEEPALIVE_S)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+            try:
+                transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_LINK_S * 1000))
+            except (OSError, AttributeError):  # a proxy command's socket is not TCP
+                pass
 
     def _open_channel(self):
         import paramiko
@@ -102,8 +118,8 @@ class SSHNode(Node):
                 return client.get_transport().open_session(timeout=self.connect_timeout_s)
             except (paramiko.SSHException, EOFError, OSError, AttributeError):
                 if attempt == 2:
-                    raise NodeError(f"node {self.name}: SSH connection to {self._where()} dropped and a "
-                                    f"reconnect failed") from None
+                    raise NodeUnreachable(f"node {self.name}: SSH connection to {self._where()} dropped and a "
+                                          f"reconnect failed") from None
                 self._drop()  # connection went stale (node rebooted, sshd restarted): reconnect once
 
     def _drop(self) -> None:
@@ -153,6 +169,7 @@ class SSHNode(Node):
         return f"sh -c {shlex.quote(wrapper)} {shlex.quote(cmd)}"
 
     def run(self, argv, *, timeout=60.0, input=None, env=None, cwd=None) -> CommandResult:
+        import paramiko
         argv = [str(a) for a in argv]
         cmd = self.remote_command(argv, env, cwd)
         chan = self._open_channel()
@@ -189,8 +206,17 @@ class SSHNode(Node):
                     except socket.timeout:
                         pass
             code = chan.recv_exit_status()
+            dropped = code == -1 and not (chan.get_transport() and chan.get_transport().is_active())
+        except (paramiko.SSHException, EOFError, ConnectionError) as e:   # the connection died while starting it
+            self._drop()
+            raise NodeUnreachable(f"on node {self.name}: the SSH connection to {self._where()} failed while "
+                                  f"starting `{cmd}`: {e}") from None
         finally:
             chan.close()
+        if dropped:   # no exit status: the connection died under the command (link, sshd); it may still run there
+            self._drop()
+            raise NodeUnreachable(f"on node {self.name}: the SSH connection to {self._where()} dropped while "
+                                  f"`{cmd}` ran (no exit status); it may have finished or still run on the node")
         if deadline is not None and time.monotonic() > deadline and code in (124, 137):
             raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s; the node "
                                      f"ended it (TERM to its process group, KILL {KILL_AFTER_S:g} s later if needed)")
