@@ -18,7 +18,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator
-from eagleflow.corpus.commands import EXIT_BAD_RECORDS, EXIT_NOT_ENOUGH_DISK, EXIT_REFUSED
+from eagleflow.corpus.commands import EXIT_BAD_INPUT, EXIT_BAD_RECORDS, EXIT_NOT_ENOUGH_DISK, EXIT_REFUSED
 from eagleflow.nodes import NodeCommandFailed
 
 CORPUS_ASSET = Asset(name="eagleflow_corpus", uri="eagleflow://corpus")
@@ -55,7 +55,8 @@ class PrepareCorpusOperator(RunOperator):
 
     def run(self, ctx, context):
         stats = _run_cli(self, ctx, ["corpus", "prepare"], PREPARE_TIMEOUT_S,
-                         {EXIT_BAD_RECORDS: "corpus has bad records"})
+                         {EXIT_BAD_RECORDS: "corpus has bad records",
+                          EXIT_BAD_INPUT: "corpus source unreadable or chat template cannot render it"})
         summary = {"run_dir": str(ctx.layout.run_dir), "corpus_file": stats.get("corpus_file"),
                    "records": stats.get("records"), "tokens": stats.get("tokens"),
                    "masked_tokens": stats.get("masked_tokens"), "length": stats.get("length"),

@@ -11,6 +11,7 @@ import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
 
+EXIT_BAD_INPUT = 2  # a source that cannot be read, a chat template that cannot render the records
 EXIT_BAD_RECORDS = 3
 EXIT_NOT_ENOUGH_DISK = 4
 EXIT_REFUSED = 5
@@ -33,7 +34,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         return EXIT_BAD_RECORDS
     except (SourceError, TemplateError) as e:
         print(f"eagleflow corpus prepare: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(stats))
     return 0
 

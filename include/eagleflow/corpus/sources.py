@@ -5,6 +5,9 @@ malformed line becomes a reported bad record, not a crash of the reader.
 Parquet files and ``save_to_disk`` directories keep their own columns. Every
 source gets ``__row`` (0-based record position: the ``row`` of the sample id
 ``source:row``) and ``__where`` (what an error report says: "line 7" or "row 3").
+JSONL lines are decoded one by one: a line that is not valid UTF-8 keeps its
+text with replacement characters in ``__raw`` and says why in
+``__decode_error``, so it becomes a bad record naming its line.
 """
 from __future__ import annotations
 
