@@ -56,3 +56,20 @@ def test_prepare_fails_without_retry_listing_bad_records(tmp_path, demo_assets):
     assert "corpus has bad records" in msg and "15 bad record(s)" in msg
     assert "bad_sharegpt.jsonl line 2: field (line)" in msg and "line 5: field conversations[1].from = 'robot'" in msg
     assert msg.count("  - ") == 10
+
+
+def test_prepare_fails_without_retry_when_the_template_cannot_render_tools(tmp_path, demo_assets):
+    import shutil
+
+    from tests.fixtures.corpus import TOOL_SOURCES
+    target = tmp_path / "target"
+    shutil.copytree(demo_assets["target_model"], target)
+    (target / "chat_template.jinja").write_text(  # a template that knows roles and content only
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+        "{% endfor %}")
+    ctx = _ctx(write_config(tmp_path, str(target), TOOL_SOURCES), "template")
+    with pytest.raises(AirflowFailException) as e:
+        PrepareCorpusOperator(task_id="prepare_corpus").run(ctx, {})
+    msg = str(e.value)
+    assert "chat template cannot render it" in msg and f"the chat template of {target} (chat_template.jinja" in msg
+    assert "record tools_oa:0 (" in msg and "tools_openai.jsonl line 1): tools[0] (function 'add')" in msg
