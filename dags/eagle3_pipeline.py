@@ -28,9 +28,12 @@ DOC = __doc__ + """
 Phases: write the run config to the node; merge, shuffle and tokenise the
 corpus; check the disk budget (optionally delete old caches); free the GPUs
 and verify each is at its idle baseline; start the capture server (setup);
-extract every shard under the stall watchdog; stop the server (teardown);
-verify the stored hidden states; free and verify the GPUs again; train the
-draft on the node; export it in the format SGLang serves.
+extract every shard under the stall watchdog; stop the server and free the
+GPUs (teardowns: they run whatever the shards did); verify every stored
+sample (it runs after a failed shard too, and fails the run naming the
+shards and counts); check the GPUs idle; train the draft on the node only
+on verified data; export it in the format SGLang serves. Any failure ends
+the run failed: nothing trains or exports on partial data.
 """
 
 with DAG(
@@ -50,8 +53,10 @@ with DAG(
     params={
         "config_path": Param("configs/local-demo.yaml", type="string", title="Config file",
                              description="Pipeline config (YAML) on the Airflow machine; the other fields override it."),
-        "run_name": Param(None, type=["null", "string"], pattern="^[A-Za-z0-9_.-]+$", title="Run directory name",
-                          description="Name of this run's directory under run_root; empty = the Airflow run id."),
+        "run_name": Param(None, type=["null", "string"], pattern=r"^(?!\.\.?$)[A-Za-z0-9_.-]+$",
+                          title="Run directory name",
+                          description="Name of this run's directory under run_root (one plain name, not '.' or "
+                                      "'..'); empty = the Airflow run id."),
         "target_model": Param(None, type=["null", "string"], title="Target model path",
                               description="Local path of the target model on the node (config, weights, tokenizer)."),
         "node_conn_id": Param(None, type=["null", "string"], title="GPU node SSH connection",
@@ -84,16 +89,20 @@ with DAG(
     shards = PlanShardsOperator(task_id="plan_shards")
     extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2).expand(shard=shards.output)
     stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
-    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states")
-    free_after = FreeGpusOperator(task_id="free_gpus_after_capture", trigger_rule="all_done")
+    # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
+    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done")
+    free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", deferrable=True)
     train = TrainDraftOperator(task_id="train_draft")
     export = ExportDraftOperator(task_id="export_draft")
 
     write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
     idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
-    extract >> verify >> free_after >> idle_after >> train >> export
-    stop_server >> free_after
+    # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did, yet
+    # training waits for verification too, so it never runs on partial or unverified data.
+    stop_server >> free_after.as_teardown(setups=start_server)
+    extract >> verify
+    [free_after, verify] >> idle_after >> train >> export
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: export_draft and the other leaves do, so a failed run stays failed
     export >> RunReportOperator(task_id="run_report").as_teardown()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import PipelineConfig, load_config
+from .config import PipelineConfig, check_run_name, load_config
 from .layout import RunLayout
 
 
@@ -27,5 +27,6 @@ def parse_overrides(sets: list[str]) -> dict:
 
 
 def run_from_args(args: argparse.Namespace) -> tuple[PipelineConfig, RunLayout]:
+    check_run_name(args.run_id, "--run-id")
     cfg = load_config(args.config, parse_overrides(args.set))
     return cfg, RunLayout.for_run(cfg, args.run_id)

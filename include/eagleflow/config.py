@@ -204,12 +204,32 @@ class PipelineConfig(_Section):
         return Path(os.path.normpath(p.absolute()))
 
     def run_dir(self, run_id: str) -> Path:
-        return self.resolve(self.run_root) / safe_run_id(run_id)
+        root = self.resolve(self.run_root)
+        d = root / safe_run_id(check_run_name(run_id, "run id"))
+        if Path(os.path.normpath(d)).parent != root:   # belt and braces: one component, directly under run_root
+            raise ConfigError(f"run id {run_id!r}: its directory {d} is not directly under run_root {root}; "
+                              "use a plain name such as exp-01")
+        return d
 
     def node_state_dir(self) -> Path:
         if self.node.state_dir:
             return self.resolve(self.node.state_dir)
         return self.resolve(self.run_root) / ".node-state"
+
+
+def check_run_name(value: str, field: str) -> str:
+    """A run directory name (DAG Param run_name, --run-id, an Airflow run id): one plain path component.
+
+    ``.``, ``..``, an absolute path or anything with a path separator would put the run's files
+    outside run_root (``..`` makes the run dir run_root's parent), so they are refused by name.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{field} = {value!r}: a run needs a non-empty name, e.g. exp-01")
+    if value in (".", "..") or value.startswith(("/", "~")) or any(c in value for c in "/\\\0"):
+        raise ConfigError(f"{field} = {value!r}: not allowed; the run directory must stay inside run_root, so "
+                          "the name cannot be '.', '..', an absolute path or contain '/' or '\\'; use a plain "
+                          "name such as exp-01 (letters, digits, '_', '-', '.')")
+    return value
 
 
 def safe_run_id(run_id: str) -> str:

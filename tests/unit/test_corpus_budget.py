@@ -21,14 +21,15 @@ from tests.fixtures.corpus import GOOD_SOURCES, write_config
 class FixedFreeNode(LocalNode):
     """A local node whose free space is whatever the test says; remembers where it was asked."""
 
-    def __init__(self, free: int):
+    def __init__(self, free: int, free_at: dict[str, int] | None = None):
         super().__init__(name="test-node")
         self.free = free
+        self.free_at = free_at or {}
         self.asked: list[str] = []
 
     def free_bytes(self, path: str) -> int:
         self.asked.append(path)
-        return self.free
+        return self.free_at.get(path, self.free)
 
 
 @pytest.mark.parametrize("dtype, n, model", [("bfloat16", 37, "/models/tiny"), ("float32", 1234, "/m/x"),
@@ -68,7 +69,7 @@ def _setup(tmp_path, demo_assets, **disk):
     layout = RunLayout.for_run(cfg, "b")
     corpus = Path(str(layout.corpus_dir))
     corpus.mkdir(parents=True)
-    (corpus / "stats.json").write_text(json.dumps({"records": 100, "tokens": 20_000,
+    (corpus / "stats.json").write_text(json.dumps({"records": 100, "tokens": 20_000, "length": {"max": 400},
                                                    "per_source": {"sg": {}, "oa_json": {}}}))
     return cfg, layout
 
@@ -88,7 +89,7 @@ def test_disk_check_passes_and_fails_on_the_nodes_free_space(tmp_path, demo_asse
     node = FixedFreeNode(free=est.needed_bytes)
     ok = check_budget(cfg, layout, node)
     assert ok.ok and ok.message.startswith("disk OK")
-    assert node.asked == [str(layout.hidden_states_dir)]
+    assert node.asked == [str(layout.hidden_states_dir), cfg.capture.dump_dir]
 
     short = check_budget(cfg, layout, FixedFreeNode(free=est.needed_bytes - 1))
     assert not short.ok
@@ -106,3 +107,15 @@ def test_disk_check_without_corpus_says_what_to_run(tmp_path, demo_assets):
     cfg = load_config(write_config(tmp_path, demo_assets["target_model"], GOOD_SOURCES))
     with pytest.raises(BudgetError, match="run `eagleflow corpus prepare`"):
         check_budget(cfg, RunLayout.for_run(cfg, "none"), FixedFreeNode(free=1))
+
+
+def test_disk_check_counts_the_dump_dir(tmp_path, demo_assets):
+    """A full capture.dump_dir fails the budget by name before capture (not later as a 'dead server')."""
+    cfg, layout = _setup(tmp_path, demo_assets)
+    dumps = cfg.capture.shards * cfg.capture.in_flight   # fewer than the 100 records
+    need = dumps * 400 * 1033                             # longest sample x bytes per token
+    fine = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={cfg.capture.dump_dir: need}))
+    assert fine.ok and "dump_dir" in fine.message
+    full = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={cfg.capture.dump_dir: need - 1}))
+    assert not full.ok
+    assert full.message.startswith("NOT ENOUGH SPACE IN capture.dump_dir") and cfg.capture.dump_dir in full.message

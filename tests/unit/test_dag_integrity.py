@@ -43,12 +43,20 @@ def test_pipeline_params_render_a_trigger_form(dagbag):
 def test_pipeline_phase_order(dagbag):
     dag = dagbag.dags["eagle3_pipeline"]
     order = ["write_run_config", "prepare_corpus", "check_disk", "free_gpus", "gpus_idle", "start_capture_server",
-             "capture_server_ready", "extract_shard", "verify_hidden_states", "free_gpus_after_capture",
+             "capture_server_ready", "extract_shard", "verify_hidden_states",
              "gpus_idle_after_capture", "train_draft", "export_draft"]
     for a, b in zip(order, order[1:]):
         assert b in dag.get_task(a).get_flat_relative_ids(upstream=False), f"{a} must come before {b}"
     stop = dag.get_task("stop_capture_server")
     assert stop.is_teardown and "extract_shard" in stop.upstream_task_ids
+    # GPU cleanup after capture is a teardown of the server's start: it runs whatever the shards did...
+    free_after = dag.get_task("free_gpus_after_capture")
+    assert free_after.is_teardown and "stop_capture_server" in free_after.upstream_task_ids
+    # ...and training waits for verification as well, which runs after failed shards (all_done) to report them
+    assert {"free_gpus_after_capture", "verify_hidden_states"} <= dag.get_task("gpus_idle_after_capture").upstream_task_ids
+    assert dag.get_task("verify_hidden_states").trigger_rule == "all_done"
+    for t in ("gpus_idle_after_capture", "train_draft", "export_draft"):
+        assert dag.get_task(t).trigger_rule == "all_success", t
 
 
 def test_params_override_config(tmp_path):

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.watchdog.diagnosis import StallDetected
 
@@ -59,6 +60,10 @@ def alert_content(context: dict[str, Any], kind: str, base_url: str) -> tuple[st
     return subject, body
 
 
+class ConsequentialFailure(AirflowFailException):
+    """A task that fails only because an earlier one did: the run must end failed, but one alert is enough."""
+
+
 class PipelineAlertNotifier(SmtpNotifier):
     """SmtpNotifier whose recipients, connection, subject and body are decided per run when it fires."""
 
@@ -68,6 +73,10 @@ class PipelineAlertNotifier(SmtpNotifier):
 
     def notify(self, context) -> None:
         from eagleflow.airflow.runtime import RunContext
+        if isinstance(context.get("exception"), ConsequentialFailure):
+            log.info("eagleflow alert (%s) for %s not sent: %s", self.kind, context["ti"].task_id,
+                     context["exception"])
+            return
         try:
             params = dict(context.get("params") or {})
             if not params.get("config_path") and params.get("config_paths"):

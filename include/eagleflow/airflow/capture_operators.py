@@ -6,6 +6,7 @@ that touches the node goes through the run's Node.
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -156,18 +157,46 @@ class StopCaptureServerOperator(RunOperator):
 
 
 class VerifyHiddenStatesOperator(RunOperator):
-    """Every stored sample against its manifest; fails (no retry) with the per-shard report."""
+    """Every sample of every shard stored and matching its manifest, or the run fails (no retry).
 
-    def __init__(self, *, deferrable: bool = False, check_digest: bool = True, **kw):
+    Runs after the extraction whatever its outcome (trigger rule all_done), so
+    a shard that failed all its tries is reported here with the others: the
+    failure names each failed shard and its counts, and nothing downstream
+    (training, export) runs. When the capture never started (an earlier task
+    failed) it fails without a second alert: nothing was captured to verify.
+    A pass leaves the verification record that training requires.
+    """
+
+    def __init__(self, *, check_digest: bool = True, plan_task_id: str = "plan_shards", **kw):
         super().__init__(**kw)
         self.check_digest = check_digest
+        self.plan_task_id = plan_task_id
+
+    def execute(self, context):
+        ti = context.get("ti")
+        if ti is not None and ti.xcom_pull(task_ids=self.plan_task_id) is None:
+            from eagleflow.airflow.alerts import ConsequentialFailure
+            raise ConsequentialFailure(f"nothing verified: the capture never ran ({self.plan_task_id} has no result "
+                                       "because an earlier task failed; its own alert says why). Nothing is "
+                                       "trained or exported for this run")
+        return super().execute(context)
 
     def run(self, ctx, context):
-        argv = ctx.eagleflow_argv("capture", "verify", *([] if self.check_digest else ["--no-digest"]))
+        argv = ctx.eagleflow_argv("capture", "verify", "--json", *([] if self.check_digest else ["--no-digest"]))
         res = ctx.node.run(argv, timeout=None)
-        for line in res.stdout.strip().splitlines():
-            self.log.info("%s", line)
-        if not res.ok:
-            raise AirflowFailException(f"hidden-state verification failed on node {ctx.node.name} "
-                                       f"(exit {res.exit_code}):\n{res.stdout.strip()[-3000:]}\n{res.stderr.strip()[-2000:]}")
-        return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+        try:
+            report = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            raise AirflowFailException(f"hidden-state verification could not run on node {ctx.node.name} "
+                                       f"(exit {res.exit_code}): {res.stderr.strip()[-2000:]}") from None
+        for shard in report["shards"]:
+            self.log.info("shard %d: %d/%d stored and verified%s", shard["shard"], shard["stored"], shard["expected"],
+                          "" if shard["stored"] == shard["expected"] else " <- FAILED")
+        self.log.info("%s", report["summary"])
+        if not report["ok"]:
+            raise AirflowFailException(f"hidden-state verification failed on node {ctx.node.name}, so nothing is "
+                                       f"trained or exported: {report['summary']}. Re-run the failed shard(s) "
+                                       "(clear their extract_shard tasks and this one): each resumes from its "
+                                       "manifest and repairs what it finds")
+        return report["summary"]

@@ -1,16 +1,63 @@
 """Operators that belong to the pipeline as a whole rather than one phase."""
 from __future__ import annotations
 
+import json
+
+from airflow.sdk.exceptions import AirflowFailException
+
 from eagleflow.airflow.base import RunOperator
+from eagleflow.config import ConfigError, check_run_name
+from eagleflow.preflight import PreflightReport
+
+
+def unknown_conf_keys(conf: dict | None, params) -> list[str]:
+    """Keys of a run's conf that are no Param of the DAG (a typo such as "shardz" would be ignored)."""
+    return sorted(k for k in (conf or {}) if k not in params)
 
 
 class WriteRunConfigOperator(RunOperator):
-    """Validate the config (file + Params) and write it, paths resolved, into the run dir on the node."""
+    """Fail fast on bad input, then write the config (file + Params), paths resolved, into the run dir on the node.
+
+    Checked in seconds, without retry (AirflowFailException), each problem
+    naming its field: unknown conf keys (listing the valid ones), the config
+    and Params themselves, and on the node the target model directory, every
+    source path, run_root and capture.dump_dir writable, dump_dir's free space.
+
+    It is the run's first task and freezes the config: every later task, trigger and callback reads
+    what it wrote (run-config.json on the node, XCom), never the YAML again.
+    """
+
+    freezes_run_config = True
+
+    def execute(self, context):
+        run_name = (context.get("params") or {}).get("run_name")
+        if run_name:
+            try:
+                check_run_name(run_name, "DAG Param run_name")
+            except ConfigError as e:
+                raise AirflowFailException(str(e)) from None
+        dag_run = context.get("dag_run")
+        conf = getattr(dag_run, "conf", None) or {}
+        valid = sorted(self.dag.params.keys()) if self.dag is not None else []
+        unknown = unknown_conf_keys(conf, valid)
+        if unknown:
+            raise AirflowFailException(f"unknown key(s) in the run's conf: {', '.join(map(repr, unknown))}; "
+                                       f"the valid keys are: {', '.join(valid)}. Fix the spelling and trigger again")
+        return super().execute(context)
 
     def run(self, ctx, context):
+        node = ctx.node
+        report = node.run_json([node.python, "-m", "eagleflow.preflight", ctx.layout.run_id], PreflightReport,
+                               input=json.dumps(ctx.cfg.model_dump(mode="json")), timeout=120)
+        for line in report.checked:
+            self.log.info("input OK: %s", line)
+        if report.problems:
+            raise AirflowFailException(
+                f"the run's inputs are not usable on node {node.name} ({len(report.problems)} problem(s)); "
+                "fix them and trigger again:\n" + "\n".join(f"  - {p.line()}" for p in report.problems))
         path = ctx.write_run_config()
         self.log.info("run %s on node %s: config written to %s (run dir %s)", ctx.layout.run_id,
-                      ctx.node.name, path, ctx.layout.run_dir)
+                      node.name, path, ctx.layout.run_dir)
         return {"run_dir": str(ctx.layout.run_dir), "run_config": path}
 
 

@@ -174,12 +174,25 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     free = node.free_bytes(where)
     caches = cache_sizes(node, [str(cfg.resolve(p)) for p in cfg.disk.old_caches])
     ok = free >= est.needed_bytes
+    # the dumps in flight live in capture.dump_dir (often /dev/shm): a full one fails every request
+    longest = int((stats.get("length") or {}).get("max") or cfg.corpus.max_length)
+    dump_dir = str(cfg.resolve(cfg.capture.dump_dir))
+    dump_need = min(stats["records"], cfg.capture.shards * cfg.capture.in_flight) * longest * est.bytes_per_token
+    dump_free = node.free_bytes(dump_dir)
+    dump_line = (f"dump_dir {dump_dir}: {min(stats['records'], cfg.capture.shards * cfg.capture.in_flight)} dump(s) "
+                 f"in flight of up to {longest} tokens need {human_bytes(dump_need)}; free there: "
+                 f"{human_bytes(dump_free)}")
     head = (f"hidden states for {est.records} samples / {est.tokens} tokens need {human_bytes(est.needed_bytes)} "
             f"({est.needed_bytes} bytes: {human_bytes(est.total_bytes)} estimated + "
             f"{est.headroom_fraction:.0%} headroom; {est.bytes_per_token} bytes/token = 4 x {est.hidden_size} x "
             f"{est.dtype} + ids + mask) at {where} on node {node.name}; free there: {human_bytes(free)} ({free} bytes)")
-    if ok:
-        msg = f"disk OK: {head}"
+    if ok and dump_free < dump_need:
+        ok = False
+        msg = (f"NOT ENOUGH SPACE IN capture.dump_dir: {dump_line}; short by {human_bytes(dump_need - dump_free)}. "
+               "Free space there, point capture.dump_dir at a bigger filesystem, or lower capture.in_flight / "
+               f"capture.shards. ({head})")
+    elif ok:
+        msg = f"disk OK: {head}; {dump_line}"
     else:
         lines = [f"NOT ENOUGH DISK: {head}; short by {human_bytes(est.needed_bytes - free)}."]
         present = {p: s for p, s in caches.items() if s is not None}
