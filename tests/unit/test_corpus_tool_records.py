@@ -183,3 +183,17 @@ def test_over_max_length_cut_or_drop(tmp_path, demo_assets):
                                 over_max_length="drop")
     assert [r["id"] for r in rows] == ["agent:1"] and dropped["dropped"]["over_max_length"] == 1
     assert dropped["per_source"]["agent"]["dropped_by_reason"] == {"over_max_length": 1}
+
+
+def test_content_dropped_by_a_later_record_is_found_after_tokenising(tmp_path, demo_assets):
+    # renders the arguments of a single call but only the names of parallel calls: the first tool-calling
+    # record (one call) passes the early check, the second (two calls) is caught in the full pass
+    call = "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    template = CHAT_TEMPLATE.replace(call, "{% if m['tool_calls'] | length == 1 %}" + call +
+                                     "{% else %}{{ c['function']['name'] }}{% endif %}")
+    target = _target_with_template(tmp_path, demo_assets, template, "parallel-args-dropped")
+    with pytest.raises(TemplateError) as e:
+        _prepare(tmp_path, target, TOOL_SOURCES[:1])
+    assert (f"drops content of record tools_oa:1 ({fixture_path('tools_openai.jsonl')} line 2): messages[1]."
+            "tool_calls[0].function.arguments key 'words' is not in the rendered text: the template drops "
+            "tool-call arguments") in str(e.value)

@@ -151,6 +151,13 @@ def _record_name(row: dict, files: dict[str, str]) -> str:
     return f"record {row['id']} ({files[row['source']]} {row['where']})"
 
 
+def _content_dropped_error(label: str, row: dict, files: dict[str, str], problem: str) -> TemplateError:
+    return TemplateError(f"{label} drops content of {_record_name(row, files)}: {problem}. Use the target's own "
+                         "template, one that renders tools and tool calls (transformers passes them as "
+                         "apply_chat_template(messages, tools=...) with assistant 'tool_calls'), or fix the "
+                         "template in the target's chat_template.jinja / tokenizer_config.json")
+
+
 def _check_template(tokenizer, label: str, good, files: dict[str, str], *, max_length: int, method: str,
                     policy: str, fail_on_template_error: bool) -> None:
     """Before tokenising everything: render the first record and the first that uses tools in this
@@ -163,11 +170,7 @@ def _check_template(tokenizer, label: str, good, files: dict[str, str], *, max_l
         rec = tokenise_record(tokenizer, Conversation.from_json(row["conversation"]), max_length=max_length,
                               method=method, over_max_length=policy)
         if rec.content_dropped:
-            raise TemplateError(f"{label} drops content of {_record_name(row, files)}: {rec.content_dropped}. "
-                                "Use the target's own template that renders tools and tool calls (transformers "
-                                "passes them as apply_chat_template(messages, tools=...) with assistant "
-                                "'tool_calls'), or fix the template in the target's chat_template.jinja / "
-                                "tokenizer_config.json")
+            raise _content_dropped_error(label, row, files, rec.content_dropped)
         if rec.template_error and fail_on_template_error:
             raise TemplateError(f"{label} cannot render {_record_name(row, files)}: {rec.template_error}. "
                                 "Fix the template or the record (or allow it with corpus.max_bad_records)")
@@ -258,8 +261,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         first_dropped = _first_true(meta["content_dropped"].is_valid())
         if first_dropped is not None:
             row = {k: meta[k][first_dropped].as_py() for k in ("id", "source", "where", "content_dropped")}
-            raise TemplateError(f"{label} drops content of {_record_name(row, files)}: {row['content_dropped']}. "
-                                "Use a chat template that renders tools and tool calls, or fix the template")
+            raise _content_dropped_error(label, row, files, row["content_dropped"])
         template_failed = meta["template_error"].is_valid()
         ledger.add(BadRecord(source=s, file=files[s], where=w, field="(chat template)", value=short_repr(e),
                              kind=TEMPLATE_ERROR, problem=f"{label} raised on this record")
