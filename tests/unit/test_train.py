@@ -305,13 +305,14 @@ def test_target_head_reproduces_the_target_logits_from_stored_last_hidden_states
     from eagleflow.train.loss import TargetHead, load_target_head_and_embedding
     target = demo_assets["target_model"]
     model = AutoModelForCausalLM.from_pretrained(target).eval()
-    ids = torch.randint(6, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    v = int(model.config.vocab_size)               # the demo tokenizer's size
+    ids = torch.randint(6, v, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         out = model(ids, output_hidden_states=True)
     head, embed = load_target_head_and_embedding(target)
     assert torch.equal(embed, model.model.embed_tokens.weight)
-    draft_ids = torch.arange(6, 506, 3)
-    t2d = torch.zeros(512, dtype=torch.bool)
+    draft_ids = torch.arange(6, v - 6, 3)
+    t2d = torch.zeros(v, dtype=torch.bool)
     t2d[draft_ids] = True
     restricted, top_in = TargetHead(head, draft_ids, t2d, chunk_rows=7)(out.hidden_states[-1])
     torch.testing.assert_close(restricted, out.logits[..., draft_ids].float(), rtol=1e-4, atol=1e-4)
