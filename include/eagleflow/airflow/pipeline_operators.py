@@ -43,7 +43,10 @@ class WriteRunConfigOperator(RunOperator):
         if unknown:
             raise AirflowFailException(f"unknown key(s) in the run's conf: {', '.join(map(repr, unknown))}; "
                                        f"the valid keys are: {', '.join(valid)}. Fix the spelling and trigger again")
-        return super().execute(context)
+        try:
+            return super().execute(context)
+        except ConfigError as e:   # the config file or a Param is wrong: a retry would read the same input
+            raise AirflowFailException(str(e)) from None
 
     def run(self, ctx, context):
         node = ctx.node

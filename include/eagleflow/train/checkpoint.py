@@ -14,6 +14,7 @@ Temp directories a killed writer left behind are removed at the next start.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -101,15 +102,26 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    opt_tensors, opt_meta = optimizer_to_flat(optimizer)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
-    save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
-    from eagleflow.capture.storage import file_sha256
-    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
-    full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
-    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
-    for f in tmp.iterdir():
-        fsync_path(f)
+    try:
+        opt_tensors, opt_meta = optimizer_to_flat(optimizer)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+        save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
+        from eagleflow.capture.storage import file_sha256
+        files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+        full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
+        (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+        for f in tmp.iterdir():
+            fsync_path(f)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)   # never a half checkpoint left behind
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not full and "No space left" not in str(e):   # safetensors reports ENOSPC in its own error text
+            raise
+        before = list_checkpoints(root)
+        raise CheckpointWriteError(
+            f"disk full (ENOSPC) writing checkpoint step {step} in {root} ({shutil.disk_usage(root).free / 2**20:.1f}"
+            f" MiB free there); free space (or lower train.keep_checkpoints) and re-run: training resumes from "
+            f"{before[-1].name if before else 'the start'}, which is intact") from None
     if final.exists():  # a rerun of the same step: replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -146,6 +158,10 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
         raise
     except Exception as e:  # OSError, JSON errors, safetensors' own SafetensorError on a damaged header
         raise CheckpointDamaged(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (the disk is full); the previous ones are untouched."""
 
 
 class CheckpointDamaged(ValueError):
