@@ -75,6 +75,7 @@ def error_kind(error: str) -> str:
     low = error.lower()
     for needle, kind in (("timed out", "timed out"), ("timeout", "timed out"), ("authentication", "SSH login refused"),
                          ("connection refused", "connection refused"), ("no route", "unreachable"),
+                         ("unable to connect", "cannot connect"), ("cannot reach", "cannot connect"),
                          ("driver", "GPU driver not answering"), ("nvidia-smi", "nvidia-smi failed")):
         if needle in low:
             return kind

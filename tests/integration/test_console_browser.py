@@ -1,0 +1,161 @@
+"""The operator's console in a real Chromium against `airflow standalone` (scheduler, triggerer, API server, UI).
+
+As an operator would: sign in through Airflow's login page; open Browse -> GPU nodes; within one
+health interval (gpu_node_health starts unpaused, every minute) the fake 8-GPU node shows its four
+held GPUs highlighted, the CPU-only and the unreachable node are listed, no command line is on the
+page, and the page refreshes itself; trigger eagle3_pipeline from the trigger form and see the run
+succeed in the UI; open its run report and the metrics. Screenshots go to the test's folder (and to
+docs/ with EAGLEFLOW_UPDATE_SCREENSHOTS=1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eagleflow.airflow import standalone
+from tests.fixtures.browser import chromium  # noqa: F401  (fixture)
+from tests.fixtures.console_nodes import HELD, STALLED_CMD, write_console_nodes
+from tests.fixtures.pipeline_config import write_short_config
+
+pytestmark = [pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+NO_COMMAND_LINE = ("--model-path", "sglang.launch_server", "sk-console-test", "/models/kimi")
+
+
+def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as e:  # the page is being replaced under us: look again
+            last = e
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+
+
+def rest(base: str, path: str, token: str | None = None, method: str = "GET", body=None):
+    req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read() or b"null")
+
+
+def find(driver, by: str, selector: str, timeout_s: float = 90):
+    """The first element matching, once the React UI has rendered it."""
+    return wait_for(f"element {selector}", lambda: (driver.find_elements(by, selector) or [None])[0], timeout_s, 0.5)
+
+
+def sign_in(driver, base: str, password: str) -> None:
+    from selenium.webdriver.common.by import By
+    driver.get(base + "/")
+    wait_for("Airflow's login page", lambda: "/auth/login" in driver.current_url, 60)
+    find(driver, By.NAME, "username").send_keys("admin")
+    driver.find_element(By.NAME, "password").send_keys(password)
+    driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    wait_for("signed in", lambda: "/auth/login" not in driver.current_url and driver.get_cookie("_token"), 60)
+
+
+def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> None:
+    from selenium.webdriver.common.by import By
+    driver.get(base + "/")
+    find(driver, By.CSS_SELECTOR, "button[aria-label='Browse']").click()
+    find(driver, By.XPATH, "//*[@role='menuitem'][normalize-space()='GPU nodes'] | //a[normalize-space()='GPU nodes']"
+         ).click()  # the plugin's menu entry
+    wait_for("the GPU view in its iframe", lambda: driver.find_elements(By.CSS_SELECTOR, "iframe[src*='eagleflow-gpu']"), 60)
+    driver.switch_to.frame(driver.find_element(By.CSS_SELECTOR, "iframe[src*='eagleflow-gpu']"))
+    # gpu_node_health runs unpaused from its creation: the held GPUs appear within one interval
+    held = wait_for("4 held GPUs highlighted", lambda: [
+        e.get_attribute("data-uuid") for e in driver.find_elements(By.CSS_SELECTOR, "tr.gpu.held")
+        if e.get_attribute("data-uuid")] if len(driver.find_elements(By.CSS_SELECTOR, "tr.gpu.held")) == len(HELD)
+        else None, health_interval_s + 120)
+    assert sorted(held) == [f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in HELD]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "[data-node='gpu-node-stalled'] tr.gpu")) == 8
+    wait_for("CPU-only and unreachable nodes listed", lambda: "CPU-only node" in driver.page_source
+             and "unreachable (" in driver.page_source, health_interval_s + 60)
+    text = driver.find_element(By.TAG_NAME, "body").text
+    assert "held since" in text and "not eagleflow's" in text
+    page = driver.page_source
+    for arg in NO_COMMAND_LINE:
+        assert arg not in page, f"command-line fragment {arg!r} on the GPU view"
+    first = driver.find_element(By.TAG_NAME, "body").get_attribute("data-refreshed")
+    wait_for("the page refreshes itself", lambda: driver.find_element(By.TAG_NAME, "body")
+             .get_attribute("data-refreshed") not in (first, "0"), 30, 1)
+    driver.switch_to.default_content()
+    driver.save_screenshot(str(shots / "gpu-view.png"))
+
+
+def trigger_from_form(driver, base: str, run_name: str, shots: Path) -> None:
+    from selenium.webdriver.common.by import By
+    driver.get(base + "/dags/eagle3_pipeline")
+    find(driver, By.CSS_SELECTOR, "button[aria-label='Trigger Dag']").click()
+    name = find(driver, By.NAME, "element_run_name")
+    name.send_keys(run_name)
+    driver.save_screenshot(str(shots / "trigger-form.png"))
+    driver.find_elements(By.XPATH, "//button[normalize-space()='Trigger']")[-1].click()
+
+
+@pytest.mark.timeout(1500)
+def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  # noqa: F811
+    from selenium.webdriver.common.by import By
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    nodes = write_console_nodes(tmp_path / "nodes")
+    cfg = write_short_config(tmp_path, demo_assets)
+    home, port = tmp_path / "airflow_home", standalone.free_port()
+    env = {**nodes["env"], "EAGLEFLOW_HEALTH_CONFIGS": os.pathsep.join(nodes["configs"]),
+           "EAGLEFLOW_CONFIG": str(cfg), "EAGLEFLOW_GPU_HEALTH_EVERY_MIN": "1", "EAGLEFLOW_GPU_VIEW_REFRESH_S": "5"}
+    info = None
+    try:
+        info = standalone.start(home, port, wait_s=300, extra_env=env)
+        base = f"http://127.0.0.1:{port}"
+        with pytest.raises(urllib.error.HTTPError) as e:  # no login, no GPU data
+            rest(base, "/eagleflow-gpu/api/status")
+        assert e.value.code == 401
+        sign_in(chromium, base, info["password"])
+        check_gpu_view(chromium, base, shots, health_interval_s=60)
+
+        token = rest(base, "/auth/token", method="POST",
+                     body={"username": "admin", "password": info["password"]})["access_token"]
+        trigger_from_form(chromium, base, "browser_run", shots)
+        runs = wait_for("the run the form created", lambda: rest(
+            base, "/api/v2/dags/eagle3_pipeline/dagRuns", token)["dag_runs"], 60)
+        run_id = runs[0]["dag_run_id"]
+        assert rest(base, "/api/v2/dags/eagle3_pipeline", token)["is_paused"] is False  # the form unpaused it
+        state = wait_for("the run to finish", lambda: (s := rest(
+            base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}", token)["state"]) in ("success", "failed") and s,
+            900, 5)
+        tis = rest(base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}/taskInstances", token)["task_instances"]
+        assert state == "success", {(t["task_id"], t.get("map_index")): t["state"] for t in tis}
+        chromium.get(f"{base}/dags/eagle3_pipeline/runs/{run_id}")
+        wait_for("the UI shows the run succeeded", lambda: "success" in chromium.find_element(By.TAG_NAME, "body")
+                 .text.lower(), 90)
+        chromium.save_screenshot(str(shots / "pipeline-run.png"))
+
+        chromium.get(f"{base}/eagleflow-gpu/report/eagle3_pipeline/{run_id}")  # the run_report task's link
+        report = chromium.find_element(By.TAG_NAME, "body").text
+        assert "samples stored per shard" in report and "training loss" in report
+        assert "--speculative-algorithm EAGLE3" in report and "browser_run/draft/export" in report
+        chromium.save_screenshot(str(shots / "run-report.png"))
+        assert (tmp_path / "runs" / "browser_run" / "report.html").is_file()
+
+        chromium.get(f"{base}/eagleflow-gpu/metrics")  # the UI's cookie authenticates a scrape from the browser
+        metrics = chromium.find_element(By.TAG_NAME, "body").text
+        assert 'DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-00000000-1111-2222-3333-444455556666"' in metrics
+        assert 'Hostname="gpu-node-stalled"} 90000' in metrics and STALLED_CMD not in metrics
+    finally:
+        stopped = standalone.stop(home, grace_s=20)
+        if os.environ.get("EAGLEFLOW_UPDATE_SCREENSHOTS") == "1":
+            for p in shots.glob("*.png"):
+                shutil.copy(p, REPO / "docs" / f"console-{p.name}")
+    assert stopped and info is not None and not standalone._group_alive(info["pgid"])
