@@ -70,11 +70,12 @@ def test_teardown_removes_namespace_link_and_processes(tmp_path):
         # a process that outlives its SSH session on the node (setsid, as detached jobs are)
         h.exec_in(["sh", "-c", "setsid -f sleep 3600 </dev/null >/dev/null 2>&1"])
         assert running_in_ns(h, ["sleep", "3600"])
-        ns, vh, vn = h.netns, h.veth_host, h.veth_node
+        ns, vh, vn, host_ip = h.netns, h.veth_host, h.veth_node, h.host_ip
         sleeper = running_in_ns(h, ["sleep", "3600"])
     assert ns not in _ip("netns", "list").stdout.split()
     links = _ip("-o", "link", "show").stdout
     assert f" {vh}@" not in links and f" {vn}@" not in links
+    assert "blackhole" not in _ip("-4", "route", "show", "match", host_ip).stdout
     assert not alive(sshd_pid)
     assert sleeper and not any(alive(p) for p in sleeper), "teardown left a process of the node running"
 
@@ -135,6 +136,9 @@ def test_link_down_mid_command_is_unreachable_within_the_dead_link_bound_and_the
     (pid,) = _wait_running(h, argv)
     h.link_down()
     try:
+        # nothing for the node may leave by the default route while the cable is out
+        routes = _ip("-4", "route", "show", "match", h.node_ip).stdout
+        assert "blackhole" in routes and h.veth_host not in routes, routes
         th.join(KEEPALIVE_S + DEAD_LINK_S + 10)
         assert not th.is_alive(), "a command on a dead link hung past keepalive + TCP_USER_TIMEOUT"
         assert isinstance(out.get("error"), NodeUnreachable), out
