@@ -159,3 +159,14 @@ def test_records_of_a_run_are_found_by_exact_name(tmp_path):
     workers = pr.records_in(d, "exp", role_pattern=r"worker_shard_\d{5}")
     assert [r.role for r in workers] == ["worker_shard_00001"]
     assert len(pr.records_in(d)) == 8
+
+
+def test_airflow_standalone_stop_with_a_stale_state_file_signals_nothing(tmp_path, foreign_group):
+    """`make airflow-stop` long after: standalone.json's group id now names a foreign `sleep`."""
+    from eagleflow.airflow import standalone
+    pgid, sleep_pid = foreign_group
+    (tmp_path / "standalone.json").write_text(json.dumps({"pid": pgid, "pgid": pgid, "start_ticks": 4242,
+                                                          "token": secrets.token_hex(16), "port": 8080}))
+    assert standalone.stop(tmp_path, grace_s=1) is False
+    time.sleep(0.3)
+    assert alive(sleep_pid) and not (tmp_path / "standalone.json").exists()

@@ -3,13 +3,17 @@
 Started in its own session (setsid), so it can be stopped as a process group:
 in Airflow 3.3 a SIGTERM to the parent leaves the scheduler and workers
 orphaned. Stop = SIGINT to the group, wait, then SIGKILL to what is left of
-that group only. The group id is recorded in <home>/standalone.json.
+that group only, through eagleflow's one stop (``eagleflow.nodes.process_record``):
+<home>/standalone.json records the leader's start time and the token its
+processes carry, so a stale file whose group id now names someone else's
+processes signals nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,7 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from eagleflow.airflow.home import airflow_bin, airflow_env
-from eagleflow.nodes.proc import parse_stat
+from eagleflow.nodes import process_record
+from eagleflow.nodes.proc import parse_stat, read_start_ticks
 
 
 def free_port() -> int:
@@ -55,14 +60,15 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
     sf = state_file(home)
     if sf.exists():
         old = json.loads(sf.read_text())
-        if _group_alive(old["pgid"]):
+        if process_record.members(_record(old)):
             raise RuntimeError(f"Airflow standalone already runs from {home} (process group {old['pgid']}, "
                                f"port {old['port']}); stop it with `make airflow-stop`")
     log = open(home / "standalone.log", "ab")
-    proc = subprocess.Popen([airflow_bin(), "standalone"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    info = {"pid": proc.pid, "pgid": proc.pid, "port": port, "url": f"http://localhost:{port}",
-            "log": str(home / "standalone.log"), "home": str(home)}
+    token = secrets.token_hex(16)
+    proc = subprocess.Popen([airflow_bin(), "standalone"], env={**env, process_record.TOKEN_ENV: token},
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": token,
+            "port": port, "url": f"http://localhost:{port}", "log": str(home / "standalone.log"), "home": str(home)}
     sf.write_text(json.dumps(info))
     deadline = time.time() + wait_s
     while time.time() < deadline:
@@ -130,22 +136,21 @@ def stop(home: str | Path | None = None, *, grace_s: float = 30) -> bool:
     sf = state_file(home)
     if not sf.exists():
         return False
-    pgid = json.loads(sf.read_text())["pgid"]
-    stopped = False
-    if _group_alive(pgid):
-        stopped = True
-        os.killpg(pgid, signal.SIGINT)
-        deadline = time.time() + grace_s
-        while time.time() < deadline and _group_alive(pgid):
-            time.sleep(0.5)
-        if _group_alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
-            for _ in range(40):
-                if not _group_alive(pgid):
-                    break
-                time.sleep(0.25)
+    info = json.loads(sf.read_text())
+    _reap(int(info["pid"]))
+    res = process_record.stop(_record(info), grace_s=grace_s, kill_wait_s=10.0, remove_record=False,
+                              term_signal=signal.SIGINT)
+    if res.outcome == "stale_record":
+        print(f"airflow standalone: {res.detail}", file=sys.stderr)
     sf.unlink(missing_ok=True)
-    return stopped
+    return res.outcome not in ("already_gone", "stale_record")
+
+
+def _record(info: dict) -> process_record.ProcessRecord:
+    """standalone.json as a process record (a file from before start times were kept proves nothing)."""
+    return process_record.ProcessRecord(pid=int(info["pid"]), pgid=int(info["pgid"]),
+                                        start_ticks=int(info.get("start_ticks") or 0), role="airflow_standalone",
+                                        token=str(info.get("token") or ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,6 +175,12 @@ def leader_state(rec: ProcessRecord):
     return st
 
 
+def _leads_its_group(rec: ProcessRecord) -> bool:
+    """Our leader runs and still leads the recorded group: the group id cannot name anyone else's group."""
+    st = _stat(rec.pid)
+    return leader_is_ours(rec) and st is not None and st[1] == rec.pgid
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live (non-zombie) PIDs whose process group is ``pgid``, whoever they belong to."""
     out = []
@@ -187,10 +193,15 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def members(rec: ProcessRecord) -> list[int]:
-    """The live processes of the record's group that are provably ours (the leader, or carrying the token)."""
-    leader = leader_is_ours(rec)
-    return [p for p in group_pids(rec.pgid)
-            if (p == rec.pid and leader) or (p != rec.pid and _carries_token(p, rec.token))]
+    """The live processes of the record's group that are provably ours.
+
+    While our leader lives, the whole group: only processes of its session (ours: detach started it
+    with setsid) can join it, even a child that cleared its environment. Once the leader is gone, its
+    number may be reused by anyone, so then only members carrying the record's token count.
+    """
+    if _leads_its_group(rec):
+        return group_pids(rec.pgid)
+    return [p for p in group_pids(rec.pgid) if p != rec.pid and _carries_token(p, rec.token)]
 
 
 @dataclass
@@ -254,7 +265,8 @@ class StopResult:
         return f"{what} pid {self.pid} ({self.user or 'user ?'}, `{self.command}`{mem}): {self.outcome}{wchan}"
 
 
-def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float) -> tuple[str, str | None]:
+def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float,
+                     term_signal: int = signal.SIGTERM) -> tuple[str, str | None]:
     """TERM (and CONT, so a SIGSTOPped process acts on it), wait, KILL, wait. (outcome, wchan when stuck in D)."""
     def wait_gone(seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -264,7 +276,7 @@ def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float) -> tup
             time.sleep(0.05)
         return True
 
-    send(signal.SIGTERM)
+    send(term_signal)
     send(signal.SIGCONT)
     if wait_gone(grace_s):
         return "terminated", None
@@ -281,7 +293,7 @@ def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float) -> tup
 def _send(rec: ProcessRecord, sig: int) -> None:
     """One signal to what is proven ours right now: the whole group through a live leader, else member by member."""
     try:
-        if leader_is_ours(rec):
+        if _leads_its_group(rec):
             os.killpg(rec.pgid, sig)
             return
     except ProcessLookupError:
@@ -291,7 +303,7 @@ def _send(rec: ProcessRecord, sig: int) -> None:
 
 
 def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
-         remove_record: bool = True) -> StopResult:
+         remove_record: bool = True, term_signal: int = signal.SIGTERM) -> StopResult:
     """TERM what is ours of the record's group, grace, KILL; report a process stuck in D with its wchan.
 
     The record is removed once nothing of ours is left (kept when something
@@ -318,7 +330,8 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
         if remove_record:
             _remove(rec)  # gone or stale: it can never name our process again; the report says which
         return res
-    res.outcome, res.wchan = _term_grace_kill(lambda: members(rec), lambda sig: _send(rec, sig), grace_s, kill_wait_s)
+    res.outcome, res.wchan = _term_grace_kill(lambda: members(rec), lambda sig: _send(rec, sig), grace_s, kill_wait_s,
+                                              term_signal)
     res.detail = f"{rec.role} pid {rec.pid} (group {rec.pgid}) {res.outcome}" + (
         f", waiting in kernel function {res.wchan}" if res.wchan else "") + (
         f"; left {len(foreign)} process(es) of the group that are not ours: {_pids(foreign)}" if foreign else "")
