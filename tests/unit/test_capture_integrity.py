@@ -107,3 +107,12 @@ def test_verification_record_is_what_training_requires(tmp_path):
     assert no_digest.ok
     with pytest.raises(NotVerifiedError, match="digest_checked=False"):
         require_verified(tmp_path)
+
+
+def test_a_shard_dir_that_cannot_be_read_fails_verification_by_name(tmp_path):
+    _shard(tmp_path / "shard_00000", indexes=[0, 2])
+    (tmp_path / "shard_00001").write_text("a file where the shard's directory should be\n")
+    res = verify_hidden_states(tmp_path, {0: [0, 2], 1: [1, 3]})
+    assert not res.ok and not (tmp_path / RECORD_FILE).exists()
+    assert "failed shard(s) 1: shard 1: 0/2 stored; 2 missing: 1, 3" in res.summary()
+    assert "shard_00001/manifest.jsonl cannot be read (Not a directory)" in res.summary()

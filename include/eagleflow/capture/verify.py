@@ -41,11 +41,12 @@ class ShardReport:
     duplicates: list[str] = field(default_factory=list)
     temp_files: list[str] = field(default_factory=list)
     newest_mtime_ns: int = 0
+    unreadable: str = ""        # the shard dir or its manifest cannot be read at all
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.extra or self.truncated or self.mismatched or self.bad_lines
-                    or self.partial_tail or self.duplicates)
+                    or self.partial_tail or self.duplicates or self.unreadable)
 
     def line(self) -> str:
         def few(xs):
@@ -58,13 +59,20 @@ class ShardReport:
                 parts.append(f"{len(xs)} {label}: {few(xs)}")
         if self.partial_tail:
             parts.append("manifest ends in a cut-off line")
+        if self.unreadable:
+            parts.append(self.unreadable)
         return "; ".join(parts) + ("" if self.ok else "  <- FAILED")
 
 
 def verify_shard(shard_dir: str | os.PathLike, shard: int, expected: list[int], check_digest: bool = True) -> ShardReport:
     d = Path(shard_dir)
     rep = ShardReport(shard=shard, expected=len(expected))
-    scan = read_manifest(d / "manifest.jsonl")
+    try:
+        scan = read_manifest(d / "manifest.jsonl")
+    except OSError as e:   # e.g. the shard's dir is a file, or unreadable: nothing of it counts as stored
+        rep.missing = sorted(expected)
+        rep.unreadable = f"{d / 'manifest.jsonl'} cannot be read ({e.strerror or e})"
+        return rep
     rep.bad_lines = list(scan.bad_lines)
     rep.partial_tail = scan.partial_tail
     rep.duplicates = ([f"index {i}" for i in sorted(set(scan.duplicates))]
@@ -136,7 +144,7 @@ class VerificationResult:
 def _manifest_digest(path: Path) -> str | None:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
-    except FileNotFoundError:
+    except OSError:   # missing or unreadable: verify_shard reports it
         return None
 
 
