@@ -46,6 +46,8 @@ def _complete_run(cfg, layout, t0):
         for step in range(1, 51):
             f.write(json.dumps({"step": step, "loss": 20 / step, "acc_0": step / 60, "acc_1": step / 80,
                                 "accept_length": 1 + step / 20}) + "\n")
+    json.dump({"ok": True, "samples": 6, "shards": 2, "digest_checked": True},
+              open(f"{run}/hidden_states/verified.json", "w"))
     for name in ("config.json", "model.safetensors"):
         open(f"{run}/draft/export/{name}", "w").write("{}")
 
@@ -64,6 +66,7 @@ def test_complete_run_report(tmp_path):
     assert "tool&lt;calls&gt;" in html and "<td>sharegpt</td><td>4</td>" in html
     assert "samples stored per shard" in html and html.count("class='incident'") == 2  # marker + list item
     assert "server_frozen" in html and "worker_dead" not in html  # another run's incident is not this run's
+    assert "Verified: 6 samples in 2 shard(s) against their manifests with digests." in html
     assert "GPU memory used during capture" in html and "GPU utilisation during capture" in html
     assert "training loss" in html and "acceptance length 3.275" in html
     cmd = ("python3 -m sglang.launch_server --model-path &#x27;/models/Kimi K2.5&#x27; --speculative-algorithm EAGLE3 "
@@ -81,3 +84,7 @@ def test_failed_run_report_says_what_is_missing(tmp_path):
     for missing in ("No corpus statistics", "extraction did not start", "No GPU history", "train_draft did not run",
                     "No export"):
         assert missing in html
+    cpu_cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/m", "node": {"has_gpu": False}})
+    cpu = RunLayout.for_run(cpu_cfg, "cpu")
+    os.makedirs(cpu.run_dir)
+    assert "The node has no GPU" in write_report(cpu_cfg, cpu).read_text()

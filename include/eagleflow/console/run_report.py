@@ -80,7 +80,7 @@ def gather(cfg, layout, state_dir: str | os.PathLike) -> dict[str, Any]:
             and any(isinstance(s, dict) and s.get("run_id") == layout.run_id for s in (i.get("shards") or {}).values())}
     export = draft / "export"
     return {
-        "run_id": layout.run_id, "run_dir": str(run_dir), "node": cfg.node.name,
+        "run_id": layout.run_id, "run_dir": str(run_dir), "node": cfg.node.name, "has_gpu": cfg.node.has_gpu,
         "corpus": _read_json(Path(str(layout.corpus_dir)) / "stats.json"),
         "shards": shard_timelines(Path(str(layout.hidden_states_dir))),
         "verified": _read_json(Path(str(layout.hidden_states_dir)) / "verified.json"),
@@ -185,9 +185,10 @@ def _shards(data: dict) -> str:
     incidents = "".join(f"<li class='incident'>{_e(time.strftime('%H:%M:%S UTC', time.gmtime(float(i['opened_at']))))}: "
                         f"{_e(i.get('cause'))} on {_e(i.get('node'))}, shards {_e(', '.join(sorted((i.get('shards') or {}).keys())))}"
                         f" ({_e(i.get('id'))})</li>" for i in data.get("incidents") or [] if i.get("opened_at"))
-    verified = data.get("verified")
-    ver = (f"<p>Verification: {_e(json.dumps(verified)[:300])}</p>" if verified else
-           "<p class='missing'>Not verified (verify_hidden_states did not pass).</p>")
+    verified = data.get("verified") or {}
+    ver = (f"<p class='ok'>Verified: {int(verified.get('samples') or 0):,} samples in {_e(verified.get('shards'))} "
+           f"shard(s) against their manifests{' with digests' if verified.get('digest_checked') else ''}.</p>"
+           if verified.get("ok") else "<p class='missing'>Not verified (verify_hidden_states did not pass).</p>")
     return (line_chart(series, title="samples stored per shard", y_label="samples", markers=markers)
             + f"<table><tr><th>shard</th><th>stored</th><th>total</th><th>worker state</th></tr>{rows}</table>"
             + (f"<p>Stall incidents (red dashed lines):</p><ul>{incidents}</ul>" if incidents else
@@ -204,10 +205,10 @@ def capture_window(data: dict) -> tuple[float, float] | None:
 
 def _gpus(data: dict, gpu: dict | None) -> str:
     window = capture_window(data)
+    if not data.get("has_gpu", True) or (gpu is not None and not gpu.get("has_gpu", True)):
+        return "<p>The node has no GPU (node.has_gpu: false): nothing to show.</p>"
     if gpu is None:
         return "<p class='missing'>No GPU history for this node in Airflow (gpu_node_health has not checked it).</p>"
-    if not gpu.get("has_gpu", True):
-        return "<p>The node has no GPU (node.has_gpu: false): nothing to show.</p>"
     if window is None:
         return "<p class='missing'>Capture did not run: no GPU timeline.</p>"
     lo, hi = window[0] - 120, window[1] + 120
