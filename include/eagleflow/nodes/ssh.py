@@ -25,6 +25,15 @@ KEEPALIVE_S = 3.0
 DEAD_LINK_S = 10.0
 
 
+def bound_dead_link(sock) -> None:
+    """TCP_USER_TIMEOUT = DEAD_LINK_S on an SSH connection's socket (Linux), so a dead link errors out."""
+    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_LINK_S * 1000))
+        except (OSError, AttributeError):  # a proxy command's socket is not TCP
+            pass
+
+
 class SSHNode(Node):
     def __init__(self, conn_id: str, name: str | None = None, python: str = "python3",
                  connect_timeout_s: float = 15.0):
@@ -104,11 +113,7 @@ class SSHNode(Node):
     def _watch_link(client) -> None:
         transport = client.get_transport()
         transport.set_keepalive(KEEPALIVE_S)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
-            try:
-                transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_LINK_S * 1000))
-            except (OSError, AttributeError):  # a proxy command's socket is not TCP
-                pass
+        bound_dead_link(getattr(transport, "sock", None))
 
     def _open_channel(self):
         import paramiko
@@ -213,15 +218,26 @@ class SSHNode(Node):
                                   f"starting `{cmd}`: {e}") from None
         finally:
             chan.close()
-        if dropped:   # no exit status: the connection died under the command (link, sshd); it may still run there
+        if dropped:
             self._drop()
-            raise NodeUnreachable(f"on node {self.name}: the SSH connection to {self._where()} dropped while "
-                                  f"`{cmd}` ran (no exit status); it may have finished or still run on the node")
-        if deadline is not None and time.monotonic() > deadline and code in (124, 137):
-            raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s; the node "
-                                     f"ended it (TERM to its process group, KILL {KILL_AFTER_S:g} s later if needed)")
-        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-        if code == 127 and ("not found" in stderr or "No such file" in stderr):
-            raise NodeError(f"on node {self.name}: {argv[0]!r} is not on PATH ({stderr.strip()[:300]}); "
-                            f"install it there or give its full path")
-        return CommandResult(tuple(argv), code, stdout, stderr)
+        return command_result(self.name, self._where(), argv, cmd, None if dropped else code,
+                              out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timeout,
+                              past_deadline=deadline is not None and time.monotonic() > deadline)
+
+
+def command_result(node: str, where: str, argv: list[str], cmd: str, code: int | None, stdout: str, stderr: str,
+                   timeout: float | None, past_deadline: bool) -> CommandResult:
+    """What a finished SSH command means (SSHNode and AsyncSSHNode alike): its result, or the error to raise.
+
+    ``code`` None: no exit status came back, the connection died under the command (link, sshd).
+    """
+    if code is None:   # it may still run on the node: unreachable, not failed
+        raise NodeUnreachable(f"on node {node}: the SSH connection to {where} dropped while `{cmd}` ran (no exit "
+                              f"status); it may have finished or still run on the node")
+    if past_deadline and code in (124, 137):
+        raise NodeCommandTimeout(f"on node {node}: `{cmd}` did not finish within {timeout} s; the node "
+                                 f"ended it (TERM to its process group, KILL {KILL_AFTER_S:g} s later if needed)")
+    if code == 127 and ("not found" in stderr or "No such file" in stderr):
+        raise NodeError(f"on node {node}: {argv[0]!r} is not on PATH ({stderr.strip()[:300]}); "
+                        f"install it there or give its full path")
+    return CommandResult(tuple(argv), code, stdout, stderr)
