@@ -66,6 +66,12 @@ class NodeConfig(_Section):
     python: str = Field(default="", description="python on the node with eagleflow installed; empty = this interpreter (local) or python3 (ssh)")
     state_dir: str = Field(default="", description="where the node keeps pid records and locks; empty = <run_root>/.node-state")
     has_gpu: bool = Field(default=True, description="false on a CPU-only node: GPU gates log and pass")
+    queue: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
+                              description="Celery queue whose worker runs this node's tasks (CeleryExecutor); "
+                                          "null = Airflow's default queue")
+    pool: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="Airflow pool whose slots limit concurrent GPU work on this node; "
+                                         "null = default_pool")
 
 
 class GpuConfig(_Section):
@@ -98,30 +104,41 @@ class CaptureConfig(_Section):
 
 class WatchdogConfig(_Section):
     # Defaults for real runs (seeds: ~1 sample/s, samples up to 8k tokens): a stall like the seeds' is
-    # failed within detection_bound_s = 15 + 20 + (20 + 2) = 57 s and mailed right after (see eagleflow.watchdog).
-    poll_interval_s: float = Field(default=20.0, gt=0, description="one node-side `eagleflow watch` per poll")
-    stall_after_s: float = Field(default=15.0, gt=0, description="no completed sample for this long starts a stall check")
+    # detected within detection_bound_s = 15 + 1 + 2 x 2 + 20 = 40 s, mailed and recovered in the watch.
+    poll_interval_s: float = Field(default=20.0, gt=0, description="one node-side `eagleflow watch` per poll "
+                                   "(sooner when progress is about to turn stale)")
+    stall_after_s: float = Field(default=15.0, gt=0, description="no completed sample for this long (or "
+                                 "slow_factor x this run's p95 gap, if longer) starts a stall check")
     health_timeout_s: float = Field(default=20.0, gt=0, description="/health_generate timeout (SGLang's own is 20 s)")
     gpu_window_s: float = Field(default=20.0, gt=0, description="GPUs held at 0 % for this long count as evidence")
     startup_grace_s: float = Field(default=120.0, ge=0, description="no verdict before a job's first unit this early")
     d_state_after_s: float = Field(default=20.0, gt=0, description="a job in D state this long counts as evidence")
+    slow_factor: float = Field(default=3.0, ge=1.0, description="progress is stale only past this many times "
+                               "the run's own recent p95 gap between samples (slow GPUs are not stalls)")
+    recoveries_in_watch: int = Field(default=3, ge=0, description="stalls the shard's watch recovers by itself "
+                                     "(restart server/worker, one mail per incident) before failing the task; "
+                                     "0 = fail the task and let Airflow's retry recover")
     alert_emails: list[str] = Field(default_factory=list)
     smtp_conn_id: str = "smtp_default"
-    airflow_base_url: str = "http://localhost:8080"
+    airflow_base_url: str = Field(default="http://localhost:8080", description="links in mails when Airflow's "
+                                  "[api] base_url is not set")
 
     # What one `eagleflow watch` costs besides the health check: interpreter start, /proc, GPU samples, SSH.
     WATCH_COMMAND_ALLOWANCE_S: ClassVar[float] = 2.0
+    # The watch looks again when progress is about to turn stale, at most this late.
+    RECHECK_SLACK_S: ClassVar[float] = 1.0
 
     @property
     def detection_bound_s(self) -> float:
-        """Worst time from the last progress to the failed task.
+        """Worst time from the last progress to the stall verdict, for a run at its usual pace.
 
-        The detecting poll starts at most one poll_interval after progress is stall_after_s old and
-        lasts at most the health timeout plus the command's own cost. Equals the issue's
-        stall_after_s + 2 x poll_interval_s whenever health_timeout_s + 2 s <= poll_interval_s.
+        The watch looks again when progress is about to turn stale (not a whole poll_interval later):
+        that look starts at most RECHECK_SLACK_S plus one command's cost after stall_after_s, and it
+        lasts at most the health timeout plus the command's own cost. A run slower than usual is
+        judged against slow_factor x its own p95 gap instead of stall_after_s.
         """
-        return self.stall_after_s + self.poll_interval_s + max(self.poll_interval_s,
-                                                                self.health_timeout_s + self.WATCH_COMMAND_ALLOWANCE_S)
+        return (self.stall_after_s + self.RECHECK_SLACK_S + 2 * self.WATCH_COMMAND_ALLOWANCE_S
+                + self.health_timeout_s)
 
 
 class TrainConfig(_Section):

@@ -81,6 +81,23 @@ class Heartbeat:
                 f"{self.rate:.2f} {self.unit}/s, {self.tokens_per_s:,.0f} tokens/s, ETA {eta_txt}, state {self.state}")
 
 
+PACE_WINDOW = 64  # completions kept for the watchdog's "usual pace" (p95 of recent gaps and request times)
+
+
+def record_pace(hb: Heartbeat, *, gap_s: float, request_s: float | None = None) -> None:
+    """Append one completion's gap since the previous one (and its request time) to the heartbeat.
+
+    The watchdog judges a stale heartbeat against this run's own pace: 20 s without a sample is a stall
+    at 1 sample/s and normal at 20 s per forward (see eagleflow.watchdog.signals.Pace).
+    """
+    for key, value in (("recent_gaps_s", gap_s), ("recent_request_s", request_s)):
+        if value is None:
+            continue
+        hist = hb.extra.setdefault(key, [])
+        hist.append(round(max(0.0, value), 3))
+        del hist[:-PACE_WINDOW]
+
+
 class HeartbeatWriter:
     """Rewrites a heartbeat every ``interval_s`` from a daemon thread.
 

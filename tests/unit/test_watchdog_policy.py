@@ -106,7 +106,7 @@ def test_startup_grace_hides_a_loading_job_then_expires():
                  worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="T",
                                       started_at=NOW - 30))
     d = decide(frozen, cfg())
-    assert d.verdict == "stalled" and "worker pid 4242 is stopped (state T)" in d.summary
+    assert d.verdict == "stalled" and "worker pid 4242 is stopped (state T: SIGSTOP" in d.summary and d.cause == "worker"
     assert "inside the startup grace" in d.summary
 
 
@@ -127,7 +127,7 @@ def test_dead_worker_and_zombie_and_failed_and_complete():
 def test_stale_heartbeat_of_a_live_worker_and_a_stopped_server_are_named():
     d = decide(obs(progress_ago=90, written_ago=80, health=HealthSignal(True, True, "ok", 0.2)), cfg())
     assert d.verdict == "stalled"
-    assert "worker pid 4242 is alive but its heartbeat was last written 80 s ago" in d.summary
+    assert "worker pid 4242 is alive but its heartbeat was last written 80 s before it was read" in d.summary
     stopped = obs(progress_ago=40, health=HealthSignal(True, False, "timeout", 20),
                   gpu=GpuSignal(applicable=False, note="not applicable: node.has_gpu is false"),
                   server=ProcessSignal(role="capture_server", recorded=True, pid=4100, alive=True, state="T"))

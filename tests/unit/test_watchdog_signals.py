@@ -139,7 +139,8 @@ def test_observe_asks_the_server_only_once_progress_is_stale(tmp_path, http_serv
         write_heartbeat(layout, 1, pid=p.pid, progress_ago_s=1, in_flight=[("r", 1, 60)])
         o = observe(cfg, layout, job, WatchMemory())
         assert not o.health.checked and decide(o, cfg).verdict == "healthy"
-        write_heartbeat(layout, 1, pid=p.pid, progress_ago_s=10, in_flight=[("r", 10, 60)])
+        # no pace yet: a request is hung only past the stall bound (3 + 1 + 4 + 1 = 9 s here)
+        write_heartbeat(layout, 1, pid=p.pid, progress_ago_s=6, in_flight=[("r", 6, 60)])
         o = observe(cfg, layout, job, WatchMemory())
         assert o.health.checked and o.health.ok
         d = decide(o, cfg)
@@ -213,10 +214,25 @@ def test_gpu_signal_through_the_real_probe_on_a_fake_nvidia_smi(tmp_path, http_s
         assert len(d.gpus) == 8 and all(g.held and g.utilization_pct == 0 for g in d.gpus)
         # the same stall with busy GPUs and a late health answer reads as slow (a long kernel, not a hang)
         write_scenario(scenario, {"driver": True, "gpus": [gpu(i, 92_262, total=97_887, util=97) for i in range(8)]})
-        busy = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        # a live worker rewrites its heartbeat while the watch runs (however long the machine makes it take)
+        last_progress = time.time() - 40
+        alive = threading.Event()
+
+        def rewrite():
+            while not alive.wait(0.5):
+                write_heartbeat(layout, 0, pid=p.pid, progress_ago_s=time.time() - last_progress,
+                                in_flight=[("r", time.time() - last_progress, 600)], done=18, total=37)
+        writer = threading.Thread(target=rewrite, daemon=True)
+        write_heartbeat(layout, 0, pid=p.pid, progress_ago_s=40, in_flight=[("r", 40, 600)], done=18, total=37)
+        writer.start()
+        try:
+            busy = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        finally:
+            alive.set()
+            writer.join()
         d = StallDiagnosis.from_json(busy.stdout.strip().splitlines()[-1])
         assert d.verdict == "slow" and busy.returncode == 3, d.summary
-        assert "GPUs 0-7 busy (97 % now)" in d.summary
+        assert "GPUs 0-7 busy (97 % now" in d.summary
     finally:
         kill_group(p.pgid)
         kill_group(srv.pgid)

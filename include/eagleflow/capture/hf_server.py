@@ -8,7 +8,10 @@ output of layer i (0-based), the last entry the final post-norm states.
 Test hooks (simulate a slow or hung model for the watchdog's tests):
 ``EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S`` sleeps that long inside every forward;
 ``EAGLEFLOW_HF_SERVER_DELAY_FILE`` names a file read at every forward whose
-content (seconds) is the sleep, so a test can slow a server that is running.
+content (seconds) is the sleep, so a test can slow a server that is running;
+``EAGLEFLOW_HF_SERVER_HANG_FILE`` names a file: while it exists, /generate
+requests hang (outside the model lock) while /health_generate still answers,
+as SGLang's hung generation path does (sglang issue 4191).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from .protocol import PROTOCOL_VERSION, check_rid, write_dump
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
+HANG_FILE_ENV = "EAGLEFLOW_HF_SERVER_HANG_FILE"
 HEALTH_INPUT = [1, 2, 3, 4]
 
 
@@ -169,6 +173,9 @@ class CaptureHandler(BaseHTTPRequestHandler):
         except (ValueError, json.JSONDecodeError) as e:
             self._send(400, {"error": str(e)})
             return
+        hang = os.environ.get(HANG_FILE_ENV)
+        while hang and os.path.exists(hang):  # test hook: a hung /generate beside a live /health_generate
+            time.sleep(0.2)
         try:
             ids, aux, last, tok = self.server.capture.forward(input_ids)
         except ValueError as e:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight
+from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
 
 from .client import CaptureServerError, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
@@ -286,10 +286,14 @@ class ShardWorker:
         finally:
             hbw.update(lambda hb: hb.in_flight.remove(fl) if fl in hb.in_flight else None)
 
+        finished = time.time()
+
         def progressed(hb: Heartbeat) -> None:
             hb.done += 1
             hb.tokens += smp.tokens
             hb.extra["tokens_this_run"] = hb.extra.get("tokens_this_run", 0) + smp.tokens
+            # this run's own pace, for the watchdog (slow is judged against it, not a fixed limit)
+            record_pace(hb, gap_s=finished - hb.last_progress_at, request_s=finished - fl.since)
         hbw.update(progressed)
         hbw.mark_progress()
         hb = hbw.hb

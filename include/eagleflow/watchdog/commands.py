@@ -32,6 +32,13 @@ def register(sub) -> None:
     add_run_args(r)
     r.add_argument("--shard", type=int, required=True, help="the shard about to be retried (for the log)")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--cause", choices=["capture_server", "worker"],
+                   help="recover in the watch (no Airflow retry): open or join the incident of this node and "
+                        "cause, restart the server once per incident if it is the cause, restart the worker")
+    r.add_argument("--summary", default="", help="the watch's diagnosis line, kept in the incident")
+    r.add_argument("--incident-only", action="store_true",
+                   help="with --cause: only open or join the incident (quick; the caller mails, then recovers)")
+    r.add_argument("--incident", help="with --cause: the incident id --incident-only returned")
     r.set_defaults(func=_recover)
 
     c = sub.add_parser("reconcile", help="find extraction shards left incomplete with no worker, and rerun them")
@@ -86,7 +93,15 @@ def _recover(args) -> int:
         lines.append(msg)
         print(msg, file=sys.stderr, flush=True)
 
-    result = recover_capture_server(run, args.shard, log=log)
+    if args.cause and args.incident_only:
+        from .recovery import open_incident
+        result = open_incident(run, args.shard, args.cause, args.summary)
+        result["summary"] = f"incident {result['incident']} {'opened' if result['opened'] else 'joined'}"
+    elif args.cause:
+        from .recovery import recover_in_watch
+        result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident)
+    else:
+        result = recover_capture_server(run, args.shard, log=log)
     if args.json:
         print(json.dumps(result), flush=True)
     else:

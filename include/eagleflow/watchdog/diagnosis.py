@@ -68,6 +68,11 @@ class StallDiagnosis:
     gpus: list[GpuRow] = field(default_factory=list)
     gpu_note: str = ""          # e.g. "not applicable: node.has_gpu is false"
     log_tail: list[str] = field(default_factory=list)
+    # What the stall is blamed on, for incidents: "capture_server" (frozen, dead, hung /generate, idle GPUs),
+    # "worker" (stopped, dead, D state, frozen heartbeat), "disk", "job" (its own error) or "" (not a stall).
+    cause: str = ""
+    recheck_in_s: float | None = None   # look again this soon: progress turns stale then
+    stale_after_s: float | None = None  # the threshold progress was judged against (this run's pace)
 
     @property
     def status(self) -> str | None:
@@ -112,7 +117,7 @@ class StallDiagnosis:
         if self.verdict == "complete":
             return {"status": "complete", "summary": self.summary}
         return {"status": self.status, "verdict": self.verdict, "diagnosis": self.render(),
-                "subject": self.subject}
+                "subject": self.subject, "cause": self.cause, "observed_at": self.observed_at}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +128,8 @@ class StallDiagnosis:
     @classmethod
     def from_dict(cls, data: dict) -> "StallDiagnosis":
         data = dict(data)
+        known = cls.__dataclass_fields__
+        data = {k: v for k, v in data.items() if k in known}  # a newer node may say more
         data["gpus"] = [GpuRow(**g) for g in data.get("gpus", [])]
         return cls(**data)
 

@@ -1,26 +1,27 @@
-"""From one observation to a verdict: healthy, slow, stalled, dead, failed, complete (or starting).
+"""From one observation to a verdict: healthy, slow, stalled, dead, failed, complete (or starting), with a cause.
 
 The rules, in order:
 
-1. The heartbeat says complete -> complete; failed -> failed (with the job's error).
-2. The worker is gone or a zombie -> dead.
-3. Progress is younger than ``stall_after_s`` -> healthy. While the job has
-   done nothing yet and is younger than ``startup_grace_s`` -> starting
-   (model and tokenizer loading read 0 % and complete nothing).
-4. Progress is stale. It is *stalled* only if at least one independent signal
-   says something is wrong:
-   - the server process is gone, a zombie or stopped (state T);
-   - the server did not answer /health_generate (timeout, refused, 5xx) and
-     the GPUs are not busy (a hung kernel reads 100 %; the in-flight timeout
-     catches that case instead);
+1. The heartbeat says complete -> complete; failed -> failed (with the job's error; cause
+   ``capture_server`` when the server is gone/stopped or was restarted under the worker).
+2. The worker is gone or a zombie -> dead, saying how: its exit status where known, an OOM kill
+   from the kernel log, else "vanished without a final heartbeat" (SIGTERM writes ``failed``).
+3. Progress is younger than this run's stale threshold, ``max(stall_after_s, slow_factor x p95
+   gap between samples)`` -> healthy (and ``recheck_in_s`` says when it would turn stale). While
+   nothing is stored yet (counted from the manifest) inside ``startup_grace_s`` -> starting,
+   unless the worker is visibly frozen.
+4. Progress is stale. It is *stalled* only if at least one independent signal says so:
+   - the server process is gone, a zombie or stopped (state T), or in D state;
+   - the server did not answer /health_generate and the GPUs were not busy (now or in any look
+     since the last progress);
+   - /health_generate answers but the oldest request is far older than this run's requests take
+     (a hung /generate), GPUs not busy;
    - an in-flight request is older than its own timeout;
-   - the worker is alive but its heartbeat has not been rewritten for
-     ``max(5 x heartbeat interval, stall_after_s, 10 s)`` (the process is frozen);
-   - the worker (or a thread) has been in D state for ``d_state_after_s``;
+   - the worker is stopped, in D state for ``d_state_after_s``, or alive with a heartbeat not
+     rewritten for ``max(5 x interval, stall_after_s, 10 s)`` *before it was read*;
    - the GPUs hold memory above baseline at 0 % for ``gpu_window_s``;
-   - a shard worker has no request in flight at all.
-   Otherwise it is *slow*: one long sample in flight, within its timeout,
-   with the server answering and/or the GPUs busy.
+   - a shard worker has no request in flight at all; the disk is nearly full.
+   Otherwise it is *slow*. The cause is the first process-level fact, else the first inference.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 
 from eagleflow.config import PipelineConfig
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis
-from eagleflow.watchdog.signals import Observation, progress_at
+from eagleflow.watchdog.signals import Observation, Pace, pace_of, progress_at
 
 
 def heartbeat_stale_after_s(cfg: PipelineConfig) -> float:
@@ -45,6 +46,10 @@ def no_step_limit_s(cfg: PipelineConfig) -> float:
     return max(20 * cfg.watchdog.stall_after_s, 300.0)
 
 
+# Evidence is tagged with what it blames, so one frozen server seen by eight shards is one incident.
+_SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
+
+
 def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     wd = cfg.watchdog
     hb = obs.heartbeat
@@ -54,68 +59,93 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         # written its first heartbeat yet, so that file's "failed" or "complete" is not its state.
         hb = None
     now = obs.now
-    done, total = (hb.done, hb.total) if hb else (0, 0)
+    hb_now = obs.hb_clock   # ages of heartbeat fields are judged at the time the heartbeat was read
+    done, total = (hb.done, hb.total) if hb else (obs.stored or 0, 0)
+    pace = obs.pace or pace_of(hb, cfg)
+    stale_after = pace.stale_after_s
     p_at = progress_at(obs)
-    p_age = None if p_at is None else max(0.0, now - p_at)
+    p_age = None if p_at is None else max(0.0, hb_now - p_at)
     unit = hb.unit if hb else "samples"
     counts = f"{done:,}/{total:,} done" if total else f"{done:,} done"
     counts_u = (f"{done:,}/{total:,} {unit} done" if total else f"{done:,} {unit} done")
     last_txt = f"last at {_clock(p_at)}" if p_at else "never"
 
-    def diag(verdict: str, headline: str, evidence: list[str] | None = None, with_log: bool = False) -> StallDiagnosis:
+    def diag(verdict: str, headline: str, evidence: list[str] | None = None, with_log: bool = False,
+             cause: str = "") -> StallDiagnosis:
+        recheck = None
+        if verdict in ("starting", "healthy") and p_age is not None and p_age < stale_after:
+            recheck = max(wd.RECHECK_SLACK_S, stale_after - p_age)
         return StallDiagnosis(
             verdict=verdict, job=obs.job.name, node=obs.node, observed_at=now, headline=headline,
             evidence=evidence or [], done=done, total=total, progress_age_s=p_age,
-            gpus=_gpu_rows(obs), gpu_note=obs.gpu.note, log_tail=obs.log_tail if with_log else [])
+            gpus=_gpu_rows(obs), gpu_note=obs.gpu.note, log_tail=obs.log_tail if with_log else [],
+            cause=cause, recheck_in_s=recheck, stale_after_s=stale_after)
 
     # 1. the job said how it ended
     if hb is not None and hb.state == "complete":
         return diag("complete", hb.progress_line())
     if hb is not None and hb.state == "failed":
         ev = [f"the job reported: {hb.error or 'no error text'}"]
-        ev += _server_process_evidence(obs) + _disk_evidence(obs)
-        return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True)
+        server_ev = _server_process_evidence(obs)
+        if obs.server_restarted_under_worker and not server_ev:
+            server_ev = [f"the capture server (pid {obs.server.pid}) was restarted at "
+                         f"{_clock(obs.server.started_at)}, after this worker started"]
+        ev += server_ev + _disk_evidence(obs)
+        low_disk = bool(_disk_evidence(obs, only_low=True))
+        cause = _DISK if low_disk else (_SERVER if server_ev else "job")
+        return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True,
+                    cause=cause)
 
     # 2. the worker is gone
     if not w.recorded:
         return diag("dead", f"no {w.role} process is recorded (no pid file); {counts_u}", _disk_evidence(obs),
-                    with_log=True)
+                    with_log=True, cause=_WORKER)
     if not w.alive:
         what = "is a zombie (exited, not yet reaped)" if w.zombie else "is gone"
         hb_txt = f"; last heartbeat at {_clock(hb.time)}" if hb else "; it never wrote a heartbeat"
-        ev = [f"{counts_u}, {last_txt}{hb_txt}"] + _server_process_evidence(obs) + _disk_evidence(obs)
+        server_ev = _server_process_evidence(obs)
+        ev = [_death_cause(obs), f"{counts_u} (from the manifest), {last_txt}{hb_txt}"] + server_ev \
+            + _disk_evidence(obs)
         if obs.heartbeat_error:
             ev.append(obs.heartbeat_error)
-        return diag("dead", f"worker pid {w.pid} {what} without completing", ev, with_log=True)
+        return diag("dead", f"worker pid {w.pid} {what} without completing", ev, with_log=True,
+                    cause=_SERVER if server_ev else _WORKER)
 
     # 3. advancing, or still starting
     since_txt = ""
     if obs.done_since_last_look is not None and obs.last_look_at is not None:
         since_txt = f", +{obs.done_since_last_look:,} since the last look {now - obs.last_look_at:.0f} s ago"
     rate_txt = f", {hb.rate:.2f} {unit}/s" if hb and hb.rate else ""
-    nothing_yet = hb is None or hb.done <= hb.resumed
+    nothing_yet = hb is None or done <= hb.resumed
     started = w.started_at or (hb.started_at if hb else None) or now
     if nothing_yet and now - started < wd.startup_grace_s:
         # The grace covers loading (0 %, nothing done), not a process that is visibly frozen or gone.
         frozen = _frozen_evidence(obs, cfg)
         if frozen and p_age is not None and p_age >= wd.stall_after_s:
             head = f"nothing completed {now - started:.0f} s after the start ({counts}), inside the startup grace"
-            return diag("stalled", head, frozen, with_log=True)
+            return diag("stalled", head, [t for _, t in frozen], with_log=True, cause=frozen[0][0])
         return diag("starting", f"{counts_u}; started {now - started:.0f} s ago, within the "
                                 f"{wd.startup_grace_s:.0f} s startup grace")
-    if p_age is not None and p_age < wd.stall_after_s:
-        return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago)")
+    if p_age is not None and p_age < stale_after:
+        pace_txt = "" if stale_after <= wd.stall_after_s else f"; slow run, judged against {pace.describe()}"
+        return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}")
 
     # 4. progress is stale: stalled only with independent evidence
     head = f"no {unit[:-1] if unit.endswith('s') else unit} completed for {p_age:.0f} s ({counts}, {last_txt})"
-    bad: list[str] = []
+    if pace.gap_p95_s is not None:
+        head += f"; this run's usual gap is {pace.gap_p95_s:.1f} s (p95)"
+    bad: list[tuple[int, str, str]] = []   # (strength: 0 = a process-level fact, 1 = an inference; cause; text)
     fine: list[str] = []
     gpu = obs.gpu
-    gpu_busy = bool(gpu.applicable and gpu.busy_now)
+    # busy now, or in any look since the last progress: a GPU busy in bursts (45 % duty) can read 0 % for
+    # a whole look, yet it has worked since the last sample; a hang reads 0 % in every look after it
+    since_progress = [m for t, m in gpu.history if p_at is None or t >= p_at]
+    gpu_busy = bool(gpu.applicable and (gpu.busy_now or any(v > 0 for m in since_progress for v in m.values())))
 
+    bad += [(0, _DISK, t) for t in _disk_evidence(obs, only_low=True)]
     s = obs.server
     if obs.job.uses_server:
-        bad += _server_process_evidence(obs)
+        bad += [(0, _SERVER, t) for t in _server_process_evidence(obs)]
         h = obs.health
         if h.checked and h.ok:
             fine.append(f"server answered /health_generate in {h.latency_s:.1f} s")
@@ -125,66 +155,123 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
             if gpu_busy:
                 fine.append(f"server /health_generate {what} but the GPUs are busy")
             else:
-                bad.append(f"server /health_generate {what}")
+                bad.append((1, _SERVER, f"server /health_generate {what}"))
         elif h.outcome == "no server info":
-            bad.append(f"no server info file ({'capture_server.json'}) to reach the server")
+            bad.append((1, _SERVER, "no server info file (capture_server.json) to reach the server"))
         if s is not None and s.alive and s.d_state and s.d_since is not None and now - s.d_since >= wd.d_state_after_s:
-            bad.append(f"server pid {s.pid} in D state for {now - s.d_since:.0f} s"
-                       + (f" (waiting in {s.wchan})" if s.wchan else ""))
+            bad.append((0, _SERVER, f"server pid {s.pid} in D state for {now - s.d_since:.0f} s"
+                        + (f" (waiting in {s.wchan})" if s.wchan else "")))
 
     if gpu.applicable and gpu.readings:
         if gpu.idle_held_since is not None and now - gpu.idle_held_since >= wd.gpu_window_s:
-            bad.append(f"{_gpu_span(obs)} hold {_held_gb(obs):.1f} GB at 0 % for {now - gpu.idle_held_since:.0f} s")
+            bad.append((1, _SERVER, f"{_gpu_span(obs)} hold {_held_gb(obs):.1f} GB at 0 % for "
+                                    f"{now - gpu.idle_held_since:.0f} s ({gpu.samples} readings in this look)"))
         elif gpu_busy:
-            fine.append(f"{_gpu_span(obs)} busy ({_max_util(obs):.0f} % now)")
+            fine.append(f"{_gpu_span(obs)} busy ({_max_util(obs):.0f} % now, "
+                        f"{max(gpu.max_util_window.values(), default=0):.0f} % max over the window)")
 
     if hb is not None:
-        overdue = []
         for r in hb.in_flight:
-            age = now - r.since
+            age = hb_now - r.since
             limit = r.timeout_s or (cfg.capture.request_timeout_base_s
                                     + cfg.capture.request_timeout_per_token_s * r.tokens)
             if age > limit:
-                overdue.append(f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s timeout")
+                bad.append((1, _SERVER, f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s timeout"))
             else:
                 fine.append(f"request {r.id} ({r.tokens:,} tokens) in flight for {age:.0f} s of its {limit:.0f} s timeout")
-        bad += overdue
+        hung = _hung_generate(obs, pace, gpu_busy, hb_now)
+        if hung:
+            bad.append((1, _SERVER, hung))
         if obs.job.uses_server and not hb.in_flight:
-            bad.append("the worker has no request in flight")
-        hb_age = now - hb.time
+            bad.append((1, _WORKER, "the worker has no request in flight"))
+        hb_age = hb_now - hb.time
         if hb_age > heartbeat_stale_after_s(cfg):
-            bad.append(f"worker pid {w.pid} is alive but its heartbeat was last written {hb_age:.0f} s ago "
-                       f"(at {_clock(hb.time)}; interval {cfg.capture.heartbeat_interval_s:g} s)")
+            bad.append((0, _WORKER, f"worker pid {w.pid} is alive but its heartbeat was last written {hb_age:.0f} s "
+                                    f"before it was read at {_clock(hb_now)} (written at {_clock(hb.time)}; "
+                                    f"interval {cfg.capture.heartbeat_interval_s:g} s)"))
     else:
-        bad.append(f"worker pid {w.pid} never wrote a heartbeat ({obs.heartbeat_error or 'no heartbeat file'})")
+        bad.append((0, _WORKER, f"worker pid {w.pid} never wrote a heartbeat "
+                                f"({obs.heartbeat_error or 'no heartbeat file'})"))
 
     if w.stopped:
-        bad.append(f"worker pid {w.pid} is stopped (state {w.state})")
+        bad.append((0, _WORKER, f"worker pid {w.pid} is stopped (state {w.state}: SIGSTOP, Ctrl-Z or a debugger)"))
     if w.d_state and w.d_since is not None and now - w.d_since >= wd.d_state_after_s:
-        bad.append(f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
-                   + (f" (waiting in {w.wchan})" if w.wchan else ""))
+        bad.append((0, _WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
+                                + (f" (waiting in {w.wchan})" if w.wchan else "")))
 
-    bad += _disk_evidence(obs, only_low=True)
     if not obs.job.uses_server and p_age is not None and p_age >= no_step_limit_s(cfg):
         # a trainer has no per-request timeout: a deadlock that keeps its heartbeat thread and the GPU
         # spinning (an NCCL hang reads 100 %) would otherwise stay "slow" for ever
-        bad.append(f"no step for {p_age:.0f} s, over the {no_step_limit_s(cfg):.0f} s limit for one step")
+        bad.append((1, "trainer", f"no step for {p_age:.0f} s, over the {no_step_limit_s(cfg):.0f} s limit for one step"))
 
     if bad:
-        return diag("stalled", head, bad, with_log=True)
+        ordered = sorted(range(len(bad)), key=lambda i: (bad[i][0], i))
+        return diag("stalled", head, [b[2] for b in bad], with_log=True, cause=bad[ordered[0]][1])
     return diag("slow", head, fine or ["no signal says it is stuck"])
 
 
-def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[str]:
+def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float) -> str:
+    """The server answers /health_generate, yet a request is far older than this run's requests take.
+
+    SGLang can answer its one-token health probe while chat requests hang (sglang 4191); the worker's
+    own timeout (60 s + 0.05 s per token) would take minutes to notice. Busy GPUs exempt it: a
+    slow-but-working server is SLOW.
+    """
+    h, hb = obs.health, obs.heartbeat
+    if not (obs.job.uses_server and h.checked and h.ok and hb is not None and hb.in_flight) or gpu_busy:
+        return ""
+    oldest = max(hb.in_flight, key=lambda r: hb_now - r.since)
+    age = hb_now - oldest.since
+    if age < pace.request_limit_s:
+        return ""
+    usual = (f"; this run's requests take {pace.request_p95_s:.1f} s (p95)" if pace.request_p95_s is not None
+             else "")
+    return (f"server answers /health_generate ({h.latency_s:.1f} s) but its /generate does not: request "
+            f"{oldest.id} in flight for {age:.0f} s with no sample completed (limit {pace.request_limit_s:.0f} s"
+            f"{usual})")
+
+
+def _death_cause(obs: Observation) -> str:
+    """How the worker ended, as far as the node can tell: exit status, kernel OOM log, or what its silence means."""
+    w = obs.worker
+    if w.oom_killed:
+        return f"the kernel's OOM killer killed it (kernel log: \"Killed process {w.pid}\")"
+    if w.exit_signal:
+        oom = "" if w.exit_signal != 9 else (
+            "; the kernel log shows no OOM kill of it, so kill -9" if w.oom_killed is False
+            else "; kill -9 or the OOM killer (the kernel log is not readable here)")
+        return f"it was killed by {_signal_name(w.exit_signal)}{oom}"
+    if w.exit_code is not None:
+        return f"it exited with code {w.exit_code} without a final heartbeat"
+    oom = ("the kernel log shows no OOM kill of it" if w.oom_killed is False
+           else "the kernel log is not readable here to tell an OOM kill")
+    return (f"it vanished without a final heartbeat (state still 'running'; SIGTERM would have written "
+            f"'failed'): killed by a signal it cannot catch, SIGKILL (kill -9 or the OOM killer), or a hard "
+            f"crash; {oom}")
+
+
+def _signal_name(num: int) -> str:
+    import signal as _sig
+    try:
+        return _sig.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[tuple[str, str]]:
     """Signals that no loading phase explains: a stopped or long-D worker, a stale heartbeat, a dead server."""
     w, hb, now = obs.worker, obs.heartbeat, obs.now
-    out = _server_process_evidence(obs) if obs.server is not None and obs.server.recorded else []
+    out = [(_SERVER, t) for t in _server_process_evidence(obs)] \
+        if obs.server is not None and obs.server.recorded else []
     if w.stopped:
-        out.append(f"worker pid {w.pid} is stopped (state {w.state})")
+        out.append((_WORKER, f"worker pid {w.pid} is stopped (state {w.state}: SIGSTOP, Ctrl-Z or a debugger)"))
     if w.d_state and w.d_since is not None and now - w.d_since >= cfg.watchdog.d_state_after_s:
-        out.append(f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s")
-    if hb is not None and now - hb.time > heartbeat_stale_after_s(cfg):
-        out.append(f"worker pid {w.pid} is alive but its heartbeat was last written {now - hb.time:.0f} s ago")
+        out.append((_WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
+                             + (f" (waiting in {w.wchan})" if w.wchan else "")))
+    hb_age = obs.hb_clock - hb.time if hb is not None else 0.0
+    if hb is not None and hb_age > heartbeat_stale_after_s(cfg):
+        out.append((_WORKER, f"worker pid {w.pid} is alive but its heartbeat was last written {hb_age:.0f} s "
+                             f"before it was read"))
     return out
 
 

@@ -109,6 +109,123 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         lock.release()
 
 
+def open_incident(run: RunLike, shard: int, cause: str, summary: str) -> dict[str, Any]:
+    """On the node, the moment a shard's watch finds a stall: open or join the incident of (node, cause).
+
+    Quick (no restart here): the caller mails when it opened the incident, then calls
+    ``recover_in_watch`` with its id. Every shard's stored/total count comes back for the mail.
+    """
+    from .incidents import open_or_join
+    incident, opened = open_or_join(run.layout.state_dir, node=run.cfg.node.name, cause=cause,
+                                    run_id=run.layout.run_id, shard=shard, summary=summary,
+                                    join_window_s=run.cfg.watchdog.detection_bound_s)
+    return {"ok": True, "incident": incident["id"], "opened": opened, "cause": cause,
+            "incident_shards": sorted(incident.get("shards", {})), "shards": shard_counts(run)}
+
+
+def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Log = print,
+                     incident_id: str | None = None) -> dict[str, Any]:
+    """On the node, right after the shard's watch found a stall (no Airflow retry in between).
+
+    Stops the shard's stuck worker; for a server cause, restarts the server at most once per incident,
+    without a health re-check when it is provably dead or stopped (gone, zombie, state T) and even when
+    /health_generate answers (the watch saw /generate hang); then starts the shard's worker again,
+    which resumes from its manifest. Opens or joins the incident first unless ``incident_id`` is given.
+    """
+    from eagleflow.capture.lifecycle import start_or_attach_worker
+    from .incidents import current, record_recovery
+    cfg = run.cfg
+    t0 = time.time()
+    incident = current(run.layout.state_dir, cfg.node.name, cause)
+    if incident_id is None or incident is None or incident.get("id") != incident_id:
+        opened = open_incident(run, shard, cause, summary)
+        incident = current(run.layout.state_dir, cfg.node.name, cause)
+    else:
+        opened = {"opened": False}
+    result: dict[str, Any] = {"ok": False, "action": "none", "incident": incident["id"],
+                              "opened": opened["opened"], "cause": cause}
+    try:
+        if cause == SERVER_ROLE:
+            lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
+            lock.acquire(timeout_s=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+            try:
+                result["worker"] = _stop_stuck_worker(run, shard, log)
+                result.update(_restart_server_once(run, shard, incident, log))
+            finally:
+                lock.release()
+        else:
+            result["worker"] = _stop_stuck_worker(run, shard, log)
+            result["action"] = "worker restarted"
+        rec, attached = start_or_attach_worker(run, shard, log=log)
+        result["new_worker_pid"] = rec.pid
+        result["ok"] = True
+        result["summary"] = (f"{result.get('server_summary', 'capture server left running')}; shard {shard}'s "
+                             f"worker {result['worker']}, {'attached to' if attached else 'restarted as'} pid "
+                             f"{rec.pid}, {time.time() - t0:.1f} s after the recovery began")
+    except Exception as e:  # the watch must say what went wrong, never hang on it
+        result["summary"] = f"in-watch recovery of shard {shard} failed: {type(e).__name__}: {e}"
+    log(f"shard {shard}: {result['summary']}")
+    result["recovered_at"] = time.time()
+    result["shards"] = shard_counts(run)
+    stored = record_recovery(run.layout.state_dir, incident,
+                             {k: result[k] for k in ("ok", "action", "summary", "recovered_at")}
+                             | {"shard": shard})
+    result["incident_shards"] = sorted(stored.get("shards", {}))
+    return result
+
+
+def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> dict[str, Any]:
+    cfg = run.cfg
+    status = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE)))
+    rec = status.record
+    st = read_proc_state(rec.pid) if status.alive else None
+    alive = st is not None
+    restarted_in_incident = [i for i in read_incidents(run)
+                             if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
+    if restarted_in_incident and alive and st.state not in ("T", "t", "Z"):
+        return {"action": "none", "server_summary": f"capture server already restarted in this incident "
+                                                    f"(now pid {rec.pid}): no second restart"}
+    if not alive:
+        reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
+    elif st.state in ("T", "t"):
+        reason = f"pid {rec.pid} is stopped (state T; no health re-check needed)"
+    elif st.state == "Z":
+        reason = f"pid {rec.pid} is a zombie (no health re-check needed)"
+    else:
+        reason = f"pid {rec.pid} is alive but the watch found it stuck ({incident['shards'].get(str(shard), {}).get('summary', '')[:300]})"
+    log(f"shard {shard}: capture server {reason}; restarting it")
+    t0 = time.time()
+    old_pid = rec.pid if rec else None
+    # the stop sends CONT after TERM: a SIGSTOPped server acts on it
+    stop_capture_server(run, grace_s=min(cfg.gpu.kill_grace_s, 10.0), log=log)
+    gpus = _free_and_verify_gpus(run, log)
+    proc, _ = start_capture_server(run, log=log)
+    info = wait_capture_server_ready(run, poll_s=0.25, log=log)
+    new_pid = proc.pid
+    entry = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid, "new_pid": new_pid,
+             "url": info.get("url"), "gpus": gpus, "incident": incident["id"]}
+    with open(incidents_path(run), "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return {"action": "restarted", "restart": entry,
+            "server_summary": f"capture server restarted: was pid {old_pid} ({reason}); now pid {new_pid} at "
+                              f"{info.get('url')}, ready {time.time() - t0:.1f} s later; GPUs: {gpus}"}
+
+
+def shard_counts(run: RunLike) -> dict[str, str]:
+    """Every shard's stored samples (from its manifest) out of its total (from its heartbeat)."""
+    from eagleflow.heartbeat import Heartbeat
+    from .signals import stored_samples
+    out = {}
+    for i in range(run.cfg.capture.shards):
+        try:
+            hb = Heartbeat.read(str(run.layout.heartbeat_file(i)))
+        except (ValueError, TypeError, KeyError):
+            hb = None
+        total = f"/{hb.total:,}" if hb and hb.total else ""
+        out[str(i)] = f"{stored_samples(run.layout, i):,}{total}"
+    return out
+
+
 def _stop_stuck_worker(run: RunLike, shard: int, log: Log) -> str:
     """The diagnosed worker may still be alive (blocked on a frozen server): never let two run one shard."""
     res = run.node.stop_recorded(str(run.layout.pid_file(worker_role(shard))), grace_s=10.0)
@@ -175,3 +292,28 @@ def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
     if not result.ok:
         raise RuntimeError(result.summary)
     return result.model_dump()
+
+
+def recover_after_stall(ctx, shard: int, event: dict[str, Any], log) -> dict[str, Any]:
+    """Control plane, right after the watch's stall event (and its mail): ``eagleflow recover --incident``.
+
+    One node command; raises RuntimeError when the recovery failed, so the task fails with the stall and
+    the reason, and Airflow's retry (``recover_before_retry``) is the fallback.
+    """
+    say = log.info if hasattr(log, "info") else log
+    cfg = ctx.cfg
+    inc = event.get("incident") or {}
+    argv = ctx.eagleflow_argv("recover", "--shard", str(shard), "--json", "--cause", str(event.get("cause")),
+                              "--incident", str(inc.get("incident")),
+                              "--summary", (event.get("diagnosis") or "").splitlines()[0][:1500])
+    from eagleflow.nodes import NodeError
+    try:
+        # exit 1 still carries the answer (ok: false, with the reason)
+        result = ctx.node.run_json(argv, dict, timeout=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 300,
+                                   answer_codes=(0, 1), log=lambda line: say(f"recover (node {ctx.node.name}): {line}"))
+    except NodeError as e:
+        raise RuntimeError(f"`eagleflow recover --shard {shard}` on node {ctx.node.name} gave no result: {e}") from None
+    say(f"shard {shard}: {result.get('summary')}")
+    if not result.get("ok"):
+        raise RuntimeError(result.get("summary") or "recovery failed without a reason")
+    return result

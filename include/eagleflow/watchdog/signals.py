@@ -14,6 +14,11 @@ nothing advanced; a hung kernel reads 100 %, a loading model reads 0 %):
   a window (several samples per look plus the looks before);
 - disk: free bytes where the shard writes.
 
+Every signal carries the time it was read (``read_at``), and every age in a
+diagnosis is computed against the time its own signal was read: a health
+check that takes 19 s must not make a heartbeat read before it look 19 s
+older than it is (the heartbeat and the processes are read again after it).
+
 Everything here runs on the node, without Airflow. ``WatchMemory`` is the
 watcher's memory between looks (a small JSON file under <state_dir>/watch),
 because /proc tells a process *is* in D, not since when.
@@ -24,13 +29,14 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from eagleflow.config import PipelineConfig
 from eagleflow.heartbeat import Heartbeat
@@ -77,6 +83,10 @@ class ProcessSignal:
     wchan: str | None = None
     started_at: float | None = None
     log_file: str | None = None
+    read_at: float | None = None    # when /proc was read
+    oom_killed: bool | None = None  # dead only: the kernel log names it as OOM-killed (None: log not readable)
+    exit_code: int | None = None    # dead only, where the pid record kept it
+    exit_signal: int | None = None
 
     @property
     def zombie(self) -> bool:
@@ -94,6 +104,8 @@ class HealthSignal:
     outcome: str = "not checked"    # ok | timeout | refused | http <code> | error: ... | no server info
     latency_s: float | None = None
     url: str | None = None
+    read_at: float | None = None    # when the answer (or the timeout) came
+    skipped: str = ""               # why it was not asked although progress is stale
 
 
 @dataclass
@@ -114,11 +126,64 @@ class GpuSignal:
     busy_now: bool | None = None       # any GPU > 0 % in any of this look's samples
     idle_held_since: float | None = None  # start of an unbroken run of "held at 0 %" looks
     max_util_window: dict[int, float] = field(default_factory=dict)
+    read_at: float | None = None       # the last sample
+    history: list[list] = field(default_factory=list)  # [[t, {index: max util}], ...] of the looks in the window
+    samples: int = 0                   # samples in this look
+    span_s: float = 0.0                # from the first to the last sample of this look
+
+
+# --------------------------------------------------------------------------- this run's own pace
+MIN_PACE_SAMPLES = 5
+
+
+@dataclass
+class Pace:
+    """How fast this run usually completes samples, from the heartbeat's recent history.
+
+    Progress is judged against it: with 20 s per forward a 20 s gap is the run's
+    normal pace, not a stall; at 1 sample/s it is. A check starts only once
+    progress is older than ``stale_after_s`` = max(stall_after_s, slow_factor x p95 gap).
+    """
+    samples: int = 0
+    gap_p95_s: float | None = None
+    request_p95_s: float | None = None
+    stale_after_s: float = 0.0        # progress older than this starts a stall check
+    request_limit_s: float = 0.0      # a request older than this while progress is flat is hung
+
+    def describe(self) -> str:
+        if self.gap_p95_s is None:
+            return f"no pace yet (fewer than {MIN_PACE_SAMPLES} samples), stale after {self.stale_after_s:.0f} s"
+        return (f"usual gap between samples {self.gap_p95_s:.1f} s (p95 of the last {self.samples}), "
+                f"stale after {self.stale_after_s:.0f} s")
+
+
+def _p95(values: list) -> float | None:
+    vals = sorted(float(v) for v in values if isinstance(v, (int, float)))
+    if len(vals) < MIN_PACE_SAMPLES:
+        return None
+    return vals[min(len(vals) - 1, int(round(0.95 * (len(vals) - 1))))]
+
+
+def pace_of(hb: Heartbeat | None, cfg: PipelineConfig) -> Pace:
+    wd = cfg.watchdog
+    extra = hb.extra if hb is not None and isinstance(hb.extra, dict) else {}
+    gaps = extra.get("recent_gaps_s") or []
+    gap = _p95(gaps)
+    req = _p95(extra.get("recent_request_s") or [])
+    stale = max(wd.stall_after_s, wd.slow_factor * gap) if gap is not None else wd.stall_after_s
+    # without a pace yet, a request is hung only past the stall bound itself (a first sample may be long)
+    limit = max(wd.stall_after_s, wd.slow_factor * req) if req is not None else wd.detection_bound_s
+    return Pace(samples=len(gaps), gap_p95_s=gap, request_p95_s=req, stale_after_s=stale,
+                request_limit_s=max(limit, stale))
 
 
 @dataclass
 class Observation:
-    """Everything one look saw. ``now`` is the node's clock."""
+    """Everything one look saw. ``now`` is the node's clock at the end of the look.
+
+    ``heartbeat_read_at`` is when the heartbeat was read: its ages (progress,
+    last write, in-flight requests) are judged against that, not against ``now``.
+    """
     job: WatchedJob
     node: str
     now: float
@@ -132,6 +197,14 @@ class Observation:
     done_since_last_look: int | None
     last_look_at: float | None
     log_tail: list[str]
+    heartbeat_read_at: float | None = None
+    stored: int | None = None          # samples in the shard's manifest (read when progress is stale or the worker is not running)
+    pace: Pace | None = None
+    server_restarted_under_worker: bool = False  # the live server started after the worker did
+
+    @property
+    def hb_clock(self) -> float:
+        return self.heartbeat_read_at if self.heartbeat_read_at is not None else self.now
 
 
 # --------------------------------------------------------------------------- memory between looks
@@ -205,19 +278,37 @@ class ProbeSampler:
 
 
 def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory, now: float,
-              samples: int = 3, spacing_s: float = 0.25) -> GpuSignal:
-    """Sample the GPUs a few times (a utilisation reading covers only the last ~1 s) and update the window."""
+              samples: int = 3, spacing_s: float = 0.25, until: threading.Event | None = None,
+              min_span_s: float = 0.0) -> GpuSignal:
+    """Sample the GPUs several times (a utilisation reading covers only the last ~1 s) and update the window.
+
+    With ``until``, sampling goes on (every ``max(spacing_s, 1 s)``) until the event is set and at least
+    ``min_span_s`` passed: a GPU busy 45 % of the time in bursts of seconds reads 0 % in three samples
+    0.25 s apart often enough to look idle; a span of several seconds does not.
+    """
     if not cfg.node.has_gpu:
         return GpuSignal(applicable=False, note="not applicable: node.has_gpu is false")
+    t_first = time.time()
     try:
         sampler = sampler or ProbeSampler(cfg)
         looks = []
-        for i in range(samples):
-            if i:
-                time.sleep(spacing_s)
+        i = 0
+        while True:
             looks.append(sampler.sample())
+            i += 1
+            elapsed = time.time() - t_first
+            if until is None:
+                if i >= samples and elapsed >= min_span_s:
+                    break
+                time.sleep(spacing_s)
+            else:
+                if until.is_set() and i >= samples and elapsed >= min_span_s:
+                    break
+                until.wait(max(spacing_s, 1.0))
     except Exception as e:  # a probe that fails is reported, never a reason to call a stall
         return GpuSignal(applicable=True, note=f"no reading: {type(e).__name__}: {e}")
+    t_last = time.time()
+    now = max(now, t_last) if until is not None else now
     last = looks[-1]
     if not last:
         return GpuSignal(applicable=True, note="no GPU found by the probe")
@@ -242,7 +333,8 @@ def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory,
             win_max[int(k)] = max(win_max.get(int(k), 0.0), v)
     note = "" if utils else "utilisation not reported by the driver"
     return GpuSignal(applicable=True, note=note, readings=last, busy_now=busy,
-                     idle_held_since=mem.idle_held_since, max_util_window=win_max)
+                     idle_held_since=mem.idle_held_since, max_util_window=win_max, read_at=now,
+                     history=[list(e) for e in mem.gpu_max_util], samples=len(looks), span_s=t_last - t_first)
 
 
 # --------------------------------------------------------------------------- processes
@@ -252,18 +344,24 @@ def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> 
         with open(pid_file) as f:
             rec = json.load(f)
     except (OSError, ValueError):
-        return ProcessSignal(role=role, recorded=False)
+        return ProcessSignal(role=role, recorded=False, read_at=now)
     pid = int(rec.get("pid", 0))
     sig = ProcessSignal(role=role, recorded=True, pid=pid, started_at=rec.get("started_at"),
-                        log_file=rec.get("log_file"))
+                        log_file=rec.get("log_file"), read_at=now,
+                        exit_code=rec.get("exit_code"), exit_signal=rec.get("exit_signal"))
     st = read_proc_state(pid) if pid > 0 else None
     want_ticks = int(rec.get("start_ticks") or 0)
     if st is None or (want_ticks and st.start_ticks != want_ticks):
         return sig  # gone, or the PID now belongs to someone else
     sig.alive = not st.is_zombie
     sig.state = st.state
+    if st.is_zombie:
+        sig.exit_code, sig.exit_signal = _zombie_exit_status(pid)
     sig.wchan = st.wchan
     sig.d_state = st.in_d_state
+    if st.d_state_threads and st.state != "D":
+        # the main thread sleeps; the one in D says where the process is stuck
+        sig.wchan = _thread_wchan(pid, st.d_state_threads[0]) or sig.wchan
     key = f"{pid}:{st.start_ticks}"
     if st.in_d_state:
         mem.d_since[key] = mem.d_since.get(key, now)
@@ -273,8 +371,72 @@ def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> 
     return sig
 
 
+def _zombie_exit_status(pid: int) -> tuple[int | None, int | None]:
+    """(exit code, killing signal) of a zombie, from /proc/<pid>/stat field 52 (Linux >= 3.5)."""
+    from eagleflow.nodes.proc import parse_stat
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            _, _, rest = parse_stat(f.read())
+        status = int(rest[52 - 4])
+    except (OSError, ValueError, IndexError):
+        return None, None
+    return (None, status & 0x7F) if status & 0x7F else (status >> 8, None)
+
+
+def _thread_wchan(pid: int, tid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+            w = f.read().strip()
+        return f"{w} (thread {tid})" if w and w != "0" else None
+    except OSError:
+        return None
+
+
+KMSG_PATH = "/dev/kmsg"
+
+
+def kernel_oom_killed(pid: int, kmsg_path: str = KMSG_PATH, max_records: int = 200_000) -> bool | None:
+    """Whether the kernel log says the OOM killer killed ``pid``; None when the log cannot be read.
+
+    /dev/kmsg gives one record per read and EAGAIN at the end when opened non-blocking;
+    a plain file (tests, a saved dmesg) is read line by line.
+    """
+    needles = (f"Killed process {pid} (".encode(), f"oom-kill:".encode())
+    try:
+        fd = os.open(kmsg_path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    buf = b""
+    try:
+        for _ in range(max_records):
+            try:
+                chunk = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue  # a record was overwritten while reading: go on with the next
+            except OSError:
+                return None
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if needles[0] in line or (needles[1] in line and f",pid={pid},".encode() in line):
+                    return True
+    finally:
+        os.close(fd)
+    return needles[0] in buf
+
+
 # --------------------------------------------------------------------------- server health
 def check_health(url: str | None, timeout_s: float) -> HealthSignal:
+    sig = _check_health(url, timeout_s)
+    sig.read_at = time.time()
+    return sig
+
+
+def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
     if not url:
         return HealthSignal(checked=False, outcome="no server info")
     t0 = time.monotonic()
@@ -331,40 +493,105 @@ def free_bytes_at(path: str) -> int | None:
     return s.f_bavail * s.f_frsize
 
 
+GPU_SPAN_WHEN_STALE_S = 5.0   # how long the GPUs are sampled (about 1 Hz) once progress is stale
+
+
 def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchMemory, *,
             gpu_sampler: GpuSampler | None = None, health_when_stale_after_s: float | None = None,
-            now: float | None = None) -> Observation:
-    """One look at a job. The server is asked for health only once progress is stale."""
-    now = time.time() if now is None else now
-    hb_path = job.heartbeat_path(layout)
-    hb_err = None
-    try:
-        hb = Heartbeat.read(hb_path)
-    except (ValueError, TypeError, KeyError) as e:
-        hb, hb_err = None, f"{hb_path} unreadable: {e}"
-    worker = read_process(layout, job.role, mem, now)
-    if hb is not None and job.shard is not None and not worker.alive and hb.state != "complete":
-        # A dead worker's heartbeat lags its last stored samples by up to one interval;
-        # the manifest is what is stored, so the diagnosis counts from it.
-        hb.done = max(hb.done, stored_samples(layout, job.shard))
-    server = read_process(layout, "capture_server", mem, now) if job.uses_server else None
+            now: float | None = None, health_check: Callable[[str | None, float], HealthSignal] | None = None,
+            kmsg_path: str = KMSG_PATH, clock: Callable[[], float] | None = None) -> Observation:
+    """One look at a job. The server is asked for health only once progress is stale.
+
+    Order matters for honest ages: the health check can take up to its timeout, so the heartbeat and
+    the processes are read again after it, and every age is judged against the time of its own read.
+    The health check is skipped when the server (or the worker) is provably stuck without it: gone,
+    a zombie or stopped (state T); that saves up to ``health_timeout_s`` on the way to recovery.
+    """
+    clock = clock or ((lambda: now) if now is not None else time.time)
+    check = health_check or check_health
+    t0 = clock()
+    hb, hb_err = _read_heartbeat(job, layout)
+    hb_read_at = t0
+    worker = read_process(layout, job.role, mem, t0)
+    server = read_process(layout, "capture_server", mem, t0) if job.uses_server else None
+    pace = pace_of(hb, cfg)
+    stale_after = pace.stale_after_s if health_when_stale_after_s is None else health_when_stale_after_s
+    running = hb is not None and hb.state not in ("complete", "failed")
+    stale = running and t0 - _progress_at(hb, worker) >= stale_after
     health = HealthSignal()
-    stale_after = cfg.watchdog.stall_after_s if health_when_stale_after_s is None else health_when_stale_after_s
-    if job.uses_server and hb is not None and hb.state not in ("complete", "failed") \
-            and now - _progress_at(hb, worker) >= stale_after:
-        health = check_health(server_url(layout), cfg.watchdog.health_timeout_s)
-        now = max(now, time.time())  # the check took time: judge ages at its end
-    gpu = read_gpus(cfg, gpu_sampler, mem, now)
+    skip = _provably_stuck(worker, server) if stale and job.uses_server else ""
+    if stale and job.uses_server and not skip:
+        # GPUs sampled for the whole check (>= GPU_SPAN_WHEN_STALE_S), so a bursty GPU is seen busy
+        until = threading.Event()
+        box: dict = {}
+        span = min(GPU_SPAN_WHEN_STALE_S, cfg.watchdog.health_timeout_s)  # never longer than the bound allows
+        t = threading.Thread(target=lambda: box.update(gpu=read_gpus(
+            cfg, gpu_sampler, mem, t0, until=until, min_span_s=span)), daemon=True)
+        t.start()
+        try:
+            health = check(server_url(layout), cfg.watchdog.health_timeout_s)
+        finally:
+            until.set()
+            t.join()
+        gpu = box.get("gpu") or GpuSignal(applicable=cfg.node.has_gpu, note="no reading")
+        # read again what has an age: the check took time, and the worker may have moved meanwhile
+        hb_read_at = clock()
+        hb, hb_err = _read_heartbeat(job, layout)
+        worker = read_process(layout, job.role, mem, hb_read_at)
+        server = read_process(layout, "capture_server", mem, hb_read_at)
+        pace = pace_of(hb, cfg)
+    else:
+        if skip:
+            health.skipped = skip
+        gpu = read_gpus(cfg, gpu_sampler, mem, t0,
+                        min_span_s=min(GPU_SPAN_WHEN_STALE_S, cfg.watchdog.health_timeout_s) if stale else 0.0)
+    t_end = max(clock(), hb_read_at)
+    stored = None
+    if job.shard is not None and hb is not None and hb.state != "complete" \
+            and (not worker.alive or worker.stopped or t_end - _progress_at(hb, worker) >= stale_after):
+        # the heartbeat lags the manifest by up to one write interval, and a frozen or dead
+        # worker never catches up: the manifest is what is stored
+        stored = stored_samples(layout, job.shard)
+        hb.done = max(hb.done, stored)
+    if not worker.alive and worker.recorded and hb is not None and hb.state not in ("complete", "failed") \
+            and worker.pid:
+        worker.oom_killed = kernel_oom_killed(worker.pid, kmsg_path)
+    restarted_under = bool(server is not None and server.alive and server.started_at and worker.started_at
+                           and server.started_at > worker.started_at)
     done_since = None
     if hb is not None and mem.last_done is not None:
         done_since = hb.done - mem.last_done
-    obs = Observation(job=job, node=cfg.node.name, now=now, heartbeat=hb, heartbeat_error=hb_err, worker=worker,
+    obs = Observation(job=job, node=cfg.node.name, now=t_end, heartbeat=hb, heartbeat_error=hb_err, worker=worker,
                       server=server, health=health, gpu=gpu, free_bytes=free_bytes_at(job.work_dir(layout)),
                       done_since_last_look=done_since, last_look_at=mem.last_look_at,
-                      log_tail=tail_lines(worker.log_file or str(layout.log_file(job.role))))
-    mem.last_look_at = now
+                      log_tail=tail_lines(worker.log_file or str(layout.log_file(job.role))),
+                      heartbeat_read_at=hb_read_at, stored=stored, pace=pace,
+                      server_restarted_under_worker=restarted_under)
+    mem.last_look_at = t_end
     mem.last_done = hb.done if hb is not None else mem.last_done
     return obs
+
+
+def _read_heartbeat(job: WatchedJob, layout: RunLayout) -> tuple[Heartbeat | None, str | None]:
+    path = job.heartbeat_path(layout)
+    try:
+        return Heartbeat.read(path), None
+    except (ValueError, TypeError, KeyError) as e:
+        return None, f"{path} unreadable: {e}"
+
+
+def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
+    """Why no health check is needed to call this stuck ('' when one is)."""
+    if server is not None:
+        if not server.recorded:
+            return "no capture server recorded"
+        if not server.alive:
+            return f"server pid {server.pid} is gone"
+        if server.stopped:
+            return f"server pid {server.pid} is stopped (state {server.state})"
+    if worker.recorded and (not worker.alive or worker.stopped):
+        return f"worker pid {worker.pid} is {'stopped' if worker.stopped else 'gone'}"
+    return ""
 
 
 def stored_samples(layout: RunLayout, shard: int) -> int:

@@ -1,0 +1,104 @@
+"""One incident per node and cause: eight shards stalled by one frozen server are one incident, one mail.
+
+Each shard's watch that finds a stall calls ``open_or_join`` on the node (under a
+node lock). The first opens the incident and is the one that mails; the others
+join it while its recovery runs and for ``join_window_s`` after it ended (they
+detect the same cause within one look of each other), so they add their shard
+to it and mail nothing. A cause seen again after that window, or by a shard
+already in the incident, is a new incident.
+
+Files, under ``<state_dir>/incidents/``: ``<node>.<cause>.json`` (the current
+incident of that key) and ``incidents.jsonl`` (every incident, appended when it
+is opened and when its recovery ends).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from eagleflow.durable import atomic_write
+from eagleflow.watchdog.node_lock import NodeLock
+
+
+def incidents_dir(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir) / "incidents"
+
+
+def _key_file(state_dir: str | os.PathLike, node: str, cause: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{node}.{cause}")
+    return incidents_dir(state_dir) / f"{safe}.json"
+
+
+def _lock(state_dir: str | os.PathLike) -> NodeLock:
+    return NodeLock(incidents_dir(state_dir) / "incidents.lock", purpose="watchdog incident book")
+
+
+def _append_log(state_dir: str | os.PathLike, entry: dict) -> None:
+    with open(incidents_dir(state_dir) / "incidents.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def open_or_join(state_dir: str | os.PathLike, *, node: str, cause: str, run_id: str, shard: int | None,
+                 summary: str, join_window_s: float, now: float | None = None) -> tuple[dict[str, Any], bool]:
+    """(incident, opened): the open incident of (node, cause) with this shard added, or a new one."""
+    now = time.time() if now is None else now
+    incidents_dir(state_dir).mkdir(parents=True, exist_ok=True)
+    path = _key_file(state_dir, node, cause)
+    with _lock(state_dir):
+        cur = _read(path)
+        joinable = cur is not None and (cur.get("ended_at") is None and now - cur["opened_at"] < 3600
+                                        or cur.get("ended_at") is not None and now - cur["ended_at"] <= join_window_s)
+        shard_key = "trainer" if shard is None else str(shard)
+        # a shard already in the incident stalling again is a new fault, not the same one seen twice
+        joinable = joinable and shard_key not in cur["shards"]
+        if joinable:
+            cur["shards"].setdefault(shard_key, {"at": now, "run_id": run_id, "summary": summary[:2000]})
+            atomic_write(path, json.dumps(cur))
+            return cur, False
+        inc = {"id": f"{node}-{cause}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}",
+               "node": node, "cause": cause, "opened_at": now, "ended_at": None, "recovery": None,
+               "shards": {shard_key: {"at": now, "run_id": run_id, "summary": summary[:2000]}}}
+        atomic_write(path, json.dumps(inc))
+        _append_log(state_dir, {"event": "opened", **inc})
+        return inc, True
+
+
+def record_recovery(state_dir: str | os.PathLike, incident: dict, recovery: dict[str, Any]) -> dict:
+    """Mark the incident's recovery (restart, worker restarted, or failed) and end it; returns it as stored."""
+    path = _key_file(state_dir, incident["node"], incident["cause"])
+    with _lock(state_dir):
+        cur = _read(path) or dict(incident)
+        if cur.get("id") != incident["id"]:
+            return cur
+        if recovery.get("action") == "restarted" or cur.get("recovery") is None:
+            cur["recovery"] = recovery
+        cur["ended_at"] = time.time()
+        atomic_write(path, json.dumps(cur))
+        _append_log(state_dir, {"event": "recovered" if recovery.get("ok") else "recovery failed",
+                                "id": cur["id"], "at": cur["ended_at"], "shard_count": len(cur["shards"]),
+                                "recovery": recovery})
+        return cur
+
+
+def current(state_dir: str | os.PathLike, node: str, cause: str) -> dict | None:
+    return _read(_key_file(state_dir, node, cause))
+
+
+def history(state_dir: str | os.PathLike) -> list[dict]:
+    try:
+        with open(incidents_dir(state_dir) / "incidents.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip().endswith("}")]
+    except (OSError, ValueError):
+        return []
