@@ -50,3 +50,26 @@ def attn_tp_rank():
         with get_parallel().override(attn_tp_rank=r):
             yield
     return rank
+
+
+@pytest.fixture(scope="session")
+def sglang_world():
+    """sglang's own world-of-one setup for building its layers at tp=1 (sglang.test.layer_ut_utils)."""
+    import socket
+
+    from sglang.test.layer_ut_utils import init_single_process_dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_single_process_dist(master_port=port)
+    # Without a CUDA device sglang's RotaryEmbedding takes vllm's kernel unless the process runs its CPU
+    # engine; the engine flag would also load sgl_kernel (needs libcuda). Only the rope path is switched.
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    rope_base._is_cpu = True
+    yield
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that build sglang's process-wide world of one run last: once its groups exist, sglang's
+    runtime context refuses any other attention-TP rank, which the hook tests need to set."""
+    items.sort(key=lambda item: "sglang_world" in getattr(item, "fixturenames", ()))

@@ -8,25 +8,9 @@ ours after its stacking of q/k/v and gate/up.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="module")
-def single_process_dist():
-    """sglang's own world-of-one setup for building its layers at tp=1 (sglang.test.layer_ut_utils)."""
-    from sglang.test.layer_ut_utils import init_single_process_dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_single_process_dist(master_port=port)
-    # Without a CUDA device sglang's RotaryEmbedding takes vllm's kernel unless the process runs its CPU
-    # engine; the engine flag would also load sgl_kernel (needs libcuda). Only the rope path is switched.
-    import sglang.srt.layers.rotary_embedding.base as rope_base
-    rope_base._is_cpu = True
-    yield
 
 
 def _target(d):
@@ -61,7 +45,7 @@ def _export(tmp_path, target):
     return export_draft(ckpt, tmp_path / "export", dtype="float32")
 
 
-def test_export_loads_into_sglangs_eagle3_draft(tmp_path, single_process_dist):
+def test_export_loads_into_sglangs_eagle3_draft(tmp_path, sglang_world):
     from safetensors.torch import load_file
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
