@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 import urllib.error
@@ -39,9 +38,11 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from eagleflow.config import PipelineConfig
+from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import read_proc_state
+from eagleflow.nodes.process_record import leader_state, read_record
 
 
 # --------------------------------------------------------------------------- which job
@@ -226,19 +227,11 @@ class WatchMemory:
             return cls()  # a lost memory only delays a D-state/GPU verdict by one window
 
     def save(self, path: str) -> None:
-        d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".watch-")
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(self), f)
-            os.replace(tmp, path)
+            # no fsync: a memory lost in a crash only delays a verdict by one window
+            atomic_write(path, json.dumps(asdict(self)), fsync=False)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            # disk full: looking must still work, only the memory is lost
+            pass  # disk full: looking must still work, only the memory is lost
 
 
 def memory_path(layout: RunLayout, job: WatchedJob) -> str:
@@ -339,20 +332,16 @@ def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory,
 
 # --------------------------------------------------------------------------- processes
 def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> ProcessSignal:
-    pid_file = str(layout.pid_file(role))
-    try:
-        with open(pid_file) as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
+    rec = read_record(str(layout.pid_file(role)))  # eagleflow.nodes.process_record: the one record shape
+    if rec is None:
         return ProcessSignal(role=role, recorded=False, read_at=now)
-    pid = int(rec.get("pid", 0))
-    sig = ProcessSignal(role=role, recorded=True, pid=pid, started_at=rec.get("started_at"),
-                        log_file=rec.get("log_file"), read_at=now,
-                        exit_code=rec.get("exit_code"), exit_signal=rec.get("exit_signal"))
-    st = read_proc_state(pid) if pid > 0 else None
-    want_ticks = int(rec.get("start_ticks") or 0)
-    if st is None or (want_ticks and st.start_ticks != want_ticks):
-        return sig  # gone, or the PID now belongs to someone else
+    pid = rec.pid
+    sig = ProcessSignal(role=role, recorded=True, pid=pid, started_at=rec.started_at or None,
+                        log_file=rec.log_file or None, read_at=now,
+                        exit_code=rec.exit_code, exit_signal=rec.exit_signal)
+    st = leader_state(rec)
+    if st is None:
+        return sig  # gone, or the PID now belongs to someone else (start time differs or unproven)
     sig.alive = not st.is_zombie
     sig.state = st.state
     if st.is_zombie:
