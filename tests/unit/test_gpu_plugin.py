@@ -84,7 +84,7 @@ def test_view_shows_every_node_held_gpus_and_owners(store, auth):
     assert "ours: run manual__2026 · extract_shard[3]" in html
     assert "not eagleflow's</span> python3 · user alice · pid 4242" in html
     assert html.count("<svg class='spark'") == 6  # memory + utilisation for 3 GPUs (gpu-node-2's last readings too)
-    assert "setInterval(reload" in html and "data-ts=" in html
+    assert "setInterval(reload" in html and "data-ts=" in html and 'PANEL_URL = "/panel"' in html
 
 
 def test_nothing_sensitive_leaks_and_values_are_escaped(store, auth):
@@ -146,3 +146,14 @@ def test_airflow_loads_the_plugin_with_its_menu_entry():
     assert any(a.get("url_prefix") == "/eagleflow-gpu" for a in apps)
     (plugin,) = [p for p in plugins if p.name == "eagleflow_gpu"]
     assert plugin.external_views[0]["href"] == "/eagleflow-gpu/" and plugin.external_views[0]["category"] == "browse"
+
+
+def test_page_reloads_its_panel_under_the_mount_prefix(store, auth):
+    from fastapi import FastAPI
+
+    from eagleflow.airflow.console_app import create_app
+    parent = FastAPI()  # the API server mounts plugin apps like this
+    parent.mount("/eagleflow-gpu", create_app(store, dag_state=lambda: {"is_paused": False}))
+    c = TestClient(parent, cookies={"_token": auth["admin"]})
+    assert 'PANEL_URL = "/eagleflow-gpu/panel"' in c.get("/eagleflow-gpu/").text
+    assert c.get("/eagleflow-gpu/panel").status_code == 200

@@ -88,3 +88,14 @@ def test_failed_run_report_says_what_is_missing(tmp_path):
     cpu = RunLayout.for_run(cpu_cfg, "cpu")
     os.makedirs(cpu.run_dir)
     assert "The node has no GPU" in write_report(cpu_cfg, cpu).read_text()
+
+
+def test_a_long_run_stays_a_small_page(tmp_path):
+    from eagleflow.console.run_report import render, thin
+    assert thin(list(range(10))) == list(range(10))
+    picked = thin(list(range(37312)), 500)
+    assert len(picked) == 500 and picked[0] == 0 and picked[-1] == 37311
+    data = {"run_id": "r", "run_dir": "/r", "node": "n", "shards": {
+        s: {"points": [[1000.0 + i, i + 1] for i in range(4664)], "done": 4664, "total": 4664, "state": "complete"}
+        for s in range(8)}, "metrics": [{"step": i, "loss": 1.0, "accept_length": 2.0} for i in range(1, 20001)]}
+    assert len(render(data)) < 400_000

@@ -88,7 +88,8 @@ def create_app(store: StatusStore | None = None,
                 return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)), status_code=303)
             return HTMLResponse("<p>Your Airflow user may not read the gpu_node_health DAG, whose checks this "
                                 "page shows. Ask an Airflow admin for read access to it.</p>", status_code=e.status_code)
-        return gpu_page.page_shell(panel(), refresh_s=refresh)
+        # the panel's absolute URL under wherever the API server mounted this app
+        return gpu_page.page_shell(panel(), refresh_s=refresh, panel_url=request.scope.get("root_path", "") + "/panel")
 
     @app.get("/panel", response_class=HTMLResponse, dependencies=[Depends(authorized_user)])
     def panel_route() -> str:
@@ -96,9 +97,8 @@ def create_app(store: StatusStore | None = None,
 
     @app.get("/api/status", dependencies=[Depends(authorized_user)])
     def status() -> dict[str, Any]:
-        d = docs()
-        return {"now": time.time(), "health_dag": dag_state(),
-                "warnings": gpu_page.health_warnings(d, dag_state(), time.time()),
+        d, dag, now = docs(), dag_state(), time.time()
+        return {"now": now, "health_dag": dag, "warnings": gpu_page.health_warnings(d, dag, now),
                 "nodes": [{k: doc.get(k) for k in _PUBLIC_KEYS} for doc in d]}
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(authorized_user)])

@@ -10,6 +10,7 @@ above the threshold at 0 %) are marked ``held`` with the time they started.
 from __future__ import annotations
 
 import html
+import json
 import time
 from typing import Any
 
@@ -181,13 +182,13 @@ svg.spark polyline{fill:none}.shard{margin-right:.8em}.incident{color:#b00}.node
 """
 
 _JS = """
-const REFRESH_MS = %d;
+const REFRESH_MS = %d, PANEL_URL = %s;
 function span(s){s=Math.max(0,Math.floor(s));if(s<120)return s+' s';if(s<7200)return Math.floor(s/60)+' min';
   return Math.floor(s/3600)+' h '+Math.floor(s%%3600/60)+' min';}
 function tick(){const now=Date.now()/1000;document.querySelectorAll('.ago').forEach(e=>{
   e.textContent=span(now-parseFloat(e.dataset.ts))+' ago';});}
 async function reload(){
-  try{const r=await fetch('panel',{credentials:'same-origin',cache:'no-store'});
+  try{const r=await fetch(PANEL_URL,{credentials:'same-origin',cache:'no-store'});
     if(r.status===401||r.status===403){document.getElementById('conn').textContent=
       'not signed in to Airflow any more: reload the page to sign in';return;}
     if(!r.ok)throw new Error('HTTP '+r.status);
@@ -200,8 +201,9 @@ setInterval(reload, REFRESH_MS);setInterval(tick, 1000);
 """
 
 
-def page_shell(panel_html: str, *, refresh_s: float = 15) -> str:
+def page_shell(panel_html: str, *, refresh_s: float = 15, panel_url: str = "panel") -> str:
     return ("<!doctype html><html><head><meta charset='utf-8'><title>eagleflow GPU nodes</title>"
             f"<style>{_CSS}</style></head><body data-refreshed='0'><h1>eagleflow: GPU nodes</h1>"
             f"<p>Refreshes every {refresh_s:.0f} s from what {HEALTH_DAG_ID} stored. <span id='conn'></span></p>"
-            f"<div id='panel'>{panel_html}</div><script>{_JS % int(refresh_s * 1000)}</script></body></html>")
+            f"<div id='panel'>{panel_html}</div><script>{_JS % (int(refresh_s * 1000), json.dumps(panel_url))}"
+            "</script></body></html>")

@@ -104,6 +104,14 @@ def serve_command(cfg, export_dir: str) -> str:
 
 
 # ----------------------------------------------------------------------------- charts
+def thin(points: list, limit: int = 500) -> list:
+    """At most ``limit`` points, evenly picked, first and last kept: a 37k-sample shard stays a small page."""
+    if len(points) <= limit:
+        return points
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
+
+
 def line_chart(series: list[tuple[str, list[tuple[float, float | None]]]], *, title: str, y_label: str,
                x_is_time: bool = True, markers: list[tuple[float, str]] = (), width: int = 720,
                height: int = 220, y_max: float | None = None) -> str:
@@ -178,8 +186,8 @@ def _shards(data: dict) -> str:
         if inc.get("opened_at"):
             markers.append((float(inc["opened_at"]), f"incident {inc.get('id')}: {inc.get('cause')}, shards "
                                                       f"{', '.join(sorted((inc.get('shards') or {}).keys()))}"))
-    series = [(f"shard {k}", [(float(t), float(n)) for t, n in v["points"]]) for k, v in sorted(shards.items(),
-                                                                                             key=lambda kv: int(kv[0]))]
+    series = [(f"shard {k}", thin([(float(t), float(n)) for t, n in v["points"]]))
+              for k, v in sorted(shards.items(), key=lambda kv: int(kv[0]))]
     rows = "".join(f"<tr><td>{_e(k)}</td><td>{int(v['done']):,}</td><td>{_e(v.get('total') if v.get('total') is not None else 'n/a')}</td>"
                    f"<td>{_e(v.get('state') or 'n/a')}</td></tr>" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))
     incidents = "".join(f"<li class='incident'>{_e(time.strftime('%H:%M:%S UTC', time.gmtime(float(i['opened_at']))))}: "
@@ -229,8 +237,7 @@ def _gpus(data: dict, gpu: dict | None) -> str:
 def _training(metrics: list[dict]) -> str:
     if not metrics:
         return "<p class='missing'>No training metrics: train_draft did not run.</p>"
-    step = max(1, len(metrics) // 400)
-    pts = metrics[::step]
+    pts = thin(metrics, 400)
     loss = [("loss", [(float(m["step"]), m.get("loss")) for m in pts])]
     acc = [(k, [(float(m["step"]), m.get(k)) for m in pts]) for k in ("acc_0", "acc_1", "acc_2") if k in metrics[-1]]
     accept = [("acceptance length", [(float(m["step"]), m.get("accept_length")) for m in pts])]
