@@ -116,7 +116,10 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if obs.done_since_last_look is not None and obs.last_look_at is not None:
         since_txt = f", +{obs.done_since_last_look:,} since the last look {now - obs.last_look_at:.0f} s ago"
     rate_txt = f", {hb.rate:.2f} {unit}/s" if hb and hb.rate else ""
-    nothing_yet = hb is None or done <= hb.resumed
+    # a worker still "starting" (a resumed one loads its corpus and manifest) has done nothing itself yet,
+    # however many samples earlier workers stored; once running, the manifest counts (a frozen worker's
+    # heartbeat can lag its first samples)
+    nothing_yet = hb is None or hb.state == "starting" or done <= hb.resumed
     started = w.started_at or (hb.started_at if hb else None) or now
     if nothing_yet and now - started < wd.startup_grace_s:
         # The grace covers loading (0 %, nothing done), not a process that is visibly frozen or gone.
