@@ -10,7 +10,7 @@ export AIRFLOW_HOME := $(CURDIR)/airflow_home
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 AIRFLOW_PORT ?= 8080
 
-.PHONY: venv venv-node demo test test-node test-fast airflow airflow-stop bench clean-runs
+.PHONY: venv venv-node demo demo-inputs system-deps test test-node test-fast airflow airflow-stop bench clean-runs
 
 venv: $(STAMP)
 
@@ -25,7 +25,12 @@ $(STAMP): requirements.txt pyproject.toml
 demo: venv
 	$(BIN)/python -m eagleflow.demo --config configs/local-demo.yaml
 
-test: venv
+# The system packages the tests need (sshd, PostgreSQL, Redis, ip, docker-compose): installed with apt-get
+# when run as root (as .ci/run does), otherwise `make test` stops at once and says what to install.
+system-deps:
+	@bash .ci/system-deps
+
+test: system-deps venv
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node $(PYTEST_ARGS)
 
 # The GPU node's environment (real sglang 0.5.23 with its CUDA torch, ~11 GB, ~5 min once):
@@ -47,7 +52,11 @@ $(NODE_STAMP): requirements-node.txt requirements-node-test.txt pyproject.toml
 test-node: venv-node
 	$(NODE_BIN)/python -m pytest tests/node -q -p no:cacheprovider $(PYTEST_ARGS)
 
-airflow: venv
+# The demo's inputs (sources, tokenizer, tiny Llama; built locally once), so `make airflow` works before `make demo`.
+demo-inputs: venv
+	$(BIN)/python -m eagleflow.demo_assets .cache/demo >/dev/null
+
+airflow: venv demo-inputs
 	$(BIN)/python -m eagleflow.airflow.standalone start --port $(AIRFLOW_PORT)
 
 airflow-stop:

@@ -21,6 +21,7 @@ from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCache
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import RunReportOperator
+from eagleflow.airflow.routing import default_config_path, node_routing
 from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
 
 DOC = __doc__ + """
@@ -36,6 +37,9 @@ on verified data; export it in the format SGLang serves. Any failure ends
 the run failed: nothing trains or exports on partial data.
 """
 
+# The node's Celery queue and GPU pool, from $EAGLEFLOW_CONFIG (Airflow fixes them at parse time).
+NODE = node_routing()
+
 with DAG(
     dag_id="eagle3_pipeline",
     description="EAGLE-3 draft: corpus, GPU gates, hidden-state capture under a stall watchdog, training, export",
@@ -46,13 +50,15 @@ with DAG(
     tags=["eagleflow", "eagle3", "gpu"],
     default_args={
         "owner": "eagleflow",
+        "queue": NODE.queue,  # every task talks to the node: its Celery worker runs them
         "retries": 1,
         "retry_delay": timedelta(seconds=30),
         **pipeline_failure_callbacks(),
     },
     params={
-        "config_path": Param("configs/local-demo.yaml", type="string", title="Config file",
-                             description="Pipeline config (YAML) on the Airflow machine; the other fields override it."),
+        "config_path": Param(default_config_path(), type="string", title="Config file",
+                             description="Pipeline config (YAML) on the Airflow machine, relative to the project "
+                                         "root ($EAGLEFLOW_HOME); the other fields override it."),
         "run_name": Param(None, type=["null", "string"], pattern=r"^(?!\.\.?$)[A-Za-z0-9_.-]+$",
                           title="Run directory name",
                           description="Name of this run's directory under run_root (one plain name, not '.' or "
@@ -83,17 +89,17 @@ with DAG(
     delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
     check_disk = CheckDiskOperator(task_id="check_disk")
     free_before = FreeGpusOperator(task_id="free_gpus")
-    idle_before = GpuIdleSensor(task_id="gpus_idle", deferrable=True)
-    start_server = StartCaptureServerOperator(task_id="start_capture_server")
-    server_ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True)
+    idle_before = GpuIdleSensor(task_id="gpus_idle", pool=NODE.pool)
+    start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=NODE.pool)
+    server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=NODE.pool)
     shards = PlanShardsOperator(task_id="plan_shards")
-    extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2).expand(shard=shards.output)
+    extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2, pool=NODE.pool).expand(shard=shards.output)
     stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
     # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
     verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done")
     free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
-    idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", deferrable=True)
-    train = TrainDraftOperator(task_id="train_draft")
+    idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
+    train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
     export = ExportDraftOperator(task_id="export_draft")
 
     write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before

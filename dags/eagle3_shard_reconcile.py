@@ -18,8 +18,10 @@ from airflow.sdk import DAG, Param
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.reconcile_operators import (FindIncompleteShardsOperator, ReconcileSummaryOperator,
                                                    RerunShardOperator)
+from eagleflow.airflow.routing import default_config_path, node_routing
 
 EVERY_MIN = float(os.environ.get("EAGLEFLOW_RECONCILE_EVERY_MIN", "60"))
+NODE = node_routing()  # the node's Celery queue and GPU pool, from $EAGLEFLOW_CONFIG
 
 with DAG(
     dag_id="eagle3_shard_reconcile",
@@ -30,10 +32,10 @@ with DAG(
     catchup=False,
     max_active_runs=1,
     tags=["eagleflow", "eagle3", "watchdog"],
-    default_args={"owner": "eagleflow", "retries": 1, "retry_delay": timedelta(minutes=1),
+    default_args={"owner": "eagleflow", "queue": NODE.queue, "retries": 1, "retry_delay": timedelta(minutes=1),
                   **pipeline_failure_callbacks()},
     params={
-        "config_path": Param(os.environ.get("EAGLEFLOW_CONFIG", "configs/local-demo.yaml"), type="string",
+        "config_path": Param(default_config_path(), type="string",
                              title="Config file", description="Pipeline config naming the node and its run_root."),
         "latest_runs": Param(3, type="integer", minimum=1, title="Latest runs",
                              description="How many of the newest runs (with extraction started) to look at."),
@@ -42,6 +44,6 @@ with DAG(
     },
 ) as dag:
     find = FindIncompleteShardsOperator(task_id="find_incomplete_shards", latest_runs="{{ params.latest_runs }}")
-    rerun = RerunShardOperator.partial(task_id="rerun_shard").expand(target=find.output)
+    rerun = RerunShardOperator.partial(task_id="rerun_shard", pool=NODE.pool).expand(target=find.output)
     summary = ReconcileSummaryOperator(task_id="mail_summary", trigger_rule="all_done")
     find >> rerun >> summary

@@ -22,6 +22,9 @@ os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")
 os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_home}/airflow.db"
 os.environ.setdefault("AIRFLOW__CORE__PARALLELISM", "4")
+# as in every eagleflow deployment (home.py, docker-compose.yaml): long waits defer to the triggerer
+os.environ.setdefault("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", "True")
+os.environ.setdefault("EAGLEFLOW_HOME", str(REPO))  # relative config paths resolve against the checkout
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the venv's bin first: Airflow starts its parts as `airflow` from PATH

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ def test_ready_trigger_round_trips_and_reports_a_dead_server(tmp_path, demo_asse
     from eagleflow.airflow.runtime import RunContext
 
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "trig")
-    trig = CaptureServerReadyTrigger(run=ctx.serialize(), timeout_s=5, poll_interval_s=0.1)
+    ctx.write_run_config()  # the trigger reads the run's frozen config on the node
+    trig = CaptureServerReadyTrigger(run=ctx.serialize(), end_at=time.time() + 5, poll_interval_s=0.1)
     path, kwargs = trig.serialize()
     assert path == "eagleflow.airflow.capture_triggers.CaptureServerReadyTrigger"
     rebuilt = CaptureServerReadyTrigger(**kwargs)
@@ -93,7 +95,7 @@ with DAG("capture_sequence_test", schedule=None, start_date=datetime(2026, 1, 1)
     write = WriteRunConfigOperator(task_id="write_run_config")
     corpus = make_corpus()
     start = StartCaptureServerOperator(task_id="start_capture_server")
-    ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True, poll_interval_s=0.5)
+    ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True, poke_interval=0.5)
     shards = PlanShardsOperator(task_id="plan_shards")
     extract = ExtractShardOperator.partial(task_id="extract_shard").expand(shard=shards.output)
     stop = StopCaptureServerOperator(task_id="stop_capture_server", grace_s=10)

@@ -80,7 +80,7 @@ with DAG("watchdog_seeds_stall", schedule=None, catchup=False,
     start = StartCaptureServerOperator(task_id="start_capture_server")
     extract = ExtractShardOperator(task_id="extract_shard", shard=0, retries=1)
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start
-     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poll_interval_s=0.3)
+     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
      >> extract >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
 """
 

@@ -1,7 +1,14 @@
-"""The scale-out deployment file: checked by `docker compose config` where the client
-exists (no engine needed), and always parsed and checked for its services and mounts."""
+"""docker-compose.yaml mirrors the scale-out deployment that tests/integration/test_celery_scaleout.py runs.
+
+Both come from eagleflow.airflow.scaleout: the same parts with the same `airflow` commands, the same
+CeleryExecutor/Postgres/Redis settings, a worker bound to the queue the example GPU node's config names
+and that node's pool created at init. Checked by `docker compose config` / `docker-compose config`
+where a client exists (no engine needed; .ci/run installs Debian's docker-compose), and always parsed.
+"""
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,27 +16,54 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagleflow.airflow.scaleout import GpuNodeRoute, celery_env, components, init_commands
+from eagleflow.config import load_config
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"
 
 
-def _services(doc: dict) -> dict:
-    return doc["services"]
+def _doc() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_services_and_mounts():
-    doc = yaml.safe_load(COMPOSE.read_text())
-    services = _services(doc)
-    for name in ("postgres", "redis", "airflow-init", "airflow-apiserver", "airflow-scheduler",
-                 "airflow-dag-processor", "airflow-triggerer", "airflow-worker-default", "airflow-worker-gpu-node-1"):
-        assert name in services, f"docker-compose.yaml lacks service {name}"
-    common = doc["x-airflow-common"]
-    assert common["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
-    assert "redis://" in common["environment"]["AIRFLOW__CELERY__BROKER_URL"]
-    assert "postgresql" in common["environment"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+def _example_node() -> GpuNodeRoute:
+    env = _doc()["x-airflow-common"]["environment"]
+    assert env["EAGLEFLOW_HOME"] == "/opt/eagleflow"
+    cfg = load_config(REPO / env["EAGLEFLOW_CONFIG"])  # relative: against EAGLEFLOW_HOME, the repo in the image
+    assert cfg.node.queue and cfg.node.pool, "the example GPU node's config must name its queue and pool"
+    return GpuNodeRoute(queue=cfg.node.queue, pool=cfg.node.pool, pool_slots=1)
+
+
+def test_compose_runs_exactly_the_scaleout_parts():
+    doc = _doc()
+    services = doc["services"]
+    parts = components([_example_node()])
+    assert set(services) == {"postgres", "redis", "airflow-init", *parts}
+    for name, args in parts.items():
+        command = services[name]["command"]
+        assert (shlex.split(command) if isinstance(command, str) else command) == args, name
+    init = services["airflow-init"]["command"][0]
+    assert [shlex.split(step) for step in init.split("&&")] == [["airflow", *c] for c in init_commands([_example_node()])]
+
+
+def test_compose_settings_are_the_scaleout_settings():
+    env = _doc()["x-airflow-common"]["environment"]
+    want = celery_env(sql_alchemy_conn="postgresql+psycopg2://airflow:airflow@postgres/airflow",
+                      broker_url="redis://redis:6379/0",
+                      result_backend="db+postgresql+psycopg2://airflow:airflow@postgres/airflow",
+                      execution_api_url="http://airflow-apiserver:8080/execution/")
+    assert {k: env.get(k) for k in want} == want
+    assert "AIRFLOW__API_AUTH__JWT_SECRET" in env   # every part must sign and check the same task tokens
+    services = _doc()["services"]
+    assert services["postgres"]["image"].startswith("postgres:") and services["redis"]["image"].startswith("redis:")
+
+
+def test_compose_mounts_exist():
+    common = _doc()["x-airflow-common"]
     mounts = {m.split(":")[1] for m in common["volumes"] if isinstance(m, str)}
-    assert {"/opt/eagleflow/dags", "/opt/eagleflow/plugins", "/opt/eagleflow/include"} <= mounts
-    assert "--queues gpu-node-1" in services["airflow-worker-gpu-node-1"]["command"]
+    assert {"/opt/eagleflow/dags", "/opt/eagleflow/plugins", "/opt/eagleflow/include",
+            "/opt/eagleflow/configs"} <= mounts
     for m in common["volumes"]:
         src = m.split(":")[0]
         if src.startswith("./") and not src.startswith("./.ssh"):
@@ -46,8 +80,22 @@ def _compose_cmd() -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(_compose_cmd() is None, reason="no docker compose client on this machine")
-def test_docker_compose_config_validates():
-    res = subprocess.run([*_compose_cmd(), "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                         text=True, cwd=REPO, timeout=60)
+@pytest.mark.skipif(_compose_cmd() is None and not os.environ.get("CI"),
+                    reason="no docker compose client on this machine (CI installs docker-compose)")
+def test_docker_compose_config_validates(tmp_path):
+    cmd = _compose_cmd()
+    assert cmd is not None, "no docker compose client: apt-get install docker-compose (.ci/run does)"
+    env = dict(os.environ, AIRFLOW_JWT_SECRET="x" * 32)
+    res = subprocess.run([*cmd, "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=REPO,
+                         timeout=60, env=env)
     assert res.returncode == 0, res.stderr
+    resolved = yaml.safe_load(res.stdout)
+    node = _example_node()
+    assert set(resolved["services"]) >= set(components([node]))
+    worker = resolved["services"][f"airflow-worker-{node.queue}"]
+    assert worker["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    # without the shared secret the deployment is refused, not started with a guessable one
+    bare = {k: v for k, v in os.environ.items() if k != "AIRFLOW_JWT_SECRET"}
+    res = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60, env=bare)
+    assert res.returncode != 0 and "AIRFLOW_JWT_SECRET" in res.stderr

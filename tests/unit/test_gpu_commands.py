@@ -82,8 +82,10 @@ def test_gates_pass_on_a_node_without_gpu(tmp_path, capfd):
     assert FreeGpusOperator(task_id="free_gpus").execute(context)["outcomes"] == []
     assert capfd.readouterr().out.count("node cpu-box has no GPU") >= 2  # Airflow logs via structlog to stdout
     # the trigger round-trips every argument (the triggerer rebuilds it from this)
-    trig = GpuIdleTrigger(run={"config": {"target_model": "m"}, "run_id": "r1"}, end_at=123.5, poll_interval_s=2,
-                          max_failures=4)
+    trig = GpuIdleTrigger(run={"conn_id": "gpu_node", "run_config": "/runs/r1/run-config.json", "run_id": "r1"},
+                          end_at=123.5, poll_interval_s=2)
     path, kwargs = trig.serialize()
     assert path == "eagleflow.airflow.gpu_triggers.GpuIdleTrigger"
     assert GpuIdleTrigger(**kwargs).serialize() == (path, kwargs)
+    assert kwargs == {"run": {"conn_id": "gpu_node", "run_config": "/runs/r1/run-config.json", "run_id": "r1"},
+                      "end_at": 123.5, "poll_interval_s": 2.0}

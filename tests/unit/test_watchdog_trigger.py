@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,8 +122,10 @@ def test_train_trigger_watches_the_trainer_heartbeat(run):
 @pytest.mark.timeout(60)
 def test_unreachable_node_becomes_a_failed_event(run, monkeypatch):
     ctx, _ = run
-    data = ctx.serialize()
-    data["config"]["node"]["python"] = "/nonexistent/python3"
+    data = ctx.serialize()  # the trigger reads the run's frozen config on the node: break its python there
+    frozen = json.loads(Path(data["run_config"]).read_text())
+    frozen["node"]["python"] = "/nonexistent/python3"
+    Path(data["run_config"]).write_text(json.dumps(frozen))
     ev = asyncio.run(_first_event(ShardWatchTrigger(data, 0, poll_interval_s=0.2), 30))
     assert ev.payload["status"] == "failed" and ev.payload["verdict"] == "unreachable"
     assert "/nonexistent/python3" in ev.payload["diagnosis"]

@@ -81,7 +81,8 @@ class PipelineAlertNotifier(SmtpNotifier):
             params = dict(context.get("params") or {})
             if not params.get("config_path") and params.get("config_paths"):
                 params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
-            cfg = RunContext.from_params(params, context["run_id"]).cfg
+            # the run's frozen config; the Params only when nothing was frozen (its first task failed)
+            cfg = (RunContext.frozen_in(context) or RunContext.from_params(params, context["run_id"])).cfg
         except Exception as e:  # a broken config must not hide the failure it accompanies
             log.error("eagleflow alert (%s) not sent: the run's config cannot be read: %s", self.kind, e)
             return

@@ -5,19 +5,19 @@ that touches the node goes through the run's Node.
 """
 from __future__ import annotations
 
-import asyncio
 import json
+import time
 from datetime import timedelta
 from typing import Any
 
+from airflow.sdk import PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable, run_trigger_here
 from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_ready, start_capture_server,
-                                         start_or_attach_worker, stop_capture_server, wait_capture_server_ready,
-                                         worker_role_pattern)
+from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
+                                         stop_capture_server, worker_role_pattern)
 from eagleflow.nodes.process_record import RecordList
 from eagleflow.heartbeat import Heartbeat
 
@@ -27,48 +27,70 @@ class StartCaptureServerOperator(RunOperator):
 
     ui_color = "#d9f2e6"
 
-    def __init__(self, *, deferrable: bool = False, **kw):
-        super().__init__(**kw)
-
     def run(self, ctx, context):
         rec, _ = start_capture_server(ctx, log=self.log.info)
         return {"pid": rec.pid, "log_file": rec.log_file or str(ctx.layout.log_file("capture_server"))}
 
 
-class CaptureServerReadySensor(RunOperator):
-    """Ready when /health_generate answers; fails at once when the server died while loading."""
+class CaptureServerReadySensor(RunSensor):
+    """Ready when /health_generate answers (its info is the XCom); fails at once when the server died loading.
 
-    def __init__(self, *, deferrable: bool = True, poll_interval_s: float = 2.0, **kw):
-        super().__init__(**kw)
-        self.deferrable = deferrable
-        self.poll_interval_s = poll_interval_s
+    The wait is bounded by the run's ``capture.ready_timeout_s``. ``deferrable`` (default: Airflow's
+    ``[operators] default_deferrable``) waits in the triggerer; otherwise it pokes every ``poke_interval``.
+    """
 
-    def run(self, ctx, context):
-        state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)   # one cheap look first
-        if state == "ready":
-            self.log.info("capture server ready at %s (model %s, aux layers %s)", info["url"], info.get("model"),
-                          info.get("aux_layers"))
-            return info
+    def __init__(self, *, poke_interval: float = 2.0, **kw):
+        super().__init__(poke_interval=poke_interval, **kw)
+
+    def execute(self, context):
+        ctx = RunContext.from_airflow(context)
+        try:
+            done = self._look(ctx)              # one cheap look first
+            timeout_s = ctx.cfg.capture.ready_timeout_s
+            ref = ctx.trigger_ref()
+        finally:
+            ctx.close()
+        if done.is_done:
+            return done.xcom_value
+        if not self.deferrable:
+            return super().execute(context)
+        end_at = self.gate_started_at(context) + timeout_s
+        self.log.info("capture server loading; deferring for up to %.0f s", timeout_s)
+        self.defer(trigger=CaptureServerReadyTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval),
+                   method_name="execute_complete", timeout=timedelta(seconds=timeout_s + 120))
+
+    def poke(self, context):
+        ctx = RunContext.from_airflow(context)
+        try:
+            done = self._look(ctx)
+            if done.is_done:
+                return done
+            if time.time() >= self.gate_started_at(context) + ctx.cfg.capture.ready_timeout_s:
+                raise AirflowFailException(
+                    f"the capture server was not ready within {ctx.cfg.capture.ready_timeout_s:.0f} s; raise "
+                    f"capture.ready_timeout_s if the model loads slowly, or read {ctx.layout.log_file('capture_server')}")
+            return done
+        finally:
+            ctx.close()
+
+    def _look(self, ctx: RunContext) -> PokeReturnValue:
+        state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
         if state == "dead":
             raise AirflowFailException(detail)
-        timeout_s = ctx.cfg.capture.ready_timeout_s
-        if not self.deferrable:
-            try:
-                return wait_capture_server_ready(ctx, timeout_s=timeout_s, poll_s=self.poll_interval_s,
-                                                 log=self.log.info)
-            except CaptureServerNotReady as e:
-                raise AirflowFailException(str(e)) from None
-        self.log.info("capture server loading (%s); deferring for up to %.0f s", detail, timeout_s)
-        self.defer(trigger=CaptureServerReadyTrigger(run=ctx.serialize(), timeout_s=timeout_s,
-                                                     poll_interval_s=self.poll_interval_s),
-                   method_name="execute_complete", timeout=timedelta(seconds=timeout_s + 120))
+        if state == "ready":
+            self._log_ready(info)
+            return PokeReturnValue(is_done=True, xcom_value=info)
+        self.log.info("capture server not ready yet: %s", detail)
+        return PokeReturnValue(is_done=False)
+
+    def _log_ready(self, info: dict) -> None:
+        self.log.info("capture server ready at %s (model %s, aux layers %s)", info["url"], info.get("model"),
+                      info.get("aux_layers"))
 
     def execute_complete(self, context, event: dict[str, Any]):
         if event.get("status") == "ready":
-            info = event["info"]
-            self.log.info("capture server ready at %s (model %s, aux layers %s)", info["url"], info.get("model"),
-                          info.get("aux_layers"))
-            return info
+            self._log_ready(event["info"])
+            return event["info"]
         raise AirflowFailException(event.get("detail") or f"capture server not ready: {event}")
 
 
@@ -82,10 +104,11 @@ class ExtractShardOperator(RunOperator):
 
     ui_color = "#fdf2d0"
 
-    def __init__(self, *, shard: int, deferrable: bool = True, **kw):
+    def __init__(self, *, shard: int, deferrable: bool | None = None, **kw):
         super().__init__(**kw)
         self.shard = shard
-        self.deferrable = deferrable
+        # deferred: the watch runs in the triggerer; otherwise the same watch runs in this worker slot
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
 
     def run(self, ctx, context):
         shard = int(self.shard)
@@ -97,9 +120,9 @@ class ExtractShardOperator(RunOperator):
         rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
         self._log_progress(ctx, shard)
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
+        trigger = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard)
         if not self.deferrable:     # same watch, run in this worker slot
-            return self._finish(ctx, asyncio.run(_first_event(trigger)))
+            return self._finish(ctx, run_trigger_here(trigger))
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict[str, Any]):
@@ -129,16 +152,11 @@ class ExtractShardOperator(RunOperator):
                 self.log.warning("shard %d: unreadable heartbeat %s", shard, ctx.layout.heartbeat_file(shard))
 
 
-async def _first_event(trigger) -> dict:
-    async for ev in trigger.run():
-        return ev.payload
-    raise RuntimeError(f"{type(trigger).__name__} ended without an event")
-
 
 class StopCaptureServerOperator(RunOperator):
     """Teardown: stop this run's live workers and the capture server (TERM, grace, KILL); remove its dumps."""
 
-    def __init__(self, *, deferrable: bool = False, grace_s: float = 30.0, **kw):
+    def __init__(self, *, grace_s: float = 30.0, **kw):
         super().__init__(**kw)
         self.grace_s = grace_s
 

@@ -1,5 +1,9 @@
 """The trigger behind CaptureServerReadySensor: poll the capture server until /health_generate answers.
 
+Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), an absolute wall-clock
+deadline ``end_at`` (epoch seconds, so a triggerer restart neither extends nor resets it) and the
+sensor's poll interval. The config itself is read from the node's frozen run-config.json.
+
 One event: {"status": "ready", "info": {...}} | {"status": "dead", "detail": str}
 | {"status": "timeout", "detail": str}. Each poll is one ``check_ready`` (pid
 record + info file + one real generation), run off the event loop.
@@ -12,25 +16,34 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.capture.lifecycle import check_ready
+from eagleflow.config import ConfigError
 from eagleflow.nodes import NodeError
 
 
 class CaptureServerReadyTrigger(BaseTrigger):
-    def __init__(self, run: dict[str, Any], timeout_s: float, poll_interval_s: float = 2.0):
+    def __init__(self, run: dict[str, Any], end_at: float | None = None, poll_interval_s: float = 2.0,
+                 timeout_s: float | None = None):
         super().__init__()
-        self.run_data = run
-        self.timeout_s = timeout_s
-        self.poll_interval_s = poll_interval_s
+        self.run_ref = RunRef.from_dict(run)
+        if end_at is None:  # an eagleflow 0.1.0 payload: a relative timeout, counted from now
+            if timeout_s is None:
+                raise ValueError("CaptureServerReadyTrigger needs end_at (epoch seconds)")
+            end_at = time.time() + float(timeout_s)
+        self.end_at = float(end_at)
+        self.poll_interval_s = float(poll_interval_s)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("eagleflow.airflow.capture_triggers.CaptureServerReadyTrigger",
-                {"run": self.run_data, "timeout_s": self.timeout_s, "poll_interval_s": self.poll_interval_s})
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        ctx = RunContext.from_serialized(self.run_data["config"], self.run_data["run_id"])
-        deadline = time.monotonic() + self.timeout_s
+        try:
+            ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
+        except (ConfigError, NodeError, OSError) as e:
+            yield TriggerEvent({"status": "dead", "detail": f"cannot read the run's frozen config: {e}"})
+            return
         detail = "not polled yet"
         try:
             while True:
@@ -44,12 +57,13 @@ class CaptureServerReadyTrigger(BaseTrigger):
                 if state == "dead":
                     yield TriggerEvent({"status": "dead", "detail": detail})
                     return
-                if time.monotonic() >= deadline:
+                if time.time() >= self.end_at:
                     yield TriggerEvent({"status": "timeout", "detail": (
-                        f"the capture server was not ready within {self.timeout_s:.0f} s ({detail}); raise "
-                        f"capture.ready_timeout_s if the model loads slowly, or read {ctx.layout.log_file('capture_server')}")})
+                        f"the capture server was not ready within {ctx.cfg.capture.ready_timeout_s:.0f} s ({detail}); "
+                        f"raise capture.ready_timeout_s if the model loads slowly, or read "
+                        f"{ctx.layout.log_file('capture_server')}")})
                     return
                 self.log.info("capture server not ready yet: %s", detail)
-                await asyncio.sleep(self.poll_interval_s)
+                await asyncio.sleep(max(0.0, min(self.poll_interval_s, self.end_at - time.time())))
         finally:
             await asyncio.to_thread(ctx.close)

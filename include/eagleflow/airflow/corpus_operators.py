@@ -49,7 +49,7 @@ def _run_cli(op: RunOperator, ctx, args: list[str], timeout: float, final_codes:
 class PrepareCorpusOperator(RunOperator):
     """`eagleflow corpus prepare` on the node; emits the corpus Asset with its numbers."""
 
-    def __init__(self, *, deferrable: bool = False, **kw):
+    def __init__(self, **kw):
         kw.setdefault("outlets", [CORPUS_ASSET])
         super().__init__(**kw)
 
@@ -75,9 +75,6 @@ class DeleteOldCachesOperator(RunOperator):
     """`eagleflow corpus delete-caches` on the node: deletes only when disk.delete_old_caches is on
     (DAG Param delete_old_caches), only under disk.cache_root; otherwise logs what could be freed."""
 
-    def __init__(self, *, deferrable: bool = False, **kw):
-        super().__init__(**kw)
-
     def run(self, ctx, context):
         result = _run_cli(self, ctx, ["corpus", "delete-caches"], 6 * 3600.0,
                           {EXIT_REFUSED: "cache deletion refused"})
@@ -91,9 +88,6 @@ class DeleteOldCachesOperator(RunOperator):
 
 class CheckDiskOperator(RunOperator):
     """`eagleflow corpus budget --check` on the node: fails (no retry) when the hidden states will not fit."""
-
-    def __init__(self, *, deferrable: bool = False, **kw):
-        super().__init__(**kw)
 
     def run(self, ctx, context):
         verdict = _run_cli(self, ctx, ["corpus", "budget", "--check"], 3600.0,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from airflow.sdk import BaseOperator, BaseSensorOperator
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.base import RunOperator, RunSensor
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
-from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.runtime import RunContext, resolve_config_path
 from eagleflow.nodes import NodeError
 
 
@@ -37,10 +37,6 @@ class FreeGpusOperator(RunOperator):
     """
 
     ui_color = "#fbe9e7"
-
-    def __init__(self, *, deferrable: bool = False, **kw):
-        super().__init__(**kw)
-        self.deferrable = deferrable  # accepted for a uniform DAG signature; stopping is short
 
     def run(self, ctx: RunContext, context):
         from eagleflow.gpu.cleanup import CleanupReport
@@ -80,34 +76,29 @@ class FreeGpusOperator(RunOperator):
         return report.to_dict()
 
 
-class GpuIdleSensor(BaseSensorOperator):
+class GpuIdleSensor(RunSensor):
     """Succeeds when every selected GPU is at its idle baseline with no compute process.
 
-    Timeout and poll interval come from the run config (``gpu.idle_timeout_s``,
-    ``gpu.poll_interval_s``) unless given here. Deferrable (the default in the
-    pipeline), or poke/reschedule mode. On timeout it fails with each GPU that
-    is not idle and each process on it (pid, user, command, MiB); the failure
-    is retryable, so the task's retries retry it.
+    The gate's deadline is the run's ``gpu.idle_timeout_s`` (or ``gate_timeout_s`` here), counted in
+    wall-clock time from this try's first look. ``deferrable`` (default: Airflow's ``[operators]
+    default_deferrable``) waits in the triggerer; otherwise the sensor pokes every ``poke_interval``
+    (default 5 s) in ``mode`` poke or reschedule, holding one node connection across pokes in poke mode.
+    On the deadline it fails with each GPU that is not idle and each process on it (pid, user, command,
+    MiB); the failure is retryable, so the task's retries retry it.
     """
 
     ui_color = "#e8f5e9"
 
-    def __init__(self, *, deferrable: bool = False, gate_timeout_s: float | None = None,
-                 poll_interval_s: float | None = None, **kw):
-        kw.setdefault("timeout", 24 * 3600)  # the gate's own timeout (from config) fires first
-        super().__init__(**kw)
-        self.deferrable = deferrable
+    def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, **kw):
+        super().__init__(poke_interval=poke_interval, **kw)
         self.gate_timeout_s = gate_timeout_s
-        self.poll_interval_s = poll_interval_s
-        self._started: float | None = None
         self._gate = None
 
-    def _settings(self, ctx: RunContext) -> tuple[float, float]:
-        timeout = self.gate_timeout_s if self.gate_timeout_s is not None else ctx.cfg.gpu.idle_timeout_s
-        poll = self.poll_interval_s if self.poll_interval_s is not None else ctx.cfg.gpu.poll_interval_s
-        return float(timeout), float(poll)
+    def _gate_timeout(self, ctx: RunContext) -> float:
+        return float(self.gate_timeout_s if self.gate_timeout_s is not None else ctx.cfg.gpu.idle_timeout_s)
 
     def _check(self, ctx: RunContext, gate=None):
+        """One reading through ``gate`` (or a new one on the run's node); errors as task failures."""
         from eagleflow.gpu.errors import GpuProbeError, NoGpuError
         from eagleflow.gpu.idle_gate import IdleGate
         from eagleflow.nodes import NodeError
@@ -125,49 +116,44 @@ class GpuIdleSensor(BaseSensorOperator):
             if not ctx.cfg.node.has_gpu:
                 self.log.info(no_gpu_message(ctx.cfg))
                 return None
-            timeout, poll = self._settings(ctx)
+            timeout = self._gate_timeout(ctx)
             report = self._check(ctx)  # one cheap look before deferring or poking
             if report.all_idle:
                 self.log.info(report.message())
                 return None
             self.log.info("waiting up to %.0f s for idle GPUs: %s", timeout, report.message())
+            ref = ctx.trigger_ref()
         finally:
             ctx.close()
+        end_at = self.gate_started_at(context) + timeout
         if self.deferrable:
-            self.defer(trigger=GpuIdleTrigger(run=ctx.serialize(), end_at=time.time() + timeout,
-                                              poll_interval_s=poll),
+            self.defer(trigger=GpuIdleTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval),
                        method_name="execute_complete", timeout=timedelta(seconds=timeout + 300))
-        self.poke_interval = poll
-        self.timeout = timeout + 10 * poll + 60
-        self._started = time.monotonic()
         try:
             return super().execute(context)
         finally:
-            if self._gate is not None:
-                self._gate.node.close()
-                self._gate = None
+            self._close_gate()
 
-    def _elapsed(self, context) -> float:
-        if self.reschedule:
-            from datetime import datetime, timezone
-            first = context["ti"].get_first_reschedule_date(context)
-            return 0.0 if first is None else (datetime.now(timezone.utc) - first).total_seconds()
-        return time.monotonic() - (self._started or time.monotonic())
+    def _close_gate(self) -> None:
+        if self._gate is not None:
+            self._gate[0].close()
+            self._gate = None
 
     def poke(self, context) -> bool:
         from eagleflow.gpu.idle_gate import IdleGate
-        ctx = RunContext.from_airflow(context)
-        timeout, _ = self._settings(ctx)
         if self._gate is None:  # held across pokes in poke mode: one connection for the whole wait
-            self._gate = IdleGate(ctx.node, ctx.cfg)
-        report = self._check(ctx, self._gate)
+            ctx = RunContext.from_airflow(context)
+            self._gate = (ctx, IdleGate(ctx.node, ctx.cfg))
+        ctx, gate = self._gate
+        report = self._check(ctx, gate)
+        timeout = self._gate_timeout(ctx)
+        timed_out = time.time() >= self.gate_started_at(context) + timeout
         if self.reschedule:  # the task process ends after this poke
-            self._gate.node.close()
-            self._gate = None
+            self._close_gate()
         if report.all_idle:
             self.log.info(report.message())
             return True
-        if self._elapsed(context) >= timeout:
+        if timed_out:
             raise GpusNotIdle(f"GPUs not idle after {timeout:.0f} s:\n{report.message()}")
         self.log.info("not idle yet: %s", report.message())
         return False
@@ -227,7 +213,7 @@ class GpuNodeHealthOperator(BaseOperator):
         checked = 0
         names: set[str] = set()
         for path in paths:
-            cfg = load_config(path)
+            cfg = load_config(resolve_config_path(path))  # relative: against the project root
             name = cfg.node.name
             names.add(name)
             node = node_from_config(cfg)

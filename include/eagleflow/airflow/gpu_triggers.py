@@ -1,11 +1,14 @@
 """GpuIdleTrigger: waits in the triggerer until every selected GPU of the run's node is idle.
 
+Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), the absolute
+wall-clock deadline ``end_at`` and the sensor's poll interval; the GPU selection, baselines and
+thresholds come from the node's frozen run-config.json.
+
 One node object (so one SSH connection) is held for the trigger's whole run;
 every blocking call (SSH, NVML, reading the baseline) goes through
 ``asyncio.to_thread``. Connection or probe failures are retried with a bounded
 backoff, reconnecting each time, and the last one becomes an event with its
-message. ``serialize()`` round-trips every constructor argument, and the
-deadline is an absolute time so a triggerer restart does not extend it.
+message. ``serialize()`` round-trips every constructor argument.
 """
 from __future__ import annotations
 
@@ -15,28 +18,36 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.runtime import RunContext, RunRef
+from eagleflow.config import ConfigError
 
 
 class GpuIdleTrigger(BaseTrigger):
-    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 5.0, max_failures: int = 5):
+    MAX_FAILURES = 5  # GPU readings failing in a row before the trigger gives up
+
+    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 5.0,
+                 max_failures: int | None = None):
         super().__init__()
-        self.run_spec = run
+        self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
-        self.max_failures = int(max_failures)
+        # max_failures: accepted from eagleflow 0.1.0 payloads, which carried it; no longer serialized
+        self.max_failures = int(max_failures) if max_failures is not None else self.MAX_FAILURES
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"run": self.run_spec, "end_at": self.end_at, "poll_interval_s": self.poll_interval_s,
-                 "max_failures": self.max_failures})
+                {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s})
 
     async def run(self):
         from eagleflow.gpu.errors import GpuProbeError, NoGpuError
         from eagleflow.gpu.idle_gate import IdleGate
         from eagleflow.nodes import NodeError
 
-        ctx = RunContext.from_serialized(self.run_spec["config"], self.run_spec["run_id"])
+        try:
+            ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
+        except (ConfigError, NodeError, OSError) as e:
+            yield TriggerEvent({"status": "error", "message": f"cannot read the run's frozen config: {e}"})
+            return
         gate = None
         failures = 0
         last_msg = None

@@ -26,6 +26,9 @@ def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: 
         "AIRFLOW__CORE__PARALLELISM": str(parallelism),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        # sensors and watches wait in the triggerer, not in a worker slot (operators' deferrable default)
+        "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True",
+        "EAGLEFLOW_HOME": str(REPO),  # relative config paths (Param config_path) resolve against the checkout
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         # `airflow standalone` starts its parts as `airflow` from PATH

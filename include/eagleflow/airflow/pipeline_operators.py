@@ -6,6 +6,7 @@ import json
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.routing import routing_mismatches
 from eagleflow.config import ConfigError, check_run_name
 from eagleflow.preflight import PreflightReport
 
@@ -49,6 +50,13 @@ class WriteRunConfigOperator(RunOperator):
             raise AirflowFailException(str(e)) from None
 
     def run(self, ctx, context):
+        mismatches = routing_mismatches(self.dag, ctx.cfg) if self.dag is not None else []
+        if mismatches:
+            raise AirflowFailException(
+                "this run's config routes its node elsewhere than this DAG does (the DAG takes queue and pool "
+                "from $EAGLEFLOW_CONFIG when it is parsed):\n" + "\n".join(f"  - {m}" for m in mismatches)
+                + "\nTrigger it with a config for the node this DAG serves, or point $EAGLEFLOW_CONFIG at this "
+                  "config for the DAG's processes")
         node = ctx.node
         report = node.run_json([node.python, "-m", "eagleflow.preflight", ctx.layout.run_id], PreflightReport,
                                input=json.dumps(ctx.cfg.model_dump(mode="json")), timeout=120)

@@ -13,7 +13,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from pydantic import BaseModel, ConfigDict
 
-from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
@@ -45,7 +45,11 @@ def _scan(ctx: RunContext, latest: int) -> list[dict]:
 
 
 class FindIncompleteShardsOperator(RunOperator):
-    """The shards of the latest runs that are incomplete with no live worker (the mapped reruns' input)."""
+    """The shards of the latest runs that are incomplete with no live worker (the mapped reruns' input).
+
+    The reconcile run's first task: it freezes the reconcile config for the reruns and the summary."""
+
+    freezes_run_config = True
 
     def __init__(self, *, latest_runs: int | str = 3, **kw):
         super().__init__(**kw)
@@ -70,9 +74,11 @@ class RerunShardOperator(BaseOperator):
     ui_color = "#fdf2d0"
     template_fields = ("target",)
 
-    def __init__(self, *, target: dict, **kw):
+    def __init__(self, *, target: dict, deferrable: bool | None = None, **kw):
         super().__init__(**kw)
         self.target = target
+        # deferred: the watch runs in the triggerer; otherwise the same watch runs in this worker slot
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
 
     def _run_context(self, context) -> RunContext:
         # the run's own config, as its pipeline wrote it on the node; the node from the reconcile config
@@ -101,6 +107,8 @@ class RerunShardOperator(BaseOperator):
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
         trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
         ctx.close()
+        if not self.deferrable:
+            return self.execute_complete(context, run_trigger_here(trigger))
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict[str, Any]):

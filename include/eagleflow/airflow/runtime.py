@@ -1,18 +1,33 @@
 """From an Airflow task context to the things every eagleflow task needs.
 
-A run's config is the YAML named by the ``config_path`` Param with the other
-Params laid over it (``PARAM_OVERRIDES``). The first task writes the resolved
-config into the run directory on the node, so every CLI command started there
-reads exactly what the control plane validated.
+A run's config is resolved ONCE and then frozen:
+
+* the run's first task (``freezes_run_config = True``: ``write_run_config`` in
+  the pipeline) reads the YAML named by the ``config_path`` Param, lays the
+  other Params over it (``PARAM_OVERRIDES``), makes every path absolute, writes
+  the result into the run directory on the node (``run-config.json``) and pushes
+  the same data to XCom (key ``RUN_CONFIG_XCOM_KEY``);
+* every later task and callback reads that XCom, every trigger and every node
+  command reads ``run-config.json``; none of them reads the YAML again, so
+  editing it mid-run changes nothing for that run.
+
+A relative ``config_path`` (or ``$EAGLEFLOW_CONFIG``) is resolved against the
+project root: ``$EAGLEFLOW_HOME`` when set, else the folder holding Airflow's
+DAG folder (the checkout under ``make airflow``, /opt/eagleflow in the image);
+never against the worker's current directory.
+
+Triggers carry a ``RunRef`` (connection id, path of run-config.json on the
+node, run id): small and stable across upgrades, unlike the whole config.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from eagleflow.config import PipelineConfig, load_config
+from eagleflow.config import ConfigError, PipelineConfig, load_config, safe_run_id
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node, node_from_config
 
@@ -29,22 +44,44 @@ PARAM_OVERRIDES: dict[str, str] = {
 }
 
 DEFAULT_CONFIG_ENV = "EAGLEFLOW_CONFIG"
+PROJECT_ROOT_ENV = "EAGLEFLOW_HOME"
+RUN_CONFIG_XCOM_KEY = "eagleflow_run_config"
+RUN_CONFIG_FILE = "run-config.json"
+
+
+def project_root() -> Path:
+    """Where relative config paths live: $EAGLEFLOW_HOME, else the parent of Airflow's DAG folder."""
+    home = os.environ.get(PROJECT_ROOT_ENV)
+    if home:
+        return Path(home).expanduser().absolute()
+    from airflow.providers.common.compat.sdk import conf
+    return Path(conf.get("core", "dags_folder")).expanduser().absolute().parent
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else project_root() / p
 
 
 def config_from_params(params: dict[str, Any]) -> PipelineConfig:
     path = params.get("config_path") or os.environ.get(DEFAULT_CONFIG_ENV)
     if not path:
-        from eagleflow.config import ConfigError
         raise ConfigError("no config: set the DAG Param 'config_path' (or $EAGLEFLOW_CONFIG) to a YAML file; "
                           "see configs/local-demo.yaml")
+    full = resolve_config_path(path)
+    if not full.is_file() and not Path(path).is_absolute():
+        raise ConfigError(f"config file {str(path)!r} (Param config_path / ${DEFAULT_CONFIG_ENV}) not found at "
+                          f"{full}: a relative path is resolved against the project root {project_root()} "
+                          f"(${PROJECT_ROOT_ENV}, else the folder above Airflow's DAG folder); give an absolute "
+                          f"path or set ${PROJECT_ROOT_ENV}")
     # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
                  if params.get(p) not in (None, "", [], False)}
-    return load_config(path, overrides)
+    return load_config(full, overrides)
 
 
 def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
-    """The config with every path made absolute, as JSON-safe data (for the node and triggers)."""
+    """The config with every path made absolute, as JSON-safe data (the frozen form)."""
     data = cfg.model_dump(mode="json")
     data["run_root"] = str(cfg.resolve(cfg.run_root))
     data["target_model"] = str(cfg.resolve(cfg.target_model))
@@ -56,7 +93,55 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.disk.cache_root:
         data["disk"]["cache_root"] = str(cfg.resolve(cfg.disk.cache_root))
     data["disk"]["old_caches"] = [str(cfg.resolve(p)) for p in cfg.disk.old_caches]
+    data["capture"]["dump_dir"] = str(cfg.resolve(cfg.capture.dump_dir))
     return data
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """What a trigger carries to find its run again: how to reach the node, where the frozen config lies there,
+    which run. Nothing else, so a renamed config field never breaks a deferred task across an upgrade."""
+    conn_id: str | None
+    run_config: str
+    run_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunRef":
+        if "config" in data:  # eagleflow 0.1.0 carried the whole resolved config: take only what finds the run
+            config, run_id = data["config"], str(data["run_id"])
+            run_root = PurePosixPath(config.get("run_root") or "")
+            if not run_root.is_absolute():
+                raise ConfigError(f"a trigger payload of eagleflow 0.1.0 has a relative run_root {str(run_root)!r}; "
+                                  "it cannot be found again: clear the task so it defers anew")
+            return cls(conn_id=(config.get("node") or {}).get("conn_id"),
+                       run_config=str(run_root / safe_run_id(run_id) / RUN_CONFIG_FILE), run_id=run_id)
+        try:
+            return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]))
+        except KeyError as e:
+            raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
+                              "run_id") from None
+
+
+def _node_for(conn_id: str | None) -> Node:
+    """The node behind ``conn_id``, before its config is known (to read the frozen config there)."""
+    from types import SimpleNamespace
+
+    from eagleflow.config import NodeConfig
+    return node_from_config(SimpleNamespace(node=NodeConfig(name=conn_id or "local", conn_id=conn_id)))
+
+
+def _freezing_task_ids(context) -> list[str]:
+    """Task ids of the DAG that freeze the run's config (empty: the DAG has none, each task resolves)."""
+    dag = context.get("dag")
+    if dag is None:
+        task = context.get("task")
+        dag = getattr(task, "dag", None) if task is not None else None
+    if dag is None:
+        return []
+    return [t.task_id for t in dag.tasks if getattr(t, "freezes_run_config", False)]
 
 
 @dataclass
@@ -65,28 +150,99 @@ class RunContext:
     cfg: PipelineConfig
     layout: RunLayout
     _node: Node | None = None
+    _resolved_here: bool = False  # from the YAML + Params by this task, not read from a frozen copy
 
+    # -- resolving (the run's first task) and the frozen copy (everything after) ------------------
     @classmethod
     def from_params(cls, params: dict[str, Any], run_id: str) -> "RunContext":
+        """Resolve the YAML + Params now (only the freezing task, or a DAG without one, does this)."""
         cfg = config_from_params(params)
         cfg = load_config(data=resolved_config_dict(cfg))  # absolute paths from here on
-        return cls(cfg=cfg, layout=RunLayout.for_run(cfg, run_id))
+        return cls(cfg=cfg, layout=RunLayout.for_run(cfg, run_id), _resolved_here=True)
 
     @classmethod
-    def from_airflow(cls, context) -> "RunContext":
+    def resolve_for(cls, context) -> "RunContext":
         params = dict(context["params"])
         # run_name names the run directory when set (the demo knows it before the run starts)
         return cls.from_params(params, params.get("run_name") or context["run_id"])
 
     @classmethod
-    def from_serialized(cls, config: dict[str, Any], run_id: str) -> "RunContext":
-        """Rebuild in a trigger from what ``serialize()`` carried."""
-        cfg = load_config(data=config)
-        return cls(cfg=cfg, layout=RunLayout.for_run(cfg, run_id))
+    def from_frozen(cls, frozen: dict[str, Any]) -> "RunContext":
+        cfg = load_config(data=frozen["config"])
+        return cls(cfg=cfg, layout=RunLayout.for_run(cfg, frozen["run_id"]))
 
+    def frozen(self) -> dict[str, Any]:
+        """The XCom form of the frozen config: the run id and the config, paths absolute."""
+        return {"run_id": self.layout.run_id, "config": self.cfg.model_dump(mode="json")}
+
+    @classmethod
+    def frozen_in(cls, context) -> "RunContext | None":
+        """The run's frozen config from the XCom of the task that froze it; None when nothing is frozen."""
+        ti = context.get("ti")
+        for task_id in _freezing_task_ids(context) if ti is not None else []:
+            frozen = ti.xcom_pull(task_ids=task_id, key=RUN_CONFIG_XCOM_KEY)
+            if frozen:
+                return cls.from_frozen(frozen)
+        return None
+
+    @classmethod
+    def from_airflow(cls, context) -> "RunContext":
+        """The run's frozen config; resolved from the Params only in a DAG that has no freezing task."""
+        ctx = cls.frozen_in(context)
+        if ctx is not None:
+            return ctx
+        freezers = _freezing_task_ids(context)
+        if freezers:
+            raise ConfigError(f"run {context.get('run_id')}: the run's config was never frozen: task(s) "
+                              f"{', '.join(freezers)} must succeed first (clear the run from there); a later "
+                              "task never re-reads the YAML, which may have changed since the run started")
+        return cls.resolve_for(context)
+
+    # -- triggers ------------------------------------------------------------------------------
     def serialize(self) -> dict[str, Any]:
-        return {"config": self.cfg.model_dump(mode="json"), "run_id": self.layout.run_id}
+        """The RunRef a trigger carries."""
+        conn_id = getattr(self._node, "conn_id", self.cfg.node.conn_id) if self._node is not None \
+            else self.cfg.node.conn_id
+        return RunRef(conn_id=conn_id, run_config=self.run_config_path, run_id=self.layout.run_id).to_dict()
 
+    def trigger_ref(self) -> dict[str, Any]:
+        """The RunRef for a trigger this task defers to. A config this task resolved itself (a DAG without a
+        freezing task) is first written to run-config.json, where the trigger reads it."""
+        if self._resolved_here:
+            self.write_run_config()
+        return self.serialize()
+
+    @classmethod
+    def from_serialized(cls, run: dict[str, Any]) -> "RunContext":
+        """Rebuild in a trigger (blocking: reads run-config.json on the node; call it via asyncio.to_thread)."""
+        return cls.from_ref(RunRef.from_dict(run))
+
+    @classmethod
+    def from_ref(cls, ref: RunRef) -> "RunContext":
+        probe = _node_for(ref.conn_id)
+        try:
+            text = probe.read_text(ref.run_config)
+        finally:
+            probe.close()
+        return cls.from_frozen_text(ref, text, probe.name)
+
+    @classmethod
+    def from_frozen_text(cls, ref: RunRef, text: str | None, node_name: str) -> "RunContext":
+        """From the text of run-config.json as read on the node (None: not there)."""
+        if text is None:
+            raise ConfigError(f"run {ref.run_id}: frozen config {ref.run_config} not found on node "
+                              f"{node_name} (connection {ref.conn_id or 'local'}); the run's first task "
+                              "(write_run_config) writes it: clear the run from there")
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"run {ref.run_id}: frozen config {ref.run_config} on node {node_name} is not "
+                              f"JSON ({e}); clear the run from write_run_config to write it again") from None
+        cfg = load_config(data=data)
+        cfg.node.conn_id = ref.conn_id  # the node is reached the way the payload says (a reconcile may differ)
+        return cls(cfg=cfg, layout=RunLayout.for_run(cfg, ref.run_id))
+
+    # -- the node ------------------------------------------------------------------------------
     @property
     def node(self) -> Node:
         if self._node is None:
@@ -95,7 +251,7 @@ class RunContext:
 
     @property
     def run_config_path(self) -> str:
-        return str(self.layout.run_dir / "run-config.json")
+        return str(self.layout.run_dir / RUN_CONFIG_FILE)
 
     def write_run_config(self) -> str:
         self.node.write_text(self.run_config_path, json.dumps(self.cfg.model_dump(mode="json"), indent=2))

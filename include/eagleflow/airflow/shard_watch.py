@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.nodes import NodeError
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 
@@ -39,7 +39,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None):
         super().__init__()
-        self.run_data = run
+        self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
         self.poll_interval_s = poll_interval_s
 
     # -- what subclasses say ------------------------------------------------
@@ -51,7 +51,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     # -- the loop -----------------------------------------------------------
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        ctx = RunContext.from_serialized(self.run_data["config"], self.run_data["run_id"])
+        ctx = await asyncio.to_thread(RunContext.from_serialized, self.run_data)  # reads run-config.json on the node
         wd = ctx.cfg.watchdog
         interval = self.poll_interval_s or wd.poll_interval_s
         # The node can be unreachable for a while (SSH hiccup) without the job being at fault;

@@ -8,10 +8,9 @@ A retry restarts an unhealthy trainer, which resumes from its last checkpoint.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
-from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 
@@ -19,9 +18,10 @@ from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, s
 class TrainDraftOperator(RunOperator):
     ui_color = "#f3e8fb"
 
-    def __init__(self, *, deferrable: bool = True, poll_interval_s: float | None = None, **kw):
+    def __init__(self, *, deferrable: bool | None = None, poll_interval_s: float | None = None, **kw):
         super().__init__(**kw)
-        self.deferrable = deferrable
+        # deferred: the watch runs in the triggerer; otherwise the same watch runs in this worker slot
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
         self.poll_interval_s = poll_interval_s
 
     def run(self, ctx: RunContext, context):
@@ -37,10 +37,10 @@ class TrainDraftOperator(RunOperator):
         self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec.pid, ctx.node.name,
                       "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.log_file)
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
-        trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s)
+        trigger = TrainWatchTrigger(run=ctx.trigger_ref(), poll_interval_s=self.poll_interval_s)
         if self.deferrable:
             self.defer(trigger=trigger, method_name="execute_complete")
-        return self.execute_complete(context, asyncio.run(_first_event(trigger)))
+        return self.execute_complete(context, run_trigger_here(trigger))
 
     def _restart_if_unhealthy(self, ctx: RunContext, hb) -> None:
         """On a retry a live trainer is kept only if its heartbeat still advances."""
@@ -60,18 +60,13 @@ class TrainDraftOperator(RunOperator):
                             event.get("diagnosis") or f"the training watch ended with {event!r}")
 
 
-async def _first_event(trigger) -> dict:
-    async for ev in trigger.run():
-        return ev.payload
-    return {"status": "failed", "subject": "[eagleflow] training watch ended", "diagnosis": "no event"}
-
 
 class ExportDraftOperator(RunOperator):
     """`eagleflow export` on the node: the newest checkpoint as a draft directory SGLang serves."""
 
     ui_color = "#f3e8fb"
 
-    def __init__(self, *, deferrable: bool = False, timeout_s: float = 1800.0, **kw):
+    def __init__(self, *, timeout_s: float = 1800.0, **kw):
         super().__init__(**kw)
         self.timeout_s = timeout_s
 

@@ -1,0 +1,53 @@
+"""Where a GPU node's tasks run under CeleryExecutor: the node's queue, and the pool that limits its GPU work.
+
+A Celery worker listens on the queue that the node's config names (``node.queue``), so one slow or
+unreachable node never holds the workers of another; the pool the config names (``node.pool``)
+caps how many GPU tasks of that node run (or wait deferred) at once. Airflow fixes a task's queue and
+pool when the DAG is parsed, so the pipeline DAG reads them from its default config
+($EAGLEFLOW_CONFIG) at parse time, and the run's first task refuses a run whose frozen config names
+another queue or pool than the DAG routes to (such a run would talk to one node from another's worker).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from eagleflow.config import PipelineConfig, load_config
+
+DEFAULT_POOL = "default_pool"
+DEMO_CONFIG = "configs/local-demo.yaml"
+
+
+@dataclass(frozen=True)
+class NodeRouting:
+    queue: str
+    pool: str
+
+    @classmethod
+    def for_config(cls, cfg: PipelineConfig) -> "NodeRouting":
+        from airflow.providers.common.compat.sdk import conf
+        return cls(queue=cfg.node.queue or conf.get("operators", "default_queue", fallback="default"),
+                   pool=cfg.node.pool or DEFAULT_POOL)
+
+
+def default_config_path() -> str:
+    """The config a DAG is parsed with and its Param defaults to: $EAGLEFLOW_CONFIG, else the demo's."""
+    return os.environ.get("EAGLEFLOW_CONFIG") or DEMO_CONFIG
+
+
+def node_routing(config_path: str | None = None) -> NodeRouting:
+    """Queue and pool of the node named by ``config_path`` (default: ``default_config_path()``), at parse time."""
+    from eagleflow.airflow.runtime import resolve_config_path
+    return NodeRouting.for_config(load_config(resolve_config_path(config_path or default_config_path())))
+
+
+def routing_mismatches(dag, cfg: PipelineConfig) -> list[str]:
+    """Tasks of ``dag`` routed elsewhere than the run's config says (empty: the run fits the DAG)."""
+    want = NodeRouting.for_config(cfg)
+    bad = []
+    for task in dag.tasks:
+        if task.queue != want.queue:
+            bad.append(f"task {task.task_id} runs on queue {task.queue!r}, the run's node.queue is {want.queue!r}")
+        if task.pool not in (DEFAULT_POOL, want.pool):
+            bad.append(f"task {task.task_id} takes pool {task.pool!r}, the run's node.pool is {want.pool!r}")
+    return bad
