@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -25,6 +26,9 @@ def test_failed_run_gets_a_report_and_stays_failed(tmp_path, airflow_db, demo_as
     assert dr.state == "failed", states
     assert states["prepare_corpus"] == "failed" and states["run_report"] == "success", states
 
+    report_ti = next(ti for ti in dr.get_task_instances() if ti.task_id == "run_report")
+    assert report_ti.xcom_pull(task_ids="run_report", key="_link_RunReportLink") == \
+        f"/eagleflow-gpu/report/eagle3_pipeline/{quote(dr.run_id, safe='')}"  # the task's "Run report" button
     html = (tmp_path / "runs" / "failing" / "report.html").read_text()
     assert "Did not succeed: " in html and "prepare_corpus (failed)" in html
     assert "No corpus statistics" in html and "No export" in html

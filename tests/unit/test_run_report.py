@@ -99,3 +99,22 @@ def test_a_long_run_stays_a_small_page(tmp_path):
         s: {"points": [[1000.0 + i, i + 1] for i in range(4664)], "done": 4664, "total": 4664, "state": "complete"}
         for s in range(8)}, "metrics": [{"step": i, "loss": 1.0, "accept_length": 2.0} for i in range(1, 20001)]}
     assert len(render(data)) < 400_000
+
+
+def test_the_report_task_carries_a_run_report_link():
+    """In Airflow 3 the worker pushes the link when the task ends; the UI shows it as the task's button."""
+    from pathlib import Path
+
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from eagleflow.airflow.report_operators import RunReportLink, report_url
+    dags = Path(__file__).resolve().parents[2] / "dags" / "eagle3_pipeline.py"
+    dag = DagSerialization.from_dict(DagSerialization.to_dict(DagBag(dag_folder=str(dags)).dags["eagle3_pipeline"]))
+    task = dag.get_task("run_report")
+    assert task.extra_links == ["Run report"] and task.is_teardown
+    assert "run_report" not in {t.task_id for t in dag.tasks if t.downstream_task_ids} and \
+        "export_draft" in task.upstream_task_ids
+    key = type("Key", (), {"dag_id": "eagle3_pipeline", "run_id": "manual__2026-12-01T04:12:37+00:00"})()
+    assert RunReportLink().get_link(None, ti_key=key) == report_url("eagle3_pipeline", key.run_id) == \
+        "/eagleflow-gpu/report/eagle3_pipeline/manual__2026-12-01T04%3A12%3A37%2B00%3A00"
