@@ -67,6 +67,10 @@ def test_status_document_and_metrics_from_the_activity(node_state, tmp_path):
     assert ours["ours"] and ours["task"] == "extract_shard[2]" and ours["program"] == "python3"
     assert not theirs["ours"] and theirs["program"] == "ollama" and "secret" not in str(doc)
     assert doc["held_since"] == {}  # utilisation unknown is not 0 %
+    from eagleflow.console.gpu_page import render_panel
+    panel = render_panel(store.all(), dag={"is_paused": False})
+    assert "run manual__r1: <span class='shard running'>shard 2: 37/90</span>" in panel
+    assert "open incident gpu-node-1-worker_dead-" in panel and "server_frozen" not in panel  # recovered: closed
     text = prometheus.render(store.all())
     assert 'eagleflow_shard_samples_done{Hostname="gpu-node-1",run_id="manual__r1",shard="2"} 37' in text
     assert 'eagleflow_shard_samples_total{Hostname="gpu-node-1",run_id="manual__r1",shard="2"} 90' in text
