@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, rel in [("run config", "run-config.json"), ("corpus", "corpus/corpus.parquet"),
                        ("corpus stats", "corpus/stats.json"), ("hidden states", "hidden_states"),
                        ("training metrics", "draft/metrics.jsonl"), ("training curves", "draft/curves.png"),
-                       ("exported draft (SGLang EAGLE3)", "draft/export"), ("logs", "logs")]:
+                       ("exported draft (SGLang EAGLE3)", "draft/export"), ("run report (HTML)", "report.html"),
+                       ("logs", "logs")]:
         p = run_dir / rel
         print(f"  {label:32s} {p}{'' if p.exists() else '   (not produced)'}")
     print(f"  {'Airflow task logs':32s} {Path(env['AIRFLOW_HOME']) / 'logs'}")
