@@ -157,3 +157,11 @@ def test_page_reloads_its_panel_under_the_mount_prefix(store, auth):
     c = TestClient(parent, cookies={"_token": auth["admin"]})
     assert 'PANEL_URL = "/eagleflow-gpu/panel"' in c.get("/eagleflow-gpu/").text
     assert c.get("/eagleflow-gpu/panel").status_code == 200
+
+
+def test_a_bad_refresh_setting_is_named(monkeypatch, store):
+    from eagleflow.airflow.console_app import create_app
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("EAGLEFLOW_GPU_VIEW_REFRESH_S", bad)
+        with pytest.raises(ValueError, match=f"EAGLEFLOW_GPU_VIEW_REFRESH_S='{bad}': must be a number of seconds > 0"):
+            create_app(store)
