@@ -3,7 +3,8 @@
 ``atomic_replace(path)`` yields a temp path beside ``path`` (same directory,
 so the rename is atomic; a unique name, so concurrent writers never share a
 temp file) for writers that need a path (safetensors, parquet, matplotlib) or
-stream their own bytes; ``atomic_write(path, data)`` is the common case.
+stream their own bytes; ``atomic_write(path, data)`` is the common case;
+``atomic_dir(path)`` publishes a whole directory the same way.
 Temp names start with ``.tmp-`` so the cleaners of partial files find them.
 """
 from __future__ import annotations
@@ -71,6 +72,39 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
     with atomic_replace(path, fsync=fsync) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a fresh temp directory beside ``path``; when the block ends without error, publish it whole.
+
+    Publishing: fsync every file in it and the directory itself, move an
+    existing ``path`` aside, rename the temp directory to ``path``, fsync the
+    parent, then delete the old one. On error the temp directory is removed
+    and ``path`` is left as it was.
+    """
+    import shutil
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{TEMP_PREFIX}{final.name}."))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        yield tmp
+        if fsync:
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    fsync_path(f)
+            fsync_path(tmp)
+        old = final.with_name(f".old-{final.name}.{tmp.name.rsplit('.', 1)[-1]}")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if fsync:
+        fsync_path(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

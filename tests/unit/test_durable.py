@@ -54,3 +54,21 @@ def test_module_writes_stdin_atomically_for_remote_nodes(tmp_path):
     p = tmp_path / "d" / "x.txt"
     subprocess.run([sys.executable, "-m", "eagleflow.durable", str(p)], input=b"from stdin", check=True, timeout=30)
     assert p.read_bytes() == b"from stdin"
+
+
+def test_a_directory_is_published_whole_or_not_at_all(tmp_path):
+    from eagleflow.durable import atomic_dir
+    out = tmp_path / "export"
+    with atomic_dir(out) as d:
+        (d / "model.safetensors").write_bytes(b"v1")
+        (d / "config.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out) as d:
+            (d / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed mid-export")
+    assert (out / "model.safetensors").read_bytes() == b"v1" and os.listdir(tmp_path) == ["export"]
+    with atomic_dir(out) as d:
+        (d / "model.safetensors").write_bytes(b"v2")
+    assert (out / "model.safetensors").read_bytes() == b"v2" and os.listdir(tmp_path) == ["export"]
+    assert not (out / "config.json").exists()  # replaced whole, not merged

@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers
+from eagleflow.durable import atomic_dir
 
 from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
 from .model import DraftConfig, Eagle3Draft
@@ -111,20 +110,12 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
         t = weights[n]
         out[n] = t.contiguous() if n in ("d2t", "t2d") else t.to(_DTYPES[name]).contiguous()
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source_checkpoint": str(ckpt)})
-    (tmp / "config.json").write_text(json.dumps(export_config(dcfg, layer_ids, name), indent=2) + "\n")
-    (tmp / "eagleflow_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
-         "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"]}, indent=2) + "\n")
-    old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out_dir) as tmp:   # a server never loads half an export
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source_checkpoint": str(ckpt)})
+        (tmp / "config.json").write_text(json.dumps(export_config(dcfg, layer_ids, name), indent=2) + "\n")
+        (tmp / "eagleflow_export.json").write_text(json.dumps(
+            {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
+             "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"]}, indent=2) + "\n")
     return out_dir
 
 
