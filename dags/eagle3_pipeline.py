@@ -111,4 +111,6 @@ with DAG(
     [free_after, verify] >> idle_after >> train >> export
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: export_draft and the other leaves do, so a failed run stays failed
-    export >> RunReportOperator(task_id="run_report").as_teardown()
+    # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run
+    # whose config was refused has nothing to report and gets no second alert
+    export >> RunReportOperator(task_id="run_report").as_teardown(setups=write_config)

@@ -16,6 +16,7 @@ run's final state, 0 samples lost, 0 duplicated, 0 corrupt trained on.
 | --run-id '..', '.', '/abs', 'a/b'             | CLI                         | refused naming --run-id; nothing outside  |
 | dump_dir full; shard dir full (ENOSPC)        | capture run CLI (tmpfs)     | clear error in log and heartbeat; resume  |
 |                                               |                             | after space is freed: exact shard         |
+| checkpoint disk full (ENOSPC)                 | train CLI (tmpfs)           | clear error, no half checkpoint; resume   |
 """
 from __future__ import annotations
 
@@ -180,9 +181,10 @@ def test_prepare_corpus_failure_lets_nothing_train_and_alerts_once(tmp_path, air
     assert not (tmp_path / "runs" / "badcorpus" / "draft").exists()
 
 
-@pytest.mark.parametrize("case", ["missing_model", "unknown_conf_key", "missing_source"])
+@pytest.mark.parametrize("case", ["missing_model", "unknown_conf_key", "missing_source", "bad_field",
+                                  "missing_config"])
 def test_input_errors_fail_the_first_task_at_once_naming_the_field(case, tmp_path, airflow_db, demo_assets,
-                                                                   monkeypatch):
+                                                                   monkeypatch, capfd):
     dag = _pipeline_dag()
     with SmtpSink() as smtp:
         overrides: dict = {}
@@ -191,9 +193,13 @@ def test_input_errors_fail_the_first_task_at_once_naming_the_field(case, tmp_pat
             overrides = {"target_model": str(tmp_path / "no-such-model")}
         elif case == "unknown_conf_key":
             conf_extra = {"shardz": 4}
-        else:
+        elif case == "missing_source":
             overrides = {"corpus": {"sources": [{"name": "gone", "path": str(tmp_path / "gone.jsonl")}]}}
+        elif case == "bad_field":
+            overrides = {"capture": {"backend": "hf", "shards": 0}}
         cfgp = _mailing_config(tmp_path, demo_assets, smtp, monkeypatch, **overrides)
+        if case == "missing_config":
+            cfgp = tmp_path / "no-such-config.yaml"
         t0 = time.monotonic()
         dr = dag.test(run_conf={"config_path": str(cfgp), "run_name": f"bad-{case}", **conf_extra})
         elapsed = time.monotonic() - t0
@@ -203,17 +209,26 @@ def test_input_errors_fail_the_first_task_at_once_naming_the_field(case, tmp_pat
         assert first.state == "failed" and first.try_number == 1, "an input error is not retried"
         assert tis[("prepare_corpus", -1)].state == "upstream_failed"
         assert tis[("train_draft", -1)].state == "upstream_failed"
-        mail = smtp.wait_for(lambda m: "write_run_config" in m["Subject"])
-        body = body_text(mail)
-        mails = len(smtp.messages)
+        if case in ("missing_config", "bad_field"):   # no readable config, so no recipients: the log says it
+            time.sleep(2)
+            assert not smtp.messages, [m["Subject"] for m in smtp.messages]
+            body, mails = capfd.readouterr().out, 1
+        else:
+            mail = smtp.wait_for(lambda m: "write_run_config" in m["Subject"])
+            body = body_text(mail)
+            mails = len(smtp.messages)
     assert elapsed < 120, f"failing took {elapsed:.0f} s"
     if case == "missing_model":
         assert "target_model" in body and "no-such-model" in body and "does not exist" in body, body
     elif case == "unknown_conf_key":
         assert "&#x27;shardz&#x27;" in body or "'shardz'" in body, body
         assert "valid keys are" in body and "shards" in body, body
-    else:
+    elif case == "missing_source":
         assert "corpus.sources[0].path (gone)" in body and "does not exist" in body, body
+    elif case == "bad_field":
+        assert "capture.shards = 0" in body and "AirflowFailException" in body, body[-3000:]
+    else:
+        assert "no-such-config.yaml" in body and "AirflowFailException" in body, body[-3000:]
     assert mails == 1, "one alert"
     assert not (tmp_path / "runs" / f"bad-{case}" / "corpus").exists()
 
@@ -384,5 +399,32 @@ def test_full_shard_disk_is_a_clear_error_and_resume_loses_nothing(tmp_path, dem
         assert f"{stored} already stored" in again[0].stdout, again[0].stdout
         _assert_exact(run)
         assert _cli("capture", "verify", *_args(run)).returncode == 0
+    finally:
+        fs.close()
+
+
+def test_full_checkpoint_disk_is_a_clear_error_and_training_resumes(tmp_path, demo_assets):
+    from tests.fixtures.train_hidden_states import write_synthetic_hidden_states
+    data = {"run_root": str(tmp_path / "runs"), "target_model": demo_assets["target_model"],
+            "node": {"name": "local", "has_gpu": False, "state_dir": str(tmp_path / "state")}, "train": TRAIN}
+    cfgp = tmp_path / "config.yaml"
+    cfgp.write_text(yaml.safe_dump(data))
+    lay = RunLayout.for_run(load_config(cfgp), "ckptfull")
+    write_synthetic_hidden_states(lay.hidden_states_dir, demo_assets["target_model"], samples=24)
+    args = ["--config", str(cfgp), "--run-id", "ckptfull"]
+    ckpts = Path(lay.draft_dir) / "checkpoints"
+    fs = _Tmpfs(ckpts, "8k")                          # smaller than one checkpoint of the tiny draft
+    try:
+        full = _cli("train", *args)
+        hb = json.loads((Path(lay.draft_dir) / "heartbeat.json").read_text())
+        assert full.returncode == 1, full.stdout + full.stderr
+        assert "disk full (ENOSPC) writing checkpoint step 3" in full.stderr and "Traceback" not in full.stderr
+        assert hb["state"] == "failed" and "disk full (ENOSPC)" in hb["error"], hb
+        assert not list(ckpts.iterdir()), "no half checkpoint left behind"
+        fs.grow("64m")
+        done = _cli("train", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = [json.loads(x) for x in (Path(lay.draft_dir) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, TRAIN["max_steps"] + 1))
     finally:
         fs.close()
