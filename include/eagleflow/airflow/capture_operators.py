@@ -5,7 +5,6 @@ that touches the node goes through the run's Node.
 """
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 from typing import Any
@@ -18,6 +17,7 @@ from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
                                          stop_capture_server, worker_role_pattern)
+from eagleflow.nodes import NodeError
 from eagleflow.nodes.process_record import RecordList
 from eagleflow.heartbeat import Heartbeat
 
@@ -201,13 +201,11 @@ class VerifyHiddenStatesOperator(RunOperator):
 
     def run(self, ctx, context):
         argv = ctx.eagleflow_argv("capture", "verify", "--json", *([] if self.check_digest else ["--no-digest"]))
-        res = ctx.node.run(argv, timeout=None)
-        lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
         try:
-            report = json.loads(lines[-1])
-        except (IndexError, ValueError):
-            raise AirflowFailException(f"hidden-state verification could not run on node {ctx.node.name} "
-                                       f"(exit {res.exit_code}): {res.stderr.strip()[-2000:]}") from None
+            # exit 1 still carries the report: verification ran and found what is missing or damaged
+            report = ctx.node.run_json(argv, dict[str, Any], timeout=None, answer_codes=(0, 1))
+        except NodeError as e:
+            raise AirflowFailException(f"hidden-state verification could not run: {e}") from None
         for shard in report["shards"]:
             self.log.info("shard %d: %d/%d stored and verified%s", shard["shard"], shard["stored"], shard["expected"],
                           "" if shard["stored"] == shard["expected"] else " <- FAILED")
