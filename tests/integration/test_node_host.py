@@ -25,19 +25,6 @@ def node(node_host_fixture, monkeypatch):  # noqa: F811
         yield n
 
 
-def running_in_ns(host, argv: list[str]) -> list[int]:
-    """PIDs in the node's namespace whose command line is exactly argv (checked on the node's side)."""
-    want = "\0".join(argv).encode() + b"\0"
-    out = []
-    for pid in host.pids():
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes() == want:
-                out.append(pid)
-        except OSError:
-            pass
-    return out
-
-
 def test_the_node_is_another_host_with_its_own_stack(node_host_fixture, node):  # noqa: F811
     h = node_host_fixture
     res = node.run(["sh", "-c", 'echo "$SSH_CONNECTION"; cat /proc/net/dev'], timeout=20)
@@ -69,9 +56,9 @@ def test_teardown_removes_namespace_link_and_processes(tmp_path):
         sshd_pid = h.sshd_pid
         # a process that outlives its SSH session on the node (setsid, as detached jobs are)
         h.exec_in(["sh", "-c", "setsid -f sleep 3600 </dev/null >/dev/null 2>&1"])
-        assert running_in_ns(h, ["sleep", "3600"])
+        assert h.running(["sleep", "3600"])
         ns, vh, vn, host_ip = h.netns, h.veth_host, h.veth_node, h.host_ip
-        sleeper = running_in_ns(h, ["sleep", "3600"])
+        sleeper = h.running(["sleep", "3600"])
     assert ns not in _ip("netns", "list").stdout.split()
     links = _ip("-o", "link", "show").stdout
     assert f" {vh}@" not in links and f" {vn}@" not in links
@@ -85,15 +72,15 @@ def test_a_command_that_times_out_over_the_link_leaves_nothing_on_the_node(node_
     with pytest.raises(NodeCommandTimeout, match="the node ended it"):
         node.run(["sh", "-c", "sleep 41.5 & sleep 42.5 & wait"], timeout=2)
     deadline = time.monotonic() + 3
-    while (running_in_ns(h, ["sleep", "41.5"]) or running_in_ns(h, ["sleep", "42.5"])) and time.monotonic() < deadline:
+    while (h.running(["sleep", "41.5"]) or h.running(["sleep", "42.5"])) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not running_in_ns(h, ["sleep", "41.5"]) and not running_in_ns(h, ["sleep", "42.5"])
+    assert not h.running(["sleep", "41.5"]) and not h.running(["sleep", "42.5"])
     with pytest.raises(NodeCommandTimeout):
         node.run([sys.executable, "-c", IGNORE_TERM, "over-the-link"], timeout=2)
     deadline = time.monotonic() + 3
-    while running_in_ns(h, [sys.executable, "-c", IGNORE_TERM, "over-the-link"]) and time.monotonic() < deadline:
+    while h.running([sys.executable, "-c", IGNORE_TERM, "over-the-link"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not running_in_ns(h, [sys.executable, "-c", IGNORE_TERM, "over-the-link"])
+    assert not h.running([sys.executable, "-c", IGNORE_TERM, "over-the-link"])
     assert node.run(["echo", "ok"], timeout=10).stdout == "ok\n"
 
 
@@ -117,7 +104,7 @@ def _run_in_thread(node, argv, timeout):
 def _wait_running(host, argv, within_s=10.0) -> list[int]:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        pids = running_in_ns(host, argv)
+        pids = host.running(argv)
         if pids:
             return pids
         time.sleep(0.05)

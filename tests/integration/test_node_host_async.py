@@ -14,7 +14,6 @@ from eagleflow.nodes import NodeCommandTimeout, NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
 from tests.fixtures.processes import alive
-from tests.integration.test_node_host import running_in_ns
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -72,11 +71,11 @@ def test_timeout_ends_the_remote_work_over_the_link(node_host_fixture, conn_id):
         asyncio.run(node.run(argv, timeout=2))
     node.close()
     deadline = time.monotonic() + 3
-    while (running_in_ns(node_host_fixture, ["sleep", "45.5"]) or running_in_ns(node_host_fixture, ["sleep", "46.5"])) \
+    while (node_host_fixture.running(["sleep", "45.5"]) or node_host_fixture.running(["sleep", "46.5"])) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not running_in_ns(node_host_fixture, ["sleep", "45.5"])
-    assert not running_in_ns(node_host_fixture, ["sleep", "46.5"])
+    assert not node_host_fixture.running(["sleep", "45.5"])
+    assert not node_host_fixture.running(["sleep", "46.5"])
 
 
 @pytest.mark.parametrize("fault", ["drop", "link"])
@@ -89,9 +88,9 @@ def test_a_lost_connection_is_unreachable_and_the_next_call_reconnects(fault, no
         node = AsyncSSHNode(conn_id, name="gpu-node-ns")
         assert (await node.run(["true"], timeout=10)).ok
         task = asyncio.ensure_future(node.run(argv, timeout=120))
-        while not running_in_ns(h, argv):
+        while not h.running(argv):
             await asyncio.sleep(0.05)
-        (pid,) = running_in_ns(h, argv)
+        (pid,) = h.running(argv)
         t0 = time.monotonic()
         if fault == "drop":
             await asyncio.to_thread(h.drop_connections)

@@ -48,6 +48,8 @@ class AsyncSSHNode:
             from airflow.providers.ssh.hooks.ssh import SSHHookAsync
         except ImportError:
             raise NodeError(f"node {self.name}: SSH needs apache-airflow-providers-ssh") from None
+        import logging
+        logging.getLogger("asyncssh").setLevel(logging.WARNING)   # not five INFO lines per poll in the triggerer
         hook = SSHHookAsync(ssh_conn_id=self.conn_id, keepalive_interval=int(KEEPALIVE_S))
         try:
             conn = await asyncio.wait_for(hook.get_conn(), self.connect_timeout_s)
