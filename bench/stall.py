@@ -19,11 +19,22 @@ forward). Every event that is not "complete" is a false alarm; reported per hour
 
     .venv/bin/python bench/stall.py --real-defaults --slow-s 600   # poll 20, stall_after 15, health 20
     .venv/bin/python bench/stall.py --cycles 1 --slow-s 120        # same with --poll-s ... to taste
+
+``--node-host`` (root) runs the fault cases on a node of its own (a network namespace behind a veth
+link and a real sshd, tests/fixtures/node_host.py): the server and worker are started, watched and
+recovered over SSH (the watch on one held asyncssh connection), the faults are injected there. It
+adds the ``partition`` case: the link goes down mid-shard for ``--outage-s``; the watch must say
+UNREACHABLE (not stalled), mail once and restart nothing; after the link is back it watches the
+shard to completion, which must hold every sample exactly once. (The slow-but-healthy cases need
+a per-server environment and run only locally.)
+
+    .venv/bin/python bench/stall.py --node-host --real-defaults --slow-cases ''
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,11 +65,12 @@ from tests.fixtures.gpu_scenarios import fake_smi_env, gpu, write_scenario  # no
 from tests.fixtures.smtp import SmtpSink  # noqa: E402
 
 FAULTS = ["frozen-server", "frozen-worker", "killed-worker", "killed-server", "hung-generate"]
+NODE: dict = {}   # node section overrides: the node host's SSH connection in --node-host mode
 
 
 def make_run(root: Path, model: str, run_id: str, watch: dict, n: int, has_gpu: bool = False) -> LocalRun:
     data = {"run_root": str(root / "runs"), "target_model": model,
-            "node": {"name": "bench-node", "has_gpu": has_gpu, "state_dir": str(root / "state")},
+            "node": {"name": "bench-node", "has_gpu": has_gpu, "state_dir": str(root / "state"), **NODE},
             "gpu": {"probe": "smi"},
             "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / run_id), "shards": 1,
                         "in_flight": 2, "ready_timeout_s": 180, "heartbeat_interval_s": 2.0,
@@ -190,6 +202,81 @@ def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, boun
     return result
 
 
+def partition_cycle(run: LocalRun, host, smtp: SmtpSink, outage_s: float, watch: dict) -> dict:
+    """Link down mid-shard for outage_s: expect UNREACHABLE (one mail, nothing restarted), then the shard
+    watched to completion with every sample stored exactly once."""
+    wait_for(lambda: stored(run) >= 3, 180, "the worker to store 3 samples")
+    time.sleep(3)
+    pids = (pid_of(run, "capture_server"), pid_of(run, "worker_shard_00000"))
+    r: dict = {"fault": "partition", "outage_s": outage_s,
+               "unreachable_bound_s": watch["stall_after_s"] + 2 * watch["poll_interval_s"]}
+    n_mails = len(smtp.messages)
+
+    async def cycle() -> dict:
+        first = asyncio.create_task(first_event(run, outage_s + 120, recoveries=1))
+        seen, deadline = False, time.time() + 60   # cut after the watch's first look: it has seen the node
+        while time.time() < deadline:
+            looking = any(b"\0watch\0" in _cmdline(p) for p in host.pids())
+            if seen and not looking:
+                break
+            seen = seen or looking
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        r["t_fault"], r["stored_at_cut"] = time.time(), stored(run)
+        await asyncio.to_thread(host.link_down)
+        ev = await first
+        r["t_event"] = time.time()
+        if ev.get("status") == "unreachable" and ev.get("mail"):   # what ExtractShardOperator does
+            await asyncio.to_thread(mail, smtp, ev)
+        await asyncio.sleep(max(0.0, r["t_fault"] + outage_s - time.time()))
+        r["stored_while_down"] = stored(run) - r["stored_at_cut"]
+        await asyncio.to_thread(host.link_up)
+        r["t_up"] = time.time()
+        # watch again as the operator does after an unreachable event, until the shard completes
+        again = ShardWatchTrigger(RunContext(cfg=run.cfg, layout=run.layout).serialize(), 0, recoveries_left=1,
+                                  unreachable_since=ev.get("since"))
+        agen = again.run()
+        try:
+            back = asyncio.create_task(agen.__anext__())
+            while not back.done() and "back_s" not in r:
+                if any(b"\0watch\0" in _cmdline(p) for p in host.pids()):
+                    r["back_s"] = time.time() - r["t_up"]
+                await asyncio.sleep(0.1)
+            r["final"] = (await back).payload
+        finally:
+            await agen.aclose()
+        return ev
+
+    ev = asyncio.run(cycle())
+    r["status"] = ev.get("status")
+    r["detect_s"] = r["t_event"] - r["t_fault"]
+    r["headline"] = (ev.get("diagnosis") or "").splitlines()[0][:400]
+    if len(smtp.messages) > n_mails:
+        r["mail_s"] = smtp.received_at[-1] - r["t_fault"]
+    r["restarts"] = int((pid_of(run, "capture_server"), pid_of(run, "worker_shard_00000")) != pids)
+    entries = [json.loads(line) for line in Path(str(run.layout.manifest_file(0))).read_text().splitlines()
+               if line.strip()]
+    idx = [e["index"] for e in entries]
+    r["total"] = len(_corpus_indices(run))   # one shard: the whole corpus
+    r["stored"], r["duplicated"] = len(set(idx)), len(idx) - len(set(idx))
+    r["missing"] = len(set(_corpus_indices(run)) - set(idx))
+    r["final_status"] = (r.get("final") or {}).get("status")
+    return r
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _corpus_indices(run: LocalRun) -> list[int]:
+    import pyarrow.parquet as pq
+    return pq.read_table(str(Path(str(run.layout.corpus_dir)) / "corpus.parquet"), columns=["index"]).column(
+        "index").to_pylist()
+
+
 def ev_stored(ev: dict) -> int:
     try:
         return int(str((ev.get("incident") or {}).get("shards", {}).get("0", "0")).split("/")[0].replace(",", ""))
@@ -262,6 +349,9 @@ def main() -> int:
     ap.add_argument("--health-timeout-s", type=float, default=5.0)
     ap.add_argument("--slow-s", type=float, default=600.0, help="how long each slow-but-healthy case is watched")
     ap.add_argument("--slow-cases", default="slow-10s,slow-20s,slow-30s,duty-cycled")
+    ap.add_argument("--node-host", action="store_true", help="fault cases on a node in its own network "
+                    "namespace over SSH (root), plus the partition case")
+    ap.add_argument("--outage-s", type=float, default=45.0, help="how long the partition case keeps the link down")
     args = ap.parse_args()
     if args.real_defaults:
         args.poll_s, args.stall_after_s, args.health_timeout_s = 20.0, 15.0, 20.0
@@ -288,7 +378,21 @@ def main() -> int:
     slow_runs: list[SlowCase] = []
     fault_results: list[dict] = []
     hang_file = root / "hang"
-    with SmtpSink() as smtp:
+    partition_results: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        smtp = stack.enter_context(SmtpSink())
+        host = None
+        if args.node_host:
+            from tests.fixtures.node_host import node_host
+            # the servers' environment on the node comes from its sshd (SetEnv), not from this process
+            host = stack.enter_context(node_host(root / "node", {**fake_smi_env(scenario, sys.executable),
+                                                                 DELAY_ENV: "0.05", HANG_FILE_ENV: str(hang_file)}))
+            os.environ["AIRFLOW_CONN_BENCH_NODE_HOST"] = host.airflow_conn()
+            NODE.update({"name": "node-host", "conn_id": "bench_node_host", "python": sys.executable})
+            if args.slow_cases:
+                print("slow-but-healthy cases: not in --node-host mode (each needs its own server environment)")
+                args.slow_cases = ""
+            print(f"node host: {host.node_ip}:{host.port} in network namespace {host.netns}", flush=True)
         try:
             for name in [c for c in args.slow_cases.split(",") if c]:
                 delay_file = root / f"{name}.delay"
@@ -317,6 +421,19 @@ def main() -> int:
                 finally:
                     # HANG_FILE_ENV reached the restarted server too: recovery starts it from this environment
                     stop(a)
+            if host is not None:
+                p = make_run(root, assets["target_model"], "partition", watch, n=400)
+                start(p, {})
+                try:
+                    r = partition_cycle(p, host, smtp, args.outage_s, watch)
+                    partition_results.append(r)
+                    print(f"  partition      #1: {r['status']:<11} detect {r['detect_s']:5.1f} s, mail "
+                          f"{r.get('mail_s', float('nan')):5.1f} s, {r['stored_while_down']} samples stored while "
+                          f"unreachable, watch back {r.get('back_s', float('nan')):4.1f} s after the link | "
+                          f"{r['headline'][:140]}", flush=True)
+                finally:
+                    host.link_up()
+                    stop(p)
             for c in slow_runs:
                 c.join()
         finally:
@@ -335,6 +452,16 @@ def main() -> int:
         print(f"{fault:<16}{caught:>5}/{len(rs):<2}{dist([r['detect_s'] for r in rs]):>22}"
               f"{dist([r['mail_s'] for r in rs if 'mail_s' in r]):>20}{dist(rec):>31}{60.0:>8.0f}")
         ok = ok and caught == len(rs) and all(x <= 60.0 for x in rec) and len(rec) == len(rs)
+    for r in partition_results:
+        print()
+        print(f"partition ({r['outage_s']:.0f} s link down mid-shard): verdict {r['status']} (stalled: "
+              f"{'yes' if r['status'] != 'unreachable' else 'no'}), detected {r['detect_s']:.1f} s after the cut "
+              f"(bound: stall_after + 2 x poll = {r['unreachable_bound_s']:.0f} s from the last answer, or the "
+              f"dead-link detection), mail {r.get('mail_s', float('nan')):.1f} s, restarts on the node: "
+              f"{r['restarts']}, {r['stored_while_down']} samples stored while unreachable; at completion "
+              f"{r['stored']}/{r['total']} stored, {r['missing']} missing, {r['duplicated']} duplicated")
+        ok = ok and r["status"] == "unreachable" and r["restarts"] == 0 and r["missing"] == 0 \
+            and r["duplicated"] == 0 and r["stored"] == r["total"]
     print()
     print(f"{'slow-but-healthy case':<24}{'watched (s)':>12}{'samples':>9}{'false alarms':>14}{'per hour':>10}")
     total_s, total_fa = 0.0, 0
