@@ -95,7 +95,8 @@ def atomic_dir(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]
                 if f.is_file():
                     fsync_path(f)
             fsync_path(tmp)
-        old = final.with_name(f".old-{final.name}.{tmp.name.rsplit('.', 1)[-1]}")
+        # a temp name too: a crash between the two renames leaves it where temp cleaners look
+        old = final.with_name(f"{TEMP_PREFIX}{final.name}.old-{tmp.name.rsplit('.', 1)[-1]}")
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from eagleflow.durable import fsync_path
+from eagleflow.durable import atomic_dir
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -98,22 +97,17 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
-        opt_tensors, opt_meta = optimizer_to_flat(optimizer)
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
-        save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
-        from eagleflow.capture.storage import file_sha256
-        files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
-        full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
-        (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
-        for f in tmp.iterdir():
-            fsync_path(f)
+        # never a half checkpoint left behind; a rerun of the same step replaces it whole
+        with atomic_dir(final) as tmp:
+            opt_tensors, opt_meta = optimizer_to_flat(optimizer)
+            save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+            save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
+            from eagleflow.capture.storage import file_sha256
+            files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+            full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
+            (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)   # never a half checkpoint left behind
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
         if not full and "No space left" not in str(e):   # safetensors reports ENOSPC in its own error text
             raise
@@ -122,10 +116,6 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
             f"disk full (ENOSPC) writing checkpoint step {step} in {root} ({shutil.disk_usage(root).free / 2**20:.1f}"
             f" MiB free there); free space (or lower train.keep_checkpoints) and re-run: training resumes from "
             f"{before[-1].name if before else 'the start'}, which is intact") from None
-    if final.exists():  # a rerun of the same step: replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_path(root)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
