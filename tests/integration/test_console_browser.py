@@ -66,7 +66,8 @@ def sign_in(driver, base: str, password: str) -> None:
     wait_for("signed in", lambda: "/auth/login" not in driver.current_url and driver.get_cookie("_token"), 60)
 
 
-def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> None:
+def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> float:
+    """Checks the view; returns when the held GPUs were first seen highlighted (unix time)."""
     from selenium.webdriver.common.by import By
     driver.get(base + "/")
     find(driver, By.CSS_SELECTOR, "button[aria-label='Browse']").click()
@@ -79,6 +80,7 @@ def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> 
         e.get_attribute("data-uuid") for e in driver.find_elements(By.CSS_SELECTOR, "tr.gpu.held")
         if e.get_attribute("data-uuid")] if len(driver.find_elements(By.CSS_SELECTOR, "tr.gpu.held")) == len(HELD)
         else None, health_interval_s + 120)
+    seen_at = time.time()
     assert sorted(held) == [f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in HELD]
     assert len(driver.find_elements(By.CSS_SELECTOR, "[data-node='gpu-node-stalled'] tr.gpu")) == 8
     wait_for("CPU-only and unreachable nodes listed", lambda: "CPU-only node" in driver.page_source
@@ -93,6 +95,7 @@ def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> 
              .get_attribute("data-refreshed") not in (first, "0"), 30, 1)
     driver.switch_to.default_content()
     driver.save_screenshot(str(shots / "gpu-view.png"))
+    return seen_at
 
 
 def trigger_from_form(driver, base: str, run_name: str, shots: Path) -> None:
@@ -118,12 +121,15 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
     info = None
     try:
         info = standalone.start(home, port, wait_s=300, extra_env=env)
+        up_at = time.time()
         base = f"http://127.0.0.1:{port}"
         with pytest.raises(urllib.error.HTTPError) as e:  # no login, no GPU data
             rest(base, "/eagleflow-gpu/api/status")
         assert e.value.code == 401
         sign_in(chromium, base, info["password"])
-        check_gpu_view(chromium, base, shots, health_interval_s=60)
+        seen_at = check_gpu_view(chromium, base, shots, health_interval_s=60)
+        print(f"[console] held GPUs highlighted {seen_at - up_at:.0f} s after the API server answered "
+              "(gpu_node_health every 60 s, unpaused on creation)")
 
         token = rest(base, "/auth/token", method="POST",
                      body={"username": "admin", "password": info["password"]})["access_token"]
