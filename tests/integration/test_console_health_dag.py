@@ -42,7 +42,9 @@ def test_health_checks_land_in_the_metadata_db_and_the_view(airflow_db, monkeypa
     assert len(stalled["gpus"]) == 8 and len(stalled["history"]["t"]) == 2
     assert sorted(stalled["held_since"]) == sorted(f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in HELD)
     assert docs["cpu-box"]["has_gpu"] is False and docs["cpu-box"]["last_seen"]
-    assert docs["gpu-node-gone"]["error"] == "connection refused" and docs["gpu-node-gone"]["last_seen"] is None
+    # the kind of error only (the SSH message names host, login and port)
+    assert docs["gpu-node-gone"]["error"] in ("connection refused", "cannot connect")
+    assert docs["gpu-node-gone"]["last_seen"] is None and "127.0.0.1" not in str(docs["gpu-node-gone"])
     assert STALLED_CMD.split()[2] not in str(docs)  # no command line stored
 
     from airflow.api_fastapi.app import create_auth_manager
@@ -55,7 +57,7 @@ def test_health_checks_land_in_the_metadata_db_and_the_view(airflow_db, monkeypa
     html = c.get("/panel", cookies={"_token": token}).text
     held = re.findall(r"<tr class='gpu held' data-uuid='GPU-0000000(\d)", html)
     assert [int(i) for i in held] == list(HELD)
-    assert "CPU-only node" in html and "unreachable (connection refused)" in html
+    assert "CPU-only node" in html and f"unreachable ({docs['gpu-node-gone']['error']})" in html
     assert "sglang" not in html and "kimi" not in html
     metrics = c.get("/metrics", headers={"Authorization": f"Bearer {token}"}).text
     assert metrics.count("DCGM_FI_DEV_FB_USED{") >= 8 and 'eagleflow_node_up{Hostname="gpu-node-gone"} 0' in metrics
