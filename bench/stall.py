@@ -15,7 +15,8 @@ SMTP server (aiosmtpd) - the fault; recovery = the first sample stored after the
 Slow-but-healthy cases run at the same time, each on its own server, watched without recovery, on a
 fake GPU node (fake nvidia-smi: 8 GPUs holding 90 GB, busy in bursts, 45 % duty): per-forward delays
 of 10, 20 and 30 s, and a duty-cycled server (alternating 60 s at 0.05 s and 60 s at 20 s per
-forward). Every event that is not "complete" is a false alarm; reported per hour of watched run.
+forward); and two on a CPU node (no GPU signal at all): 16 s per forward, and duty-cycled 0.05 s / 16 s.
+Every event that is not "complete" is a false alarm; reported per hour of watched run.
 
     .venv/bin/python bench/stall.py --real-defaults --slow-s 600   # poll 20, stall_after 15, health 20
     .venv/bin/python bench/stall.py --cycles 1 --slow-s 120        # same with --poll-s ... to taste
@@ -374,7 +375,9 @@ def main() -> int:
                                                                  + os.pathsep + os.environ.get("PATH", "")})
 
     schedules = {"slow-10s": lambda t: 10.0, "slow-20s": lambda t: 20.0, "slow-30s": lambda t: 30.0,
-                 "duty-cycled": lambda t: 0.05 if int(t // 60) % 2 == 0 else 20.0}
+                 "duty-cycled": lambda t: 0.05 if int(t // 60) % 2 == 0 else 20.0,
+                 # a CPU node (no GPU signal, so no busy exemption): only the run's pace and honest ages help
+                 "cpu-16s": lambda t: 16.0, "cpu-duty-cycled": lambda t: 0.05 if int(t // 60) % 2 == 0 else 16.0}
     slow_runs: list[SlowCase] = []
     fault_results: list[dict] = []
     hang_file = root / "hang"
@@ -397,7 +400,7 @@ def main() -> int:
             for name in [c for c in args.slow_cases.split(",") if c]:
                 delay_file = root / f"{name}.delay"
                 delay_file.write_text("0")  # fast until ready; the case's schedule starts with its watch
-                run = make_run(root, assets["target_model"], name, watch, n=3000, has_gpu=True)
+                run = make_run(root, assets["target_model"], name, watch, n=3000, has_gpu=not name.startswith("cpu-"))
                 start(run, {DELAY_FILE_ENV: str(delay_file)})
                 slow_runs.append(SlowCase(name, run, args.slow_s, delay_file, schedules[name]))
             for c in slow_runs:

@@ -245,3 +245,23 @@ def test_mail_links_use_airflows_configured_base_url(monkeypatch):
     assert airflow_base_url("http://localhost:8080") == "https://airflow.example.org"
     monkeypatch.delenv("AIRFLOW__API__BASE_URL")
     assert airflow_base_url("http://fallback:8080") in ("http://fallback:8080",)
+
+
+def test_a_sample_completed_during_a_timed_out_health_check_proves_the_server_works(job):
+    """A CPU node (no GPU signal): the probe queued behind a 16 s forward; meanwhile a sample completed."""
+    cfg, layout, worker, _ = job
+    t0 = time.time()
+    clock = FakeClock(t0)
+    _hb(layout, 0, pid=worker.pid, now=t0, written_at=t0 - 1, progress_at=t0 - 15, in_flight_since=t0 - 15,
+        gaps=[0.3] * 20, requests=[0.6] * 20)
+
+    def queued_health(url, timeout_s):
+        clock.t += 20
+        _hb(layout, 0, pid=worker.pid, now=clock.t, written_at=clock.t - 0.5, progress_at=t0 + 1,
+            in_flight_since=t0 + 1, gaps=[0.3] * 19 + [16.0], requests=[0.6] * 19 + [16.0], done=11)
+        return HealthSignal(checked=True, ok=False, outcome="timeout", latency_s=20.0, url=url, read_at=clock.t)
+
+    d = decide(observe(cfg, layout, WatchedJob(shard=0, num_shards=4), WatchMemory(), health_check=queued_health,
+                       clock=clock), cfg)
+    assert d.verdict == "slow", d.summary
+    assert "a sample completed at" in d.summary and "while it waited (busy, not hung)" in d.summary

@@ -157,6 +157,10 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                     else f"failed ({h.outcome})")
             if gpu_busy:
                 fine.append(f"server /health_generate {what} but the GPUs are busy")
+            elif obs.progress_during_look is not None and h.outcome == "timeout":
+                # the probe queued behind real work: the server completed a sample while we waited
+                fine.append(f"server /health_generate {what} but a sample completed at "
+                            f"{_clock(obs.progress_during_look)} while it waited (busy, not hung)")
             else:
                 bad.append((1, _SERVER, f"server /health_generate {what}"))
         elif h.outcome == "no server info":
@@ -221,7 +225,8 @@ def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float) 
     slow-but-working server is SLOW.
     """
     h, hb = obs.health, obs.heartbeat
-    if not (obs.job.uses_server and h.checked and h.ok and hb is not None and hb.in_flight) or gpu_busy:
+    if not (obs.job.uses_server and h.checked and h.ok and hb is not None and hb.in_flight) or gpu_busy \
+            or obs.progress_during_look is not None:
         return ""
     oldest = max(hb.in_flight, key=lambda r: hb_now - r.since)
     age = hb_now - oldest.since

@@ -134,7 +134,7 @@ class GpuSignal:
 
 
 # --------------------------------------------------------------------------- this run's own pace
-MIN_PACE_SAMPLES = 5
+MIN_PACE_SAMPLES = 3   # the first gap includes the worker's start: a p95 of few gaps errs on the slow side
 
 
 @dataclass
@@ -202,6 +202,7 @@ class Observation:
     stored: int | None = None          # samples in the shard's manifest (read when progress is stale or the worker is not running)
     pace: Pace | None = None
     server_restarted_under_worker: bool = False  # the live server started after the worker did
+    progress_during_look: float | None = None     # a sample completed while this look waited on the server (when)
 
     @property
     def hb_clock(self) -> float:
@@ -508,6 +509,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     running = hb is not None and hb.state not in ("complete", "failed")
     stale = running and t0 - _progress_at(hb, worker) >= stale_after
     health = HealthSignal()
+    progressed: float | None = None
     skip = _provably_stuck(worker, server) if stale and job.uses_server else ""
     if stale and job.uses_server and not skip:
         # GPUs sampled for the whole check (>= GPU_SPAN_WHEN_STALE_S), so a bursty GPU is seen busy
@@ -524,11 +526,14 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
             t.join()
         gpu = box.get("gpu") or GpuSignal(applicable=cfg.node.has_gpu, note="no reading")
         # read again what has an age: the check took time, and the worker may have moved meanwhile
+        before = _progress_at(hb, worker)
         hb_read_at = clock()
         hb, hb_err = _read_heartbeat(job, layout)
         worker = read_process(layout, job.role, mem, hb_read_at)
         server = read_process(layout, "capture_server", mem, hb_read_at)
         pace = pace_of(hb, cfg)
+        if hb is not None and (hb.last_progress_at or 0.0) > before:
+            progressed = hb.last_progress_at
     else:
         if skip:
             health.skipped = skip
@@ -555,7 +560,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
                       done_since_last_look=done_since, last_look_at=mem.last_look_at,
                       log_tail=tail_lines(worker.log_file or str(layout.log_file(job.role))),
                       heartbeat_read_at=hb_read_at, stored=stored, pace=pace,
-                      server_restarted_under_worker=restarted_under)
+                      server_restarted_under_worker=restarted_under, progress_during_look=progressed)
     mem.last_look_at = t_end
     mem.last_done = hb.done if hb is not None else mem.last_done
     return obs
