@@ -2,9 +2,12 @@
 
 Every stage is a ``datasets`` (Arrow) step written to a work folder beside the
 output, so memory stays flat however large the corpus is: read -> normalise
-(batched, multi-process map) -> check bad records -> tokenise with the target's
-chat template (batched, multi-process map) -> drop records without assistant
-tokens -> sort by a seeded hash of the sample id -> stream to Parquet.
+(batched, multi-process map) -> check bad records -> check that the chat
+template renders the first record and the first tool-calling one whole ->
+tokenise with the target's chat template (batched, multi-process map; every
+record's rendering checked, over-long ones cut or dropped) -> bad records the
+template raised on, records without assistant tokens out -> sort by a seeded
+hash of the sample id -> stream to Parquet, reading the rows by position.
 
 Output (the shared contract): ``<run_dir>/corpus/corpus.parquet`` with columns
 index, id, source, input_ids, loss_mask, num_tokens, and ``stats.json``.
