@@ -67,7 +67,11 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         if waited:
             log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
         stopped_worker = _stop_stuck_worker(run, shard, log)
-        state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
+        stuck = _server_provably_stuck(run)
+        if stuck:   # stopped (T) or a zombie: no health check can succeed, so none is waited for
+            state, info, detail = "stuck", None, stuck
+        else:
+            state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready":
             last = read_incidents(run)[-1:] or [None]
             by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last[0]['at']))} for shard "
@@ -82,8 +86,8 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
             info = wait_capture_server_ready(run, log=log)
             summary = f"capture server pid {rec.pid} became ready at {info['url']}; no second restart"
             return {"ok": True, "action": "waited", "summary": summary, "worker": stopped_worker}
-        reason = detail if state == "dead" else f"not answering /health_generate within " \
-                                                 f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
+        reason = detail if state in ("dead", "stuck") else f"not answering /health_generate within " \
+                                                            f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
         log(f"shard {shard}: capture server unhealthy: {reason}; restarting it")
         old_pid = rec.pid if rec else None
         # the stop sends CONT after TERM: a SIGSTOPped server acts on it
@@ -107,6 +111,21 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         return {"ok": False, "action": "failed", "summary": summary}
     finally:
         lock.release()
+
+
+def _server_provably_stuck(run: RunLike) -> str:
+    """'' unless the recorded server is ours and stopped (state T) or a zombie: then why, with no health check."""
+    rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
+    if rec is None:
+        return ""
+    st = read_proc_state(rec.pid)
+    if st is None or st.start_ticks != rec.start_ticks:
+        return ""   # gone: check_ready says "dead" at once, without a health request
+    if st.state in ("T", "t"):
+        return f"capture server pid {rec.pid} is stopped (state T; no health re-check needed)"
+    if st.state == "Z":
+        return f"capture server pid {rec.pid} is a zombie (no health re-check needed)"
+    return ""
 
 
 def open_incident(run: RunLike, shard: int, cause: str, summary: str) -> dict[str, Any]:
