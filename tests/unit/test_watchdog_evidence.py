@@ -265,3 +265,14 @@ def test_a_sample_completed_during_a_timed_out_health_check_proves_the_server_wo
                        clock=clock), cfg)
     assert d.verdict == "slow", d.summary
     assert "a sample completed at" in d.summary and "while it waited (busy, not hung)" in d.summary
+
+
+def test_a_slow_health_answer_means_a_queue_not_a_hung_generate(job):
+    """The probe took 17 s (one forward now): a request 48 s old behind two others is queued, not hung."""
+    cfg, layout, worker, _ = job
+    now = time.time()
+    _hb(layout, 0, pid=worker.pid, now=now, written_at=now - 0.5, progress_at=now - 32, in_flight_since=now - 48,
+        gaps=[0.3] * 20, requests=[0.6] * 20)
+    slow_ok = lambda u, t: HealthSignal(checked=True, ok=True, outcome="ok", latency_s=17.0, url=u, read_at=time.time())
+    d = decide(observe(cfg, layout, WatchedJob(shard=0, num_shards=4), WatchMemory(), health_check=slow_ok), cfg)
+    assert d.verdict == "slow" and "server answered /health_generate in 17.0 s" in d.summary, d.summary

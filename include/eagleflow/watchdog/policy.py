@@ -186,7 +186,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                 bad.append((1, _SERVER, f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s timeout"))
             else:
                 fine.append(f"request {r.id} ({r.tokens:,} tokens) in flight for {age:.0f} s of its {limit:.0f} s timeout")
-        hung = _hung_generate(obs, pace, gpu_busy, hb_now)
+        hung = _hung_generate(obs, pace, gpu_busy, hb_now, wd.slow_factor)
         if hung:
             bad.append((1, _SERVER, hung))
         if obs.job.uses_server and not hb.in_flight:
@@ -217,7 +217,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     return diag("slow", head, fine or ["no signal says it is stuck"])
 
 
-def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float) -> str:
+def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float, slow_factor: float) -> str:
     """The server answers /health_generate, yet a request is far older than this run's requests take.
 
     SGLang can answer its one-token health probe while chat requests hang (sglang 4191); the worker's
@@ -230,12 +230,15 @@ def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float) 
         return ""
     oldest = max(hb.in_flight, key=lambda r: hb_now - r.since)
     age = hb_now - oldest.since
-    if age < pace.request_limit_s:
+    # the probe's own latency is one forward now: a request queued behind the others (and the probe)
+    # may take that long per request ahead of it; a hung /generate sits beside a fast probe
+    limit = max(pace.request_limit_s, slow_factor * (len(hb.in_flight) + 1) * (h.latency_s or 0.0))
+    if age < limit:
         return ""
     usual = (f"; this run's requests take {pace.request_p95_s:.1f} s (p95)" if pace.request_p95_s is not None
              else "")
     return (f"server answers /health_generate ({h.latency_s:.1f} s) but its /generate does not: request "
-            f"{oldest.id} in flight for {age:.0f} s with no sample completed (limit {pace.request_limit_s:.0f} s"
+            f"{oldest.id} in flight for {age:.0f} s with no sample completed (limit {limit:.0f} s"
             f"{usual})")
 
 
