@@ -39,8 +39,9 @@ class AsyncSSHNode:
         self.connects = 0  # connections opened (tests, bench): one per trigger run while the node answers
 
     async def _connection(self):
-        if self._conn is not None and self._conn._transport is not None \
-                and not self._conn._transport.is_closing():
+        transport = getattr(self._conn, "_transport", None)   # None once asyncssh saw the connection lost
+        if self._conn is not None and not self._conn.is_closed() and transport is not None \
+                and not transport.is_closing():
             return self._conn
         self._drop()
         import asyncssh
