@@ -145,7 +145,7 @@ def test_server_killed_worker_killed_before_rename_frozen_worker_and_full_disk(s
     os.kill(rec.pid, signal.SIGSTOP)
     ev = _watch(run, 2)
     assert ev["status"] == "stalled", ev
-    assert f"worker pid {rec.pid} is stopped (state T)" in ev["diagnosis"]
+    assert f"worker pid {rec.pid} is stopped (state T: SIGSTOP" in ev["diagnosis"] and ev["cause"] == "worker"
     # frozen before or after its first sample: "no sample completed for N s" or "nothing completed ... grace"
     assert "completed" in ev["diagnosis"] and "/6 done" in ev["diagnosis"]
     os.kill(rec.pid, signal.SIGCONT)
@@ -158,6 +158,7 @@ def test_server_killed_worker_killed_before_rename_frozen_worker_and_full_disk(s
     ev = _watch(run, 3)
     assert ev["status"] == "failed", ev
     assert "File too large" in ev["diagnosis"] and ev["subject"] == "[eagleflow] FAILED shard 3/4 on local"
+    assert ev["cause"] == "job"  # its own error: not recovered in the watch, the task fails with it
     assert _manifest(run, 3) == [] and not list(Path(run.layout.shard_dir(3)).glob("0*.safetensors"))
     del proc
 
@@ -169,7 +170,7 @@ def test_server_killed_worker_killed_before_rename_frozen_worker_and_full_disk(s
     ev = _watch(run, 0)
     assert ev["status"] in ("failed", "stalled"), ev
     assert f"server pid {spid} is gone" in ev["diagnosis"] or f"server pid {spid} is a zombie" in ev["diagnosis"]
-    assert ev["subject"].endswith("shard 0/4 on local")
+    assert ev["subject"].endswith("shard 0/4 on local") and ev["cause"] == "capture_server"
 
 
 def test_slow_model_runs_to_completion_without_an_alert(demo_assets, tmp_path, started, monkeypatch):
