@@ -34,6 +34,16 @@ def task_log_url(base_url: str, context: dict[str, Any]) -> str:
     return url + f"?try_number={getattr(ti, 'try_number', 1)}"
 
 
+def airflow_base_url(fallback: str) -> str:
+    """Where a person reaches this Airflow: its configured ``[api] base_url``; ``fallback`` only when unset."""
+    try:
+        from airflow.configuration import conf
+        url = conf.get("api", "base_url", fallback=None)
+    except Exception:  # no Airflow config readable: the run's own setting
+        url = None
+    return (url or fallback).rstrip("/")
+
+
 def alert_content(context: dict[str, Any], kind: str, base_url: str) -> tuple[str, str]:
     """(subject, html body) for a failed or retried task."""
     ti = context["ti"]
@@ -46,7 +56,15 @@ def alert_content(context: dict[str, Any], kind: str, base_url: str) -> tuple[st
     else:
         subject = f"[eagleflow] FAILED {where} of {ti.dag_id}"
         text = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception recorded"
-    if kind == "retry":
+    if kind == "incident":
+        next_step = ("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts "
+                     "what the cause names (the capture server once per incident, or the worker) and the shard "
+                     "resumes from its manifest; the task log shows the outcome.")
+    elif kind == "unreachable":
+        next_step = ("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
+                     "job: its detached processes keep running there and nothing was restarted. The watch keeps "
+                     "reconnecting and the task goes on when the node answers; no further mail for this outage.")
+    elif kind == "retry":
         next_step = (f"Airflow retries it (try {try_number} failed; up to {max_tries} retries): the retry restarts "
                      "an unhealthy capture server once and resumes the shard from its manifest.")
     else:
@@ -93,10 +111,30 @@ class PipelineAlertNotifier(SmtpNotifier):
             return
         self.to = list(wd.alert_emails)
         self.smtp_conn_id = wd.smtp_conn_id
-        self.subject, self.html_content = alert_content(context, self.kind, wd.airflow_base_url)
+        self.subject, self.html_content = alert_content(context, self.kind, airflow_base_url(wd.airflow_base_url))
         self.__dict__.pop("hook", None)  # the cached hook was built for the default connection
         super().notify(context)
         log.info("eagleflow alert (%s) sent to %s: %s", self.kind, ", ".join(self.to), self.subject)
+
+
+def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
+    """The one mail of an incident (sent by the shard whose watch opened it, before the recovery runs)."""
+    inc = event.get("incident") or {}
+    shards = inc.get("shards") or {}
+    lines = [event.get("diagnosis") or "", "",
+             f"incident {inc.get('incident')} (cause {event.get('cause')}); shards in it so far: "
+             f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
+             "stored samples per shard (from the manifests): "
+             + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))]
+    exc = StallDetected(event.get("subject") or "[eagleflow] STALLED", "\n".join(lines))
+    PipelineAlertNotifier("incident").notify({**context, "exception": exc})
+
+
+def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
+    """The one mail of a node outage: sent by the watch that first found the node unreachable."""
+    PipelineAlertNotifier("unreachable").notify(
+        {**context, "exception": StallDetected(event.get("subject") or "[eagleflow] UNREACHABLE node",
+                                               event.get("diagnosis") or "")})
 
 
 def pipeline_failure_callbacks() -> dict:

@@ -17,9 +17,9 @@ from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
                                          stop_capture_server, worker_role_pattern)
-from eagleflow.nodes import NodeError
 from eagleflow.nodes.process_record import RecordList
 from eagleflow.heartbeat import Heartbeat
+from eagleflow.nodes import NodeError, NodeUnreachable
 
 
 class StartCaptureServerOperator(RunOperator):
@@ -120,21 +120,73 @@ class ExtractShardOperator(RunOperator):
         rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
         self._log_progress(ctx, shard)
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        trigger = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard)
+        trigger = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard,
+                                    recoveries_left=ctx.cfg.watchdog.recoveries_in_watch)
         if not self.deferrable:     # same watch, run in this worker slot
-            return self._finish(ctx, run_trigger_here(trigger))
+            event = run_trigger_here(trigger)
+            while event.get("status") in ("recovering", "unreachable"):
+                if event["status"] == "unreachable":   # the link or sshd, not the job: mail once, keep watching
+                    self._unreachable(context, event)
+                    event = run_trigger_here(ShardWatchTrigger(
+                        run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
+                        recoveries_left=int(event.get("recoveries_left") or 0)))
+                    continue
+                left = self._recover(ctx, context, event)
+                event = run_trigger_here(ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left))
+            return self._finish(ctx, event)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)
         try:
+            if event.get("status") == "unreachable":
+                # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
+                self._unreachable(context, event)
+                from eagleflow.airflow.shard_watch import ShardWatchTrigger
+                self.defer(trigger=ShardWatchTrigger(run=ctx.serialize(), shard=int(self.shard),
+                                                     unreachable_since=event["since"],
+                                                     recoveries_left=int(event.get("recoveries_left") or 0)),
+                           method_name="execute_complete")
+            if event.get("status") == "recovering":
+                # the watch found a stall it can recover: mail once per incident, recover now, watch again
+                left = self._recover(ctx, context, event)
+                from eagleflow.airflow.shard_watch import ShardWatchTrigger
+                self.defer(trigger=ShardWatchTrigger(run=ctx.trigger_ref(), shard=int(self.shard),
+                                                     recoveries_left=left),
+                           method_name="execute_complete")
             return self._finish(ctx, event)
         finally:
             ctx.close()
 
+    def _unreachable(self, context, event: dict[str, Any]) -> None:
+        self.log.warning("shard %s: %s", self.shard, event.get("diagnosis"))
+        if event.get("mail"):   # the first watch to find this node unreachable mails for the outage
+            from eagleflow.airflow.alerts import send_unreachable_alert
+            send_unreachable_alert(context, event)
+
+    def _recover(self, ctx: RunContext, context, event: dict[str, Any]) -> int:
+        """Mail (the shard that opened the incident), then restart what the cause names; the recoveries left."""
+        from eagleflow.watchdog.diagnosis import StallDetected
+        from eagleflow.watchdog.recovery import recover_after_stall
+        inc = event.get("incident") or {}
+        self.log.warning("shard %s stalled (%s, incident %s, %s it): %s", self.shard, event.get("cause"),
+                         inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
+        if inc.get("opened"):
+            from eagleflow.airflow.alerts import send_incident_alert
+            send_incident_alert(context, event)
+        try:
+            recover_after_stall(ctx, int(self.shard), event, self.log)
+        except (RuntimeError, NodeError) as e:
+            raise StallDetected(event.get("subject") or f"shard {self.shard} stalled",
+                                f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
+        return max(0, int(event.get("recoveries_left") or 0) - 1)
+
     def _finish(self, ctx: RunContext, event: dict[str, Any]):
         shard = int(self.shard)
-        self._log_progress(ctx, shard)
+        try:
+            self._log_progress(ctx, shard)
+        except NodeUnreachable as e:   # the event's own verdict matters more than this log line
+            self.log.warning("shard %d: progress not read: %s", shard, e)
         if event.get("status") == "complete":
             self.log.info("shard %d complete: %s", shard, event.get("summary", ""))
             return {"shard": shard, "summary": event.get("summary", "")}

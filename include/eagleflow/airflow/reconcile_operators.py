@@ -161,8 +161,8 @@ def _mail(ctx: RunContext, context, subject: str, text: str, log) -> None:
         log.info("no recipients configured (watchdog.alert_emails): summary not mailed")
         return
     from airflow.providers.smtp.notifications.smtp import SmtpNotifier
-    from eagleflow.airflow.alerts import task_log_url
-    url = task_log_url(wd.airflow_base_url, context)
+    from eagleflow.airflow.alerts import airflow_base_url, task_log_url
+    url = task_log_url(airflow_base_url(wd.airflow_base_url), context)   # Airflow's [api] base_url first
     body = (f"<p><b>{html.escape(subject)}</b></p><pre>{html.escape(text)}</pre>"
             f"<p>Task log: <a href=\"{html.escape(url)}\">{html.escape(url)}</a></p>")
     SmtpNotifier(to=list(wd.alert_emails), subject=subject, html_content=body,

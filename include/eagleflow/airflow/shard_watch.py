@@ -6,41 +6,95 @@ watcher's memory (when a D state was first seen, the GPU window) in a small
 state file, so the trigger itself holds no state a triggerer restart would lose.
 
 Polls are paced from their start: the next one begins ``poll_interval_s``
-after the previous began (or at once if it took longer). The server is asked
-for health only once progress is stale, so polls before that are quick; the
-detecting poll starts at most one interval after progress turned stale and
-lasts at most the health timeout plus the command's cost (~2 s). Hence the
-time from the last progress to the event is at most
-``WatchdogConfig.detection_bound_s`` = stall_after + poll_interval +
-max(poll_interval, health_timeout + 2 s), which is the issue's
-``stall_after_s + 2 x poll_interval_s`` whenever the health check fits in a poll.
+after the previous began, or sooner, when the node says progress turns stale
+then (``recheck_in_s``): the detecting look starts at most about a second after
+progress turned stale, skips the health check when the server or worker is
+provably stuck (gone, zombie, state T) and otherwise lasts at most the health
+timeout plus the command's cost. Hence ``WatchdogConfig.detection_bound_s`` =
+stall_after + 1 s + 2 x 2 s + health_timeout (40 s with the defaults).
+
+A ShardWatchTrigger with ``recoveries_left`` > 0 does not fail the task on a
+stall blamed on the server or the worker: it opens or joins the incident of
+(node, cause) on the node (``eagleflow recover --incident-only``, quick) and
+yields ``recovering``. The operator then mails at once (only the shard that
+opened the incident does), runs the recovery (``eagleflow recover --incident
+ID``: the server restarted once per incident, the worker started again) and
+watches again. No Airflow retry delay lies on that path.
+
+A node that cannot be reached (``NodeUnreachable``: the link, the node's sshd,
+a connection dropped mid-poll) is not a stalled job: its detached workers keep
+running there. The watch reconnects with bounded backoff and, once the node has
+not answered for ``stall_after_s + 2 x poll_interval_s``, yields
+``{"status": "unreachable", "since": T, ...}`` (no recovery on the node). The
+operator mails that once and watches again with ``unreachable_since=T``, which
+keeps reconnecting silently; when the node answers, the watch goes on with the
+progress made meanwhile.
 
 Every trigger yields exactly one event:
-``{"status": "complete", "summary": str}`` or
-``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str}``.
+``{"status": "complete", "summary": str}``,
+``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str, "cause": str}`` or
+``{"status": "recovered", ..., "recovery": {...}}`` (the stall's payload plus what the recovery did) or
+``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}``.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from eagleflow.airflow.runtime import RunContext, RunRef
-from eagleflow.nodes import NodeError
+from eagleflow.nodes import NodeError, NodeUnreachable
+from eagleflow.nodes.ssh_async import AsyncSSHNode
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 
 WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come with a diagnosis
+# An unreachable node (link, sshd) says nothing about its detached jobs: the watch keeps reconnecting,
+# backed off from RECONNECT_FIRST_S up to the poll interval, and gives up only after this long.
+RECONNECT_FIRST_S = 0.5
+UNREACHABLE_GIVE_UP_S = 6 * 3600.0
+# Silent from the start (the run's config, hence its watchdog settings, cannot be read yet): say so after this.
+EARLY_UNREACHABLE_S = 60.0
+
+
+def reconnect_delay_s(misses: int, cap_s: float) -> float:
+    """Bounded exponential backoff: 0.5, 1, 2, 4 ... s, never more than cap_s (the poll interval)."""
+    return min(cap_s, RECONNECT_FIRST_S * 2 ** max(0, misses - 1))
+
+
+# One mail per node outage: eight shard watches that lose the same node in one triggerer (or worker
+# process) mail once. The first to report an outage claims it; any watch that reaches the node ends it.
+_OUTAGES: dict[str, float] = {}
+_OUTAGES_LOCK = threading.Lock()
+
+
+def _claim_outage(node_key: str, since: float) -> bool:
+    with _OUTAGES_LOCK:
+        if node_key in _OUTAGES:
+            return False
+        _OUTAGES[node_key] = since
+        return True
+
+
+def _end_outage(node_key: str) -> None:
+    with _OUTAGES_LOCK:
+        _OUTAGES.pop(node_key, None)
 
 
 class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
-    def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None):
+    def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
+                 unreachable_since: float | None = None):
         super().__init__()
         self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
         self.poll_interval_s = poll_interval_s
+        # set when an earlier watch of this job already reported the node unreachable (unix time): this one
+        # keeps reconnecting without a second event until the node answers or UNREACHABLE_GIVE_UP_S passed
+        self.unreachable_since = unreachable_since
+        self._anode: AsyncSSHNode | None = None   # an SSH node's one held connection for this run of the trigger
 
     # -- what subclasses say ------------------------------------------------
     def _watch_args(self) -> list[str]:  # pragma: no cover - abstract
@@ -50,20 +104,95 @@ class _NodeJobWatchTrigger(BaseTrigger):
         raise NotImplementedError
 
     # -- the loop -----------------------------------------------------------
+    async def _load_context(self) -> RunContext | dict:
+        """The run's context (reads run-config.json on the node), reconnecting while the node is unreachable;
+        an unreachable event instead when the node stays silent past EARLY_UNREACHABLE_S (not yet reported)."""
+        misses, first = 0, time.time()
+        while True:
+            try:
+                return await self._read_context()
+            except NodeUnreachable as e:
+                misses += 1
+                if self.unreachable_since is None and time.time() - first >= EARLY_UNREACHABLE_S:
+                    return self._early_unreachable_event(first, str(e))
+                if time.time() - (self.unreachable_since or first) >= UNREACHABLE_GIVE_UP_S:
+                    raise
+                self.log.warning("node unreachable while loading the run config (try %d): %s", misses, e)
+                # the poll interval is in the config we cannot read yet: retry at least every 2 s
+                await asyncio.sleep(reconnect_delay_s(misses, min(self.poll_interval_s or 2.0, 2.0)))
+
+    async def _read_context(self) -> RunContext:
+        ref = RunRef.from_dict(self.run_data)
+        if not ref.conn_id:
+            return await asyncio.to_thread(RunContext.from_serialized, self.run_data)
+        if self._anode is None:
+            self._anode = AsyncSSHNode(ref.conn_id)
+        ctx = RunContext.from_frozen_text(ref, await self._anode.read_text(ref.run_config), self._anode.name)
+        self._anode.name = ctx.cfg.node.name
+        return ctx
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        ctx = await asyncio.to_thread(RunContext.from_serialized, self.run_data)  # reads run-config.json on the node
+        watch = self._watch()
+        try:
+            async for event in watch:
+                yield event
+        finally:
+            await watch.aclose()
+            if self._anode is not None:
+                self._anode.close()
+
+    async def _watch(self) -> AsyncIterator[TriggerEvent]:
+        ctx = await self._load_context()
+        if isinstance(ctx, dict):
+            yield TriggerEvent(ctx)
+            return
         wd = ctx.cfg.watchdog
         interval = self.poll_interval_s or wd.poll_interval_s
         # The node can be unreachable for a while (SSH hiccup) without the job being at fault;
         # past this long we cannot vouch for it any more and say so.
         unreachable_limit = wd.stall_after_s + 2 * interval
         first_failure: float | None = None
+        # unreachable_since: unix time of the node's last answer before failed looks (or of the first failed
+        # look); reported: this outage was already yielded (by this watch or, re-deferred, the one before)
+        unreachable_since, misses, reported = self.unreachable_since, 0, self.unreachable_since is not None
+        last_contact: float | None = None
         try:
             while True:
-                started = time.monotonic()
+                started, look_started = time.monotonic(), time.time()
+                diag: StallDiagnosis | None = None
+                reconnect_in: float | None = None
                 try:
-                    diag = await asyncio.to_thread(self._observe, ctx)
+                    diag = await self._observe_async(ctx)
                     first_failure = None
+                    if unreachable_since is not None:
+                        self.log.warning("node %s reachable again after %.0f s (unreachable since %s, %d failed "
+                                         "looks); the job was not touched meanwhile", ctx.node.name,
+                                         time.time() - unreachable_since, _clock(unreachable_since), misses)
+                    unreachable_since, misses, reported, last_contact = None, 0, False, time.time()
+                    _end_outage(self._node_key(ctx))
+                except NodeUnreachable as e:
+                    # the link or sshd, not the job: no verdict on the job, no recovery action on the node
+                    now = time.time()
+                    misses += 1
+                    if unreachable_since is None:   # no answer since the last one (a dead link takes ~13 s to show)
+                        unreachable_since = last_contact or look_started
+                    self.log.warning("%s on node %s: node unreachable since %s (%d failed looks): %s",
+                                     self._job_name(ctx), ctx.node.name, _clock(unreachable_since), misses, e)
+                    if not reported and now - unreachable_since >= unreachable_limit:
+                        ev = self._node_unreachable_event(ctx, unreachable_since, last_contact, str(e))
+                        ev["mail"] = _claim_outage(self._node_key(ctx), unreachable_since)
+                        yield TriggerEvent(ev)
+                        return
+                    if now - unreachable_since >= UNREACHABLE_GIVE_UP_S:
+                        ev = self._node_unreachable_event(ctx, unreachable_since, last_contact, str(e))
+                        yield TriggerEvent({**ev, "status": "failed",
+                                            "diagnosis": ev["diagnosis"] + f"\nGave up after "
+                                                         f"{UNREACHABLE_GIVE_UP_S / 3600:.0f} h."})
+                        return
+                    reconnect_in = reconnect_delay_s(misses, interval)
+                    if not reported:   # look again when the bound is reached, so the verdict is not late
+                        reconnect_in = min(reconnect_in, max(RECONNECT_FIRST_S, unreachable_since
+                                                             + unreachable_limit - now))
                 except (NodeError, ValueError) as e:
                     now = time.monotonic()
                     first_failure = first_failure or now
@@ -74,18 +203,75 @@ class _NodeJobWatchTrigger(BaseTrigger):
                 else:
                     self.log.info("%s", diag.summary)
                     if diag.status is not None:
-                        yield TriggerEvent(diag.event_payload())
+                        payload = diag.event_payload()
+                        payload["detected_at"] = time.time()
+                        if self._recoverable(diag):
+                            payload = await asyncio.to_thread(self._recover, ctx, diag, payload)
+                        yield TriggerEvent(payload)
                         return
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+                wait = interval if reconnect_in is None else reconnect_in
+                if diag is not None and diag.recheck_in_s is not None:
+                    wait = min(interval, diag.recheck_in_s + wd.RECHECK_SLACK_S / 2)
+                await asyncio.sleep(max(0.0, wait - (time.monotonic() - started)))
         finally:
             await asyncio.to_thread(ctx.close)
+
+    # -- recovery inside the watch (shards only) -----------------------------
+    def _recoverable(self, diag: StallDiagnosis) -> bool:
+        return False
+
+    def _recover(self, ctx: RunContext, diag: StallDiagnosis, payload: dict) -> dict:  # pragma: no cover
+        return payload
+
+    async def _observe_async(self, ctx: RunContext) -> StallDiagnosis:
+        """One look; over SSH on the trigger's held asynchronous connection, never blocking the event loop."""
+        if self._anode is None:
+            return await asyncio.to_thread(self._observe, ctx)
+        argv = ctx.eagleflow_argv("watch", *self._watch_args(), "--json")
+        return await self._anode.run_json(argv, StallDiagnosis, timeout=ctx.cfg.watchdog.health_timeout_s + 60,
+                                          answer_codes=WATCH_ANSWER_CODES)
 
     def _observe(self, ctx: RunContext) -> StallDiagnosis:
         """One node-side `eagleflow watch ... --json` call (blocking; run off the event loop)."""
         wd = ctx.cfg.watchdog
         argv = ctx.eagleflow_argv("watch", *self._watch_args(), "--json")
         # exit 0 healthy/complete, 3 slow, 4 stalled, 5 dead, 6 failed: each carries the diagnosis
-        return ctx.node.run_json(argv, StallDiagnosis, timeout=wd.health_timeout_s + 60, answer_codes=WATCH_ANSWER_CODES)
+        return ctx.node.run_json(argv, StallDiagnosis, timeout=wd.health_timeout_s + 60,
+                                 answer_codes=WATCH_ANSWER_CODES)
+
+    @staticmethod
+    def _node_key(ctx: RunContext) -> str:
+        return ctx.cfg.node.conn_id or ctx.node.name
+
+    def _resume_fields(self) -> dict:
+        """What the operator needs to watch again after an unreachable event."""
+        return {}
+
+    def _early_unreachable_event(self, since: float, error: str) -> dict:
+        """Unreachable before the run's config could even be read (so no job or node name from it yet)."""
+        ref = RunRef.from_dict(self.run_data)
+        diagnosis = (f"UNREACHABLE {self._job_label()} of run {ref.run_id} over connection {ref.conn_id!r}: the node "
+                     f"has not answered since {_clock(since)} ({time.time() - since:.0f} s; the watch could not read "
+                     f"the run's config there); last error: {error}. This is the network or the node's sshd, not a "
+                     f"verdict on the job: nothing is restarted, and the watch keeps reconnecting.")
+        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": None,
+                "diagnosis": diagnosis, "subject": f"[eagleflow] UNREACHABLE {self._job_label()} over {ref.conn_id}",
+                "cause": "network", "mail": _claim_outage(ref.conn_id, since), **self._resume_fields()}
+
+    def _job_label(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _node_unreachable_event(self, ctx: RunContext, since: float, last_contact: float | None, error: str) -> dict:
+        """The node cannot be reached (network, sshd): the verdict "unreachable since T", not a stall."""
+        job = self._job_name(ctx)
+        seen = f"last answer at {_clock(last_contact)}" if last_contact else "no answer in this watch"
+        diagnosis = (f"UNREACHABLE {job} on {ctx.node.name}: the node has not answered since {_clock(since)} "
+                     f"({time.time() - since:.0f} s; {seen}); last error: {error}. This is the network or the "
+                     f"node's sshd, not a verdict on the job: its detached processes keep running there, nothing "
+                     f"is restarted, and the watch keeps reconnecting (check node.conn_id={ctx.cfg.node.conn_id!r}).")
+        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": last_contact,
+                "diagnosis": diagnosis, "subject": f"[eagleflow] UNREACHABLE {job} on {ctx.node.name}",
+                "cause": "network", **self._resume_fields()}
 
     def _unreachable_event(self, ctx: RunContext, for_s: float, error: str) -> dict:
         job = self._job_name(ctx)
@@ -97,15 +283,47 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
 
 class ShardWatchTrigger(_NodeJobWatchTrigger):
-    """Watch extraction shard ``shard`` of a run until it completes, stalls, dies or fails."""
+    """Watch extraction shard ``shard`` of a run until it completes, stalls, dies or fails.
 
-    def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None):
-        super().__init__(run, poll_interval_s)
+    With ``recoveries_left`` > 0 a stall blamed on the capture server or the worker is recovered here,
+    at once (see the module docstring); a failure the job reported itself (a full disk) is not.
+    """
+
+    def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
+                 recoveries_left: int = 0, unreachable_since: float | None = None):
+        super().__init__(run, poll_interval_s, unreachable_since)
         self.shard = shard
+        self.recoveries_left = recoveries_left
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("eagleflow.airflow.shard_watch.ShardWatchTrigger",
-                {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s})
+        kw = {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
+              "recoveries_left": self.recoveries_left}
+        if self.unreachable_since is not None:
+            kw["unreachable_since"] = self.unreachable_since
+        return "eagleflow.airflow.shard_watch.ShardWatchTrigger", kw
+
+    def _recoverable(self, diag: StallDiagnosis) -> bool:
+        return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
+            and diag.cause in ("capture_server", "worker")
+
+    def _recover(self, ctx: RunContext, diag: StallDiagnosis, payload: dict) -> dict:
+        """One quick node command: open or join the incident of (node, cause); the operator mails and recovers."""
+        argv = ctx.eagleflow_argv("recover", "--shard", str(self.shard), "--json", "--cause", diag.cause,
+                                  "--incident-only", "--summary", diag.summary[:1500])
+        try:
+            inc = ctx.node.run_json(argv, dict, timeout=60)
+        except NodeError as e:
+            # no incident book: the task fails with the stall and Airflow's retry recovers it
+            self.log.warning("shard %d: could not open an incident on node %s: %s", self.shard, ctx.node.name, e)
+            return payload
+        self.log.info("shard %d: %s", self.shard, inc.get("summary"))
+        return {**payload, "status": "recovering", "incident": inc, "recoveries_left": self.recoveries_left}
+
+    def _resume_fields(self) -> dict:
+        return {"recoveries_left": self.recoveries_left}
+
+    def _job_label(self) -> str:
+        return f"shard {self.shard}"
 
     def _watch_args(self) -> list[str]:
         return ["--shard", str(self.shard)]
@@ -118,11 +336,20 @@ class TrainWatchTrigger(_NodeJobWatchTrigger):
     """Watch the draft training job of a run."""
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("eagleflow.airflow.shard_watch.TrainWatchTrigger",
-                {"run": self.run_data, "poll_interval_s": self.poll_interval_s})
+        kw = {"run": self.run_data, "poll_interval_s": self.poll_interval_s}
+        if self.unreachable_since is not None:
+            kw["unreachable_since"] = self.unreachable_since
+        return "eagleflow.airflow.shard_watch.TrainWatchTrigger", kw
 
     def _watch_args(self) -> list[str]:
         return ["--train"]
 
+    def _job_label(self) -> str:
+        return "training"
+
     def _job_name(self, ctx: RunContext) -> str:
         return "training"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
