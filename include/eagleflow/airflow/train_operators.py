@@ -52,6 +52,19 @@ class TrainDraftOperator(RunOperator):
 
     def execute_complete(self, context, event):
         event = event or {}
+        if event.get("status") == "unreachable":
+            # the node (link, sshd) cannot be reached: the trainer keeps running there; mail once, keep watching
+            self.log.warning("%s", event.get("diagnosis"))
+            if event.get("mail"):
+                from eagleflow.airflow.alerts import send_unreachable_alert
+                send_unreachable_alert(context, event)
+            from eagleflow.airflow.shard_watch import TrainWatchTrigger
+            ctx = RunContext.from_airflow(context)
+            trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s,
+                                        unreachable_since=event["since"])
+            if self.deferrable:
+                self.defer(trigger=trigger, method_name="execute_complete")
+            return self.execute_complete(context, run_trigger_here(trigger))
         if event.get("status") == "complete":
             self.log.info("%s", event.get("summary", "training complete"))
             return {"status": "complete", "summary": event.get("summary", "")}

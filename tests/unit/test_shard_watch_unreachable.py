@@ -1,0 +1,33 @@
+"""The shard watch's unreachable bookkeeping: bounded reconnect backoff, one mail per node outage, and the
+``unreachable_since`` a re-deferred watch carries (round-tripped by serialize, as the triggerer rebuilds it)."""
+from __future__ import annotations
+
+from eagleflow.airflow.shard_watch import (ShardWatchTrigger, TrainWatchTrigger, _claim_outage, _end_outage,
+                                           reconnect_delay_s)
+
+RUN = {"conn_id": "gpu_node", "run_config": "/runs/r1/run-config.json", "run_id": "r1"}
+
+
+def test_reconnect_backoff_doubles_and_is_capped_by_the_poll_interval():
+    assert [reconnect_delay_s(n, 20.0) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 20.0]
+    assert reconnect_delay_s(50, 1.0) == 1.0
+
+
+def test_one_mail_per_node_outage():
+    assert _claim_outage("gpu_node/gpu-node-1", 100.0) is True
+    assert _claim_outage("gpu_node/gpu-node-1", 101.0) is False      # a second shard of the same outage
+    assert _claim_outage("gpu_node/gpu-node-2", 101.0) is True       # another node
+    _end_outage("gpu_node/gpu-node-1")                               # a watch reached it again
+    assert _claim_outage("gpu_node/gpu-node-1", 200.0) is True       # a later outage mails again
+    _end_outage("gpu_node/gpu-node-1")
+    _end_outage("gpu_node/gpu-node-2")
+
+
+def test_unreachable_since_round_trips_and_is_absent_when_unset():
+    t = ShardWatchTrigger(RUN, 3, poll_interval_s=2.0, recoveries_left=1, unreachable_since=1796098578.25)
+    path, kw = t.serialize()
+    assert kw["unreachable_since"] == 1796098578.25
+    assert ShardWatchTrigger(**kw).serialize() == (path, kw)
+    assert "unreachable_since" not in ShardWatchTrigger(RUN, 3).serialize()[1]
+    tpath, tkw = TrainWatchTrigger(RUN, unreachable_since=5.0).serialize()
+    assert tkw["unreachable_since"] == 5.0 and TrainWatchTrigger(**tkw).serialize() == (tpath, tkw)
