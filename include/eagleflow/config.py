@@ -72,12 +72,6 @@ class NodeConfig(_Section):
     pool: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
                              description="Airflow pool whose slots limit concurrent GPU work on this node; "
                                          "null = default_pool")
-    queue: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
-                              description="Celery queue whose worker runs this node's tasks (CeleryExecutor); "
-                                          "null = Airflow's default queue")
-    pool: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
-                             description="Airflow pool whose slots limit concurrent GPU work on this node; "
-                                         "null = default_pool")
 
 
 class GpuConfig(_Section):
