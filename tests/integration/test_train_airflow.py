@@ -40,12 +40,21 @@ with DAG("train_sequence_test", schedule=None, start_date=datetime(2026, 1, 1), 
 """
 
 
+def _source(tmp_path: Path) -> Path:
+    p = tmp_path / "source.jsonl"
+    p.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                               {"from": "gpt", "value": "hello"}]}) + "\n")
+    return p
+
+
 def _config(tmp_path: Path, target: str) -> Path:
     data = {
         "run_root": str(tmp_path / "runs"),
         "target_model": target,
         "node": {"name": "local", "has_gpu": False, "state_dir": str(tmp_path / "state")},
         "capture": {"heartbeat_interval_s": 0.5},
+        # the hidden states are synthetic; the pre-flight still wants a real source on the node
+        "corpus": {"sources": [{"name": "fixture", "path": str(_source(tmp_path))}]},
         "watchdog": {"poll_interval_s": 1, "stall_after_s": 30, "startup_grace_s": 90, "health_timeout_s": 5},
         "train": {"device": "cpu", "max_steps": 30, "batch_size": 4, "lr": 3e-3, "warmup_steps": 3,
                   "ttt_length": 3, "draft_vocab_size": 64, "checkpoint_every": 10, "log_every": 10},
@@ -57,8 +66,6 @@ def _config(tmp_path: Path, target: str) -> Path:
 
 def test_train_and_export_under_dag_test(airflow_db, tmp_path, demo_assets, monkeypatch):
     repo = Path(__file__).resolve().parents[2]
-    if not (repo / "include/eagleflow/airflow/shard_watch.py").exists():
-        pytest.skip("eagleflow.airflow.shard_watch (watchdog) is not there yet")
     import importlib.util
 
     cfgp = _config(tmp_path, demo_assets["target_model"])
