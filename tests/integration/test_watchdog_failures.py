@@ -113,7 +113,8 @@ def started():
 @pytest.fixture
 def server_run(demo_assets, tmp_path, started, monkeypatch):
     monkeypatch.setenv(DELAY_ENV, "0.15")  # slow enough to interrupt mid-shard
-    run = _run(tmp_path, demo_assets, "failures")
+    # one request at a time: "kill after 2 stored samples" then stores exactly 2
+    run = _run(tmp_path, demo_assets, "failures", in_flight=1)
     started.append(run)
     start_capture_server(run)
     wait_capture_server_ready(run, timeout_s=120, poll_s=0.3)

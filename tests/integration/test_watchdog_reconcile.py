@@ -29,7 +29,9 @@ WATCH = {"poll_interval_s": 1.0, "stall_after_s": 10.0, "health_timeout_s": 5.0,
 
 
 def _pipeline_run(tmp: Path, assets: dict) -> tuple[Path, LocalRun]:
-    cfgp = write_run_config(tmp, assets["target_model"], shards=2)
+    # one request at a time: "kill after 2 stored samples" then stores exactly 2 (with more in flight a
+    # concurrent sample can be renamed and recorded before the kill lands)
+    cfgp = write_run_config(tmp, assets["target_model"], shards=2, in_flight=1)
     data = yaml.safe_load(cfgp.read_text())
     data["watchdog"] = WATCH
     cfgp.write_text(yaml.safe_dump(data))
