@@ -65,6 +65,19 @@ def _adapter(model):
     return TypeAdapter(model)  # building one costs milliseconds: once per model
 
 
+def answer_of(node: str, argv, res: "CommandResult", model: type[T], answer_codes: tuple[int, ...],
+              log: Callable[[str], None] | None) -> T:
+    """What ``run_json`` (sync or async) makes of a finished command: stderr to ``log``, exit code checked,
+    the answer parsed."""
+    if log is not None:
+        for line in res.stderr.splitlines():
+            if line.strip():
+                log(line)
+    if res.exit_code not in answer_codes:
+        raise NodeCommandFailed(node, argv, res.exit_code, res.stdout, res.stderr)
+    return parse_answer(node, argv, res.exit_code, res.stdout, res.stderr, model)
+
+
 def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, model: type[T]) -> T:
     """The last non-empty stdout line as JSON, validated into ``model`` (a pydantic model, dataclass or type)."""
     from pydantic import ValidationError
@@ -131,13 +144,7 @@ class Node(ABC):
         NodeCommandTimeout.
         """
         res = self.run(argv, timeout=timeout, input=input, env=env, cwd=cwd)
-        if log is not None:
-            for line in res.stderr.splitlines():
-                if line.strip():
-                    log(line)
-        if res.exit_code not in answer_codes:
-            raise NodeCommandFailed(self.name, argv, res.exit_code, res.stdout, res.stderr)
-        return parse_answer(self.name, argv, res.exit_code, res.stdout, res.stderr, model)
+        return answer_of(self.name, argv, res, model, answer_codes, log)
 
     @property
     @abstractmethod

@@ -23,7 +23,7 @@ import asyncio
 import time
 from typing import Callable, TypeVar
 
-from .base import NodeCommandFailed, NodeCommandTimeout, NodeError, NodeUnreachable, parse_answer
+from .base import NodeCommandTimeout, NodeError, NodeUnreachable, answer_of
 from .ssh import KEEPALIVE_S, KILL_AFTER_S, SSHNode, bound_dead_link, command_result
 
 T = TypeVar("T")
@@ -130,13 +130,7 @@ class AsyncSSHNode:
                        answer_codes: tuple[int, ...] = (0,), log: Callable[[str], None] | None = None) -> T:
         """As ``Node.run_json``: the last stdout line as JSON, validated into ``model``."""
         res = await self.run(argv, timeout=timeout, input=input)
-        if log is not None:
-            for line in res.stderr.splitlines():
-                if line.strip():
-                    log(line)
-        if res.exit_code not in answer_codes:
-            raise NodeCommandFailed(self.name, argv, res.exit_code, res.stdout, res.stderr)
-        return parse_answer(self.name, argv, res.exit_code, res.stdout, res.stderr, model)
+        return answer_of(self.name, argv, res, model, answer_codes, log)
 
     async def read_text(self, path: str) -> str | None:
         res = await self.run(["cat", "--", path], timeout=30)
