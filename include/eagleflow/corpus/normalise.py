@@ -259,16 +259,7 @@ def _sharegpt(record: dict, turns: list, non_text: str, dropped: list[int]) -> l
             out.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
         where = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            raise RecordError(where, turn, WRONG_TYPE, "expected an object with 'from' and 'value'")
-        role = _get(turn, "from")
-        if role is _ABSENT:
-            raise RecordError(f"{where}.from", _ABSENT, MISSING_FIELD, "each message needs 'from'")
-        if not isinstance(role, str):
-            raise RecordError(f"{where}.from", role, WRONG_TYPE, "expected a string role")
-        if role not in SHAREGPT_ROLES:
-            raise RecordError(f"{where}.from", role, UNKNOWN_ROLE,
-                              f"unknown role; expected one of {', '.join(sorted(SHAREGPT_ROLES))}")
+        role = _message_role(turn, where, "from", "value", SHAREGPT_ROLES)
         value = _get(turn, "value")
         if value is _ABSENT:
             raise RecordError(f"{where}.value", _ABSENT, MISSING_FIELD, "each message needs 'value'")
@@ -287,20 +278,26 @@ def _sharegpt(record: dict, turns: list, non_text: str, dropped: list[int]) -> l
     return out
 
 
+def _message_role(turn: Any, where: str, key: str, body: str, roles: dict) -> str:
+    """The role of one message (ShareGPT's 'from', OpenAI's 'role'), checked against the form's roles."""
+    if not isinstance(turn, dict):
+        raise RecordError(where, turn, WRONG_TYPE, f"expected an object with '{key}' and '{body}'")
+    role = _get(turn, key)
+    if role is _ABSENT:
+        raise RecordError(f"{where}.{key}", _ABSENT, MISSING_FIELD, f"each message needs '{key}'")
+    if not isinstance(role, str):
+        raise RecordError(f"{where}.{key}", role, WRONG_TYPE, "expected a string role")
+    if role not in roles:
+        raise RecordError(f"{where}.{key}", role, UNKNOWN_ROLE,
+                          f"unknown role; expected one of {', '.join(sorted(roles))}")
+    return role
+
+
 def _openai(turns: list, non_text: str, dropped: list[int]) -> list[dict]:
     out: list[dict] = []
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
-        if not isinstance(turn, dict):
-            raise RecordError(where, turn, WRONG_TYPE, "expected an object with 'role' and 'content'")
-        role = _get(turn, "role")
-        if role is _ABSENT:
-            raise RecordError(f"{where}.role", _ABSENT, MISSING_FIELD, "each message needs 'role'")
-        if not isinstance(role, str):
-            raise RecordError(f"{where}.role", role, WRONG_TYPE, "expected a string role")
-        if role not in OPENAI_ROLES:
-            raise RecordError(f"{where}.role", role, UNKNOWN_ROLE,
-                              f"unknown role; expected one of {', '.join(sorted(OPENAI_ROLES))}")
+        role = _message_role(turn, where, "role", "content", OPENAI_ROLES)
         mapped = OPENAI_ROLES[role]
         msg: dict[str, Any] = {"role": mapped}
         calls: list[dict] = []
