@@ -10,7 +10,6 @@ one beside a live pipeline, never run a shard twice.
 """
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
@@ -19,8 +18,9 @@ from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.reconcile_operators import (FindIncompleteShardsOperator, ReconcileSummaryOperator,
                                                    RerunShardOperator)
 from eagleflow.airflow.routing import default_config_path, node_routing
+from eagleflow.settings import env_positive
 
-EVERY_MIN = float(os.environ.get("EAGLEFLOW_RECONCILE_EVERY_MIN", "60"))
+EVERY_MIN = env_positive("EAGLEFLOW_RECONCILE_EVERY_MIN", 60, unit="minutes")
 NODE = node_routing()  # the node's Celery queue and GPU pool, from $EAGLEFLOW_CONFIG
 
 with DAG(

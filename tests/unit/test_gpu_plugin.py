@@ -163,5 +163,5 @@ def test_a_bad_refresh_setting_is_named(monkeypatch, store):
     from eagleflow.airflow.console_app import create_app
     for bad in ("0", "-5", "soon"):
         monkeypatch.setenv("EAGLEFLOW_GPU_VIEW_REFRESH_S", bad)
-        with pytest.raises(ValueError, match=f"EAGLEFLOW_GPU_VIEW_REFRESH_S='{bad}': must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match=f"EAGLEFLOW_GPU_VIEW_REFRESH_S='{bad}' is not allowed: it must be a number > 0"):
             create_app(store)

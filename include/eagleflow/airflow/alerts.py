@@ -1,26 +1,72 @@
-"""Alert emails on a stall, a retry and a final failure, through the SMTP provider's notifier.
+"""Every eagleflow mail, one way: ``EagleflowNotifier``, the SMTP provider's notifier with template fields.
 
-Recipients and the SMTP connection come from the run's own config (its
-``alert_emails`` Param or ``watchdog.alert_emails``, ``watchdog.smtp_conn_id``),
-read when the callback fires, so a run triggered with other recipients mails
-them. No recipients: the callback logs that and sends nothing.
+A mail is a few facts (``Mail``: recipients, subject, headline, what happens
+next, the evidence, links) put into the context as ``mail``; the notifier's
+template fields (``to``, ``subject``, ``smtp_conn_id``, ``html_content`` and our
+``text_content``) are Jinja templates over it, rendered per mail on a copy, so
+a DAG can pass its own (``EagleflowNotifier("failure", subject="[prod] {{
+mail.subject }}")``). Each mail has a plain-text and an HTML part
+(multipart/alternative); links start at Airflow's configured ``[api] base_url``.
 
-A stall arrives as ``StallDetected`` (subject and diagnosis from the
-watchdog); any other failure is mailed with its exception text.
+Who sends what:
+- task callbacks (``pipeline_failure_callbacks``): a retry and the final failure,
+  with the task's own ``retry_advice``/``failure_advice``;
+- the capture watch: one mail per stall incident, one per node outage;
+- the reconcile DAG: its summary; gpu_node_health: its incidents (opened,
+  reminders, resolved).
+Recipients and the SMTP connection come from the run's frozen config
+(``watchdog.alert_emails``, ``watchdog.smtp_conn_id``); none: logged, nothing sent.
 """
 from __future__ import annotations
 
-import html
+import copy
 import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
 
+from airflow.providers.smtp.hooks.smtp import SmtpHook
 from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.watchdog.diagnosis import StallDetected
 
 log = logging.getLogger(__name__)
+
+GPU_VIEW_ROUTE = "/plugin/eagleflow-gpu"   # the plugin's external view (url_route) in the Airflow 3 UI
+
+TEXT_TEMPLATE = """\
+{{ mail.headline }}
+
+{% if mail.where %}{{ mail.where }}
+{% endif %}{% if mail.next_step %}{{ mail.next_step }}
+{% endif %}
+{{ mail.evidence }}
+{% for link in mail.links %}
+{{ link.label }}: {{ link.url }}{% endfor %}
+"""
+
+HTML_TEMPLATE = """\
+<html><body>
+<p><b>{{ mail.headline | e }}</b></p>
+{% if mail.where %}<p>{{ mail.where | e }}</p>{% endif %}
+{% if mail.next_step %}<p>{{ mail.next_step | e }}</p>{% endif %}
+<pre>{{ mail.evidence | e }}</pre>
+{% for link in mail.links %}<p>{{ link.label | e }}: <a href="{{ link.url | e }}">{{ link.url | e }}</a></p>
+{% endfor %}</body></html>
+"""
+
+
+def airflow_base_url(fallback: str) -> str:
+    """Where a person reaches this Airflow: its configured ``[api] base_url``; ``fallback`` only when unset."""
+    try:
+        from airflow.configuration import conf
+        url = conf.get("api", "base_url", fallback=None)
+    except Exception:  # no Airflow config readable: the run's own setting
+        url = None
+    return (url or fallback).rstrip("/")
 
 
 def task_log_url(base_url: str, context: dict[str, Any]) -> str:
@@ -34,110 +80,185 @@ def task_log_url(base_url: str, context: dict[str, Any]) -> str:
     return url + f"?try_number={getattr(ti, 'try_number', 1)}"
 
 
-def airflow_base_url(fallback: str) -> str:
-    """Where a person reaches this Airflow: its configured ``[api] base_url``; ``fallback`` only when unset."""
-    try:
-        from airflow.configuration import conf
-        url = conf.get("api", "base_url", fallback=None)
-    except Exception:  # no Airflow config readable: the run's own setting
-        url = None
-    return (url or fallback).rstrip("/")
+@dataclass(frozen=True)
+class Recipients:
+    """Who gets a mail, through which SMTP connection, and where its links point."""
+    to: tuple[str, ...]
+    smtp_conn_id: str
+    base_url: str
+
+    @classmethod
+    def of_config(cls, cfg) -> "Recipients":
+        wd = cfg.watchdog
+        return cls(tuple(wd.alert_emails), wd.smtp_conn_id, airflow_base_url(wd.airflow_base_url))
+
+    @classmethod
+    def of_run(cls, context: dict[str, Any]) -> "Recipients":
+        """The run's frozen config; its Params only when nothing was frozen (its first task failed)."""
+        from eagleflow.airflow.runtime import RunContext
+        params = dict(context.get("params") or {})
+        if not params.get("config_path") and params.get("config_paths"):
+            params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
+        return cls.of_config((RunContext.frozen_in(context) or RunContext.from_params(params, context["run_id"])).cfg)
 
 
-def alert_content(context: dict[str, Any], kind: str, base_url: str) -> tuple[str, str]:
-    """(subject, html body) for a failed or retried task."""
-    ti = context["ti"]
-    exc = context.get("exception")
-    try_number = getattr(ti, "try_number", 1)
-    max_tries = getattr(ti, "max_tries", None)
-    where = f"task {ti.task_id}" + (f"[{ti.map_index}]" if getattr(ti, "map_index", -1) not in (None, -1) else "")
-    if isinstance(exc, StallDetected):
-        subject, text = exc.subject, exc.diagnosis
-    else:
-        subject = f"[eagleflow] FAILED {where} of {ti.dag_id}"
-        text = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception recorded"
-    if kind == "incident":
-        next_step = ("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts "
-                     "what the cause names (the capture server once per incident, or the worker) and the shard "
-                     "resumes from its manifest; the task log shows the outcome.")
-    elif kind == "unreachable":
-        next_step = ("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
-                     "job: its detached processes keep running there and nothing was restarted. The watch keeps "
-                     "reconnecting and the task goes on when the node answers; no further mail for this outage.")
-    elif kind == "retry":
-        next_step = (f"Airflow retries it (try {try_number} failed; up to {max_tries} retries): the retry restarts "
-                     "an unhealthy capture server once and resumes the shard from its manifest.")
-    else:
-        next_step = f"No retries left (try {try_number}): this is the final failure; a person must act."
-    url = task_log_url(base_url, context)
-    body = (f"<p><b>{html.escape(subject)}</b></p>"
-            f"<p>{html.escape(where)} of DAG {html.escape(ti.dag_id)}, run {html.escape(ti.run_id)}. "
-            f"{html.escape(next_step)}</p>"
-            f"<pre>{html.escape(text)}</pre>"
-            f"<p>Task log: <a href=\"{html.escape(url)}\">{html.escape(url)}</a></p>")
-    return subject, body
+@dataclass(frozen=True)
+class Mail:
+    """The facts of one mail; the templates decide how they look."""
+    recipients: Recipients
+    subject: str
+    evidence: str
+    headline: str = ""
+    where: str = ""
+    next_step: str = ""
+    links: tuple[tuple[str, str], ...] = ()
+    headers: dict[str, str] = field(default_factory=dict)   # Message-ID / In-Reply-To: one thread per incident
+
+    def as_context(self) -> dict[str, Any]:
+        return {"to": list(self.recipients.to), "smtp_conn_id": self.recipients.smtp_conn_id,
+                "subject": " ".join(self.subject.split()), "headline": self.headline or self.subject,
+                "where": self.where, "next_step": self.next_step, "evidence": self.evidence,
+                "links": [{"label": label, "url": url} for label, url in self.links]}
+
+
+class _TextAndHtmlSmtpHook(SmtpHook):
+    """The provider's hook, with a plain-text part first beside its HTML part (RFC 2046: plainest first)."""
+
+    text_content: str | None = None
+
+    def _build_mime_message(self, *args, **kwargs):
+        from email.mime.text import MIMEText
+        msg, recipients = super()._build_mime_message(*args, **kwargs)
+        if self.text_content:
+            msg.get_payload().insert(0, MIMEText(self.text_content, "plain", kwargs.get("mime_charset", "utf-8")))
+        return msg, recipients
 
 
 class ConsequentialFailure(AirflowFailException):
     """A task that fails only because an earlier one did: the run must end failed, but one alert is enough."""
 
 
-class PipelineAlertNotifier(SmtpNotifier):
-    """SmtpNotifier whose recipients, connection, subject and body are decided per run when it fires."""
+class AlreadyMailed(AirflowFailException):
+    """A failure whose mail its task already sent (an incident's): the callbacks add none."""
 
-    def __init__(self, kind: str):
-        super().__init__(to=[], from_email=None, subject=None, html_content=None)
+
+class EagleflowNotifier(SmtpNotifier):
+    """SmtpNotifier over a ``mail`` in the context; as a task callback (``kind``) it writes that mail itself."""
+
+    template_fields = (*SmtpNotifier.template_fields, "text_content")
+
+    def __init__(self, kind: str = "mail", *, to: str = "{{ mail.to | join(', ') }}",
+                 subject: str = "{{ mail.subject }}", smtp_conn_id: str = "{{ mail.smtp_conn_id }}",
+                 html_content: str = HTML_TEMPLATE, text_content: str = TEXT_TEMPLATE,
+                 mime_subtype: str = "alternative", **kw):
+        super().__init__(to=to, subject=subject, smtp_conn_id=smtp_conn_id, html_content=html_content,
+                         mime_subtype=mime_subtype, **kw)
         self.kind = kind
+        self.text_content = text_content
 
-    def notify(self, context) -> None:
-        from eagleflow.airflow.runtime import RunContext
-        if isinstance(context.get("exception"), ConsequentialFailure):
-            log.info("eagleflow alert (%s) for %s not sent: %s", self.kind, context["ti"].task_id,
-                     context["exception"])
+    @property
+    def hook(self) -> SmtpHook:   # one per send: the connection id is a template rendered per mail
+        hook = _TextAndHtmlSmtpHook(smtp_conn_id=self.smtp_conn_id, auth_type=self.auth_type)
+        hook.text_content = self.text_content
+        return hook
+
+    def __call__(self, context) -> None:
+        mail = context.get("mail")
+        if mail is None:
+            mail = task_mail(context, self.kind)
+            if mail is None:
+                return
+        if not mail.recipients.to:
+            log.info("eagleflow mail not sent (no recipients configured: watchdog.alert_emails / the "
+                     "alert_emails Param): %s", mail.subject)
             return
-        try:
-            params = dict(context.get("params") or {})
-            if not params.get("config_path") and params.get("config_paths"):
-                params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
-            # the run's frozen config; the Params only when nothing was frozen (its first task failed)
-            cfg = (RunContext.frozen_in(context) or RunContext.from_params(params, context["run_id"])).cfg
-        except Exception as e:  # a broken config must not hide the failure it accompanies
-            log.error("eagleflow alert (%s) not sent: the run's config cannot be read: %s", self.kind, e)
-            return
-        wd = cfg.watchdog
-        if not wd.alert_emails:
-            log.info("eagleflow alert (%s) for %s: no recipients configured (watchdog.alert_emails / the "
-                     "alert_emails Param); nothing sent", self.kind, context["ti"].task_id)
-            return
-        self.to = list(wd.alert_emails)
-        self.smtp_conn_id = wd.smtp_conn_id
-        self.subject, self.html_content = alert_content(context, self.kind, airflow_base_url(wd.airflow_base_url))
-        self.__dict__.pop("hook", None)  # the cached hook was built for the default connection
-        super().notify(context)
-        log.info("eagleflow alert (%s) sent to %s: %s", self.kind, ", ".join(self.to), self.subject)
+        one = copy.copy(self)   # rendering replaces the templates: keep ours for the next mail
+        one.custom_headers = {**(self.custom_headers or {}), **mail.headers}
+        BaseNotifier.__call__(one, {**context, "mail": mail.as_context()})
+        log.info("eagleflow mail sent to %s: %s", ", ".join(mail.recipients.to), mail.subject)
+
+
+def send_mail(context: dict[str, Any], mail: Mail) -> None:
+    """Send one mail now (from inside a task)."""
+    EagleflowNotifier()({**context, "mail": mail})
+
+
+def _where(ti) -> str:
+    mi = getattr(ti, "map_index", -1)
+    return f"task {ti.task_id}" + (f"[{mi}]" if mi not in (None, -1) else "")
+
+
+def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
+    """The mail for a failed or retried task, in words right for that task; None when none is due."""
+    ti = context["ti"]
+    exc = context.get("exception")
+    if isinstance(exc, (ConsequentialFailure, AlreadyMailed)):
+        log.info("eagleflow %s mail for %s not sent: %s", kind, ti.task_id, exc)
+        return None
+    try:
+        recipients = Recipients.of_run(context)
+    except Exception as e:  # a broken config must not hide the failure it accompanies
+        log.error("eagleflow %s mail not sent: the run's config cannot be read: %s", kind, e)
+        return None
+    task = context.get("task")
+    try_number = getattr(ti, "try_number", 1)
+    if isinstance(exc, StallDetected):
+        subject, evidence = exc.subject, exc.diagnosis
+    else:
+        word = "RETRYING" if kind == "retry" else "FAILED"
+        subject = f"[eagleflow] {word} {_where(ti)} of {ti.dag_id}"
+        evidence = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception recorded"
+    if kind == "retry":
+        delay = getattr(task, "retry_delay", None)
+        when = f" in {int(delay.total_seconds())} s" if isinstance(delay, timedelta) else ""
+        tries = getattr(ti, "max_tries", None)
+        next_step = (f"Airflow retries it{when} (try {try_number} failed"
+                     + (f" of {tries + 1}" if isinstance(tries, int) else "") + "). "
+                     + (getattr(task, "retry_advice", "") or ""))
+    else:
+        next_step = (f"No retries left (try {try_number}): this is the final failure. "
+                     + (getattr(task, "failure_advice", "") or "A person must act."))
+    return Mail(recipients, subject, evidence, where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
+                next_step=next_step.strip(), links=(("Task log", task_log_url(recipients.base_url, context)),))
 
 
 def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
-    """The one mail of an incident (sent by the shard whose watch opened it, before the recovery runs)."""
+    """The one mail of a stall incident (sent by the shard whose watch opened it, before the recovery runs)."""
     inc = event.get("incident") or {}
     shards = inc.get("shards") or {}
-    lines = [event.get("diagnosis") or "", "",
-             f"incident {inc.get('incident')} (cause {event.get('cause')}); shards in it so far: "
-             f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
-             "stored samples per shard (from the manifests): "
-             + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))]
-    exc = StallDetected(event.get("subject") or "[eagleflow] STALLED", "\n".join(lines))
-    PipelineAlertNotifier("incident").notify({**context, "exception": exc})
+    evidence = "\n".join([
+        event.get("diagnosis") or "", "",
+        f"incident {inc.get('incident')} (cause {event.get('cause')}); shards in it so far: "
+        f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
+        "stored samples per shard (from the manifests): "
+        + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))])
+    recipients = Recipients.of_run(context)
+    ti = context["ti"]
+    send_mail(context, Mail(
+        recipients, event.get("subject") or "[eagleflow] STALLED", evidence,
+        where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
+        next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
+                   "the cause names (the capture server once per incident, or the worker) and the shard resumes "
+                   "from its manifest; the task log shows the outcome."),
+        links=(("Task log", task_log_url(recipients.base_url, context)),)))
 
 
 def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
     """The one mail of a node outage: sent by the watch that first found the node unreachable."""
-    PipelineAlertNotifier("unreachable").notify(
-        {**context, "exception": StallDetected(event.get("subject") or "[eagleflow] UNREACHABLE node",
-                                               event.get("diagnosis") or "")})
+    recipients = Recipients.of_run(context)
+    ti = context["ti"]
+    send_mail(context, Mail(
+        recipients, event.get("subject") or "[eagleflow] UNREACHABLE node", event.get("diagnosis") or "",
+        where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
+        next_step=("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
+                   "job: its detached processes keep running there and nothing was restarted. The watch keeps "
+                   "reconnecting and the task goes on when the node answers; no further mail for this outage."),
+        links=(("Task log", task_log_url(recipients.base_url, context)),)))
 
 
-def pipeline_failure_callbacks() -> dict:
-    """default_args entries: mail on every retry and on the final failure."""
-    return {"on_failure_callback": PipelineAlertNotifier("failure"),
-            "on_retry_callback": PipelineAlertNotifier("retry")}
+def pipeline_failure_callbacks(retry_mail: bool = True) -> dict:
+    """default_args entries: mail on the final failure and (``retry_mail``) on every retry."""
+    out: dict[str, Any] = {"on_failure_callback": EagleflowNotifier("failure")}
+    if retry_mail:
+        out["on_retry_callback"] = EagleflowNotifier("retry")
+    return out

@@ -26,6 +26,7 @@ class StartCaptureServerOperator(RunOperator):
     """Start the capture server detached on the node (kept if one is already running for this run)."""
 
     ui_color = "#d9f2e6"
+    retry_advice = "The retry keeps a capture server of this run that is still alive, else starts one."
 
     def run(self, ctx, context):
         rec, _ = start_capture_server(ctx, log=self.log.info)
@@ -103,6 +104,10 @@ class ExtractShardOperator(RunOperator):
     """
 
     ui_color = "#fdf2d0"
+    retry_advice = ("The retry first lets the watchdog put the capture server back on its feet (restarted once "
+                    "if unhealthy), then resumes the shard from its manifest: no stored sample is redone.")
+    failure_advice = ("The shard's stored samples are kept; the hourly eagle3_shard_reconcile reruns it from its "
+                      "manifest, or trigger that DAG now.")
 
     def __init__(self, *, shard: int, deferrable: bool | None = None, **kw):
         super().__init__(**kw)

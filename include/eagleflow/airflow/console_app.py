@@ -14,7 +14,6 @@ a run's report (the run_report task's copy in XCom; needs read access to that DA
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -54,14 +53,8 @@ def health_dag_state() -> dict[str, Any] | None:
 
 
 def refresh_s() -> float:
-    v = os.environ.get("EAGLEFLOW_GPU_VIEW_REFRESH_S", "15")
-    try:
-        s = float(v)
-    except ValueError:
-        s = -1
-    if s <= 0:
-        raise ValueError(f"EAGLEFLOW_GPU_VIEW_REFRESH_S={v!r}: must be a number of seconds > 0 (e.g. 15)")
-    return s
+    from eagleflow.settings import env_positive
+    return env_positive("EAGLEFLOW_GPU_VIEW_REFRESH_S", 15, unit="seconds")
 
 
 def create_app(store: StatusStore | None = None,

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, RunSensor
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
-from eagleflow.airflow.runtime import RunContext, resolve_config_path
+from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
 
 
@@ -88,6 +87,8 @@ class GpuIdleSensor(RunSensor):
     """
 
     ui_color = "#e8f5e9"
+    retry_advice = ("The retry waits again for every selected GPU to reach its idle baseline; stop what holds "
+                    "them (see the processes below) or set force_free_gpus.")
 
     def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, **kw):
         super().__init__(poke_interval=poke_interval, **kw)
@@ -168,85 +169,3 @@ class GpuIdleSensor(RunSensor):
             raise GpusNotIdle(f"GPUs not idle before the gate's timeout:\n{event['message']}")
         raise GpuGateError(event.get("message", f"unexpected event {event!r}"))
 
-
-class GpuNodeHealthOperator(BaseOperator):
-    """Snapshot every configured node; fail with the message when a node looks like the seeds' incident.
-
-    Alerts: a GPU holds more than ``memory_threshold_mib`` at 0 % utilisation
-    for longer than ``window_s`` while no eagleflow job is registered on it, or
-    its uncorrected ECC count rose since the last check. State between checks,
-    the latest readings and their last hour (the GPU view, the metrics) live in
-    Airflow's metadata DB (eagleflow.airflow.status_variables); CPU-only and
-    unreachable nodes get a document too. Params: config_paths, memory_threshold_mib, window_s.
-    """
-
-    ui_color = "#fff3e0"
-
-    def __init__(self, *, status_dir: str | None = None, interval_s: float | None = None, **kw):
-        super().__init__(**kw)
-        self.status_dir = status_dir  # None: Airflow's metadata DB (Variables), where the API server reads them
-        self.interval_s = interval_s  # the DAG's schedule, so the GPU view can tell when a check is late
-
-    def execute(self, context):
-        from eagleflow.config import load_config
-        from eagleflow.console.node_activity import read_node_activity
-        from eagleflow.console.status_store import StatusStore, history_retention_s
-        from eagleflow.gpu.health import HealthRules, assess
-        from eagleflow.gpu.probes import probe_for
-        from eagleflow.nodes import node_from_config
-
-        params = dict(context["params"])
-        paths = params.get("config_paths") or []
-        if isinstance(paths, str):
-            paths = [paths]
-        rules = HealthRules(memory_threshold_mib=int(params.get("memory_threshold_mib") or 1024),
-                            window_s=float(params.get("window_s") or 600))
-        if self.status_dir:
-            store = StatusStore(self.status_dir)
-        else:
-            from eagleflow.airflow.status_variables import variable_status_store
-            store = variable_status_store()
-        retention_s = history_retention_s()
-        status_kw = {"interval_s": self.interval_s, "held_threshold_mib": rules.memory_threshold_mib,
-                     "retention_s": retention_s}
-        problems: list[str] = []
-        checked = 0
-        names: set[str] = set()
-        for path in paths:
-            cfg = load_config(resolve_config_path(path))  # relative: against the project root
-            name = cfg.node.name
-            names.add(name)
-            node = node_from_config(cfg)
-            try:  # one call for our jobs (pid records, shard progress, incidents), one for the GPUs
-                activity = read_node_activity(node, str(cfg.node_state_dir()))
-                snaps = probe_for(node, cfg).snapshot() if cfg.node.has_gpu else []
-            except Exception as e:  # an unreadable node is itself worth a person's look
-                problems.append(f"node {name} ({path}): could not be read: {e}")
-                store.save(name, error=str(e), has_gpu=cfg.node.has_gpu, config_path=str(path), **status_kw)
-                continue
-            finally:
-                node.close()
-            if not cfg.node.has_gpu:
-                self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
-                              path, name, len(activity.processes))
-                store.save(name, [], None, [], has_gpu=False, activity=activity, config_path=str(path), **status_kw)
-                continue
-            prev = store.load(name).get("state", {})
-            alerts, state = assess(name, snaps, prev, now=time.time(), rules=rules,
-                                   job_pids=activity.job_pids(), any_job_alive=bool(activity.processes))
-            store.save(name, snaps, state, alerts, activity=activity, config_path=str(path), **status_kw)
-            checked += 1
-            for s in snaps:
-                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", name, s.index, s.uuid,
-                              s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
-            problems += [a.message for a in alerts]
-        for gone in store.forget_unchecked(keep=names, forget_after_s=retention_s):
-            self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
-                          gone, retention_s)
-        if problems:
-            raise GpuNodeUnhealthy("GPU node health check found:\n" + "\n".join(f"- {p}" for p in problems))
-        return {"nodes_checked": checked}
-
-
-class GpuNodeUnhealthy(Exception):
-    """What gpu_node_health found; the failed task carries it to the alert callbacks."""

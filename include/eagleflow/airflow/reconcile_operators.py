@@ -6,7 +6,6 @@ watch the restarted workers with the same ShardWatchTrigger as the pipeline.
 """
 from __future__ import annotations
 
-import html
 import json
 from typing import Any
 
@@ -73,6 +72,7 @@ class RerunShardOperator(BaseOperator):
 
     ui_color = "#fdf2d0"
     template_fields = ("target",)
+    retry_advice = "The retry claims the shard again and resumes it from its manifest."
 
     def __init__(self, *, target: dict, deferrable: bool | None = None, **kw):
         super().__init__(**kw)
@@ -151,21 +151,9 @@ class ReconcileSummaryOperator(RunOperator):
         summary = "\n".join(lines)
         self.log.info("reconcile summary:\n%s", summary)
         subject = f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s)"
-        _mail(ctx, context, subject, summary, self.log)
+        from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url
+        recipients = Recipients.of_config(ctx.cfg)
+        send_mail(context, Mail(recipients, subject, summary,
+                                where=f"DAG {ti.dag_id}, run {ti.run_id}: incomplete shards with no live worker.",
+                                links=(("Task log", task_log_url(recipients.base_url, context)),)))
         return {"rerun": len(todo), "summary": summary}
-
-
-def _mail(ctx: RunContext, context, subject: str, text: str, log) -> None:
-    wd = ctx.cfg.watchdog
-    if not wd.alert_emails:
-        log.info("no recipients configured (watchdog.alert_emails): summary not mailed")
-        return
-    from airflow.providers.smtp.notifications.smtp import SmtpNotifier
-    from eagleflow.airflow.alerts import airflow_base_url, task_log_url
-    url = task_log_url(airflow_base_url(wd.airflow_base_url), context)   # Airflow's [api] base_url first
-    body = (f"<p><b>{html.escape(subject)}</b></p><pre>{html.escape(text)}</pre>"
-            f"<p>Task log: <a href=\"{html.escape(url)}\">{html.escape(url)}</a></p>")
-    SmtpNotifier(to=list(wd.alert_emails), subject=subject, html_content=body,
-                 smtp_conn_id=wd.smtp_conn_id).notify(context)
-    log.info("reconcile summary mailed to %s", ", ".join(wd.alert_emails))
-

@@ -42,7 +42,7 @@ class VariableKV:
     def set(self, key: str, value: str) -> None:
         self._var.set(key, value, description=DESCRIPTION)
         keys = self._index()
-        if key not in keys:
+        if key.startswith(KEY_PREFIX) and key not in keys:   # the index lists node documents only
             self._var.set(INDEX_KEY, json.dumps(sorted(keys + [key])), description=DESCRIPTION)
 
     def delete(self, key: str) -> None:

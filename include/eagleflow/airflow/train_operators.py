@@ -17,6 +17,8 @@ from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, s
 
 class TrainDraftOperator(RunOperator):
     ui_color = "#f3e8fb"
+    retry_advice = ("The retry keeps a live trainer only if its heartbeat still advances; otherwise it starts "
+                    "again from the last checkpoint.")
 
     def __init__(self, *, deferrable: bool | None = None, poll_interval_s: float | None = None, **kw):
         super().__init__(**kw)

@@ -92,6 +92,20 @@ class StatusStore:
         self.kv.set(node_key(node), json.dumps(doc, separators=(",", ":")))
         return doc
 
+    def load_extra(self, key: str) -> dict[str, Any]:
+        """A document kept beside the nodes' (e.g. gpu_node_health's incident book); {} when absent or unreadable."""
+        text = self.kv.get(key)
+        try:
+            doc = json.loads(text) if text else {}
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def save_extra(self, key: str, doc: dict[str, Any]) -> None:
+        if key.startswith(KEY_PREFIX):
+            raise ValueError(f"{key!r}: keys under {KEY_PREFIX!r} are node documents")
+        self.kv.set(key, json.dumps(doc, separators=(",", ":")))
+
     def all(self) -> list[dict[str, Any]]:
         out = []
         for _, text in self.kv.items(KEY_PREFIX):
@@ -116,12 +130,5 @@ class StatusStore:
 
 def history_retention_s() -> float:
     """How much history each node document keeps: $EAGLEFLOW_GPU_HISTORY_MIN minutes (default 60)."""
-    import os
-    v = os.environ.get("EAGLEFLOW_GPU_HISTORY_MIN", "60")
-    try:
-        minutes = float(v)
-    except ValueError:
-        minutes = -1
-    if not 0 < minutes <= 24 * 60:
-        raise ValueError(f"EAGLEFLOW_GPU_HISTORY_MIN={v!r}: must be minutes in (0, 1440] (default 60)")
-    return minutes * 60
+    from eagleflow.settings import env_positive
+    return env_positive("EAGLEFLOW_GPU_HISTORY_MIN", 60, upper=24 * 60, unit="minutes") * 60

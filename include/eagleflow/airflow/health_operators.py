@@ -1,0 +1,191 @@
+"""gpu_node_health's check: every configured node read from outside any run, its findings kept as incidents.
+
+Each check stores every node's status in Airflow's metadata DB (the GPU view and
+/metrics read it) and turns what it found into incidents
+(eagleflow.gpu.health_incidents): one mail when one opens, reminders that back
+off, one mail when a check no longer finds it. The task fails (red in the grid,
+no retry, no extra mail) while an incident is open; the check itself failing
+(not a finding) goes to the DAG's failure mail.
+"""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagleflow.airflow.alerts import GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, send_mail, task_log_url
+from eagleflow.airflow.runtime import resolve_config_path
+
+INCIDENTS_KEY = "eagleflow.gpu_health_incidents"
+
+
+class HealthIncidentsOpen(AlreadyMailed):
+    """gpu_node_health found something a person must look at; each incident was mailed when it opened."""
+
+
+def health_rules(params: dict):
+    """The check's Params, each checked: 0 or a negative number is refused with its name, never defaulted."""
+    from eagleflow.gpu.health import HealthRules
+    from eagleflow.settings import positive_number
+    where = "gpu_node_health Params"
+    try:
+        rules = HealthRules(memory_threshold_mib=int(positive_number(
+            "memory_threshold_mib", params.get("memory_threshold_mib"), where=where, unit="MiB")),
+            window_s=positive_number("window_s", params.get("window_s"), where=where, unit="seconds"))
+        unreachable_after_s = positive_number("unreachable_after_s", params.get("unreachable_after_s"),
+                                              where=where, unit="seconds")
+        remind_after_s = positive_number("remind_after_s", params.get("remind_after_s"), where=where,
+                                         unit="seconds")
+    except ValueError as e:   # the same Params would fail the retry the same way
+        raise AirflowFailException(f"{e}. Trigger the DAG with a valid value (see its Params form).") from None
+    return rules, unreachable_after_s, remind_after_s
+
+
+class GpuNodeHealthOperator(BaseOperator):
+    """Snapshot every configured node; open, remind and resolve incidents for what it finds.
+
+    Findings: a GPU holds more than ``memory_threshold_mib`` at 0 % utilisation
+    for longer than ``window_s`` while no eagleflow job is registered on it (one
+    incident per node); its uncorrected ECC count rose since the last check (a
+    notice per rise); a node unreachable for ``unreachable_after_s``; a config
+    that cannot be read. Reminders after ``remind_after_s``, then doubling.
+    """
+
+    ui_color = "#fff3e0"
+    failure_advice = ("This is the health check itself failing, not a finding on a node (findings are mailed as "
+                      "incidents); the next scheduled check runs anyway.")
+
+    def __init__(self, *, status_dir: str | None = None, interval_s: float | None = None, **kw):
+        super().__init__(**kw)
+        self.status_dir = status_dir  # None: Airflow's metadata DB (Variables), where the API server reads them
+        self.interval_s = interval_s  # the DAG's schedule, so the GPU view can tell when a check is late
+
+    def _store(self):
+        from eagleflow.console.status_store import StatusStore
+        if self.status_dir:
+            return StatusStore(self.status_dir)
+        from eagleflow.airflow.status_variables import variable_status_store
+        return variable_status_store()
+
+    def execute(self, context):
+        from eagleflow.config import load_config
+        from eagleflow.console.node_activity import read_node_activity
+        from eagleflow.console.status_doc import error_kind
+        from eagleflow.console.status_store import history_retention_s
+        from eagleflow.gpu import health_incidents as hi
+        from eagleflow.gpu.health import assess
+        from eagleflow.gpu.probes import probe_for
+        from eagleflow.nodes import node_from_config
+
+        params = dict(context["params"])
+        paths = params.get("config_paths") or []
+        if isinstance(paths, str):
+            paths = [paths]
+        rules, unreachable_after_s, remind_after_s = health_rules(params)
+        store = self._store()
+        retention_s = history_retention_s()
+        status_kw = {"interval_s": self.interval_s, "held_threshold_mib": rules.memory_threshold_mib,
+                     "retention_s": retention_s}
+        findings: list[hi.Finding] = []
+        observed: set[str] = set()
+        recipients: dict[str, Recipients] = {}
+        checked = 0
+        names: set[str] = set()
+        for path in paths:
+            observed.add(f"config:{path}")
+            try:
+                cfg = load_config(resolve_config_path(path))  # relative: against the project root
+            except Exception as e:   # one bad config must not blind the check to the other nodes
+                self.log.error("config %s cannot be read: %s", path, e)
+                findings.append(hi.config_finding(str(path), str(e)))
+                continue
+            name = cfg.node.name
+            names.add(name)
+            recipients[name] = Recipients.of_config(cfg)
+            node = node_from_config(cfg)
+            now = time.time()
+            try:  # one call for our jobs (pid records, shard progress, incidents), one for the GPUs
+                activity = read_node_activity(node, str(cfg.node_state_dir()))
+                snaps = probe_for(node, cfg).snapshot() if cfg.node.has_gpu else []
+            except Exception as e:  # an unreadable node is itself a finding, once it lasts
+                self.log.warning("node %s (%s) could not be read: %s", name, path, e)
+                store.save(name, error=str(e), has_gpu=cfg.node.has_gpu, config_path=str(path), **status_kw)
+                observed.add(f"link:{name}")
+                findings.append(hi.unreachable_finding(name, error_kind(str(e)), unreachable_after_s))
+                continue
+            finally:
+                node.close()
+            observed |= {f"link:{name}", f"gpus:{name}"}
+            if not cfg.node.has_gpu:
+                self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
+                              path, name, len(activity.processes))
+                store.save(name, [], None, [], has_gpu=False, activity=activity, config_path=str(path), **status_kw)
+                continue
+            prev = store.load(name).get("state", {})
+            alerts, state = assess(name, snaps, prev, now=now, rules=rules,
+                                   job_pids=activity.job_pids(), any_job_alive=bool(activity.processes))
+            store.save(name, snaps, state, alerts, activity=activity, config_path=str(path), now=now, **status_kw)
+            checked += 1
+            for s in snaps:
+                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", name, s.index, s.uuid,
+                              s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
+            held = hi.held_idle_finding(name, alerts, snaps, state, now)
+            findings += ([held] if held else []) + hi.ecc_findings(name, alerts)
+        for gone in store.forget_unchecked(keep=names, forget_after_s=retention_s):
+            self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
+                          gone, retention_s)
+
+        book, due = hi.step(store.load_extra(INCIDENTS_KEY), findings, observed=observed, now=time.time(),
+                            remind_after_s=remind_after_s, forget_after_s=retention_s)
+        store.save_extra(INCIDENTS_KEY, book)   # before mailing: a crash mid-mail must not mail again
+        everyone = _everyone(recipients.values())
+        for d in due:
+            self.log.warning("incident %s %s: %s", d.incident["id"], d.kind, d.subject)
+            send_mail(context, incident_mail(d, recipients.get(d.incident["node"]) or everyone, context,
+                                             remind_after_s))
+        found = {f.key for f in findings}
+        open_now = [r for r in book.values() if r["state"] == "open" or (r["state"] == "notice" and r["key"] in found)]
+        if open_now:
+            raise HealthIncidentsOpen("GPU node health check found:\n" + "\n".join(
+                f"- {r['subject']} (incident {r['id']}, open {hi.duration(time.time() - r['opened_at'])})"
+                for r in open_now))
+        return {"nodes_checked": checked, "incidents_open": 0}
+
+
+def _everyone(rs) -> Recipients | None:
+    rs = list(rs)
+    if not rs:
+        return None
+    to = tuple(dict.fromkeys(a for r in rs for a in r.to))
+    return Recipients(to, rs[0].smtp_conn_id, rs[0].base_url)
+
+
+def incident_mail(d, recipients: Recipients | None, context, remind_after_s: float) -> Mail:
+    """The mail of one incident step; Message-ID/In-Reply-To keep an incident in one thread."""
+    from eagleflow.gpu.health_incidents import duration
+    inc = d.incident
+    recipients = recipients or Recipients((), "smtp_default", "")
+    opened = datetime.fromtimestamp(inc["opened_at"] or time.time(), timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    thread = f"<eagleflow-incident-{inc['id']}@gpu-node-health>"
+    if d.kind == "opened":
+        next_step = (f"One mail per incident: a reminder follows in {duration(remind_after_s)} if it is still "
+                     "open, then at doubling intervals, and a 'resolved' mail when a check no longer finds it.")
+        headers = {"Message-ID": thread}
+    elif d.kind == "reminder":
+        next_step = (f"Still open since {opened}. Reminder {inc['reminders']}; the next in "
+                     f"{duration(inc['next_reminder_at'] - inc['last_mail_at'])} if it stays open.")
+        headers = {"In-Reply-To": thread, "References": thread}
+    elif d.kind == "resolved":
+        next_step = f"Closed: opened {opened}. No further mail for it."
+        headers = {"In-Reply-To": thread, "References": thread}
+    else:   # notice
+        next_step = "Mailed once; a further rise is mailed again."
+        headers = {"Message-ID": thread}
+    links = [("GPU view", recipients.base_url + GPU_VIEW_ROUTE)] if recipients.base_url else []
+    if recipients.base_url:
+        links.append(("Task log", task_log_url(recipients.base_url, context)))
+    return Mail(recipients, f"[eagleflow] {d.subject}", d.detail, headline=d.subject,
+                where=f"gpu_node_health, incident {inc['id']} ({inc['kind']}).", next_step=next_step,
+                links=tuple(links), headers=headers)

@@ -1,0 +1,175 @@
+"""gpu_node_health's findings as incidents: one mail when one opens, reminders that back off, one when it ends.
+
+A check runs every minute; a GPU held at 0 % for hours is one problem, not 120
+mails. Each finding has a stable ``key`` (the same problem on the next check
+has the same key) and a ``scope`` (what a check must have looked at to say the
+problem is gone: a node that cannot be reached says nothing about its GPUs).
+
+``step`` is pure: the incident book kept between checks, this check's findings
+and the scopes it observed in, to the new book and the mails now due:
+
+- a finding first seen waits ``after_s`` (an SSH blip is not an outage), then
+  its incident opens: one mail;
+- while it stays open: a reminder after ``remind_after_s``, then after twice
+  that, four times ... (capped at a day);
+- when a check observes its scope without the finding: one "resolved" mail;
+- a notice (``one_shot``: uncorrected ECC errors rose) is mailed once; a further
+  rise is a new notice.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from eagleflow.console.status_doc import program_name
+
+from .health import HealthAlert
+from .snapshot import GpuSnapshot
+
+MAX_REMIND_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    key: str          # the same problem has the same key on every check
+    scope: str        # what a check observes to tell the problem is gone ("gpus:<node>", "link:<node>", "config:<path>")
+    node: str
+    kind: str         # "memory_held_idle" | "ecc_rising" | "unreachable" | "config"
+    topic: str        # the problem named without numbers that change ("gpu-node-1: GPU memory held at 0 % ...")
+    subject: str      # the fact now ("gpu-node-1: 4 GPUs hold 88 GiB at 0 % for 11 min")
+    detail: str       # the evidence, one line per GPU or error
+    after_s: float = 0.0     # opens only once seen this long (the held window is applied before: 0)
+    one_shot: bool = False
+
+
+@dataclass(frozen=True)
+class MailDue:
+    kind: str                 # "opened" | "reminder" | "resolved" | "notice"
+    incident: dict[str, Any]  # the book's record after this step
+    subject: str
+    detail: str
+
+
+def duration(seconds: float) -> str:
+    """45 s, 11 min, 2 h 05 min: how long, as a person says it."""
+    s = max(0, int(round(seconds)))
+    if s < 120:
+        return f"{s} s"
+    m = s // 60
+    if m < 120:
+        return f"{m} min"
+    return f"{m // 60} h {m % 60:02d} min"
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.0f} GiB"
+
+
+def held_idle_finding(node: str, alerts: list[HealthAlert], snaps: list[GpuSnapshot], state: dict[str, Any],
+                      now: float) -> Finding | None:
+    """The node's GPUs held at 0 % with no eagleflow job, as one finding (the seeds' incident is per node)."""
+    uuids = {a.uuid for a in alerts if a.kind == "memory_held_idle"}
+    held = [s for s in snaps if s.uuid in uuids]
+    if not held:
+        return None
+    since = min(float(state.get(s.uuid, {}).get("held_idle_since") or now) for s in held)
+    mems = sorted(s.memory_used_mib or 0 for s in held)
+    amount = _gib(mems[0]) if _gib(mems[0]) == _gib(mems[-1]) else f"{_gib(mems[0])}-{_gib(mems[-1])}"
+    n = len(held)
+    subject = (f"{node}: {n} GPU{'s' if n > 1 else ''} hold{'' if n > 1 else 's'} {amount}"
+               f"{' each' if n > 1 else ''} at 0 % for {duration(now - since)}")
+    lines = []
+    for s in held:
+        procs = "; ".join(f"pid {p.pid} `{program_name(p.name)}` ({p.user or 'user ?'}"
+                          f"{', ' + str(p.used_mib) + ' MiB' if p.used_mib is not None else ''})"
+                          for p in s.processes) or "no process listed (another container?)"
+        lines.append(f"{s.label}: {s.memory_used_mib} MiB of {s.memory_total_mib} MiB at 0 % since "
+                     f"{duration(now - float(state.get(s.uuid, {}).get('held_idle_since') or now))} ago; "
+                     f"processes: {procs}")
+    lines.append("No eagleflow job is registered on these GPUs. If the processes are a stalled capture "
+                 "server, stop them by PID (never pkill/fuser -k on a shared node) and rerun the shard.")
+    return Finding(key=f"{node}:memory_held_idle", scope=f"gpus:{node}", node=node, kind="memory_held_idle",
+                   topic=f"{node}: GPU memory held at 0 % with no eagleflow job", subject=subject,
+                   detail="\n".join(lines))
+
+
+def ecc_findings(node: str, alerts: list[HealthAlert]) -> list[Finding]:
+    out = []
+    for a in alerts:
+        if a.kind == "ecc_rising":
+            out.append(Finding(key=f"{node}:ecc_rising:{a.uuid}", scope=f"gpus:{node}", node=node,
+                               kind="ecc_rising", topic=f"{node}: GPU {a.index} uncorrected ECC errors rising",
+                               subject=f"{node}: GPU {a.index} uncorrected ECC errors rose", detail=a.message,
+                               one_shot=True))
+    return out
+
+
+def unreachable_finding(node: str, error: str, after_s: float) -> Finding:
+    return Finding(key=f"{node}:unreachable", scope=f"link:{node}", node=node, kind="unreachable",
+                   topic=f"{node}: node unreachable", subject=f"{node}: unreachable ({error})",
+                   detail=(f"The health check cannot read {node}: {error}. Its GPUs are not being watched "
+                           "until it answers; the check keeps trying every interval."),
+                   after_s=after_s)
+
+
+def config_finding(path: str, error: str) -> Finding:
+    return Finding(key=f"config:{path}", scope=f"config:{path}", node=path, kind="config",
+                   topic=f"node config {path} cannot be read", subject=f"node config {path} cannot be read",
+                   detail=f"{error}\n\nThe node this config names is not being checked until it is fixed.")
+
+
+def _fresh(f: Finding, now: float) -> dict[str, Any]:
+    return {"id": uuid.uuid4().hex[:12], **asdict(f), "state": "pending", "first_seen": now,
+            "opened_at": None, "last_seen": now, "last_mail_at": None, "reminders": 0, "next_reminder_at": None}
+
+
+def step(book: dict[str, dict[str, Any]], findings: list[Finding], *, observed: set[str], now: float,
+         remind_after_s: float, forget_after_s: float = 24 * 3600.0
+         ) -> tuple[dict[str, dict[str, Any]], list[MailDue]]:
+    """The new incident book and the mails due now (see the module's doc)."""
+    if remind_after_s <= 0:
+        raise ValueError(f"remind_after_s={remind_after_s!r}: must be > 0 seconds")
+    new: dict[str, dict[str, Any]] = {}
+    due: list[MailDue] = []
+    seen = {f.key: f for f in findings}
+    for key, f in seen.items():
+        rec = dict(book.get(key) or _fresh(f, now))
+        rec.update(subject=f.subject, detail=f.detail, topic=f.topic, last_seen=now)
+        if rec["state"] == "notice":       # already mailed: a notice stays quiet while it is repeated
+            new[key] = rec
+            continue
+        if rec["state"] == "pending" and now - rec["first_seen"] >= f.after_s:
+            if f.one_shot:
+                rec.update(state="notice", opened_at=now, last_mail_at=now)
+                due.append(MailDue("notice", rec, f.subject, f.detail))
+            else:
+                rec.update(state="open", opened_at=now, last_mail_at=now, next_reminder_at=now + remind_after_s)
+                due.append(MailDue("opened", rec, f.subject, f.detail))
+        elif rec["state"] == "open" and now >= float(rec["next_reminder_at"]):
+            rec["reminders"] += 1
+            gap = min(remind_after_s * 2 ** rec["reminders"], MAX_REMIND_S)
+            rec.update(last_mail_at=now, next_reminder_at=now + gap)
+            due.append(MailDue("reminder", rec,
+                               f"{f.subject} (still open, reminder {rec['reminders']}; next in {duration(gap)})",
+                               f.detail))
+        new[key] = rec
+    for key, rec in book.items():
+        if key in seen:
+            continue
+        if rec.get("scope") in observed:
+            if rec.get("state") == "open":   # a pending finding that went away never mailed: nothing to close
+                rec = {**rec, "state": "resolved", "resolved_at": now}
+                due.append(MailDue("resolved", rec,
+                                   f"resolved: {rec['topic']} (open {duration(now - rec['opened_at'])})",
+                                   f"Resolved at this check. Last seen while open:\n{rec['detail']}"))
+            continue
+        if now - float(rec.get("last_seen") or now) > forget_after_s:   # its node left the configs
+            if rec.get("state") == "open":
+                rec = {**rec, "state": "resolved", "resolved_at": now}
+                due.append(MailDue("resolved", rec, f"no longer checked: {rec['topic']}",
+                                   f"Nothing has checked this for {duration(forget_after_s)} (its config was "
+                                   f"removed?); closing the incident. Last seen:\n{rec['detail']}"))
+            continue
+        new[key] = rec       # not looked at this time (node unreachable): still open, no mail
+    return new, due
