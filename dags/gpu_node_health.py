@@ -9,7 +9,9 @@ stored in Airflow's metadata DB with the last hour of readings: the GPU view
 (Browse -> GPU nodes) and /eagleflow-gpu/metrics read it. Unpaused on
 creation: the view must never wait for someone to switch it on.
 
-Schedule: every $EAGLEFLOW_GPU_HEALTH_EVERY_MIN minutes (default 1). Nodes: the
+Schedule: every $EAGLEFLOW_GPU_HEALTH_EVERY_MIN minutes (default 1). Param defaults (seconds):
+$EAGLEFLOW_GPU_HELD_WINDOW_S (600), $EAGLEFLOW_GPU_UNREACHABLE_AFTER_S (180),
+$EAGLEFLOW_GPU_REMIND_AFTER_S (1800). Nodes: the
 configs in $EAGLEFLOW_HEALTH_CONFIGS (os.pathsep-separated), else $EAGLEFLOW_CONFIG.
 Mail recipients: each node config's watchdog.alert_emails.
 """
@@ -25,6 +27,10 @@ from eagleflow.airflow.health_operators import GpuNodeHealthOperator
 from eagleflow.settings import env_positive
 
 EVERY_MIN = env_positive("EAGLEFLOW_GPU_HEALTH_EVERY_MIN", 1, unit="minutes")
+# the Params' defaults, per deployment (a triggered run can still set its own)
+WINDOW_S = int(env_positive("EAGLEFLOW_GPU_HELD_WINDOW_S", 600, unit="seconds"))
+UNREACHABLE_AFTER_S = int(env_positive("EAGLEFLOW_GPU_UNREACHABLE_AFTER_S", 180, unit="seconds"))
+REMIND_AFTER_S = int(env_positive("EAGLEFLOW_GPU_REMIND_AFTER_S", 1800, unit="seconds"))
 CONFIGS = [p for p in os.environ.get("EAGLEFLOW_HEALTH_CONFIGS", "").split(os.pathsep) if p] or \
     [os.environ.get("EAGLEFLOW_CONFIG", "configs/local-demo.yaml")]
 
@@ -47,12 +53,12 @@ with DAG(
                               description="Pipeline configs whose node is checked (one node each)."),
         "memory_threshold_mib": Param(1024, type="integer", minimum=1, title="Held memory threshold (MiB)",
                                       description="A GPU above this at 0 % utilisation counts as held."),
-        "window_s": Param(600, type="integer", minimum=1, title="Window (s)",
+        "window_s": Param(WINDOW_S, type="integer", minimum=1, title="Window (s)",
                           description="Open an incident when a GPU has been held at 0 % for this long with no "
                                       "eagleflow job."),
-        "unreachable_after_s": Param(180, type="integer", minimum=1, title="Unreachable after (s)",
+        "unreachable_after_s": Param(UNREACHABLE_AFTER_S, type="integer", minimum=1, title="Unreachable after (s)",
                                      description="Open an incident when a node cannot be read for this long."),
-        "remind_after_s": Param(1800, type="integer", minimum=1, title="First reminder after (s)",
+        "remind_after_s": Param(REMIND_AFTER_S, type="integer", minimum=1, title="First reminder after (s)",
                                 description="While an incident is open: a reminder after this, then after "
                                             "twice as long each time (at most daily)."),
     },

@@ -3,7 +3,8 @@
 As an operator would: sign in through Airflow's login page; open Browse -> GPU nodes; within one
 health interval (gpu_node_health starts unpaused, every minute) the fake 8-GPU node shows its four
 held GPUs highlighted, the CPU-only and the unreachable node are listed, no command line is on the
-page, and the page refreshes itself; trigger eagle3_pipeline from the trigger form and see the run
+page, and the page refreshes itself; the stalled node's incident is mailed once over many checks and
+once more when it is resolved; trigger eagle3_pipeline from the trigger form and see the run
 succeed in the UI; open its run report and the metrics. Screenshots go to the test's folder (and to
 docs/ with EAGLEFLOW_UPDATE_SCREENSHOTS=1).
 """
@@ -22,7 +23,9 @@ import pytest
 from eagleflow.airflow import standalone
 from tests.fixtures.browser import chromium  # noqa: F401  (fixture)
 from tests.fixtures.console_nodes import HELD, STALLED_CMD, write_console_nodes
+from tests.fixtures.gpu_scenarios import gpu, write_scenario
 from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.smtp import SmtpSink, body_text
 
 pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -108,16 +111,40 @@ def trigger_from_form(driver, base: str, run_name: str, shots: Path) -> None:
     driver.find_elements(By.XPATH, "//button[normalize-space()='Trigger']")[-1].click()
 
 
+def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str) -> None:
+    def about(node: str):
+        return [m for m in list(smtp.messages) if f" {node}" in m["Subject"]]
+    opened = smtp.wait_for(lambda m: "gpu-node-stalled: 4 GPUs hold 88 GiB each at 0 % for" in m["Subject"], 30)
+    # at least two more checks (one a minute) of the same finding before counting
+    time.sleep(max(0.0, smtp.received_at[smtp.messages.index(opened)] + 130 - time.time()))
+    assert [m["Subject"] for m in about("gpu-node-stalled")] == [opened["Subject"]], "one incident, one mail"
+    body = body_text(opened)
+    assert base_url + "/plugin/eagleflow-gpu" in body
+    for arg in NO_COMMAND_LINE:
+        assert arg not in body, f"command-line fragment {arg!r} in the incident mail"
+    # unreachable from the start: one mail once that lasted 60 s, none on later checks
+    down = smtp.wait_for(lambda m: "gpu-node-gone: unreachable (" in m["Subject"], 150)
+    assert down["Subject"] in ("[eagleflow] gpu-node-gone: unreachable (connection refused)",
+                               "[eagleflow] gpu-node-gone: unreachable (cannot connect)")
+    write_scenario(scenario, {"gpus": [gpu(i) for i in range(8)], "processes": []})   # someone freed the GPUs
+    resolved = smtp.wait_for(lambda m: m["Subject"].startswith("[eagleflow] resolved: gpu-node-stalled"), 150)
+    assert resolved["In-Reply-To"] == opened["Message-ID"]
+    assert len(about("gpu-node-stalled")) == 2 and len(about("gpu-node-gone")) == 1
+    print(f"[console] incident mails: {[m['Subject'] for m in smtp.messages]}")
+
+
 @pytest.mark.timeout(1500)
 def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  # noqa: F811
     from selenium.webdriver.common.by import By
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    nodes = write_console_nodes(tmp_path / "nodes")
+    nodes = write_console_nodes(tmp_path / "nodes", alert_emails=["oncall@example.test"], smtp_conn_id="smtp_test")
     cfg = write_short_config(tmp_path, demo_assets)
     home, port = tmp_path / "airflow_home", standalone.free_port()
+    smtp = SmtpSink().__enter__()   # a real SMTP server for gpu_node_health's incident mails
     env = {**nodes["env"], "EAGLEFLOW_HEALTH_CONFIGS": os.pathsep.join(nodes["configs"]),
-           "EAGLEFLOW_CONFIG": str(cfg), "EAGLEFLOW_GPU_HEALTH_EVERY_MIN": "1", "EAGLEFLOW_GPU_VIEW_REFRESH_S": "5"}
+           "EAGLEFLOW_CONFIG": str(cfg), "EAGLEFLOW_GPU_HEALTH_EVERY_MIN": "1", "EAGLEFLOW_GPU_VIEW_REFRESH_S": "5",
+           "EAGLEFLOW_GPU_HELD_WINDOW_S": "30", "EAGLEFLOW_GPU_UNREACHABLE_AFTER_S": "60", **smtp.airflow_conn_env("smtp_test")}
     info = None
     try:
         info = standalone.start(home, port, wait_s=300, extra_env=env)
@@ -159,7 +186,11 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
         metrics = chromium.find_element(By.TAG_NAME, "body").text
         assert 'DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-00000000-1111-2222-3333-444455556666"' in metrics
         assert 'Hostname="gpu-node-stalled"} 90000' in metrics and STALLED_CMD not in metrics
+
+        # the stalled node, checked every minute all along: exactly one mail, then one when it is resolved
+        check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}")
     finally:
+        smtp.__exit__(None, None, None)
         stopped = standalone.stop(home, grace_s=20)
         if os.environ.get("EAGLEFLOW_UPDATE_SCREENSHOTS") == "1":
             for p in shots.glob("*.png"):

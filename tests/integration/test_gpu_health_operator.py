@@ -1,39 +1,110 @@
 """gpu_node_health's operator against the fake node over SSH: the seeds' incident is caught, our own job is not."""
 from __future__ import annotations
 
+import re
 import sys
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.ssh import SSHNode
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
+from tests.fixtures.smtp import SmtpSink
 from tests.fixtures.sshd import sshd  # noqa: F401  (fixture)
 from tests.integration.gpu_run_config import write_gpu_config
 
 pytestmark = [pytest.mark.slow]
 
 
+PARAMS = {"memory_threshold_mib": 1024, "window_s": 1, "unreachable_after_s": 60, "remind_after_s": 3}
+
+
+def _context(params):
+    ti = SimpleNamespace(dag_id="gpu_node_health", run_id="scheduled__2026-12-01T07:00:00+00:00",
+                         task_id="check_gpu_nodes", map_index=-1, try_number=1)
+    return {"params": params, "ti": ti, "run_id": ti.run_id}
+
+
+@pytest.mark.timeout(180)
+def test_one_incident_one_mail_a_backed_off_reminder_and_a_resolved_mail(sshd, monkeypatch, tmp_path):  # noqa: F811
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator, HealthIncidentsOpen
+    monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE_TEST", sshd.airflow_conn())
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.corp.example")
+    scenario = sshd.env["FAKE_NVIDIA_SMI_SCENARIO"]
+    cfg_path = write_gpu_config(tmp_path / "cfg.yaml", conn_id="gpu_node_test", run_root=tmp_path / "runs")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_test"}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    params = {"config_paths": [str(cfg_path)], **PARAMS}
+    op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env("smtp_test").items():
+            monkeypatch.setenv(k, v)
+        try:
+            write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0), gpu(1, 1)],
+                                      "processes": [proc(4242, 0, 89990, "python3 -m sglang.launch_server "
+                                                                         "--model-path /models/kimi-k2.5")]})
+            assert op.execute(_context(params)) == {"nodes_checked": 1, "incidents_open": 0}  # the window starts
+            time.sleep(1.2)
+            for _ in range(3):   # three checks, one incident, one mail
+                with pytest.raises(HealthIncidentsOpen) as e:
+                    op.execute(_context(params))
+                assert "fake-gpu-node: 1 GPU holds 88 GiB at 0 % for" in str(e.value)
+            opened = smtp.wait_for()
+            assert len(smtp.messages) == 1
+            assert re.fullmatch(r"\[eagleflow\] fake-gpu-node: 1 GPU holds 88 GiB at 0 % for \d s", opened["Subject"])
+            parts = {p.get_content_type(): p.get_content() for p in opened.iter_parts()}
+            assert set(parts) == {"text/plain", "text/html"}
+            for body in parts.values():
+                assert "GPU 0 (GPU-00000000-1111-2222-3333-444455556666): 90000 MiB of" in body
+                assert "pid 4242 `python3`" in body and "sglang" not in body and "/models/" not in body
+                assert "https://airflow.corp.example/plugin/eagleflow-gpu" in body
+                assert "https://airflow.corp.example/dags/gpu_node_health/runs/" in body
+            thread = opened["Message-ID"]
+            assert thread.startswith("<eagleflow-incident-")
+
+            time.sleep(3.2)   # past remind_after_s: one reminder, then the next only after twice as long
+            for _ in range(2):
+                with pytest.raises(HealthIncidentsOpen):
+                    op.execute(_context(params))
+            reminder = smtp.wait_for(lambda m: "reminder" in m["Subject"])
+            assert len(smtp.messages) == 2 and reminder["In-Reply-To"] == thread
+            assert "(still open, reminder 1; next in 6 s)" in reminder["Subject"]
+
+            write_scenario(scenario, {"gpus": [gpu(0), gpu(1)], "processes": []})
+            assert op.execute(_context(params)) == {"nodes_checked": 1, "incidents_open": 0}
+            resolved = smtp.wait_for(lambda m: m["Subject"].startswith("[eagleflow] resolved"))
+            assert resolved["Subject"].startswith(
+                "[eagleflow] resolved: fake-gpu-node: GPU memory held at 0 % with no eagleflow job (open ")
+            assert resolved["In-Reply-To"] == thread
+            op.execute(_context(params))
+            assert len(smtp.messages) == 3
+        finally:
+            write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
+
+
 @pytest.mark.timeout(120)
 def test_health_alerts_on_held_idle_memory_not_on_our_job(sshd, monkeypatch, tmp_path):  # noqa: F811
-    from eagleflow.airflow.gpu_operators import GpuNodeHealthOperator, GpuNodeUnhealthy
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator, HealthIncidentsOpen
     monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE_TEST", sshd.airflow_conn())
     scenario = sshd.env["FAKE_NVIDIA_SMI_SCENARIO"]
     cfg_path = write_gpu_config(tmp_path / "cfg.yaml", conn_id="gpu_node_test", run_root=tmp_path / "runs")
-    params = {"config_paths": [str(cfg_path)], "memory_threshold_mib": 1024, "window_s": 1}
+    params = {"config_paths": [str(cfg_path)], **PARAMS}
     op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
     try:
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0), gpu(1, 1)],
                                   "processes": [proc(4242, 0, 89990, "python3 -m sglang.launch_server")]})
-        assert op.execute({"params": params}) == {"nodes_checked": 1}  # first sighting starts the window
+        assert op.execute(_context(params))["nodes_checked"] == 1  # first sighting starts the window
         time.sleep(1.2)
-        with pytest.raises(GpuNodeUnhealthy) as e:
-            op.execute({"params": params})
-        assert "GPU 0 (GPU-00000000-1111-2222-3333-444455556666): 90000 MiB held at 0 % utilisation" in str(e.value)
-        assert "pid 4242" in str(e.value)
+        with pytest.raises(HealthIncidentsOpen):   # no recipients configured: logged, the task still red
+            op.execute(_context(params))
+        write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
+        assert op.execute(_context(params))["incidents_open"] == 0
 
         # the same picture, but the process belongs to a job eagleflow recorded: the watchdog's business
         cfg = load_config(cfg_path)
@@ -45,13 +116,25 @@ def test_health_alerts_on_held_idle_memory_not_on_our_job(sshd, monkeypatch, tmp
             try:
                 write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)],
                                           "processes": [proc(job.pid, 0, 89990, "python3", live=True)]})
-                op.execute({"params": params})
+                op.execute(_context(params))
                 time.sleep(1.2)
-                assert op.execute({"params": params}) == {"nodes_checked": 1}
+                assert op.execute(_context(params)) == {"nodes_checked": 1, "incidents_open": 0}
             finally:
                 node.stop_recorded(job.pid_file, grace_s=2)
     finally:
         write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
+
+
+@pytest.mark.parametrize("field,value", [("window_s", 0), ("memory_threshold_mib", -1), ("remind_after_s", None)])
+def test_zero_negative_or_missing_settings_are_refused_by_name(field, value, tmp_path):
+    from airflow.sdk.exceptions import AirflowFailException
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator
+    params = {"config_paths": [], **PARAMS, field: value}
+    op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
+    with pytest.raises(AirflowFailException, match=f"gpu_node_health Params: {field}={value!r} is not allowed: "
+                                                   "it must be a number > 0"):
+        op.execute(_context(params))
+    assert not (tmp_path / "status").exists()   # refused before anything was read or written
 
 
 def test_health_dag_parses_with_its_schedule(monkeypatch):

@@ -208,8 +208,12 @@ def test_partition_mid_shard_is_unreachable_not_stalled_and_the_shard_completes_
     if fault == "drop":
         assert len(part.drops) == 2 and not subjects, subjects   # a blip within the bound: no verdict, no mail
     else:
-        # one mail, after the bound: the node is unreachable since the cut, not the job stalled
-        assert subjects == ["[eagleflow] UNREACHABLE shard 0/1 on gpu-node-ns"], subjects
+        # one mail, after the bound: the node is unreachable since the cut, not the job stalled; and one
+        # more, in the same thread, once the watch reaches the node again
+        assert len(subjects) == 2 and subjects[0] == "[eagleflow] UNREACHABLE shard 0/1 on gpu-node-ns", subjects
+        assert subjects[1].startswith("[eagleflow] REACHABLE again: shard 0/1 on gpu-node-ns, "), subjects
+        assert smtp.messages[1]["In-Reply-To"] == smtp.messages[0]["Message-ID"]
+        assert part.restored_at <= smtp.received_at[1] <= part.restored_at + 30, (smtp.received_at[1], part.restored_at)
         body = body_text(smtp.messages[0])
         assert "has not answered since" in body and "not a verdict on the job" in body
         assert "nothing is restarted" in body

@@ -8,7 +8,8 @@ alert callbacks of the pipeline:
 - the incident's one alert arrives at once with that subject, the diagnosis, the GPU table line
   and a log link built from Airflow's configured [api] base_url;
 - the same task try recovers (no Airflow retry): the server is restarted once (one restart in the
-  incident), the worker resumes, and the shard completes with exactly its samples, none twice.
+  incident), the worker resumes, and the shard completes with exactly its samples, none twice;
+- a second mail, in the same thread, says the incident is over once a new sample is stored.
 """
 from __future__ import annotations
 
@@ -151,6 +152,16 @@ def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactl
     # progress stopped at or before the SIGSTOP; the mail follows the watch's event by one SMTP round trip
     assert received - freezer.stopped_at <= bound + 3.0, (received - freezer.stopped_at, bound)
     print("received alert email:", f"Subject: {msg['Subject']}", f"To: {msg['To']}", body, sep="\n")
+
+    # and one more when it is over: the first sample stored after the recovery, in the same mail thread
+    over = [(m, t) for m, t in zip(smtp.messages, smtp.received_at) if "RECOVERED" in m["Subject"]]
+    assert len(over) == 1 and len(smtp.messages) == 2, [m["Subject"] for m in smtp.messages]
+    (done_msg, done_at), = over
+    assert done_msg["Subject"].startswith("[eagleflow] RECOVERED shard 0/2 on local: samples stored again (")
+    assert done_msg["In-Reply-To"] == msg["Message-ID"] and msg["Message-ID"].startswith("<eagleflow-incident-local-")
+    assert "This closes: [eagleflow] STALLED shard 0/2 on local" in body_text(done_msg)
+    assert done_at - received <= 60, done_at - received   # recovered (first new sample) within 60 s
+    print(f"stall mail -> recovered mail: {done_at - received:.1f} s; {done_msg['Subject']}")
 
     # the watch restarted the frozen server exactly once, within one incident
     incidents = [json.loads(x) for x in

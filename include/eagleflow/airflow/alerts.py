@@ -222,6 +222,30 @@ def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
                 next_step=next_step.strip(), links=(("Task log", task_log_url(recipients.base_url, context)),))
 
 
+def incident_thread(incident_id: str) -> str:
+    """The Message-ID of an incident's first mail; its later mails answer it, so a mail client shows one thread."""
+    return f"<eagleflow-incident-{incident_id}@eagleflow>"
+
+
+def close_of_stall(event: dict[str, Any]) -> dict[str, Any]:
+    """What the next watch of the shard that mailed a stall needs to mail its end (plain values)."""
+    inc = event.get("incident") or {}
+    return {"kind": "stall", "id": str(inc.get("incident")), "subject": event.get("subject") or "",
+            "since": float(event.get("detected_at") or event.get("observed_at") or 0), "done": int(event.get("done") or 0)}
+
+
+def close_of_outage(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The same for a node outage, when this watch is the one that mailed it."""
+    if not event.get("mail"):
+        return None
+    return {"kind": "outage", "id": outage_id(event), "subject": event.get("subject") or "",
+            "since": float(event["since"])}
+
+
+def outage_id(event: dict[str, Any]) -> str:
+    return f"outage-{float(event['since']):.3f}"
+
+
 def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
     """The one mail of a stall incident (sent by the shard whose watch opened it, before the recovery runs)."""
     inc = event.get("incident") or {}
@@ -236,6 +260,7 @@ def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
     ti = context["ti"]
     send_mail(context, Mail(
         recipients, event.get("subject") or "[eagleflow] STALLED", evidence,
+        headers={"Message-ID": incident_thread(str(inc.get("incident")))},
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
         next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
                    "the cause names (the capture server once per incident, or the worker) and the shard resumes "
@@ -249,11 +274,35 @@ def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> No
     ti = context["ti"]
     send_mail(context, Mail(
         recipients, event.get("subject") or "[eagleflow] UNREACHABLE node", event.get("diagnosis") or "",
+        headers={"Message-ID": incident_thread(outage_id(event))},
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
         next_step=("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
                    "job: its detached processes keep running there and nothing was restarted. The watch keeps "
-                   "reconnecting and the task goes on when the node answers; no further mail for this outage."),
+                   "reconnecting and the task goes on when the node answers; one more mail when it does."),
         links=(("Task log", task_log_url(recipients.base_url, context)),)))
+
+
+def send_incident_over(context: dict[str, Any], event: dict[str, Any]) -> None:
+    """The last mail of a stall or outage this task mailed: samples are stored again / the node answers."""
+    from eagleflow.gpu.health_incidents import duration
+    close = event.get("close_incident") or {}
+    took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
+    job, node = event.get("job") or "the job", event.get("node") or "its node"
+    if close.get("kind") == "outage":
+        subject = f"[eagleflow] REACHABLE again: {job} on {node}, {took} after it stopped answering"
+        next_step = "The outage is over; the watch goes on with the progress made meanwhile."
+    else:
+        subject = (f"[eagleflow] RECOVERED {job} on {node}: samples stored again ({event.get('done')}/"
+                   f"{event.get('total')}), {took} after the stall was detected")
+        next_step = "The incident is over; the watch goes on."
+    recipients = Recipients.of_run(context)
+    ti = context["ti"]
+    thread = incident_thread(str(close.get("id")))
+    send_mail(context, Mail(
+        recipients, subject, f"{event.get('summary') or ''}\n\nThis closes: {close.get('subject')}",
+        where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.", next_step=next_step,
+        links=(("Task log", task_log_url(recipients.base_url, context)),),
+        headers={"In-Reply-To": thread, "References": thread}))
 
 
 def pipeline_failure_callbacks(retry_mail: bool = True) -> dict:

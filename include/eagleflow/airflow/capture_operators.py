@@ -129,39 +129,40 @@ class ExtractShardOperator(RunOperator):
                                     recoveries_left=ctx.cfg.watchdog.recoveries_in_watch)
         if not self.deferrable:     # same watch, run in this worker slot
             event = run_trigger_here(trigger)
-            while event.get("status") in ("recovering", "unreachable"):
-                if event["status"] == "unreachable":   # the link or sshd, not the job: mail once, keep watching
-                    self._unreachable(context, event)
-                    event = run_trigger_here(ShardWatchTrigger(
-                        run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
-                        recoveries_left=int(event.get("recoveries_left") or 0)))
-                    continue
-                left = self._recover(ctx, context, event)
-                event = run_trigger_here(ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left))
+            while (trigger := self._next_watch(ctx, context, event)) is not None:
+                event = run_trigger_here(trigger)
             return self._finish(ctx, event)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)
         try:
-            if event.get("status") == "unreachable":
-                # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
-                self._unreachable(context, event)
-                from eagleflow.airflow.shard_watch import ShardWatchTrigger
-                self.defer(trigger=ShardWatchTrigger(run=ctx.serialize(), shard=int(self.shard),
-                                                     unreachable_since=event["since"],
-                                                     recoveries_left=int(event.get("recoveries_left") or 0)),
-                           method_name="execute_complete")
-            if event.get("status") == "recovering":
-                # the watch found a stall it can recover: mail once per incident, recover now, watch again
-                left = self._recover(ctx, context, event)
-                from eagleflow.airflow.shard_watch import ShardWatchTrigger
-                self.defer(trigger=ShardWatchTrigger(run=ctx.trigger_ref(), shard=int(self.shard),
-                                                     recoveries_left=left),
-                           method_name="execute_complete")
+            trigger = self._next_watch(ctx, context, event)
+            if trigger is not None:
+                self.defer(trigger=trigger, method_name="execute_complete")
             return self._finish(ctx, event)
         finally:
             ctx.close()
+
+    def _next_watch(self, ctx: RunContext, context, event: dict[str, Any]):
+        """Act on a watch's event (mail, recover) and return the watch to go on with; None: the event is final."""
+        from eagleflow.airflow.alerts import close_of_outage, send_incident_over
+        from eagleflow.airflow.shard_watch import ShardWatchTrigger
+        shard, status = int(self.shard), event.get("status")
+        left = int(event.get("recoveries_left") or 0)
+        if status == "unreachable":
+            # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
+            self._unreachable(context, event)
+            return ShardWatchTrigger(run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
+                                     recoveries_left=left, close_incident=close_of_outage(event))
+        if status == "recovering":
+            # the watch found a stall it can recover: mail once per incident, recover now, watch again
+            left, close = self._recover(ctx, context, event)
+            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left, close_incident=close)
+        if status == "resumed":   # the incident this shard mailed is over: say so, watch on
+            send_incident_over(context, event)
+            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left)
+        return None
 
     def _unreachable(self, context, event: dict[str, Any]) -> None:
         self.log.warning("shard %s: %s", self.shard, event.get("diagnosis"))
@@ -169,22 +170,27 @@ class ExtractShardOperator(RunOperator):
             from eagleflow.airflow.alerts import send_unreachable_alert
             send_unreachable_alert(context, event)
 
-    def _recover(self, ctx: RunContext, context, event: dict[str, Any]) -> int:
-        """Mail (the shard that opened the incident), then restart what the cause names; the recoveries left."""
+    def _recover(self, ctx: RunContext, context, event: dict[str, Any]) -> tuple[int, dict | None]:
+        """Mail (the shard that opened the incident), then restart what the cause names.
+
+        Returns the recoveries left and, for the shard that mailed, what its next watch needs to mail the end.
+        """
         from eagleflow.watchdog.diagnosis import StallDetected
         from eagleflow.watchdog.recovery import recover_after_stall
         inc = event.get("incident") or {}
         self.log.warning("shard %s stalled (%s, incident %s, %s it): %s", self.shard, event.get("cause"),
                          inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
+        close = None
         if inc.get("opened"):
-            from eagleflow.airflow.alerts import send_incident_alert
+            from eagleflow.airflow.alerts import close_of_stall, send_incident_alert
             send_incident_alert(context, event)
+            close = close_of_stall(event)
         try:
             recover_after_stall(ctx, int(self.shard), event, self.log)
         except (RuntimeError, NodeError) as e:
             raise StallDetected(event.get("subject") or f"shard {self.shard} stalled",
                                 f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
-        return max(0, int(event.get("recoveries_left") or 0) - 1)
+        return max(0, int(event.get("recoveries_left") or 0) - 1), close
 
     def _finish(self, ctx: RunContext, event: dict[str, Any]):
         shard = int(self.shard)

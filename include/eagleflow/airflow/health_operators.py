@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.alerts import GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, send_mail, task_log_url
+from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, incident_thread, send_mail,
+                                      task_log_url)
 from eagleflow.airflow.runtime import resolve_config_path
 
 INCIDENTS_KEY = "eagleflow.gpu_health_incidents"
@@ -167,8 +168,8 @@ def incident_mail(d, recipients: Recipients | None, context, remind_after_s: flo
     from eagleflow.gpu.health_incidents import duration
     inc = d.incident
     recipients = recipients or Recipients((), "smtp_default", "")
-    opened = datetime.fromtimestamp(inc["opened_at"] or time.time(), timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    thread = f"<eagleflow-incident-{inc['id']}@gpu-node-health>"
+    opened = datetime.fromtimestamp(time.time() if inc["opened_at"] is None else inc["opened_at"], timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    thread = incident_thread(inc["id"])
     if d.kind == "opened":
         next_step = (f"One mail per incident: a reminder follows in {duration(remind_after_s)} if it is still "
                      "open, then at doubling intervals, and a 'resolved' mail when a check no longer finds it.")

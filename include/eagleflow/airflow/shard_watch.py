@@ -30,11 +30,18 @@ operator mails that once and watches again with ``unreachable_since=T``, which
 keeps reconnecting silently; when the node answers, the watch goes on with the
 progress made meanwhile.
 
+A watch given ``close_incident`` (plain values: kind "stall" with the stored
+count at the stall, or kind "outage"; its id, subject, since) is the one whose
+shard mailed that incident: on the first look that shows a new sample stored
+(stall) or the node answering (outage) it yields ``{"status": "resumed", ...}``;
+the operator mails that the incident is over and watches on without it.
+
 Every trigger yields exactly one event:
 ``{"status": "complete", "summary": str}``,
 ``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str, "cause": str}`` or
 ``{"status": "recovered", ..., "recovery": {...}}`` (the stall's payload plus what the recovery did) or
-``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}``.
+``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}`` or
+``{"status": "resumed", "close_incident": {...}, "done": int, "total": int, "observed_at": float, "summary": str}``.
 """
 from __future__ import annotations
 
@@ -87,8 +94,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
-                 unreachable_since: float | None = None):
+                 unreachable_since: float | None = None, close_incident: dict[str, Any] | None = None):
         super().__init__()
+        self.close_incident = close_incident  # see the module doc: this watch mails the incident's end
         self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
         self.poll_interval_s = poll_interval_s
         # set when an earlier watch of this job already reported the node unreachable (unix time): this one
@@ -202,6 +210,12 @@ class _NodeJobWatchTrigger(BaseTrigger):
                         return
                 else:
                     self.log.info("%s", diag.summary)
+                    if self._incident_over(diag):
+                        yield TriggerEvent({"status": "resumed", "close_incident": self.close_incident,
+                                            "done": diag.done, "total": diag.total, "observed_at": diag.observed_at,
+                                            "job": diag.job, "node": diag.node, "summary": diag.summary,
+                                            **self._resume_fields()})
+                        return
                     if diag.status is not None:
                         payload = diag.event_payload()
                         payload["detected_at"] = time.time()
@@ -215,6 +229,22 @@ class _NodeJobWatchTrigger(BaseTrigger):
                 await asyncio.sleep(max(0.0, wait - (time.monotonic() - started)))
         finally:
             await asyncio.to_thread(ctx.close)
+
+    def _incident_over(self, diag: StallDiagnosis) -> bool:
+        """The incident this watch closes is over: a sample stored since the stall, or the node answers."""
+        close = self.close_incident
+        if not close:
+            return False
+        if close.get("kind") == "outage":
+            return True
+        return diag.done > int(close.get("done", 0)) or diag.verdict == "complete"
+
+    def _serialize_common(self, kw: dict[str, Any]) -> dict[str, Any]:
+        if self.unreachable_since is not None:
+            kw["unreachable_since"] = self.unreachable_since
+        if self.close_incident:
+            kw["close_incident"] = self.close_incident
+        return kw
 
     # -- recovery inside the watch (shards only) -----------------------------
     def _recoverable(self, diag: StallDiagnosis) -> bool:
@@ -290,17 +320,16 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
     """
 
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
-                 recoveries_left: int = 0, unreachable_since: float | None = None):
-        super().__init__(run, poll_interval_s, unreachable_since)
+                 recoveries_left: int = 0, unreachable_since: float | None = None,
+                 close_incident: dict[str, Any] | None = None):
+        super().__init__(run, poll_interval_s, unreachable_since, close_incident)
         self.shard = shard
         self.recoveries_left = recoveries_left
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        kw = {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-              "recoveries_left": self.recoveries_left}
-        if self.unreachable_since is not None:
-            kw["unreachable_since"] = self.unreachable_since
-        return "eagleflow.airflow.shard_watch.ShardWatchTrigger", kw
+        return "eagleflow.airflow.shard_watch.ShardWatchTrigger", self._serialize_common(
+            {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
+             "recoveries_left": self.recoveries_left})
 
     def _recoverable(self, diag: StallDiagnosis) -> bool:
         return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
@@ -336,10 +365,8 @@ class TrainWatchTrigger(_NodeJobWatchTrigger):
     """Watch the draft training job of a run."""
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        kw = {"run": self.run_data, "poll_interval_s": self.poll_interval_s}
-        if self.unreachable_since is not None:
-            kw["unreachable_since"] = self.unreachable_since
-        return "eagleflow.airflow.shard_watch.TrainWatchTrigger", kw
+        return "eagleflow.airflow.shard_watch.TrainWatchTrigger", self._serialize_common(
+            {"run": self.run_data, "poll_interval_s": self.poll_interval_s})
 
     def _watch_args(self) -> list[str]:
         return ["--train"]

@@ -60,10 +60,20 @@ class TrainDraftOperator(RunOperator):
             if event.get("mail"):
                 from eagleflow.airflow.alerts import send_unreachable_alert
                 send_unreachable_alert(context, event)
+            from eagleflow.airflow.alerts import close_of_outage
             from eagleflow.airflow.shard_watch import TrainWatchTrigger
             ctx = RunContext.from_airflow(context)
             trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s,
-                                        unreachable_since=event["since"])
+                                        unreachable_since=event["since"], close_incident=close_of_outage(event))
+            if self.deferrable:
+                self.defer(trigger=trigger, method_name="execute_complete")
+            return self.execute_complete(context, run_trigger_here(trigger))
+        if event.get("status") == "resumed":   # the outage this task mailed is over: say so, watch on
+            from eagleflow.airflow.alerts import send_incident_over
+            from eagleflow.airflow.shard_watch import TrainWatchTrigger
+            send_incident_over(context, event)
+            trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
+                                        poll_interval_s=self.poll_interval_s)
             if self.deferrable:
                 self.defer(trigger=trigger, method_name="execute_complete")
             return self.execute_complete(context, run_trigger_here(trigger))

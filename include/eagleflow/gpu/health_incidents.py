@@ -73,20 +73,23 @@ def held_idle_finding(node: str, alerts: list[HealthAlert], snaps: list[GpuSnaps
     held = [s for s in snaps if s.uuid in uuids]
     if not held:
         return None
-    since = min(float(state.get(s.uuid, {}).get("held_idle_since") or now) for s in held)
+    def since(s: GpuSnapshot) -> float:
+        v = state.get(s.uuid, {}).get("held_idle_since")
+        return now if v is None else float(v)
+
+    first = min(since(s) for s in held)
     mems = sorted(s.memory_used_mib or 0 for s in held)
     amount = _gib(mems[0]) if _gib(mems[0]) == _gib(mems[-1]) else f"{_gib(mems[0])}-{_gib(mems[-1])}"
     n = len(held)
     subject = (f"{node}: {n} GPU{'s' if n > 1 else ''} hold{'' if n > 1 else 's'} {amount}"
-               f"{' each' if n > 1 else ''} at 0 % for {duration(now - since)}")
+               f"{' each' if n > 1 else ''} at 0 % for {duration(now - first)}")
     lines = []
     for s in held:
         procs = "; ".join(f"pid {p.pid} `{program_name(p.name)}` ({p.user or 'user ?'}"
                           f"{', ' + str(p.used_mib) + ' MiB' if p.used_mib is not None else ''})"
                           for p in s.processes) or "no process listed (another container?)"
-        lines.append(f"{s.label}: {s.memory_used_mib} MiB of {s.memory_total_mib} MiB at 0 % since "
-                     f"{duration(now - float(state.get(s.uuid, {}).get('held_idle_since') or now))} ago; "
-                     f"processes: {procs}")
+        lines.append(f"{s.label}: {s.memory_used_mib} MiB of {s.memory_total_mib} MiB at 0 % for "
+                     f"{duration(now - since(s))}; processes: {procs}")
     lines.append("No eagleflow job is registered on these GPUs. If the processes are a stalled capture "
                  "server, stop them by PID (never pkill/fuser -k on a shared node) and rerun the shard.")
     return Finding(key=f"{node}:memory_held_idle", scope=f"gpus:{node}", node=node, kind="memory_held_idle",
@@ -164,7 +167,7 @@ def step(book: dict[str, dict[str, Any]], findings: list[Finding], *, observed: 
                                    f"resolved: {rec['topic']} (open {duration(now - rec['opened_at'])})",
                                    f"Resolved at this check. Last seen while open:\n{rec['detail']}"))
             continue
-        if now - float(rec.get("last_seen") or now) > forget_after_s:   # its node left the configs
+        if now - float(rec.get("last_seen", now)) > forget_after_s:   # its node left the configs
             if rec.get("state") == "open":
                 rec = {**rec, "state": "resolved", "resolved_at": now}
                 due.append(MailDue("resolved", rec, f"no longer checked: {rec['topic']}",

@@ -117,7 +117,8 @@ class StallDiagnosis:
         if self.verdict == "complete":
             return {"status": "complete", "summary": self.summary}
         return {"status": self.status, "verdict": self.verdict, "diagnosis": self.render(),
-                "subject": self.subject, "cause": self.cause, "observed_at": self.observed_at}
+                "subject": self.subject, "cause": self.cause, "observed_at": self.observed_at,
+                "job": self.job, "node": self.node, "done": self.done, "total": self.total}
 
     def to_dict(self) -> dict:
         return asdict(self)
