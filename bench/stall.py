@@ -39,13 +39,11 @@ import contextlib
 import json
 import os
 import signal
-import smtplib
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from email.message import EmailMessage
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,13 +144,15 @@ def wait_for(pred, timeout_s: float, what: str) -> float:
 
 
 def mail(smtp: SmtpSink, event: dict) -> None:
-    """The incident mail as the operator sends it (subject and diagnosis from the event), through real SMTP."""
-    msg = EmailMessage()
-    msg["Subject"] = str(event.get("subject"))
-    msg["From"], msg["To"] = "eagleflow@bench.test", "oncall@bench.test"
-    msg.set_content(f"{event.get('diagnosis')}\n\nincident {(event.get('incident') or {}).get('incident')}")
-    with smtplib.SMTP("127.0.0.1", smtp.port, timeout=30) as s:
-        s.send_message(msg)
+    """The incident mail through the operator's own path (EagleflowNotifier, the SMTP provider) to real SMTP."""
+    from types import SimpleNamespace
+
+    from eagleflow.airflow.alerts import Recipients, send_mail, stall_mail
+    os.environ.update(smtp.airflow_conn_env("smtp_bench"))
+    ti = SimpleNamespace(dag_id="bench_stall", run_id="bench", task_id="extract_shard", map_index=0, try_number=1)
+    context = {"ti": ti, "run_id": ti.run_id}
+    send_mail(context, stall_mail(context, event, Recipients(("oncall@bench.test",), "smtp_bench",
+                                                             "http://localhost:8080")))
 
 
 def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, bound: float) -> dict:

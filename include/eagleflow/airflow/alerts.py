@@ -246,8 +246,8 @@ def outage_id(event: dict[str, Any]) -> str:
     return f"outage-{float(event['since']):.3f}"
 
 
-def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
-    """The one mail of a stall incident (sent by the shard whose watch opened it, before the recovery runs)."""
+def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recipients) -> Mail:
+    """The one mail of a stall incident, from the watch's event."""
     inc = event.get("incident") or {}
     shards = inc.get("shards") or {}
     evidence = "\n".join([
@@ -256,16 +256,20 @@ def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
         f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
         "stored samples per shard (from the manifests): "
         + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))])
-    recipients = Recipients.of_run(context)
     ti = context["ti"]
-    send_mail(context, Mail(
+    return Mail(
         recipients, event.get("subject") or "[eagleflow] STALLED", evidence,
         headers={"Message-ID": incident_thread(str(inc.get("incident")))},
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
         next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
                    "the cause names (the capture server once per incident, or the worker) and the shard resumes "
-                   "from its manifest; the task log shows the outcome."),
-        links=(("Task log", task_log_url(recipients.base_url, context)),)))
+                   "from its manifest; the task log shows the outcome; one more mail when samples are stored again."),
+        links=(("Task log", task_log_url(recipients.base_url, context)),))
+
+
+def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
+    """Sent by the shard whose watch opened the incident, before the recovery runs."""
+    send_mail(context, stall_mail(context, event, Recipients.of_run(context)))
 
 
 def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
