@@ -5,7 +5,8 @@
 # It records `nvidia-smi` as is, runs NvmlProbe (nvidia-ml-py) and SmiProbe (nvidia-smi) on the real
 # driver, writes both snapshots and a per-GPU side-by-side comparison (memory must agree: NVML memory
 # info v2 is what nvidia-smi shows), times both probes, then runs the other subsystems' GPU checks
-# (bench/gpu_check_capture.py, bench/gpu_check_train.py) when they exist, with GPU_CHECK_RESULTS set.
+# (bench/gpu_check_capture.py, bench/gpu_check_train.py, bench/gpu_check_eagle3.py: our draft served by
+# sglang as EAGLE3, greedy output equal to the target's, acceptance length) with GPU_CHECK_RESULTS set.
 # Needs only python3 (>= 3.10) and the package source; nvidia-ml-py from the venv, or a copy of its
 # pynvml.py under .cache/device-py/, or installed. Exit code: non-zero when a probe or a check failed.
 set -uo pipefail
@@ -75,11 +76,15 @@ print("\n".join(lines)); print(json.dumps(summary, indent=2))
 sys.exit(0 if ok else 1)
 PYEOF
 
-for extra in bench/gpu_check_capture.py bench/gpu_check_train.py; do
-  if [ -f "$extra" ]; then
+# the capture check keeps its folder (tiny target, stored hidden states) for the EAGLE-3 serving check
+WORK="$RESULTS/work"
+for extra in "bench/gpu_check_capture.py --keep $WORK --samples 64" bench/gpu_check_train.py "bench/gpu_check_eagle3.py --from $WORK"; do
+  script=${extra%% *}
+  if [ -f "$script" ]; then
     echo "== $extra"
-    GPU_CHECK_RESULTS="$RESULTS" "$PY" "$extra" > "$RESULTS/$(basename "$extra" .py).log" 2>&1 || { status=1; echo "$extra failed"; }
-    tail -n 20 "$RESULTS/$(basename "$extra" .py).log"
+    # shellcheck disable=SC2086  # the arguments above are meant to split
+    GPU_CHECK_RESULTS="$RESULTS" "$PY" $extra > "$RESULTS/$(basename "$script" .py).log" 2>&1 || { status=1; echo "$extra failed"; }
+    tail -n 20 "$RESULTS/$(basename "$script" .py).log"
   fi
 done
 echo "results in $RESULTS (exit $status)"
