@@ -108,14 +108,14 @@ def main() -> int:
     import torch
     if not torch.cuda.is_available():
         print("gpu_check_capture: torch sees no CUDA GPU here; run this on a GPU node")
-        return _report({"pass": False, "error": "no CUDA GPU"})
+        return report_verdict("capture", {"pass": False, "error": "no CUDA GPU"})
     try:
         from eagleflow.capture.sglang_launcher import check_supported_version, installed_sglang_version
         version = check_supported_version(installed_sglang_version())
         print(f"sglang {version}")
     except Exception as e:
         print(f"gpu_check_capture: {e}")
-        return _report({"pass": False, "error": str(e)})
+        return report_verdict("capture", {"pass": False, "error": str(e)})
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagleflow-gpu-check-"))
     root.mkdir(parents=True, exist_ok=True)
     from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
@@ -138,7 +138,7 @@ def main() -> int:
         except Exception as e:
             print(f"server not ready: {e}")
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return _report({"pass": False, "error": f"server not ready: {e}"})
+            return report_verdict("capture", {"pass": False, "error": f"server not ready: {e}"})
         print(f"server: {json.dumps(info)}")
         w = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "run", "--config", str(cfgp),
                             "--run-id", "gpucheck", "--shard", "0"], capture_output=True, text=True, timeout=900)
@@ -148,7 +148,7 @@ def main() -> int:
         print(v.stdout[-2000:], v.stderr[-2000:])
         if w.returncode != 0 or v.returncode != 0:
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return _report({"pass": False, "error": f"worker exit {w.returncode}, verify exit {v.returncode}",
+            return report_verdict("capture", {"pass": False, "error": f"worker exit {w.returncode}, verify exit {v.returncode}",
                             "worker_stderr": w.stderr[-2000:]})
     finally:
         print(stop_capture_server(ctx, grace_s=30, log=print))
@@ -160,15 +160,15 @@ def main() -> int:
     (root / "compare.txt").write_text("\n".join(lines) + "\n")
     if not a.keep:
         shutil.rmtree(root, ignore_errors=True)
-    return _report(verdict)
+    return report_verdict("capture", verdict)
 
 
-def _report(verdict: dict) -> int:
-    """Exit code, and the verdict under $GPU_CHECK_RESULTS when bench/gpu_check.sh runs this."""
+def report_verdict(check: str, verdict: dict) -> int:
+    """Exit code, and <check>_verdict.json under $GPU_CHECK_RESULTS when bench/gpu_check.sh runs a check."""
     out = os.environ.get("GPU_CHECK_RESULTS")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "capture_verdict.json").write_text(json.dumps(verdict, indent=2))
+        (Path(out) / f"{check}_verdict.json").write_text(json.dumps(verdict, indent=2))
     return 0 if verdict.get("pass") else 1
 
 

@@ -39,6 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_check_capture import report_verdict  # noqa: E402  (the verdict file every GPU check writes)
 
 
 def free_port() -> int:
@@ -115,14 +118,14 @@ def main() -> int:
     import yaml
     if not torch.cuda.is_available():
         print("gpu_check_eagle3: torch sees no CUDA GPU here; run this on a GPU node")
-        return _report({"pass": False, "error": "no CUDA GPU"})
+        return report_verdict("eagle3", {"pass": False, "error": "no CUDA GPU"})
     t0 = time.time()
     root = Path(a.src) if a.src else Path(tempfile.mkdtemp(prefix="eagleflow-gpu-check-eagle3-"))
     if not (root / "config.yaml").is_file():
         p = run([sys.executable, str(REPO / "bench" / "gpu_check_capture.py"), "--keep", str(root),
                  "--samples", "64"], 1800)
         if p.returncode != 0:
-            return _report({"pass": False, "error": f"the capture check failed (exit {p.returncode})"})
+            return report_verdict("eagle3", {"pass": False, "error": f"the capture check failed (exit {p.returncode})"})
     cfg = yaml.safe_load((root / "config.yaml").read_text())
     cfg["train"] = {"device": "cuda", "max_steps": a.steps, "batch_size": 4, "draft_vocab_size": 256,
                     "checkpoint_every": a.steps, "log_every": 50}
@@ -130,10 +133,10 @@ def main() -> int:
     cfgp.write_text(yaml.safe_dump(cfg))
     cli = [sys.executable, "-m", "eagleflow.cli"]
     if run(cli + ["train", "--config", str(cfgp), "--run-id", "gpucheck"], 1800).returncode != 0:
-        return _report({"pass": False, "error": "eagleflow train failed"})
+        return report_verdict("eagle3", {"pass": False, "error": "eagleflow train failed"})
     p = run(cli + ["export", "--config", str(cfgp), "--run-id", "gpucheck"], 600)
     if p.returncode != 0:
-        return _report({"pass": False, "error": "eagleflow export failed"})
+        return report_verdict("eagle3", {"pass": False, "error": "eagleflow export failed"})
     export = p.stdout.strip().splitlines()[-1]
 
     from eagleflow.config import load_config
@@ -156,7 +159,7 @@ def main() -> int:
             info = s.info()
     except RuntimeError as e:
         print(e)
-        return _report({"pass": False, "error": str(e)[:4000]})
+        return report_verdict("eagle3", {"pass": False, "error": str(e)[:4000]})
     same = [w.get("output_ids", w.get("text")) == g.get("output_ids", g.get("text")) for w, g in zip(want, got)]
     lengths = [g["meta_info"].get("spec_accept_length") for g in got]
     states = info.get("internal_states") or [{}]
@@ -171,16 +174,7 @@ def main() -> int:
                "same_greedy_output": sum(same), "mean_accept_length": mean, "server_avg_spec_accept_length": avg,
                "serve_command": shlex.join(serve), "train_steps": a.steps, "seconds": round(time.time() - t0, 1)}
     print(("PASS " if verdict["pass"] else "FAIL ") + json.dumps(verdict))
-    return _report(verdict)
-
-
-def _report(verdict: dict) -> int:
-    """Exit code, and the verdict under $GPU_CHECK_RESULTS when bench/gpu_check.sh runs this."""
-    out = os.environ.get("GPU_CHECK_RESULTS")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "eagle3_verdict.json").write_text(json.dumps(verdict, indent=2))
-    return 0 if verdict.get("pass") else 1
+    return report_verdict("eagle3", verdict)
 
 
 if __name__ == "__main__":

@@ -16,19 +16,20 @@ pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _health_dag():
+def _health_dag(tmp_path, monkeypatch):
+    """The DAG as it parses, with the three console nodes' environment; (dag, nodes)."""
+    nodes = write_console_nodes(tmp_path)
+    for k, v in nodes["env"].items():
+        monkeypatch.setenv(k, v)
     spec = importlib.util.spec_from_file_location("gpu_node_health_console_test", REPO / "dags" / "gpu_node_health.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.dag
+    return mod.dag, nodes
 
 
 @pytest.mark.timeout(400)
 def test_health_checks_land_in_the_metadata_db_and_the_view(airflow_db, monkeypatch, tmp_path):
-    nodes = write_console_nodes(tmp_path)
-    for k, v in nodes["env"].items():
-        monkeypatch.setenv(k, v)
-    dag = _health_dag()
+    dag, nodes = _health_dag(tmp_path, monkeypatch)
     assert dag.is_paused_upon_creation is False
     conf = {"config_paths": nodes["configs"], "memory_threshold_mib": 1024, "window_s": 3600,
             "unreachable_after_s": 180, "remind_after_s": 1800}
@@ -67,10 +68,7 @@ def test_health_checks_land_in_the_metadata_db_and_the_view(airflow_db, monkeypa
 @pytest.mark.timeout(300)
 def test_a_zero_window_is_refused_by_name_not_read_as_the_default(airflow_db, monkeypatch, tmp_path):
     """Through Airflow's own Param validation: the run never starts with window_s 0."""
-    nodes = write_console_nodes(tmp_path)
-    for k, v in nodes["env"].items():
-        monkeypatch.setenv(k, v)
-    dag = _health_dag()
+    dag, nodes = _health_dag(tmp_path, monkeypatch)
     with pytest.raises(Exception, match="window_s") as e:
         dag.test(run_conf={"config_paths": nodes["configs"], "window_s": 0})
     assert "minimum" in str(e.value) or "less than" in str(e.value)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from pydantic import BaseModel
+
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
@@ -86,6 +88,12 @@ class TrainDraftOperator(RunOperator):
 
 
 
+class ExportAnswer(BaseModel):
+    """`eagleflow export --json`."""
+    export_dir: str
+    files: list[str]
+
+
 class ExportDraftOperator(RunOperator):
     """`eagleflow export` on the node: the newest checkpoint as a draft directory SGLang serves."""
 
@@ -96,8 +104,9 @@ class ExportDraftOperator(RunOperator):
         self.timeout_s = timeout_s
 
     def run(self, ctx: RunContext, context):
-        res = ctx.node.check(ctx.eagleflow_argv("export"), timeout=self.timeout_s)
-        out_dir = res.stdout.strip().splitlines()[-1]
+        answer = ctx.node.run_json(ctx.eagleflow_argv("export", "--json"), ExportAnswer, timeout=self.timeout_s,
+                                   log=self.log.info)
+        out_dir = answer.export_dir
         self.log.info("draft exported to %s on node %s; serve it with --speculative-algorithm EAGLE3 "
                       "--speculative-draft-model-path %s", out_dir, ctx.node.name, out_dir)
         return {"export_dir": out_dir, "curves": str(ctx.layout.draft_dir / "curves.png"),

@@ -25,6 +25,8 @@ def register(sub) -> None:
     e.add_argument("--out", default=None, help="output directory (default: <run_dir>/draft/export)")
     e.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
                    help="weight dtype (default: train.export_dtype)")
+    e.add_argument("--json", action="store_true",
+                   help='answer {"export_dir": ..., "files": [...]} as the last stdout line (for the control plane)')
     e.set_defaults(func=_export)
 
 
@@ -64,5 +66,9 @@ def _export(args) -> int:
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"eagleflow export: {e}", file=sys.stderr)
         return 1
-    print(str(out), flush=True)
+    if args.json:
+        import json
+        print(json.dumps({"export_dir": str(out), "files": sorted(p.name for p in Path(out).iterdir())}), flush=True)
+    else:
+        print(str(out), flush=True)
     return 0
