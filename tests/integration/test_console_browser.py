@@ -111,7 +111,14 @@ def trigger_from_form(driver, base: str, run_name: str, shots: Path) -> None:
     driver.find_elements(By.XPATH, "//button[normalize-space()='Trigger']")[-1].click()
 
 
-def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str) -> None:
+def open_incidents_shown(driver, base: str) -> list[str]:
+    """The nodes whose open incidents the GPU view lists (its panel, as the page's refresh loads it)."""
+    from selenium.webdriver.common.by import By
+    driver.get(base + "/eagleflow-gpu/panel")
+    return sorted(e.get_attribute("data-node") for e in driver.find_elements(By.CSS_SELECTOR, "li.incident.open"))
+
+
+def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str, driver, base: str) -> None:
     def about(node: str):
         return [m for m in list(smtp.messages) if f" {node}" in m["Subject"]]
     opened = smtp.wait_for(lambda m: "gpu-node-stalled: 4 GPUs hold 88 GiB each at 0 % for" in m["Subject"], 30)
@@ -126,8 +133,10 @@ def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str) -> None:
     down = smtp.wait_for(lambda m: "gpu-node-gone: unreachable (" in m["Subject"], 150)
     assert down["Subject"] in ("[eagleflow] gpu-node-gone: unreachable (connection refused)",
                                "[eagleflow] gpu-node-gone: unreachable (cannot connect)")
+    assert open_incidents_shown(driver, base) == ["gpu-node-gone", "gpu-node-stalled"]
     write_scenario(scenario, {"gpus": [gpu(i) for i in range(8)], "processes": []})   # someone freed the GPUs
     resolved = smtp.wait_for(lambda m: m["Subject"].startswith("[eagleflow] resolved: gpu-node-stalled"), 150)
+    assert open_incidents_shown(driver, base) == ["gpu-node-gone"]
     assert resolved["In-Reply-To"] == opened["Message-ID"]
     assert len(about("gpu-node-stalled")) == 2 and len(about("gpu-node-gone")) == 1
     print(f"[console] incident mails: {[m['Subject'] for m in smtp.messages]}")
@@ -188,7 +197,7 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
         assert 'Hostname="gpu-node-stalled"} 90000' in metrics and STALLED_CMD not in metrics
 
         # the stalled node, checked every minute all along: exactly one mail, then one when it is resolved
-        check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}")
+        check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}", chromium, base)
     finally:
         smtp.__exit__(None, None, None)
         stopped = standalone.stop(home, grace_s=20)

@@ -165,3 +165,29 @@ def test_a_bad_refresh_setting_is_named(monkeypatch, store):
         monkeypatch.setenv("EAGLEFLOW_GPU_VIEW_REFRESH_S", bad)
         with pytest.raises(ValueError, match=f"EAGLEFLOW_GPU_VIEW_REFRESH_S='{bad}' is not allowed: it must be a number > 0"):
             create_app(store)
+
+
+def test_open_incidents_are_listed_first_with_their_mail_count_in_json_and_metrics(store, auth):
+    from eagleflow.gpu import health_incidents as hi
+    t0 = time.time() - 3600
+    held = hi.Finding(key="gpu-node-1:memory_held_idle", scope="gpus:gpu-node-1", node="gpu-node-1",
+                      kind="memory_held_idle", topic="gpu-node-1: GPU memory held at 0 % with no eagleflow job",
+                      subject="gpu-node-1: 1 GPU holds 88 GiB at 0 % for 60 min", detail="pid 4242 `python3` (alice)")
+    book = {}
+    for minute in range(0, 61):   # an hour of checks: opened, one reminder after 30 min
+        book, _ = hi.step(book, [held], observed={"gpus:gpu-node-1"}, now=t0 + 60 * minute, remind_after_s=1800)
+    store.save_incidents(book)
+    c = client(store)
+    html = c.get("/panel", cookies={"_token": auth["admin"]}).text
+    assert "Open incidents (1)" in html
+    item = re.search(r"<li class='incident open' data-node='gpu-node-1' data-kind='memory_held_idle'>(.*?)</li>", html)
+    assert item and "gpu-node-1: 1 GPU holds 88 GiB at 0 % for 60 min: open since" in item.group(1)
+    assert re.search(r"mailed 2 time\(s\); next reminder in (29|30) min", item.group(1)), item.group(1)
+    status = c.get("/api/status", headers={"Authorization": f"Bearer {auth['admin']}"}).json()
+    assert [(i["node"], i["kind"], i["reminders"]) for i in status["incidents"]] == [("gpu-node-1", "memory_held_idle", 1)]
+    assert "detail" not in status["incidents"][0]     # the evidence (pids, users) stays in the mail
+    text = c.get("/metrics", headers={"Authorization": f"Bearer {auth['admin']}"}).text
+    assert re.search(r'eagleflow_health_incident_open_seconds\{Hostname="gpu-node-1",kind="memory_held_idle",'
+                     r'incident="[0-9a-f]{12}"\} 36\d\d', text)
+    store.save_incidents({})
+    assert "no open incident" in c.get("/panel", cookies={"_token": auth["admin"]}).text

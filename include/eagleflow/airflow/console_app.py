@@ -62,14 +62,17 @@ def create_app(store: StatusStore | None = None,
     app = FastAPI(title="eagleflow console", docs_url=None, redoc_url=None, openapi_url=None)
     refresh = refresh_s()  # a bad setting fails the plugin's load, with the variable named
 
-    def docs() -> list[dict[str, Any]]:
+    def the_store() -> StatusStore:
         if store is not None:
-            return store.all()
+            return store
         from eagleflow.airflow.status_variables import variable_status_store
-        return variable_status_store(in_task=False).all()
+        return variable_status_store(in_task=False)
+
+    def docs() -> list[dict[str, Any]]:
+        return the_store().all()
 
     def panel() -> str:
-        return gpu_page.render_panel(docs(), dag=dag_state())
+        return gpu_page.render_panel(docs(), dag=dag_state(), incidents=the_store().incidents())
 
     @app.get("/", response_class=HTMLResponse)
     async def page(request: Request, bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
@@ -92,11 +95,13 @@ def create_app(store: StatusStore | None = None,
     def status() -> dict[str, Any]:
         d, dag, now = docs(), dag_state(), time.time()
         return {"now": now, "health_dag": dag, "warnings": gpu_page.health_warnings(d, dag, now),
+                "incidents": gpu_page.open_incidents(the_store().incidents()),
                 "nodes": [{k: doc.get(k) for k in _PUBLIC_KEYS} for doc in d]}
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(authorized_user)])
     def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus.render(docs()), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(prometheus.render(docs(), incidents=gpu_page.open_incidents(the_store().incidents())),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/report/{dag_id}/{run_id}", response_class=HTMLResponse)
     async def report(dag_id: str, run_id: str, request: Request,

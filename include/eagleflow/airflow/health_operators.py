@@ -19,9 +19,6 @@ from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recip
                                       task_log_url)
 from eagleflow.airflow.runtime import resolve_config_path
 
-INCIDENTS_KEY = "eagleflow.gpu_health_incidents"
-
-
 class HealthIncidentsOpen(AlreadyMailed):
     """gpu_node_health found something a person must look at; each incident was mailed when it opened."""
 
@@ -138,9 +135,9 @@ class GpuNodeHealthOperator(BaseOperator):
             self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
                           gone, retention_s)
 
-        book, due = hi.step(store.load_extra(INCIDENTS_KEY), findings, observed=observed, now=time.time(),
+        book, due = hi.step(store.incidents(), findings, observed=observed, now=time.time(),
                             remind_after_s=remind_after_s, forget_after_s=retention_s)
-        store.save_extra(INCIDENTS_KEY, book)   # before mailing: a crash mid-mail must not mail again
+        store.save_incidents(book)   # before mailing: a crash mid-mail must not mail again
         everyone = _everyone(recipients.values())
         for d in due:
             self.log.warning("incident %s %s: %s", d.incident["id"], d.kind, d.subject)

@@ -39,12 +39,8 @@ def ago(ts: float | None, now: float) -> str:
 
 
 def _span(s: float) -> str:
-    s = max(0, int(s))
-    if s < 120:
-        return f"{s} s"
-    if s < 7200:
-        return f"{s // 60} min"
-    return f"{s // 3600} h {s % 3600 // 60} min"
+    from eagleflow.gpu.health_incidents import duration
+    return duration(s)
 
 
 def sparkline(ts: list[float], values: list[float | None], *, top: float, now: float, span_s: float,
@@ -158,14 +154,37 @@ def health_warnings(docs: list[dict[str, Any]], dag: dict[str, Any] | None, now:
     return out
 
 
-def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None) -> str:
+def open_incidents(book: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """gpu_node_health's incidents a person is being mailed about (open ones, and notices still present)."""
+    keep = ("id", "node", "kind", "subject", "state", "opened_at", "reminders", "next_reminder_at", "last_mail_at")
+    return sorted(({k: r.get(k) for k in keep} for r in (book or {}).values() if r.get("state") in ("open", "notice")),
+                  key=lambda r: float(r.get("opened_at") or 0))
+
+
+def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
+    rows = open_incidents(book)
+    if not rows:
+        return "<p class='incidents none'>no open incident</p>"
+    items = []
+    for r in rows:
+        mails = 1 + int(r.get("reminders") or 0)
+        nxt = (f"; next reminder in {_span(float(r['next_reminder_at']) - now)}"
+               if r.get("state") == "open" and r.get("next_reminder_at") else "")
+        items.append(f"<li class='incident {_e(r.get('state'))}' data-node='{_e(r.get('node'))}' "
+                     f"data-kind='{_e(r.get('kind'))}'>{_e(r.get('subject'))}: open since {ago(r.get('opened_at'), now)}"
+                     f", mailed {mails} time(s){nxt}</li>")
+    return f"<div class='incidents'><b>Open incidents ({len(rows)})</b><ul>{''.join(items)}</ul></div>"
+
+
+def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None,
+                 incidents: dict[str, dict[str, Any]] | None = None) -> str:
     now = time.time() if now is None else now
     warn = "".join(f"<p class='warning'>{_e(w)}</p>" for w in health_warnings(docs, dag, now))
     held = sum(1 for d in docs for g in d.get("gpus") or []
                if g["uuid"] in (d.get("held_since") or {}) and not d.get("error"))
     summary = (f"<p class='summary' data-nodes='{len(docs)}' data-held='{held}'>{len(docs)} node(s); "
                f"{held} GPU(s) holding memory at 0 %; page read {time.strftime('%H:%M:%S UTC', time.gmtime(now))}</p>")
-    return warn + summary + "".join(_node(d, now) for d in docs)
+    return warn + summary + _incidents(incidents, now) + "".join(_node(d, now) for d in docs)
 
 
 _CSS = """
@@ -178,7 +197,7 @@ tr.held{background:#ffe0e0}tr.held td:first-child{border-left:6px solid #d00}.he
 .ours{background:#e3f2fd;padding:0 4px}.foreign{background:#ffd8a8;padding:0 4px;font-weight:bold}
 ul.procs{margin:0;padding-left:1em}svg.spark{display:block;stroke:#1565c0;fill:#1565c0;stroke-width:1.2}
 svg.spark polyline{fill:none}.shard{margin-right:.8em}.incident{color:#b00}.node{margin-bottom:1.2em}
-#conn{color:#b00}
+#conn{color:#b00}.incidents{border:1px solid #d00;padding:4px 8px;margin:.4em 0}.incidents.none{border:0;color:#2a7a2a}
 """
 
 _JS = """

@@ -58,9 +58,15 @@ def _gpu_labels(doc: dict[str, Any], g: dict[str, Any]) -> dict[str, Any]:
             "modelName": g.get("name"), "Hostname": doc["node"]}
 
 
-def render(docs: Iterable[dict[str, Any]], now: float | None = None) -> str:
+def render(docs: Iterable[dict[str, Any]], now: float | None = None,
+           incidents: Iterable[dict[str, Any]] = ()) -> str:
+    """``incidents``: gpu_node_health's open ones (eagleflow.console.gpu_page.open_incidents)."""
     now = time.time() if now is None else now
     out = _Out()
+    for inc in incidents:
+        out.add("eagleflow_health_incident_open_seconds", "How long a gpu_node_health incident has been open.",
+                "gauge", {"Hostname": inc.get("node"), "kind": inc.get("kind"), "incident": inc.get("id")},
+                round(now - float(inc["opened_at"]), 1) if inc.get("opened_at") is not None else None)
     for doc in docs:
         node = doc["node"]
         up = doc.get("error") is None

@@ -21,6 +21,7 @@ from eagleflow.durable import atomic_write
 from .status_doc import next_status
 
 KEY_PREFIX = "eagleflow.gpu_status."
+INCIDENTS_KEY = "eagleflow.gpu_health_incidents"   # gpu_node_health's incident book
 
 
 class KeyValue(Protocol):
@@ -100,6 +101,13 @@ class StatusStore:
         except ValueError:
             return {}
         return doc if isinstance(doc, dict) else {}
+
+    def incidents(self) -> dict[str, dict[str, Any]]:
+        """gpu_node_health's incident book (eagleflow.gpu.health_incidents), keyed by finding."""
+        return self.load_extra(INCIDENTS_KEY)
+
+    def save_incidents(self, book: dict[str, dict[str, Any]]) -> None:
+        self.save_extra(INCIDENTS_KEY, book)
 
     def save_extra(self, key: str, doc: dict[str, Any]) -> None:
         if key.startswith(KEY_PREFIX):
