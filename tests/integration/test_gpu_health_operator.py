@@ -14,7 +14,7 @@ from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.ssh import SSHNode
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
-from tests.fixtures.smtp import SmtpSink
+from tests.fixtures.smtp import SmtpSink, body_text
 from tests.fixtures.sshd import sshd  # noqa: F401  (fixture)
 from tests.integration.gpu_run_config import write_gpu_config
 
@@ -148,3 +148,48 @@ def test_health_dag_parses_with_its_schedule(monkeypatch):
     assert mod.dag.schedule == timedelta(minutes=2)
     assert "on_failure_callback" in mod.dag.default_args
     assert [t.task_id for t in mod.dag.tasks] == ["check_gpu_nodes"]
+
+
+def _local_cpu_config(tmp_path, smtp_conn_id):
+    path = tmp_path / "cpu-box.yaml"
+    path.write_text(yaml.safe_dump({
+        "run_root": str(tmp_path / "runs"), "target_model": "unused",
+        "node": {"name": "cpu-box", "has_gpu": False, "python": sys.executable, "state_dir": str(tmp_path / "state")},
+        "watchdog": {"alert_emails": ["oncall@example.test"], "smtp_conn_id": smtp_conn_id}}))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_config_is_one_incident_mailed_to_the_other_configs_recipients(monkeypatch, tmp_path):
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator, HealthIncidentsOpen
+    broken = tmp_path / "gpu-node-7.yaml"
+    broken.write_text("node: {name: gpu-node-7, has_gpu: yes\n")   # unclosed mapping
+    params = {"config_paths": [str(_local_cpu_config(tmp_path, "smtp_test")), str(broken)], **PARAMS}
+    op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env("smtp_test").items():
+            monkeypatch.setenv(k, v)
+        for _ in range(2):
+            with pytest.raises(HealthIncidentsOpen, match=f"node config {broken} cannot be read"):
+                op.execute(_context(params))
+        mail = smtp.wait_for()
+        assert mail["Subject"] == f"[eagleflow] node config {broken} cannot be read" and len(smtp.messages) == 1
+        assert smtp.recipients[0] == ["oncall@example.test"] and str(broken) in body_text(mail)
+        broken.write_text(yaml.safe_dump({"run_root": str(tmp_path / "runs7"), "target_model": "unused",
+                                          "node": {"name": "gpu-node-7", "has_gpu": False}}))
+        assert op.execute(_context(params))["incidents_open"] == 0
+        assert smtp.wait_for(lambda m: m["Subject"].startswith("[eagleflow] resolved: node config"))
+        assert len(smtp.messages) == 2
+
+
+@pytest.mark.timeout(120)
+def test_an_smtp_outage_fails_the_check_loudly_naming_the_connection(monkeypatch, tmp_path):
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator
+    dead = SmtpSink()   # a free port nobody listens on
+    monkeypatch.setenv("AIRFLOW_CONN_SMTP_DEAD", dead.airflow_conn_env("smtp_dead")["AIRFLOW_CONN_SMTP_DEAD"])
+    params = {"config_paths": [str(_local_cpu_config(tmp_path, "smtp_dead")), str(tmp_path / "missing.yaml")],
+              **PARAMS}
+    op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
+    with pytest.raises(RuntimeError, match=r"could not send:\n- opened mail of incident [0-9a-f]{12} \(node config "
+                                           r".*missing.yaml cannot be read\).*ConnectionRefused(?s:.*)watchdog.smtp_conn_id"):
+        op.execute(_context(params))

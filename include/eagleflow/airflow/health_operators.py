@@ -19,6 +19,7 @@ from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recip
                                       task_log_url)
 from eagleflow.airflow.runtime import resolve_config_path
 
+
 class HealthIncidentsOpen(AlreadyMailed):
     """gpu_node_health found something a person must look at; each incident was mailed when it opened."""
 
@@ -139,10 +140,19 @@ class GpuNodeHealthOperator(BaseOperator):
                             remind_after_s=remind_after_s, forget_after_s=retention_s)
         store.save_incidents(book)   # before mailing: a crash mid-mail must not mail again
         everyone = _everyone(recipients.values())
-        for d in due:
+        unsent = []
+        for d in due:   # each incident's mail on its own: one SMTP error must not swallow the others
             self.log.warning("incident %s %s: %s", d.incident["id"], d.kind, d.subject)
-            send_mail(context, incident_mail(d, recipients.get(d.incident["node"]) or everyone, context,
-                                             remind_after_s))
+            try:
+                send_mail(context, incident_mail(d, recipients.get(d.incident["node"]) or everyone, context,
+                                                 remind_after_s))
+            except Exception as e:
+                self.log.error("incident %s: %s mail not sent: %s", d.incident["id"], d.kind, e)
+                unsent.append(f"{d.kind} mail of incident {d.incident['id']} ({d.subject}): {type(e).__name__}: {e}")
+        if unsent:
+            raise RuntimeError("gpu_node_health could not send:\n" + "\n".join(f"- {u}" for u in unsent)
+                               + "\nCheck the SMTP connection (watchdog.smtp_conn_id); the incidents stay open "
+                                 "in the GPU view.")
         found = {f.key for f in findings}
         open_now = [r for r in book.values() if r["state"] == "open" or (r["state"] == "notice" and r["key"] in found)]
         if open_now:
@@ -165,7 +175,8 @@ def incident_mail(d, recipients: Recipients | None, context, remind_after_s: flo
     from eagleflow.gpu.health_incidents import duration
     inc = d.incident
     recipients = recipients or Recipients((), "smtp_default", "")
-    opened = datetime.fromtimestamp(time.time() if inc["opened_at"] is None else inc["opened_at"], timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    opened_at = time.time() if inc["opened_at"] is None else inc["opened_at"]
+    opened = datetime.fromtimestamp(opened_at, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     thread = incident_thread(inc["id"])
     if d.kind == "opened":
         next_step = (f"One mail per incident: a reminder follows in {duration(remind_after_s)} if it is still "
