@@ -133,3 +133,23 @@ def test_unreachable_node_becomes_a_failed_event(run, monkeypatch):
     ev = asyncio.run(_first_event(ShardWatchTrigger(data, 0, poll_interval_s=0.2), 30))
     assert ev.payload["status"] == "failed" and ev.payload["verdict"] == "unreachable"
     assert "/nonexistent/python3" in ev.payload["diagnosis"]
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_closes_the_incidents_its_task_mailed_once_they_are_over(run):
+    """The outage is over at the first answer; the stall only once a sample was stored after it."""
+    ctx, started = run
+    p = spawn_sleeper(ctx.layout, "worker_shard_00001")
+    started.append(p)
+    write_heartbeat(ctx.layout, 1, pid=p.pid, done=9, total=25)
+    stall = {"kind": "stall", "id": "test-node-capture_server-1", "subject": "[eagleflow] STALLED shard 1/4",
+             "since": time.time() - 20, "done": 9}
+    outage = {"kind": "outage", "id": "outage-1.000", "subject": "[eagleflow] UNREACHABLE shard 1/4", "since": 1.0}
+    t = ShardWatchTrigger(ctx.serialize(), 1, recoveries_left=2, close_incidents=[stall, outage])
+    assert ShardWatchTrigger(**t.serialize()[1]).close_incidents == [stall, outage]   # as the triggerer rebuilds it
+    ev = asyncio.run(_first_event(t, 30)).payload
+    assert ev["status"] == "resumed" and ev["closed"] == [outage] and ev["still_open"] == [stall]
+    assert ev["recoveries_left"] == 2 and ev["done"] == 9
+    write_heartbeat(ctx.layout, 1, pid=p.pid, done=10, total=25)   # the first sample after the stall
+    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 1, close_incidents=ev["still_open"]), 30)).payload
+    assert ev["status"] == "resumed" and ev["closed"] == [stall] and ev["still_open"] == []

@@ -286,10 +286,9 @@ def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> No
         links=(("Task log", task_log_url(recipients.base_url, context)),)))
 
 
-def send_incident_over(context: dict[str, Any], event: dict[str, Any]) -> None:
-    """The last mail of a stall or outage this task mailed: samples are stored again / the node answers."""
+def send_incident_over(context: dict[str, Any], event: dict[str, Any], close: dict[str, Any]) -> None:
+    """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.gpu.health_incidents import duration
-    close = event.get("close_incident") or {}
     took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
     job, node = event.get("job") or "the job", event.get("node") or "its node"
     if close.get("kind") == "outage":

@@ -150,18 +150,23 @@ class ExtractShardOperator(RunOperator):
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
         shard, status = int(self.shard), event.get("status")
         left = int(event.get("recoveries_left") or 0)
+        closes = list(event.get("close_incidents") or [])   # incidents this task mailed, not over yet
         if status == "unreachable":
             # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
             self._unreachable(context, event)
+            outage = close_of_outage(event)
             return ShardWatchTrigger(run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
-                                     recoveries_left=left, close_incident=close_of_outage(event))
+                                     recoveries_left=left, close_incidents=closes + ([outage] if outage else []))
         if status == "recovering":
             # the watch found a stall it can recover: mail once per incident, recover now, watch again
-            left, close = self._recover(ctx, context, event)
-            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left, close_incident=close)
-        if status == "resumed":   # the incident this shard mailed is over: say so, watch on
-            send_incident_over(context, event)
-            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left)
+            left, stall = self._recover(ctx, context, event)
+            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
+                                     close_incidents=closes + ([stall] if stall else []))
+        if status == "resumed":   # incidents this task mailed are over: say so, watch on with the rest
+            for close in event.get("closed") or []:
+                send_incident_over(context, event, close)
+            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
+                                     close_incidents=event.get("still_open"))
         return None
 
     def _unreachable(self, context, event: dict[str, Any]) -> None:

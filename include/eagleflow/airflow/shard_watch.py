@@ -30,18 +30,22 @@ operator mails that once and watches again with ``unreachable_since=T``, which
 keeps reconnecting silently; when the node answers, the watch goes on with the
 progress made meanwhile.
 
-A watch given ``close_incident`` (plain values: kind "stall" with the stored
-count at the stall, or kind "outage"; its id, subject, since) is the one whose
-shard mailed that incident: on the first look that shows a new sample stored
-(stall) or the node answering (outage) it yields ``{"status": "resumed", ...}``;
-the operator mails that the incident is over and watches on without it.
+A watch given ``close_incidents`` (each a few plain values: kind "stall" with
+the stored count at the stall, or kind "outage"; its id, subject, since) is the
+one whose task mailed those incidents: on the first look that shows a new
+sample stored (stall) or the node answering (outage) it yields
+``{"status": "resumed", "closed": [...], "still_open": [...], ...}``; the
+operator mails that each closed one is over and watches on with the rest. Every
+other event carries ``close_incidents`` too, so a stall or an outage in
+between does not lose them.
 
 Every trigger yields exactly one event:
 ``{"status": "complete", "summary": str}``,
 ``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str, "cause": str}`` or
 ``{"status": "recovered", ..., "recovery": {...}}`` (the stall's payload plus what the recovery did) or
 ``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}`` or
-``{"status": "resumed", "close_incident": {...}, "done": int, "total": int, "observed_at": float, "summary": str}``.
+``{"status": "resumed", "closed": [...], "still_open": [...], "done": int, "total": int, "observed_at": float,
+"summary": str}``.
 """
 from __future__ import annotations
 
@@ -94,9 +98,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
-                 unreachable_since: float | None = None, close_incident: dict[str, Any] | None = None):
+                 unreachable_since: float | None = None, close_incidents: list[dict[str, Any]] | None = None):
         super().__init__()
-        self.close_incident = close_incident  # see the module doc: this watch mails the incident's end
+        self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
         self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
         self.poll_interval_s = poll_interval_s
         # set when an earlier watch of this job already reported the node unreachable (unix time): this one
@@ -210,15 +214,17 @@ class _NodeJobWatchTrigger(BaseTrigger):
                         return
                 else:
                     self.log.info("%s", diag.summary)
-                    if self._incident_over(diag):
-                        yield TriggerEvent({"status": "resumed", "close_incident": self.close_incident,
+                    closed = [c for c in self.close_incidents if self._incident_over(c, diag)]
+                    if closed:
+                        yield TriggerEvent({**self._resume_fields(), "status": "resumed", "closed": closed,
+                                            "still_open": [c for c in self.close_incidents if c not in closed],
                                             "done": diag.done, "total": diag.total, "observed_at": diag.observed_at,
-                                            "job": diag.job, "node": diag.node, "summary": diag.summary,
-                                            **self._resume_fields()})
+                                            "job": diag.job, "node": diag.node, "summary": diag.summary})
                         return
                     if diag.status is not None:
                         payload = diag.event_payload()
                         payload["detected_at"] = time.time()
+                        payload["close_incidents"] = self.close_incidents
                         if self._recoverable(diag):
                             payload = await asyncio.to_thread(self._recover, ctx, diag, payload)
                         yield TriggerEvent(payload)
@@ -230,11 +236,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
         finally:
             await asyncio.to_thread(ctx.close)
 
-    def _incident_over(self, diag: StallDiagnosis) -> bool:
-        """The incident this watch closes is over: a sample stored since the stall, or the node answers."""
-        close = self.close_incident
-        if not close:
-            return False
+    @staticmethod
+    def _incident_over(close: dict[str, Any], diag: StallDiagnosis) -> bool:
+        """A sample stored since the stall, or (an outage) the node answers."""
         if close.get("kind") == "outage":
             return True
         return diag.done > int(close.get("done", 0)) or diag.verdict == "complete"
@@ -242,8 +246,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
     def _serialize_common(self, kw: dict[str, Any]) -> dict[str, Any]:
         if self.unreachable_since is not None:
             kw["unreachable_since"] = self.unreachable_since
-        if self.close_incident:
-            kw["close_incident"] = self.close_incident
+        if self.close_incidents:
+            kw["close_incidents"] = self.close_incidents
         return kw
 
     # -- recovery inside the watch (shards only) -----------------------------
@@ -274,8 +278,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
         return ctx.cfg.node.conn_id or ctx.node.name
 
     def _resume_fields(self) -> dict:
-        """What the operator needs to watch again after an unreachable event."""
-        return {}
+        """What the operator needs to watch again after an unreachable or resumed event."""
+        return {"close_incidents": self.close_incidents}
 
     def _early_unreachable_event(self, since: float, error: str) -> dict:
         """Unreachable before the run's config could even be read (so no job or node name from it yet)."""
@@ -321,8 +325,8 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
 
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
-                 close_incident: dict[str, Any] | None = None):
-        super().__init__(run, poll_interval_s, unreachable_since, close_incident)
+                 close_incidents: list[dict[str, Any]] | None = None):
+        super().__init__(run, poll_interval_s, unreachable_since, close_incidents)
         self.shard = shard
         self.recoveries_left = recoveries_left
 
@@ -349,7 +353,7 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         return {**payload, "status": "recovering", "incident": inc, "recoveries_left": self.recoveries_left}
 
     def _resume_fields(self) -> dict:
-        return {"recoveries_left": self.recoveries_left}
+        return {**super()._resume_fields(), "recoveries_left": self.recoveries_left}
 
     def _job_label(self) -> str:
         return f"shard {self.shard}"

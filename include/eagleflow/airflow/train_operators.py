@@ -65,17 +65,21 @@ class TrainDraftOperator(RunOperator):
             from eagleflow.airflow.alerts import close_of_outage
             from eagleflow.airflow.shard_watch import TrainWatchTrigger
             ctx = RunContext.from_airflow(context)
+            outage = close_of_outage(event)
             trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s,
-                                        unreachable_since=event["since"], close_incident=close_of_outage(event))
+                                        unreachable_since=event["since"],
+                                        close_incidents=list(event.get("close_incidents") or [])
+                                        + ([outage] if outage else []))
             if self.deferrable:
                 self.defer(trigger=trigger, method_name="execute_complete")
             return self.execute_complete(context, run_trigger_here(trigger))
         if event.get("status") == "resumed":   # the outage this task mailed is over: say so, watch on
             from eagleflow.airflow.alerts import send_incident_over
             from eagleflow.airflow.shard_watch import TrainWatchTrigger
-            send_incident_over(context, event)
+            for close in event.get("closed") or []:
+                send_incident_over(context, event, close)
             trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
-                                        poll_interval_s=self.poll_interval_s)
+                                        poll_interval_s=self.poll_interval_s, close_incidents=event.get("still_open"))
             if self.deferrable:
                 self.defer(trigger=trigger, method_name="execute_complete")
             return self.execute_complete(context, run_trigger_here(trigger))
