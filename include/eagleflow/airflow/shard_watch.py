@@ -288,9 +288,14 @@ class _NodeJobWatchTrigger(BaseTrigger):
                      f"has not answered since {_clock(since)} ({time.time() - since:.0f} s; the watch could not read "
                      f"the run's config there); last error: {error}. This is the network or the node's sshd, not a "
                      f"verdict on the job: nothing is restarted, and the watch keeps reconnecting.")
-        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": None,
-                "diagnosis": diagnosis, "subject": f"[eagleflow] UNREACHABLE {self._job_label()} over {ref.conn_id}",
-                "cause": "network", "mail": _claim_outage(ref.conn_id, since), **self._resume_fields()}
+        return {**self._unreachable_payload(since, None, diagnosis,
+                                            f"[eagleflow] UNREACHABLE {self._job_label()} over {ref.conn_id}"),
+                "mail": _claim_outage(ref.conn_id, since)}
+
+    def _unreachable_payload(self, since: float, last_contact: float | None, diagnosis: str, subject: str) -> dict:
+        """The "unreachable since T" event: no verdict on the job, what the operator needs to watch on."""
+        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": last_contact,
+                "diagnosis": diagnosis, "subject": subject, "cause": "network", **self._resume_fields()}
 
     def _job_label(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -303,9 +308,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
                      f"({time.time() - since:.0f} s; {seen}); last error: {error}. This is the network or the "
                      f"node's sshd, not a verdict on the job: its detached processes keep running there, nothing "
                      f"is restarted, and the watch keeps reconnecting (check node.conn_id={ctx.cfg.node.conn_id!r}).")
-        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": last_contact,
-                "diagnosis": diagnosis, "subject": f"[eagleflow] UNREACHABLE {job} on {ctx.node.name}",
-                "cause": "network", **self._resume_fields()}
+        return self._unreachable_payload(since, last_contact, diagnosis,
+                                         f"[eagleflow] UNREACHABLE {job} on {ctx.node.name}")
 
     def _unreachable_event(self, ctx: RunContext, for_s: float, error: str) -> dict:
         job = self._job_name(ctx)

@@ -14,6 +14,8 @@ import json
 import time
 from typing import Any
 
+from eagleflow.gpu.health_incidents import duration  # one way to say how long: the page and the mails
+
 from .status_doc import is_held_idle
 
 HEALTH_DAG_ID = "gpu_node_health"
@@ -35,12 +37,9 @@ def ago(ts: float | None, now: float) -> str:
     """A span that says how long ago ``ts`` was and keeps counting in the browser."""
     if not ts:
         return "<span>never</span>"
-    return f"<span class='ago' data-ts='{float(ts):.0f}'>{_span(now - float(ts))} ago</span>"
+    return f"<span class='ago' data-ts='{float(ts):.0f}'>{duration(now - float(ts))} ago</span>"
 
 
-def _span(s: float) -> str:
-    from eagleflow.gpu.health_incidents import duration
-    return duration(s)
 
 
 def sparkline(ts: list[float], values: list[float | None], *, top: float, now: float, span_s: float,
@@ -86,9 +85,9 @@ def _gpu_row(g: dict[str, Any], doc: dict[str, Any], now: float) -> str:
     series = (hist.get("gpus") or {}).get(g["uuid"]) or {}
     span = float(doc.get("retention_s") or 3600)
     mem_spark = sparkline(hist.get("t") or [], series.get("mem") or [], top=g.get("memory_total_mib") or 0, now=now,
-                          span_s=span, label=f"GPU {g['index']} memory used over the last {_span(span)}")
+                          span_s=span, label=f"GPU {g['index']} memory used over the last {duration(span)}")
     util_spark = sparkline(hist.get("t") or [], series.get("util") or [], top=100, now=now, span_s=span,
-                           label=f"GPU {g['index']} utilisation over the last {_span(span)}")
+                           label=f"GPU {g['index']} utilisation over the last {duration(span)}")
     held_txt = (f"<div class='heldtxt'>holds memory at 0 % since {_utc(held_since)} "
                 f"(held since {ago(held_since, now)})</div>" if held else "")
     procs = "".join(_process(p) for p in g.get("processes") or []) or "<li class='none'>no compute process</li>"
@@ -149,8 +148,8 @@ def health_warnings(docs: list[dict[str, Any]], dag: dict[str, Any] | None, now:
     if not docs:
         out.append(f"no reading yet: {HEALTH_DAG_ID} has not finished a check")
     elif now - last > 2 * interval + 60:
-        out.append(f"{HEALTH_DAG_ID} is late: its last check was {_span(now - last)} ago, "
-                   f"it should run every {_span(interval)}")
+        out.append(f"{HEALTH_DAG_ID} is late: its last check was {duration(now - last)} ago, "
+                   f"it should run every {duration(interval)}")
     return out
 
 
@@ -168,7 +167,7 @@ def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
     items = []
     for r in rows:
         mails = 1 + int(r.get("reminders") or 0)
-        nxt = (f"; next reminder in {_span(float(r['next_reminder_at']) - now)}"
+        nxt = (f"; next reminder in {duration(float(r['next_reminder_at']) - now)}"
                if r.get("state") == "open" and r.get("next_reminder_at") else "")
         items.append(f"<li class='incident {_e(r.get('state'))}' data-node='{_e(r.get('node'))}' "
                      f"data-kind='{_e(r.get('kind'))}'>{_e(r.get('subject'))}: open since {ago(r.get('opened_at'), now)}"
