@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,6 +63,32 @@ def test_free_refuses_to_run_off_node(node, tmp_path, capsys):
         main(["gpu", "free", "--config", str(tmp_path / "remote.yaml")])
 
 
+def test_status_of_configured_gpus_whose_driver_is_gone_fails_naming_it(node, capsys):
+    """A GPU node with its driver unloaded is not a CPU node: status says which GPUs it cannot read and why."""
+    cfg = yaml.safe_load(open(node["cfg"]))
+    cfg["gpu"]["select"] = ["0", "GPU-00000001-1111-2222-3333-444455556666"]
+    (node["dir"] / "sel.yaml").write_text(yaml.safe_dump(cfg))
+    write_scenario(node["scenario"], {"driver": False, "gpus": [gpu(0, 3)], "processes": []})
+    assert main(["gpu", "status", "--config", str(node["dir"] / "sel.yaml"), "--json"]) == 3
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["has_gpu"] is True and doc["readable"] is False and doc["gpus"] == []
+    assert [u["gpu"] for u in doc["unreadable"]] == ["0", "GPU-00000001-1111-2222-3333-444455556666"]
+    assert "the NVIDIA driver is not loaded" in doc["driver_error"]
+    assert "couldn't communicate with the NVIDIA driver" in doc["driver_error"]   # nvidia-smi's own words
+    assert f"gpu.select: 0, GPU-00000001-1111-2222-3333-444455556666 in {node['dir'] / 'sel.yaml'}" in doc["message"]
+    assert "set node.has_gpu: false if this is a CPU node" in out.err
+
+
+def test_status_without_nvidia_smi_fails_naming_it(node, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")   # the driver's tools are gone with it
+    assert main(["gpu", "status", "--config", node["cfg"]]) == 3
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "node box: GPUs configured (node.has_gpu: true, gpu.select: all in" in out.err
+    assert "nvidia-smi is not on PATH" in out.err
+
+
 def test_no_gpu_node_says_so_and_passes(tmp_path, capsys):
     cfg = tmp_path / "cpu.yaml"
     cfg.write_text(yaml.safe_dump({"target_model": "m", "node": {"name": "cpu-box", "has_gpu": False}}))
@@ -69,6 +96,10 @@ def test_no_gpu_node_says_so_and_passes(tmp_path, capsys):
                  ["gpu", "baseline", "--config", str(cfg)]):
         assert main(argv) == 0
         assert "node cpu-box has no GPU (node.has_gpu is false" in capsys.readouterr().out
+    # the demo's own config is such a node
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "local-demo.yaml")
+    assert main(["gpu", "status", "--config", demo, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["has_gpu"] is False
 
 
 def test_gates_pass_on_a_node_without_gpu(tmp_path, capfd):

@@ -3,7 +3,9 @@
 ``status`` and ``wait-idle`` and ``baseline`` read the config's node (locally
 or over its SSH connection). ``free`` signals processes, so it runs on the
 node itself: FreeGpusOperator starts it there over SSH with ``--on-node``.
-With ``node.has_gpu: false`` every command says so and succeeds.
+With ``node.has_gpu: false`` every command says so and succeeds. A node the
+config gives GPUs whose driver is gone is not a CPU node: ``status`` reports
+the configured GPUs unreadable, names the driver problem and exits non-zero.
 """
 from __future__ import annotations
 
@@ -86,16 +88,31 @@ def cmd_status(args) -> int:
             gate = IdleGate(node, cfg)
             snaps = gate.probe.snapshot()
         except NoGpuError as e:
-            msg = f"no GPU here: {e}"
-            _print({"node": node.name, "has_gpu": False, "gpus": [], "message": msg}, args.json, msg)
-            return 0
+            doc = unreadable_status(cfg, node.name, e, config_path=args.config)
+            if args.json:
+                _print(doc, True, "")
+            print(f"eagleflow gpu status: {doc['message']}", file=sys.stderr)
+            return EXIT_PROBE_FAILED
         except (GpuProbeError, NodeError, ValueError) as e:
             print(f"eagleflow gpu status: {e}", file=sys.stderr)
             return EXIT_PROBE_FAILED
         report = gate.policy.evaluate(snaps, cfg.gpu.select, node.name)
-        _print({"node": node.name, "has_gpu": True, "gpus": [s.to_dict() for s in snaps],
+        _print({"node": node.name, "has_gpu": True, "readable": True, "gpus": [s.to_dict() for s in snaps],
                 "idle": report.to_dict()}, args.json, format_table(snaps, node.name) + "\n" + report.message())
     return 0
+
+
+def unreadable_status(cfg: PipelineConfig, node_name: str, error: NoGpuError, *,
+                      config_path: str | None = None) -> dict:
+    """Status of a node whose config says it has GPUs but whose driver stack answers nothing."""
+    selected = [str(s) for s in cfg.gpu.select] or ["all"]
+    where = f" in {config_path}" if config_path else " by default: no --config given"
+    msg = (f"node {node_name}: GPUs configured (node.has_gpu: true, gpu.select: {', '.join(selected)}{where}) "
+           f"but none is readable: {error}. Repair the NVIDIA driver there (`nvidia-smi` must list the GPUs), or "
+           f"set node.has_gpu: false if this is a CPU node")
+    return {"node": node_name, "has_gpu": True, "readable": False, "gpus": [],
+            "unreadable": [{"gpu": s, "reason": str(error)} for s in selected],
+            "probe": cfg.gpu.probe, "driver_error": str(error), "message": msg}
 
 
 def cmd_wait_idle(args) -> int:
