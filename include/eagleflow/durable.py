@@ -10,6 +10,7 @@ Temp names start with ``.tmp-`` so the cleaners of partial files find them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import tempfile
@@ -22,6 +23,60 @@ TEMP_PREFIX = ".tmp-"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 DEFAULT_MODE = 0o666 & ~_UMASK
+
+
+class UnsafeFile(OSError):
+    """A file eagleflow trusts (pid record, lock, log, key) is a symlink, not ours, or writable by others."""
+
+
+def open_owned(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """Open one of our own files without following a symlink; the descriptor, or UnsafeFile naming the problem.
+
+    The one secure open (records, locks, logs, keys): ``O_NOFOLLOW`` (a link planted at the path is refused,
+    even a dangling one with ``O_CREAT``), ``O_NONBLOCK`` while checking (a FIFO planted there cannot hang
+    us), then ``fstat`` of what was opened: a regular file owned by this user that neither group nor others
+    may write. Anyone who could write it could forge what it says.
+    """
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFile(errno.ELOOP, f"{path} is a symbolic link; eagleflow does not follow links for its "
+                                          "own files (pid records, locks, logs, keys): remove the link") from None
+        raise
+    try:
+        problem = unsafe_stat(os.fstat(fd))
+        if problem:
+            raise UnsafeFile(errno.EPERM, f"{path} {problem}; refusing to trust it: remove it (or fix its owner "
+                                          "and mode) and retry")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unsafe_stat(st: os.stat_result) -> str | None:
+    """Why a file with this stat cannot be trusted as ours (not regular, someone else's, group/world-writable)."""
+    import stat as _stat
+    if not _stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def read_owned(path: str | os.PathLike, limit: int = 1 << 20) -> bytes:
+    """The bytes of one of our own files (``open_owned``), at most ``limit`` of them (ValueError beyond)."""
+    fd = open_owned(path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{os.fspath(path)} is larger than {limit} bytes; not one of eagleflow's small files")
+    return data
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -67,9 +122,9 @@ def atomic_replace(path: str | os.PathLike, *, fsync: bool = True, mode: int | N
         fsync_path(final.parent)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = True) -> Path:
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = True, mode: int | None = None) -> Path:
     """Replace ``path`` with ``data`` (str is written as UTF-8) atomically; returns the path."""
-    with atomic_replace(path, fsync=fsync) as tmp:
+    with atomic_replace(path, fsync=fsync, mode=mode) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
 

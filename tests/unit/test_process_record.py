@@ -133,9 +133,12 @@ def test_stop_terms_a_live_group_and_wakes_a_stopped_one(tmp_path):
 
 
 def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    token = secrets.token_hex(16)   # in its environment from exec, as detach starts every job
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                             env={**os.environ, pr.TOKEN_ENV: token})
     try:
-        rec = ProcessRecord(pid=child.pid, pgid=child.pid, start_ticks=read_start_ticks(child.pid), role="trainer")
+        rec = ProcessRecord(pid=child.pid, pgid=child.pid, start_ticks=read_start_ticks(child.pid), role="trainer",
+                            token=token)
         # a D-state process ignores SIGKILL; stand in for one: signals do nothing and /proc says D
         monkeypatch.setattr(pr, "_send", lambda rec, sig: None)
         monkeypatch.setattr(pr, "read_proc_state", lambda pid: SimpleNamespace(in_d_state=True, wchan="nfs_wait"))

@@ -72,6 +72,7 @@ def _run(args) -> int:
     if not 0 <= args.shard < of:
         print(f"eagleflow capture run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
         return 2
+    from eagleflow.durable import UnsafeFile
     from eagleflow.nodes.job_lock import JobLockHeld, hold_for_life
     from .lifecycle import worker_role
     try:
@@ -81,6 +82,9 @@ def _run(args) -> int:
     except JobLockHeld as e:
         print(f"eagleflow capture run: {e}", file=sys.stderr, flush=True)
         return EXIT_ALREADY_RUNNING
+    except UnsafeFile as e:   # a link or someone else's file at the lock path: never taken as ours
+        print(f"eagleflow capture run: {e}", file=sys.stderr, flush=True)
+        return 2
     url = args.url
     if not url:
         try:

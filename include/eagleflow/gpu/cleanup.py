@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eagleflow.nodes.process_record import StopResult, members, read_proc_state, records_in, stop, stop_pid
+from eagleflow.nodes.process_record import StopResult, members, read_proc_state, scan_records, stop, stop_pid
 
 from .process_info import user_of
 from .snapshot import GpuProcess
@@ -52,11 +52,16 @@ def free_recorded_processes(state_dir: str | Path, *, grace_s: float = 15.0, for
     """Stop every recorded process of this node; then, with force, foreign PIDs on the selected GPUs."""
     report = CleanupReport()
     ours: set[int] = set()
-    for rec in records_in(Path(state_dir) / "pids"):
+    recs, refused = scan_records(Path(state_dir) / "pids")
+    for path, why in refused:   # a record file we cannot trust names nothing we may signal
+        out = StopResult("refused", record=path, detail=f"{why}; nothing signalled")
+        log(out.detail)
+        report.outcomes.append(out)
+    for rec in recs:
         mine = members(rec)
         ours |= set(mine) | ({rec.pgid} if mine else set())  # a stale group id is not ours
         out = stop(rec, grace_s=grace_s, kill_wait_s=kill_wait_s)
-        if out.outcome == "stale_record":
+        if out.outcome in ("stale_record", "not_ours"):
             log(out.detail)
         else:
             log(f"recorded {out.describe()}" + (f" ({out.detail.split('; ', 1)[1]})" if out.left_alone else ""))

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from eagleflow.durable import UnsafeFile, open_owned
+
 from .job_lock import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
 from .process_record import TOKEN_ENV, ProcessRecord, write_record
@@ -50,7 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         k, _, v = kv.partition("=")
         env[k] = v
     token = secrets.token_hex(16)
-    env[TOKEN_ENV] = token
+    env[TOKEN_ENV] = token   # in the leader's own environment from exec: what process_record checks before a signal
+    try:
+        return _start(a, cmd, env, token)
+    except UnsafeFile as e:   # a planted link or someone else's file at the lock or log path
+        print(f"eagleflow.nodes.detach: {a.role} not started: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _start(a, cmd: list[str], env: dict[str, str], token: str) -> int:
     pass_fds: tuple[int, ...] = ()
     lock_fd = None
     if a.lock:
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         pass_fds = (lock_fd,)
     os.makedirs(os.path.dirname(os.path.abspath(a.log_file)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.pid_file)), exist_ok=True)
-    with open(a.log_file, "ab", buffering=0) as log:
+    with os.fdopen(open_owned(a.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab", buffering=0) as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=a.cwd, env=env, start_new_session=True, pass_fds=pass_fds)
     if lock_fd is not None:

@@ -21,6 +21,8 @@ import os
 import socket
 import time
 
+from eagleflow.durable import open_owned, read_owned
+
 LOCK_FD_ENV = "EAGLEFLOW_JOB_LOCK_FD"
 
 
@@ -34,10 +36,9 @@ class JobLockHeld(RuntimeError):
 
 def read_holder(path: str | os.PathLike) -> dict:
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = json.loads(read_owned(path, limit=1 << 16))
         return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 
@@ -52,7 +53,7 @@ def lock_exclusive(path: str | os.PathLike, purpose: str) -> int:
     """Take the lock now or raise JobLockHeld naming the holder; returns the locked descriptor."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_owned(path, os.O_RDWR | os.O_CREAT, 0o644)   # UnsafeFile for a planted link or a foreign file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -86,7 +87,7 @@ def hold_for_life(path: str | os.PathLike, purpose: str) -> int:
     if inherited_path == path and fd_text.isdigit():
         fd = int(fd_text)
         try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
+            same = os.path.samestat(os.fstat(fd), os.lstat(path))   # lstat: a link there is not our lock
             if same:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # already ours through detach: succeeds at once
                 os.set_inheritable(fd, False)

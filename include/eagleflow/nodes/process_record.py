@@ -7,9 +7,14 @@ and a random token that detach puts into the environment of the process, so
 every descendant inherits it.
 
 Proof of "ours", checked on the node each time before a signal:
-- the leader: alive (not a zombie) with the recorded start time; while it
-  lives the group id cannot name anyone else's group, so the group is
-  signalled as one (``killpg``);
+- the record file: a regular file owned by this user, not writable by group
+  or others, opened without following a symlink (``durable.open_owned``);
+  anyone else able to write it could name any process;
+- the leader: alive (not a zombie) with the recorded start time AND the
+  record's token in its own ``/proc/<pid>/environ`` (set at exec by detach;
+  pid and start time are public in ``/proc/<pid>/stat``, the environment is
+  readable by its owner only). While it lives the group id cannot name anyone
+  else's group, so the group is signalled as one (``killpg``);
 - with the leader gone: each member of the recorded group that carries the
   record's token in ``/proc/<pid>/environ`` is signalled by PID, one by one.
   A group id whose number is now used by someone else (the old group died
@@ -34,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagleflow.durable import atomic_write
+from eagleflow.durable import UnsafeFile, atomic_write, read_owned
 from eagleflow.nodes.proc import parse_stat, read_proc_state
 
 TOKEN_ENV = "EAGLEFLOW_PROC_TOKEN"
@@ -99,17 +104,38 @@ def record_file(pids_dir: str | os.PathLike, run_id: str, role: str) -> Path:
     return Path(pids_dir) / f"{run_id}.{role}{RECORD_SUFFIX}"
 
 
+class RecordRefused(ValueError):
+    """A pid record that cannot be trusted (a symlink, someone else's, writable by others, not a record)."""
+
+
+def load_record(pid_file: str | os.PathLike) -> ProcessRecord:
+    """The record at ``pid_file``; FileNotFoundError when there is none, RecordRefused naming why it is not ours."""
+    try:
+        data = read_owned(pid_file, limit=1 << 20)
+    except UnsafeFile as e:
+        raise RecordRefused(f"pid record {e.strerror}") from None
+    except ValueError as e:
+        raise RecordRefused(f"pid record {e}") from None
+    try:
+        return ProcessRecord.from_dict(json.loads(data), str(pid_file))
+    except ValueError as e:   # JSONDecodeError too
+        raise RecordRefused(str(e) if str(e).startswith("pid record") else f"pid record {pid_file}: not JSON ({e})") \
+            from None
+    except RecursionError:
+        raise RecordRefused(f"pid record {pid_file}: nested too deeply to be a record") from None
+
+
 def read_record(pid_file: str | os.PathLike) -> ProcessRecord | None:
     """The record at ``pid_file``; None when there is none or it cannot be one of ours (never half-written)."""
     try:
-        with open(pid_file) as f:
-            return ProcessRecord.from_dict(json.load(f), str(pid_file))
-    except (OSError, ValueError):
+        return load_record(pid_file)
+    except (OSError, RecordRefused):
         return None
 
 
 def write_record(rec: ProcessRecord) -> None:
-    atomic_write(rec.pid_file, json.dumps(rec.to_dict()))
+    # 0600: the token is the proof a process is ours; nobody else needs to read it
+    atomic_write(rec.pid_file, json.dumps(rec.to_dict()), mode=0o600)
 
 
 def records_in(pids_dir: str | os.PathLike, run_id: str | None = None,
@@ -117,16 +143,30 @@ def records_in(pids_dir: str | os.PathLike, run_id: str | None = None,
     """Records in ``pids_dir``; with ``run_id``, only that run's, matched exactly (never by prefix).
 
     ``role_pattern`` is a regular expression the whole role must match (e.g. ``worker_shard_\\d{5}``).
+    Refused records (see ``scan_records``) are left out.
     """
+    return scan_records(pids_dir, run_id, role_pattern)[0]
+
+
+def scan_records(pids_dir: str | os.PathLike, run_id: str | None = None,
+                 role_pattern: str | None = None) -> tuple[list[ProcessRecord], list[tuple[str, str]]]:
+    """(records, (file, why) of each refused record file), as ``records_in``: a refused one is never signalled."""
     d = Path(pids_dir)
     if not d.is_dir():
-        return []
-    out = []
+        return [], []
+    out: list[ProcessRecord] = []
+    refused: list[tuple[str, str]] = []
     for p in sorted(d.iterdir()):
         if not p.name.endswith(RECORD_SUFFIX) or p.name.startswith("."):
             continue
-        rec = read_record(p)
-        if rec is None:
+        if run_id is not None and not p.name.startswith(f"{run_id}."):
+            continue
+        try:
+            rec = load_record(p)
+        except FileNotFoundError:
+            continue
+        except (OSError, RecordRefused) as e:
+            refused.append((str(p), str(e) if isinstance(e, RecordRefused) else f"pid record {p}: {e}"))
             continue
         # the file name is <run_id>.<role>.json: compare both parts whole
         if run_id is not None and p.name != f"{run_id}.{rec.role}{RECORD_SUFFIX}":
@@ -134,7 +174,7 @@ def records_in(pids_dir: str | os.PathLike, run_id: str | None = None,
         if role_pattern is not None and not re.fullmatch(role_pattern, rec.role):
             continue
         out.append(rec)
-    return out
+    return out, refused
 
 
 # ----------------------------------------------------------------------------- proof of ownership
@@ -159,10 +199,15 @@ def _carries_token(pid: int, token: str) -> bool:
     return f"{TOKEN_ENV}={token}".encode() in env.split(b"\0")
 
 
-def leader_is_ours(rec: ProcessRecord) -> bool:
-    """The recorded PID runs (not a zombie) and started when the record says: it is the process we started."""
+def _runs_with_recorded_start(rec: ProcessRecord) -> bool:
     st = _stat(rec.pid)
     return st is not None and st[0] not in ("Z", "X") and rec.start_ticks > 0 and st[2] == rec.start_ticks
+
+
+def leader_is_ours(rec: ProcessRecord) -> bool:
+    """The recorded PID runs (not a zombie), started when the record says, and carries the record's token in its
+    own environment: it is the process we started. Pid and start time alone are public (/proc/<pid>/stat)."""
+    return _runs_with_recorded_start(rec) and _carries_token(rec.pid, rec.token)
 
 
 def leader_state(rec: ProcessRecord):
@@ -216,14 +261,19 @@ class RecordStatus:
 
 
 def status(pid_file: str | os.PathLike) -> RecordStatus:
-    rec = read_record(pid_file)
-    if rec is None:
+    try:
+        rec = load_record(pid_file)
+    except FileNotFoundError:
         return RecordStatus(recorded=False, detail=f"no pid record at {pid_file}")
+    except (OSError, RecordRefused) as e:
+        return RecordStatus(recorded=False, detail=f"refused: {e}")
     st = _stat(rec.pid)
     alive = leader_is_ours(rec)
     mine = members(rec)
     if alive:
         detail = f"{rec.role} pid {rec.pid} running"
+    elif _runs_with_recorded_start(rec):
+        detail = f"not ours: {rec.role} pid {rec.pid} runs but does not carry the record's token (token mismatch)"
     elif st is not None and st[0] not in ("Z", "X"):
         detail = f"{rec.role} pid {rec.pid} gone; the PID now belongs to another process (start time differs)"
     else:
@@ -235,12 +285,14 @@ def status(pid_file: str | os.PathLike) -> RecordStatus:
 @dataclass
 class RecordList:
     records: list[RecordStatus] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)   # record files not trusted (see scan_records), why each
 
 
 # ----------------------------------------------------------------------------- the one stop
 @dataclass
 class StopResult:
-    """terminated | killed | already_gone | stale_record | unkillable | survived | not_recorded | left_running."""
+    """terminated | killed | already_gone | stale_record | not_ours | refused | unkillable | survived | not_recorded
+    | left_running."""
     outcome: str
     pid: int = 0
     pgid: int = 0
@@ -317,6 +369,14 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
     res.left_alone = foreign
     if not mine:
         st = _stat(rec.pid)
+        if _runs_with_recorded_start(rec):
+            # pid, group and start time match but the environment does not: a forged or foreign record
+            res.outcome = "not_ours"
+            res.detail = (f"not ours: pid {rec.pid} (group {rec.pgid}) has the recorded start time but its "
+                          f"/proc/{rec.pid}/environ does not carry record {rec.pid_file}'s token (token mismatch"
+                          f"{'' if rec.token else ': the record has none'}); not signalled. The record is kept "
+                          "for a person to look at: eagleflow did not write it for that process")
+            return res
         if st is not None and st[0] not in ("Z", "X"):
             res.outcome = "stale_record"
             res.detail = (f"record {rec.pid_file}: pid {rec.pid} now belongs to another process (start time "
@@ -369,9 +429,12 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def stop_file(pid_file: str | os.PathLike, *, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> StopResult:
-    rec = read_record(pid_file)
-    if rec is None:
+    try:
+        rec = load_record(pid_file)
+    except FileNotFoundError:
         return StopResult(outcome="not_recorded", record=str(pid_file), detail=f"no pid record at {pid_file}")
+    except (OSError, RecordRefused) as e:
+        return StopResult(outcome="refused", record=str(pid_file), detail=f"{e}; nothing signalled")
     return stop(rec, grace_s=grace_s, kill_wait_s=kill_wait_s)
 
 
@@ -408,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "stop":
         out = asdict(stop_file(a.pid_file, grace_s=a.grace, kill_wait_s=a.kill_wait))
     else:
-        out = asdict(RecordList([status(r.pid_file) for r in records_in(a.pids_dir, a.run_id, a.role_pattern)]))
+        recs, refused = scan_records(a.pids_dir, a.run_id, a.role_pattern)
+        out = asdict(RecordList([status(r.pid_file) for r in recs], [why for _, why in refused]))
     print(json.dumps(out), flush=True)
     return 0
 

@@ -13,6 +13,8 @@ import socket
 import time
 from pathlib import Path
 
+from eagleflow.durable import open_owned, read_owned
+
 
 class NodeLockTimeout(TimeoutError):
     """Someone else held the lock for longer than we were willing to wait."""
@@ -26,14 +28,14 @@ class NodeLock:
 
     def holder(self) -> str:
         try:
-            return self.path.read_text().strip() or "(unknown)"
-        except OSError:
+            return read_owned(self.path, limit=1 << 16).decode(errors="replace").strip() or "(unknown)"
+        except (OSError, ValueError):
             return "(unknown)"
 
     def acquire(self, timeout_s: float | None = None, poll_s: float = 0.2) -> bool:
         """Block until held (or ``timeout_s``, then NodeLockTimeout). Returns True when we waited for someone."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_owned(self.path, os.O_RDWR | os.O_CREAT, 0o644)   # UnsafeFile for a planted link or foreign file
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waited = False
         while True:
