@@ -20,7 +20,7 @@ from eagleflow.airflow.capture_operators import (
 from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
-from eagleflow.airflow.report_operators import RunReportOperator
+from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
 from eagleflow.airflow.routing import default_config_path, node_routing
 from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
 
@@ -113,4 +113,4 @@ with DAG(
     # run's outcome: export_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run
     # whose config was refused has nothing to report and gets no second alert
-    export >> RunReportOperator(task_id="run_report").as_teardown(setups=write_config)
+    export >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)

@@ -10,7 +10,8 @@ back; an API caller gets 401/403.
 
 Routes: ``/`` the page (refreshes itself), ``/panel`` its body, ``/api/status``
 JSON, ``/metrics`` Prometheus text (dcgm-exporter names), ``/report/<dag_id>/<run_id>``
-a run's report (the run_report task's copy in XCom; needs read access to that DAG's XComs).
+a run's report (the run_report task's copy in XCom, nobody else's; needs read access to that DAG's XComs;
+served under a sandboxing Content-Security-Policy: the report runs no script).
 """
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ HEALTH_DAG_ID = gpu_page.HEALTH_DAG_ID
 _PUBLIC_KEYS = ("node", "has_gpu", "checked_at", "last_seen", "unreachable_since", "error", "interval_s",
                 "retention_s", "held_threshold_mib", "held_since", "gpus", "history", "activity", "alerts")
 _bearer = HTTPBearer(auto_error=False)
+# The report is static HTML (a <style> block, inline style attributes, inline SVG): it needs no script, so it is
+# served sandboxed (no script, an opaque origin without Airflow's cookies or /api/v2) and never sniffed as
+# another type: a report someone forged in XCom (Airflow's REST API can write XComs) cannot act as its reader.
+REPORT_CSP = ("sandbox; default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; "
+              "form-action 'none'; frame-ancestors 'self'")
+REPORT_HEADERS = {"Content-Security-Policy": REPORT_CSP, "X-Content-Type-Options": "nosniff",
+                  "Referrer-Policy": "no-referrer"}
 
 
 async def authorized_user(request: Request, bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
@@ -110,17 +118,19 @@ def create_app(store: StatusStore | None = None,
         from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
         user = await get_user(request, None, bearer)
         requires_access_dag("GET", DagAccessEntity.XCOM)(request, user)  # dag_id from the path
+        from eagleflow.airflow.report_operators import REPORT_TASK_ID
         html = stored_report(dag_id, run_id)
         if html is None:
-            raise HTTPException(404, f"no report for run {run_id} of {dag_id} yet: its run_report task writes it "
-                                     "when the run's other tasks are done")
-        return HTMLResponse(html)
+            raise HTTPException(404, f"no report for run {run_id} of {dag_id} yet: its {REPORT_TASK_ID} task writes "
+                                     "it when the run's other tasks are done")
+        return HTMLResponse(html, headers=REPORT_HEADERS)
 
     return app
 
 
 def stored_report(dag_id: str, run_id: str) -> str | None:
-    """The newest report the run's run_report task pushed to XCom."""
+    """The newest report the run's run_report task pushed to XCom (only that task's: any task, or anyone
+    allowed to write XComs on the DAG, can push a value under the same key)."""
     import json
 
     from sqlalchemy import select
@@ -128,10 +138,11 @@ def stored_report(dag_id: str, run_id: str) -> str | None:
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
 
-    from eagleflow.airflow.report_operators import REPORT_XCOM_KEY
+    from eagleflow.airflow.report_operators import REPORT_TASK_ID, REPORT_XCOM_KEY
     with create_session() as session:
         value = session.scalars(select(XComModel.value).where(
-            XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.key == REPORT_XCOM_KEY)
+            XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == REPORT_TASK_ID,
+            XComModel.map_index == -1, XComModel.key == REPORT_XCOM_KEY)
             .order_by(XComModel.timestamp.desc()).limit(1)).first()
     if value is None:
         return None

@@ -18,8 +18,12 @@ from airflow.sdk import BaseOperatorLink
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.console.run_report import REPORT_FILE
 
 REPORT_XCOM_KEY = "report_html"
+REPORT_TASK_ID = "run_report"  # the pipeline's task; the console serves this task's XCom and no other's
+# A report is tens of KB; the metadata DB is not the place for a node's arbitrarily large file.
+REPORT_MAX_BYTES = 8 * 1024 * 1024
 CONSOLE_PREFIX = "/eagleflow-gpu"
 
 
@@ -65,10 +69,20 @@ class RunReportOperator(RunOperator):
         extras = {"tasks": self._task_states(context), "gpu": self._gpu_history(ctx)}
         ans = ctx.node.run_json(ctx.eagleflow_argv("report", "--extras", "-"), ReportAnswer,
                                 input=json.dumps(extras), timeout=600)
-        html = ctx.node.read_text(ans.path)
+        # the run directory's own report, whatever path the node's answer names: the node does not choose
+        # which of its files reaches Airflow's DB and the console
+        path = str(ctx.layout.run_dir / REPORT_FILE)
+        if ans.path != path:
+            self.log.warning("node %s answered report path %r; the run's report is %s, and only that file is "
+                             "kept", ctx.node.name, ans.path, path)
+        html = ctx.node.read_text(path)
+        if html is not None and len(html.encode()) > REPORT_MAX_BYTES:
+            self.log.warning("run report %s on node %s is %d bytes, over %d: not kept in XCom (read it on the "
+                             "node)", path, ctx.node.name, len(html.encode()), REPORT_MAX_BYTES)
+            html = None
         if html is not None:
             context["ti"].xcom_push(key=REPORT_XCOM_KEY, value=html)
         url = report_url(context["ti"].dag_id, context["ti"].run_id)
         self.log.info("run report: %s on node %s (%d bytes); in Airflow: %s (this task's 'Run report' link)",
-                      ans.path, ctx.node.name, ans.bytes, url)
-        return {"report": ans.path, "url": url}
+                      path, ctx.node.name, ans.bytes, url)
+        return {"report": path, "url": url}
