@@ -112,16 +112,17 @@ def test_execute_complete_turns_events_into_success_or_a_retryable_stall(tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_retry_keeps_a_progressing_trainer_and_restarts_a_stalled_one(tmp_path, demo_assets):
+def test_retry_keeps_a_progressing_or_slow_trainer_and_restarts_a_stalled_one(tmp_path, demo_assets):
     import sys
     import time
 
     from eagleflow.airflow.runtime import RunContext
     from eagleflow.airflow.train_operators import TrainDraftOperator
     from eagleflow.heartbeat import Heartbeat
-    from eagleflow.train.job import read_train_heartbeat, stop_trainer
+    from eagleflow.train.job import stop_trainer
 
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets["target_model"]))}, "retry")
+    ctx.write_run_config()   # the retry's look is `eagleflow watch --train` on the node, over the frozen config
     pid_file = str(ctx.layout.pid_file("trainer"))
     # a stand-in trainer we started ourselves, recorded like the real one
     proc = ctx.node.spawn_detached([sys.executable, "-c", "import time; time.sleep(120)"], role="trainer",
@@ -131,12 +132,22 @@ def test_retry_keeps_a_progressing_trainer_and_restarts_a_stalled_one(tmp_path, 
         now = time.time()
         fresh = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 5,
                           last_progress_at=now - 1, unit="steps", total=30, done=4)
+        fresh.write(str(ctx.layout.train_heartbeat_file))
         op._restart_if_unhealthy(ctx, fresh)
         assert ctx.node.live_record(pid_file).pid == proc.pid, "a progressing trainer is attached to, not killed"
-        stale = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 500,
+        from tests.fixtures.watchdog_jobs import backdate_record
+        backdate_record(ctx.layout, "trainer", 500)   # started long ago: its start is no recent progress
+        # no step for 400 s, but its heartbeat is still written and nothing says it is stuck: slow, kept
+        slow = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 500,
+                         last_progress_at=now - 400, unit="steps", total=30, done=4)
+        slow.write(str(ctx.layout.train_heartbeat_file))
+        op._restart_if_unhealthy(ctx, slow)
+        assert ctx.node.live_record(pid_file).pid == proc.pid, "a slow trainer with no evidence is not killed"
+        # alive, but its heartbeat not rewritten for 400 s: the watch's evidence of a frozen trainer
+        stale = Heartbeat(job="train", pid=proc.pid, state="running", time=now - 400, started_at=now - 500,
                           last_progress_at=now - 400, unit="steps", total=30, done=4)
+        Path(ctx.layout.train_heartbeat_file).write_text(stale.to_json())   # as written 400 s ago (write() stamps now)
         op._restart_if_unhealthy(ctx, stale)
         assert ctx.node.live_record(pid_file) is None, "a stalled trainer is stopped before the retry restarts it"
-        assert read_train_heartbeat(ctx) is None
     finally:
         stop_trainer(ctx, grace_s=2)

@@ -99,13 +99,16 @@ class ExtractShardOperator(RunOperator):
     """Run one shard's extraction worker detached, then watch it until its manifest is complete.
 
     A re-run attaches to the shard's live worker (pid record + /proc start
-    ticks) instead of starting a second one. A retry first lets the watchdog
-    put the capture server back on its feet, then resumes from the manifest.
+    ticks) instead of starting a second one. A retry first looks (one watch
+    look): a live, progressing worker is attached to; only a stuck or dead one
+    lets the watchdog stop it and put the capture server back on its feet, and
+    the shard resumes from the manifest.
     """
 
     ui_color = "#fdf2d0"
-    retry_advice = ("The retry first lets the watchdog put the capture server back on its feet (restarted once "
-                    "if unhealthy), then resumes the shard from its manifest: no stored sample is redone.")
+    retry_advice = ("The retry first looks at the shard: a live worker that progresses is kept; a stuck or dead "
+                    "one is stopped and the capture server restarted once if unhealthy; then it resumes the shard "
+                    "from its manifest: no stored sample is redone.")
     failure_advice = ("The shard's stored samples are kept; the hourly eagle3_shard_reconcile reruns it from its "
                       "manifest, or trigger that DAG now.")
 
@@ -119,9 +122,7 @@ class ExtractShardOperator(RunOperator):
         shard = int(self.shard)
         ti = context.get("ti")
         if ti is not None and (ti.try_number or 1) > 1:
-            from eagleflow.watchdog.recovery import recover_before_retry
-            self.log.info("shard %d: try %d, recovering before resuming from the manifest", shard, ti.try_number)
-            recover_before_retry(ctx, shard, self.log)
+            self._look_before_retry(ctx, shard, ti.try_number)
         rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
         self._log_progress(ctx, shard)
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
@@ -133,6 +134,28 @@ class ExtractShardOperator(RunOperator):
                 event = run_trigger_here(trigger)
             return self._finish(ctx, event)
         self.defer(trigger=trigger, method_name="execute_complete")
+
+    def _look_before_retry(self, ctx: RunContext, shard: int, try_number: int) -> None:
+        """A retry looks first: the try before may have died with the control plane, not with the shard.
+
+        One look of the watch (``eagleflow watch --shard I --json``): a worker that is starting, healthy or
+        slow is kept and attached to; only a verdict of stalled, dead or failed (the watch's evidence) lets
+        the recovery stop the worker and restart an unhealthy server. A look that gets no answer stops nothing.
+        """
+        from eagleflow.airflow.shard_watch import ShardWatchTrigger
+        try:
+            diag = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard).look_once(ctx)
+        except (NodeError, ValueError) as e:
+            self.log.warning("shard %d: try %d could not look at the shard first (%s); stopping nothing, the watch "
+                             "decides", shard, try_number, e)
+            return
+        if diag.status is None or diag.verdict == "complete":
+            self.log.info("shard %d: try %d attaches, nothing stopped: %s", shard, try_number, diag.summary)
+            return
+        from eagleflow.watchdog.recovery import recover_before_retry
+        self.log.info("shard %d: try %d, recovering before resuming from the manifest: %s", shard, try_number,
+                      diag.summary)
+        recover_before_retry(ctx, shard, self.log)
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)

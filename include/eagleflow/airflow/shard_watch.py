@@ -265,6 +265,10 @@ class _NodeJobWatchTrigger(BaseTrigger):
         return await self._anode.run_json(argv, StallDiagnosis, timeout=ctx.cfg.watchdog.health_timeout_s + 60,
                                           answer_codes=WATCH_ANSWER_CODES)
 
+    def look_once(self, ctx: RunContext) -> StallDiagnosis:
+        """One look, blocking, outside any watch loop: what a retry asks the node before it acts on the job."""
+        return self._observe(ctx)
+
     def _observe(self, ctx: RunContext) -> StallDiagnosis:
         """One node-side `eagleflow watch ... --json` call (blocking; run off the event loop)."""
         wd = ctx.cfg.watchdog

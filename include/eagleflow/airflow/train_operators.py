@@ -4,11 +4,10 @@
 torchrun when ``train.nproc_per_node`` > 1), or attaches to the run's live
 trainer, then defers to ``TrainWatchTrigger``: the stall watchdog guards
 training as it guards extraction (a step that stops advancing is a stall).
-A retry restarts an unhealthy trainer, which resumes from its last checkpoint.
+A retry looks first (one watch look) and restarts the trainer only when the watch finds it
+stalled, dead or failed; it resumes from its last checkpoint.
 """
 from __future__ import annotations
-
-import time
 
 from pydantic import BaseModel
 
@@ -19,8 +18,8 @@ from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, s
 
 class TrainDraftOperator(RunOperator):
     ui_color = "#f3e8fb"
-    retry_advice = ("The retry keeps a live trainer only if its heartbeat still advances; otherwise it starts "
-                    "again from the last checkpoint.")
+    retry_advice = ("The retry keeps a live trainer unless the watch finds it stalled, dead or failed; then it "
+                    "starts again from the last checkpoint.")
 
     def __init__(self, *, deferrable: bool | None = None, poll_interval_s: float | None = None, **kw):
         super().__init__(**kw)
@@ -47,12 +46,20 @@ class TrainDraftOperator(RunOperator):
         return self.execute_complete(context, run_trigger_here(trigger))
 
     def _restart_if_unhealthy(self, ctx: RunContext, hb) -> None:
-        """On a retry a live trainer is kept only if its heartbeat still advances."""
-        wd = ctx.cfg.watchdog
-        fresh = hb is not None and hb.state == "running" and time.time() - hb.last_progress_at < wd.stall_after_s
-        if not fresh:
-            outcome = stop_trainer(ctx, log=self.log.info)
-            self.log.info("retry: previous trainer %s; starting again from the last checkpoint", outcome)
+        """On a retry, one look of the watch first: a trainer that is starting, healthy or slow is kept;
+        only the watch's verdict stalled, dead or failed stops it. A look that gets no answer stops nothing."""
+        from eagleflow.airflow.shard_watch import TrainWatchTrigger
+        from eagleflow.nodes import NodeError
+        try:
+            diag = TrainWatchTrigger(run=ctx.trigger_ref()).look_once(ctx)
+        except (NodeError, ValueError) as e:
+            self.log.warning("retry: could not look at the trainer first (%s); stopping nothing, the watch decides", e)
+            return
+        if diag.status is None:
+            self.log.info("retry: the trainer is kept, nothing stopped: %s", diag.summary)
+            return
+        outcome = stop_trainer(ctx, log=self.log.info)
+        self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
 
     def execute_complete(self, context, event):
         event = event or {}
