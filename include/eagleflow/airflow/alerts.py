@@ -227,10 +227,26 @@ def incident_thread(incident_id: str) -> str:
     return f"<eagleflow-incident-{incident_id}@eagleflow>"
 
 
+def stall_subject(event: dict[str, Any]) -> str:
+    """The subject of a fault the watch is recovering from: STALLED, whatever the verdict's word.
+
+    The verdict of a shard whose server was killed is "failed" (its request failed) or "dead", but the
+    task has not failed: the watch restarts what the cause names. FAILED is kept for a try that really fails
+    (the task callbacks' mails); the verdict and the cause follow in brackets.
+    """
+    subject = event.get("subject") or "[eagleflow] STALLED"
+    verdict = str(event.get("verdict") or "stalled")
+    if verdict != "stalled":
+        subject = subject.replace(f"[eagleflow] {verdict.upper()} ", "[eagleflow] STALLED ", 1)
+        cause = str(event.get("cause") or "").replace("_", " ")
+        subject += f" ({verdict}{': ' + cause if cause else ''})"
+    return subject
+
+
 def close_of_stall(event: dict[str, Any]) -> dict[str, Any]:
     """What the next watch of the shard that mailed a stall needs to mail its end (plain values)."""
     inc = event.get("incident") or {}
-    return {"kind": "stall", "id": str(inc.get("incident")), "subject": event.get("subject") or "",
+    return {"kind": "stall", "id": str(inc.get("incident")), "subject": stall_subject(event),
             "since": float(event.get("detected_at") or event.get("observed_at") or 0), "done": int(event.get("done") or 0)}
 
 
@@ -258,7 +274,7 @@ def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recip
         + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))])
     ti = context["ti"]
     return Mail(
-        recipients, event.get("subject") or "[eagleflow] STALLED", evidence,
+        recipients, stall_subject(event), evidence,
         headers={"Message-ID": incident_thread(str(inc.get("incident")))},
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
         next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
