@@ -41,6 +41,13 @@ class CorpusConfig(_Section):
         "that fits, drop it (counted), or truncate at the token")
     non_text_parts: Literal["error", "drop"] = Field(
         default="error", description="a non-text content part (image, audio): a bad record, or dropped (counted)")
+    # Held-out split: a record is held out when sha256("eval", its id "source:row") falls in the lowest
+    # eval_fraction, so reruns, seeds and added sources never move a record between the splits.
+    eval_fraction: float = Field(default=0.03, ge=0.0, lt=1.0, description="share of records held out of "
+                                 "training for `eagleflow evaluate` (corpus/eval.parquet); 0 = none")
+    eval_min_records: int = Field(default=4, ge=0, description="hold out at least this many (a small corpus "
+                                  "still gets prompts to evaluate on), when eval_fraction > 0")
+    eval_max_records: int = Field(default=500, ge=0, description="hold out at most this many records")
 
     @field_validator("sources")
     @classmethod
@@ -194,6 +201,45 @@ class PipelineConfig(_Section):
     run_root: str = Field(default="runs", description="each run gets <run_root>/<run_id>")
     target_model: str = Field(min_length=1, description="local path of the target model (config, weights, tokenizer)")
     node: NodeConfig = Field(default_factory=NodeConfig)
+class SpecConfig(_Section):
+    """One speculative configuration, as SGLang's flags name it."""
+    steps: int = Field(ge=1, le=32, description="--speculative-num-steps: draft steps per round")
+    topk: int = Field(default=1, ge=1, le=1, description="--speculative-eagle-topk; the hf evaluator drafts "
+                      "chains only (1)")
+    draft_tokens: int = Field(ge=2, le=64, description="--speculative-num-draft-tokens; steps + 1 for a chain")
+    min_accept_length: float | None = Field(default=None, ge=1.0, description="gate for this configuration; "
+                                            "null = eval.min_accept_length")
+
+    @model_validator(mode="after")
+    def _chain(self) -> "SpecConfig":
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(f"steps {self.steps}, topk 1, draft_tokens {self.draft_tokens}: a chain verifies "
+                             f"steps + 1 tokens; set draft_tokens to {self.steps + 1}")
+        return self
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
+
+
+class EvalConfig(_Section):
+    backend: Literal["hf", "sglang"] = Field(default="hf", description="hf = our speculative decoder over "
+                                             "transformers (CPU or GPU); sglang = not built yet")
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    configs: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig(steps=3, draft_tokens=4),
+                                                               SpecConfig(steps=7, draft_tokens=8)])
+    min_accept_length: float = Field(default=1.5, ge=1.0, description="the new draft must reach this mean "
+                                     "acceptance length (tokens per verify pass) on the held-out prompts")
+    baseline_draft: str | None = Field(default=None, description="the draft in service (an export directory); "
+                                       "the new one must not be worse than it beyond tolerance")
+    tolerance: float = Field(default=0.05, ge=0.0, description="acceptance length the new draft may lose "
+                             "against baseline_draft")
+    max_new_tokens: int = Field(default=64, ge=1, le=8192)
+    max_prompts: int = Field(default=32, ge=1)
+    near_tie_logit_gap: float | None = Field(default=None, ge=0.0, description="a lossless mismatch whose "
+                                             "top-2 logit gap is below this is a near-tie; null = by dtype")
+
+
     gpu: GpuConfig = Field(default_factory=GpuConfig)
     corpus: CorpusConfig = Field(default_factory=CorpusConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
@@ -204,6 +250,7 @@ class PipelineConfig(_Section):
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)
 
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     @model_validator(mode="after")
     def _capture_matches_node(self) -> "PipelineConfig":
         if self.capture.backend == "sglang" and not self.node.has_gpu:

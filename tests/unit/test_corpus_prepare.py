@@ -147,7 +147,8 @@ def test_empty_sources_and_nothing_to_train_on(tmp_path, demo_assets):
                                         "dropped_by_reason": {}, "records": 0, "turns": 0,
                                         "records_with_tool_calls": 0, "tool_calls": 0, "tool_messages": 0,
                                         "tokens": 0, "masked_tokens": 0, "cut_at_message": 0, "truncated": 0,
-                                        "reasoning_not_rendered": 0, "non_text_parts_dropped": 0}
+                                        "reasoning_not_rendered": 0, "non_text_parts_dropped": 0,
+                                        "train_records": 0, "eval_records": 0}
     assert stats["records"] == 6 and any("no records in" in line for line in logs)
     with pytest.raises(BadRecordsError, match=r"no record left to train on: 1 read \(e 0, u 1\), 0 bad, 1 dropped "
                                               r"\(no_assistant_tokens 1\)"):
@@ -161,3 +162,44 @@ def test_prefix_diff_fallback_gives_the_same_corpus(tmp_path, demo_assets):
     diff = prepare_corpus(cfg, RunLayout.for_run(cfg, "diff"), mask_method="prefix_diff", log=lambda _: None)
     assert (tags["mask_method"], diff["mask_method"]) == ("generation_tags", "prefix_diff")
     assert _table(RunLayout.for_run(cfg, "tags")).equals(_table(RunLayout.for_run(cfg, "diff")))
+
+
+def test_held_out_split_is_stable_and_apart_from_training(tmp_path, demo_assets):
+    """Held-out records: chosen by a hash of their id only (not the seed, not the other sources),
+    never in corpus.parquet, rendered like the training rows, with a prompt before the last reply."""
+    from eagleflow.corpus.prepare import EVAL_FILE, eval_key, eval_schema
+    srcs = demo_assets["sources"]
+    _, lay1, s1, logs = _prepare(tmp_path, demo_assets, srcs, run_id="a", eval_fraction=0.05, eval_min_records=4)
+    _, lay2, s2, _ = _prepare(tmp_path, demo_assets, srcs, run_id="b", eval_fraction=0.05, eval_min_records=4,
+                              seed=7)
+    _, lay3, s3, _ = _prepare(tmp_path, demo_assets, srcs[:1], run_id="c", eval_fraction=0.05,
+                              eval_min_records=0)
+    ev1 = pq.read_table(str(lay1.corpus_dir / EVAL_FILE))
+    assert ev1.schema.equals(eval_schema())
+    held, train = ev1["id"].to_pylist(), _table(lay1)["id"].to_pylist()
+    total = 3 * 24
+    assert len(held) == s1["eval_records"] >= 4 and len(train) == s1["records"] == total - len(held)
+    assert not set(held) & set(train)
+    # the lowest keys of all records, whatever the seed
+    all_ids = held + train
+    assert sorted(held) == sorted(sorted(all_ids, key=eval_key)[:len(held)])
+    assert sorted(pq.read_table(str(lay2.corpus_dir / EVAL_FILE))["id"].to_pylist()) == sorted(held)
+    # a source alone keeps exactly its own records of the split (threshold part; no minimum here)
+    first = srcs[0]["name"]
+    thr = [i for i in all_ids if i.startswith(first + ":") and eval_key(i) < 0.05 * 2 ** 64]
+    assert sorted(pq.read_table(str(lay3.corpus_dir / EVAL_FILE))["id"].to_pylist()) == sorted(thr)
+    assert s1["splits"]["eval"] == {k: sum(1 for i in held if i.startswith(k + ":")) for k in s1["splits"]["eval"]}
+    assert sum(s1["splits"]["train"].values()) == s1["records"]
+    # rendered the same way as training rows; the prompt is a prefix ending at the generation prompt
+    tok = load_tokenizer(demo_assets["target_model"])
+    for row in ev1.to_pylist():
+        from eagleflow.corpus.normalise import Conversation
+        conv = Conversation.from_json(row["conversation"])
+        [(ids, mask)] = encode_conversations(tok, [conv], GENERATION_TAGS)
+        assert row["input_ids"] == ids[:len(row["input_ids"])] and row["loss_mask"] == mask[:len(row["loss_mask"])]
+        p = row["prompt_ids"]
+        assert p and row["input_ids"][:len(p) - 4] == p[:-4]   # the generation prompt's header differs only
+    assert any("held out of training" in line for line in logs)
+    # cap
+    _, lay4, s4, _ = _prepare(tmp_path, demo_assets, srcs, run_id="d", eval_fraction=0.5, eval_max_records=3)
+    assert s4["eval_records"] == 3 and s4["records"] == total - 3

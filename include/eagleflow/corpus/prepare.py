@@ -11,6 +11,14 @@ hash of the sample id -> stream to Parquet, reading the rows by position.
 
 Output (the shared contract): ``<run_dir>/corpus/corpus.parquet`` with columns
 index, id, source, input_ids, loss_mask, num_tokens, and ``stats.json``.
+
+Held-out split: the kept records whose ``eval_key`` (sha256 of "eval" and the
+record id ``source:row``) is among the lowest ``corpus.eval_fraction`` (at least
+``eval_min_records``, at most ``eval_max_records``) go to ``eval.parquet``
+instead, normalised, rendered and masked the same way, plus the conversation
+and ``prompt_ids`` (the conversation before its last assistant turn, rendered
+with the generation prompt). Capture reads corpus.parquet only, so held-out
+records are never captured nor trained on.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from .tokenize import (DROP_REASONS, TemplateError, load_tokenizer, mask_method_
                        tokenize_batch)
 
 CORPUS_FILE = "corpus.parquet"
+EVAL_FILE = "eval.parquet"
 STATS_FILE = "stats.json"
 BAD_RECORDS_FILE = "bad_records.jsonl"
 SHOWN_BAD_RECORDS = 10
@@ -51,6 +60,58 @@ def corpus_schema():
     return pa.schema([("index", pa.int64()), ("id", pa.string()), ("source", pa.string()),
                       ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
                       ("num_tokens", pa.int32())])
+
+
+def eval_schema():
+    import pyarrow as pa
+    return pa.schema(list(corpus_schema()) + [pa.field("conversation", pa.string()),
+                                              pa.field("prompt_ids", pa.list_(pa.int32()))])
+
+
+def eval_key(sample_id: str) -> int:
+    """Held-out rank of a record: the same for any seed, run, machine or set of other sources."""
+    return int.from_bytes(hashlib.sha256(f"eval\x00{sample_id}".encode()).digest()[:8], "big")
+
+
+def held_out_count(candidates: int, total: int, cc) -> int:
+    """How many records the split holds out: the hash's share, raised to the minimum, capped."""
+    if cc.eval_fraction <= 0 or total < 2:
+        return 0
+    return max(0, min(max(candidates, cc.eval_min_records), cc.eval_max_records, total - 1))
+
+
+def _held_out_rows(ids_col, kept_rows, cc) -> list[int]:
+    """Rows (positions in ``ids_col``) of the held-out records, lowest eval_key first."""
+    import heapq
+    threshold = cc.eval_fraction * 2 ** 64
+    cands: list[tuple[int, str, int]] = []
+    lowest: list[tuple[int, str, int]] = []   # the eval_min_records lowest keys (max-heap by negation)
+    rows = kept_rows.to_pylist()
+    for s in range(0, len(rows), 65536):   # ids in batches: memory stays flat
+        part = rows[s:s + 65536]
+        for row, sid in zip(part, ids_col.take(part).to_pylist()):
+            key = eval_key(sid)
+            if key < threshold:
+                cands.append((key, sid, row))
+            elif cc.eval_min_records:
+                item = (-key, sid, row)
+                if len(lowest) < cc.eval_min_records:
+                    heapq.heappush(lowest, item)
+                elif item > lowest[0]:
+                    heapq.heapreplace(lowest, item)
+    pool = sorted(cands + [(-k, sid, r) for k, sid, r in lowest])
+    return [r for _, _, r in pool[:held_out_count(len(cands), len(rows), cc)]]
+
+
+def eval_prompt_ids(tokenizer, conv, max_length: int) -> list[int]:
+    """The conversation before its last assistant turn, with the generation prompt; [] when it has
+    none before it or the prompt leaves no room to generate within max_length."""
+    from .tokenize import render
+    last = max((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), default=0)
+    if last == 0:
+        return []
+    ids = tokenizer(render(tokenizer, conv, last, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return list(ids) if len(ids) < max_length else []
 
 
 def _features():
@@ -196,7 +257,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     procs = num_proc or cc.num_proc
     out_dir = Path(str(layout.corpus_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (CORPUS_FILE, STATS_FILE, BAD_RECORDS_FILE):
+    for stale in (CORPUS_FILE, EVAL_FILE, STATS_FILE, BAD_RECORDS_FILE):
         (out_dir / stale).unlink(missing_ok=True)  # a failed run must not leave an old claim behind
     for old_work in out_dir.glob(".work-*"):  # left by a killed run of this same run dir
         shutil.rmtree(old_work, ignore_errors=True)
@@ -283,9 +344,17 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                          "row": kept_rows})
         order = keys.take(pc.sort_indices(keys, sort_keys=[("shuffle_key", "ascending"), ("id", "ascending")]))
         order_rows = order["row"].to_numpy()
+        import numpy as np
+        eval_rows = _held_out_rows(meta["id"], kept_rows, cc)
+        if eval_rows:
+            order_rows = order_rows[~np.isin(order_rows, np.asarray(eval_rows, dtype=order_rows.dtype))]
 
         per_source: dict[str, dict] = {s.name: _source_stats(read_per_source[s.name]) for s in cc.sources}
         _count_per_source(per_source, meta, kept_mask, ledger)
+        eval_sources = Counter(meta["source"].take(eval_rows).to_pylist()) if eval_rows else Counter()
+        for name, ps in per_source.items():   # records = training records; the held-out ones apart
+            ps["eval_records"] = eval_sources.get(name, 0)
+            ps["train_records"] = ps["records"] - ps["eval_records"]
 
         # Stream to Parquet in shuffled order, reading the rows by position (flat memory).
         schema = corpus_schema()
@@ -306,6 +375,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                 index += n
                 order_digest.update("\n".join(batch["id"].to_pylist()).encode() + b"\n")
                 lengths.extend(batch["num_tokens"].to_pylist())
+        eval_tokens = _write_eval(out_dir / EVAL_FILE, tokenised, good, eval_rows, tokenizer, cc.max_length)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -322,6 +392,13 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "records_with_tool_calls": sum(ps["records_with_tool_calls"] for ps in per_source.values()),
         "tool_messages": sum(ps["tool_messages"] for ps in per_source.values()),
         "per_source": per_source,
+        "splits": {"train": {n: ps["train_records"] for n, ps in per_source.items()},
+                   "eval": {n: ps["eval_records"] for n, ps in per_source.items()}},
+        "eval_records": len(eval_rows),
+        "eval_tokens": eval_tokens,
+        "eval_file": str(out_dir / EVAL_FILE),
+        "eval_split": {"fraction": cc.eval_fraction, "min_records": cc.eval_min_records,
+                       "max_records": cc.eval_max_records, "key": "sha256('eval\\0' + source:row)"},
         "length": _percentiles(lengths),
         "over_max_length": cc.over_max_length,
         "cut_at_message_boundary": status["cut"],
@@ -351,7 +428,43 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         f"{status['cut']} cut at a message boundary, {status['truncated']} truncated, "
         f"dropped {sum(dropped.values())} ({', '.join(f'{k} {v}' for k, v in sorted(dropped.items())) or 'none'}), "
         f"{n_bad} bad; {elapsed:.1f} s -> {out_dir / CORPUS_FILE}")
+    log(f"corpus: {len(eval_rows)} record(s) held out of training ("
+        + ", ".join(f"{n} {ps['eval_records']}" for n, ps in per_source.items()) + f") -> {out_dir / EVAL_FILE}")
     return stats
+
+
+def _write_eval(path: Path, tokenised, good, eval_rows: list[int], tokenizer, max_length: int) -> int:
+    """eval.parquet: the held-out records as corpus.parquet has them, plus conversation and prompt ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .normalise import Conversation
+    rows = tokenised.select_columns(["id", "source", "input_ids", "loss_mask", "num_tokens"]).with_format("arrow")
+    batch = rows[eval_rows] if eval_rows else None
+    convs = [good[int(r)]["conversation"] for r in eval_rows]   # tokenise's map keeps good's rows 1:1
+    prompts = [eval_prompt_ids(tokenizer, Conversation.from_json(c), max_length) for c in convs]
+    n = len(eval_rows)
+    empty = pa.array([], pa.string())
+    table = pa.table({"index": pa.array(range(n), pa.int64()),
+                      "id": batch["id"] if n else empty, "source": batch["source"] if n else empty,
+                      "input_ids": batch["input_ids"] if n else pa.array([], pa.list_(pa.int32())),
+                      "loss_mask": batch["loss_mask"] if n else pa.array([], pa.list_(pa.int8())),
+                      "num_tokens": batch["num_tokens"] if n else pa.array([], pa.int32()),
+                      "conversation": pa.array(convs, pa.string()),
+                      "prompt_ids": pa.array(prompts, pa.list_(pa.int32()))}, schema=eval_schema())
+    with atomic_replace(path) as tmp:
+        pq.write_table(table, str(tmp))
+    return sum(batch["num_tokens"].to_pylist()) if n else 0
+
+
+def read_eval_records(corpus_dir: Path) -> list[dict]:
+    """The held-out records (eval.parquet) as dicts; a message naming the fix when absent."""
+    import pyarrow.parquet as pq
+    path = Path(corpus_dir) / EVAL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no held-out split at {path}; rerun `eagleflow corpus prepare` for this run "
+                                "(corpus.eval_fraction > 0 holds records out of training)")
+    return pq.read_table(str(path)).to_pylist()
 
 
 def _source_stats(read: int) -> dict:
