@@ -1,91 +1,188 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a real NVIDIA GPU (run it there, from the repo root or anywhere):
-#   bench/gpu_check.sh                 # results under bench/results/gpu_check-<host>-<time>/
-#   GPU_CHECK_RESULTS=/some/dir bench/gpu_check.sh
-# It records `nvidia-smi` as is, runs NvmlProbe (nvidia-ml-py) and SmiProbe (nvidia-smi) on the real
-# driver, writes both snapshots and a per-GPU side-by-side comparison (memory must agree: NVML memory
-# info v2 is what nvidia-smi shows), times both probes, then runs the other subsystems' GPU checks
-# (bench/gpu_check_capture.py, bench/gpu_check_train.py, bench/gpu_check_eagle3.py: our draft served by
-# sglang as EAGLE3, greedy output equal to the target's, acceptance length) with GPU_CHECK_RESULTS set.
-# Needs only python3 (>= 3.10) and the package source; nvidia-ml-py from the venv, or a copy of its
-# pynvml.py under .cache/device-py/, or installed. Exit code: non-zero when a probe or a check failed.
+# The GPU check, as one command for the GPU machine of ../shared/notes/gpu-machine.md (one H200, no package
+# registry, no sglang, a few minutes, no second try). There, from the device tool, with carry [".whl"]
+# (bench/fetch_gpu_wheels.sh fills .whl/ here first):
+#     OUT=$OUT bash bench/gpu_check.sh
+# Here (any CPU machine), to walk every stage without a GPU:
+#     bench/gpu_check.sh --dry-run          # OUT defaults to a new temp dir
+#
+# Stages, in order of value, each under `timeout -k` and each leaving its verdict JSON
+# (bench/gpu_check_common.py: pass / fail / skipped with the reason) before the next starts:
+#   env            python, torch, CUDA, the carried wheels, eagleflow.config importable
+#   gpu            NVML and nvidia-smi side by side (memory, utilisation, processes, ECC, the idle baseline the
+#                  driver reports); the idle gate refuses a child holding GPU memory by its PID, and passes
+#                  within one poll once it exits (bench/gpu_check_stages.py)
+#   train          draft training at Llama-3-8B draft dims: tokens/s, step time, peak memory, loss falling
+#                  (bench/gpu_check_train.py)
+#   hf_capture     the hf capture server on the GPU (bf16) and one shard of a tiny local target, verified
+#                  against the manifest, compared row by row with a CPU float32 forward
+#   specdec        speculative decoding with the hf backend's decoder: skipped until the evaluation phase exists
+#   sglang_capture, sglang_eagle3   only where sglang imports (bench/gpu_check_capture.py, gpu_check_eagle3.py);
+#                  skipped in well under a second elsewhere
+# Without a GPU (--dry-run, or torch sees none) the GPU stages rehearse their code path on the CPU at toy size
+# and are recorded as skipped; a rehearsal that breaks is a failure.
+#
+# After every stage the results are packed into $OUT: summary.json (every verdict), results.tar.gz (verdicts,
+# logs, side-by-side tables) and log (everything printed): 3 files, nothing in folders. The work folder
+# (models, runs, checkpoints) is outside $OUT: GPU_CHECK_WORK, default a new /tmp/eagleflow-gpu-check.XXXXXX,
+# removed at the end unless GPU_CHECK_KEEP=1.
+# GPU_CHECK_DEADLINE_S (default 330) bounds the whole check; a stage gets min(its limit, what is left).
+# On a node with sglang give it more (its two stages alone may take 10 minutes): GPU_CHECK_DEADLINE_S=1200.
+# PYTHON picks the interpreter (default .venv-node, then .venv, then python3).
+# Exit code: 0 when no stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=${GPU_CHECK_RESULTS:-bench/results/gpu_check-$(hostname)-$(date +%Y%m%dT%H%M%S)}
-mkdir -p "$RESULTS"
+REPO=$PWD
+DRY=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench/gpu_check.sh: unknown argument '$arg' (only --dry-run)" >&2; exit 2 ;;
+  esac
+done
+T0=$SECONDS
+DEADLINE_S=${GPU_CHECK_DEADLINE_S:-330}
+STAGES=(env gpu train hf_capture specdec sglang_capture sglang_eagle3)
+
+if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
+mkdir -p "$OUT" || { echo "bench/gpu_check.sh: cannot create OUT=$OUT" >&2; exit 2; }
+OUT=$(cd "$OUT" && pwd)
+created_work=0
+if [ -n "${GPU_CHECK_WORK:-}" ]; then WORK=$GPU_CHECK_WORK; mkdir -p "$WORK"
+else WORK=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check.XXXXXX"); created_work=1; fi
+WORK=$(cd "$WORK" && pwd)
+case "$WORK/" in "$OUT/"*)
+  echo "bench/gpu_check.sh: GPU_CHECK_WORK=$WORK is inside OUT=$OUT; only the packed results may go there" >&2
+  exit 2 ;;
+esac
+RESULTS=$WORK/results
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+# everything printed also goes to $OUT/log, so it comes back even when the command is killed
+exec > >(tee -a "$OUT/log") 2>&1
+TEE_PID=$!
+
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-  # the node environment (sglang, `make venv-node`) when present: the capture check needs it
   if [ -x .venv-node/bin/python ]; then PY=.venv-node/bin/python
   elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-export PYTHONPATH="$PWD/include:$PWD/.cache/device-py${PYTHONPATH:+:$PYTHONPATH}"
-status=0
+# the verdict writer needs only the standard library
+VPY=$(command -v python3 || echo "$PY")
+export GPU_CHECK_RESULTS=$RESULTS GPU_CHECK_DRY_RUN=$DRY GPU_CHECK_DEADLINE_S=$DEADLINE_S PYTHONUNBUFFERED=1
+echo "# bench/gpu_check.sh $(date -u +%FT%TZ) on $(hostname): dry run $DRY, python $PY, OUT $OUT, work $WORK," \
+     "deadline ${DEADLINE_S} s"
 
-{ echo "# $(date -u +%FT%TZ) on $(hostname)"; nvidia-smi; echo "exit $?"; } > "$RESULTS/nvidia-smi.txt" 2>&1
-nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw,ecc.errors.uncorrected.volatile.total \
-  --format=csv > "$RESULTS/query-gpu.csv" 2>&1
-nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv > "$RESULTS/query-apps.csv" 2>&1
+verdict() {  # STAGE STATUS REASON [KEY=JSON ...]
+  "$VPY" bench/gpu_check_common.py "$@" || echo "bench/gpu_check.sh: could not write the verdict of $1"
+}
 
-"$PY" - "$RESULTS" <<'PYEOF' || status=1
-import json, statistics, sys, time
-from pathlib import Path
-out = Path(sys.argv[1])
-from eagleflow.gpu.nvml_probe import NvmlProbe
-from eagleflow.gpu.probes import _LocalSmiProbe
-from eagleflow.nodes import LocalNode
+pack() {  # summary.json and results.tar.gz into $OUT, each replaced by a rename
+  export GPU_CHECK_ELAPSED_S=$((SECONDS - T0))
+  local f
+  for f in "$RESULTS"/*.log; do   # 16 MiB a file comes back: keep each log's tail
+    [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 2097152 ] && { tail -c 2097152 "$f" > "$f.tail" && mv "$f.tail" "$f"; }
+  done
+  "$VPY" bench/gpu_check_common.py --summary "$RESULTS" "$OUT/summary.json" "${STAGES[@]}"
+  tar -czf "$OUT/.results.tar.gz.part" -C "$WORK" results && mv -f "$OUT/.results.tar.gz.part" "$OUT/results.tar.gz"
+}
 
-def run(name, probe):
-    try:
-        t = time.perf_counter(); snaps = probe.snapshot(); first = time.perf_counter() - t
-        times = []
-        for _ in range(10):
-            t = time.perf_counter(); probe.snapshot(); times.append(time.perf_counter() - t)
-        (out / f"{name}.json").write_text(json.dumps([s.to_dict() for s in snaps], indent=2))
-        return snaps, {"first_s": first, "median_s": statistics.median(times)}, None
-    except Exception as e:
-        (out / f"{name}.error.txt").write_text(f"{type(e).__name__}: {e}\n")
-        return None, None, f"{type(e).__name__}: {e}"
+status_of() { "$VPY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], ""))' "$RESULTS/$1.json" "${2:-status}" 2>/dev/null; }
 
-nv, nv_t, nv_err = run("nvml", NvmlProbe())
-smi, smi_t, smi_err = run("smi", _LocalSmiProbe(LocalNode()))
-lines, ok = [], nv_err is None and smi_err is None
-fields = ["index", "name", "memory_used_mib", "memory_total_mib", "utilization_pct", "temperature_c", "power_w",
-          "ecc_uncorrected"]
-if nv and smi:
-    by_uuid = {s.uuid: s for s in smi}
-    for a in nv:
-        b = by_uuid.get(a.uuid)
-        lines.append(f"{a.uuid}")
-        if b is None:
-            lines.append("  missing from nvidia-smi"); ok = False; continue
-        for f in fields:
-            va, vb = getattr(a, f), getattr(b, f)
-            same = va == vb or (f in ("power_w", "temperature_c", "utilization_pct") and va is not None and vb is not None)
-            if f == "memory_used_mib" and va is not None and vb is not None and abs(va - vb) > 2:
-                same = False; ok = False  # the number the idle gate uses must agree
-            lines.append(f"  {f:<18} nvml={va!s:<28} smi={vb!s:<28} {'' if same else '<- differs'}")
-        lines.append(f"  processes          nvml={[p.pid for p in a.processes]} smi={[p.pid for p in b.processes]}")
-summary = {"nvml_error": nv_err, "smi_error": smi_err, "nvml_timing": nv_t, "smi_timing": smi_t,
-           "gpus": len(nv or smi or []), "memory_agrees": ok}
-if nv_t and smi_t:
-    summary["smi_over_nvml"] = smi_t["median_s"] / nv_t["median_s"]
-(out / "side_by_side.txt").write_text("\n".join(lines) + "\n")
-(out / "summary.json").write_text(json.dumps(summary, indent=2))
-print("\n".join(lines)); print(json.dumps(summary, indent=2))
-sys.exit(0 if ok else 1)
-PYEOF
-
-# the capture check keeps its folder (tiny target, stored hidden states) for the EAGLE-3 serving check
-WORK="$RESULTS/work"
-for extra in "bench/gpu_check_capture.py --keep $WORK --samples 64" bench/gpu_check_train.py "bench/gpu_check_eagle3.py --from $WORK"; do
-  script=${extra%% *}
-  if [ -f "$script" ]; then
-    echo "== $extra"
-    # shellcheck disable=SC2086  # the arguments above are meant to split
-    GPU_CHECK_RESULTS="$RESULTS" "$PY" $extra > "$RESULTS/$(basename "$script" .py).log" 2>&1 || { status=1; echo "$extra failed"; }
-    tail -n 20 "$RESULTS/$(basename "$script" .py).log"
+run_stage() {  # STAGE LIMIT_S COMMAND...: the verdict exists when this returns, whatever the command did
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE_S - (SECONDS - T0) - 5))
+  if [ "$left" -lt 15 ]; then
+    verdict "$name" skipped "out of time: ${left} s left of the check's ${DEADLINE_S} s (GPU_CHECK_DEADLINE_S)"
+    pack; return
   fi
-done
-echo "results in $RESULTS (exit $status)"
-exit $status
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== stage $name (limit ${limit} s; $((SECONDS - T0)) s into the check)"
+  local s0=$SECONDS rc
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
+  rc=${PIPESTATUS[0]}
+  if [ ! -f "$RESULTS/$name.json" ]; then
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+      verdict "$name" fail "killed by its time limit of ${limit} s" exit_code="$rc" seconds=$((SECONDS - s0))
+    else
+      verdict "$name" fail "exited $rc without writing a verdict (see $name.log)" exit_code="$rc" seconds=$((SECONDS - s0))
+    fi
+  fi
+  echo "== $name: $(status_of "$name") in $((SECONDS - s0)) s"
+  pack
+}
+
+stop_hf_server() {  # by its process record: a stage killed by its limit leaves the detached server behind
+  if [ -f "$WORK/hf_capture/config.yaml" ] && [ -d "$WORK/hf_capture/state" ]; then
+    timeout -k 5 30 "$PY" -m eagleflow.cli capture stop --config "$WORK/hf_capture/config.yaml" \
+      --run-id gpucheck --grace 5 >/dev/null 2>&1 || true
+  fi
+}
+
+finish() {
+  stop_hf_server
+  [ "$created_work" = 1 ] && [ "${GPU_CHECK_KEEP:-0}" != 1 ] && rm -rf "$WORK"
+}
+trap finish EXIT
+
+# --- the wheels the image lacks (pydantic and its dependencies), carried in .whl/ -------------------
+SITE=$WORK/site
+export PYTHONPATH="$REPO/include${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import pydantic" 2>/dev/null; then
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    echo "pydantic is not installed: installing the carried wheels into $SITE"
+    { "$PY" -m pip install --no-index --no-deps --target "$SITE" .whl/*.whl ||
+      # no pip: a wheel is a zip of the files to put on the path
+      "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" .whl/*.whl
+    } > "$RESULTS/wheels.txt" 2>&1 || echo "installing the wheels failed: see wheels.txt"
+    export PYTHONPATH="$REPO/include:$SITE${PYTHONPATH#"$REPO/include"}"
+  else
+    echo "pydantic is not installed and .whl/ holds no wheels: run bench/fetch_gpu_wheels.sh where PyPI is" \
+         "reachable and carry .whl; the env stage will say what fails"
+  fi
+fi
+pack
+
+run_stage env 45 "$PY" bench/gpu_check_stages.py env --work "$WORK"
+run_stage gpu 75 "$PY" bench/gpu_check_stages.py gpu --work "$WORK"
+if [ "$DRY" = 0 ] && [ "$(status_of env cuda_available)" = True ]; then
+  run_stage train 120 "$PY" bench/gpu_check_train.py --device cuda --dims llama3-8b --seq 2048 --steps 10 \
+    --long-seq 8192 --data-samples 4
+else   # the same code on the CPU at toy dims
+  run_stage train 120 "$PY" bench/gpu_check_train.py --device cpu --dims tiny --seq 64 --steps 2 --long-seq 0 \
+    --data-samples 1
+fi
+run_stage hf_capture 120 "$PY" bench/gpu_check_stages.py hf_capture --work "$WORK" --samples 16
+stop_hf_server
+
+if [ -e include/eagleflow/evaluate/decoder.py ]; then
+  verdict specdec skipped "the evaluation phase exists (eagleflow.evaluate), but this check has no stage for its decoder yet"
+else
+  verdict specdec skipped "evaluation phase not built"
+fi
+pack
+
+# find_spec reads the path only: no sglang (or torch) import just to learn it is absent
+if ! timeout 10 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("sglang") is None)' 2>/dev/null; then
+  verdict sglang_capture skipped "sglang not importable on this machine"
+  verdict sglang_eagle3 skipped "sglang not importable on this machine"
+elif [ "$DRY" = 1 ] || [ "$(status_of env cuda_available)" != True ]; then
+  verdict sglang_capture skipped "sglang is installed, but its stages need a CUDA GPU (dry run or none seen)"
+  verdict sglang_eagle3 skipped "sglang is installed, but its stages need a CUDA GPU (dry run or none seen)"
+else
+  run_stage sglang_capture 300 "$PY" bench/gpu_check_capture.py --keep "$WORK/sglang" --samples 64
+  if [ "$(status_of sglang_capture)" = pass ]; then
+    run_stage sglang_eagle3 420 "$PY" bench/gpu_check_eagle3.py --from "$WORK/sglang"
+  else   # a failed capture is never re-run: it would fail the same way, on the same clock
+    verdict sglang_eagle3 skipped "the sglang capture stage did not pass; not re-run"
+  fi
+fi
+pack
+
+overall=$("$VPY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["status"])' "$OUT/summary.json")
+echo "== gpu_check: $overall in $((SECONDS - T0)) s; $OUT holds: $(cd "$OUT" && ls | tr '\n' ' ')"
+rc=0
+[ "$overall" = fail ] && rc=1
+exec 1>&- 2>&-
+wait "$TEE_PID" 2>/dev/null
+exit $rc

@@ -33,6 +33,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_check_common import write_verdict  # noqa: E402
+
+STAGE = "sglang_capture"
+# fast start: the capture is prefill only, so CUDA graphs (decode) would only cost start-up time
+FAST_START_ARGS = ["--disable-cuda-graph"]
 
 
 def build_target(root: Path) -> Path:
@@ -61,9 +68,9 @@ def write_config(root: Path, model: Path) -> Path:
     cfg = {"run_root": str(root / "runs"), "target_model": str(model),
            "node": {"name": "gpu-check", "has_gpu": True, "state_dir": str(root / "state")},
            "capture": {"backend": "sglang", "port": 0, "dump_dir": f"/dev/shm/eagleflow-gpu-check-{os.getpid()}",
-                       "dtype": "bfloat16", "tp": 1, "shards": 1, "in_flight": 4, "ready_timeout_s": 600,
+                       "dtype": "bfloat16", "tp": 1, "shards": 1, "in_flight": 4, "ready_timeout_s": 240,
                        "heartbeat_interval_s": 1, "request_timeout_base_s": 60,
-                       "extra_server_args": ["--mem-fraction-static", "0.3"]}}
+                       "extra_server_args": ["--mem-fraction-static", "0.3", *FAST_START_ARGS]}}
     p = root / "config.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -108,14 +115,14 @@ def main() -> int:
     import torch
     if not torch.cuda.is_available():
         print("gpu_check_capture: torch sees no CUDA GPU here; run this on a GPU node")
-        return report_verdict("capture", {"pass": False, "error": "no CUDA GPU"})
+        return write_verdict(STAGE, "fail", "torch sees no CUDA GPU here")
     try:
         from eagleflow.capture.sglang_launcher import check_supported_version, installed_sglang_version
         version = check_supported_version(installed_sglang_version())
         print(f"sglang {version}")
     except Exception as e:
         print(f"gpu_check_capture: {e}")
-        return report_verdict("capture", {"pass": False, "error": str(e)})
+        return write_verdict(STAGE, "fail", str(e))
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagleflow-gpu-check-"))
     root.mkdir(parents=True, exist_ok=True)
     from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
@@ -138,38 +145,30 @@ def main() -> int:
         except Exception as e:
             print(f"server not ready: {e}")
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return report_verdict("capture", {"pass": False, "error": f"server not ready: {e}"})
+            return write_verdict(STAGE, "fail", f"server not ready: {e}")
         print(f"server: {json.dumps(info)}")
         w = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "run", "--config", str(cfgp),
-                            "--run-id", "gpucheck", "--shard", "0"], capture_output=True, text=True, timeout=900)
+                            "--run-id", "gpucheck", "--shard", "0"], capture_output=True, text=True, timeout=180)
         print(w.stdout[-3000:], w.stderr[-3000:])
         v = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "verify", "--config", str(cfgp),
-                            "--run-id", "gpucheck"], capture_output=True, text=True, timeout=300)
+                            "--run-id", "gpucheck"], capture_output=True, text=True, timeout=60)
         print(v.stdout[-2000:], v.stderr[-2000:])
         if w.returncode != 0 or v.returncode != 0:
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return report_verdict("capture", {"pass": False, "error": f"worker exit {w.returncode}, verify exit {v.returncode}",
-                            "worker_stderr": w.stderr[-2000:]})
+            return write_verdict(STAGE, "fail", f"worker exit {w.returncode}, verify exit {v.returncode}",
+                                 worker_stderr=w.stderr[-2000:])
     finally:
         print(stop_capture_server(ctx, grace_s=30, log=print))
     ok, lines = compare(Path(lay.run_dir), model, rows)
     print("\n".join(lines))
-    verdict = {"pass": ok, "samples": len(rows), "sglang_layer_ids": info.get("sglang_layer_ids"), "sglang": info.get("version"),
+    figures = {"samples": len(rows), "sglang_layer_ids": info.get("sglang_layer_ids"), "sglang": info.get("version"),
                "aux_layers": info.get("aux_layers"), "seconds": round(time.time() - t0, 1)}
-    print(("PASS " if ok else "FAIL ") + json.dumps(verdict))
     (root / "compare.txt").write_text("\n".join(lines) + "\n")
     if not a.keep:
         shutil.rmtree(root, ignore_errors=True)
-    return report_verdict("capture", verdict)
-
-
-def report_verdict(check: str, verdict: dict) -> int:
-    """Exit code, and <check>_verdict.json under $GPU_CHECK_RESULTS when bench/gpu_check.sh runs a check."""
-    out = os.environ.get("GPU_CHECK_RESULTS")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"{check}_verdict.json").write_text(json.dumps(verdict, indent=2))
-    return 0 if verdict.get("pass") else 1
+    return write_verdict(STAGE, "pass" if ok else "fail",
+                         None if ok else "stored states differ from the transformers forward (see compare lines)",
+                         **figures)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "include"))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
+
+from gpu_check_common import dry_run, write_verdict  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -92,9 +95,8 @@ def main() -> int:
     ap.add_argument("--dims", choices=["llama3-8b", "tiny"], default="llama3-8b")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check_train: torch sees no CUDA GPU here; run this on a GPU node "
-              "(a CUDA build of torch is needed)", file=sys.stderr)
-        return 2
+        return write_verdict("train", "fail", f"torch {torch.__version__} sees no CUDA GPU here; run this on a GPU "
+                             "node (a CUDA build of torch is needed), or --device cpu --dims tiny to rehearse")
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -219,14 +221,24 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
 
-    print(json.dumps({"gpu": gpu_name, "seq": a.seq, "ttt": a.ttt, **long_res,
-                      "draft_vocab": a.draft_vocab, "hidden": h, "step_ms": 1000 * step_s,
-                      "tokens_per_s": tps, "peak_mem_gib": peak, "loss_first": losses[0],
-                      "loss_last": losses[-1], "finite": finite,
-                      "data_fraction_of_step": None if data_s is None else data_s / step_s}))
+    figures = {"gpu": gpu_name, "dims": a.dims, "seq": a.seq, "ttt": a.ttt, **long_res,
+               "draft_vocab": a.draft_vocab, "hidden": h, "trainable_params_m": round(n_params / 1e6, 1),
+               "steps": a.steps, "step_ms": 1000 * step_s, "tokens_per_s": tps, "peak_mem_gib": peak,
+               "losses": [round(x, 4) for x in losses], "loss_first": losses[0], "loss_last": losses[-1],
+               "finite": finite, "data_fraction_of_step": None if data_s is None else data_s / step_s}
+    print(json.dumps(figures))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return 0 if finite and losses[-1] < losses[0] and "long_error" not in long_res else 1
+    problems = [p for p, bad in (("a loss is not finite", not finite),
+                                 (f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})", losses[-1] >= losses[0]),
+                                 (long_res.get("long_error", ""), "long_error" in long_res)) if bad]
+    if problems:
+        return write_verdict("train", "fail", "; ".join(problems), **figures)
+    if not cuda:
+        why = "dry run" if dry_run() else f"torch {torch.__version__} sees no CUDA GPU here"
+        return write_verdict("train", "skipped", f"{why}: needs a CUDA GPU; the training step was rehearsed on the "
+                             f"CPU at {a.dims} dims (not a measurement)", rehearsal=figures)
+    return write_verdict("train", "pass", None, **figures)
 
 
 if __name__ == "__main__":

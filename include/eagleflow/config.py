@@ -100,6 +100,8 @@ class CaptureConfig(_Section):
     aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
     tp: int = Field(default=1, ge=1, le=64)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend runs the "
+                                                   "model (auto = cuda when torch sees a GPU); sglang ignores it")
     shards: int = Field(default=1, ge=1, le=1024)
     in_flight: int = Field(default=4, ge=1, le=256, description="requests in flight per worker, so the model never waits on the disk")
     request_timeout_base_s: float = Field(default=60.0, gt=0)

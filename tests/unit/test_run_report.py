@@ -71,8 +71,8 @@ def test_complete_run_report(tmp_path):
     assert "training loss" in html and "acceptance length 3.275" in html
     cmd = ("python3 -m sglang.launch_server --model-path &#x27;/models/Kimi K2.5&#x27; --speculative-algorithm EAGLE3 "
            f"--speculative-draft-model-path {tmp_path}/runs/manual__r1/draft/export")
-    assert cmd in html and "--tp 8 --dtype bfloat16" in html
-    assert serve_command(cfg, "/x").endswith("--tp 8 --dtype bfloat16")
+    assert cmd in html and "--tp-size 8 --dtype bfloat16" in html
+    assert serve_command(cfg, "/x").endswith("--tp-size 8 --dtype bfloat16")
 
 
 def test_failed_run_report_says_what_is_missing(tmp_path):

@@ -56,7 +56,7 @@ def _serve(args) -> int:
         from .hf_server import serve
         serve(str(cfg.resolve(cfg.target_model)), host=cfg.capture.host, port=cfg.capture.port,
               dump_dir=dump_dir(cfg), info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers,
-              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)))
+              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)), device=cfg.capture.device)
         return 0
     from .sglang_launcher import launch
     return launch(cfg, layout)

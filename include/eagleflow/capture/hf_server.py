@@ -40,7 +40,7 @@ class CaptureModel:
     """A causal LM and the capture of its EAGLE-3 hidden states."""
 
     def __init__(self, model_path: str, dtype: str = "auto", aux_layers: list[int] | None = None,
-                 model_name: str | None = None, threads: int | None = None):
+                 model_name: str | None = None, threads: int | None = None, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -48,7 +48,13 @@ class CaptureModel:
             torch.set_num_threads(threads)
         torch_dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
                        "float32": torch.float32}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("capture.device is 'cuda' but torch sees no CUDA GPU here; set capture.device: cpu "
+                               "(or auto) or install a CUDA build of torch")
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         cfg = self.model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)
@@ -66,7 +72,7 @@ class CaptureModel:
         if not input_ids or bad:
             raise ValueError(f"input_ids must be a non-empty list of ints in 0..{self.vocab_size - 1}"
                              + (f"; bad values: {bad[:5]}" if bad else ""))
-        ids = torch.tensor([input_ids], dtype=torch.int64)
+        ids = torch.tensor([input_ids], dtype=torch.int64, device=self.device)
         with self.lock, torch.inference_mode():
             delay = _forward_delay()
             if delay:
@@ -119,7 +125,7 @@ class CaptureServer(ThreadingHTTPServer):
         import transformers
         m = self.capture
         return {"backend": "hf", "model": m.model_name, "num_layers": m.num_layers, "aux_layers": m.aux_layers,
-                "hidden_size": m.hidden_size, "dtype": m.dtype, "dump_dir": self.dump_dir,
+                "hidden_size": m.hidden_size, "dtype": m.dtype, "device": str(m.device), "dump_dir": self.dump_dir,
                 "version": _package_version(), "transformers_version": transformers.__version__,
                 "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "started_at": self.started_at}
 
@@ -199,8 +205,9 @@ def write_info_file(path: str, info: dict) -> None:
 
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
-          threads: int | None = None) -> None:
-    model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads)
+          threads: int | None = None, device: str = "cpu") -> None:
+    model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads,
+                         device=device)
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     server = CaptureServer((host, port), model, dump_dir)
     info = server.server_info()
@@ -208,7 +215,7 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
     if info_file:
         write_info_file(info_file, info)
     print(f"hf capture server for {model.model_name} listening on {server.url} "
-          f"(layers {model.num_layers}, aux {model.aux_layers}, dumps in {dump_dir})", file=sys.stderr, flush=True)
+          f"(layers {model.num_layers}, aux {model.aux_layers}, {model.device}, dumps in {dump_dir})", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -226,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--model-name")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     a = ap.parse_args(argv)
     serve(a.model, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file,
-          aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads)
+          aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads,
+          device=a.device)
     return 0
 
 

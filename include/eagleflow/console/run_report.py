@@ -97,7 +97,7 @@ def serve_command(cfg, export_dir: str) -> str:
     argv = ["python3", "-m", "sglang.launch_server", "--model-path", str(cfg.target_model),
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", export_dir,
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-            "--tp", str(cfg.capture.tp)]
+            "--tp-size", str(cfg.capture.tp)]  # --tp is only an argparse abbreviation
     if cfg.capture.dtype != "auto":
         argv += ["--dtype", cfg.capture.dtype]
     return shlex.join(argv)

@@ -1,0 +1,81 @@
+"""bench/gpu_check.sh --dry-run on this CPU machine: every stage leaves a verdict and $OUT has the layout the
+GPU machine's device tool brings back (at most 8 files, no folder deeper than 2, a tarball and summary.json)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ["env", "gpu", "train", "hf_capture", "specdec", "sglang_capture", "sglang_eagle3"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _run(tmp_path: Path, *args: str, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    e = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(tmp_path / "work"), "PYTHON": sys.executable, **env}
+    p = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                       timeout=timeout, env=e, cwd=tmp_path)
+    return p, out
+
+
+def _layout(out: Path) -> tuple[list[Path], int]:
+    files = [p for p in out.rglob("*") if p.is_file()]
+    depth = max((len(p.relative_to(out).parts) - 1 for p in out.rglob("*") if p.is_dir()), default=0)
+    return files, depth
+
+
+def test_dry_run_walks_every_stage_and_writes_the_out_layout(tmp_path):
+    p, out = _run(tmp_path, "--dry-run", timeout=800)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    files, depth = _layout(out)
+    assert len(files) <= 8 and depth <= 2, (files, depth)
+    assert {f.name for f in files} == {"summary.json", "results.tar.gz", "log"}, files
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "pass" and summary["dry_run"] is True and summary["pending"] == []
+    verdicts = {v["stage"]: v for v in summary["stages"]}
+    assert list(verdicts) == STAGES
+    assert verdicts["env"]["status"] == "pass"
+    for name in STAGES[1:]:
+        assert verdicts[name]["status"] == "skipped" and verdicts[name]["reason"], verdicts[name]
+    # the GPU stages rehearsed their code on the CPU, and say it is no measurement
+    assert verdicts["gpu"]["rehearsal"]["smi_held_names_pid"] is True
+    assert verdicts["train"]["rehearsal"]["loss_last"] < verdicts["train"]["rehearsal"]["loss_first"]
+    assert verdicts["hf_capture"]["rehearsal"]["worst"]["min_cos"] >= 0.995
+    assert all("not a measurement" in verdicts[n]["reason"] for n in ("gpu", "train", "hf_capture"))
+    built = (REPO / "include" / "eagleflow" / "evaluate" / "decoder.py").is_file()
+    assert verdicts["specdec"]["reason"] == ("the evaluation phase exists (eagleflow.evaluate), but this check has "
+                                             "no stage for its decoder yet" if built else "evaluation phase not built")
+    sglang_absent = verdicts["sglang_capture"]["reason"] == "sglang not importable on this machine"
+    assert sglang_absent or "need a CUDA GPU" in verdicts["sglang_capture"]["reason"]
+    with tarfile.open(out / "results.tar.gz") as t:
+        names = set(t.getnames())
+    assert {f"results/{s}.json" for s in STAGES} <= names, names
+    assert not (tmp_path / "work").is_relative_to(out)
+    assert "== gpu_check: pass" in (out / "log").read_text()
+
+
+def test_a_short_deadline_still_leaves_every_verdict_and_the_layout(tmp_path):
+    t0 = time.monotonic()
+    p, out = _run(tmp_path, "--dry-run", timeout=300, GPU_CHECK_DEADLINE_S="25")
+    took = time.monotonic() - t0
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = {v["stage"]: v for v in summary["stages"]}
+    assert list(verdicts) == STAGES, p.stdout[-4000:]
+    cut = [v for v in verdicts.values()
+           if v["status"] == "skipped" and v["reason"].startswith("out of time")
+           or v["status"] == "fail" and "killed by its time limit" in v["reason"]]
+    assert cut, verdicts
+    # a stage cut by its limit is a failure; one never started for lack of time is not
+    assert p.returncode == (1 if summary["failed"] else 0)
+    # the deadline, plus timeout's -k grace and the packing, bounds the whole run
+    assert took < 25 + 10 + 20, took
+    files, depth = _layout(out)
+    assert len(files) <= 8 and depth <= 2 and (out / "results.tar.gz").is_file()
