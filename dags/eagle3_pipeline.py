@@ -22,6 +22,7 @@ from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
 from eagleflow.airflow.routing import default_config_path, node_routing
+from eagleflow.airflow.runtime import allowed_node_conn_ids
 from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
 
 DOC = __doc__ + """
@@ -58,15 +59,18 @@ with DAG(
     params={
         "config_path": Param(default_config_path(), type="string", title="Config file",
                              description="Pipeline config (YAML) on the Airflow machine, relative to the project "
-                                         "root ($EAGLEFLOW_HOME); the other fields override it."),
+                                         "root ($EAGLEFLOW_HOME), in one of the deployment's config folders "
+                                         "($EAGLEFLOW_CONFIG_DIRS, default configs/); the other fields override it."),
         "run_name": Param(None, type=["null", "string"], pattern=r"^(?!\.\.?$)[A-Za-z0-9_.-]+$",
                           title="Run directory name",
                           description="Name of this run's directory under run_root (one plain name, not '.' or "
                                       "'..'); empty = the Airflow run id."),
         "target_model": Param(None, type=["null", "string"], title="Target model path",
                               description="Local path of the target model on the node (config, weights, tokenizer)."),
-        "node_conn_id": Param(None, type=["null", "string"], title="GPU node SSH connection",
-                              description="Airflow SSH connection id of the GPU node; empty = the config's node."),
+        "node_conn_id": Param(None, type=["null", "string"], enum=[None, *allowed_node_conn_ids()],
+                              title="GPU node SSH connection",
+                              description="Airflow SSH connection id of the GPU node, one of those the deployment "
+                                          "allows ($EAGLEFLOW_NODE_CONN_IDS); empty = the config's node."),
         "capture_backend": Param(None, type=["null", "string"], enum=[None, "hf", "sglang"],
                                  title="Capture backend",
                                  description="sglang on a GPU node; hf (transformers) on CPU or for tiny models."),
@@ -74,7 +78,8 @@ with DAG(
                         description="Number of extraction shards (one worker each)."),
         "force_free_gpus": Param(False, type="boolean", title="Force-free GPUs",
                                  description="Also kill processes we did not start that hold the selected GPUs. "
-                                             "GPU nodes are shared: leave off unless you own the node."),
+                                             "GPU nodes are shared: refused unless the deployment allows it "
+                                             "($EAGLEFLOW_ALLOW_FORCE_FREE); leave off unless you own the node."),
         "delete_old_caches": Param(False, type="boolean", title="Delete old caches",
                                    description="Delete the old hidden-state caches listed in the config "
                                                "(only under disk.cache_root) before the disk check."),

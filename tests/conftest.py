@@ -31,6 +31,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_dirs_for_tests(tmp_path_factory):
+    """Tests write their configs under the session's temp folder and name them in DAG Params: allow that
+    folder besides configs/, as a deployment would allow its own (EAGLEFLOW_CONFIG_DIRS). The security tests
+    narrow it again to show what is refused."""
+    dirs = os.pathsep.join([str(REPO / "configs"), str(tmp_path_factory.getbasetemp())])
+    old = os.environ.get("EAGLEFLOW_CONFIG_DIRS")
+    os.environ["EAGLEFLOW_CONFIG_DIRS"] = dirs
+    yield dirs
+    if old is None:
+        os.environ.pop("EAGLEFLOW_CONFIG_DIRS", None)
+    else:
+        os.environ["EAGLEFLOW_CONFIG_DIRS"] = old
+
+
 @pytest.fixture(scope="session")
 def airflow_db() -> str:
     """A migrated SQLite metadata DB in this session's Airflow home (needed by dag.test())."""

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     print("[demo] building local inputs (sources, tokenizer, tiny Llama target) under .cache/demo ...", flush=True)
     ensure_demo_assets(REPO / ".cache" / "demo")
     cfg = load_config(a.config)  # fail early, with the field named, on a bad config
-    env = airflow_env()
+    # the config named here is the deployment's own (the DAG parses with it, the run's Param may name it)
+    env = airflow_env(extra={"EAGLEFLOW_CONFIG": str(Path(a.config).absolute())})
     print(f"[demo] Airflow home {env['AIRFLOW_HOME']} (SQLite); migrating the DB if needed ...", flush=True)
     ensure_db(env)
     run_id = a.run_id or time.strftime("demo__%Y%m%dT%H%M%S")

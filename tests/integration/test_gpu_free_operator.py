@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow]
 def test_free_gpus_operator(sshd, monkeypatch, tmp_path):  # noqa: F811
     from eagleflow.airflow.gpu_operators import FreeGpusOperator
     monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE_TEST", sshd.airflow_conn())
+    monkeypatch.setenv("EAGLEFLOW_ALLOW_FORCE_FREE", "1")  # this deployment lets the Param force-free (below)
     cfg_path = write_gpu_config(tmp_path / "cfg.yaml", conn_id="gpu_node_test", run_root=tmp_path / "runs")
     params = {"config_path": str(cfg_path)}
     ctx = RunContext.from_params(params, "free_test")

@@ -17,7 +17,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, incident_thread, send_mail,
                                       task_log_url)
-from eagleflow.airflow.runtime import resolve_config_path
+from eagleflow.airflow.runtime import checked_config_path
 
 
 class HealthIncidentsOpen(AlreadyMailed):
@@ -95,7 +95,8 @@ class GpuNodeHealthOperator(BaseOperator):
         for path in paths:
             observed.add(f"config:{path}")
             try:
-                cfg = load_config(resolve_config_path(path))  # relative: against the project root
+                # relative: against the project root; only the deployment's config folders (the Param is a form field)
+                cfg = load_config(checked_config_path(path, "gpu_node_health Param config_paths"))
             except Exception as e:   # one bad config must not blind the check to the other nodes
                 self.log.error("config %s cannot be read: %s", path, e)
                 findings.append(hi.config_finding(str(path), str(e)))

@@ -36,7 +36,8 @@ def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: 
     })
     env.setdefault("EAGLEFLOW_CONFIG", str(REPO / "configs" / "local-demo.yaml"))
     env.update(extra or {})
-    home.mkdir(parents=True, exist_ok=True)
+    if not home.exists():  # Airflow keeps its DB (connections, XComs) and the generated admin password here
+        home.mkdir(parents=True, mode=0o700)
     return env
 
 

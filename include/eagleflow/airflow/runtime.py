@@ -14,7 +14,8 @@ A run's config is resolved ONCE and then frozen:
 A relative ``config_path`` (or ``$EAGLEFLOW_CONFIG``) is resolved against the
 project root: ``$EAGLEFLOW_HOME`` when set, else the folder holding Airflow's
 DAG folder (the checkout under ``make airflow``, /opt/eagleflow in the image);
-never against the worker's current directory.
+never against the worker's current directory. A ``config_path`` from the Params must lie in one of the
+deployment's config folders (``$EAGLEFLOW_CONFIG_DIRS``, default configs/; ``checked_config_path``).
 
 Triggers carry a ``RunRef`` (connection id, path of run-config.json on the
 node, run id): small and stable across upgrades, unlike the whole config.
@@ -44,6 +45,10 @@ PARAM_OVERRIDES: dict[str, str] = {
 }
 
 DEFAULT_CONFIG_ENV = "EAGLEFLOW_CONFIG"
+HEALTH_CONFIGS_ENV = "EAGLEFLOW_HEALTH_CONFIGS"
+CONFIG_DIRS_ENV = "EAGLEFLOW_CONFIG_DIRS"
+NODE_CONN_IDS_ENV = "EAGLEFLOW_NODE_CONN_IDS"
+ALLOW_FORCE_FREE_ENV = "EAGLEFLOW_ALLOW_FORCE_FREE"
 PROJECT_ROOT_ENV = "EAGLEFLOW_HOME"
 RUN_CONFIG_XCOM_KEY = "eagleflow_run_config"
 RUN_CONFIG_FILE = "run-config.json"
@@ -63,12 +68,53 @@ def resolve_config_path(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else project_root() / p
 
 
+def allowed_config_dirs() -> list[Path]:
+    """The folders a DAG Param may name a config in: $EAGLEFLOW_CONFIG_DIRS (os.pathsep-separated, relative
+    entries against the project root), else the project's configs/ folder."""
+    raw = os.environ.get(CONFIG_DIRS_ENV, "")
+    return [resolve_config_path(e) for e in (raw.split(os.pathsep) if raw.strip() else ["configs"]) if e.strip()]
+
+
+def deployment_config_files() -> list[Path]:
+    """Configs the deployment itself names ($EAGLEFLOW_CONFIG, $EAGLEFLOW_HEALTH_CONFIGS): allowed wherever they are."""
+    named = [os.environ.get(DEFAULT_CONFIG_ENV, "")] + os.environ.get(HEALTH_CONFIGS_ENV, "").split(os.pathsep)
+    return [resolve_config_path(n) for n in named if n.strip()]
+
+
+def checked_config_path(path: str | os.PathLike, field: str) -> Path:
+    """``path`` from a DAG Param (the trigger form, the REST API's conf) as a file eagleflow may read.
+
+    Only a file under one of ``allowed_config_dirs()`` or one the deployment names itself: whoever may trigger
+    a DAG must not make it read (and report on) any file the Airflow worker can read. ``..`` is refused by
+    name, and the real path counts, so a symbolic link out of an allowed folder is refused too. Errors name
+    the Param and the path, never the file's content.
+    """
+    text = os.fspath(path)
+    allowed = allowed_config_dirs()
+    fix = (f"put the config in one of this deployment's config folders ({', '.join(map(str, allowed))}) and "
+           f"name it relative to the project root {project_root()}, e.g. configs/local-demo.yaml; another "
+           f"folder is allowed only by the deployment's settings (${CONFIG_DIRS_ENV}), not from a trigger")
+    if ".." in Path(text).parts:
+        raise ConfigError(f"{field} = {text!r}: '..' is not allowed in a config path; {fix}")
+    full = Path(os.path.normpath(resolve_config_path(text)))
+    real = full.resolve()
+    if real in {f.resolve() for f in deployment_config_files()}:
+        return full
+    for d in allowed:
+        if real.is_relative_to(d.resolve()):
+            return full
+    if any(full.is_relative_to(os.path.normpath(d)) for d in allowed):
+        raise ConfigError(f"{field} = {text!r}: it is a symbolic link (or lies under one) that leads to {real}, "
+                          f"outside the allowed config folders; {fix}")
+    raise ConfigError(f"{field} = {text!r}: {full} is outside the allowed config folders; {fix}")
+
+
 def config_from_params(params: dict[str, Any]) -> PipelineConfig:
     path = params.get("config_path") or os.environ.get(DEFAULT_CONFIG_ENV)
     if not path:
         raise ConfigError("no config: set the DAG Param 'config_path' (or $EAGLEFLOW_CONFIG) to a YAML file; "
                           "see configs/local-demo.yaml")
-    full = resolve_config_path(path)
+    full = checked_config_path(path, "DAG Param config_path")
     if not full.is_file() and not Path(path).is_absolute():
         raise ConfigError(f"config file {str(path)!r} (Param config_path / ${DEFAULT_CONFIG_ENV}) not found at "
                           f"{full}: a relative path is resolved against the project root {project_root()} "
@@ -77,7 +123,36 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
     # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
                  if params.get(p) not in (None, "", [], False)}
-    return load_config(full, overrides)
+    conn_id = overrides.pop("node.conn_id", None)
+    if overrides.get("gpu.force_free") and not force_free_allowed():
+        raise ConfigError("DAG Param force_free_gpus = true is refused: this deployment does not let a trigger kill "
+                          "processes eagleflow did not start (GPU nodes are shared). Leave it off; to force-free a "
+                          "node you own, set gpu.force_free: true in that node's config file, or allow the Param "
+                          f"in the deployment's settings (${ALLOW_FORCE_FREE_ENV}=1)")
+    cfg = load_config(full, overrides)
+    if conn_id is not None and conn_id != cfg.node.conn_id:
+        allowed = allowed_node_conn_ids()
+        if conn_id not in allowed:
+            raise ConfigError(
+                f"DAG Param node_conn_id = {conn_id!r} is refused: a trigger may choose only among the node "
+                f"connections this deployment allows ({', '.join(map(repr, allowed)) or 'none'}; "
+                f"${NODE_CONN_IDS_ENV} in the deployment's settings). Leave it empty to run on the config's node "
+                f"{cfg.node.name!r} (connection {cfg.node.conn_id or 'none: this machine'}), or pick an allowed one")
+        cfg.node.conn_id = conn_id
+    return cfg
+
+
+def allowed_node_conn_ids() -> list[str]:
+    """Node connections the DAG Param node_conn_id may name: $EAGLEFLOW_NODE_CONN_IDS (comma-separated).
+
+    A config's own ``node.conn_id`` needs no listing: the config files are the deployment's (checked_config_path).
+    """
+    return [c.strip() for c in os.environ.get(NODE_CONN_IDS_ENV, "").split(",") if c.strip()]
+
+
+def force_free_allowed() -> bool:
+    """Whether the DAG Param force_free_gpus may switch force-freeing on ($EAGLEFLOW_ALLOW_FORCE_FREE)."""
+    return os.environ.get(ALLOW_FORCE_FREE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:

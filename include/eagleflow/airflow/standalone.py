@@ -69,7 +69,7 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": token,
             "port": port, "url": f"http://localhost:{port}", "log": str(home / "standalone.log"), "home": str(home)}
-    sf.write_text(json.dumps(info))
+    _write_state(sf, info)
     deadline = time.time() + wait_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -80,8 +80,15 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
     else:
         raise RuntimeError(f"Airflow API not healthy on port {port} after {wait_s} s; see {info['log']}")
     info["password"] = admin_password(home, wait_s=60)
-    sf.write_text(json.dumps(info))
+    _write_state(sf, info)
     return info
+
+
+def _write_state(sf: Path, info: dict) -> None:
+    """standalone.json, 0600 from its first byte: it holds the admin password and the group's token."""
+    from eagleflow.durable import atomic_replace
+    with atomic_replace(sf, mode=0o600) as tmp:
+        tmp.write_text(json.dumps(info))
 
 
 def _healthy(port: int) -> bool:
@@ -98,7 +105,9 @@ def admin_password(home: Path, wait_s: float = 0) -> str | None:
     while True:
         if f.exists():
             try:
-                return json.loads(f.read_text()).get("admin")
+                password = json.loads(f.read_text()).get("admin")
+                os.chmod(f, 0o600)   # Airflow writes it world-readable; it is the admin's password
+                return password
             except json.JSONDecodeError:
                 pass
         if time.time() >= deadline:
