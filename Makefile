@@ -33,6 +33,11 @@ system-deps:
 test: system-deps venv
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node $(PYTEST_ARGS)
 
+# The fast loop: unit tests only, none that starts Airflow's DB, a server or a model family (those are marked
+# `slow` and run in `make test`); under 2 minutes on 2 cores.
+test-fast: venv
+	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
 # The GPU node's environment (real sglang 0.5.23 with its CUDA torch, ~11 GB, ~5 min once):
 # tests/node/ checks the capture hook, launcher flags and export against sglang's own classes on the CPU.
 NODE_VENV := .venv-node

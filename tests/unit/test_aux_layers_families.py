@@ -33,7 +33,7 @@ from eagleflow.train.data import SampleRef, read_aux_layers
 from eagleflow.train.export import export_draft
 from eagleflow.train.model import DraftConfig, Eagle3Draft
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # builds four model families
 
 N_LAYERS = 8
 INPUT_IDS = [5, 17, 42, 3, 99, 64, 8, 21, 77]

@@ -12,7 +12,7 @@ from eagleflow.capture.client import CaptureServerError, CaptureTimeout, generat
 from eagleflow.capture.hf_server import CaptureModel, CaptureServer, write_info_file
 from eagleflow.capture.protocol import read_dump, request_id
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # starts HTTP capture servers
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,7 @@ def test_contract_determinism_and_seed(tmp_path, demo_assets, arrow_source):
     assert json.loads((Path(str(lay1.corpus_dir)) / "stats.json").read_text()) == s1
 
 
+@pytest.mark.slow  # starts worker process pools
 def test_order_does_not_depend_on_process_count(tmp_path, demo_assets, monkeypatch):
     import eagleflow.corpus.prepare as prepare_mod
     monkeypatch.setattr(prepare_mod, "NORMALISE_ROWS_PER_PROCESS", 2)  # small sources: split them anyway

@@ -140,6 +140,7 @@ def test_bad_tool_records_and_invalid_utf8_name_line_and_reason(tmp_path, demo_a
     assert stats["per_source"]["bad_tools"]["non_text_parts_dropped"] == 1
 
 
+@pytest.mark.slow  # starts worker process pools
 @pytest.mark.parametrize("records", [1, 2, 3, 4])
 def test_tiny_corpora_with_several_processes(tmp_path, demo_assets, records):
     src = tmp_path / "tiny.jsonl"

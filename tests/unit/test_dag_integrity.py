@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # parses every DAG through Airflow's DagBag
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -19,6 +19,8 @@ import yaml
 from eagleflow.airflow.scaleout import GpuNodeRoute, celery_env, components, init_commands
 from eagleflow.config import load_config
 
+pytestmark = pytest.mark.slow  # runs docker-compose config in a subprocess
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"
 

@@ -12,6 +12,8 @@ from eagleflow.console.status_store import StatusStore
 from eagleflow.gpu.health import HealthAlert
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
 
+pytestmark = pytest.mark.slow  # migrates Airflow's metadata DB (about a minute on 2 cores)
+
 SECRETS = ("sk-SECRET-TOKEN", "/home/alice/private", "--api-key", "10.1.2.3", "train@", ".ssh/id", "--model-path")
 
 

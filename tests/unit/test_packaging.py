@@ -14,6 +14,7 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
@@ -82,6 +83,7 @@ def test_the_control_plane_closure_leaves_the_node_libraries_out():
     assert not (closure & NODE_ONLY), sorted(closure & NODE_ONLY)
 
 
+@pytest.mark.slow  # imports every DAG and operator in a fresh interpreter (about 20 s)
 def test_dags_plugin_and_operators_import_with_only_the_control_plane(tmp_path):
     closure = _closure(PROJECT["dependencies"] + PROJECT["optional-dependencies"]["control-plane"])
     blocked = sorted({mod for mod, dists in metadata.packages_distributions().items()
