@@ -96,7 +96,9 @@ class CaptureConfig(_Section):
     backend: Literal["hf", "sglang"] = "hf"
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")
-    dump_dir: str = Field(default="/dev/shm/eagleflow_hs")
+    dump_dir: str = Field(default="/dev/shm/eagleflow_hs-{uid}",
+                          description="where servers leave dumps for the workers; {uid} = the node user's id "
+                                      "(one 0700 folder per user, checked on the node)")
     aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
     tp: int = Field(default=1, ge=1, le=64)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -199,10 +201,6 @@ class TrainConfig(_Section):
         return self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * self.max_steps)
 
 
-class PipelineConfig(_Section):
-    run_root: str = Field(default="runs", description="each run gets <run_root>/<run_id>")
-    target_model: str = Field(min_length=1, description="local path of the target model (config, weights, tokenizer)")
-    node: NodeConfig = Field(default_factory=NodeConfig)
 class SpecConfig(_Section):
     """One speculative configuration, as SGLang's flags name it."""
     steps: int = Field(ge=1, le=32, description="--speculative-num-steps: draft steps per round")
@@ -242,17 +240,21 @@ class EvalConfig(_Section):
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
 
 
+class PipelineConfig(_Section):
+    run_root: str = Field(default="runs", description="each run gets <run_root>/<run_id>")
+    target_model: str = Field(min_length=1, description="local path of the target model (config, weights, tokenizer)")
+    node: NodeConfig = Field(default_factory=NodeConfig)
     gpu: GpuConfig = Field(default_factory=GpuConfig)
     corpus: CorpusConfig = Field(default_factory=CorpusConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)
 
-    eval: EvalConfig = Field(default_factory=EvalConfig)
     @model_validator(mode="after")
     def _capture_matches_node(self) -> "PipelineConfig":
         if self.capture.backend == "sglang" and not self.node.has_gpu:
@@ -313,7 +315,9 @@ def _format_errors(err: ValidationError, where: str) -> str:
             shown = shown[:117] + "..."
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; remove it or check its spelling"
+            # the key only: an unknown key's value may be anything the file holds (a password, a token)
+            lines.append(f"  - {field}: unknown field; remove it or check its spelling")
+            continue
         elif e["type"] == "missing":
             msg = "required field is missing; add it"
             shown = "(absent)"
@@ -348,7 +352,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            # where and what only: PyYAML's own message quotes the offending line of the file
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {p} is not valid YAML{at}: "
+                              f"{getattr(e, 'problem', None) or type(e).__name__}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top, not {type(loaded).__name__}")
         raw = loaded

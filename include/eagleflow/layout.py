@@ -76,6 +76,12 @@ class RunLayout:
         return self.shard_dir(shard) / "manifest.jsonl"
 
     @property
+    def dump_key_file(self) -> PurePosixPath:
+        """The node user's capture dump key (``capture.protocol.load_dump_key``): made by the first capture server,
+        read by every worker. One per state_dir, not per run: a server may serve several runs' workers."""
+        return self.state_dir / "keys" / "capture_dump.key"
+
+    @property
     def server_info_file(self) -> PurePosixPath:
         """Written by the capture server once it listens: url, pid, model, layers, backend."""
         return self.run_dir / "capture_server.json"

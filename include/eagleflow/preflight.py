@@ -139,7 +139,15 @@ def check_dirs(cfg: PipelineConfig, run_id: str, rep: PreflightReport) -> None:
         rep.add("run_root", root, why)
     else:
         rep.checked.append(f"run_root {root} writable")
-    dump = Path(cfg.capture.dump_dir)
+    from .capture.protocol import DumpTrustError, expand_dump_dir, private_dump_dir
+    dump = expand_dump_dir(cfg.capture.dump_dir)   # {uid}: this node user's folder
+    try:
+        private_dump_dir(dump)                     # 0700, ours, no symlink: nobody else reads or swaps a dump
+    except DumpTrustError as e:
+        rep.add("capture.dump_dir", dump, str(e).removeprefix(f"capture.dump_dir {dump} "))
+        return
+    except OSError:
+        pass                                       # cannot be created: _writable_dir names why
     why = _writable_dir(dump)
     if why:
         rep.add("capture.dump_dir", dump, why)

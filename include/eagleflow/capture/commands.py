@@ -56,7 +56,8 @@ def _serve(args) -> int:
         from .hf_server import serve
         serve(str(cfg.resolve(cfg.target_model)), host=cfg.capture.host, port=cfg.capture.port,
               dump_dir=dump_dir(cfg), info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers,
-              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)), device=cfg.capture.device)
+              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)), device=cfg.capture.device,
+              key_file=str(layout.dump_key_file))
         return 0
     from .sglang_launcher import launch
     return launch(cfg, layout)
@@ -93,6 +94,12 @@ def _run(args) -> int:
             print(f"eagleflow capture run: no capture server recorded at {layout.server_info_file}; start one "
                   f"(`eagleflow capture serve`) or pass --url", file=sys.stderr)
             return 3
+    from .protocol import DumpTrustError, load_dump_key, private_dump_dir
+    try:
+        dumps, dump_key = str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file)
+    except DumpTrustError as e:
+        print(f"eagleflow capture run: shard {args.shard}: {e}", file=sys.stderr, flush=True)
+        return 2
     model = str(cfg.resolve(cfg.target_model))
     try:
         model = server_info(url).get("model") or model
@@ -101,7 +108,7 @@ def _run(args) -> int:
     settings = WorkerSettings(
         run_id=layout.run_id, shard=args.shard, num_shards=of,
         corpus_file=str(layout.corpus_dir / "corpus.parquet"), shard_dir=str(layout.shard_dir(args.shard)),
-        dump_dir=dump_dir(cfg), server_url=url, in_flight=cfg.capture.in_flight,
+        dump_dir=dumps, dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,
         request_timeout_base_s=cfg.capture.request_timeout_base_s,
         request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
         heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model)

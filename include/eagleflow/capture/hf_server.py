@@ -28,12 +28,14 @@ from pathlib import Path
 from eagleflow.durable import atomic_write
 
 from .aux_layers import resolve_aux_layers
-from .protocol import PROTOCOL_VERSION, check_rid, write_dump
+from .protocol import PROTOCOL_VERSION, check_rid, load_dump_key, private_dump_dir, write_dump
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
 HANG_FILE_ENV = "EAGLEFLOW_HF_SERVER_HANG_FILE"
 HEALTH_INPUT = [1, 2, 3, 4]
+# A /generate body is a list of token ids: 64 MiB holds millions of them; more is refused, never read
+MAX_BODY_BYTES = 64 << 20
 
 
 class CaptureModel:
@@ -110,10 +112,11 @@ class CaptureServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, model: CaptureModel, dump_dir: str):
+    def __init__(self, addr, model: CaptureModel, dump_dir: str, dump_key: bytes | None = None):
         super().__init__(addr, CaptureHandler)
         self.capture = model
-        self.dump_dir = dump_dir
+        self.dump_dir = str(private_dump_dir(dump_dir))   # this user's 0700 folder, or DumpTrustError
+        self.dump_key = dump_key                          # the node user's dump key: each dump's MAC (protocol.write_dump)
         self.started_at = time.time()
 
     @property
@@ -171,6 +174,12 @@ class CaptureHandler(BaseHTTPRequestHandler):
             return
         try:
             n = int(self.headers.get("Content-Length") or 0)
+            if n > MAX_BODY_BYTES or n < 0:
+                self.close_connection = True   # the body is left unread
+                self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           {"error": f"request body of {n} bytes is over this server's limit of {MAX_BODY_BYTES} "
+                                     "bytes (hf_server.MAX_BODY_BYTES); send shorter samples"})
+                return
             req = json.loads(self.rfile.read(n) or b"{}")
             rid = check_rid(req.get("rid"))
             input_ids = req.get("input_ids")
@@ -192,7 +201,7 @@ class CaptureHandler(BaseHTTPRequestHandler):
             return
         m = self.server.capture
         path_ = write_dump(self.server.dump_dir, rid, input_ids=ids, aux_hidden_states=aux, hidden_states=last,
-                           aux_layers=m.aux_layers, model=m.model_name)
+                           aux_layers=m.aux_layers, model=m.model_name, key=self.server.dump_key)
         self._send(200, {"text": "", "output_ids": [tok],
                          "meta_info": {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": 1,
                                        "dump": str(path_)}})
@@ -205,11 +214,12 @@ def write_info_file(path: str, info: dict) -> None:
 
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
-          threads: int | None = None, device: str = "cpu") -> None:
+          threads: int | None = None, device: str = "cpu", key_file: str | None = None) -> None:
     model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads,
                          device=device)
-    Path(dump_dir).mkdir(parents=True, exist_ok=True)
-    server = CaptureServer((host, port), model, dump_dir)
+    dump_key = load_dump_key(key_file, create=True) if key_file else None   # this user's secret: dumps' MACs
+    server = CaptureServer((host, port), model, dump_dir, dump_key)
+    dump_dir = server.dump_dir
     info = server.server_info()
     info["url"] = server.url
     if info_file:
@@ -229,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--dump-dir", required=True)
     ap.add_argument("--info-file")
+    ap.add_argument("--key-file", help="the dump key file (created if absent): each dump carries its MAC")
     ap.add_argument("--aux-layers", type=int, nargs="*")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--model-name")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     a = ap.parse_args(argv)
-    serve(a.model, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file,
+    serve(a.model, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file, key_file=a.key_file,
           aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads,
           device=a.device)
     return 0

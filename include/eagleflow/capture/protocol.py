@@ -9,16 +9,32 @@
 
 Request ids carry the run and shard (``request_id``), so a worker can find and
 remove its own orphaned dumps in a dump directory shared by all shards.
+
+Trust (issue 26): the dump folder is this user's own (``private_dump_dir``:
+``{uid}`` in ``capture.dump_dir`` is this user's id, created 0700, refused when
+it is a symlink or someone else's), dumps are 0600, and every dump carries an
+HMAC-SHA256 (metadata ``mac``) keyed by a secret of this node user
+(``load_dump_key``, ``RunLayout.dump_key_file`` in the state folder, 0600; one
+per state folder rather than per run, since one server may serve several runs'
+workers), which the worker checks before a dump's hidden states are stored: a
+dump replaced by anyone without the key is refused. Both backends write
+through ``write_dump``.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.durable import TEMP_PREFIX, atomic_replace
+from eagleflow.durable import TEMP_PREFIX, atomic_replace, read_owned
 
 # The capture layers live in aux_layers (one place for the per-family sglang numbering too).
 from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
@@ -55,6 +71,130 @@ def check_rid(rid: object) -> str:
             or rid.startswith("."):
         raise ValueError(f"rid {rid!r} must be 1-200 characters of [A-Za-z0-9_.-], not starting with '.'")
     return rid
+
+
+UID_PLACEHOLDER = "{uid}"            # in capture.dump_dir: this node user's uid, so each user has a folder
+DUMP_MAC = "mac"                     # metadata key: HMAC-SHA256 of the dump under the dump key
+ENV_DUMP_KEY = "EAGLEFLOW_CAPTURE_DUMP_KEY"   # the key (hex) for sglang's schedulers; environ is owner-only
+KEY_BYTES = 32
+
+
+class DumpTrustError(RuntimeError):
+    """The dump folder, the dump key or a dump cannot be trusted; the message names the path and what to do."""
+
+
+def expand_dump_dir(dump_dir: str | os.PathLike) -> Path:
+    """``capture.dump_dir`` on this node: ``{uid}`` is this user's id (the default ``/dev/shm/eagleflow_hs-{uid}``)."""
+    return Path(os.fspath(dump_dir).replace(UID_PLACEHOLDER, str(os.geteuid())))
+
+
+_private_dirs: dict[str, tuple[int, int]] = {}   # folder -> (device, inode) proven ours: one lstat a dump after
+
+
+def private_dump_dir(dump_dir: str | os.PathLike) -> Path:
+    """This user's dump folder, created 0700 if missing; DumpTrustError when it is a symlink or not ours.
+
+    Opened with O_NOFOLLOW | O_DIRECTORY and checked with fstat (lstat's answer, without the race): a folder
+    another user made first (``exist_ok`` accepted it before) is refused, a folder of ours with wider modes is
+    narrowed to 0700, so nobody else can read the hidden states or place a dump in it.
+    """
+    d = expand_dump_dir(dump_dir)
+    known = _private_dirs.get(str(d))
+    if known is not None:
+        try:
+            st = os.lstat(d)
+            if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == known:
+                return d
+        except FileNotFoundError:
+            pass
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        st = os.lstat(d) if os.path.lexists(d) else None
+        what = ("is a symbolic link" if st is not None and stat.S_ISLNK(st.st_mode)
+                else "is not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})")
+        raise DumpTrustError(f"capture.dump_dir {d} {what}; eagleflow keeps dumps only in a folder of its own "
+                             "user: remove it or point capture.dump_dir elsewhere") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise DumpTrustError(f"capture.dump_dir {d} belongs to uid {st.st_uid}, not to this user (uid "
+                                 f"{os.geteuid()}): someone else made it first and could read or replace the dumps. "
+                                 "Use a folder of your own (the default /dev/shm/eagleflow_hs-{uid} is per user)")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    _private_dirs[str(d)] = (st.st_dev, st.st_ino)
+    return d
+
+
+def load_dump_key(path: str | os.PathLike, *, create: bool = False) -> bytes:
+    """The dump key; with ``create``, made first (random, 0600, published whole by a hard link) if absent.
+
+    The capture server creates it at start; the worker only reads it. Read with ``durable.read_owned``: a key
+    file that is a symlink, someone else's or writable by others is refused.
+    """
+    path = Path(path)
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
+        try:
+            os.write(fd, secrets.token_hex(KEY_BYTES).encode())
+            os.fsync(fd)
+            os.close(fd)
+            try:
+                os.link(tmp, path)        # all or nothing, and never over a key another process made first
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    try:
+        text = read_owned(path, limit=4 * KEY_BYTES).decode().strip()
+    except FileNotFoundError:
+        raise DumpTrustError(f"no capture dump key at {path}: the capture server creates it when it starts; "
+                             "start it (`eagleflow capture serve`) before the workers") from None
+    except (OSError, ValueError) as e:
+        raise DumpTrustError(f"capture dump key {e}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise DumpTrustError(f"capture dump key {path} does not hold {KEY_BYTES} hex-encoded bytes; remove it and "
+                             "restart the capture server (it makes a new one)")
+    return key
+
+
+def dump_key_from_env(env: dict[str, str] | None = None) -> bytes | None:
+    """The dump key as the sglang launcher hands it to its schedulers (``ENV_DUMP_KEY``); None without one."""
+    raw = (os.environ if env is None else env).get(ENV_DUMP_KEY, "")
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        key = b""
+    if raw and len(key) != KEY_BYTES:
+        raise DumpTrustError(f"{ENV_DUMP_KEY} is not {KEY_BYTES} hex-encoded bytes; start sglang through "
+                             "`eagleflow capture serve --backend sglang`, which sets it")
+    return key or None
+
+
+def dump_mac(key: bytes, metadata: dict[str, str], tensors: dict) -> str:
+    """HMAC-SHA256 over the metadata (sorted JSON, ``mac`` left out) and each tensor's name, dtype, shape, bytes."""
+    import torch
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    h.update(json.dumps({k: v for k, v in metadata.items() if k != DUMP_MAC}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"\0{name}\0{str(t.dtype)}\0{list(t.shape)}\0".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 def dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
@@ -106,24 +246,29 @@ class Dump:
     hidden_states: "object"      # torch.Tensor [L, H]
     aux_layers: list[int]
     model: str
+    metadata: dict | None = None  # as stored, the MAC included (what verify_dump checks)
 
 
 def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_states, hidden_states,
-               aux_layers: list[int], model: str) -> Path:
-    """Write one request's dump atomically (temp name in the same dir, then rename).
+               aux_layers: list[int], model: str, key: bytes | None = None) -> Path:
+    """Write one request's dump atomically (temp name in the same dir, then rename), 0600 in this user's
+    folder (``private_dump_dir``), with its MAC under ``key`` (the dump key; without one the worker
+    refuses the dump).
 
     No fsync: dumps live in /dev/shm and are consumed within seconds; a crash
     loses them and the worker re-requests the sample.
     """
     from safetensors.torch import save_file
 
-    final = dump_path(dump_dir, rid)
+    final = dump_path(private_dump_dir(dump_dir), rid)
     tensors = {DUMP_IDS: input_ids.detach().to("cpu").contiguous(),
                DUMP_AUX: aux_hidden_states.detach().to("cpu").contiguous(),
                DUMP_LAST: hidden_states.detach().to("cpu").contiguous()}
     meta = {"rid": rid, "aux_layers": json.dumps(list(aux_layers)), "model": model,
             "protocol": PROTOCOL_VERSION}
-    with atomic_replace(final, fsync=False) as tmp:
+    if key is not None:
+        meta[DUMP_MAC] = dump_mac(key, meta, tensors)
+    with atomic_replace(final, fsync=False, mode=0o600) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return final
 
@@ -136,7 +281,22 @@ def read_dump(path: str | os.PathLike) -> Dump:
         t = {k: f.get_tensor(k) for k in (DUMP_IDS, DUMP_AUX, DUMP_LAST)}
     return Dump(rid=meta.get("rid", ""), input_ids=t[DUMP_IDS], aux_hidden_states=t[DUMP_AUX],
                 hidden_states=t[DUMP_LAST], aux_layers=json.loads(meta.get("aux_layers", "[]")),
-                model=meta.get("model", ""))
+                model=meta.get("model", ""), metadata=dict(meta))
+
+
+def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike, rid: str) -> None:
+    """DumpTrustError unless the dump is the one our server wrote for ``rid`` (its MAC under ``key``)."""
+    meta = dump.metadata or {}
+    mac = meta.get(DUMP_MAC, "")
+    tensors = {DUMP_IDS: dump.input_ids, DUMP_AUX: dump.aux_hidden_states, DUMP_LAST: dump.hidden_states}
+    why = ("carries no MAC" if not mac
+           else f"is for request {meta.get('rid')!r}, not {rid!r}" if meta.get("rid") != rid
+           else None if hmac.compare_digest(mac, dump_mac(key, meta, tensors)) else "has a MAC that does not match")
+    if why:
+        raise DumpTrustError(f"the dump {path} {why} under the dump key: it was not written by this user's "
+                             "capture server (replaced, forged, or from a server started without the key); refusing "
+                             "to store it. Check who can write capture.dump_dir, then restart the capture server "
+                             "(`eagleflow capture serve`) and re-run the shard: stored samples are kept")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rm.add_argument("--run-id", required=True)
     rm.add_argument("--shard", type=int)
     a = ap.parse_args(argv)
-    print(json.dumps({"removed": remove_dumps(a.dump_dir, a.run_id, a.shard)}), flush=True)
+    print(json.dumps({"removed": remove_dumps(expand_dump_dir(a.dump_dir), a.run_id, a.shard)}), flush=True)
     sys.stdout.flush()
     return 0
 

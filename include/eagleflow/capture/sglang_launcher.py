@@ -139,10 +139,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise SglangLaunchError(f"sglang did not answer {url}/health_generate within {timeout_s:.0f} s")
 
 
-def self_check(url: str, dump_dir: str, timeout_s: float = 120) -> Path:
-    """One capture request; its dump must appear, whole, with the sample's rows."""
+def self_check(url: str, dump_dir: str, timeout_s: float = 120, key: bytes | None = None) -> Path:
+    """One capture request; its dump must appear, whole, with the sample's rows (and its MAC under ``key``)."""
     from .client import generate
-    from .protocol import read_dump
+    from .protocol import DumpTrustError, read_dump, verify_dump
     rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
     ids = [1, 2, 3, 4, 5, 6, 7, 8]
     generate(url, ids, rid, timeout_s)
@@ -155,6 +155,11 @@ def self_check(url: str, dump_dir: str, timeout_s: float = 120) -> Path:
                                 "capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
                                 "venv with its entry point, `pip install -e .`?)")
     d = read_dump(p)
+    if key is not None:
+        try:
+            verify_dump(d, key, p, rid)
+        except DumpTrustError as e:
+            raise SglangLaunchError(f"self-check: {e}") from None
     if d.input_ids.tolist() != ids or d.hidden_states.shape[0] != len(ids):
         raise SglangLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
     p.unlink()
@@ -179,10 +184,16 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
         return 2
     port = cfg.capture.port or free_port(cfg.capture.host)
     url = f"http://{cfg.capture.host}:{port}"
-    dumps = _dump_dir(cfg)
-    Path(dumps).mkdir(parents=True, exist_ok=True)
+    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, private_dump_dir
+    try:
+        dumps = str(private_dump_dir(_dump_dir(cfg)))                 # this user's 0700 folder
+        dump_key = load_dump_key(layout.dump_key_file, create=True)   # this user's secret: each dump's MAC
+    except DumpTrustError as e:
+        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
+        return 2
     argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, sglang_layer_ids=sglang_ids)
     env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
+    env[ENV_DUMP_KEY] = dump_key.hex()   # to the schedulers through their environment (owner-readable only)
     print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {aux} (sglang ids "
           f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
@@ -193,7 +204,7 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     signal.signal(signal.SIGINT, _forward)
     try:
         _wait_healthy(url, proc, cfg.capture.ready_timeout_s)
-        self_check(url, dumps)
+        self_check(url, dumps, key=dump_key)
     except Exception as e:
         print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
         proc.terminate()

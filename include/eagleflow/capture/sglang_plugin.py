@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .protocol import SELFCHECK_PREFIX, check_rid, parse_request_id, write_dump
+from .protocol import SELFCHECK_PREFIX, check_rid, dump_key_from_env, parse_request_id, write_dump
 
 log = logging.getLogger("eagleflow.capture.sglang_plugin")
 
@@ -220,7 +220,7 @@ def write_request_dumps(settings: CaptureSettings, view: ExtendView, aux, last, 
         check_rid(rid)
         ids = input_ids[s:s + a.shape[0]].to(dtype=torch.int64)
         write_dump(settings.dump_dir, rid, input_ids=ids, aux_hidden_states=a, hidden_states=h,
-                   aux_layers=settings.aux_layers, model=settings.model)
+                   aux_layers=settings.aux_layers, model=settings.model, key=dump_key_from_env())
         written.append(rid)
     return written
 

@@ -1,7 +1,8 @@
 """The extraction worker of one shard: corpus samples -> capture server -> stored hidden states.
 
 Order per sample, so that a crash at any point loses nothing and repeats
-nothing: request (a dump appears) -> final file (temp, fsync, rename) ->
+nothing: request (a dump appears) -> its MAC checked under the dump key
+(``protocol.verify_dump``: a replaced dump is refused) -> final file (temp, fsync, rename) ->
 manifest append -> delete the dump. On start the manifest says what is done
 (each file must exist with its recorded size, and a file changed since it was
 recorded must still hash to its sha256); a manifest with damaged, repeated or
@@ -26,7 +27,7 @@ from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pac
 
 from .client import CaptureServerError, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
-from .protocol import dump_path, read_dump, remove_dumps, request_id
+from .protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from .storage import SampleWriter, remove_temp_files, sample_file_name
 
 
@@ -61,6 +62,7 @@ class WorkerSettings:
     heartbeat_interval_s: float = 2.0
     model: str = ""
     fsync: bool = True
+    dump_key: bytes = b""          # the dump key: a dump without its MAC under it is never stored
 
     def request_timeout(self, tokens: int) -> float:
         return self.request_timeout_base_s + self.request_timeout_per_token_s * tokens
@@ -252,6 +254,10 @@ class ShardWorker:
                 raise ExtractionError(f"shard {s.shard}: the server answered request {rid} but wrote no dump at "
                                       f"{dpath}; is capture.dump_dir ({s.dump_dir}) the server's dump dir, and is "
                                       "its capture hook installed?") from None
+            try:
+                verify_dump(dump, s.dump_key, dpath, rid)   # before its hidden states go anywhere near the store
+            except DumpTrustError as e:
+                raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}): {e}") from None
             if dump.input_ids.tolist() != smp.input_ids:
                 raise ExtractionError(f"shard {s.shard}: the dump {dpath} holds {dump.input_ids.shape[0]} tokens "
                                       f"that differ from sample {smp.id} ({smp.tokens} tokens); the server did not "
