@@ -118,6 +118,8 @@ class GpuNodeHealthOperator(BaseOperator):
             finally:
                 node.close()
             observed |= {f"link:{name}", f"gpus:{name}"}
+            for line in activity.skipped:   # a bad line in the node's files: said, and the node still read
+                self.log.warning("node %s: %s", name, line)
             if not cfg.node.has_gpu:
                 self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
                               path, name, len(activity.processes))

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagleflow.nodes.process_record import RECORD_SUFFIX, records_in, status
+from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
 
 _SHARD_ROLE = re.compile(r"worker_shard_(\d{5})")
 INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
@@ -61,6 +61,7 @@ class NodeActivity:
     shards: dict[str, list[ShardProgress]] = field(default_factory=dict)   # run_id -> its shards
     incidents: list[dict] = field(default_factory=list)                    # the watchdog's, newest last
     read_at: float = 0.0
+    skipped: list[str] = field(default_factory=list)   # "<file> line N: why": bad lines left out, never fatal
 
     def job_pids(self) -> set[int]:
         return {p.pid for p in self.processes} | {p.pgid for p in self.processes}
@@ -78,7 +79,8 @@ class NodeActivity:
     def from_dict(cls, d: dict) -> "NodeActivity":
         return cls(processes=[OurProcess(**p) for p in d.get("processes") or []],
                    shards={r: [ShardProgress(**s) for s in v] for r, v in (d.get("shards") or {}).items()},
-                   incidents=list(d.get("incidents") or []), read_at=float(d.get("read_at") or 0.0))
+                   incidents=list(d.get("incidents") or []), read_at=float(d.get("read_at") or 0.0),
+                   skipped=[str(s) for s in d.get("skipped") or []])
 
 
 def _run_dir(log_file: str) -> Path | None:
@@ -87,32 +89,55 @@ def _run_dir(log_file: str) -> Path | None:
     return p.parent.parent if p is not None and p.parent.name == "logs" else None
 
 
-def _shards(run_dir: Path) -> list[ShardProgress]:
+def _shards(run_dir: Path, skipped: list[str] | None = None) -> list[ShardProgress]:
     out = []
     for hb in sorted((run_dir / "hidden_states").glob("shard_*/heartbeat.json")):
         try:
-            d = json.loads(hb.read_text())
             shard = int(hb.parent.name.split("_")[1])
+            text = hb.read_text()
         except (OSError, ValueError, IndexError):
             continue  # half a run dir is not an error of this probe
-        out.append(ShardProgress(shard=shard, done=int(d.get("done") or 0), total=int(d.get("total") or 0),
-                                 state=str(d.get("state") or "?"), last_progress_at=float(d.get("last_progress_at") or 0),
-                                 written_at=float(d.get("time") or 0), rate=float(d.get("rate") or 0)))
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"a JSON {type(d).__name__}, not an object")
+            out.append(ShardProgress(shard=shard, done=int(d.get("done") or 0), total=int(d.get("total") or 0),
+                                     state=str(d.get("state") or "?"),
+                                     last_progress_at=float(d.get("last_progress_at") or 0),
+                                     written_at=float(d.get("time") or 0), rate=float(d.get("rate") or 0)))
+        except (ValueError, TypeError, RecursionError) as e:   # one bad heartbeat: that shard, not the node
+            if skipped is not None:
+                skipped.append(f"{hb}: not a heartbeat ({type(e).__name__}: {str(e)[:200]}); shard {shard} left out")
     return out
 
 
-def _incidents(state_dir: Path, now: float) -> list[dict]:
-    """The incident book folded to one entry per incident (opened, then recovered or not)."""
+def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) -> list[dict]:
+    """The incident book folded to one entry per incident (opened, then recovered or not).
+
+    A malformed line is left out and named in ``skipped`` (it must not make the whole node unreadable); the
+    last line may be one being appended right now and is left out silently.
+    """
+    path = state_dir / "incidents" / "incidents.jsonl"
     try:
-        lines = (state_dir / "incidents" / "incidents.jsonl").read_text().splitlines()
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return []
     by_id: dict[str, dict] = {}
-    for line in lines:
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
             e = json.loads(line)
-        except ValueError:
-            continue  # a line being appended right now
+            if not isinstance(e, dict) or (e.get("event") == "opened" and not isinstance(e.get("id"), str)):
+                raise ValueError("not an incident event (a JSON object with event and id)")
+            if not isinstance(e.get("shards") or {}, dict):
+                raise ValueError("its shards are not an object")
+            if not all(isinstance(e.get(k) or 0, (int, float)) for k in ("opened_at", "at")):
+                raise ValueError("its opened_at/at is not a time in seconds")
+        except (ValueError, RecursionError) as err:
+            if skipped is not None and n < len(lines):
+                skipped.append(f"{path} line {n}: {str(err)[:200]}; left out")
+            continue
         if e.get("event") == "opened":
             by_id[e["id"]] = {"id": e["id"], "node": e.get("node"), "cause": e.get("cause"),
                               "opened_at": e.get("opened_at"), "ended_at": None, "outcome": "open",
@@ -130,7 +155,9 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
     state_dir = Path(state_dir)
     act = NodeActivity(read_at=now)
     run_dirs: dict[str, Path] = {}
-    for rec in records_in(state_dir / "pids"):
+    recs, refused = scan_records(state_dir / "pids")
+    act.skipped += [f"{why}; left out" for _, why in refused]
+    for rec in recs:
         st = status(rec.pid_file)
         if not st.alive:
             continue
@@ -141,8 +168,8 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
         if rd is not None:
             run_dirs[run_id] = rd
     for run_id, rd in sorted(run_dirs.items()):
-        act.shards[run_id] = _shards(rd)
-    act.incidents = _incidents(state_dir, now)
+        act.shards[run_id] = _shards(rd, act.skipped)
+    act.incidents = _incidents(state_dir, now, act.skipped)
     return act
 
 

@@ -44,9 +44,11 @@ def _jsonl(path: Path) -> list[dict]:
     out = []
     for line in lines:
         try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being appended while we read
+            e = json.loads(line)
+        except (ValueError, RecursionError):
+            continue  # a line being appended while we read, or a damaged one: the report shows the rest
+        if isinstance(e, dict):
+            out.append(e)
     return out
 
 

@@ -87,7 +87,10 @@ class RecordError(ValueError):
 def short_repr(value: Any, limit: int = 80) -> str:
     if value is _ABSENT:
         return "(absent)"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:   # repr of a value nested thousands deep
+        return "(nested too deeply to show)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -381,6 +384,14 @@ def parse_raw(raw: str) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as e:
         raise RecordError("(line)", raw.strip(), MALFORMED_JSON, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:   # e.g. a 100,000-deep array: Python's JSON reader recurses once per level
+        raise RecordError("(line)", raw.strip(), MALFORMED_JSON, "nested too deeply to read (thousands of levels of "
+                          "arrays/objects); no conversation is nested like that: fix or drop the record") from None
+
+
+def _too_deep(field: str) -> RecordError:
+    return RecordError(field, _ABSENT, WRONG_TYPE, "a value nested too deeply to handle (thousands of levels of "
+                       "arrays/objects); no conversation is nested like that: fix or drop the record")
 
 
 def shuffle_key(seed: int, sample_id: str) -> int:
@@ -406,19 +417,24 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
         try:
             if decode_errors is not None and decode_errors[i] is not None:
                 raise RecordError("(line)", batch["__raw"][i], INVALID_UTF8, decode_errors[i])
-            if "__raw" in batch:
-                record = parse_raw(batch["__raw"][i])
-            else:
-                record = _drop_nulls({c: batch[c][i] for c in record_cols})
-            conv = normalise_conversation(record, non_text=non_text)
+            try:
+                if "__raw" in batch:
+                    record = parse_raw(batch["__raw"][i])
+                else:
+                    record = _drop_nulls({c: batch[c][i] for c in record_cols})
+                conv = normalise_conversation(record, non_text=non_text)
+                conv_json = conv.to_json()
+            except RecursionError:   # read, but a field nested too deeply for the walk, repr or dumps
+                raise _too_deep("(record)") from None
             error = None
         except RecordError as e:
+            conv, conv_json = None, None
             error = BadRecord(source=source, file=file, where=where, field=e.field, value=short_repr(e.value),
                               kind=e.kind, problem=e.problem).to_json()
         out["id"].append(sample_id)
         out["source"].append(source)
         out["where"].append(where)
-        out["conversation"].append(conv.to_json() if conv else None)
+        out["conversation"].append(conv_json)
         out["uses_tools"].append(conv.uses_tools() if conv else False)
         out["non_text_dropped"].append(conv.non_text_parts_dropped if conv else 0)
         out["error"].append(error)

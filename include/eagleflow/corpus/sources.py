@@ -68,6 +68,10 @@ def _json_elements(path: str, limit: int | None) -> Iterator[dict]:
         except json.JSONDecodeError as e:
             raise SourceError(f"source {path}: not valid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
                               "a .json source must hold one list of records (use .jsonl for one record a line)") from None
+        except RecursionError:   # the document is parsed whole: one record nested thousands deep sinks the file
+            raise SourceError(f"source {path}: nested too deeply to read (thousands of levels of arrays/objects); "
+                              "no conversation is nested like that. Fix the record, or use .jsonl, where such a "
+                              "line is one located bad record") from None
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]
     if not isinstance(doc, list):

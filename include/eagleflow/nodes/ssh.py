@@ -23,6 +23,13 @@ KILL_AFTER_S = 5.0  # after the TERM at the deadline, KILL whatever of the remot
 # so a command waiting on a dead link ends within about KEEPALIVE_S + DEAD_LINK_S, not TCP's ~15 minutes.
 KEEPALIVE_S = 3.0
 DEAD_LINK_S = 10.0
+# What one command may print, stdout and stderr each: node answers are one JSON line and read_text reads small
+# state files; a node (or a file on it) that streams more is refused instead of filling this worker's memory.
+MAX_OUTPUT_BYTES = 64 << 20
+
+
+class NodeOutputTooLarge(NodeError):
+    """A node command printed more than ``MAX_OUTPUT_BYTES``; it was not read further."""
 
 
 def bound_dead_link(sock) -> None:
@@ -193,9 +200,11 @@ class SSHNode(Node):
                 while chan.recv_ready():
                     out += chan.recv(65536)
                     got = True
+                    _check_size(self.name, cmd, out, err)
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
                     got = True
+                    _check_size(self.name, cmd, out, err)
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if give_up is not None and time.monotonic() > give_up:
@@ -206,6 +215,7 @@ class SSHNode(Node):
                         data = chan.recv(65536)
                         if data:
                             out += data
+                            _check_size(self.name, cmd, out, err)
                         elif not chan.exit_status_ready():
                             time.sleep(0.005)  # stdout closed, exit status not in yet
                     except socket.timeout:
@@ -223,6 +233,14 @@ class SSHNode(Node):
         return command_result(self.name, self._where(), argv, cmd, None if dropped else code,
                               out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timeout,
                               past_deadline=deadline is not None and time.monotonic() > deadline)
+
+
+def _check_size(node: str, cmd: str, out: bytearray, err: bytearray) -> None:
+    for name, buf in (("stdout", out), ("stderr", err)):
+        if len(buf) > MAX_OUTPUT_BYTES:
+            raise NodeOutputTooLarge(f"on node {node}: `{cmd[:300]}` printed more than {MAX_OUTPUT_BYTES} bytes on "
+                                     f"{name} (eagleflow.nodes.ssh.MAX_OUTPUT_BYTES); not read further. A node "
+                                     "command answers in one JSON line: look at what made it print this much")
 
 
 def command_result(node: str, where: str, argv: list[str], cmd: str, code: int | None, stdout: str, stderr: str,

@@ -96,9 +96,24 @@ def current(state_dir: str | os.PathLike, node: str, cause: str) -> dict | None:
     return _read(_key_file(state_dir, node, cause))
 
 
-def history(state_dir: str | os.PathLike) -> list[dict]:
+def history(state_dir: str | os.PathLike, skipped: list[str] | None = None) -> list[dict]:
+    """Every event of the book; a malformed line is left out (named in ``skipped``), never the whole book."""
+    path = incidents_dir(state_dir) / "incidents.jsonl"
     try:
-        with open(incidents_dir(state_dir) / "incidents.jsonl") as f:
-            return [json.loads(line) for line in f if line.strip().endswith("}")]
-    except (OSError, ValueError):
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
         return []
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+            if not isinstance(e, dict):
+                raise ValueError(f"a JSON {type(e).__name__}, not an incident event")
+            out.append(e)
+        except (ValueError, RecursionError) as err:
+            if skipped is not None and n < len(lines):   # the last one may be an append in progress
+                skipped.append(f"{path} line {n}: {str(err)[:200]}; left out")
+    return out
