@@ -19,6 +19,7 @@ _COMMAND_MODULES = [
     "eagleflow.capture.commands",
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",
+    "eagleflow.evaluate.commands",
     "eagleflow.console.commands",
 ]
 

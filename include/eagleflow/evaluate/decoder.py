@@ -1,0 +1,205 @@
+"""Greedy speculative decoding with an EAGLE-3 draft over a transformers target (the hf backend).
+
+One round, with ``L`` committed tokens ``x_0..x_{L-1}`` (the target's KV cache
+holds positions 0..L-2; its aux states are known there):
+
+- draft: as in training-time test (``train.loss``): step 0 at index t reads the
+  token x_{t+1} and ``fc(aux_t)``, step k reads x_{t+k+1} (a drafted token past
+  the end) and step k-1's output, with step 0's keys causal and steps 1..k only
+  on the diagonal. The chain is read at the last index, L-2: step k's argmax
+  (through ``d2t``) is draft token d_{k+1}. The draft is recomputed over the
+  whole prefix each round, through the model's own ``step`` (no draft KV cache:
+  exact by construction, O(L) draft work a round);
+- verify: one target forward over [x_{L-1}, d_1..d_k]; the longest prefix of
+  drafts equal to the target's greedy choice is kept, plus the target's token
+  after it (the bonus); the target's cache is cropped to what was kept.
+
+Acceptance length = tokens produced by verify passes / verify passes (a draft
+never right scores exactly 1.0; SGLang's figure also counts the prefill's
+token: (tokens + 1) / passes).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# relative float resolution per dtype: a lossless mismatch at a top-2 gap below
+# NEAR_TIE_EPS_FACTOR x eps x max(1, |top logit|) is a near-tie of the arithmetic, not a bug
+NEAR_TIE_EPS_FACTOR = 16
+
+
+def near_tie_threshold(dtype: torch.dtype, top_logit: float, absolute: float | None = None) -> float:
+    if absolute is not None:
+        return absolute
+    return NEAR_TIE_EPS_FACTOR * torch.finfo(dtype).eps * max(1.0, abs(top_logit))
+
+
+class Target:
+    """A causal LM that answers logits and the EAGLE-3 aux states (layer outputs ``aux_layers``, concatenated)."""
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "auto"):
+        from transformers import AutoModelForCausalLM
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("eval.device is 'cuda' but torch sees no CUDA GPU here; set eval.device: cpu")
+        torch_dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
+                       "float32": torch.float32}[dtype]
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.num_layers = int(self.model.config.num_hidden_layers)
+        self.dtype = next(self.model.parameters()).dtype
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def new_cache(self):
+        from transformers import DynamicCache
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def aux_layers(self, configured: list[int] | None) -> list[int]:
+        from eagleflow.capture.aux_layers import resolve_aux_layers
+        return resolve_aux_layers(configured, self.num_layers)
+
+    def forward(self, ids: list[int], cache, aux_layers: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [T, V] float32, aux [T, 3H] or None) of ``ids`` appended after what ``cache`` holds."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=bool(aux_layers))
+        # the output of layer j is hidden_states[j + 1] (entry 0 is the embedding), as the capture stores it
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in aux_layers], dim=-1) if aux_layers else None
+        return out.logits[0].float(), aux
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]                 # generated tokens (prompt excluded)
+    seconds: float
+    verify_passes: int = 0
+    accepted: list[int] = field(default_factory=list)   # drafted tokens kept, per verify pass
+    top2_gaps: list[float] = field(default_factory=list)    # target alone: top-1 minus top-2 logit per token
+    top_logits: list[float] = field(default_factory=list)
+
+    @property
+    def verify_tokens(self) -> int:
+        return sum(a + 1 for a in self.accepted)
+
+
+def _top2(logits: torch.Tensor) -> tuple[int, float, float]:
+    v, i = logits.topk(2)
+    return int(i[0]), float(v[0] - v[1]), float(v[0])
+
+
+def _finish(tokens: list[int], new: list[int], max_new: int, eos: set[int]) -> tuple[list[int], bool]:
+    """``tokens`` plus ``new`` up to max_new and the first end-of-sequence token; (kept new, done)."""
+    kept = []
+    for t in new:
+        if len(tokens) + len(kept) >= max_new:
+            return kept, True
+        kept.append(t)
+        if t in eos:
+            return kept, True
+    return kept, len(tokens) + len(kept) >= max_new
+
+
+@torch.no_grad()
+def greedy(target: Target, prompt: list[int], max_new: int) -> Decoded:
+    """The target alone, one token a forward (its KV cache kept): the reference and the speed baseline."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, cache)
+    out: list[int] = []
+    gaps, tops = [], []
+    while True:
+        tok, gap, top = _top2(logits[-1])
+        gaps.append(gap)
+        tops.append(top)
+        kept, done = _finish(out, [tok], max_new, target.eos_ids)
+        out += kept
+        if done:
+            break
+        logits, _ = target.forward([tok], cache)
+    return Decoded(out, time.perf_counter() - t0, top2_gaps=gaps, top_logits=tops)
+
+
+class DraftProposer:
+    """Chain drafting with an :class:`~eagleflow.train.model.Eagle3Draft`, exactly its training-time step."""
+
+    def __init__(self, draft, aux_layers: list[int], device: torch.device):
+        self.aux_layers = list(aux_layers)
+        self.draft = draft.to(device).eval()
+        self.device = device
+        self.dtype = next(draft.fc.parameters()).dtype
+        self.d2t = draft.d2t.to(device)
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], aux: torch.Tensor, steps: int) -> list[int]:
+        """``steps`` draft tokens after ``tokens`` (length L), from aux states of positions 0..L-2."""
+        n = len(tokens) - 1                  # draft indices 0..L-2
+        ext = list(tokens)
+        hidden = self.draft.fc(aux[:n].to(self.dtype).unsqueeze(0))
+        cache: list = []
+        drafts: list[int] = []
+        for k in range(steps):
+            tok = torch.tensor([ext[k + 1:k + 1 + n]], dtype=torch.long, device=self.device)
+            hidden = self.draft.step(tok, hidden, k, cache)
+            d = int(self.draft.logits(hidden[:, -1]).argmax(-1)[0])
+            d = d + int(self.d2t[d])         # draft vocabulary -> target id
+            drafts.append(d)
+            ext.append(d)
+        return drafts
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    """(drafts accepted, bonus token): the longest prefix equal to the target's argmax, then its next token.
+
+    ``logits`` [k+1, V]: row j is the target's distribution after the j-th fed token."""
+    choice = logits.argmax(-1).tolist()
+    m = 0
+    while m < len(drafts) and drafts[m] == choice[m]:
+        m += 1
+    return m, choice[m]
+
+
+@torch.no_grad()
+def speculative(target: Target, proposer: DraftProposer, prompt: list[int], max_new: int, steps: int,
+                verify=None) -> Decoded:
+    """Greedy decoding with the draft; ``verify`` (default :func:`verify_greedy`) decides what is kept."""
+    verify = verify or verify_greedy
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, aux = target.forward(prompt, cache, proposer.aux_layers)
+    first = int(logits[-1].argmax())
+    tokens = list(prompt) + [first]
+    out, done = _finish([], [first], max_new, target.eos_ids)
+    accepted: list[int] = []
+    while not done:
+        drafts = proposer.propose(tokens, aux, steps)
+        vlogits, vaux = target.forward([tokens[-1]] + drafts, cache, proposer.aux_layers)
+        m, bonus = verify(vlogits, drafts)
+        extra = cache.get_seq_length() - (len(tokens) + m)   # keep x_{L-1} and the accepted drafts
+        if extra > 0:
+            cache.crop(-extra)
+        aux = torch.cat([aux, vaux[:m + 1]])
+        kept, done = _finish(out, drafts[:m] + [bonus], max_new, target.eos_ids)
+        out += kept
+        tokens += drafts[:m] + [bonus]
+        accepted.append(len(kept) - 1 if kept else 0)
+    return Decoded(out, time.perf_counter() - t0, verify_passes=len(accepted), accepted=accepted)
+
+
+def load_draft(export_dir: str | Path, target_dir: str | Path):
+    """(draft, aux layer outputs it was trained on) from an export directory."""
+    from eagleflow.train.export import load_exported
+    export_dir = Path(export_dir)
+    for name in ("config.json", "model.safetensors"):
+        if not (export_dir / name).is_file():
+            raise FileNotFoundError(f"draft {export_dir} has no {name}; pass an export directory written by "
+                                    "`eagleflow export` (config.json + model.safetensors)")
+    meta_file = export_dir / "eagleflow_export.json"
+    aux = json.loads(meta_file.read_text()).get("aux_layer_outputs") if meta_file.is_file() else None
+    return load_exported(export_dir, target_dir), aux

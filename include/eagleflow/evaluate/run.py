@@ -1,0 +1,198 @@
+"""The evaluate_draft phase: held-out speculative decoding per configuration, the promotion gate, eval.json.
+
+For each configuration of ``eval.configs`` the exported draft (and
+``eval.baseline_draft``, when set, on the same prompts) decodes every held-out
+prompt greedily with the target verifying; the target alone decodes them too
+(the reference for the lossless check and the speed baseline). The gate: each
+configuration's acceptance length >= its minimum, not below the baseline's by
+more than ``eval.tolerance``, and every output equal to the target's alone
+(a near-tie of the top-2 logits excepted). A passing draft becomes
+``<run_root>/promoted.json``; the export stays either way.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from eagleflow.config import PipelineConfig
+from eagleflow.durable import atomic_write
+from eagleflow.layout import RunLayout
+
+EVAL_FILE = "eval.json"
+PROMOTED_FILE = "promoted.json"
+HELD_OUT = "held_out"
+
+
+class EvalBackendError(RuntimeError):
+    """The configured evaluation backend is not available here; the message says what to use."""
+
+
+def prompts_from_corpus(layout: RunLayout, max_prompts: int) -> list[dict]:
+    from eagleflow.corpus.prepare import read_eval_records
+    rows = [r for r in read_eval_records(Path(str(layout.corpus_dir))) if r["prompt_ids"]]
+    if not rows:
+        raise ValueError(f"{layout.corpus_dir}/eval.parquet holds no record with a prompt before an assistant "
+                         "turn; raise corpus.eval_fraction / corpus.eval_min_records and rerun `corpus prepare`")
+    return [{"id": r["id"], "prompt_ids": list(r["prompt_ids"])} for r in rows[:max_prompts]]
+
+
+def _mismatch(ref, got, threshold) -> dict | None:
+    """First position where the output with the draft leaves the target's own, with the target's top-2 gap."""
+    for i, (a, b) in enumerate(zip(ref.tokens, got.tokens)):
+        if a != b:
+            gap = ref.top2_gaps[i]
+            return {"position": i, "target": a, "with_draft": b, "top2_logit_gap": round(gap, 6),
+                    "near_tie": gap <= threshold(ref.top_logits[i])}
+    if len(ref.tokens) != len(got.tokens):
+        i = min(len(ref.tokens), len(got.tokens))
+        return {"position": i, "target": ref.tokens[i] if i < len(ref.tokens) else None,
+                "with_draft": got.tokens[i] if i < len(got.tokens) else None, "top2_logit_gap": None,
+                "near_tie": False}
+    return None
+
+
+def measure(target, proposer, prompts: list[dict], references: dict, steps: int, max_new: int, threshold,
+            verify=None) -> dict:
+    """One draft, one configuration, one prompt set: acceptance, per-position acceptance, speed, lossless."""
+    from .decoder import speculative
+    passes = tokens = 0
+    at = [0] * steps
+    secs = ref_secs = 0.0
+    mismatches = []
+    for p in prompts:
+        got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
+        ref = references[p["id"]]
+        passes += got.verify_passes
+        tokens += got.verify_tokens
+        for a in got.accepted:
+            for j in range(min(a, steps)):
+                at[j] += 1
+        secs += got.seconds
+        ref_secs += ref.seconds
+        mm = _mismatch(ref, got, threshold)
+        if mm:
+            mismatches.append({"prompt": p["id"], **mm})
+    generated = sum(len(references[p["id"]].tokens) for p in prompts)
+    tps, ref_tps = generated / secs if secs else 0.0, generated / ref_secs if ref_secs else 0.0
+    return {"accept_length": round(tokens / passes, 4) if passes else 1.0,
+            "sglang_accept_length": round((tokens + len(prompts)) / passes, 4) if passes else None,
+            "verify_passes": passes, "verify_tokens": tokens,
+            "accepted_at_position": [round(x / passes, 4) if passes else 0.0 for x in at],
+            "tokens_per_s": round(tps, 2), "target_tokens_per_s": round(ref_tps, 2),
+            "speedup": round(tps / ref_tps, 3) if ref_tps else None,
+            "lossless": not [m for m in mismatches if not m["near_tie"]],
+            "near_ties": sum(m["near_tie"] for m in mismatches), "mismatches": mismatches[:20]}
+
+
+def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
+    """Why the new draft is refused (empty = it passes), each reason with both numbers."""
+    ec = cfg.eval
+    why = []
+    for r in results:
+        new = r["draft"]
+        need = r["min_accept_length"]
+        where = f"configuration {r['config']} on {r['prompt_set']} ({r['prompts']} prompts)"
+        if new["accept_length"] < need:
+            why.append(f"{where}: acceptance length {new['accept_length']:.3f} is below eval.min_accept_length "
+                       f"{need:.3f}")
+        if baseline and new["accept_length"] < r["baseline"]["accept_length"] - ec.tolerance:
+            why.append(f"{where}: acceptance length {new['accept_length']:.3f} is worse than the baseline draft's "
+                       f"{r['baseline']['accept_length']:.3f} by more than eval.tolerance {ec.tolerance}")
+        if not new["lossless"]:
+            m = next(m for m in new["mismatches"] if not m["near_tie"])
+            why.append(f"{where}: output with the draft differs from the target alone at prompt {m['prompt']} "
+                       f"position {m['position']} (target top-2 logit gap {m['top2_logit_gap']}): the "
+                       "speculative decoder is not lossless")
+    return why
+
+
+def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Path | None = None,
+                 log: Callable[[str], None] = print, verify=None) -> dict:
+    """Evaluate the run's exported draft, write eval.json (and promoted.json when it passes); the summary."""
+    import torch
+
+    from .decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold
+    ec = cfg.eval
+    if ec.backend == "sglang":
+        raise EvalBackendError("eval.backend 'sglang' (the target served by SGLang with the draft on a GPU node, "
+                               "acceptance from its spec_verify_ct counters) is not built yet; set eval.backend: hf "
+                               "(our speculative decoder over transformers, eval.device cpu or cuda)")
+    started = time.monotonic()
+    draft_dir = Path(draft_dir) if draft_dir else Path(str(layout.draft_dir)) / "export"
+    target_dir = str(cfg.resolve(cfg.target_model))
+    prompts = prompts_from_corpus(layout, ec.max_prompts)
+    target = Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
+    torch.manual_seed(0)
+    drafts = {"draft": draft_dir}
+    if ec.baseline_draft:
+        drafts["baseline"] = cfg.resolve(ec.baseline_draft)
+    proposers = {}
+    for role, d in drafts.items():
+        model, aux = load_draft(d, target_dir)
+        proposers[role] = DraftProposer(model, target.aux_layers(aux or cfg.capture.aux_layers), target.device)
+    threshold = (lambda top: near_tie_threshold(target.dtype, top, ec.near_tie_logit_gap))
+    log(f"evaluate: {len(prompts)} held-out prompt(s), up to {ec.max_new_tokens} new tokens each, target "
+        f"{target_dir} ({target.dtype}, {target.device}), draft {draft_dir}"
+        + (f", baseline {drafts['baseline']}" if "baseline" in drafts else ""))
+    references = {p["id"]: greedy(target, p["prompt_ids"], ec.max_new_tokens) for p in prompts}
+    results = []
+    for sc in ec.configs:
+        row = {"config": sc.label, "steps": sc.steps, "topk": sc.topk, "draft_tokens": sc.draft_tokens,
+               "prompt_set": HELD_OUT, "prompts": len(prompts),
+               "min_accept_length": sc.min_accept_length or ec.min_accept_length}
+        for role, prop in proposers.items():
+            row[role] = measure(target, prop, prompts, references, sc.steps, ec.max_new_tokens, threshold,
+                                verify=verify if role == "draft" else None)
+        results.append(row)
+        d = row["draft"]
+        log(f"evaluate: {sc.label} acceptance length {d['accept_length']:.3f} (per position "
+            f"{', '.join(f'{x:.2f}' for x in d['accepted_at_position'])}), {d['tokens_per_s']:.1f} tok/s vs "
+            f"{d['target_tokens_per_s']:.1f} alone (x{d['speedup']}), lossless {'yes' if d['lossless'] else 'NO'}"
+            + (f"; baseline {row['baseline']['accept_length']:.3f}" if "baseline" in row else ""))
+    refused = gate(results, cfg, "baseline" in drafts)
+    summary = {"run_id": layout.run_id, "backend": ec.backend, "draft": str(draft_dir),
+               "baseline_draft": str(drafts["baseline"]) if "baseline" in drafts else None,
+               "target": target_dir, "target_dtype": str(target.dtype).replace("torch.", ""),
+               "device": str(target.device), "max_new_tokens": ec.max_new_tokens, "tolerance": ec.tolerance,
+               "results": results, "passed": not refused, "refused": refused,
+               "elapsed_s": round(time.monotonic() - started, 2)}
+    out = Path(str(layout.run_dir)) / EVAL_FILE
+    summary["eval_file"] = str(out)
+    if not refused:
+        summary["promoted"] = promote(cfg, layout, summary)
+    atomic_write(out, json.dumps(summary, indent=2) + "\n")
+    for line in table_lines(summary):
+        log(line)
+    log("evaluate: PASSED, promoted " + str(draft_dir) if not refused else
+        "evaluate: REFUSED: " + "; ".join(refused))
+    return summary
+
+
+def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
+    """``<run_root>/promoted.json`` names this draft with its figures (replaced atomically)."""
+    path = Path(str(cfg.resolve(cfg.run_root))) / PROMOTED_FILE
+    atomic_write(path, json.dumps({
+        "draft": summary["draft"], "run_id": layout.run_id, "eval_file": summary["eval_file"],
+        "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "accept_length": {r["config"]: r["draft"]["accept_length"] for r in summary["results"]}}, indent=2) + "\n")
+    return str(path)
+
+
+def table_lines(summary: dict) -> list[str]:
+    """The figures as a text table: configuration x prompt set."""
+    head = (f"{'config':<8} {'prompts':<14} {'accept len':>10} {'per position':<28} {'tok/s':>8} "
+            f"{'alone':>8} {'speed-up':>8} {'lossless':>8} {'baseline':>8}")
+    lines = [head, "-" * len(head)]
+    for r in summary["results"]:
+        d = r["draft"]
+        pos = " ".join(f"{x:.2f}" for x in d["accepted_at_position"])
+        base = f"{r['baseline']['accept_length']:.3f}" if r.get("baseline") else "-"
+        lossless = "yes" if d["lossless"] else "NO"
+        if d["lossless"] and d["near_ties"]:
+            lossless = f"yes ({d['near_ties']} tie)"
+        lines.append(f"{r['config']:<8} {r['prompt_set'] + ' x' + str(r['prompts']):<14} {d['accept_length']:>10.3f} "
+                     f"{pos[:28]:<28} {d['tokens_per_s']:>8.1f} {d['target_tokens_per_s']:>8.1f} "
+                     f"{(d['speedup'] or 0):>8.2f} {lossless:>8} {base:>8}")
+    return lines
