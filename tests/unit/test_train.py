@@ -93,6 +93,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, demo_assets):
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # trains several short runs
 def test_trainer_takes_specforges_schedule_betas_and_objective_from_the_config(tmp_path, demo_assets):
     """No warmup_steps: warm-up is int(0.015 x max_steps) (here 3); AdamW gets the config's betas; the
     loss normalisation and mask alignment settings reach the loss (the first step's loss changes)."""

@@ -150,6 +150,7 @@ def test_observe_asks_the_server_only_once_progress_is_stale(tmp_path, http_serv
         kill_group(srv.pgid)
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 @pytest.mark.timeout(60)
 def test_watch_cli_exit_code_says_the_verdict_and_memory_persists(tmp_path):
     cfg = watch_config(tmp_path)
@@ -178,6 +179,7 @@ def test_watch_cli_exit_code_says_the_verdict_and_memory_persists(tmp_path):
         kill_group(p.pgid)
 
 
+@pytest.mark.slow  # runs the fake nvidia-smi in subprocesses
 @pytest.mark.timeout(90)
 def test_gpu_signal_through_the_real_probe_on_a_fake_nvidia_smi(tmp_path, http_server):
     """The seeds' picture (8 GPUs holding 90 GB at 0 %) read by eagleflow.gpu's smi probe via `eagleflow watch`."""
