@@ -29,13 +29,16 @@ class UnsafeFile(OSError):
     """A file eagleflow trusts (pid record, lock, log, key) is a symlink, not ours, or writable by others."""
 
 
-def open_owned(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+def open_owned(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o600, *,
+               narrow: bool = False) -> int:
     """Open one of our own files without following a symlink; the descriptor, or UnsafeFile naming the problem.
 
     The one secure open (records, locks, logs, keys): ``O_NOFOLLOW`` (a link planted at the path is refused,
     even a dangling one with ``O_CREAT``), ``O_NONBLOCK`` while checking (a FIFO planted there cannot hang
     us), then ``fstat`` of what was opened: a regular file owned by this user that neither group nor others
-    may write. Anyone who could write it could forge what it says.
+    may write. Anyone who could write it could forge what it says. ``narrow``: for a file whose content is
+    never proof of anything (a log, a lock, an append-only book), one of ours that group or others may
+    write (e.g. made under umask 002) is narrowed to not writable by them instead of refused.
     """
     path = os.fspath(path)
     try:
@@ -46,7 +49,11 @@ def open_owned(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o
                                           "own files (pid records, locks, logs, keys): remove the link") from None
         raise
     try:
-        problem = unsafe_stat(os.fstat(fd))
+        st = os.fstat(fd)
+        if narrow and st.st_mode & 0o022 and st.st_uid == os.geteuid():
+            os.fchmod(fd, (st.st_mode & 0o7777) & ~0o022)
+            st = os.fstat(fd)
+        problem = unsafe_stat(st)
         if problem:
             raise UnsafeFile(errno.EPERM, f"{path} {problem}; refusing to trust it: remove it (or fix its owner "
                                           "and mode) and retry")

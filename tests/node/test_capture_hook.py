@@ -1,6 +1,7 @@
 """The capture hook on sglang 0.5.23's own objects: ScheduleBatch, Req, ForwardBatch, results, HookRegistry."""
 from __future__ import annotations
 
+import pytest
 import torch
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -111,3 +112,32 @@ def test_a_server_without_aux_capture_is_named(capture_env, attn_tp_rank):
     out = LogitsProcessorOutput(next_token_logits=torch.zeros(1, 16), hidden_states=None, last_hidden_states=None)
     with attn_tp_rank(0), pytest.raises(plugin.CaptureHookError, match="--enable-return-aux-hidden-states"):
         _hooked(GenerationBatchResult(logits_output=out))(_worker(), batch)
+
+
+def test_dumps_carry_the_key_s_mac_and_stay_private(capture_env, attn_tp_rank, monkeypatch):
+    """Issue 26 item 4 in the real hook: bf16 dumps 0600 in a 0700 folder, each verifying under the key the
+    launcher hands the schedulers; without the key a dump carries no MAC and the worker would refuse it."""
+    import os
+    import secrets
+    import stat
+
+    from eagleflow.capture.protocol import ENV_DUMP_KEY, DumpTrustError, verify_dump
+    key = secrets.token_bytes(32)
+    monkeypatch.setenv(ENV_DUMP_KEY, key.hex())
+    a = request_id("run1", 0, 0)
+    batch, _ = _prefill([(a, 6, 0)])
+    result, _, _ = _result(6)
+    with attn_tp_rank(0):
+        _hooked(result)(_worker(), batch)
+    p = capture_env / f"{a}.safetensors"
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and stat.S_IMODE(os.stat(capture_env).st_mode) == 0o700
+    d = read_dump(p)
+    assert d.aux_hidden_states.dtype == torch.bfloat16
+    verify_dump(d, key, p, a)
+    with pytest.raises(DumpTrustError, match="does not match"):
+        verify_dump(d, secrets.token_bytes(32), p, a)
+    monkeypatch.delenv(ENV_DUMP_KEY)
+    with attn_tp_rank(0):
+        _hooked(result)(_worker(), batch)
+    with pytest.raises(DumpTrustError, match="carries no MAC"):
+        verify_dump(read_dump(p), key, p, a)

@@ -138,3 +138,18 @@ def test_ssh_node_run_output_is_bounded(tmp_path_factory, monkeypatch):
             with pytest.raises(ssh.NodeOutputTooLarge, match="on stderr"):
                 node.run(["sh", "-c", f"head -c {8 << 20} /dev/zero >&2"], timeout=30)
             assert node.run(["echo", "still usable"], timeout=10).stdout == "still usable\n"
+
+        async def from_a_trigger():   # the shard watch's node: the same bound
+            import asyncio
+            from eagleflow.nodes.ssh_async import AsyncSSHNode
+            anode = AsyncSSHNode("ssh_bound_test", name="bound")
+            try:
+                with pytest.raises(ssh.NodeOutputTooLarge, match="more than 1048576 bytes on stdout"):
+                    await anode.run(["head", "-c", str(8 << 20), "/dev/zero"], timeout=30)
+                res = await asyncio.wait_for(anode.run(["sh", "-c", "cat; echo err >&2"], input="in\n",
+                                                       timeout=20), 60)
+                return res.stdout, res.stderr
+            finally:
+                anode.close()
+        import asyncio
+        assert asyncio.run(from_a_trigger()) == ("in\n", "err\n")

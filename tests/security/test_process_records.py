@@ -172,3 +172,23 @@ def test_log_and_lock_symlinks_are_not_followed(tmp_path):
         NodeLock(tmp_path / "dangling.lock", purpose="test").acquire(timeout_s=0)
     assert target.read_text() == "keep me\n" and not (tmp_path / "missing").exists()
     assert not (tmp_path / "pids" / "r.job.json").exists(), "nothing was started"
+
+
+def test_a_group_writable_log_or_lock_of_ours_is_narrowed_not_refused(tmp_path):
+    """Made under umask 002 by an older run: still ours, so narrowed to 0644 and used (their content proves
+    nothing); a record is never narrowed (test_group_writable_record_is_refused)."""
+    (tmp_path / "logs").mkdir()
+    for name in ("logs/job.log", "job.lock"):
+        (tmp_path / name).write_text("")
+        os.chmod(tmp_path / name, 0o664)
+    node = LocalNode()
+    rec = node.spawn_detached(["true"], role="job", pid_file=str(tmp_path / "pids" / "r.job.json"),
+                              log_file=str(tmp_path / "logs" / "job.log"), lock_file=str(tmp_path / "job.lock"))
+    assert rec.pid > 0
+    for name in ("logs/job.log", "job.lock"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o644
+    os.chmod(tmp_path / "job.lock", 0o666)
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "job.lock", 65534, 65534)   # someone else's: refused, never narrowed
+        with pytest.raises(UnsafeFile, match="owned by uid 65534"):
+            NodeLock(tmp_path / "job.lock", purpose="test").acquire(timeout_s=0)

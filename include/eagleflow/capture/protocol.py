@@ -217,7 +217,7 @@ def dump_rid(name: str) -> str | None:
 def remove_dumps(dump_dir: str | os.PathLike, run_id: str, shard: int | None = None) -> int:
     """Delete the dumps of exactly this run (and shard), never another run's whose id merely starts the same.
 
-    The dump dir is shared by every run on the node (default /dev/shm/eagleflow_hs):
+    The dump dir is shared by every run on the node (default /dev/shm/eagleflow_hs-{uid}, per user):
     ``exp`` must not match ``exp.s2`` or ``exp2``, so each name is parsed back into
     (run, shard, index) and compared whole.
     """

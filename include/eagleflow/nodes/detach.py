@@ -74,7 +74,7 @@ def _start(a, cmd: list[str], env: dict[str, str], token: str) -> int:
         pass_fds = (lock_fd,)
     os.makedirs(os.path.dirname(os.path.abspath(a.log_file)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.pid_file)), exist_ok=True)
-    with os.fdopen(open_owned(a.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab", buffering=0) as log:
+    with os.fdopen(open_owned(a.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, narrow=True), "ab", buffering=0) as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=a.cwd, env=env, start_new_session=True, pass_fds=pass_fds)
     if lock_fd is not None:

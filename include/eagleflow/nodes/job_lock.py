@@ -53,7 +53,7 @@ def lock_exclusive(path: str | os.PathLike, purpose: str) -> int:
     """Take the lock now or raise JobLockHeld naming the holder; returns the locked descriptor."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = open_owned(path, os.O_RDWR | os.O_CREAT, 0o644)   # UnsafeFile for a planted link or a foreign file
+    fd = open_owned(path, os.O_RDWR | os.O_CREAT, 0o644, narrow=True)   # UnsafeFile for a planted link or a foreign file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -24,7 +24,8 @@ import time
 from typing import Callable, TypeVar
 
 from .base import NodeCommandTimeout, NodeError, NodeUnreachable, answer_of
-from .ssh import KEEPALIVE_S, KILL_AFTER_S, SSHNode, bound_dead_link, command_result
+from . import ssh
+from .ssh import KEEPALIVE_S, KILL_AFTER_S, NodeOutputTooLarge, SSHNode, bound_dead_link, command_result
 
 T = TypeVar("T")
 
@@ -105,25 +106,35 @@ class AsyncSSHNode:
                 continue
             break
         started = time.monotonic()
+        # read as it comes, bounded as SSHNode.run is: proc.wait() alone would keep all of it
+        reads = [asyncio.ensure_future(_bounded(proc.stdout, "stdout", self.name, cmd)),
+                 asyncio.ensure_future(_bounded(proc.stderr, "stderr", self.name, cmd))]
         try:
             if input is not None:
                 proc.stdin.write(input)
             proc.stdin.write_eof()
-            res = await asyncio.wait_for(proc.wait(check=False), give_up)
+            out, err = await asyncio.wait_for(asyncio.gather(*reads), give_up)
+            left = None if give_up is None else max(give_up - (time.monotonic() - started), 1.0)
+            res = await asyncio.wait_for(proc.wait(check=False), left)
+        except NodeOutputTooLarge:
+            proc.close()
+            raise
         except asyncio.TimeoutError:
             proc.close()
             raise NodeCommandTimeout(f"on node {self.name}: `{cmd}` did not finish within {timeout} s, and did not "
                                      f"end {2 * KILL_AFTER_S + 10:.0f} s after TERM/KILL (stuck in D?)") from None
         except (asyncssh.Error, OSError, BrokenPipeError):
             self._drop()
-            res = None
+            res, out, err = None, "", ""
+        finally:
+            for t in reads:
+                t.cancel()   # the other stream's read, when one failed; a no-op once done
         if res is None or (res.exit_status is None and res.exit_signal is None):
             self._drop()
             code = None    # no exit status: the connection died under the command
         else:
             code = res.returncode   # exit status, or minus the signal number
-        return command_result(self.name, self._where, argv, cmd, code,
-                              "" if res is None else (res.stdout or ""), "" if res is None else (res.stderr or ""),
+        return command_result(self.name, self._where, argv, cmd, code, out, err,
                               timeout, past_deadline=timeout is not None and time.monotonic() - started > timeout)
 
     async def run_json(self, argv, model: type[T], *, timeout: float | None = 60.0, input: str | None = None,
@@ -140,3 +151,17 @@ class AsyncSSHNode:
             return None
         raise NodeError(f"on node {self.name}: cannot read {path}: {res.stderr.strip()}")
 
+
+async def _bounded(stream, name: str, node: str, cmd: str) -> str:
+    """One output stream of a command, read to its end; NodeOutputTooLarge past ``ssh.MAX_OUTPUT_BYTES``."""
+    parts, size = [], 0
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return "".join(parts)
+        parts.append(chunk)
+        size += len(chunk)   # characters: the decoded text, at least that many bytes
+        if size > ssh.MAX_OUTPUT_BYTES:
+            raise NodeOutputTooLarge(f"on node {node}: `{cmd[:300]}` printed more than {ssh.MAX_OUTPUT_BYTES} bytes on "
+                                     f"{name} (eagleflow.nodes.ssh.MAX_OUTPUT_BYTES); not read further. A node "
+                                     "command answers in one JSON line: look at what made it print this much")

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from eagleflow.durable import atomic_write
+from eagleflow.durable import atomic_write, open_owned
 from eagleflow.watchdog.node_lock import NodeLock
 
 
@@ -39,7 +39,10 @@ def _lock(state_dir: str | os.PathLike) -> NodeLock:
 
 
 def _append_log(state_dir: str | os.PathLike, entry: dict) -> None:
-    with open(incidents_dir(state_dir) / "incidents.jsonl", "a") as f:
+    # the book is appended to, never replaced: not through a link planted at its name (durable.open_owned)
+    fd = open_owned(incidents_dir(state_dir) / "incidents.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644,
+                    narrow=True)
+    with os.fdopen(fd, "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 

@@ -35,7 +35,7 @@ class NodeLock:
     def acquire(self, timeout_s: float | None = None, poll_s: float = 0.2) -> bool:
         """Block until held (or ``timeout_s``, then NodeLockTimeout). Returns True when we waited for someone."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_owned(self.path, os.O_RDWR | os.O_CREAT, 0o644)   # UnsafeFile for a planted link or foreign file
+        fd = open_owned(self.path, os.O_RDWR | os.O_CREAT, 0o644, narrow=True)   # UnsafeFile for a planted link or foreign file
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waited = False
         while True:
