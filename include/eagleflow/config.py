@@ -368,4 +368,38 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(_format_errors(e, where)) from None
     if path is not None:
         cfg.source_path = str(Path(path).absolute())
+    problem = deletion_root_problem(cfg)   # relative paths resolve against the file's folder: after source_path
+    if problem:
+        raise ConfigError(f"invalid eagleflow config {where}:\n  - disk.cache_root = {cfg.disk.cache_root!r}: "
+                          f"{problem}; everything under cache_root may be deleted (disk.old_caches), so it must "
+                          "be a folder that holds only hidden-state caches, e.g. /data/eagleflow/caches")
     return cfg
+
+
+def _home_folders() -> set[Path]:
+    import pwd
+    homes = {Path(os.path.expanduser("~"))}
+    try:
+        homes |= {Path(e.pw_dir) for e in pwd.getpwall() if e.pw_dir}
+    except OSError:
+        pass
+    return {Path(os.path.normpath(h)) for h in homes if str(h) not in ("", "/")}
+
+
+def deletion_root_problem(cfg: "PipelineConfig") -> str | None:
+    """Why ``disk.cache_root`` must not be the root deletions are confined to: ``/``, a home folder or a
+    folder holding one, or a folder above ``run_root`` (None: acceptable, or no cache_root)."""
+    if not cfg.disk.cache_root:
+        return None
+    root = cfg.resolve(cfg.disk.cache_root)
+    if root == Path("/"):
+        return "it is the file system's root"
+    for home in sorted(_home_folders()):
+        if home == root:
+            return f"it is the home folder {home}"
+        if home.is_relative_to(root):
+            return f"it holds the home folder {home}"
+    run_root = cfg.resolve(cfg.run_root)
+    if run_root != root and run_root.is_relative_to(root):
+        return f"it lies above run_root {run_root} (the runs themselves would be deletable)"
+    return None

@@ -84,8 +84,11 @@ def test_later_tasks_read_the_frozen_config_not_the_edited_yaml(airflow_db, demo
     assert seen["run_dir"] == seen["trigger_run_dir"] == run_dir
     frozen_file = Path(run_dir) / "run-config.json"
     assert json.loads(frozen_file.read_text())["capture"]["shards"] == 3
-    # a trigger carries only how to find the run again
+    # a trigger carries only how to find the run again, and the frozen control-plane settings
+    from eagleflow.airflow.runtime import CONTROL_PLANE_FIELDS
+    control = seen["payload"].pop("control")
     assert seen["payload"] == {"conn_id": None, "run_config": str(frozen_file), "run_id": "frozen"}
+    assert set(control) == set(CONTROL_PLANE_FIELDS)
 
 
 def test_a_relative_config_path_never_depends_on_the_cwd(demo_assets, monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from airflow.sdk import BaseOperator
 from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
-from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.runtime import RunContext, apply_control_plane, control_plane_settings
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeError
@@ -87,6 +87,8 @@ class RerunShardOperator(BaseOperator):
         if text is None:
             raise FileNotFoundError(f"run config {self.target['run_config']} vanished from node {node_ctx.node.name}")
         cfg = load_config(data=json.loads(text))
+        # what runs on the control plane and whom to mail: the reconcile's frozen config, not the node's file
+        apply_control_plane(cfg, control_plane_settings(node_ctx.cfg))
         return RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, self.target["run_id"]), _node=node_ctx.node)
 
     def execute(self, context):

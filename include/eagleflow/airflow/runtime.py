@@ -172,16 +172,45 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
     return data
 
 
+# Settings the control plane acts on (what it executes, whom it mails, through which connection, which links):
+# always the frozen config's (XCom, the trigger payload), never the copy on the node, which the node can edit.
+CONTROL_PLANE_FIELDS = ("node.python", "watchdog.alert_emails", "watchdog.smtp_conn_id", "watchdog.airflow_base_url")
+
+
+def control_plane_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """``CONTROL_PLANE_FIELDS`` of ``cfg`` as plain values (a trigger payload's ``control``)."""
+    out = {}
+    for dotted in CONTROL_PLANE_FIELDS:
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        out[dotted] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def apply_control_plane(cfg: PipelineConfig, settings: dict[str, Any]) -> None:
+    """Lay trusted control-plane settings over a config read from a node."""
+    for dotted in CONTROL_PLANE_FIELDS:
+        if dotted in settings:
+            section, name = dotted.split(".")
+            setattr(getattr(cfg, section), name, settings[dotted])
+
+
 @dataclass(frozen=True)
 class RunRef:
     """What a trigger carries to find its run again: how to reach the node, where the frozen config lies there,
-    which run. Nothing else, so a renamed config field never breaks a deferred task across an upgrade."""
+    which run, and the frozen config's control-plane settings (``CONTROL_PLANE_FIELDS``; None in a payload
+    from before they were carried). Nothing else, so a renamed config field never breaks a deferred task
+    across an upgrade."""
     conn_id: str | None
     run_config: str
     run_id: str
+    control: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
+        d = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
+        if self.control is not None:
+            d["control"] = dict(self.control)
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunRef":
@@ -194,7 +223,10 @@ class RunRef:
             return cls(conn_id=(config.get("node") or {}).get("conn_id"),
                        run_config=str(run_root / safe_run_id(run_id) / RUN_CONFIG_FILE), run_id=run_id)
         try:
-            return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]))
+            control = data.get("control")
+            return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]),
+                       control={k: v for k, v in control.items() if k in CONTROL_PLANE_FIELDS}
+                       if isinstance(control, dict) else None)
         except KeyError as e:
             raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
                               "run_id") from None
@@ -278,7 +310,8 @@ class RunContext:
         """The RunRef a trigger carries."""
         conn_id = getattr(self._node, "conn_id", self.cfg.node.conn_id) if self._node is not None \
             else self.cfg.node.conn_id
-        return RunRef(conn_id=conn_id, run_config=self.run_config_path, run_id=self.layout.run_id).to_dict()
+        return RunRef(conn_id=conn_id, run_config=self.run_config_path, run_id=self.layout.run_id,
+                      control=control_plane_settings(self.cfg)).to_dict()
 
     def trigger_ref(self) -> dict[str, Any]:
         """The RunRef for a trigger this task defers to. A config this task resolved itself (a DAG without a
@@ -315,6 +348,8 @@ class RunContext:
                               f"JSON ({e}); clear the run from write_run_config to write it again") from None
         cfg = load_config(data=data)
         cfg.node.conn_id = ref.conn_id  # the node is reached the way the payload says (a reconcile may differ)
+        if ref.control is not None:     # what runs here and whom to mail: the frozen config's, not the node's copy
+            apply_control_plane(cfg, ref.control)
         return cls(cfg=cfg, layout=RunLayout.for_run(cfg, ref.run_id))
 
     # -- the node ------------------------------------------------------------------------------
