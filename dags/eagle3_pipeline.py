@@ -23,7 +23,7 @@ from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunCon
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
 from eagleflow.airflow.routing import default_config_path, node_routing
 from eagleflow.airflow.runtime import allowed_node_conn_ids
-from eagleflow.airflow.train_operators import ExportDraftOperator, TrainDraftOperator
+from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 
 DOC = __doc__ + """
 
@@ -106,6 +106,7 @@ with DAG(
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
     train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
     export = ExportDraftOperator(task_id="export_draft")
+    evaluate = EvaluateDraftOperator(task_id="evaluate_draft")
 
     write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
     idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
@@ -113,9 +114,9 @@ with DAG(
     # training waits for verification too, so it never runs on partial or unverified data.
     stop_server >> free_after.as_teardown(setups=start_server)
     extract >> verify
-    [free_after, verify] >> idle_after >> train >> export
+    [free_after, verify] >> idle_after >> train >> export >> evaluate
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: export_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run
     # whose config was refused has nothing to report and gets no second alert
-    export >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)
+    evaluate >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)

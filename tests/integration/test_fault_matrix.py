@@ -141,7 +141,7 @@ def test_a_shard_failing_all_its_tries_fails_the_run_and_nothing_trains(tmp_path
         # GPU cleanup after capture still ran (teardowns), without letting training through
         assert states[("stop_capture_server", -1)] == "success"
         assert states[("free_gpus_after_capture", -1)] == "success"
-        for t in ("gpus_idle_after_capture", "train_draft", "export_draft"):
+        for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
             assert states[(t, -1)] == "upstream_failed", (t, states)
         assert not (run_dir / "draft").exists(), "nothing trained or exported on partial data"
         assert not (run_dir / "hidden_states" / RECORD_FILE).exists()
@@ -168,7 +168,7 @@ def test_prepare_corpus_failure_lets_nothing_train_and_alerts_once(tmp_path, air
         states = {k[0]: ti.state for k, ti in _tis(dr).items()}
         assert dr.state == "failed", states
         assert states["prepare_corpus"] == "failed"
-        for t in ("gpus_idle_after_capture", "train_draft", "export_draft"):
+        for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
             assert states[t] == "upstream_failed", (t, states)
         # no capture server was started, so its teardowns never ran
         assert states["free_gpus_after_capture"] in ("skipped", "upstream_failed"), states

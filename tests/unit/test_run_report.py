@@ -114,7 +114,7 @@ def test_the_report_task_carries_a_run_report_link():
     task = dag.get_task("run_report")
     assert task.extra_links == ["Run report"] and task.is_teardown
     assert "run_report" not in {t.task_id for t in dag.tasks if t.downstream_task_ids} and \
-        "export_draft" in task.upstream_task_ids
+        "evaluate_draft" in task.upstream_task_ids
     key = type("Key", (), {"dag_id": "eagle3_pipeline", "run_id": "manual__2026-12-01T04:12:37+00:00"})()
     assert RunReportLink().get_link(None, ti_key=key) == report_url("eagle3_pipeline", key.run_id) == \
         "/eagleflow-gpu/report/eagle3_pipeline/manual__2026-12-01T04%3A12%3A37%2B00%3A00"

@@ -122,3 +122,44 @@ class ExportDraftOperator(RunOperator):
                       "--speculative-draft-model-path %s", out_dir, ctx.node.name, out_dir)
         return {"export_dir": out_dir, "curves": str(ctx.layout.draft_dir / "curves.png"),
                 "metrics": str(ctx.layout.draft_dir / "metrics.jsonl")}
+
+
+class EvalAnswer(BaseModel):
+    """`eagleflow evaluate --json` (exit 0 passed, 1 refused)."""
+    run_id: str
+    passed: bool
+    refused: list[str]
+    eval_file: str
+    promoted: str | None = None
+    draft: str
+    baseline_draft: str | None = None
+    results: list[dict]
+    elapsed_s: float
+
+
+class EvaluateDraftOperator(RunOperator):
+    """`eagleflow evaluate` on the node: held-out speculative decoding with the export and the promotion gate.
+
+    Fails the run when the gate refuses the draft (the message says both numbers); the export stays."""
+
+    ui_color = "#f3e8fb"
+
+    def __init__(self, *, timeout_s: float = 3600.0, **kw):
+        super().__init__(**kw)
+        self.timeout_s = timeout_s
+
+    def run(self, ctx: RunContext, context):
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from eagleflow.evaluate.run import table_lines
+        answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self.timeout_s,
+                                   answer_codes=(0, 1), log=self.log.info)
+        for line in table_lines(answer.model_dump()):
+            self.log.info("%s", line)
+        if not answer.passed:
+            raise AirflowFailException(f"draft {answer.draft} refused by the promotion gate (kept, not promoted): "
+                                       + "; ".join(answer.refused) + f". Figures in {answer.eval_file} on node "
+                                       f"{ctx.node.name}")
+        self.log.info("draft %s passed; promoted (%s)", answer.draft, answer.promoted)
+        return {"passed": True, "eval_file": answer.eval_file, "promoted": answer.promoted,
+                "accept_length": {r["config"]: r["draft"]["accept_length"] for r in answer.results}}

@@ -91,6 +91,7 @@ def gather(cfg, layout, state_dir: str | os.PathLike) -> dict[str, Any]:
         "export_dir": str(export) if (export / "config.json").is_file() else None,
         "export_files": sorted(p.name for p in export.iterdir()) if export.is_dir() else [],
         "serve_command": serve_command(cfg, str(export)),
+        "evaluation": _read_json(run_dir / "eval.json"),
     }
 
 
@@ -262,6 +263,32 @@ def _export(data: dict) -> str:
             f"<p>Serve it with SGLang:</p><pre class='cmd'>{_e(data['serve_command'])}</pre>")
 
 
+def _evaluation(ev: dict | None) -> str:
+    """Held-out speculative decoding (eagleflow.evaluate): configuration x prompt set, the gate's verdict."""
+    if not ev:
+        return "<p class='missing'>No evaluation: evaluate_draft did not finish.</p>"
+    head = ("<tr><th>config (steps/topk/draft tokens)</th><th>prompts</th><th>acceptance length</th>"
+            "<th>accepted at position</th><th>tok/s with draft</th><th>tok/s target alone</th><th>speed-up</th>"
+            "<th>lossless</th><th>minimum</th><th>baseline</th></tr>")
+    rows = ""
+    for r in ev.get("results", []):
+        d, b = r["draft"], r.get("baseline")
+        lossless = ("yes" if d["lossless"] else "NO") + (f" ({d['near_ties']} near-tie)" if d.get("near_ties") else "")
+        base = f"{b['accept_length']:.3f}" if b else "-"
+        per_pos = " ".join(f"{x:.2f}" for x in d["accepted_at_position"])
+        rows += (f"<tr><td>{_e(r['config'])}</td><td>{_e(r['prompt_set'])} ({_e(r['prompts'])})</td>"
+                 f"<td>{d['accept_length']:.3f}</td><td>{_e(per_pos)}</td><td>{d['tokens_per_s']:.1f}</td>"
+                 f"<td>{d['target_tokens_per_s']:.1f}</td><td>{(d['speedup'] or 0):.2f}x</td><td>{lossless}</td>"
+                 f"<td>{r['min_accept_length']:.2f}</td><td>{base}</td></tr>")
+    verdict = (f"<p class='ok'>Passed the promotion gate; promoted: <code>{_e(ev.get('promoted'))}</code></p>"
+               if ev.get("passed") else "<p class='failed'>Refused by the promotion gate (the export is kept): "
+               + _e("; ".join(ev.get("refused", []))) + "</p>")
+    return (f"{verdict}<table>{head}{rows}</table><p>Greedy decoding of held-out prompts, target "
+            f"{_e(ev.get('target_dtype'))} on {_e(ev.get('device'))}, up to {_e(ev.get('max_new_tokens'))} new tokens; "
+            "acceptance length = tokens per target verify pass (1.0 = the draft never right). Figures: "
+            f"<code>{_e(ev.get('eval_file'))}</code></p>")
+
+
 def _tasks(tasks: dict[str, str] | None) -> str:
     if not tasks:
         return ""
@@ -290,6 +317,7 @@ def render(data: dict, *, tasks: dict[str, str] | None = None, gpu: dict | None 
             + "<h2>GPUs during capture</h2>" + _gpus(data, gpu)
             + "<h2>Training</h2>" + _training(data.get("metrics") or [])
             + "<h2>Export</h2>" + _export(data)
+            + "<h2>Held-out evaluation</h2>" + _evaluation(data.get("evaluation"))
             + "</body></html>")
 
 
