@@ -94,3 +94,40 @@ def test_a_killed_server_the_watch_restarts_mails_stalled_then_recovered_never_f
     assert recovered.startswith("[eagleflow] RECOVERED shard 0/1 on local: samples stored again"), recovered
     assert not any("FAILED" in s or "DEAD" in s for s in subjects), subjects
     _assert_exact(run)
+
+
+def test_a_mail_server_refusing_data_does_not_fail_the_recovery_and_the_mail_arrives_once_later(
+        shard_run, monkeypatch):
+    run = shard_run
+    server_pid = _server_pid(run)
+    with SmtpSink() as smtp:
+        smtp.refusing.set()   # the mail server's outage starts before the stall
+
+        def server_back():
+            # the mail server takes mail again once the watch has restarted the capture server
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:
+                if smtp.refused and read_incidents(run):
+                    smtp.refusing.clear()
+                    return
+                time.sleep(0.1)
+        back = threading.Thread(target=server_back, daemon=True)
+        back.start()
+        kill = _kill_server_mid_shard(run, after=3)
+        result = _extract(run, smtp, monkeypatch)   # the recovery goes on: no SMTPDataError fails the try
+        kill["thread"].join(5)
+        back.join(5)
+        smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=30)
+        time.sleep(1)
+        subjects = [m["Subject"] for m in smtp.messages]
+        refused = list(smtp.refused)
+    assert result["shard"] == 0 and kill["pid"] == server_pid
+    assert refused and not smtp.refusing.is_set(), "the outage hit the stall mail, then ended"
+    restarts = read_incidents(run)
+    assert len(restarts) == 1 and restarts[0]["old_pid"] == server_pid, restarts
+    # the incident's own mails, once each and in order, after the server took mail again; few refused tries
+    assert len(subjects) == 2, subjects
+    assert subjects[0].startswith("[eagleflow] STALLED shard 0/1 on local ("), subjects
+    assert subjects[1].startswith("[eagleflow] RECOVERED shard 0/1 on local"), subjects
+    assert len(refused) <= 6, f"{len(refused)} refused DATA: a flood, not a backed-off retry"
+    _assert_exact(run)

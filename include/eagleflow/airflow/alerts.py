@@ -11,7 +11,10 @@ mail.subject }}")``). Each mail has a plain-text and an HTML part
 Who sends what:
 - task callbacks (``pipeline_failure_callbacks``): a retry and the final failure,
   with the task's own ``retry_advice``/``failure_advice``;
-- the capture watch: one mail per stall incident, one per node outage;
+- the capture watch: one mail per stall incident, one per node outage, one when
+  each is over; a watch's mail the SMTP server does not take is logged and kept
+  with the watch (``mail_or_keep``/``send_pending``), never raised: mail never
+  decides a task's fate;
 - the reconcile DAG: its summary; gpu_node_health: its incidents (opened,
   reminders, resolved).
 Recipients and the SMTP connection come from the run's frozen config
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -283,26 +287,21 @@ def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recip
         links=(("Task log", task_log_url(recipients.base_url, context)),))
 
 
-def send_incident_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
-    """Sent by the shard whose watch opened the incident, before the recovery runs."""
-    send_mail(context, stall_mail(context, event, Recipients.of_run(context)))
-
-
-def send_unreachable_alert(context: dict[str, Any], event: dict[str, Any]) -> None:
+def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recipients) -> Mail:
     """The one mail of a node outage: sent by the watch that first found the node unreachable."""
-    recipients = Recipients.of_run(context)
     ti = context["ti"]
-    send_mail(context, Mail(
+    return Mail(
         recipients, event.get("subject") or "[eagleflow] UNREACHABLE node", event.get("diagnosis") or "",
         headers={"Message-ID": incident_thread(outage_id(event))},
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
         next_step=("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
                    "job: its detached processes keep running there and nothing was restarted. The watch keeps "
                    "reconnecting and the task goes on when the node answers; one more mail when it does."),
-        links=(("Task log", task_log_url(recipients.base_url, context)),)))
+        links=(("Task log", task_log_url(recipients.base_url, context)),))
 
 
-def send_incident_over(context: dict[str, Any], event: dict[str, Any], close: dict[str, Any]) -> None:
+def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: dict[str, Any],
+                       recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.gpu.health_incidents import duration
     took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
@@ -314,14 +313,78 @@ def send_incident_over(context: dict[str, Any], event: dict[str, Any], close: di
         subject = (f"[eagleflow] RECOVERED {job} on {node}: samples stored again ({event.get('done')}/"
                    f"{event.get('total')}), {took} after the stall was detected")
         next_step = "The incident is over; the watch goes on."
-    recipients = Recipients.of_run(context)
     ti = context["ti"]
     thread = incident_thread(str(close.get("id")))
-    send_mail(context, Mail(
+    return Mail(
         recipients, subject, f"{event.get('summary') or ''}\n\nThis closes: {close.get('subject')}",
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.", next_step=next_step,
         links=(("Task log", task_log_url(recipients.base_url, context)),),
-        headers={"In-Reply-To": thread, "References": thread}))
+        headers={"In-Reply-To": thread, "References": thread})
+
+
+# A watch's mail that cannot be sent (SMTP refusing DATA, connection refused) never fails the task: it is
+# kept with the watch (``pending_mails``, carried by every trigger like ``close_incidents``) and tried again
+# at later looks, backed off 5, 10, 20 ... s up to 10 min, in order: one mail per incident once the server is back.
+MAIL_RETRY_FIRST_S = 5.0
+MAIL_RETRY_MAX_S = 600.0
+_NOT_KEPT = ("pending_mails", "close_incidents", "still_open", "closed")   # the watch's own state, not the mail's
+
+
+def _mail_of(context: dict[str, Any], item: dict[str, Any]) -> Mail:
+    recipients = Recipients.of_run(context)
+    if item["kind"] == "stall":
+        return stall_mail(context, item["event"], recipients)
+    if item["kind"] == "unreachable":
+        return unreachable_mail(context, item["event"], recipients)
+    return incident_over_mail(context, item["event"], item["close"], recipients)
+
+
+def mail_or_keep(context: dict[str, Any], pending: list[dict[str, Any]], kind: str, event: dict[str, Any],
+                 close: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Send a watch's mail (kind stall, unreachable or over) now, behind any still pending; returns those
+    still pending. A send that fails is logged and kept for a later look, never raised."""
+    item = {"kind": kind, "event": {k: v for k, v in event.items() if k not in _NOT_KEPT}, "close": close,
+            "tries": 0, "next_at": 0.0}
+    return send_pending(context, [*pending, item])
+
+
+def send_pending(context: dict[str, Any], pending: list[dict[str, Any]], now: float | None = None,
+                 force: bool = False) -> list[dict[str, Any]]:
+    """Send the watch's pending mails in order, from the first once it is due (``force``: now, the task's last
+    chance); returns those still pending. A failed send ends the round (the server is down: the rest wait
+    behind it, no flood) and backs that mail off."""
+    now = time.time() if now is None else now
+    left = list(pending)
+    while left:
+        head = left[0]
+        if not force and float(head.get("next_at") or 0) > now:
+            break
+        try:
+            send_mail(context, _mail_of(context, head))
+        except Exception as e:  # SMTP refusing, connection refused, a broken connection id: the mail waits
+            tries = int(head.get("tries") or 0) + 1
+            wait = min(MAIL_RETRY_MAX_S, MAIL_RETRY_FIRST_S * 2 ** (tries - 1))
+            left[0] = {**head, "tries": tries, "next_at": now + wait, "error": f"{type(e).__name__}: {e}"[:500]}
+            log.warning("eagleflow %s mail not sent (try %d, %d mail(s) waiting): %s: %s; the watch goes on and "
+                        "tries again in %.0f s", head["kind"], tries, len(left), type(e).__name__, e, wait)
+            break
+        if head.get("tries"):
+            log.info("eagleflow %s mail sent after %d failed tries", head["kind"], head["tries"])
+        left.pop(0)
+    return left
+
+
+def next_mail_at(pending: list[dict[str, Any]] | None) -> float | None:
+    """When the watch should try its pending mails again (they go in order: the first one's time)."""
+    return float(pending[0].get("next_at") or 0) if pending else None
+
+
+def log_unsent(pending: list[dict[str, Any]]) -> None:
+    """The task ends with mails its SMTP server never took: say which, in the task log."""
+    for item in pending:
+        subject = item["event"].get("subject") or item["kind"]
+        log.error("eagleflow %s mail never sent (%d tries, last: %s): %s", item["kind"], item.get("tries", 0),
+                  item.get("error", "not tried"), subject)
 
 
 def pipeline_failure_callbacks(retry_mail: bool = True) -> dict:

@@ -132,7 +132,7 @@ class ExtractShardOperator(RunOperator):
             event = run_trigger_here(trigger)
             while (trigger := self._next_watch(ctx, context, event)) is not None:
                 event = run_trigger_here(trigger)
-            return self._finish(ctx, event)
+            return self._finish(ctx, event, context)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def _look_before_retry(self, ctx: RunContext, shard: int, try_number: int) -> None:
@@ -163,45 +163,55 @@ class ExtractShardOperator(RunOperator):
             trigger = self._next_watch(ctx, context, event)
             if trigger is not None:
                 self.defer(trigger=trigger, method_name="execute_complete")
-            return self._finish(ctx, event)
+            return self._finish(ctx, event, context)
         finally:
             ctx.close()
 
     def _next_watch(self, ctx: RunContext, context, event: dict[str, Any]):
         """Act on a watch's event (mail, recover) and return the watch to go on with; None: the event is final."""
-        from eagleflow.airflow.alerts import close_of_outage, send_incident_over
+        from eagleflow.airflow.alerts import close_of_outage, mail_or_keep, send_pending
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
         shard, status = int(self.shard), event.get("status")
         left = int(event.get("recoveries_left") or 0)
         closes = list(event.get("close_incidents") or [])   # incidents this task mailed, not over yet
+        pending = list(event.get("pending_mails") or [])    # mails the SMTP server did not take yet
         if status == "unreachable":
             # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
-            self._unreachable(context, event)
+            self.log.warning("shard %s: %s", self.shard, event.get("diagnosis"))
+            if event.get("mail"):   # the first watch to find this node unreachable mails for the outage
+                pending = mail_or_keep(context, pending, "unreachable", event)
             outage = close_of_outage(event)
             return ShardWatchTrigger(run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
-                                     recoveries_left=left, close_incidents=closes + ([outage] if outage else []))
+                                     recoveries_left=left, close_incidents=closes + ([outage] if outage else []),
+                                     pending_mails=pending)
         if status == "recovering":
             # the watch found a stall it can recover: mail once per incident, recover now, watch again
-            left, stall = self._recover(ctx, context, event)
+            left, stall, pending = self._recover(ctx, context, event, pending)
             return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
-                                     close_incidents=closes + ([stall] if stall else []))
+                                     close_incidents=closes + ([stall] if stall else []), pending_mails=pending)
         if status == "resumed":   # incidents this task mailed are over: say so, watch on with the rest
             for close in event.get("closed") or []:
-                send_incident_over(context, event, close)
+                pending = mail_or_keep(context, pending, "over", event, close)
             return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
-                                     close_incidents=event.get("still_open"))
+                                     close_incidents=event.get("still_open"), pending_mails=pending)
+        if status == "mail_due":   # a mail the SMTP server refused earlier: try again, watch on as before
+            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left, close_incidents=closes,
+                                     unreachable_since=event.get("unreachable_since"),
+                                     pending_mails=send_pending(context, pending))
         return None
 
-    def _unreachable(self, context, event: dict[str, Any]) -> None:
-        self.log.warning("shard %s: %s", self.shard, event.get("diagnosis"))
-        if event.get("mail"):   # the first watch to find this node unreachable mails for the outage
-            from eagleflow.airflow.alerts import send_unreachable_alert
-            send_unreachable_alert(context, event)
+    def _last_mails(self, context, event: dict[str, Any]) -> None:
+        """The task ends: one last try of the mails still waiting; those the server never took are logged."""
+        from eagleflow.airflow.alerts import log_unsent, send_pending
+        if event.get("pending_mails"):
+            log_unsent(send_pending(context, list(event["pending_mails"]), force=True))
 
-    def _recover(self, ctx: RunContext, context, event: dict[str, Any]) -> tuple[int, dict | None]:
+    def _recover(self, ctx: RunContext, context, event: dict[str, Any],
+                 pending: list[dict]) -> tuple[int, dict | None, list[dict]]:
         """Mail (the shard that opened the incident), then restart what the cause names.
 
-        Returns the recoveries left and, for the shard that mailed, what its next watch needs to mail the end.
+        Returns the recoveries left, for the shard that mailed what its next watch needs to mail the end, and
+        the mails still pending (a mail that could not be sent never stops the recovery).
         """
         from eagleflow.watchdog.diagnosis import StallDetected
         from eagleflow.watchdog.recovery import recover_after_stall
@@ -210,18 +220,20 @@ class ExtractShardOperator(RunOperator):
                          inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
         close = None
         if inc.get("opened"):
-            from eagleflow.airflow.alerts import close_of_stall, send_incident_alert
-            send_incident_alert(context, event)
+            from eagleflow.airflow.alerts import close_of_stall, mail_or_keep
+            pending = mail_or_keep(context, pending, "stall", event)
             close = close_of_stall(event)
         try:
             recover_after_stall(ctx, int(self.shard), event, self.log)
         except (RuntimeError, NodeError) as e:
+            self._last_mails(context, {"pending_mails": pending})
             raise StallDetected(event.get("subject") or f"shard {self.shard} stalled",
                                 f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
-        return max(0, int(event.get("recoveries_left") or 0) - 1), close
+        return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 
-    def _finish(self, ctx: RunContext, event: dict[str, Any]):
+    def _finish(self, ctx: RunContext, event: dict[str, Any], context):
         shard = int(self.shard)
+        self._last_mails(context, event)
         try:
             self._log_progress(ctx, shard)
         except NodeUnreachable as e:   # the event's own verdict matters more than this log line

@@ -39,13 +39,19 @@ operator mails that each closed one is over and watches on with the rest. Every
 other event carries ``close_incidents`` too, so a stall or an outage in
 between does not lose them.
 
+A watch given ``pending_mails`` (mails of its task the SMTP server refused,
+each with its next try time; eagleflow.airflow.alerts) yields
+``{"status": "mail_due", ...}`` at the first look after the first one is due;
+the operator tries it again and watches on. Every event carries them too: a
+mail never decides the task's fate.
+
 Every trigger yields exactly one event:
 ``{"status": "complete", "summary": str}``,
 ``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str, "cause": str}`` or
 ``{"status": "recovered", ..., "recovery": {...}}`` (the stall's payload plus what the recovery did) or
 ``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}`` or
 ``{"status": "resumed", "closed": [...], "still_open": [...], "done": int, "total": int, "observed_at": float,
-"summary": str}``.
+"summary": str}`` or ``{"status": "mail_due", "pending_mails": [...], "unreachable_since": float | None}``.
 """
 from __future__ import annotations
 
@@ -98,9 +104,12 @@ class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
-                 unreachable_since: float | None = None, close_incidents: list[dict[str, Any]] | None = None):
+                 unreachable_since: float | None = None, close_incidents: list[dict[str, Any]] | None = None,
+                 pending_mails: list[dict[str, Any]] | None = None):
         super().__init__()
         self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
+        # mails of this task its SMTP server did not take yet (eagleflow.airflow.alerts.send_pending)
+        self.pending_mails = list(pending_mails or [])
         self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
         self.poll_interval_s = poll_interval_s
         # set when an earlier watch of this job already reported the node unreachable (unix time): this one
@@ -171,6 +180,12 @@ class _NodeJobWatchTrigger(BaseTrigger):
         try:
             while True:
                 started, look_started = time.monotonic(), time.time()
+                mail_at = self._mail_at()
+                if mail_at is not None and mail_at <= look_started:
+                    # a mail is due again: the operator sends it and watches on; the outage stays reported
+                    yield TriggerEvent({**self._resume_fields(), "status": "mail_due",
+                                        "unreachable_since": unreachable_since if reported else None})
+                    return
                 diag: StallDiagnosis | None = None
                 reconnect_in: float | None = None
                 try:
@@ -225,6 +240,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
                         payload = diag.event_payload()
                         payload["detected_at"] = time.time()
                         payload["close_incidents"] = self.close_incidents
+                        payload["pending_mails"] = self.pending_mails
                         if self._recoverable(diag):
                             payload = await asyncio.to_thread(self._recover, ctx, diag, payload)
                         yield TriggerEvent(payload)
@@ -232,6 +248,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
                 wait = interval if reconnect_in is None else reconnect_in
                 if diag is not None and diag.recheck_in_s is not None:
                     wait = min(interval, diag.recheck_in_s + wd.RECHECK_SLACK_S / 2)
+                if mail_at is not None:
+                    wait = min(wait, max(0.0, mail_at - look_started))
                 await asyncio.sleep(max(0.0, wait - (time.monotonic() - started)))
         finally:
             await asyncio.to_thread(ctx.close)
@@ -248,6 +266,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
             kw["unreachable_since"] = self.unreachable_since
         if self.close_incidents:
             kw["close_incidents"] = self.close_incidents
+        if self.pending_mails:
+            kw["pending_mails"] = self.pending_mails
         return kw
 
     # -- recovery inside the watch (shards only) -----------------------------
@@ -283,7 +303,11 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def _resume_fields(self) -> dict:
         """What the operator needs to watch again after an unreachable or resumed event."""
-        return {"close_incidents": self.close_incidents}
+        return {"close_incidents": self.close_incidents, "pending_mails": self.pending_mails}
+
+    def _mail_at(self) -> float | None:
+        """When the first pending mail may be tried again (they go in order); None: no mail is waiting."""
+        return float(self.pending_mails[0].get("next_at") or 0) if self.pending_mails else None
 
     def _early_unreachable_event(self, since: float, error: str) -> dict:
         """Unreachable before the run's config could even be read (so no job or node name from it yet)."""
@@ -333,8 +357,9 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
 
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
-                 close_incidents: list[dict[str, Any]] | None = None):
-        super().__init__(run, poll_interval_s, unreachable_since, close_incidents)
+                 close_incidents: list[dict[str, Any]] | None = None,
+                 pending_mails: list[dict[str, Any]] | None = None):
+        super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails)
         self.shard = shard
         self.recoveries_left = recoveries_left
 

@@ -62,41 +62,47 @@ class TrainDraftOperator(RunOperator):
         self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
 
     def execute_complete(self, context, event):
+        from eagleflow.airflow.alerts import close_of_outage, log_unsent, mail_or_keep, send_pending
+        from eagleflow.airflow.shard_watch import TrainWatchTrigger
         event = event or {}
-        if event.get("status") == "unreachable":
+        status = event.get("status")
+        pending = list(event.get("pending_mails") or [])   # mails the SMTP server did not take yet
+        trigger = None
+        if status == "unreachable":
             # the node (link, sshd) cannot be reached: the trainer keeps running there; mail once, keep watching
             self.log.warning("%s", event.get("diagnosis"))
             if event.get("mail"):
-                from eagleflow.airflow.alerts import send_unreachable_alert
-                send_unreachable_alert(context, event)
-            from eagleflow.airflow.alerts import close_of_outage
-            from eagleflow.airflow.shard_watch import TrainWatchTrigger
+                pending = mail_or_keep(context, pending, "unreachable", event)
             ctx = RunContext.from_airflow(context)
             outage = close_of_outage(event)
             trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s,
                                         unreachable_since=event["since"],
                                         close_incidents=list(event.get("close_incidents") or [])
-                                        + ([outage] if outage else []))
-            if self.deferrable:
-                self.defer(trigger=trigger, method_name="execute_complete")
-            return self.execute_complete(context, run_trigger_here(trigger))
-        if event.get("status") == "resumed":   # the outage this task mailed is over: say so, watch on
-            from eagleflow.airflow.alerts import send_incident_over
-            from eagleflow.airflow.shard_watch import TrainWatchTrigger
+                                        + ([outage] if outage else []), pending_mails=pending)
+        elif status == "resumed":   # the outage this task mailed is over: say so, watch on
             for close in event.get("closed") or []:
-                send_incident_over(context, event, close)
+                pending = mail_or_keep(context, pending, "over", event, close)
             trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
-                                        poll_interval_s=self.poll_interval_s, close_incidents=event.get("still_open"))
+                                        poll_interval_s=self.poll_interval_s, close_incidents=event.get("still_open"),
+                                        pending_mails=pending)
+        elif status == "mail_due":   # a mail the SMTP server refused earlier: try again, watch on as before
+            trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
+                                        poll_interval_s=self.poll_interval_s,
+                                        close_incidents=event.get("close_incidents"),
+                                        unreachable_since=event.get("unreachable_since"),
+                                        pending_mails=send_pending(context, pending))
+        if trigger is not None:
             if self.deferrable:
                 self.defer(trigger=trigger, method_name="execute_complete")
             return self.execute_complete(context, run_trigger_here(trigger))
-        if event.get("status") == "complete":
+        if pending:   # the task ends: one last try; what the server never took is logged
+            log_unsent(send_pending(context, pending, force=True))
+        if status == "complete":
             self.log.info("%s", event.get("summary", "training complete"))
             return {"status": "complete", "summary": event.get("summary", "")}
         from eagleflow.watchdog.diagnosis import StallDetected
         raise StallDetected(event.get("subject") or f"[eagleflow] training {event.get('status', 'failed')}",
                             event.get("diagnosis") or f"the training watch ended with {event!r}")
-
 
 
 class ExportAnswer(BaseModel):
