@@ -11,7 +11,9 @@ files and this shard's
 orphaned dumps are removed; everything else is requested again.
 
 ``in_flight`` requests run at once: while one thread writes a file, the
-others keep the server busy.
+others keep the server busy. Told to stop (SIGTERM, Ctrl-C), the worker takes
+no new sample and stores none that is not already being written (those get
+``HALT_GRACE_S``); the rest in flight are abandoned and redone at resume.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from .client import CaptureServerError, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
 from .protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from .storage import SampleWriter, remove_temp_files, sample_file_name
+
+
+HALT_GRACE_S = 3.0   # a stopped worker's samples already being written finish within this, or are redone
 
 
 class ExtractionError(RuntimeError):
@@ -137,6 +142,7 @@ class ShardWorker:
         self.s = settings
         self.log = log
         self._stop = threading.Event()
+        self._halt = threading.Event()     # told to stop (SIGTERM): nothing more is stored
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._dump_bytes_per_token = 0     # learnt from the first dump: what a full dump_dir cannot hold
@@ -205,8 +211,20 @@ class ShardWorker:
                        for k in range(min(s.in_flight, len(todo)))]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            try:
+                for t in threads:
+                    while t.is_alive():
+                        # short waits: a signal handler runs only in this thread, and only between them
+                        t.join(0.2)
+            except BaseException:
+                # told to stop (SIGTERM, Ctrl-C): no new sample, none stored that is not already being
+                # written; those get HALT_GRACE_S, the rest of the requests in flight are abandoned
+                self._halt.set()
+                self._stop.set()
+                end = time.monotonic() + HALT_GRACE_S
+                for t in threads:
+                    t.join(max(0.0, end - time.monotonic()))
+                raise
         if self._error is not None:
             raise self._error
 
@@ -268,6 +286,8 @@ class ShardWorker:
                                                  os.stat(dpath).st_size // max(smp.tokens, 1))
             except FileNotFoundError:
                 pass
+            if self._halt.is_set():
+                return   # abandoned: its dump is an orphan the next start removes, the sample is redone then
             try:
                 stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
                                       loss_mask=torch.tensor(smp.loss_mask, dtype=torch.uint8),
