@@ -1,6 +1,6 @@
-"""Stages of bench/gpu_check.sh that need no stage script of their own: env, gpu, hf_capture.
+"""Stages of bench/gpu_check.sh that need no stage script of their own: env, gpu, hf_capture, specdec.
 
-    python bench/gpu_check_stages.py env|gpu|hf_capture --work DIR
+    python bench/gpu_check_stages.py env|gpu|hf_capture|specdec --work DIR
 
 Each writes its verdict (bench/gpu_check_common.py) under $GPU_CHECK_RESULTS
 and its small outputs beside it. With GPU_CHECK_DRY_RUN=1, or where torch sees
@@ -409,14 +409,97 @@ def _run_hf_capture(root: Path, on_gpu: bool, samples: int, max_len: int, layers
             "reference": "CPU float32 forward of the same weights", "worst": worst}
 
 
+# --- speculative decoding with the hf backend's decoder: GPU figure against the CPU figure ----------
+
+SPECDEC_TOLERANCE = 0.05   # relative: the same draft, prompts and float32 target on both devices
+
+
+def stage_specdec(a) -> int:
+    if importlib.util.find_spec("eagleflow.evaluate") is None or \
+            importlib.util.find_spec("eagleflow.evaluate.decoder") is None:
+        return write_verdict("specdec", "skipped", "evaluation phase not built")
+    root = Path(a.work) / "hf_capture"
+    if not (root / "config.yaml").is_file():
+        return write_verdict("specdec", "skipped", "the hf_capture stage left no stored hidden states to train "
+                             "a draft on")
+    on_gpu, why = _cuda()
+    t0 = time.time()
+    try:
+        figures = _run_specdec(root, on_gpu, a)
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        return write_verdict("specdec", "fail", f"{type(e).__name__}: {e}"[:2000], seconds=round(time.time() - t0, 1))
+    figures["seconds"] = round(time.time() - t0, 1)
+    cpu, other = figures["cpu"], figures.get("cuda")
+    problems = [f"{d}: {r['same_as_greedy']} of {r['prompts']} outputs equal the target's greedy decoding"
+                for d, r in (("cpu", cpu), ("cuda", other)) if r and r["same_as_greedy"] != r["prompts"]]
+    if other:
+        gap = abs(other["accept_length"] - cpu["accept_length"])
+        figures["accept_length_gap"] = round(gap, 4)
+        if gap > SPECDEC_TOLERANCE * cpu["accept_length"]:
+            problems.append(f"acceptance length on the GPU {other['accept_length']:.4f} vs the CPU "
+                            f"{cpu['accept_length']:.4f}: more than {SPECDEC_TOLERANCE:.0%} apart")
+    if problems:
+        return write_verdict("specdec", "fail", "; ".join(problems), **figures)
+    if not on_gpu:
+        return write_verdict("specdec", "skipped", f"{why}: needs a CUDA GPU; train, export and decoding were "
+                             "rehearsed on the CPU at toy size (not a measurement)", rehearsal=figures)
+    return write_verdict("specdec", "pass", None, tolerance=SPECDEC_TOLERANCE, **figures)
+
+
+def _run_specdec(root: Path, on_gpu: bool, a) -> dict:
+    import yaml
+
+    from eagleflow.evaluate.decoder import DraftProposer, Target, greedy, load_draft, speculative
+    from tests.fixtures.capture_corpus import write_corpus
+    steps = a.train_steps if on_gpu else 4
+    cfg = yaml.safe_load((root / "config.yaml").read_text())
+    cfg["train"] = {"device": "cuda" if on_gpu else "cpu", "max_steps": steps, "batch_size": 4,
+                    "draft_vocab_size": 256, "ttt_length": 7 if on_gpu else 3, "checkpoint_every": steps,
+                    "log_every": max(1, steps // 4), "lr": 1e-3}   # a short run that learns something to accept
+    cfgp = root / "config-specdec.yaml"
+    cfgp.write_text(yaml.safe_dump(cfg))
+    cli = [sys.executable, "-m", "eagleflow.cli"]
+    for cmd in (["train"], ["export", "--json"]):
+        p = subprocess.run(cli + cmd + ["--config", str(cfgp), "--run-id", "gpucheck"], capture_output=True,
+                           text=True, timeout=150)
+        print(p.stdout[-2000:], p.stderr[-2000:])
+        if p.returncode != 0:
+            raise RuntimeError(f"`eagleflow {cmd[0]}` exit {p.returncode}: {p.stderr[-800:]}")
+    export = json.loads(p.stdout.strip().splitlines()[-1])["export_dir"]
+    model = cfg["target_model"]
+    n, new_tokens = (a.prompts, 32) if on_gpu else (1, 6)
+    prompts = [r["input_ids"][:32] for r in write_corpus(root / "heldout.parquet", n, 512, seed=99, min_len=16,
+                                                          max_len=64)]   # a seed the draft never saw
+    out = {"train_steps": steps, "prompts": n, "new_tokens": new_tokens, "draft_steps": 3, "export": export}
+    for device in (["cuda", "cpu"] if on_gpu else ["cpu"]):
+        target = Target(model, device=device, dtype="float32")
+        draft, aux = load_draft(export, model)
+        proposer = DraftProposer(draft, target.aux_layers(aux), target.device)
+        t = time.perf_counter()
+        spec = [speculative(target, proposer, ids, new_tokens, 3) for ids in prompts]
+        spec_s = time.perf_counter() - t
+        ref = [greedy(target, ids, new_tokens) for ids in prompts]
+        passes = sum(d.verify_passes for d in spec)
+        out[device] = {"prompts": n, "verify_passes": passes,
+                       "accept_length": sum(a_ + 1 for d in spec for a_ in d.accepted) / max(passes, 1),
+                       "same_as_greedy": sum(d.tokens == r.tokens for d, r in zip(spec, ref)),
+                       "speculative_s": round(spec_s, 3), "greedy_s": round(sum(r.seconds for r in ref), 3)}
+        print(f"{device}: {json.dumps(out[device])}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["env", "gpu", "hf_capture"])
+    ap.add_argument("stage", choices=["env", "gpu", "hf_capture", "specdec"])
     ap.add_argument("--work", required=True, help="work folder (models, runs), outside $OUT")
     ap.add_argument("--hold-mib", type=int, default=1024, help="gpu: memory the child holds")
     ap.add_argument("--samples", type=int, default=16, help="hf_capture: corpus samples")
+    ap.add_argument("--train-steps", type=int, default=300, help="specdec: draft training steps on the GPU")
+    ap.add_argument("--prompts", type=int, default=8, help="specdec: held-out prompts")
     a = ap.parse_args()
-    return {"env": stage_env, "gpu": stage_gpu, "hf_capture": stage_hf_capture}[a.stage](a)
+    return {"env": stage_env, "gpu": stage_gpu, "hf_capture": stage_hf_capture, "specdec": stage_specdec}[a.stage](a)
 
 
 if __name__ == "__main__":
