@@ -292,7 +292,8 @@ def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
 
 # ----------------------------------------------------------------------------- control plane side
 def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
-    """Called by ExtractShardOperator on a retry: one node command, ``eagleflow recover --shard I --json``.
+    """Called by ExtractShardOperator on a retry whose first look found the shard stalled, dead or failed
+    (a live, progressing worker is attached to instead): one node command, ``eagleflow recover --shard I --json``.
 
     ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
     recovery failed, so the retry fails with the reason instead of running blind.
