@@ -570,8 +570,8 @@ def _read_heartbeat(job: WatchedJob, layout: RunLayout) -> tuple[Heartbeat | Non
     path = job.heartbeat_path(layout)
     try:
         return Heartbeat.read(path), None
-    except (ValueError, TypeError, KeyError) as e:
-        return None, f"{path} unreadable: {e}"
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:   # a damaged file: a finding
+        return None, f"{path} unreadable: {str(e) or type(e).__name__}"
 
 
 def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
