@@ -9,8 +9,16 @@ RUN = {"conn_id": "gpu_node", "run_config": "/runs/r1/run-config.json", "run_id"
 
 
 def test_reconnect_backoff_doubles_and_is_capped_by_the_poll_interval():
-    assert [reconnect_delay_s(n, 20.0) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 20.0]
-    assert reconnect_delay_s(50, 1.0) == 1.0
+    top = [reconnect_delay_s(n, 20.0, jitter=lambda: 1.0) for n in range(1, 8)]
+    assert top == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 20.0]
+    assert [reconnect_delay_s(n, 20.0, jitter=lambda: 0.0) for n in range(1, 8)] == [d / 2 for d in top]
+    assert reconnect_delay_s(50, 1.0, jitter=lambda: 1.0) == 1.0
+
+
+def test_watches_that_lose_one_node_together_reconnect_at_different_moments():
+    delays = [reconnect_delay_s(4, 20.0) for _ in range(8)]    # eight shard watches, fourth miss each
+    assert all(2.0 <= d <= 4.0 for d in delays)
+    assert len(set(delays)) == 8
 
 
 def test_one_mail_per_node_outage():

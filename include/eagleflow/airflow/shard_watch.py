@@ -56,9 +56,10 @@ Every trigger yields exactly one event:
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -76,9 +77,10 @@ UNREACHABLE_GIVE_UP_S = 6 * 3600.0
 EARLY_UNREACHABLE_S = 60.0
 
 
-def reconnect_delay_s(misses: int, cap_s: float) -> float:
-    """Bounded exponential backoff: 0.5, 1, 2, 4 ... s, never more than cap_s (the poll interval)."""
-    return min(cap_s, RECONNECT_FIRST_S * 2 ** max(0, misses - 1))
+def reconnect_delay_s(misses: int, cap_s: float, jitter: Callable[[], float] = random.random) -> float:
+    """Bounded exponential backoff with equal jitter: 0.5, 1, 2, 4 ... s capped at cap_s (the poll interval),
+    then scaled by 0.5-1.0 at random, so eight shard watches that lost one node do not hit its sshd together."""
+    return min(cap_s, RECONNECT_FIRST_S * 2 ** max(0, misses - 1)) * (0.5 + 0.5 * jitter())
 
 
 # One mail per node outage: eight shard watches that lose the same node in one triggerer (or worker
