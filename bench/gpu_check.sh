@@ -28,7 +28,8 @@
 # logs, side-by-side tables) and log (everything printed): 3 files, nothing in folders. The work folder
 # (models, runs, checkpoints) is outside $OUT: GPU_CHECK_WORK, default a new /tmp/eagleflow-gpu-check.XXXXXX,
 # removed at the end unless GPU_CHECK_KEEP=1.
-# GPU_CHECK_DEADLINE_S (default 330) bounds the whole check; a stage gets min(its limit, what is left).
+# GPU_CHECK_DEADLINE_S (default 330; 990 in a dry run, whose stage limits are 3x) bounds the whole check; a stage
+# gets min(its limit, what is left).
 # On a node with sglang give it more (its two stages alone may take 10 minutes): GPU_CHECK_DEADLINE_S=1200.
 # PYTHON picks the interpreter (default .venv-node, then .venv, then python3).
 # Exit code: 0 when no stage failed.
@@ -44,7 +45,9 @@ for arg in "$@"; do
   esac
 done
 T0=$SECONDS
-DEADLINE_S=${GPU_CHECK_DEADLINE_S:-330}
+# the limits are sized for the GPU machine; a dry run on a slow shared CPU gets 3x the time (same mechanism)
+if [ "$DRY" = 1 ]; then SCALE=${GPU_CHECK_LIMIT_SCALE:-3}; else SCALE=${GPU_CHECK_LIMIT_SCALE:-1}; fi
+DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((330 * SCALE))}
 STAGES=(env gpu train hf_capture specdec sglang_capture sglang_eagle3)
 
 if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
@@ -92,7 +95,7 @@ pack() {  # summary.json and results.tar.gz into $OUT, each replaced by a rename
 status_of() { "$VPY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], ""))' "$RESULTS/$1.json" "${2:-status}" 2>/dev/null; }
 
 run_stage() {  # STAGE LIMIT_S COMMAND...: the verdict exists when this returns, whatever the command did
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(($2 * SCALE)); shift 2
   local left=$((DEADLINE_S - (SECONDS - T0) - 5))
   if [ "$left" -lt 15 ]; then
     verdict "$name" skipped "out of time: ${left} s left of the check's ${DEADLINE_S} s (GPU_CHECK_DEADLINE_S)"
