@@ -38,8 +38,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpu_check_common import write_verdict  # noqa: E402
 
 STAGE = "sglang_capture"
-# fast start: the capture is prefill only, so CUDA graphs (decode) would only cost start-up time
-FAST_START_ARGS = ["--disable-cuda-graph"]
+# fast start: the capture is prefill only, so CUDA graphs would only cost start-up time (sglang 0.5.23's
+# spelling; its --disable-cuda-graph is deprecated)
+FAST_START_ARGS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
 
 
 def build_target(root: Path) -> Path:

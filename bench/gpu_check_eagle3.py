@@ -8,7 +8,8 @@ a failed capture check is never re-run here):
 2. sglang.launch_server loads that export with the run report's own serve
    command (`--speculative-algorithm EAGLE3 ... --tp-size N`,
    eagleflow.console.run_report.serve_command) plus a port, a memory fraction
-   and no CUDA graphs (a fast start: graph capture only costs time here);
+   and no CUDA graphs (`--cuda-graph-backend-{decode,prefill} disabled`: a
+   fast start; graph capture only costs time here);
 3. greedy completions of held-out prompts against the target served alone:
    each divergence is reported with the target's own top-1/top-2 logit gap at
    the first differing token (a transformers forward on the GPU); one at a
@@ -46,9 +47,10 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpu_check_common import results_dir, write_verdict  # noqa: E402
 
 STAGE = "sglang_eagle3"
-FAST_START_ARGS = ["--disable-cuda-graph"]
+# fast start, in sglang 0.5.23's spelling (its --disable-cuda-graph is deprecated): no CUDA graph capture
+FAST_START_ARGS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
 READY_S = 300
-# (accepted, proposed) counters in meta_info, newest sglang names first
+# (accepted, proposed) counters in meta_info, newest sglang names first (0.5.23: spec_num_correct_drafts)
 ACCEPT_KEYS = (("spec_num_correct_drafts", "spec_num_proposed_drafts"), ("spec_accepted_drafts", "spec_proposed_drafts"),
                ("spec_accept_token_num", "spec_draft_token_num"))
 
