@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from eagleflow.capture import sglang_plugin as plugin
+from eagleflow.capture.protocol import ENV_DUMP_KEY
 from eagleflow.capture.sglang_launcher import SglangLaunchError, build_command, capture_env, check_supported_version
 from eagleflow.config import load_config
 
@@ -45,15 +46,58 @@ def test_plugin_entry_point_is_declared():
     assert eps["eagleflow_capture"].load() is plugin.register
 
 
-def test_register_without_launcher_env_stops_the_process(monkeypatch):
-    for k in (plugin.ENV_DUMP_DIR, plugin.ENV_AUX_LAYERS):
-        monkeypatch.delenv(k, raising=False)
+def _no_capture_env(monkeypatch):
+    import os
+    for k in [k for k in os.environ if k.startswith(plugin.CAPTURE_ENV_PREFIX)]:
+        monkeypatch.delenv(k)
     monkeypatch.setattr(plugin, "_settings", None)
-    with pytest.raises(SystemExit, match="without EAGLEFLOW_CAPTURE_DUMP_DIR"):
+
+
+def test_register_without_capture_settings_is_inert(monkeypatch, capsys):
+    """A plain sglang launch on the node loads every installed plugin: ours must return, hooking nothing
+    (here sglang is not even installed, so reaching for it would raise)."""
+    _no_capture_env(monkeypatch)
+    assert plugin.register() is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a capture launch" in err and "plugin inert" in err
+    assert plugin._settings is None
+
+
+@pytest.mark.parametrize("env, named", [
+    ({plugin.ENV_DUMP_DIR: "/dev/shm/x"}, "without EAGLEFLOW_CAPTURE_AUX_LAYERS"),
+    ({plugin.ENV_MODEL: "m"}, "without EAGLEFLOW_CAPTURE_DUMP_DIR, EAGLEFLOW_CAPTURE_AUX_LAYERS"),
+    ({ENV_DUMP_KEY: "00" * 32}, "without EAGLEFLOW_CAPTURE_DUMP_DIR, EAGLEFLOW_CAPTURE_AUX_LAYERS"),
+    ({plugin.ENV_DUMP_DIR: "", plugin.ENV_AUX_LAYERS: "[1]"}, "without EAGLEFLOW_CAPTURE_DUMP_DIR"),
+    ({plugin.ENV_DUMP_DIR: "/d", plugin.ENV_AUX_LAYERS: "1,3,4"}, "EAGLEFLOW_CAPTURE_AUX_LAYERS='1,3,4' is not a JSON"),
+    ({plugin.ENV_DUMP_DIR: "/d", plugin.ENV_AUX_LAYERS: "[]"}, "EAGLEFLOW_CAPTURE_AUX_LAYERS='\\[\\]' is not"),
+    ({plugin.ENV_DUMP_DIR: "/d", plugin.ENV_AUX_LAYERS: "[1, true]"}, "is not a JSON list of layer indices"),
+    ({plugin.ENV_DUMP_DIR: "/d", plugin.ENV_AUX_LAYERS: "[1, -2]"}, "is not a JSON list of layer indices"),
+])
+def test_register_with_incomplete_or_malformed_settings_stops_the_process(monkeypatch, env, named):
+    _no_capture_env(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match=named):
         plugin.register()
 
 
 def test_capture_env_names_the_plugin():
-    env = capture_env(dump_dir="/dev/shm/x", aux_layers=[1, 3, 4], model="m")
+    env = capture_env(dump_dir="/dev/shm/x", aux_layers=[1, 3, 4], model="m", environ={})
     assert env["SGLANG_PLUGINS"] == "eagleflow_capture"
+    assert plugin.capture_requested(env)
     assert plugin.CaptureSettings.from_env(env).aux_layers == [1, 3, 4]
+    # plugins the operator already named stay loaded, ours is added once
+    kept = capture_env(dump_dir="/d", aux_layers=[1], model="m", environ={"SGLANG_PLUGINS": "other, eagleflow_capture"})
+    assert kept["SGLANG_PLUGINS"] == "other,eagleflow_capture"
+    assert capture_env(dump_dir="/d", aux_layers=[1], model="m",
+                       environ={"SGLANG_PLUGINS": "other"})["SGLANG_PLUGINS"] == "other,eagleflow_capture"
+
+
+def test_the_launcher_refuses_settings_or_an_sglang_the_schedulers_would_refuse():
+    """Checked before sglang starts: a bad setting, or (here) an interpreter without sglang, stops the launch."""
+    from eagleflow.capture.sglang_launcher import check_capture_plugin
+    env = capture_env(dump_dir="/dev/shm/x", aux_layers=[1, 3, 4], model="m", environ={})
+    with pytest.raises(SglangLaunchError, match=r"EAGLEFLOW_CAPTURE_AUX_LAYERS='\[1, 3\]x' is not a JSON list"):
+        check_capture_plugin({**env, plugin.ENV_AUX_LAYERS: "[1, 3]x"})
+    with pytest.raises(SglangLaunchError, match=r"sglang \(not installed\): cannot import sglang"):
+        check_capture_plugin(env)

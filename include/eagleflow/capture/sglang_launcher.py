@@ -6,7 +6,12 @@ auxiliary states (``set_eagle3_layers_to_capture``). Then it starts
 ``python -m sglang.launch_server`` in this process group with the extraction
 flags (one prefill = one whole sample: no CUDA graphs, no radix cache, no
 chunked prefill), TP from the config, and the env that makes sglang load our
-plugin (``SGLANG_PLUGINS=eagleflow_capture``) in every scheduler process.
+plugin (``SGLANG_PLUGINS`` naming ``eagleflow_capture``) in every scheduler process
+with the capture settings that turn it on (without them the plugin is inert, so a
+plain sglang launch on the node is untouched). Before sglang starts, the launcher
+proves what the schedulers will check: the entry point is installed in this
+interpreter, the settings it passes parse, and this sglang has every attribute the
+hook reads; each failure stops the launch naming what to do.
 
 Once ``/health_generate`` answers, a self-check request must leave a dump:
 only then is ``<run_dir>/capture_server.json`` written (so "ready" means
@@ -29,7 +34,8 @@ from eagleflow.layout import RunLayout
 
 from .aux_layers import resolve_aux_layers, sglang_aux_layer_ids, target_architectures_and_layers
 from .protocol import SELFCHECK_PREFIX, dump_path
-from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
+from .sglang_plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
+                            check_sglang_contract)
 
 PLUGIN_NAME = "eagleflow_capture"
 # The sglang versions whose classes the capture hook is proven against (`make test-node`).
@@ -113,9 +119,33 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     return argv + list(cap.extra_server_args)
 
 
-def capture_env(*, dump_dir: str, aux_layers: list[int], model: str) -> dict[str, str]:
-    return {"SGLANG_PLUGINS": PLUGIN_NAME, ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers),
+def capture_env(*, dump_dir: str, aux_layers: list[int], model: str,
+                environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The env sglang gets: our plugin named in SGLANG_PLUGINS (sglang 0.5.23 reads it as comma-separated
+    entry-point names and loads only those), plugins the caller already named kept, and the settings."""
+    environ = os.environ if environ is None else environ
+    named = [n.strip() for n in environ.get("SGLANG_PLUGINS", "").split(",") if n.strip()]
+    plugins = ",".join(named + [PLUGIN_NAME] if PLUGIN_NAME not in named else named)
+    return {"SGLANG_PLUGINS": plugins, ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers),
             ENV_MODEL: model}
+
+
+def check_capture_plugin(env: dict[str, str]) -> CaptureSettings:
+    """What each scheduler's register() will check, proven here first so a bad launch fails before sglang
+    loads the model: the entry point is installed in this interpreter, the settings parse, the hook's
+    sglang contract holds."""
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
+    if PLUGIN_NAME not in eps:
+        raise SglangLaunchError(f"the sglang plugin entry point {PLUGIN_NAME!r} is not installed for {sys.executable}: "
+                                "sglang would start without the capture hook; install eagleflow into this venv "
+                                "(`pip install --no-deps -e .`)")
+    try:
+        settings = CaptureSettings.from_env(env)
+        check_sglang_contract()
+    except CaptureHookError as e:
+        raise SglangLaunchError(str(e)) from None
+    return settings
 
 
 def free_port(host: str) -> int:
@@ -194,6 +224,11 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, sglang_layer_ids=sglang_ids)
     env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
     env[ENV_DUMP_KEY] = dump_key.hex()   # to the schedulers through their environment (owner-readable only)
+    try:
+        check_capture_plugin(env)
+    except SglangLaunchError as e:
+        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
+        return 2
     print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {aux} (sglang ids "
           f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both

@@ -25,6 +25,12 @@ Only attention-TP rank 0 writes (``sglang.srt.runtime_context.get_parallel().att
 Before anything is hooked, ``check_sglang_contract`` proves every attribute the hook
 reads exists in the installed sglang; a missing one stops the scheduler with the
 version and the attribute named (sglang itself only logs a failed plugin).
+
+Inert unless asked: with ``SGLANG_PLUGINS`` unset sglang 0.5.23 loads every installed
+plugin, so a plain ``sglang.launch_server`` on the node (serving the exported draft,
+any other model) calls ``register()`` too. Without any ``EAGLEFLOW_CAPTURE_*`` variable
+it prints one line and wraps nothing. Once any of them is set the launch is a capture
+launch, and settings that are incomplete or malformed stop the scheduler, naming them.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ log = logging.getLogger("eagleflow.capture.sglang_plugin")
 ENV_DUMP_DIR = "EAGLEFLOW_CAPTURE_DUMP_DIR"
 ENV_AUX_LAYERS = "EAGLEFLOW_CAPTURE_AUX_LAYERS"
 ENV_MODEL = "EAGLEFLOW_CAPTURE_MODEL"
+CAPTURE_ENV_PREFIX = "EAGLEFLOW_CAPTURE_"
 
 TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 
@@ -72,8 +79,24 @@ class CaptureSettings:
         if missing:
             raise CaptureHookError(f"eagleflow capture plugin loaded without {', '.join(missing)}; start sglang "
                                    "through `eagleflow capture serve --backend sglang`, which sets them")
-        return cls(dump_dir=env[ENV_DUMP_DIR], aux_layers=[int(x) for x in json.loads(env[ENV_AUX_LAYERS])],
-                   model=env.get(ENV_MODEL, ""))
+        raw = env[ENV_AUX_LAYERS]
+        try:
+            layers = json.loads(raw)
+        except ValueError:
+            layers = None
+        # bool is an int subclass: [true] is not a layer list
+        if not (isinstance(layers, list) and layers
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+            raise CaptureHookError(f"{ENV_AUX_LAYERS}={raw!r} is not a JSON list of layer indices (e.g. [1, 15, 28]); "
+                                   "start sglang through `eagleflow capture serve --backend sglang`, which sets it")
+        return cls(dump_dir=env[ENV_DUMP_DIR], aux_layers=layers, model=env.get(ENV_MODEL, ""))
+
+
+def capture_requested(env: dict[str, str] | None = None) -> bool:
+    """Whether this process was started for capture: any EAGLEFLOW_CAPTURE_* setting present (the dump
+    key, protocol.ENV_DUMP_KEY, counts too)."""
+    env = os.environ if env is None else env
+    return any(k.startswith(CAPTURE_ENV_PREFIX) for k in env)
 
 
 # --- the contract with the installed sglang ------------------------------------------------
@@ -284,7 +307,12 @@ def install(registry, hook_type_enum, hooks: dict[str, tuple[str, Callable]] | N
 
 
 def register() -> None:
-    """sglang's plugin entry point (runs in every scheduler process)."""
+    """sglang's plugin entry point (runs in every sglang process that loads plugins)."""
+    if not capture_requested():
+        # A plain sglang launch on the node: serve it untouched.
+        print(f"eagleflow capture: not a capture launch (no {ENV_DUMP_DIR}) in pid {os.getpid()}; plugin inert, "
+              "nothing hooked", file=sys.stderr, flush=True)
+        return
     try:
         settings = _s()
         check_sglang_contract()
