@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, rel in [("run config", "run-config.json"), ("corpus", "corpus/corpus.parquet"),
                        ("corpus stats", "corpus/stats.json"), ("hidden states", "hidden_states"),
                        ("training metrics", "draft/metrics.jsonl"), ("training curves", "draft/curves.png"),
-                       ("exported draft (SGLang EAGLE3)", "draft/export"), ("run report (HTML)", "report.html"),
+                       ("exported draft (SGLang EAGLE3)", "draft/export"), ("held-out corpus", "corpus/eval.parquet"),
+                       ("held-out evaluation", "eval.json"), ("run report (HTML)", "report.html"),
                        ("logs", "logs")]:
         p = run_dir / rel
         print(f"  {label:32s} {p}{'' if p.exists() else '   (not produced)'}")
@@ -80,7 +81,15 @@ def summary_lines(run_dir: Path) -> list[str]:
             mean = lambda k: sum(r.get(k, 0.0) for r in tail) / len(tail)  # noqa: E731
             lines.append(f"  draft training: {rows[-1]['step']} steps; loss {rows[0]['loss']:.2f} -> {mean('loss'):.2f}, "
                          f"acc_0 {rows[0].get('acc_0', 0):.2f} -> {mean('acc_0'):.2f}, acceptance length "
-                         f"{mean('accept_length'):.2f} (means of the last {len(tail)} steps)")
+                         f"{mean('accept_length'):.2f} simulated on training batches (means of the last "
+                         f"{len(tail)} steps)")
+    eval_file = run_dir / "eval.json"
+    if eval_file.is_file():
+        from eagleflow.evaluate.run import table_lines
+        ev = json.loads(eval_file.read_text())
+        lines.append(f"  held-out evaluation (real speculative decoding, greedy, target {ev['target_dtype']} on "
+                     f"{ev['device']}): {'passed the gate' if ev['passed'] else 'REFUSED by the gate'}")
+        lines += ["    " + line for line in table_lines(ev)]
     return lines
 
 

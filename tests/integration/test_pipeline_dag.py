@@ -32,3 +32,11 @@ def test_pipeline_runs_green_under_dag_test(tmp_path, airflow_db, demo_assets):
     export = run_dir / "draft" / "export"
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     assert (run_dir / "draft" / "curves.png").is_file()
+    # the held-out records were never captured (so never trained on), and the draft was measured on them
+    import pyarrow.parquet as pq
+    held = set(pq.read_table(str(run_dir / "corpus" / "eval.parquet"))["id"].to_pylist())
+    assert held and len(held) == stats["eval_records"]
+    assert not held & {json.loads(l)["id"] for l in manifests}
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert states[("evaluate_draft", -1)] == "success" and ev["passed"] and ev["results"][0]["config"] == "3/1/4"
+    assert ev["results"][0]["prompts"] == min(2, len(held)) and ev["results"][0]["draft"]["lossless"]

@@ -191,6 +191,8 @@ def test_held_out_split_is_stable_and_apart_from_training(tmp_path, demo_assets)
     assert sorted(pq.read_table(str(lay3.corpus_dir / EVAL_FILE))["id"].to_pylist()) == sorted(thr)
     assert s1["splits"]["eval"] == {k: sum(1 for i in held if i.startswith(k + ":")) for k in s1["splits"]["eval"]}
     assert sum(s1["splits"]["train"].values()) == s1["records"]
+    assert s1["masked_tokens"] == sum(sum(m) for m in _table(lay1)["loss_mask"].to_pylist())
+    assert s1["tokens"] == sum(_table(lay1)["num_tokens"].to_pylist())
     # rendered the same way as training rows; the prompt is a prefix ending at the generation prompt
     tok = load_tokenizer(demo_assets["target_model"])
     for row in ev1.to_pylist():

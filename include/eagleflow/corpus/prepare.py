@@ -352,6 +352,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         per_source: dict[str, dict] = {s.name: _source_stats(read_per_source[s.name]) for s in cc.sources}
         _count_per_source(per_source, meta, kept_mask, ledger)
         eval_sources = Counter(meta["source"].take(eval_rows).to_pylist()) if eval_rows else Counter()
+        eval_masked = sum(meta["masked_tokens"].take(eval_rows).to_pylist()) if eval_rows else 0
         for name, ps in per_source.items():   # records = training records; the held-out ones apart
             ps["eval_records"] = eval_sources.get(name, 0)
             ps["train_records"] = ps["records"] - ps["eval_records"]
@@ -388,7 +389,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     stats = {
         "records": index,
         "tokens": total_tokens,
-        "masked_tokens": sum(ps["masked_tokens"] for ps in per_source.values()),
+        # per_source counts every kept record; the top-level figures are those of the training split
+        "masked_tokens": sum(ps["masked_tokens"] for ps in per_source.values()) - eval_masked,
         "records_with_tool_calls": sum(ps["records_with_tool_calls"] for ps in per_source.values()),
         "tool_messages": sum(ps["tool_messages"] for ps in per_source.values()),
         "per_source": per_source,

@@ -182,7 +182,7 @@ def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
 
 def table_lines(summary: dict) -> list[str]:
     """The figures as a text table: configuration x prompt set."""
-    head = (f"{'config':<8} {'prompts':<14} {'accept len':>10} {'per position':<28} {'tok/s':>8} "
+    head = (f"{'config':<8} {'prompts':<14} {'accept len':>10} {'accepted at position':<36} {'tok/s':>8} "
             f"{'alone':>8} {'speed-up':>8} {'lossless':>8} {'baseline':>8}")
     lines = [head, "-" * len(head)]
     for r in summary["results"]:
@@ -193,6 +193,6 @@ def table_lines(summary: dict) -> list[str]:
         if d["lossless"] and d["near_ties"]:
             lossless = f"yes ({d['near_ties']} tie)"
         lines.append(f"{r['config']:<8} {r['prompt_set'] + ' x' + str(r['prompts']):<14} {d['accept_length']:>10.3f} "
-                     f"{pos[:28]:<28} {d['tokens_per_s']:>8.1f} {d['target_tokens_per_s']:>8.1f} "
+                     f"{pos[:36]:<36} {d['tokens_per_s']:>8.1f} {d['target_tokens_per_s']:>8.1f} "
                      f"{(d['speedup'] or 0):>8.2f} {lossless:>8} {base:>8}")
     return lines
