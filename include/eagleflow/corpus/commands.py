@@ -45,6 +45,9 @@ def format_stats(stats: dict) -> str:
              f"mask method {stats['mask_method']}, seed {stats['seed']}, max_length {stats['max_length']}"]
     if stats.get("chat_template"):
         lines.append(f"  rendered by {stats['chat_template']}")
+    if stats.get("splits"):   # records above are the training split; per-source rows count both
+        lines.append(f"  held out of training: {stats['eval_records']} record(s) in {stats['eval_file']} ("
+                     + ", ".join(f"{k} {v}" for k, v in stats["splits"]["eval"].items()) + ")")
     ln = stats["length"]
     lines.append(f"  length: min {ln['min']} mean {ln['mean']} p50 {ln['p50']} p90 {ln['p90']} p99 {ln['p99']} "
                  f"max {ln['max']}; over max_length: {stats.get('over_max_length', 'truncate')}, "
