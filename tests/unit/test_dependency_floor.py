@@ -43,7 +43,7 @@ SGLANG_0_5_23 = {"torch": "2.14.1", "transformers": "5.19.0"}
 # scaled_dot_product_attention is new in 2.0 (PyTorch 2.0 release notes), the others are older.
 _IN_2_0 = """Generator Tensor arange autocast bfloat16 bincount bool cat cuda.get_rng_state cuda.is_available
     cuda.is_initialized cuda.set_device cuda.set_rng_state device distributed.all_reduce distributed.barrier
-    distributed.init_process_group distributed.is_initialized distributed.run dtype eye float16 float32 float64
+    distributed.init_process_group distributed.is_initialized distributed.run dtype eye finfo float16 float32 float64
     full get_num_threads get_rng_state inference_mode int64 is_tensor long manual_seed nn nn.Embedding nn.Linear
     nn.Module nn.Parameter nn.functional nn.functional.log_softmax nn.functional.scaled_dot_product_attention
     nn.functional.silu nn.parallel.DistributedDataParallel nn.utils.clip_grad_norm_ no_grad ones optim.AdamW
@@ -52,7 +52,7 @@ _IN_2_0 = """Generator Tensor arange autocast bfloat16 bincount bool cat cuda.ge
 TORCH_APIS = {f"torch.{name}": "2.0" for name in _IN_2_0.split()}
 
 # Measured with transformers 5.17.0 (wheel from PyPI installed beside this venv's torch 2.13.0).
-TRANSFORMERS_NAMES_5_17 = {"AutoModelForCausalLM", "AutoTokenizer", "LlamaConfig", "LlamaForCausalLM",
+TRANSFORMERS_NAMES_5_17 = {"AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "LlamaConfig", "LlamaForCausalLM",
                            "PreTrainedTokenizerFast", "__version__"}
 TRANSFORMERS_KEYWORDS_5_17 = {
     # inspect.signature(PreTrainedTokenizerBase.apply_chat_template), 5.17.0
@@ -61,6 +61,8 @@ TRANSFORMERS_KEYWORDS_5_17 = {
                             "return_tensors", "tokenize", "tokenizer_kwargs", "tools", "truncation"},
     # from_pretrained(**kwargs): dtype replaced torch_dtype in 4.56.0 (huggingface/transformers#39782)
     "from_pretrained": {"dtype"},
+    # inspect.signature(DynamicCache.__init__), 5.17.0 (its crop() is there too)
+    "DynamicCache": {"ddp_cache_data", "config", "offloading", "offload_only_non_sliding"},
     # inspect.signature(LlamaConfig.__init__), 5.17.0, plus torch_dtype, which PretrainedConfig.__init__ still
     # maps onto dtype there (configuration_utils.py, "BC for the `torch_dtype` argument")
     "LlamaConfig": {"attention_bias", "attention_dropout", "bos_token_id", "dtype", "eos_token_id", "head_dim",
@@ -217,7 +219,7 @@ def test_the_torch_the_code_uses_is_in_the_floor():
 
 
 def test_the_transformers_the_code_uses_is_in_the_floor():
-    from transformers import LlamaConfig
+    from transformers import DynamicCache, LlamaConfig
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     paths, calls = _package_uses("transformers")
     assert "transformers.AutoModelForCausalLM.from_pretrained" in paths
@@ -228,6 +230,8 @@ def test_the_transformers_the_code_uses_is_in_the_floor():
     have = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
     assert TRANSFORMERS_KEYWORDS_5_17["apply_chat_template"] <= have
     assert TRANSFORMERS_KEYWORDS_5_17["LlamaConfig"] - {"torch_dtype"} <= set(inspect.signature(LlamaConfig).parameters)
+    assert TRANSFORMERS_KEYWORDS_5_17["DynamicCache"] <= set(inspect.signature(DynamicCache).parameters)
+    assert callable(DynamicCache.crop)      # evaluate/decoder.py crops the target's cache after each verify
 
 
 def test_late_apis_are_newer_than_the_floors():
