@@ -1,0 +1,36 @@
+"""The run report's held-out evaluation section, from the eval.json `eagleflow evaluate` writes."""
+from __future__ import annotations
+
+import json
+
+from eagleflow.config import load_config
+from eagleflow.console.run_report import write_report
+from eagleflow.layout import RunLayout
+
+
+def _row(config: str, acc: float, lossless: bool = True, baseline: float | None = None) -> dict:
+    d = {"accept_length": acc, "accepted_at_position": [0.62, 0.03, 0.01], "tokens_per_s": 12.5,
+         "target_tokens_per_s": 10.0, "speedup": 1.25, "lossless": lossless, "near_ties": 0, "mismatches": []}
+    r = {"config": config, "prompt_set": "held_out", "prompts": 6, "min_accept_length": 1.5, "draft": d}
+    if baseline is not None:
+        r["baseline"] = {**d, "accept_length": baseline}
+    return r
+
+
+def test_report_shows_the_table_and_the_refusal(tmp_path):
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/t"})
+    layout = RunLayout.for_run(cfg, "r1")
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    html = write_report(cfg, layout).read_text()
+    assert "No evaluation: evaluate_draft did not finish." in html
+    ev = {"results": [_row("3/1/4", 1.688, baseline=1.9), _row("7/1/8", 1.701)], "passed": False,
+          "refused": ["configuration 3/1/4 on held_out (6 prompts): acceptance length 1.688 is worse than the "
+                      "baseline draft's 1.900 by more than eval.tolerance 0.05"],
+          "target_dtype": "float32", "device": "cpu", "max_new_tokens": 64, "eval_file": str(run_dir / "eval.json")}
+    (run_dir / "eval.json").write_text(json.dumps(ev))
+    html = write_report(cfg, layout).read_text()
+    assert "Refused by the promotion gate (the export is kept): configuration 3/1/4" in html
+    assert "<td>3/1/4</td><td>held_out (6)</td><td>1.688</td><td>0.62 0.03 0.01</td><td>12.5</td><td>10.0</td>" \
+           "<td>1.25x</td><td>yes</td><td>1.50</td><td>1.900</td>" in html
+    assert "<td>7/1/8</td>" in html and "<td>1.701</td>" in html
