@@ -126,10 +126,8 @@ def test_train_trigger_watches_the_trainer_heartbeat(run):
 @pytest.mark.timeout(60)
 def test_unreachable_node_becomes_a_failed_event(run, monkeypatch):
     ctx, _ = run
-    data = ctx.serialize()  # the trigger reads the run's frozen config on the node: break its python there
-    frozen = json.loads(Path(data["run_config"]).read_text())
-    frozen["node"]["python"] = "/nonexistent/python3"
-    Path(data["run_config"]).write_text(json.dumps(frozen))
+    data = ctx.serialize()  # the node's python comes from the frozen config the trigger carries: break it there
+    data["control"] = {**data["control"], "node.python": "/nonexistent/python3"}
     ev = asyncio.run(_first_event(ShardWatchTrigger(data, 0, poll_interval_s=0.2), 30))
     assert ev.payload["status"] == "failed" and ev.payload["verdict"] == "unreachable"
     assert "/nonexistent/python3" in ev.payload["diagnosis"]
