@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
