@@ -20,6 +20,7 @@ import torch
 from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
 from eagleflow.capture.manifest import read_manifest
+from eagleflow.capture.worker import GIVE_UP_FACTOR, request_deadline
 from eagleflow.capture.storage import read_sample
 from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat
@@ -223,7 +224,10 @@ def test_server_hang_or_death_fails_the_worker_clearly_within_its_timeout(demo_a
         took = time.time() - stopped_at
         assert proc.returncode == 3, err
         assert "got no answer within" in err and "check its log, restart it" in err and "hang.s00000." in err
-        assert took < 2.0 + 0.01 * 40 + 8, f"worker took {took:.1f} s to notice the hung server"
+        # overdue is evidence for the watch; the worker alone gives up at GIVE_UP_FACTOR deadlines
+        # (own 2.4 s + PACE_MARGIN x its ~0.3 s pace), not at the first one
+        assert took < GIVE_UP_FACTOR * request_deadline(2.0 + 0.01 * 40, 0, 1.0) + 8, \
+            f"worker took {took:.1f} s to notice the hung server"
         hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
         assert hb.state == "failed" and "got no answer" in hb.error
         assert len(_manifest_lines(ctx, 0)) >= 2
@@ -242,3 +246,43 @@ def test_server_hang_or_death_fails_the_worker_clearly_within_its_timeout(demo_a
                                "--run-id", "hang", "--grace", "5"], capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stderr
         assert not Path(ctx.layout.pid_file("capture_server")).exists()
+
+
+def test_queued_requests_on_a_slow_serial_server_complete_at_the_runs_pace(demo_assets, tmp_path, monkeypatch):
+    """Issue 27 item 4, scaled: 4 requests queued on a serial server whose forwards (3 s) outlast the
+    config's own figure for one request alone (base 8 s + 0.001 s/token, the shipped 61.4 s against 20 s
+    forwards, scaled): the fixed rule failed the 3rd in the queue (9 s); deadlines that count the queue and the run's pace let the shard complete, none overdue."""
+    own_max = 8.0 + 0.001 * 40
+    cfgp = write_run_config(tmp_path, demo_assets["target_model"], request_timeout_base_s=8.0,
+                            request_timeout_per_token_s=0.001, in_flight=4)
+    ctx = _ctx(cfgp, "pace")
+    monkeypatch.setenv("EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S", "3")   # the hf server runs one forward at a time
+    start_capture_server(ctx)
+    try:
+        wait_capture_server_ready(ctx, timeout_s=120, poll_s=0.3)
+        monkeypatch.delenv("EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S")
+        rec, attached = start_or_attach_worker(ctx, 0)               # the real detached worker
+        assert not attached
+        worst, seen, deadlines, hb = 0.0, "", set(), None
+        end = time.time() + 150
+        while time.time() < end:
+            hb = Heartbeat.read(ctx.layout.heartbeat_file(0))
+            if hb is not None:
+                for r in hb.in_flight:
+                    if (hb.time - r.since) / r.timeout_s > worst:
+                        worst = (hb.time - r.since) / r.timeout_s
+                        seen = f"{r.id} {hb.time - r.since:.1f} s of {r.timeout_s} s"
+                    deadlines.add(r.timeout_s)
+                if hb.state in ("complete", "failed"):
+                    break
+            time.sleep(0.2)
+        assert hb is not None and hb.state == "complete", (hb and hb.error, hb and hb.state)
+        _assert_shard_exact(ctx, 0)
+        assert hb.done == hb.total == N_SAMPLES // 2 and hb.in_flight == []
+        waited = max(hb.extra["recent_request_s"])
+        assert waited > own_max, f"the queue never outlasted the old fixed deadline ({waited:.1f} s)"
+        assert worst < 1.0, f"a request outlived its deadline: {seen}; waits {hb.extra['recent_request_s']}"
+        assert max(deadlines) >= 3 * own_max, f"deadlines did not count the queue: {sorted(deadlines)}"
+    finally:
+        stop_worker(ctx, 0, grace_s=10)   # only if the test failed mid-shard: a finished worker has no record
+        stop_capture_server(ctx, grace_s=10)

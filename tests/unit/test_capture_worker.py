@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from eagleflow.capture.protocol import request_id
-from eagleflow.capture.worker import ExtractionError, WorkerSettings, load_samples, remove_orphan_dumps, shard_indexes
+from eagleflow.capture.worker import (DEADLINE_CAP_S, PACE_MARGIN, ExtractionError, WorkerSettings, load_samples,
+                                     remove_orphan_dumps, request_deadline, shard_indexes)
 from tests.fixtures.capture_corpus import write_corpus
 
 
@@ -25,6 +26,23 @@ def test_request_timeout_grows_with_length_and_is_bounded():
     s = WorkerSettings(run_id="r", shard=0, num_shards=1, corpus_file="", shard_dir="", dump_dir="", server_url="",
                        request_timeout_base_s=60, request_timeout_per_token_s=0.05)
     assert s.request_timeout(0) == 60 and s.request_timeout(8192) == pytest.approx(60 + 409.6)
+
+
+def test_request_deadline_counts_the_queue_and_the_runs_pace():
+    own = 60 + 0.05 * 28   # the shipped figure for a 28-token request: 61.4 s
+    # nothing observed yet: each request in the queue is counted at the config's own figure
+    assert request_deadline(own, 0, None) == pytest.approx(own)
+    assert request_deadline(own, 3, None) == pytest.approx(4 * own)
+    # issue 27's run: 20 s forwards, 4 queued on a serial server, so each request waits 80 s (> 61.4 s)
+    assert request_deadline(own, 3, 20.0) == pytest.approx(own + PACE_MARGIN * 4 * 20.0)
+    assert request_deadline(own, 3, 20.0) > 80
+    # one request in flight on a node slower than the config's figure: its own pace, not a fixed 61.4 s
+    assert request_deadline(own, 0, 100.0) > 100
+    # a fast run keeps the config's figure as the floor
+    assert request_deadline(own, 3, 0.01) == pytest.approx(own + PACE_MARGIN * 4 * 0.01)
+    # capped; a config figure above the cap is kept as it is
+    assert request_deadline(own, 255, 1000.0) == DEADLINE_CAP_S
+    assert request_deadline(2 * DEADLINE_CAP_S, 3, None) == 2 * DEADLINE_CAP_S
 
 
 def test_orphaned_dumps_of_this_shard_only_are_removed(tmp_path):

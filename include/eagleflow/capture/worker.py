@@ -14,6 +14,11 @@ orphaned dumps are removed; everything else is requested again.
 others keep the server busy. Told to stop (SIGTERM, Ctrl-C), the worker takes
 no new sample and stores none that is not already being written (those get
 ``HALT_GRACE_S``); the rest in flight are abandoned and redone at resume.
+
+A request's deadline (``request_deadline``) counts the requests in flight
+ahead of it and this run's own pace; past it the request is overdue, evidence
+the watch reads from the heartbeat, and the worker waits on: it gives up only
+at ``GIVE_UP_FACTOR`` deadlines, so that a worker run with no watch still ends.
 """
 from __future__ import annotations
 
@@ -25,15 +30,32 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
 
-from .client import CaptureServerError, generate
+from .client import CaptureServerError, CaptureTimeout, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
 from .protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from .storage import SampleWriter, remove_temp_files, sample_file_name
 
 
 HALT_GRACE_S = 3.0   # a stopped worker's samples already being written finish within this, or are redone
+PACE_SEED_SAMPLES = 3       # completions before the run's own pace replaces the config's figure
+PACE_MARGIN = 2.0           # x the observed seconds per request, for each request in the queue
+DEADLINE_CAP_S = 3600.0     # no deadline grows past this (or the config's own figure, if longer)
+GIVE_UP_FACTOR = 3.0        # the worker itself gives up only at this many deadlines: the watch decides first
+
+
+def request_deadline(own_s: float, ahead: int, per_request_s: float | None) -> float:
+    """When a request counts as overdue: its own figure plus the queue in front of it at this run's pace.
+
+    ``own_s`` is the config's figure for the request alone (base + per token); ``ahead`` the requests
+    already in flight when it was sent (a serial server answers them first); ``per_request_s`` this
+    run's observed seconds of server time per request (None until PACE_SEED_SAMPLES completions:
+    then each request in the queue is counted at ``own_s``). A uniformly slow node is slow, not late.
+    """
+    queue = ahead + 1
+    d = queue * own_s if per_request_s is None else own_s + PACE_MARGIN * queue * per_request_s
+    return min(max(DEADLINE_CAP_S, own_s), d)
 
 
 class ExtractionError(RuntimeError):
@@ -146,6 +168,7 @@ class ShardWorker:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._dump_bytes_per_token = 0     # learnt from the first dump: what a full dump_dir cannot hold
+        self._per_request: list[float] = []  # this run's seconds per request (request time / its queue)
 
     def run(self) -> Heartbeat:
         s = self.s
@@ -244,15 +267,32 @@ class ShardWorker:
                 self._stop.set()
                 return
 
+    def _pace(self) -> float | None:
+        """Median seconds per request over this run's recent completions; None while too few to trust."""
+        with self._lock:
+            recent = sorted(self._per_request)
+        return recent[len(recent) // 2] if len(recent) >= PACE_SEED_SAMPLES else None
+
     def _one(self, smp: Sample, writer: SampleWriter, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
         s = self.s
         rid = request_id(s.run_id, s.shard, smp.index)
-        timeout = s.request_timeout(smp.tokens)
-        fl = InFlight(id=rid, since=time.time(), tokens=smp.tokens, timeout_s=timeout)
-        hbw.update(lambda hb: hb.in_flight.append(fl))
+        fl = InFlight(id=rid, since=0.0, tokens=smp.tokens)
+        ahead, pace = 0, self._pace()
+
+        def sent(hb: Heartbeat) -> None:
+            # the deadline counts the requests in flight ahead of this one, at this run's own pace
+            nonlocal ahead
+            ahead = len(hb.in_flight)
+            fl.since = time.time()
+            fl.timeout_s = round(request_deadline(s.request_timeout(smp.tokens), ahead, pace), 1)
+            hb.in_flight.append(fl)
+        hbw.update(sent)
         try:
             try:
-                generate(s.server_url, smp.input_ids, rid, timeout)
+                # past fl.timeout_s the request is overdue: evidence the watch reads from the heartbeat
+                # (it tells a stalled server from a slow one); the worker waits on, and gives up itself
+                # only at GIVE_UP_FACTOR deadlines, for a run with no watch
+                generate(s.server_url, smp.input_ids, rid, GIVE_UP_FACTOR * fl.timeout_s)
             except CaptureServerError as e:
                 full = dump_dir_full(s.dump_dir, smp.tokens * self._dump_bytes_per_token, str(e))
                 if full:
@@ -260,9 +300,11 @@ class ShardWorker:
                                           f"failed because {full}. The server is not at fault: free space in "
                                           f"capture.dump_dir or point it at a bigger filesystem, then re-run this "
                                           f"shard: stored samples are kept") from None
+                late = (f" ({GIVE_UP_FACTOR:g} x its {fl.timeout_s:g} s deadline, which counted {ahead} request(s) "
+                        f"ahead of it at this run's pace)" if isinstance(e, CaptureTimeout) else "")
                 raise ExtractionError(
                     f"shard {s.shard}: sample {smp.id} (index {smp.index}, {smp.tokens} tokens, request {rid}) "
-                    f"failed: {e}. The capture server at {s.server_url} is dead, hung or rejected the sample; "
+                    f"failed: {e}{late}. The capture server at {s.server_url} is dead, hung or rejected the sample; "
                     f"check its log, restart it (`eagleflow capture serve`) and re-run this shard: "
                     f"stored samples are kept") from None
             dpath = dump_path(s.dump_dir, rid)
@@ -313,6 +355,9 @@ class ShardWorker:
             hbw.update(lambda hb: hb.in_flight.remove(fl) if fl in hb.in_flight else None)
 
         finished = time.time()
+        with self._lock:
+            self._per_request.append((finished - fl.since) / (ahead + 1))
+            del self._per_request[:-PACE_WINDOW]
 
         def progressed(hb: Heartbeat) -> None:
             hb.done += 1
