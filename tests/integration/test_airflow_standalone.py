@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 
@@ -29,6 +30,7 @@ def test_trigger_pipeline_through_rest_api(tmp_path, demo_assets):
     try:
         info = standalone.start(home, port, wait_s=300)
         assert info["password"], "standalone did not generate an admin password"
+        assert os.stat(home / "standalone.json").st_mode & 0o077 == 0, "standalone.json (the password) is not 0600"
         base = f"http://127.0.0.1:{port}"
         token = _call(f"{base}/auth/token", "POST", {"username": "admin", "password": info["password"]})["access_token"]
         deadline = time.time() + 180
