@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import yaml
 
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.dag_bundle import load_bundle_dag
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -106,25 +106,11 @@ with DAG("capture_sequence_test", schedule=None, start_date=datetime(2026, 1, 1)
 
 
 def test_capture_sequence_under_dag_test(airflow_db, tmp_path, demo_assets, monkeypatch):
-    """The DAG lives in a file of its own bundle: dag.test() syncs DAGs from bundles, not from memory."""
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / "include/eagleflow/airflow/shard_watch.py").exists():
-        pytest.skip("eagleflow.airflow.shard_watch (watchdog) is not there yet")
-    import importlib.util
-
     cfgp = _config(tmp_path, demo_assets)
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    (dags / "capture_sequence_test.py").write_text(f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
-        {"name": "capture-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
-    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    spec = importlib.util.spec_from_file_location("capture_sequence_test_dag", dags / "capture_sequence_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    dag = load_bundle_dag(monkeypatch, tmp_path / "dags", "capture_sequence_test.py",
+                          f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
 
-    dr = mod.dag.test()
+    dr = dag.test()
     states = {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state
               for ti in dr.get_task_instances()}
     assert dr.state == "success", states

@@ -7,8 +7,6 @@ bundle, so each test writes a small DAG file into its own bundle folder.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
 from tests.fixtures.sshd import sshd  # noqa: F401  (fixture)
 from tests.integration.gpu_run_config import write_gpu_config
@@ -61,18 +60,8 @@ FAILING_BODY = '''
 
 
 def load_dag(monkeypatch, folder: Path, dag_id: str, body: str, cfg: Path, scenario: str):
-    """Write the DAG file into its own bundle folder, add that bundle, import the DAG."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{dag_id}.py"
-    path.write_text(DAG_HEAD.format(repo=str(REPO), scenario=scenario, dag_id=dag_id, cfg=str(cfg)) + body)
-    bundles = [{"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}},
-               {"name": f"test-{dag_id}", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-                "kwargs": {"path": str(folder)}}]
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps(bundles))
-    spec = importlib.util.spec_from_file_location(f"gpu_test_dag_{dag_id}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.dag
+    source = DAG_HEAD.format(repo=str(REPO), scenario=scenario, dag_id=dag_id, cfg=str(cfg)) + body
+    return load_bundle_dag(monkeypatch, folder, f"{dag_id}.py", source, keep_dags_folder=True)
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,6 @@ Then, mid-shard:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from tests.fixtures.capture_corpus import write_run_config
+from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
 from tests.fixtures.processes import alive, kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
@@ -69,20 +69,8 @@ with DAG("node_host_partition", schedule=None, catchup=False,
 
 
 def _load_dag(tmp_path: Path, cfgp: Path, monkeypatch):
-    """dag.test() syncs DAGs from bundles, not from memory: the DAG lives in a file of its own bundle."""
-    import importlib.util
-    repo = Path(__file__).resolve().parents[2]
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    (dags / "node_host_partition.py").write_text(f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
-        {"name": "node-host-partition", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
-    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    spec = importlib.util.spec_from_file_location("node_host_partition_dag", dags / "node_host_partition.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.dag
+    return load_bundle_dag(monkeypatch, tmp_path / "dags", "node_host_partition.py",
+                           f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
 
 
 def _stored(run_root: Path) -> int:

@@ -7,13 +7,13 @@ trigger's RunRef) still see the frozen values.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.pipeline_config import write_short_config
 
 pytestmark = [pytest.mark.slow]
@@ -60,20 +60,11 @@ def test_later_tasks_read_the_frozen_config_not_the_edited_yaml(airflow_db, demo
     cfg_path = write_short_config(home / "cfgs", demo_assets)   # run_root etc. absolute inside
     monkeypatch.setenv("EAGLEFLOW_HOME", str(home))
     rel = str(cfg_path.relative_to(home))
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    dag_file = bundle / "frozen_run_config.py"
-    dag_file.write_text(DAG_FILE.format(repo=str(REPO), rel=rel, abs_cfg=str(cfg_path)))
-    bundles = [{"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}},
-               {"name": "test-frozen", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-                "kwargs": {"path": str(bundle)}}]
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps(bundles))
-    spec = importlib.util.spec_from_file_location("frozen_run_config_dag", dag_file)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    dag = load_bundle_dag(monkeypatch, tmp_path / "bundle", "frozen_run_config.py",
+                          DAG_FILE.format(repo=str(REPO), rel=rel, abs_cfg=str(cfg_path)), keep_dags_folder=True)
     run_root = yaml.safe_load(cfg_path.read_text())["run_root"]
 
-    dr = mod.dag.test(run_conf={"config_path": rel, "shards": 3, "run_name": "frozen"})
+    dr = dag.test(run_conf={"config_path": rel, "shards": 3, "run_name": "frozen"})
     tis = {ti.task_id: ti for ti in dr.get_task_instances()}
     assert dr.state == "success", {k: v.state for k, v in tis.items()}
     assert yaml.safe_load(cfg_path.read_text())["capture"]["shards"] == 7       # the YAML was edited mid-run

@@ -3,11 +3,12 @@ the watchdog's TrainWatchTrigger; ExportDraftOperator writes the SGLang draft di
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.fixtures.dag_bundle import load_bundle_dag
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -65,22 +66,11 @@ def _config(tmp_path: Path, target: str) -> Path:
 
 
 def test_train_and_export_under_dag_test(airflow_db, tmp_path, demo_assets, monkeypatch):
-    repo = Path(__file__).resolve().parents[2]
-    import importlib.util
-
     cfgp = _config(tmp_path, demo_assets["target_model"])
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    (dags / "train_sequence_test.py").write_text(f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
-        {"name": "train-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
-    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    spec = importlib.util.spec_from_file_location("train_sequence_test_dag", dags / "train_sequence_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    dag = load_bundle_dag(monkeypatch, tmp_path / "dags", "train_sequence_test.py",
+                          f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
 
-    dr = mod.dag.test()
+    dr = dag.test()
     states = {ti.task_id: ti.state for ti in dr.get_task_instances()}
     run_dir = next(p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
     log = run_dir / "logs" / "trainer.log"

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.processes import kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
 
@@ -88,20 +89,8 @@ with DAG("watchdog_seeds_stall", schedule=None, catchup=False,
 
 
 def _load_dag(tmp_path: Path, cfgp: Path, monkeypatch):
-    """dag.test() syncs DAGs from bundles, not from memory: the DAG lives in a file of its own bundle."""
-    import importlib.util
-    repo = Path(__file__).resolve().parents[2]
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    (dags / "watchdog_seeds_stall.py").write_text(f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
-        {"name": "watchdog-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-         "kwargs": {"path": str(dags), "refresh_interval": 0}}]))
-    monkeypatch.setenv("PYTHONPATH", f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    spec = importlib.util.spec_from_file_location("watchdog_seeds_stall_dag", dags / "watchdog_seeds_stall.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.dag
+    return load_bundle_dag(monkeypatch, tmp_path / "dags", "watchdog_seeds_stall.py",
+                           f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
 
 
 def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactly(

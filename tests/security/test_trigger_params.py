@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.pipeline_config import write_short_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -74,18 +75,8 @@ def _refused(dag, conf: dict, capfd) -> str:
 
 
 def _small_dag(tmp_path, monkeypatch, cfg: Path):
-    bundle = tmp_path / "bundle"
-    bundle.mkdir(exist_ok=True)
-    dag_file = bundle / "security_trigger_params.py"
-    dag_file.write_text(SMALL_DAG.format(repo=str(REPO), cfg=str(cfg)))
-    bundles = [{"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}},
-               {"name": "test-security", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-                "kwargs": {"path": str(bundle)}}]
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps(bundles))
-    spec = importlib.util.spec_from_file_location("security_trigger_params_dag", dag_file)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.dag
+    return load_bundle_dag(monkeypatch, tmp_path / "bundle", "security_trigger_params.py",
+                           SMALL_DAG.format(repo=str(REPO), cfg=str(cfg)), keep_dags_folder=True)
 
 
 # ------------------------------------------------------------------------------- break 2: config_path
