@@ -74,6 +74,8 @@ def test_malformed_incident_and_heartbeat_lines_are_skipped_and_named_not_a_dead
                                _event(id="i2", shards=["0"]),          # shards not an object
                                "[" * DEEP + "]" * DEEP,                # too deep to read
                                _event(id="i3"),
+                               json.dumps({"event": "resolved", "id": ["i3"]}),   # an id that is not a string
+                               _event(id="i4", shards={"0": {"run_id": 5}, "1": {"run_id": "r"}}),  # mixed run ids
                                '{"event": "opened"']) + "\n")          # last line: an append in progress
     run = tmp_path / "runs" / "r"
     node = LocalNode()
@@ -86,17 +88,19 @@ def test_malformed_incident_and_heartbeat_lines_are_skipped_and_named_not_a_dead
             hb.parent.mkdir(parents=True)
             hb.write_text(text)
         act = read_node_activity(node, str(state))        # was: the command crashed, the node "unreadable"
-        assert [i["id"] for i in act.incidents] == ["i1", "i3"]
+        assert [i["id"] for i in act.incidents] == ["i1", "i3", "i4"]
+        assert act.incidents[2]["run_ids"] == ["r"] and act.incidents[1]["outcome"] == "open"
         assert [(s.shard, s.done, s.total) for s in act.shards["r"]] == [(2, 3, 9)]
         lines = "\n".join(act.skipped)
-        for n in (2, 3, 4, 5):
+        for n in (2, 3, 4, 5, 7):
             assert f"{book} line {n}:" in lines, lines
-        assert f"{book} line 7" not in lines, "the line being appended is not a finding"
+        assert f"{book} line 9" not in lines, "the line being appended is not a finding"
         assert "shard_00000/heartbeat.json: not a heartbeat" in lines and "shard 1 left out" in lines
         assert [p.pid for p in act.processes] == [rec.pid]
         skipped: list[str] = []
-        assert [e["id"] for e in watchdog_incidents.history(state, skipped)] == ["i1", "i2", "i3"]
-        assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "3", "5"]
+        assert [e["id"] for e in watchdog_incidents.history(state, skipped) if e["event"] == "opened"] == \
+            ["i1", "i3", "i4"]      # one reader: the watchdog and the console see the same book
+        assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "3", "4", "5", "7"]
     finally:
         os.kill(rec.pid, signal.SIGKILL)
 

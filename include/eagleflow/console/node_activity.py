@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
+from eagleflow.watchdog.incidents import history
 
 _SHARD_ROLE = re.compile(r"worker_shard_(\d{5})")
 INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
@@ -112,39 +113,18 @@ def _shards(run_dir: Path, skipped: list[str] | None = None) -> list[ShardProgre
 
 
 def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) -> list[dict]:
-    """The incident book folded to one entry per incident (opened, then recovered or not).
-
-    A malformed line is left out and named in ``skipped`` (it must not make the whole node unreadable); the
-    last line may be one being appended right now and is left out silently.
-    """
-    path = state_dir / "incidents" / "incidents.jsonl"
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+    """The incident book (``watchdog.incidents.history``: a malformed line is left out and named in ``skipped``,
+    never the whole node made unreadable) folded to one entry per incident (opened, then recovered or not)."""
     by_id: dict[str, dict] = {}
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            e = json.loads(line)
-            if not isinstance(e, dict) or (e.get("event") == "opened" and not isinstance(e.get("id"), str)):
-                raise ValueError("not an incident event (a JSON object with event and id)")
-            if not isinstance(e.get("shards") or {}, dict):
-                raise ValueError("its shards are not an object")
-            if not all(isinstance(e.get(k) or 0, (int, float)) for k in ("opened_at", "at")):
-                raise ValueError("its opened_at/at is not a time in seconds")
-        except (ValueError, RecursionError) as err:
-            if skipped is not None and n < len(lines):
-                skipped.append(f"{path} line {n}: {str(err)[:200]}; left out")
-            continue
+    for e in history(state_dir, skipped):
         if e.get("event") == "opened":
             by_id[e["id"]] = {"id": e["id"], "node": e.get("node"), "cause": e.get("cause"),
                               "opened_at": e.get("opened_at"), "ended_at": None, "outcome": "open",
                               "shards": sorted((e.get("shards") or {}).keys()),
-                              "run_ids": sorted({s.get("run_id") for s in (e.get("shards") or {}).values()
-                                                 if isinstance(s, dict) and s.get("run_id")})}
-        elif e.get("id") in by_id:
+                              "run_ids": sorted({s["run_id"] for s in (e.get("shards") or {}).values()
+                                                 if isinstance(s, dict) and isinstance(s.get("run_id"), str)
+                                                 and s["run_id"]})}
+        elif e["id"] in by_id:
             by_id[e["id"]].update(ended_at=e.get("at"), outcome=e.get("event"),
                                   shard_count=e.get("shard_count"))
     return [i for i in by_id.values() if now - float(i.get("opened_at") or 0) < INCIDENT_DAYS * 86400]

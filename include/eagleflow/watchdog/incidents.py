@@ -113,8 +113,12 @@ def history(state_dir: str | os.PathLike, skipped: list[str] | None = None) -> l
             continue
         try:
             e = json.loads(line)
-            if not isinstance(e, dict):
-                raise ValueError(f"a JSON {type(e).__name__}, not an incident event")
+            if not isinstance(e, dict) or not isinstance(e.get("id"), str):
+                raise ValueError("not an incident event (a JSON object with event and id)")
+            if not isinstance(e.get("shards") or {}, dict):
+                raise ValueError("its shards are not an object")
+            if not all(isinstance(e.get(k) or 0, (int, float)) for k in ("opened_at", "at")):
+                raise ValueError("its opened_at/at is not a time in seconds")
             out.append(e)
         except (ValueError, RecursionError) as err:
             if skipped is not None and n < len(lines):   # the last one may be an append in progress
