@@ -78,4 +78,4 @@ def test_random_draft_is_refused_and_kept_a_passing_one_is_promoted(tmp_path, de
 
     # the sglang backend is named as not built, not faked
     res = _cli("evaluate", *run, "--set", "eval.backend=sglang")
-    assert res.returncode == 1 and "eval.backend 'sglang'" in res.stderr and "not built" in res.stderr
+    assert res.returncode == 2 and "eval.backend 'sglang'" in res.stderr and "not built" in res.stderr

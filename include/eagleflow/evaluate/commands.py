@@ -1,7 +1,8 @@
 """`eagleflow evaluate`: the exported draft decodes the held-out prompts with the target verifying; the gate.
 
 Exit 0: the draft passed (eval.json written, <run_root>/promoted.json names it);
-1: the gate refused it (eval.json says why, with both numbers) or an input is missing.
+1: the gate refused it (eval.json says why, with both numbers);
+2: an input is missing or not usable (the message names it; no figures).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _evaluate(args) -> int:
         summary = evaluate_run(cfg, layout, draft_dir=args.draft, log=log)
     except (EvalBackendError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"eagleflow evaluate: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2   # not an answer: the control plane reports stderr as the node command's failure
     if args.json:
         keep = ("run_id", "passed", "refused", "eval_file", "promoted", "draft", "baseline_draft", "results",
                 "elapsed_s")

@@ -83,7 +83,9 @@ def measure(target, proposer, prompts: list[dict], references: dict, steps: int,
             "tokens_per_s": round(tps, 2), "target_tokens_per_s": round(ref_tps, 2),
             "speedup": round(tps / ref_tps, 3) if ref_tps else None,
             "lossless": not [m for m in mismatches if not m["near_tie"]],
-            "near_ties": sum(m["near_tie"] for m in mismatches), "mismatches": mismatches[:20]}
+            "near_ties": sum(m["near_tie"] for m in mismatches),
+            # at most 20 kept, real differences first (the gate names the first one)
+            "mismatches": sorted(mismatches, key=lambda m: m["near_tie"])[:20]}
 
 
 def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
