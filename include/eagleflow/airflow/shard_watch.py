@@ -347,7 +347,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
         diagnosis = (f"UNREACHABLE {job} on {ctx.node.name}: the watch command has failed for {for_s:.0f} s, "
                      f"so the job's health is unknown; last error: {error}. Check the node connection "
                      f"(node.conn_id={ctx.cfg.node.conn_id!r}) and that eagleflow is installed there.")
-        return {"status": "failed", "verdict": "unreachable", "diagnosis": diagnosis, "subject": subject}
+        # the task ends: its operator still tries the mails it holds, and logs those never sent
+        return {**self._resume_fields(), "status": "failed", "verdict": "unreachable", "diagnosis": diagnosis,
+                "subject": subject}
 
 
 class ShardWatchTrigger(_NodeJobWatchTrigger):

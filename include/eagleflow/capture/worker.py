@@ -236,20 +236,26 @@ class ShardWorker:
                 t.start()
             try:
                 for t in threads:
-                    while t.is_alive():
+                    while t.is_alive() and self._error is None:
                         # short waits: a signal handler runs only in this thread, and only between them
                         t.join(0.2)
             except BaseException:
-                # told to stop (SIGTERM, Ctrl-C): no new sample, none stored that is not already being
-                # written; those get HALT_GRACE_S, the rest of the requests in flight are abandoned
-                self._halt.set()
-                self._stop.set()
-                end = time.monotonic() + HALT_GRACE_S
-                for t in threads:
-                    t.join(max(0.0, end - time.monotonic()))
+                self._abandon(threads)   # told to stop (SIGTERM, Ctrl-C)
                 raise
+            if self._error is not None:
+                # one sample failed: say so now, not after the other requests' own deadlines (up to hours)
+                self._abandon(threads)
         if self._error is not None:
             raise self._error
+
+    def _abandon(self, threads: list[threading.Thread]) -> None:
+        """No new sample, none stored that is not already being written (those get HALT_GRACE_S); the rest of
+        the requests in flight are abandoned and redone at resume."""
+        self._halt.set()
+        self._stop.set()
+        end = time.monotonic() + HALT_GRACE_S
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
 
     def _loop(self, work: "queue.Queue[Sample | None]", writer: SampleWriter, manifest: ManifestWriter,
               hbw: HeartbeatWriter) -> None:
