@@ -106,7 +106,7 @@ with DAG(
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
     train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
     export = ExportDraftOperator(task_id="export_draft")
-    evaluate = EvaluateDraftOperator(task_id="evaluate_draft")
+    evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)   # loads the target (eval.device)
 
     write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
     idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
@@ -116,7 +116,7 @@ with DAG(
     extract >> verify
     [free_after, verify] >> idle_after >> train >> export >> evaluate
     # the run report, written however the run went (all done); as a teardown it never decides the
-    # run's outcome: export_draft and the other leaves do, so a failed run stays failed
+    # run's outcome: evaluate_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run
     # whose config was refused has nothing to report and gets no second alert
     evaluate >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)

@@ -123,7 +123,7 @@ def test_retry_keeps_a_progressing_or_slow_trainer_and_restarts_a_stalled_one(tm
         fresh = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 5,
                           last_progress_at=now - 1, unit="steps", total=30, done=4)
         fresh.write(str(ctx.layout.train_heartbeat_file))
-        op._restart_if_unhealthy(ctx, fresh)
+        op._restart_if_unhealthy(ctx)
         assert ctx.node.live_record(pid_file).pid == proc.pid, "a progressing trainer is attached to, not killed"
         from tests.fixtures.watchdog_jobs import backdate_record
         backdate_record(ctx.layout, "trainer", 500)   # started long ago: its start is no recent progress
@@ -131,13 +131,13 @@ def test_retry_keeps_a_progressing_or_slow_trainer_and_restarts_a_stalled_one(tm
         slow = Heartbeat(job="train", pid=proc.pid, state="running", time=now, started_at=now - 500,
                          last_progress_at=now - 400, unit="steps", total=30, done=4)
         slow.write(str(ctx.layout.train_heartbeat_file))
-        op._restart_if_unhealthy(ctx, slow)
+        op._restart_if_unhealthy(ctx)
         assert ctx.node.live_record(pid_file).pid == proc.pid, "a slow trainer with no evidence is not killed"
         # alive, but its heartbeat not rewritten for 400 s: the watch's evidence of a frozen trainer
         stale = Heartbeat(job="train", pid=proc.pid, state="running", time=now - 400, started_at=now - 500,
                           last_progress_at=now - 400, unit="steps", total=30, done=4)
         Path(ctx.layout.train_heartbeat_file).write_text(stale.to_json())   # as written 400 s ago (write() stamps now)
-        op._restart_if_unhealthy(ctx, stale)
+        op._restart_if_unhealthy(ctx)
         assert ctx.node.live_record(pid_file) is None, "a stalled trainer is stopped before the retry restarts it"
     finally:
         stop_trainer(ctx, grace_s=2)

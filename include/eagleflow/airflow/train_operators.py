@@ -35,7 +35,7 @@ class TrainDraftOperator(RunOperator):
             return {"status": "complete", "step": hb.done, "draft_dir": str(ctx.layout.draft_dir)}
         try_number = int(getattr(context.get("ti"), "try_number", 1) or 1)
         if try_number > 1:
-            self._restart_if_unhealthy(ctx, hb)
+            self._restart_if_unhealthy(ctx)
         rec, attached = start_or_attach_trainer(ctx, log=self.log.info)
         self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec.pid, ctx.node.name,
                       "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.log_file)
@@ -45,7 +45,7 @@ class TrainDraftOperator(RunOperator):
             self.defer(trigger=trigger, method_name="execute_complete")
         return self.execute_complete(context, run_trigger_here(trigger))
 
-    def _restart_if_unhealthy(self, ctx: RunContext, hb) -> None:
+    def _restart_if_unhealthy(self, ctx: RunContext) -> None:
         """On a retry, one look of the watch first: a trainer that is starting, healthy or slow is kept;
         only the watch's verdict stalled, dead or failed stops it. A look that gets no answer stops nothing."""
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
@@ -55,7 +55,7 @@ class TrainDraftOperator(RunOperator):
         except (NodeError, ValueError) as e:
             self.log.warning("retry: could not look at the trainer first (%s); stopping nothing, the watch decides", e)
             return
-        if diag.status is None:
+        if diag.status is None or diag.verdict == "complete":   # as the shard's retry: nothing to stop
             self.log.info("retry: the trainer is kept, nothing stopped: %s", diag.summary)
             return
         outcome = stop_trainer(ctx, log=self.log.info)
