@@ -116,6 +116,17 @@ def test_a_folder_of_ours_with_wide_modes_is_narrowed_to_0700(tmp_path):
     assert stat.S_IMODE(os.lstat(tmp_path / "dumps").st_mode) == 0o700
 
 
+def test_a_dump_key_others_can_read_and_an_empty_key_are_refused(tmp_path):
+    path = tmp_path / "state" / "keys" / "capture_dump.key"
+    key = load_dump_key(path, create=True)
+    os.chmod(path, 0o644)                                      # copied or restored without its mode
+    with pytest.raises(DumpTrustError, match="readable by others"):
+        load_dump_key(path)
+    p = _dump(tmp_path / "dumps", "r.s00000.00000001", key=key)
+    with pytest.raises(DumpTrustError, match="without one"):
+        verify_dump(read_dump(p), b"", p, "r.s00000.00000001")   # HMAC(b"") would be a key anyone knows
+
+
 def test_verify_dump_refuses_a_replaced_dump_even_with_the_genuine_mac_copied(tmp_path):
     key = load_dump_key(tmp_path / "state" / "keys" / "capture_dump.key", create=True)
     assert stat.S_IMODE(os.stat(tmp_path / "state" / "keys" / "capture_dump.key").st_mode) == 0o600

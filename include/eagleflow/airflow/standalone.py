@@ -149,6 +149,10 @@ def stop(home: str | Path | None = None, *, grace_s: float = 30) -> bool:
     _reap(int(info["pid"]))
     res = process_record.stop(_record(info), grace_s=grace_s, kill_wait_s=10.0, remove_record=False,
                               term_signal=signal.SIGINT)
+    if res.outcome in ("not_ours", "refused"):
+        # nothing was signalled: the state file stays for a person to look at, and nothing is reported stopped
+        print(f"airflow standalone: {res.detail}", file=sys.stderr)
+        return False
     if res.outcome == "stale_record":
         print(f"airflow standalone: {res.detail}", file=sys.stderr)
     sf.unlink(missing_ok=True)

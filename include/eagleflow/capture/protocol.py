@@ -161,6 +161,10 @@ def load_dump_key(path: str | os.PathLike, *, create: bool = False) -> bytes:
                              "start it (`eagleflow capture serve`) before the workers") from None
     except (OSError, ValueError) as e:
         raise DumpTrustError(f"capture dump key {e}") from None
+    mode = os.lstat(path).st_mode & 0o777
+    if mode & 0o077:   # anyone who can read the key can sign a dump
+        raise DumpTrustError(f"capture dump key {path} is readable by others (mode {mode:04o}): remove it and "
+                             "restart the capture server (it makes a new one, 0600)")
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -286,6 +290,9 @@ def read_dump(path: str | os.PathLike) -> Dump:
 
 def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike, rid: str) -> None:
     """DumpTrustError unless the dump is the one our server wrote for ``rid`` (its MAC under ``key``)."""
+    if not key:
+        raise DumpTrustError(f"no capture dump key to check the dump {path} with: the worker was started without "
+                             "one; refusing to store it")
     meta = dump.metadata or {}
     mac = meta.get(DUMP_MAC, "")
     tensors = {DUMP_IDS: dump.input_ids, DUMP_AUX: dump.aux_hidden_states, DUMP_LAST: dump.hidden_states}
