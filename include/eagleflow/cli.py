@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from .config import ConfigError
+from .durable import UnsafeFile
 
 # (subcommand group, module with register(subparsers))
 _COMMAND_MODULES = [
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"eagleflow: {e}", file=sys.stderr)
+        return 2
+    except UnsafeFile as e:   # a record, lock, log or key that is a symlink, not ours or writable by others
+        print(f"eagleflow: refused: {e}", file=sys.stderr)
         return 2
 
 
