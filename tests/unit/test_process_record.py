@@ -132,6 +132,29 @@ def test_stop_terms_a_live_group_and_wakes_a_stopped_one(tmp_path):
     assert node.stop_recorded(rec.pid_file).outcome == "not_recorded"
 
 
+def test_children_without_the_token_are_still_stopped_when_the_leader_exits_first(tmp_path):
+    """airflow standalone exits on SIGINT before its children, whose /proc environ a proc title has overwritten:
+    what was proven ours at the first look (the whole group of a live leader) stays ours while it runs."""
+    token = secrets.token_hex(16)
+    leader = subprocess.Popen(["bash", "-c", "env -i bash -c 'trap \"\" TERM; sleep 600; true' & trap 'exit 0' TERM; wait"],
+                              start_new_session=True, env={**os.environ, pr.TOKEN_ENV: token})
+    try:
+        assert _wait(lambda: len(pr.group_pids(leader.pid)) >= 3)       # leader, the env-less bash, its sleep
+        rec = ProcessRecord(pid=leader.pid, pgid=leader.pid, start_ticks=read_start_ticks(leader.pid),
+                            role="airflow_standalone", token=token)
+        children = [p for p in pr.group_pids(leader.pid) if p != leader.pid]
+        assert not any(pr._carries_token(p, token) for p in children)    # nothing in their environ proves them ours
+        res = pr.stop(rec, grace_s=0.5, kill_wait_s=5, remove_record=False)
+        leader.wait(timeout=10)
+        assert res.outcome == "killed", res.detail     # TERM ended the leader only; KILL the rest
+        assert _wait(lambda: not pr.group_pids(leader.pid)), "children of the group survived the stop"
+    finally:
+        for p in pr.group_pids(leader.pid):
+            os.kill(p, signal.SIGKILL)
+        if leader.poll() is None:
+            leader.kill()
+
+
 def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):
     token = secrets.token_hex(16)   # in its environment from exec, as detach starts every job
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
@@ -140,7 +163,7 @@ def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):
         rec = ProcessRecord(pid=child.pid, pgid=child.pid, start_ticks=read_start_ticks(child.pid), role="trainer",
                             token=token)
         # a D-state process ignores SIGKILL; stand in for one: signals do nothing and /proc says D
-        monkeypatch.setattr(pr, "_send", lambda rec, sig: None)
+        monkeypatch.setattr(pr, "_send", lambda rec, sig, ours: None)
         monkeypatch.setattr(pr, "read_proc_state", lambda pid: SimpleNamespace(in_d_state=True, wchan="nfs_wait"))
         t0 = time.monotonic()
         res = pr.stop(rec, grace_s=0.2, kill_wait_s=0.3)

@@ -342,15 +342,15 @@ def _term_grace_kill(remaining, send, grace_s: float, kill_wait_s: float,
     return "survived", None
 
 
-def _send(rec: ProcessRecord, sig: int) -> None:
-    """One signal to what is proven ours right now: the whole group through a live leader, else member by member."""
+def _send(rec: ProcessRecord, sig: int, ours) -> None:
+    """One signal to what is proven ours right now: the whole group through a live leader, else one by one."""
     try:
         if _leads_its_group(rec):
             os.killpg(rec.pgid, sig)
             return
     except ProcessLookupError:
         pass
-    for p in members(rec):
+    for p in ours():
         _kill(p, sig)
 
 
@@ -390,7 +390,17 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
         if remove_record:
             _remove(rec)  # gone or stale: it can never name our process again; the report says which
         return res
-    res.outcome, res.wchan = _term_grace_kill(lambda: members(rec), lambda sig: _send(rec, sig), grace_s, kill_wait_s,
+    # Proven ours at this first look stays ours while it runs with the same start time: a leader that exits
+    # first (airflow standalone on SIGINT) must not orphan children whose environ a proc title overwrote.
+    known = {p: st[2] for p in mine if (st := _stat(p)) is not None}
+
+    def ours() -> list[int]:
+        now = set(members(rec))
+        now.update(p for p, ticks in known.items()
+                   if (st := _stat(p)) is not None and st[0] not in ("Z", "X") and st[2] == ticks)
+        return sorted(now)
+
+    res.outcome, res.wchan = _term_grace_kill(ours, lambda sig: _send(rec, sig, ours), grace_s, kill_wait_s,
                                               term_signal)
     res.detail = f"{rec.role} pid {rec.pid} (group {rec.pgid}) {res.outcome}" + (
         f", waiting in kernel function {res.wchan}" if res.wchan else "") + (
