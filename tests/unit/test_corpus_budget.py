@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagleflow.capture.protocol import expand_dump_dir
 from eagleflow.config import load_config
 from eagleflow.corpus.budget import (BudgetError, TargetShape, bytes_per_token, check_budget, estimate,
                                      safetensors_header_bytes, target_shape)
@@ -89,7 +90,7 @@ def test_disk_check_passes_and_fails_on_the_nodes_free_space(tmp_path, demo_asse
     node = FixedFreeNode(free=est.needed_bytes)
     ok = check_budget(cfg, layout, node)
     assert ok.ok and ok.message.startswith("disk OK")
-    assert node.asked == [str(layout.hidden_states_dir), cfg.capture.dump_dir]
+    assert node.asked == [str(layout.hidden_states_dir), str(expand_dump_dir(cfg.capture.dump_dir))]  # the node user's
 
     short = check_budget(cfg, layout, FixedFreeNode(free=est.needed_bytes - 1))
     assert not short.ok
@@ -112,10 +113,11 @@ def test_disk_check_without_corpus_says_what_to_run(tmp_path, demo_assets):
 def test_disk_check_counts_the_dump_dir(tmp_path, demo_assets):
     """A full capture.dump_dir fails the budget by name before capture (not later as a 'dead server')."""
     cfg, layout = _setup(tmp_path, demo_assets)
+    dump_dir = str(expand_dump_dir(cfg.capture.dump_dir))   # the node user's folder ({uid} filled in)
     dumps = cfg.capture.shards * cfg.capture.in_flight   # fewer than the 100 records
     need = dumps * 400 * 1033                             # longest sample x bytes per token
-    fine = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={cfg.capture.dump_dir: need}))
+    fine = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={dump_dir: need}))
     assert fine.ok and "dump_dir" in fine.message
-    full = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={cfg.capture.dump_dir: need - 1}))
+    full = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={dump_dir: need - 1}))
     assert not full.ok
-    assert full.message.startswith("NOT ENOUGH SPACE IN capture.dump_dir") and cfg.capture.dump_dir in full.message
+    assert full.message.startswith("NOT ENOUGH SPACE IN capture.dump_dir") and dump_dir in full.message

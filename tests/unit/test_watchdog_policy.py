@@ -76,7 +76,7 @@ def test_one_long_sample_with_busy_gpus_is_slow_not_stalled():
             health=HealthSignal(checked=True, ok=True, outcome="ok", latency_s=0.4), gpu=busy_gpus())
     d = decide(o, cfg())
     assert d.verdict == "slow", d.summary
-    assert "request r1 (8,000 tokens) in flight for 120 s of its 460 s timeout" in d.summary
+    assert "request r1 (8,000 tokens) in flight for 120 s of its 460 s deadline" in d.summary
     assert d.status is None and d.exit_code == 3
 
 
@@ -87,7 +87,7 @@ def test_health_timeout_while_gpus_busy_is_slow_but_an_overdue_request_is_stalle
                in_flight=[InFlight(id="r9", since=NOW - 500, tokens=8000, timeout_s=460)])
     d = decide(hung, cfg())
     assert d.verdict == "stalled"
-    assert "request r9 in flight for 500 s, past its 460 s timeout" in d.summary
+    assert "request r9 in flight for 500 s, past its 460 s deadline" in d.summary
 
 
 def test_fresh_progress_is_healthy_and_counts_samples_since_the_last_look():

@@ -374,11 +374,6 @@ def send_pending(context: dict[str, Any], pending: list[dict[str, Any]], now: fl
     return left
 
 
-def next_mail_at(pending: list[dict[str, Any]] | None) -> float | None:
-    """When the watch should try its pending mails again (they go in order: the first one's time)."""
-    return float(pending[0].get("next_at") or 0) if pending else None
-
-
 def log_unsent(pending: list[dict[str, Any]]) -> None:
     """The task ends with mails its SMTP server never took: say which, in the task log."""
     for item in pending:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from eagleflow.capture.protocol import expand_dump_dir
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node
@@ -176,7 +177,7 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     ok = free >= est.needed_bytes
     # the dumps in flight live in capture.dump_dir (often /dev/shm): a full one fails every request
     longest = int((stats.get("length") or {}).get("max") or cfg.corpus.max_length)
-    dump_dir = str(cfg.resolve(cfg.capture.dump_dir))
+    dump_dir = str(expand_dump_dir(cfg.resolve(cfg.capture.dump_dir)))   # this node user's folder
     dump_need = min(stats["records"], cfg.capture.shards * cfg.capture.in_flight) * longest * est.bytes_per_token
     dump_free = node.free_bytes(dump_dir)
     dump_line = (f"dump_dir {dump_dir}: {min(stats['records'], cfg.capture.shards * cfg.capture.in_flight)} dump(s) "

@@ -183,9 +183,9 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
             limit = r.timeout_s or (cfg.capture.request_timeout_base_s
                                     + cfg.capture.request_timeout_per_token_s * r.tokens)
             if age > limit:
-                bad.append((1, _SERVER, f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s timeout"))
+                bad.append((1, _SERVER, f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s deadline"))
             else:
-                fine.append(f"request {r.id} ({r.tokens:,} tokens) in flight for {age:.0f} s of its {limit:.0f} s timeout")
+                fine.append(f"request {r.id} ({r.tokens:,} tokens) in flight for {age:.0f} s of its {limit:.0f} s deadline")
         hung = _hung_generate(obs, pace, gpu_busy, hb_now, wd.slow_factor)
         if hung:
             bad.append((1, _SERVER, hung))
