@@ -10,8 +10,9 @@ back; an API caller gets 401/403.
 
 Routes: ``/`` the page (refreshes itself), ``/panel`` its body, ``/api/status``
 JSON, ``/metrics`` Prometheus text (dcgm-exporter names), ``/report/<dag_id>/<run_id>``
-a run's report (the run_report task's copy in XCom, nobody else's; needs read access to that DAG's XComs;
-served under a sandboxing Content-Security-Policy: the report runs no script).
+a run's report (the run_report task's copy in XCom; needs read access to that DAG's XComs). Whoever may
+write XComs can still post one under that task id: the sandboxing Content-Security-Policy it is served
+under is what keeps a forged report from running script (the real one needs none).
 """
 from __future__ import annotations
 
