@@ -106,12 +106,10 @@ run_stage() {  # STAGE LIMIT_S COMMAND...: the verdict exists when this returns,
   local s0=$SECONDS rc
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
   rc=${PIPESTATUS[0]}
-  if [ ! -f "$RESULTS/$name.json" ]; then
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-      verdict "$name" fail "killed by its time limit of ${limit} s" exit_code="$rc" seconds=$((SECONDS - s0))
-    else
-      verdict "$name" fail "exited $rc without writing a verdict (see $name.log)" exit_code="$rc" seconds=$((SECONDS - s0))
-    fi
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then   # killed by its limit: whatever it wrote before is not the end
+    verdict "$name" fail "killed by its time limit of ${limit} s" exit_code="$rc" seconds=$((SECONDS - s0))
+  elif [ ! -f "$RESULTS/$name.json" ]; then
+    verdict "$name" fail "exited $rc without writing a verdict (see $name.log)" exit_code="$rc" seconds=$((SECONDS - s0))
   fi
   echo "== $name: $(status_of "$name") in $((SECONDS - s0)) s"
   pack
