@@ -136,7 +136,7 @@ def test_children_without_the_token_are_still_stopped_when_the_leader_exits_firs
     """airflow standalone exits on SIGINT before its children, whose /proc environ a proc title has overwritten:
     what was proven ours at the first look (the whole group of a live leader) stays ours while it runs."""
     token = secrets.token_hex(16)
-    leader = subprocess.Popen(["bash", "-c", "env -i bash -c 'trap \"\" TERM; sleep 600; true' & trap 'exit 0' TERM; wait"],
+    leader = subprocess.Popen(["bash", "-c", "env -i HOME=/ bash -c 'trap \"\" TERM; sleep 600; true' & trap 'exit 0' TERM; wait"],
                               start_new_session=True, env={**os.environ, pr.TOKEN_ENV: token})
     try:
         assert _wait(lambda: len(pr.group_pids(leader.pid)) >= 3)       # leader, the env-less bash, its sleep
@@ -153,6 +153,23 @@ def test_children_without_the_token_are_still_stopped_when_the_leader_exits_firs
             os.kill(p, signal.SIGKILL)
         if leader.poll() is None:
             leader.kill()
+
+
+def test_a_leader_whose_proc_title_overwrote_its_environ_is_still_ours(tmp_path):
+    """Airflow's api-server and Celery workers set a process title, which blanks /proc/<pid>/environ: their own
+    records must still stop them (they used to be 'not ours' and outlived every test that started them)."""
+    node = LocalNode()
+    code = "import setproctitle, time; setproctitle.setproctitle('airflow api_server -- test'); time.sleep(300)"
+    rec = node.spawn_detached([sys.executable, "-c", code], role="api_server",
+                              pid_file=str(tmp_path / "pids" / "r.api_server.json"), log_file=str(tmp_path / "log"))
+    try:
+        assert _wait(lambda: b"=" not in open(f"/proc/{rec.pid}/environ", "rb").read())   # the title is set
+        res = pr.stop(pr.load_record(rec.pid_file), grace_s=5, kill_wait_s=5)
+        assert res.outcome == "terminated", res.detail
+        assert _wait(lambda: not alive(rec.pid))
+    finally:
+        if alive(rec.pid):
+            os.kill(rec.pid, signal.SIGKILL)
 
 
 def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):

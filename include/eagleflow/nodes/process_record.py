@@ -194,9 +194,16 @@ def _carries_token(pid: int, token: str) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
+        owner = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return False  # not readable: not provably ours
-    return f"{TOKEN_ENV}={token}".encode() in env.split(b"\0")
+    entries = env.split(b"\0")
+    if f"{TOKEN_ENV}={token}".encode() in entries:
+        return True
+    # A process title (setproctitle: Airflow's parts, Celery, sglang's schedulers) overwrites the memory
+    # /proc/<pid>/environ shows, leaving no VAR=value at all: then a process of this user running with the
+    # recorded start time (checked by the callers) in a record file only this user can write is the proof.
+    return owner == os.geteuid() and not any(b"=" in e for e in entries)
 
 
 def _runs_with_recorded_start(rec: ProcessRecord) -> bool:
