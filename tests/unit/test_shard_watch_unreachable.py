@@ -39,3 +39,44 @@ def test_unreachable_since_round_trips_and_is_absent_when_unset():
     assert "unreachable_since" not in ShardWatchTrigger(RUN, 3).serialize()[1]
     tpath, tkw = TrainWatchTrigger(RUN, unreachable_since=5.0).serialize()
     assert tkw["unreachable_since"] == 5.0 and TrainWatchTrigger(**tkw).serialize() == (tpath, tkw)
+
+
+def test_a_due_mail_does_not_restart_the_clock_of_an_outage_not_yet_reported(tmp_path, monkeypatch):
+    """The watch re-defers to send a refused mail again mid-outage; the next watch goes on from the outage's
+    start (the unreachable verdict comes at start + bound, not at re-deferral + bound) and says that start."""
+    import asyncio
+    import time
+
+    from eagleflow.airflow.runtime import RunContext
+    from eagleflow.layout import RunLayout
+    from eagleflow.nodes.base import NodeUnreachable
+    from tests.fixtures.watchdog_jobs import watch_config
+
+    cfg = watch_config(tmp_path)          # bound: stall_after_s 3 + 2 x poll 0.5 = 4 s
+    ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, "manual__2026-12-02T01:00:00+00:00"))
+    ctx.write_run_config()
+
+    async def silent(self, ctx):
+        raise NodeUnreachable("no route to host")
+    monkeypatch.setattr(ShardWatchTrigger, "_observe_async", silent)
+
+    async def first(trigger):
+        agen = trigger.run()
+        try:
+            return (await asyncio.wait_for(agen.__anext__(), 20)).payload
+        finally:
+            await agen.aclose()
+
+    started = time.time()
+    mail = {"subject": "[eagleflow] STALLED shard 0/4", "next_at": started + 1.5}
+    due = asyncio.run(first(ShardWatchTrigger(ctx.serialize(), 0, pending_mails=[mail])))
+    assert due["status"] == "mail_due" and due["unreachable_since"] is None       # not reported yet
+    assert started - 0.1 <= due["clocks"]["outage_started"] <= started + 1.0
+    again = ShardWatchTrigger(ctx.serialize(), 0, unreachable_since=due["unreachable_since"], clocks=due["clocks"])
+    assert ShardWatchTrigger(**again.serialize()[1]).clocks == due["clocks"]      # as the triggerer rebuilds it
+    ev = asyncio.run(first(again))
+    from eagleflow.airflow.shard_watch import _OUTAGES
+    for key in list(_OUTAGES):      # this test's outage claim, so later tests mail theirs
+        _end_outage(key)
+    assert ev["status"] == "unreachable" and ev["since"] == due["clocks"]["outage_started"]
+    assert time.time() - started < 4.0 + 1.5 + 1.0     # the bound from the outage's start, not 1.5 s + bound

@@ -196,7 +196,7 @@ class ExtractShardOperator(RunOperator):
                                      close_incidents=event.get("still_open"), pending_mails=pending)
         if status == "mail_due":   # a mail the SMTP server refused earlier: try again, watch on as before
             return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left, close_incidents=closes,
-                                     unreachable_since=event.get("unreachable_since"),
+                                     unreachable_since=event.get("unreachable_since"), clocks=event.get("clocks"),
                                      pending_mails=send_pending(context, pending))
         return None
 

@@ -107,8 +107,12 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
                  unreachable_since: float | None = None, close_incidents: list[dict[str, Any]] | None = None,
-                 pending_mails: list[dict[str, Any]] | None = None):
+                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None):
         super().__init__()
+        # a re-deferral for a due mail must not restart the watch's running clocks: an outage not yet
+        # reported ("outage_started") and failing looks ("failing_since"), both unix times
+        self.clocks = {k: float(v) for k, v in (clocks or {}).items() if k in ("outage_started", "failing_since")
+                       and v is not None}
         self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
         # mails of this task its SMTP server did not take yet (eagleflow.airflow.alerts.send_pending)
         self.pending_mails = list(pending_mails or [])
@@ -174,10 +178,12 @@ class _NodeJobWatchTrigger(BaseTrigger):
         # The node can be unreachable for a while (SSH hiccup) without the job being at fault;
         # past this long we cannot vouch for it any more and say so.
         unreachable_limit = wd.stall_after_s + 2 * interval
-        first_failure: float | None = None
+        first_failure: float | None = self.clocks.get("failing_since")   # unix time of the first failed look
         # unreachable_since: unix time of the node's last answer before failed looks (or of the first failed
         # look); reported: this outage was already yielded (by this watch or, re-deferred, the one before)
         unreachable_since, misses, reported = self.unreachable_since, 0, self.unreachable_since is not None
+        if unreachable_since is None:
+            unreachable_since = self.clocks.get("outage_started")
         last_contact: float | None = None
         try:
             while True:
@@ -185,8 +191,11 @@ class _NodeJobWatchTrigger(BaseTrigger):
                 mail_at = self._mail_at()
                 if mail_at is not None and mail_at <= look_started:
                     # a mail is due again: the operator sends it and watches on; the outage stays reported
+                    clocks = {"outage_started": None if reported else unreachable_since,
+                              "failing_since": first_failure}
                     yield TriggerEvent({**self._resume_fields(), "status": "mail_due",
-                                        "unreachable_since": unreachable_since if reported else None})
+                                        "unreachable_since": unreachable_since if reported else None,
+                                        "clocks": {k: v for k, v in clocks.items() if v is not None}})
                     return
                 diag: StallDiagnosis | None = None
                 reconnect_in: float | None = None
@@ -223,7 +232,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
                         reconnect_in = min(reconnect_in, max(RECONNECT_FIRST_S, unreachable_since
                                                              + unreachable_limit - now))
                 except (NodeError, ValueError) as e:
-                    now = time.monotonic()
+                    now = time.time()
                     first_failure = first_failure or now
                     self.log.warning("watching %s on node %s failed: %s", self._job_name(ctx), ctx.node.name, e)
                     if now - first_failure >= unreachable_limit:
@@ -270,6 +279,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
             kw["close_incidents"] = self.close_incidents
         if self.pending_mails:
             kw["pending_mails"] = self.pending_mails
+        if self.clocks:
+            kw["clocks"] = self.clocks
         return kw
 
     # -- recovery inside the watch (shards only) -----------------------------
@@ -362,8 +373,8 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
                  close_incidents: list[dict[str, Any]] | None = None,
-                 pending_mails: list[dict[str, Any]] | None = None):
-        super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails)
+                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None):
+        super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails, clocks)
         self.shard = shard
         self.recoveries_left = recoveries_left
 

@@ -89,7 +89,7 @@ class TrainDraftOperator(RunOperator):
             trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
                                         poll_interval_s=self.poll_interval_s,
                                         close_incidents=event.get("close_incidents"),
-                                        unreachable_since=event.get("unreachable_since"),
+                                        unreachable_since=event.get("unreachable_since"), clocks=event.get("clocks"),
                                         pending_mails=send_pending(context, pending))
         if trigger is not None:
             if self.deferrable:
