@@ -203,6 +203,14 @@ def test_held_out_split_is_stable_and_apart_from_training(tmp_path, demo_assets)
         p = row["prompt_ids"]
         assert p and row["input_ids"][:len(p) - 4] == p[:-4]   # the generation prompt's header differs only
     assert any("held out of training" in line for line in logs)
+    # the top-level tool figures are the training split's, like records and tokens
+    _, _, s0, _ = _prepare(tmp_path, demo_assets, srcs, run_id="e", eval_fraction=0.0)
+    held_tool = [Conversation.from_json(r["conversation"]) for r in ev1.to_pylist()]
+    held_tool = [c for c in held_tool if any(m.get("tool_calls") for m in c.messages)]
+    assert held_tool, "the split should hold out a tool record for this check to mean something"
+    assert s1["records_with_tool_calls"] == s0["records_with_tool_calls"] - len(held_tool)
+    assert s1["tool_messages"] == s0["tool_messages"] - sum(
+        sum(m["role"] == "tool" for m in c.messages) for c in held_tool)
     # cap
     _, lay4, s4, _ = _prepare(tmp_path, demo_assets, srcs, run_id="d", eval_fraction=0.5, eval_max_records=3)
     assert s4["eval_records"] == 3 and s4["records"] == total - 3

@@ -353,6 +353,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         _count_per_source(per_source, meta, kept_mask, ledger)
         eval_sources = Counter(meta["source"].take(eval_rows).to_pylist()) if eval_rows else Counter()
         eval_masked = sum(meta["masked_tokens"].take(eval_rows).to_pylist()) if eval_rows else 0
+        eval_calls = meta["tool_calls"].take(eval_rows).to_pylist() if eval_rows else []
+        eval_tool_messages = sum(meta["tool_messages"].take(eval_rows).to_pylist()) if eval_rows else 0
         for name, ps in per_source.items():   # records = training records; the held-out ones apart
             ps["eval_records"] = eval_sources.get(name, 0)
             ps["train_records"] = ps["records"] - ps["eval_records"]
@@ -391,8 +393,9 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "tokens": total_tokens,
         # per_source counts every kept record; the top-level figures are those of the training split
         "masked_tokens": sum(ps["masked_tokens"] for ps in per_source.values()) - eval_masked,
-        "records_with_tool_calls": sum(ps["records_with_tool_calls"] for ps in per_source.values()),
-        "tool_messages": sum(ps["tool_messages"] for ps in per_source.values()),
+        "records_with_tool_calls": sum(ps["records_with_tool_calls"] for ps in per_source.values())
+        - sum(1 for c in eval_calls if c > 0),
+        "tool_messages": sum(ps["tool_messages"] for ps in per_source.values()) - eval_tool_messages,
         "per_source": per_source,
         "splits": {"train": {n: ps["train_records"] for n, ps in per_source.items()},
                    "eval": {n: ps["eval_records"] for n, ps in per_source.items()}},
