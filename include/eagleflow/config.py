@@ -131,6 +131,11 @@ class WatchdogConfig(_Section):
                                      "0 = fail the task and let Airflow's retry recover")
     alert_emails: list[str] = Field(default_factory=list)
     smtp_conn_id: str = "smtp_default"
+    node_smtp: str = Field(default="", pattern=r"^([A-Za-z0-9_.\[\]:-]+:\d{1,5})?$",
+                           description="host:port of a plain SMTP relay the node itself reaches (its local MTA): "
+                           "the sentinel mails from there when the watch goes silent; empty = only "
+                           "gpu_node_health mails it (from the sentinel's record)")
+    node_mail_from: str = Field(default="eagleflow-sentinel@localhost", description="From: of the node's mails")
     airflow_base_url: str = Field(default="http://localhost:8080", description="links in mails when Airflow's "
                                   "[api] base_url is not set")
 

@@ -9,6 +9,7 @@ Exit codes of `eagleflow watch`: 0 healthy, starting or complete; 3 slow;
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -41,6 +42,12 @@ def register(sub) -> None:
     r.add_argument("--incident", help="with --cause: the incident id --incident-only returned")
     r.set_defaults(func=_recover)
 
+    s = sub.add_parser("sentinel", help="(started detached beside each worker) alarm when nothing looked at the "
+                                        "shard for 3 poll intervals while it runs; exits when it ends")
+    add_run_args(s)
+    s.add_argument("--shard", type=int, required=True)
+    s.set_defaults(func=_sentinel)
+
     c = sub.add_parser("reconcile", help="find extraction shards left incomplete with no worker, and rerun them")
     csub = c.add_subparsers(dest="reconcile_command", metavar="ACTION", required=True)
     sc = csub.add_parser("scan", help="list the shards of the latest runs under run_root, as JSON lines")
@@ -59,6 +66,7 @@ def register(sub) -> None:
 def _watch(args) -> int:
     from .signals import WatchMemory, WatchedJob, memory_path, observe
     from .policy import decide
+    from .sentinel import looks_path, record_look
 
     cfg, layout = run_from_args(args)
     if args.shard is not None and not 0 <= args.shard < cfg.capture.shards:
@@ -72,6 +80,9 @@ def _watch(args) -> int:
         mem = WatchMemory.load(mpath)
         diag = decide(observe(cfg, layout, job, mem), cfg)
         mem.save(mpath)
+        # every look is logged on the node: the sentinel beside the job alarms when they stop
+        record_look(looks_path(layout, job), {"at": time.time(), "by": "watch", "pid": os.getppid(),
+                                              "verdict": diag.verdict, "summary": diag.summary[:300]})
         if args.json:
             print(diag.to_json(), flush=True)
         else:
@@ -93,6 +104,14 @@ def _recover(args) -> int:
         lines.append(msg)
         print(msg, file=sys.stderr, flush=True)
 
+    if args.cause and not args.incident_only:
+        # the watch at work, not a silent watch: the sentinel allows the recovery its own bound
+        from .sentinel import looks_path, record_look
+        from .signals import WatchedJob
+        job = WatchedJob(shard=args.shard, num_shards=cfg.capture.shards)
+        record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
+                                              "until": time.time() + recovery_bound_s(cfg),
+                                              "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
         from .recovery import open_incident
         result = open_incident(run, args.shard, args.cause, args.summary)
@@ -102,11 +121,32 @@ def _recover(args) -> int:
         result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident)
     else:
         result = recover_capture_server(run, args.shard, log=log)
+    if args.cause and not args.incident_only:
+        record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
+                                              "summary": str(result.get("summary", ""))[:300]})
     if args.json:
         print(json.dumps(result), flush=True)
     else:
         print(result["summary"])
     return 0 if result["ok"] else 1
+
+
+def recovery_bound_s(cfg) -> float:
+    """The longest an in-watch recovery may take: the server lock wait (recovery.recover_in_watch), then a
+    restart (GPUs freed, the server ready) and the worker started again."""
+    return 2 * (cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+
+
+def _sentinel(args) -> int:
+    from .sentinel import run_sentinel
+    from .signals import WatchedJob
+
+    cfg, layout = run_from_args(args)
+    if not 0 <= args.shard < cfg.capture.shards:
+        print(f"eagleflow sentinel: --shard {args.shard} is outside 0..{cfg.capture.shards - 1} "
+              f"(capture.shards = {cfg.capture.shards})", file=sys.stderr)
+        return 2
+    return run_sentinel(cfg, layout, WatchedJob(shard=args.shard, num_shards=cfg.capture.shards))
 
 
 def _reconcile_scan(args) -> int:

@@ -1,0 +1,217 @@
+"""The sentinel beside a detached job: the look log, one alarm when looks stop, none while they go on, exit with
+the job; the real detached sentinel mails through a real SMTP server and is recorded and stoppable."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagleflow.capture.lifecycle import LocalRun, ensure_sentinel
+from eagleflow.layout import RunLayout
+from eagleflow.nodes import LocalNode
+from eagleflow.nodes.process_record import read_record
+from eagleflow.watchdog.sentinel import (SILENT_POLLS, Sentinel, alarm_path, last_look, looks_path, record_look,
+                                        sentinel_role)
+from eagleflow.watchdog.signals import WatchedJob
+from tests.fixtures.processes import alive
+from tests.fixtures.watchdog_jobs import kill_group, spawn_sleeper, wait_gone, watch_config
+
+JOB = WatchedJob(shard=1, num_shards=4)
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = watch_config(tmp_path, poll_interval_s=10)
+    layout = RunLayout.for_run(cfg, "run1")
+    return cfg, layout
+
+
+def _sentinel(cfg, layout, clock, running=lambda: True):
+    mails: list[tuple[str, str]] = []
+    s = Sentinel(cfg, layout, JOB, worker_alive=running, clock=clock,
+                 mailer=lambda subj, body: mails.append((subj, body)) or "", log=lambda m: None)
+    return s, mails
+
+
+def _alarm(layout) -> dict:
+    return json.loads(Path(alarm_path(layout, JOB)).read_text())
+
+
+def test_no_look_for_three_intervals_alarms_once_naming_job_and_last_look(setup):
+    cfg, layout = setup
+    clock = Clock(1000.0)
+    record_look(looks_path(layout, JOB), {"at": 1000.0, "by": "watch", "pid": 4242, "verdict": "healthy",
+                                          "summary": "shard 1/4 healthy: 10/100"})
+    s, mails = _sentinel(cfg, layout, clock)
+    for t in range(1000, 1000 + SILENT_POLLS * 10, 2):     # just under 3 intervals: quiet
+        clock.t = float(t)
+        assert s.check()
+    assert mails == [] and not os.path.exists(alarm_path(layout, JOB))
+    for t in range(1030, 1200, 2):                          # past it: one alarm, however long the silence lasts
+        clock.t = float(t)
+        assert s.check()
+    assert len(mails) == 1
+    subject, body = mails[0]
+    assert "WATCH SILENT shard 1/4 of run run1 on test-node" in subject and "no look for 30 s" in subject
+    assert "last look at" in body and "pid 4242" in body and "shard 1/4 healthy: 10/100" in body
+    rec = _alarm(layout)
+    assert rec["state"] == "raised" and rec["role"] == "worker_shard_00001" and rec["job"] == "shard 1/4"
+    assert rec["last_look"]["at"] == 1000.0 and rec["mailed"] is True and rec["raised_at"] == 1030.0
+
+
+def test_looks_going_on_never_alarm(setup):
+    cfg, layout = setup
+    clock = Clock(1000.0)
+    s, mails = _sentinel(cfg, layout, clock)
+    for t in range(1000, 1600, 2):
+        clock.t = float(t)
+        if t % 20 == 0:   # a look every 2 intervals (a slow poll): still watched
+            record_look(looks_path(layout, JOB), {"at": float(t), "by": "watch", "pid": 1})
+        assert s.check()
+    assert mails == [] and not os.path.exists(alarm_path(layout, JOB))
+
+
+def test_a_recovery_look_covers_its_own_bound(setup):
+    cfg, layout = setup
+    clock = Clock(1000.0)
+    record_look(looks_path(layout, JOB), {"at": 1000.0, "by": "recover", "pid": 1, "until": 1500.0})
+    s, mails = _sentinel(cfg, layout, clock)
+    for t in range(1000, 1500, 5):
+        clock.t = float(t)
+        assert s.check()
+    assert mails == []
+    clock.t = 1500.0
+    s.check()
+    assert len(mails) == 1
+
+
+def test_looks_coming_back_clear_the_alarm_and_rearm(setup):
+    cfg, layout = setup
+    clock = Clock(1000.0)
+    s, mails = _sentinel(cfg, layout, clock)
+    clock.t = 1031.0
+    s.check()                                       # never looked at since the sentinel started
+    assert len(mails) == 1 and "no look recorded since the sentinel started" in mails[0][1]
+    record_look(looks_path(layout, JOB), {"at": 1040.0, "by": "watch", "pid": 1})
+    clock.t = 1041.0
+    s.check()
+    assert _alarm(layout)["state"] == "cleared" and "WATCH BACK" in mails[1][0]
+    clock.t = 1071.0                                # silent again for 3 intervals: a new alarm
+    s.check()
+    assert len(mails) == 3 and "WATCH SILENT" in mails[2][0] and _alarm(layout)["state"] == "raised"
+
+
+def test_job_end_stops_the_check_and_closes_a_raised_alarm(setup):
+    cfg, layout = setup
+    clock = Clock(1000.0)
+    running = [True]
+    s, mails = _sentinel(cfg, layout, clock, running=lambda: running[0])
+    clock.t = 1100.0
+    assert s.check() and _alarm(layout)["state"] == "raised"
+    running[0] = False
+    assert not s.check()
+    s.end()
+    assert _alarm(layout)["state"] == "ended" and len(mails) == 1
+
+
+def test_look_log_is_bounded_and_last_look_survives_the_move(tmp_path):
+    path = str(tmp_path / "watch" / "run1.worker_shard_00001.looks.jsonl")
+    for i in range(200):
+        record_look(path, {"at": float(i), "by": "watch", "pid": 1, "summary": "x" * 40}, max_bytes=2000)
+    assert os.path.getsize(path) <= 2000 and os.path.getsize(path + ".1") <= 2000
+    assert last_look(path)["at"] == 199.0
+    os.replace(path, path + ".1")            # just moved, nothing new yet: the older file still tells
+    assert last_look(path)["at"] == 199.0
+    with open(path + ".1", "a") as f:
+        f.write('{"at": 300.0, "by": "wat')   # cut mid-line by a crash: the line before is the last look
+    assert last_look(path)["at"] == 199.0
+
+
+def test_the_watch_command_records_each_look(tmp_path):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "model"),
+        "node": {"name": "test-node", "has_gpu": False, "state_dir": str(tmp_path / "state")},
+        "capture": {"shards": 2}, "watchdog": {"poll_interval_s": 1}}))
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-m", "eagleflow.cli", "watch", "--config", str(cfg_path),
+                            "--run-id", "r1", "--shard", "1", "--json"], capture_output=True, text=True, timeout=60)
+        assert p.returncode in (0, 3, 4, 5, 6), p.stderr
+    from eagleflow.config import load_config
+    layout = RunLayout.for_run(load_config(str(cfg_path)), "r1")
+    lines = Path(looks_path(layout, WatchedJob(shard=1, num_shards=2))).read_text().splitlines()
+    assert len(lines) == 2
+    look = json.loads(lines[-1])
+    assert look["by"] == "watch" and look["pid"] > 1 and look["verdict"] and look["at"] <= time.time()
+
+
+def _run_config(tmp_path, **wd) -> tuple[LocalRun, Path]:
+    data = {"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "model"),
+            "node": {"name": "test-node", "has_gpu": False, "state_dir": str(tmp_path / "state")},
+            "capture": {"shards": 2}, "watchdog": {"poll_interval_s": 1, **wd}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    from eagleflow.config import load_config
+    cfg = load_config(str(path))
+    return LocalRun(cfg=cfg, layout=RunLayout.for_run(cfg, "r1"), config_path=str(path)), path
+
+
+@pytest.mark.slow
+def test_detached_sentinel_mails_from_the_node_and_exits_with_the_job(tmp_path):
+    from tests.fixtures.smtp import SmtpSink
+    with SmtpSink() as smtp:
+        run, _ = _run_config(tmp_path, node_smtp=f"127.0.0.1:{smtp.port}", alert_emails=["ops@example.test"])
+        job = WatchedJob(shard=1, num_shards=2)
+        worker = spawn_sleeper(run.layout, job.role)
+        try:
+            record_look(looks_path(run.layout, job), {"at": time.time(), "by": "watch", "pid": 7, "summary": "ok"})
+            rec = ensure_sentinel(run, 1)
+            assert rec is not None and rec.role == sentinel_role(job)
+            assert read_record(str(run.layout.pid_file(sentinel_role(job)))).pid == rec.pid   # recorded
+            assert ensure_sentinel(run, 1) is None    # one per shard: the lock holds
+            t0 = time.time()
+            msg = smtp.wait_for(lambda m: "WATCH SILENT" in m["Subject"], timeout_s=15)
+            waited = time.time() - t0
+            assert "shard 1/2 of run r1 on test-node" in msg["Subject"] and "last look at" in msg.get_content()
+            assert waited <= SILENT_POLLS * 1 + 2.5, waited   # 3 intervals of 1 s, plus a check period
+            assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "raised"
+            time.sleep(2)
+            assert len([m for m in smtp.messages if "WATCH SILENT" in m["Subject"]]) == 1   # once
+            kill_group(worker.pgid)                   # the job ends: the sentinel follows
+            wait_gone(rec.pid, timeout_s=15)
+            assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "ended"
+        finally:
+            kill_group(worker.pgid)
+
+
+@pytest.mark.slow
+def test_detached_sentinel_is_stopped_like_the_worker_and_signals_nothing_itself(tmp_path):
+    run, _ = _run_config(tmp_path)
+    job = WatchedJob(shard=0, num_shards=2)
+    worker = spawn_sleeper(run.layout, job.role)
+    try:
+        rec = ensure_sentinel(run, 0)
+        time.sleep(4.5)                      # silent past 3 intervals: an alarm, no mail configured
+        a = json.loads(Path(alarm_path(run.layout, job)).read_text())
+        assert a["state"] == "raised" and not a["mailed"] and "watchdog.node_smtp" in a["mail_error"]
+        assert alive(worker.pid)             # the sentinel never signals the job
+        res = LocalNode(name="test-node").stop_recorded(str(run.layout.pid_file(sentinel_role(job))), grace_s=5)
+        assert res.outcome == "terminated", res
+        wait_gone(rec.pid, timeout_s=5)
+        assert alive(worker.pid)
+    finally:
+        kill_group(worker.pgid)
