@@ -260,3 +260,25 @@ def test_a_dead_workers_count_comes_from_its_manifest_not_its_lagging_heartbeat(
         time.sleep(0.05)
     d = decide(observe(cfg, layout, job, WatchMemory()), cfg)
     assert d.verdict == "dead" and "2/6 samples done" in d.summary, d.summary
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_pid_record_is_named_as_refused_not_absent(tmp_path):
+    """A record others could have written (an older eagleflow's 0664 file) is never trusted or signalled; the
+    diagnosis says it is refused and why, so the operator fixes the record instead of hunting a missing file."""
+    cfg = watch_config(tmp_path)
+    layout = RunLayout.for_run(cfg, "r1")
+    p = spawn_sleeper(layout, "worker_shard_00002")
+    try:
+        write_heartbeat(layout, 2, pid=p.pid, done=3, total=6, progress_ago_s=1)
+        os.chmod(layout.pid_file("worker_shard_00002"), 0o664)
+        sig = read_process(layout, "worker_shard_00002", WatchMemory(), now=10.0)
+        assert not sig.recorded and not sig.alive and sig.pid is None
+        assert sig.refused and "writable" in sig.refused, sig.refused
+        d = decide(observe(cfg, layout, WatchedJob(shard=2, num_shards=4), WatchMemory()), cfg)
+        assert d.verdict == "dead" and "pid record is refused" in d.summary and "(no pid file)" not in d.summary
+        assert str(layout.pid_file("worker_shard_00002")) in d.summary
+        assert os.path.exists(f"/proc/{p.pid}")          # the process it names was left alone
+    finally:
+        kill_group(p.pgid)
+    assert read_process(layout, "worker_shard_00009", WatchMemory(), now=13.0).refused is None

@@ -29,7 +29,7 @@ import time
 
 from eagleflow.config import PipelineConfig
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis
-from eagleflow.watchdog.signals import Observation, Pace, pace_of, progress_at
+from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
 
 def heartbeat_stale_after_s(cfg: PipelineConfig) -> float:
@@ -98,8 +98,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
 
     # 2. the worker is gone
     if not w.recorded:
-        return diag("dead", f"no {w.role} process is recorded (no pid file); {counts_u}", _disk_evidence(obs),
-                    with_log=True, cause=_WORKER)
+        return diag("dead", f"{_no_record(w)}; {counts_u}", _disk_evidence(obs), with_log=True, cause=_WORKER)
     if not w.alive:
         what = "is a zombie (exited, not yet reaped)" if w.zombie else "is gone"
         hb_txt = f"; last heartbeat at {_clock(hb.time)}" if hb else "; it never wrote a heartbeat"
@@ -286,12 +285,24 @@ def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[tuple[str, s
     return out
 
 
+def _no_record(p: ProcessSignal) -> str:
+    """Why no process of this role counts as running: no pid file, or one that is refused (and why)."""
+    if p.refused:
+        return (f"no {p.role} process is recorded that eagleflow can prove its own: the pid record is refused "
+                f"({p.refused}), so nothing it names is signalled or trusted. Check the process it names; stop it "
+                f"yourself if it is ours and delete the record (an older eagleflow wrote group-writable records; they "
+                f"are refused now)")
+    return f"no {p.role} process is recorded (no pid file)"
+
+
 def _server_process_evidence(obs: Observation) -> list[str]:
     s = obs.server
     if not obs.job.uses_server:
         return []
-    if s is None or not s.recorded:
+    if s is None:
         return ["no capture server is recorded (no pid file)"]
+    if not s.recorded:
+        return [_no_record(s).replace(f"no {s.role} process", "no capture server", 1)]
     if not s.alive:
         return [f"server pid {s.pid} is {'a zombie (exited, not yet reaped)' if s.zombie else 'gone'}"]
     if s.stopped:

@@ -42,7 +42,7 @@ from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import read_proc_state
-from eagleflow.nodes.process_record import leader_state, read_record
+from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
 
 
 # --------------------------------------------------------------------------- which job
@@ -88,6 +88,7 @@ class ProcessSignal:
     oom_killed: bool | None = None  # dead only: the kernel log names it as OOM-killed (None: log not readable)
     exit_code: int | None = None    # dead only, where the pid record kept it
     exit_signal: int | None = None
+    refused: str | None = None      # a pid file exists but is not trusted (why): treated as no record
 
     @property
     def zombie(self) -> bool:
@@ -333,9 +334,12 @@ def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory,
 
 # --------------------------------------------------------------------------- processes
 def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> ProcessSignal:
-    rec = read_record(str(layout.pid_file(role)))  # eagleflow.nodes.process_record: the one record shape
-    if rec is None:
+    try:   # eagleflow.nodes.process_record: the one record shape
+        rec = load_record(str(layout.pid_file(role)))
+    except FileNotFoundError:
         return ProcessSignal(role=role, recorded=False, read_at=now)
+    except (OSError, RecordRefused) as e:   # not proven ours: never signalled, and the diagnosis says why
+        return ProcessSignal(role=role, recorded=False, read_at=now, refused=str(e))
     pid = rec.pid
     sig = ProcessSignal(role=role, recorded=True, pid=pid, started_at=rec.started_at or None,
                         log_file=rec.log_file or None, read_at=now,
