@@ -238,9 +238,14 @@ class SSHNode(Node):
 def _check_size(node: str, cmd: str, out: bytearray, err: bytearray) -> None:
     for name, buf in (("stdout", out), ("stderr", err)):
         if len(buf) > MAX_OUTPUT_BYTES:
-            raise NodeOutputTooLarge(f"on node {node}: `{cmd[:300]}` printed more than {MAX_OUTPUT_BYTES} bytes on "
-                                     f"{name} (eagleflow.nodes.ssh.MAX_OUTPUT_BYTES); not read further. A node "
-                                     "command answers in one JSON line: look at what made it print this much")
+            raise output_too_large(node, cmd, name)
+
+
+def output_too_large(node: str, cmd: str, stream: str) -> NodeOutputTooLarge:
+    """The error for a command that printed more than MAX_OUTPUT_BYTES on ``stream`` (both SSH nodes)."""
+    return NodeOutputTooLarge(f"on node {node}: `{cmd[:300]}` printed more than {MAX_OUTPUT_BYTES} bytes on "
+                              f"{stream} (eagleflow.nodes.ssh.MAX_OUTPUT_BYTES); not read further. A node "
+                              "command answers in one JSON line: look at what made it print this much")
 
 
 def command_result(node: str, where: str, argv: list[str], cmd: str, code: int | None, stdout: str, stderr: str,

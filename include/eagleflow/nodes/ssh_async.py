@@ -162,6 +162,4 @@ async def _bounded(stream, name: str, node: str, cmd: str) -> str:
         parts.append(chunk)
         size += len(chunk)   # characters: the decoded text, at least that many bytes
         if size > ssh.MAX_OUTPUT_BYTES:
-            raise NodeOutputTooLarge(f"on node {node}: `{cmd[:300]}` printed more than {ssh.MAX_OUTPUT_BYTES} bytes on "
-                                     f"{name} (eagleflow.nodes.ssh.MAX_OUTPUT_BYTES); not read further. A node "
-                                     "command answers in one JSON line: look at what made it print this much")
+            raise ssh.output_too_large(node, cmd, name)
