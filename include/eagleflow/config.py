@@ -102,6 +102,9 @@ class CaptureConfig(_Section):
     aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
     tp: int = Field(default=1, ge=1, le=64)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    store_dtype: Literal["auto", "fp8_e4m3"] = Field(default="auto", description="how the hidden states are "
+                                                     "stored: auto = the target's dtype; fp8_e4m3 = half the "
+                                                     "disk (per-token scales; docs/benchmarks.md has its error)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend runs the "
                                                    "model (auto = cuda when torch sees a GPU); sglang ignores it")
     shards: int = Field(default=1, ge=1, le=1024)

@@ -31,7 +31,7 @@ def test_sample_file_has_contract_keys_dtypes_and_metadata(tmp_path):
     assert tensors["loss_mask"].dtype == torch.uint8
     assert tensors["aux_hidden_states"].shape == (5, 12) and tensors["aux_hidden_states"].dtype == torch.bfloat16
     assert tensors["hidden_states"].shape == (5, 4)
-    assert meta == {"id": "s:57", "index": "57", "aux_layers": "[1, 3, 4]", "model": "tiny"}
+    assert meta == {"id": "s:57", "index": "57", "aux_layers": "[1, 3, 4]", "model": "tiny", "store_dtype": "auto"}
     assert st.bytes == os.path.getsize(st.path)
     assert not list(tmp_path.glob(".tmp-*"))
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from eagleflow.capture.storage import SampleWriter
 from eagleflow.capture.protocol import expand_dump_dir
 from eagleflow.config import load_config
 from eagleflow.corpus.budget import (BudgetError, TargetShape, bytes_per_token, check_budget, estimate,
@@ -35,15 +35,32 @@ class FixedFreeNode(LocalNode):
 
 @pytest.mark.parametrize("dtype, n, model", [("bfloat16", 37, "/models/tiny"), ("float32", 1234, "/m/x"),
                                               ("float16", 5, "/a/much/longer/model/path/for/the/header")])
-def test_header_estimate_matches_a_real_capture_file(tmp_path, dtype, n, model):
+@pytest.mark.parametrize("store_dtype", ["auto", "fp8_e4m3"])
+def test_header_estimate_matches_a_real_capture_file(tmp_path, dtype, n, model, store_dtype):
     shape = TargetShape(hidden_size=64, dtype=dtype, num_layers=8)
     tdt = getattr(torch, dtype)
-    tensors = {"input_ids": torch.zeros(n, dtype=torch.int64), "loss_mask": torch.zeros(n, dtype=torch.uint8),
-               "aux_hidden_states": torch.zeros(n, 192, dtype=tdt), "hidden_states": torch.zeros(n, 64, dtype=tdt)}
-    meta = {"id": "sharegpt:12", "index": "57", "aux_layers": json.dumps([1, 3, 4]), "model": model}
-    save_file(tensors, str(tmp_path / "x.safetensors"), metadata=meta)
-    predicted = n * bytes_per_token(shape) + safetensors_header_bytes(n, shape, [1, 3, 4], model, "sharegpt:12", 57)
-    assert os.path.getsize(tmp_path / "x.safetensors") == predicted
+    st = SampleWriter(tmp_path, fsync=False, store_dtype=store_dtype).write(
+        index=57, sample_id="sharegpt:12", input_ids=torch.zeros(n, dtype=torch.int64),
+        loss_mask=torch.zeros(n, dtype=torch.uint8), aux_hidden_states=torch.randn(n, 192).to(tdt),
+        hidden_states=torch.randn(n, 64).to(tdt), aux_layers=[1, 3, 4], model=model)
+    predicted = (n * bytes_per_token(shape, store_dtype)
+                 + safetensors_header_bytes(n, shape, [1, 3, 4], model, "sharegpt:12", 57, store_dtype))
+    assert os.path.getsize(st.path) == st.bytes == predicted
+
+
+def test_fp8_budget_at_the_seeds_size_is_half_and_names_what_auto_needs():
+    shape = TargetShape(hidden_size=7168, dtype="bfloat16", num_layers=61)
+    # by arithmetic: 4 x 7168 one-byte elements + 4 float32 scales + int64 id + uint8 mask
+    assert bytes_per_token(shape, "fp8_e4m3") == 4 * 7168 + 4 * 4 + 9 == 28_697
+    assert bytes_per_token(shape) == 57_353
+    assert bytes_per_token(shape, "fp8_e4m3") / bytes_per_token(shape) <= 0.51
+    kw = dict(aux_layers=shape.default_aux_layers(), model="/models/Kimi-K2.5", longest_id="ultrachat_200k:37311",
+              headroom_fraction=0.05)
+    fp8 = estimate(37_312, 87_800_000, shape, store_dtype="fp8_e4m3", **kw)
+    auto = estimate(37_312, 87_800_000, shape, **kw)
+    assert fp8.store_dtype == "fp8_e4m3" and fp8.auto_needed_bytes == auto.needed_bytes
+    assert 0.49 < fp8.needed_bytes / auto.needed_bytes < 0.51
+    assert 2.25 < fp8.total_bytes / 2**40 < 2.35 and 4.55 < auto.total_bytes / 2**40 < 4.65
 
 
 def test_seeds_corpus_needs_about_4_6_tib():
@@ -121,3 +138,17 @@ def test_disk_check_counts_the_dump_dir(tmp_path, demo_assets):
     full = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={dump_dir: need - 1}))
     assert not full.ok
     assert full.message.startswith("NOT ENOUGH SPACE IN capture.dump_dir") and dump_dir in full.message
+
+
+def test_disk_check_with_fp8_store_halves_the_need_and_says_what_auto_would_need(tmp_path, demo_assets):
+    cfg, layout = _setup(tmp_path, demo_assets)
+    auto = check_budget(cfg, layout, FixedFreeNode(free=10**12)).estimate
+    cfg8 = cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"store_dtype": "fp8_e4m3"})})
+    v = check_budget(cfg8, layout, FixedFreeNode(free=10**12))
+    # demo target: hidden 64, float32 -> fp8: 4*64 + 16 + 9 bytes a token
+    assert v.estimate.bytes_per_token == 281 and v.estimate.tensor_bytes == 20_000 * 281
+    assert v.estimate.auto_needed_bytes == auto.needed_bytes > 3 * v.estimate.needed_bytes
+    assert "fp8_e4m3 + scales" in v.message and "capture.store_dtype auto (float32) would need" in v.message
+    # free space between the two: fp8 fits where auto would not
+    between = FixedFreeNode(free=v.estimate.needed_bytes)
+    assert check_budget(cfg8, layout, between).ok and not check_budget(cfg, layout, between).ok

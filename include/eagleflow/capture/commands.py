@@ -29,6 +29,9 @@ def register(sub) -> None:
     add_run_args(v)
     v.add_argument("--no-digest", action="store_true", help="check sizes only (fast)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--stats", action="store_true", help="also print the quantisation error per stored tensor "
+                   "(max and mean relative error) of a sample of files")
+    v.add_argument("--stats-files", type=int, default=32, help="how many files --stats reads (default 32)")
     v.set_defaults(func=_verify)
 
     t = csub.add_parser("stop", help="stop the run's capture server (TERM, grace, KILL) and remove its dumps")
@@ -111,7 +114,7 @@ def _run(args) -> int:
         dump_dir=dumps, dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,
         request_timeout_base_s=cfg.capture.request_timeout_base_s,
         request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
-        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model)
+        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model, store_dtype=cfg.capture.store_dtype)
     import signal
 
     def _stopped(signum, _frame):
@@ -142,12 +145,22 @@ def _verify(args) -> int:
     n = cfg.capture.shards
     result = verify_hidden_states(layout.hidden_states_dir, {s: shard_indexes(corpus, s, n) for s in range(n)},
                                   check_digest=not args.no_digest)
+    stats = None
+    if args.stats:
+        from .verify import quantisation_stats
+        try:
+            stats = quantisation_stats(layout.hidden_states_dir, args.stats_files)
+        except ValueError as e:
+            print(f"eagleflow capture verify --stats: {e}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), **({"quantisation": stats} if stats is not None else {})}))
     else:
         for r in result.reports:
             print(r.line())
         print(f"{result.summary()} in {layout.hidden_states_dir}")
+        if stats is not None:
+            from .verify import stats_lines
+            print("\n".join(stats_lines(stats)))
     return 0 if result.ok else 1
 
 

@@ -1,7 +1,7 @@
 """A shard's manifest: append-only JSONL, one line per stored sample, written after its rename.
 
     {"id": "sharegpt:12", "index": 57, "file": "00000057.safetensors", "tokens": 123,
-     "bytes": 45678, "sha256": "<hex>", "mtime_ns": 1764560000123456789}
+     "bytes": 45678, "sha256": "<hex>", "mtime_ns": 1764560000123456789, "store_dtype": "fp8_e4m3"}
 
 A crash mid-append leaves a trailing partial line: readers ignore it, and the
 next append starts on a fresh line so the partial bytes never merge with a
@@ -29,11 +29,13 @@ class ManifestEntry:
     bytes: int
     sha256: str
     mtime_ns: int | None = None
+    store_dtype: str | None = None     # capture.store_dtype the file was written with; None (older lines) = auto
 
     def to_line(self) -> str:
         d = asdict(self)
-        if d["mtime_ns"] is None:
-            del d["mtime_ns"]
+        for k in ("mtime_ns", "store_dtype"):
+            if d[k] is None:
+                del d[k]
         return json.dumps(d, separators=(",", ":")) + "\n"
 
 
@@ -97,7 +99,8 @@ def _read_manifest(path: str | os.PathLike) -> ManifestScan:
             mt = d.get("mtime_ns")
             e = ManifestEntry(id=str(d["id"]), index=int(d["index"]), file=str(d["file"]),
                               tokens=int(d["tokens"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]),
-                              mtime_ns=None if mt is None else int(mt))
+                              mtime_ns=None if mt is None else int(mt),
+                              store_dtype=None if d.get("store_dtype") is None else str(d["store_dtype"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             bad.append(n)
             continue
@@ -198,7 +201,8 @@ def completed_indexes(shard_dir: str | os.PathLike, scan: ManifestScan) -> Resum
             if file_sha256(p) != e.sha256:
                 broken.append((e, "sha256 differs from the manifest (content changed after it was stored)"))
                 continue
-            refreshed[idx] = ManifestEntry(e.id, e.index, e.file, e.tokens, e.bytes, e.sha256, st.st_mtime_ns)
+            refreshed[idx] = ManifestEntry(e.id, e.index, e.file, e.tokens, e.bytes, e.sha256, st.st_mtime_ns,
+                                           e.store_dtype)
         done.add(idx)
     return ResumeCheck(done, broken, hashed, refreshed)
 

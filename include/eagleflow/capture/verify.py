@@ -11,6 +11,11 @@ hidden-states dir) holding each manifest's sha256 and the newest verified
 file's mtime; a run that fails loses it. Training reads it
 (``require_verified``) and refuses data that never passed, or whose manifests
 or files changed since.
+
+The sha256 covers every stored byte whatever the store dtype (fp8 payloads,
+their scales and the metadata). Each shard's line names its store dtype(s);
+``quantisation_stats`` (``capture verify --stats``) reads the quantisation error
+the writer measured into a sample of fp8 files.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class ShardReport:
     partial_tail: bool = False
     duplicates: list[str] = field(default_factory=list)
     temp_files: list[str] = field(default_factory=list)
+    store_dtypes: dict[str, int] = field(default_factory=dict)   # capture.store_dtype -> samples recorded
     newest_mtime_ns: int = 0
     unreadable: str = ""        # the shard dir or its manifest cannot be read at all
 
@@ -51,7 +57,9 @@ class ShardReport:
     def line(self) -> str:
         def few(xs):
             return ", ".join(str(x) for x in xs[:5]) + (f" (+{len(xs) - 5})" if len(xs) > 5 else "")
-        parts = [f"shard {self.shard}: {self.stored}/{self.expected} stored"]
+        parts = [f"shard {self.shard}: {self.stored}/{self.expected} stored"
+                 + (f" ({', '.join(f'{n} {dt}' for dt, n in sorted(self.store_dtypes.items()))})"
+                    if self.store_dtypes else "")]
         for name in ("missing", "extra", "truncated", "mismatched", "bad_lines", "duplicates", "temp_files"):
             xs = getattr(self, name)
             if xs:
@@ -86,6 +94,8 @@ def verify_shard(shard_dir: str | os.PathLike, shard: int, expected: list[int], 
             rep.missing.append(idx)
             continue
         recorded.add(e.file)
+        sd = e.store_dtype or "auto"
+        rep.store_dtypes[sd] = rep.store_dtypes.get(sd, 0) + 1
         p = d / e.file
         if e.file != sample_file_name(idx) or e.file not in on_disk:
             rep.missing.append(idx)
@@ -104,6 +114,51 @@ def verify_shard(shard_dir: str | os.PathLike, shard: int, expected: list[int], 
     extra_entries = [e.file for i, e in scan.entries.items() if i not in wanted]
     rep.extra = sorted((on_disk - recorded) | set(extra_entries))
     return rep
+
+
+def quantisation_stats(hidden_states_dir: str | os.PathLike, sample: int = 32) -> dict:
+    """Per stored tensor, the quantisation error of up to ``sample`` files spread over the run's manifests.
+
+    fp8 files carry the per-row relative L2 error their writer measured (metadata ``quant_error``);
+    files in the target's dtype are exact. Returns {"files", "store_dtypes", "tensors": {key: {"max_rel",
+    "mean_rel", "files"}}}: max over the files' maxima, mean over their means.
+    """
+    from safetensors import safe_open
+
+    root = Path(hidden_states_dir)
+    paths = []
+    for m in sorted(root.glob("shard_*/manifest.jsonl")):
+        paths += [m.parent / e.file for _, e in sorted(read_manifest(m).entries.items())]
+    step = max(1, len(paths) // max(sample, 1))
+    picked = paths[::step][:sample]
+    dtypes: dict[str, int] = {}
+    tensors: dict[str, dict] = {}
+    for p in picked:
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:   # safetensors has its own error types; verify reports the file itself
+            raise ValueError(f"{p}: not a readable safetensors file ({e}); run `eagleflow capture verify`") from None
+        sd = meta.get("store_dtype", "auto")
+        dtypes[sd] = dtypes.get(sd, 0) + 1
+        errors = json.loads(meta["quant_error"]) if "quant_error" in meta else {
+            k: {"max_rel": 0.0, "mean_rel": 0.0} for k in ("aux_hidden_states", "hidden_states")}
+        for k, e in errors.items():
+            t = tensors.setdefault(k, {"max_rel": 0.0, "sum_mean": 0.0, "files": 0})
+            t["max_rel"] = max(t["max_rel"], float(e["max_rel"]))
+            t["sum_mean"] += float(e["mean_rel"])
+            t["files"] += 1
+    return {"files": len(picked), "of": len(paths), "store_dtypes": dtypes,
+            "tensors": {k: {"max_rel": t["max_rel"], "mean_rel": t["sum_mean"] / t["files"], "files": t["files"]}
+                        for k, t in sorted(tensors.items())}}
+
+
+def stats_lines(stats: dict) -> list[str]:
+    dts = ", ".join(f"{n} {dt}" for dt, n in sorted(stats["store_dtypes"].items())) or "none"
+    out = [f"quantisation error over {stats['files']} of {stats['of']} stored file(s) ({dts}); per-row relative "
+           "L2 error ||stored - captured|| / ||captured|| (0 = stored exactly in the target's dtype):"]
+    out += [f"  {k:20s} max {t['max_rel']:.3e}  mean {t['mean_rel']:.3e}" for k, t in stats["tensors"].items()]
+    return out
 
 
 RECORD_FILE = "verified.json"

@@ -90,6 +90,7 @@ class WorkerSettings:
     model: str = ""
     fsync: bool = True
     dump_key: bytes = b""          # the dump key: a dump without its MAC under it is never stored
+    store_dtype: str = "auto"      # capture.store_dtype
 
     def request_timeout(self, tokens: int) -> float:
         return self.request_timeout_base_s + self.request_timeout_per_token_s * tokens
@@ -195,6 +196,14 @@ class ShardWorker:
         scan = read_manifest(shard_dir / "manifest.jsonl")
         check = completed_indexes(shard_dir, scan)
         done, broken = check.done, check.broken
+        other = sorted(i for i in done if (scan.entries[i].store_dtype or "auto") != s.store_dtype)
+        if other:
+            # one shard, one storage format: training refuses a mix, so never start one
+            was = scan.entries[other[0]].store_dtype or "auto"
+            raise ExtractionError(f"shard {s.shard}: {len(other)} sample(s) in {shard_dir} were stored with "
+                                  f"capture.store_dtype {was} (e.g. {scan.entries[other[0]].file}), the config "
+                                  f"now says {s.store_dtype}; set capture.store_dtype back to {was} to resume, "
+                                  f"or delete {shard_dir} to capture the shard again as {s.store_dtype}")
         if broken or check.refreshed or not scan.clean:
             # one clean line per intact sample before anything is appended: a redone sample
             # must not sit beside a damaged, repeated or stale line of itself
@@ -227,7 +236,7 @@ class ShardWorker:
         work: queue.Queue[Sample | None] = queue.Queue()
         for smp in todo:
             work.put(smp)
-        writer = SampleWriter(shard_dir, fsync=s.fsync)
+        writer = SampleWriter(shard_dir, fsync=s.fsync, store_dtype=s.store_dtype)
         with ManifestWriter(shard_dir / "manifest.jsonl", fsync=s.fsync) as manifest:
             threads = [threading.Thread(target=self._loop, args=(work, writer, manifest, hbw),
                                         name=f"capture-{k}", daemon=True)
@@ -345,7 +354,7 @@ class ShardWorker:
                 with self._lock:
                     manifest.append(ManifestEntry(id=smp.id, index=smp.index, file=sample_file_name(smp.index),
                                                   tokens=smp.tokens, bytes=stored.bytes, sha256=stored.sha256,
-                                                  mtime_ns=mtime_ns))
+                                                  mtime_ns=mtime_ns, store_dtype=stored.store_dtype))
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise

@@ -4,7 +4,10 @@ Per token the capture stores ``aux_hidden_states`` [3H] and ``hidden_states``
 [H] in the target's dtype, ``input_ids`` as int64 and ``loss_mask`` as uint8.
 Per sample file: the safetensors header (8-byte length + JSON, padded to 8)
 and, on disk, half a filesystem block on average lost to rounding up; plus one
-manifest line. All inputs are read through the Node (corpus stats, the
+manifest line. With ``capture.store_dtype: fp8_e4m3`` the two hidden-state
+tensors take one byte an element plus a float32 scale per token and captured
+layer (4 x H + 16 + 9 bytes a token); the verdict also says what ``auto``
+would need. All inputs are read through the Node (corpus stats, the
 target's config.json, free space), so the check is the same locally and over SSH.
 """
 from __future__ import annotations
@@ -64,24 +67,36 @@ def target_shape(config_json: str, where: str, dtype_override: str = "auto") -> 
     return TargetShape(hidden_size=hidden, dtype=dtype, num_layers=int(layers))
 
 
-def bytes_per_token(shape: TargetShape) -> int:
+def bytes_per_token(shape: TargetShape, store_dtype: str = "auto") -> int:
+    if store_dtype == "fp8_e4m3":   # 1 byte an element + float32 scales (aux: one per layer, hidden: one)
+        return CAPTURED_LAYERS * shape.hidden_size + CAPTURED_LAYERS * 4 + 8 + 1
     return CAPTURED_LAYERS * shape.hidden_size * shape.dtype_bytes + 8 + 1
 
 
 def safetensors_header_bytes(sample_tokens: int, shape: TargetShape, aux_layers: list[int], model: str,
-                             sample_id: str, index: int) -> int:
+                             sample_id: str, index: int, store_dtype: str = "auto") -> int:
     """The exact header a capture writes for one sample (length prefix + padded JSON)."""
+    from eagleflow.capture.storage import FP8_SCALING
     h, l = shape.hidden_size, sample_tokens
     st_dtype = {2: "BF16" if shape.dtype == "bfloat16" else "F16", 4: "F32", 1: "F8_E4M3"}[shape.dtype_bytes]
-    # safetensors lays tensors out by alignment (widest dtype first), then name; offsets follow that order
-    tensors = sorted([("aux_hidden_states", st_dtype, [l, 3 * h], l * 3 * h * shape.dtype_bytes, shape.dtype_bytes),
-                      ("hidden_states", st_dtype, [l, h], l * h * shape.dtype_bytes, shape.dtype_bytes),
-                      ("input_ids", "I64", [l], 8 * l, 8), ("loss_mask", "U8", [l], l, 1)],
-                     key=lambda t: (-t[4], t[0]))
-    header: dict = {"__metadata__": {"id": sample_id, "index": str(index), "aux_layers": json.dumps(aux_layers),
-                                     "model": model}}
+    meta = {"id": sample_id, "index": str(index), "aux_layers": json.dumps(aux_layers), "model": model,
+            "store_dtype": store_dtype}
+    # tensors in the order capture.storage writes them
+    if store_dtype == "fp8_e4m3":
+        k = len(aux_layers)
+        tensors = [("input_ids", "I64", [l], 8 * l), ("loss_mask", "U8", [l], l),
+                   ("aux_hidden_states", "F8_E4M3", [l, 3 * h], l * 3 * h), ("hidden_states", "F8_E4M3", [l, h], l * h),
+                   ("aux_hidden_states_scale", "F32", [l, k], 4 * l * k), ("hidden_states_scale", "F32", [l, 1], 4 * l)]
+        err = {"max_rel": "0.000e+00", "mean_rel": "0.000e+00"}   # the writer's figures have this fixed width
+        meta.update(orig_dtype=shape.dtype, scaling=FP8_SCALING,
+                    quant_error=json.dumps({"aux_hidden_states": err, "hidden_states": err}, separators=(",", ":")))
+    else:
+        tensors = [("input_ids", "I64", [l], 8 * l), ("loss_mask", "U8", [l], l),
+                   ("aux_hidden_states", st_dtype, [l, 3 * h], l * 3 * h * shape.dtype_bytes),
+                   ("hidden_states", st_dtype, [l, h], l * h * shape.dtype_bytes)]
+    header: dict = {"__metadata__": meta}
     offset = 0
-    for name, dt, shp, size, _width in tensors:
+    for name, dt, shp, size in tensors:
         header[name] = {"dtype": dt, "shape": shp, "data_offsets": [offset, offset + size]}
         offset += size
     n = len(json.dumps(header, separators=(",", ":")).encode())
@@ -102,22 +117,29 @@ class DiskEstimate:
     needed_bytes: int
     hidden_size: int
     dtype: str
+    store_dtype: str = "auto"
+    auto_needed_bytes: int = 0      # what capture.store_dtype auto (the target's dtype) would need
 
 
 def estimate(records: int, tokens: int, shape: TargetShape, *, aux_layers: list[int], model: str,
-             longest_id: str, headroom_fraction: float, block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiskEstimate:
-    bpt = bytes_per_token(shape)
-    mean_len = max(1, round(tokens / records)) if records else 0
-    per_header = safetensors_header_bytes(mean_len, shape, aux_layers, model, longest_id, max(records - 1, 0))
-    tensor = tokens * bpt
-    header = records * per_header
-    blocks = records * (block_bytes // 2)  # expected rounding loss of a file's last block
-    manifest = records * MANIFEST_LINE_BYTES
-    total = tensor + header + blocks + manifest
+             longest_id: str, headroom_fraction: float, block_bytes: int = DEFAULT_BLOCK_BYTES,
+             store_dtype: str = "auto") -> DiskEstimate:
+    def total_for(sd: str) -> tuple[int, int, int, int, int, int]:
+        bpt = bytes_per_token(shape, sd)
+        mean_len = max(1, round(tokens / records)) if records else 0
+        per_header = safetensors_header_bytes(mean_len, shape, aux_layers, model, longest_id, max(records - 1, 0), sd)
+        tensor = tokens * bpt
+        header = records * per_header
+        blocks = records * (block_bytes // 2)  # expected rounding loss of a file's last block
+        manifest = records * MANIFEST_LINE_BYTES
+        return bpt, tensor, header, blocks, manifest, tensor + header + blocks + manifest
+    bpt, tensor, header, blocks, manifest, total = total_for(store_dtype)
+    auto_total = total if store_dtype == "auto" else total_for("auto")[-1]
     return DiskEstimate(records=records, tokens=tokens, bytes_per_token=bpt, tensor_bytes=tensor, header_bytes=header,
                         block_overhead_bytes=blocks, manifest_bytes=manifest, total_bytes=total,
                         headroom_fraction=headroom_fraction, needed_bytes=int(total * (1 + headroom_fraction)),
-                        hidden_size=shape.hidden_size, dtype=shape.dtype)
+                        hidden_size=shape.hidden_size, dtype=shape.dtype, store_dtype=store_dtype,
+                        auto_needed_bytes=int(auto_total * (1 + headroom_fraction)))
 
 
 def human_bytes(n: float) -> str:
@@ -170,7 +192,7 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     longest_source = max((len(s) for s in stats.get("per_source", {})), default=8)
     est = estimate(stats["records"], stats["tokens"], shape, aux_layers=aux, model=model,
                    longest_id="s" * longest_source + ":" + "9" * len(str(max(stats["records"], 1))),
-                   headroom_fraction=cfg.disk.headroom_fraction)
+                   headroom_fraction=cfg.disk.headroom_fraction, store_dtype=cfg.capture.store_dtype)
     where = str(layout.hidden_states_dir)
     free = node.free_bytes(where)
     caches = cache_sizes(node, [str(cfg.resolve(p)) for p in cfg.disk.old_caches])
@@ -178,7 +200,8 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     # the dumps in flight live in capture.dump_dir (often /dev/shm): a full one fails every request
     longest = int((stats.get("length") or {}).get("max") or cfg.corpus.max_length)
     dump_dir = str(expand_dump_dir(cfg.resolve(cfg.capture.dump_dir)))   # this node user's folder
-    dump_need = min(stats["records"], cfg.capture.shards * cfg.capture.in_flight) * longest * est.bytes_per_token
+    # dumps stay in the target's dtype whatever the store keeps
+    dump_need = min(stats["records"], cfg.capture.shards * cfg.capture.in_flight) * longest * bytes_per_token(shape)
     dump_free = node.free_bytes(dump_dir)
     dump_line = (f"dump_dir {dump_dir}: {min(stats['records'], cfg.capture.shards * cfg.capture.in_flight)} dump(s) "
                  f"in flight of up to {longest} tokens need {human_bytes(dump_need)}; free there: "
@@ -186,7 +209,9 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     head = (f"hidden states for {est.records} samples / {est.tokens} tokens need {human_bytes(est.needed_bytes)} "
             f"({est.needed_bytes} bytes: {human_bytes(est.total_bytes)} estimated + "
             f"{est.headroom_fraction:.0%} headroom; {est.bytes_per_token} bytes/token = 4 x {est.hidden_size} x "
-            f"{est.dtype} + ids + mask) at {where} on node {node.name}; free there: {human_bytes(free)} ({free} bytes)")
+            + (f"fp8_e4m3 + scales + ids + mask; capture.store_dtype auto ({est.dtype}) would need "
+               f"{human_bytes(est.auto_needed_bytes)}" if est.store_dtype == "fp8_e4m3" else f"{est.dtype} + ids + mask")
+            + f") at {where} on node {node.name}; free there: {human_bytes(free)} ({free} bytes)")
     if ok and dump_free < dump_need:
         ok = False
         msg = (f"NOT ENOUGH SPACE IN capture.dump_dir: {dump_line}; short by {human_bytes(dump_need - dump_free)}. "

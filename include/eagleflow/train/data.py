@@ -13,6 +13,10 @@
   into batches, shuffle the batches. The position in that order
   (epoch, cursor) is all a resume needs.
 - Several processes (DDP): global batch ``cursor + rank`` goes to ``rank``.
+- FP8 stores (``capture.store_dtype: fp8_e4m3``): batches carry the float8
+  bytes and their per-token scales; ``Batch.to`` de-quantises on the training
+  device, so the host copies and the transfer stay at half width. One run's
+  shards must share a store dtype (``scan_samples`` refuses a mix, naming them).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 import torch
 
 from eagleflow.capture.manifest import read_manifest
-from eagleflow.capture.storage import file_sha256
+from eagleflow.capture.storage import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8, file_sha256
 
 if TYPE_CHECKING:
     from eagleflow.capture.verify import VerificationRecord
@@ -47,6 +51,11 @@ class SampleRef:
     tokens: int
     bytes: int
     sha256: str
+    store_dtype: str = "auto"
+
+
+class MixedStoreError(ValueError):
+    """Shards of one run stored with different capture.store_dtype: one draft trains on one format."""
 
 
 def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "skip"] = "raise",
@@ -80,7 +89,7 @@ def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "ski
                 bad.append(f"{path}: {problem}")
                 continue
             refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=str(path), tokens=e.tokens,
-                                  bytes=e.bytes, sha256=e.sha256))
+                                  bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
     if bad:
         head = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
         if on_bad == "raise":
@@ -90,6 +99,16 @@ def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "ski
         log(f"skipping {len(bad)} stored sample(s) that do not match their manifest: {head}")
     if not refs:
         raise FileNotFoundError(f"the manifests under {root} record no usable sample; nothing to train on")
+    by_dtype: dict[str, dict[int, int]] = {}
+    for r in refs:
+        per_shard = by_dtype.setdefault(r.store_dtype, {})
+        per_shard[r.shard] = per_shard.get(r.shard, 0) + 1
+    if len(by_dtype) > 1:
+        parts = "; ".join(f"{dt}: " + ", ".join(f"shard_{s:05d} ({n} samples)" for s, n in sorted(sh.items()))
+                          for dt, sh in sorted(by_dtype.items()))
+        raise MixedStoreError(f"refusing to train: the hidden states under {root} mix store dtypes ({parts}); "
+                              "re-capture the odd shard(s) with the run's capture.store_dtype (delete the shard "
+                              "dir and re-run its extraction) so every shard has one format")
     refs.sort(key=lambda r: r.index)
     return refs
 
@@ -110,16 +129,27 @@ def _check_file(path: Path, size: int, sha256: str | None, verified_mtime_ns: in
 
 
 def read_sample_keys(ref: SampleRef, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of one stored sample, checked for presence and length."""
+    """The named tensors of one stored sample, checked for presence and length.
+
+    From an fp8 store a hidden-state key comes as float8 with its ``<key>_scale`` beside it
+    (``Batch.to`` de-quantises on the device); the file's own metadata must say fp8_e4m3.
+    """
     from safetensors import safe_open
+    wanted = list(keys)
+    if ref.store_dtype == "fp8_e4m3":
+        wanted += [k + SCALE_SUFFIX for k in keys if k in QUANTISED_KEYS]
     try:
         with safe_open(ref.path, framework="pt") as f:
+            stored_as = (f.metadata() or {}).get("store_dtype", "auto")
+            if stored_as != ref.store_dtype:
+                raise BadSampleError(f"{ref.path}: its metadata says store_dtype {stored_as}, its manifest line "
+                                     f"says {ref.store_dtype}; re-run its shard's extraction")
             have = set(f.keys())
-            missing = [k for k in keys if k not in have]
+            missing = [k for k in wanted if k not in have]
             if missing:
                 raise BadSampleError(f"{ref.path}: missing key(s) {missing}; a stored sample has "
-                                     f"{list(SAMPLE_KEYS)}")
-            out = {k: f.get_tensor(k) for k in keys}
+                                     f"{list(SAMPLE_KEYS)}" + (" and their _scale keys" if wanted != list(keys) else ""))
+            out = {k: f.get_tensor(k) for k in wanted}
     except BadSampleError:
         raise
     except Exception as e:  # safetensors raises its own error types for a corrupt header
@@ -150,17 +180,22 @@ class Batch:
     attention_mask: torch.Tensor     # [B, T] bool, True on real tokens
     aux_hidden_states: torch.Tensor  # [B, T, 3H]
     hidden_states: torch.Tensor      # [B, T, H]
+    aux_scale: torch.Tensor | None = None     # [B, T, 3] float32 when the two above are float8 (fp8 store)
+    hidden_scale: torch.Tensor | None = None  # [B, T, 1]
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "Batch":
-        def mv(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        """On ``device`` (and in ``dtype``); float8 hidden states are de-quantised there, after the copy."""
+        def mv(t: torch.Tensor, cast: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
             t = t.to(device, non_blocking=True)
+            if scale is not None:
+                return dequantise_fp8(t, scale.to(device, non_blocking=True), dtype or torch.float32)
             return t.to(dtype) if cast and dtype is not None else t
         return Batch(mv(self.input_ids, False), mv(self.loss_mask, False), mv(self.attention_mask, False),
-                     mv(self.aux_hidden_states, True), mv(self.hidden_states, True))
+                     mv(self.aux_hidden_states, True, self.aux_scale), mv(self.hidden_states, True, self.hidden_scale))
 
 
 def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = None) -> Batch:
@@ -171,11 +206,14 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = Non
     aux_w = samples[0]["aux_hidden_states"].shape[1]
     h = samples[0]["hidden_states"].shape[1]
     dtype = samples[0]["hidden_states"].dtype
+    fp8 = "aux_hidden_states" + SCALE_SUFFIX in samples[0]
     ids = torch.zeros(b, t, dtype=torch.int64)
     lm = torch.zeros(b, t, dtype=torch.bool)
     am = torch.zeros(b, t, dtype=torch.bool)
     aux = torch.zeros(b, t, aux_w, dtype=dtype)
     hid = torch.zeros(b, t, h, dtype=dtype)
+    scales = {k: torch.zeros(b, t, samples[0][k + SCALE_SUFFIX].shape[1], dtype=torch.float32)
+              for k in QUANTISED_KEYS} if fp8 else {}
     for i, s in enumerate(samples):
         n = min(lengths[i], t)
         ids[i, :n] = s["input_ids"][:n]
@@ -183,7 +221,9 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = Non
         am[i, :n] = True
         aux[i, :n] = s["aux_hidden_states"][:n]
         hid[i, :n] = s["hidden_states"][:n]
-    return Batch(ids, lm, am, aux, hid)
+        for k, sc in scales.items():     # padding keeps scale 0: it de-quantises to zeros
+            sc[i, :n] = s[k + SCALE_SUFFIX][:n]
+    return Batch(ids, lm, am, aux, hid, scales.get("aux_hidden_states"), scales.get("hidden_states"))
 
 
 def epoch_batches(refs: Sequence[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int = 1,

@@ -208,7 +208,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                                world_size=d.world_size, position=position)
     micro = tc.grad_accum
     say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
-        f"{len(refs)} samples, batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
+        f"{len(refs)} samples (store {refs[0].store_dtype}"
+        f"{', de-quantised on ' + str(d.device) if refs[0].store_dtype == 'fp8_e4m3' else ''}), batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
         f"steps {start_step}->{tc.max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
         f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}")
     if hb is not None:
