@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "eagleflow.gpu.commands",
     "eagleflow.corpus.commands",
     "eagleflow.capture.commands",
+    "eagleflow.generate.commands",
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",
     "eagleflow.evaluate.commands",

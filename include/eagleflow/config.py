@@ -248,6 +248,29 @@ class EvalConfig(_Section):
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
 
 
+class GenerateConfig(_Section):
+    """The generation phase: the target rewrites the assistant turns of chosen sources (eagleflow.generate)."""
+    enabled: bool = Field(default=False, description="regenerate assistant turns with the target before tokenising")
+    sources: list[str] | None = Field(default=None, description="corpus source names to regenerate; null = all "
+                                      "(e.g. keep a source that is already the target's own output as it is)")
+    temperature: float = Field(default=0.7, ge=0.0, le=10.0, description="0 = greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=2048, ge=1, le=131072, description="per assistant turn")
+    seed: int = Field(default=0, ge=0, description="each turn's seed is derived from it, the record id and the turn")
+    reasoning: bool = Field(default=True, description="thinking on or off (chat_template_kwargs enable_thinking)")
+    concurrency: int = Field(default=8, ge=1, le=1024, description="records in flight per shard worker")
+    shards: int = Field(default=1, ge=1, le=1024)
+    keep_truncated: bool = Field(default=True, description="a turn that hits max_new_tokens: keep it as the "
+                                 "record's last turn (true) or drop the record (false)")
+    max_bad_records: int = Field(default=0, ge=0, description="records that cannot be regenerated (named in "
+                                 "generated/bad_records.jsonl) allowed before the phase fails")
+    tool_call_format: Literal["hermes"] = Field(default="hermes", description="how the target writes a tool "
+                                                "call: hermes = <tool_call>{\"name\", \"arguments\"}</tool_call>")
+    request_timeout_base_s: float = Field(default=120.0, gt=0)
+    request_timeout_per_token_s: float = Field(default=0.1, ge=0, description="per new token allowed")
+    port: int = Field(default=0, ge=0, le=65535, description="the generation server's port; 0 = a free one")
+
+
 class PipelineConfig(_Section):
     run_root: str = Field(default="runs", description="each run gets <run_root>/<run_id>")
     target_model: str = Field(min_length=1, description="local path of the target model (config, weights, tokenizer)")
@@ -259,6 +282,7 @@ class PipelineConfig(_Section):
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
 
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)

@@ -44,6 +44,19 @@ class RunLayout:
         return self.hidden_states_dir / f"shard_{shard:05d}"
 
     @property
+    def generated_dir(self) -> PurePosixPath:
+        """The generation phase's output: shard_NNNNN/ (one result file per record, manifest, heartbeat), stats."""
+        return self.run_dir / "generated"
+
+    def generate_shard_dir(self, shard: int) -> PurePosixPath:
+        return self.generated_dir / f"shard_{shard:05d}"
+
+    @property
+    def generate_server_info_file(self) -> PurePosixPath:
+        """Written by the generation (serving-mode) server once it listens."""
+        return self.run_dir / "generate_server.json"
+
+    @property
     def logs_dir(self) -> PurePosixPath:
         return self.run_dir / "logs"
 

@@ -61,3 +61,20 @@ def health_generate(url: str, timeout_s: float) -> dict:
 
 def server_info(url: str, timeout_s: float = 10.0) -> dict:
     return _request(url, "GET", "/get_server_info", None, timeout_s)
+
+
+def generate_tokens(url: str, input_ids: list[int], rid: str, *, max_new_tokens: int, temperature: float,
+                    top_p: float, seed: int, stop_token_ids: list[int], timeout_s: float) -> tuple[list[int], str]:
+    """Serving mode (hf generate mode or sglang): (output ids, finish "stop" | "length"), deterministic per seed."""
+    out = _request(url, "POST", "/generate",
+                   {"input_ids": input_ids, "rid": rid,
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                        "top_p": top_p, "sampling_seed": seed, "stop_token_ids": stop_token_ids,
+                                        "skip_special_tokens": False, "no_stop_trim": True}}, timeout_s)
+    ids = out.get("output_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise CaptureServerError(f"POST {url}/generate answered without output_ids (a list of token ids): "
+                                 f"{str(out)[:200]}; is this a generation server?")
+    finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    return ids, "length" if kind == "length" else "stop"

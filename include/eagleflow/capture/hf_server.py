@@ -89,6 +89,53 @@ class CaptureModel:
         return ids[0], aux, last, next_id
 
 
+    def generate_ids(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | None = None) -> tuple[list[int], str]:
+        """Serving mode: (new token ids, "stop" | "length"). Sampling draws from a generator seeded per request,
+        so one (prompt, seed) gives the same ids every time; temperature 0 is greedy."""
+        import torch
+
+        bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if not input_ids or bad:
+            raise ValueError(f"input_ids must be a non-empty list of ints in 0..{self.vocab_size - 1}"
+                             + (f"; bad values: {bad[:5]}" if bad else ""))
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"sampling_params.max_new_tokens = {max_new_tokens!r}: must be an int >= 1")
+        stop = set(stop_token_ids or [])
+        out_ids: list[int] = []
+        with self.lock, torch.inference_mode():
+            delay = _forward_delay()
+            if delay:
+                time.sleep(delay)
+            g = torch.Generator(device="cpu").manual_seed(int(seed) % (1 << 63))
+            ids = torch.tensor([input_ids], dtype=torch.int64, device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            for _ in range(max_new_tokens):
+                logits = out.logits[0, -1].float().cpu()
+                tok = _sample(logits, temperature, top_p, g)
+                out_ids.append(tok)
+                if tok in stop:
+                    return out_ids, "stop"
+                if len(out_ids) == max_new_tokens:
+                    break
+                out = self.model(input_ids=torch.tensor([[tok]], device=self.device),
+                                 past_key_values=out.past_key_values, use_cache=True)
+        return out_ids, "length"
+
+
+def _sample(logits, temperature: float, top_p: float, g) -> int:
+    import torch
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p   # the smallest set reaching top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=g)])
+    return int(torch.multinomial(probs, 1, generator=g))
+
+
 def _forward_delay() -> float:
     delay = float(os.environ.get(DELAY_ENV) or 0)
     path = os.environ.get(DELAY_FILE_ENV)
@@ -112,10 +159,13 @@ class CaptureServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, model: CaptureModel, dump_dir: str, dump_key: bytes | None = None):
+    def __init__(self, addr, model: CaptureModel, dump_dir: str | None, dump_key: bytes | None = None,
+                 mode: str = "capture"):
         super().__init__(addr, CaptureHandler)
         self.capture = model
-        self.dump_dir = str(private_dump_dir(dump_dir))   # this user's 0700 folder, or DumpTrustError
+        self.mode = mode                                  # "capture" (prefill + dump) | "generate" (serving)
+        # serving mode writes no dumps: no dump folder is made
+        self.dump_dir = str(private_dump_dir(dump_dir)) if mode == "capture" else ""
         self.dump_key = dump_key                          # the node user's dump key: each dump's MAC (protocol.write_dump)
         self.started_at = time.time()
 
@@ -130,7 +180,7 @@ class CaptureServer(ThreadingHTTPServer):
         return {"backend": "hf", "model": m.model_name, "num_layers": m.num_layers, "aux_layers": m.aux_layers,
                 "hidden_size": m.hidden_size, "dtype": m.dtype, "device": str(m.device), "dump_dir": self.dump_dir,
                 "version": _package_version(), "transformers_version": transformers.__version__,
-                "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "started_at": self.started_at}
+                "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "started_at": self.started_at, "mode": self.mode}
 
 
 class CaptureHandler(BaseHTTPRequestHandler):
@@ -191,6 +241,9 @@ class CaptureHandler(BaseHTTPRequestHandler):
         hang = os.environ.get(HANG_FILE_ENV)
         while hang and os.path.exists(hang):  # test hook: a hung /generate beside a live /health_generate
             time.sleep(0.2)
+        if self.server.mode == "generate":
+            self._generate(req, rid, input_ids)
+            return
         try:
             ids, aux, last, tok = self.server.capture.forward(input_ids)
         except ValueError as e:
@@ -207,6 +260,26 @@ class CaptureHandler(BaseHTTPRequestHandler):
                                        "dump": str(path_)}})
 
 
+    def _generate(self, req: dict, rid: str, input_ids: list) -> None:
+        """Serving mode, SGLang's /generate shape: output_ids and meta_info.finish_reason.type."""
+        sp = req.get("sampling_params") or {}
+        t0 = time.monotonic()
+        try:
+            ids, finish = self.server.capture.generate_ids(
+                input_ids, max_new_tokens=sp.get("max_new_tokens", 128), temperature=float(sp.get("temperature", 0.0)),
+                top_p=float(sp.get("top_p", 1.0)), seed=int(sp.get("sampling_seed", sp.get("seed", 0)) or 0),
+                stop_token_ids=list(sp.get("stop_token_ids") or []))
+        except (ValueError, TypeError) as e:
+            self._send(400, {"error": str(e)})
+            return
+        except Exception as e:
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
+        self._send(200, {"text": "", "output_ids": ids,
+                         "meta_info": {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": len(ids),
+                                       "finish_reason": {"type": finish}, "e2e_latency": time.monotonic() - t0}})
+
+
 def write_info_file(path: str, info: dict) -> None:
     """capture_server.json, atomically (a reader polls for it)."""
     atomic_write(path, json.dumps(info, indent=2))
@@ -214,17 +287,19 @@ def write_info_file(path: str, info: dict) -> None:
 
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
-          threads: int | None = None, device: str = "cpu", key_file: str | None = None) -> None:
+          threads: int | None = None, device: str = "cpu", key_file: str | None = None,
+          mode: str = "capture") -> None:
     model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads,
                          device=device)
-    dump_key = load_dump_key(key_file, create=True) if key_file else None   # this user's secret: dumps' MACs
-    server = CaptureServer((host, port), model, dump_dir, dump_key)
+    capture = mode == "capture"
+    dump_key = load_dump_key(key_file, create=True) if key_file and capture else None   # dumps' MACs
+    server = CaptureServer((host, port), model, dump_dir if capture else None, dump_key, mode=mode)
     dump_dir = server.dump_dir
     info = server.server_info()
     info["url"] = server.url
     if info_file:
         write_info_file(info_file, info)
-    print(f"hf capture server for {model.model_name} listening on {server.url} "
+    print(f"hf {mode} server for {model.model_name} listening on {server.url} "
           f"(layers {model.num_layers}, aux {model.aux_layers}, {model.device}, dumps in {dump_dir})", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
@@ -237,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--dump-dir", required=True)
+    ap.add_argument("--dump-dir", help="where dumps go (capture mode; required there)")
+    ap.add_argument("--mode", default="capture", choices=["capture", "generate"],
+                    help="capture: one prefill + hidden-state dump per request; generate: serving (sampling)")
     ap.add_argument("--info-file")
     ap.add_argument("--key-file", help="the dump key file (created if absent): each dump carries its MAC")
     ap.add_argument("--aux-layers", type=int, nargs="*")
@@ -246,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     a = ap.parse_args(argv)
-    serve(a.model, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file, key_file=a.key_file,
+    if a.mode == "capture" and not a.dump_dir:
+        ap.error("--dump-dir is required in capture mode")
+    serve(a.model, mode=a.mode, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file, key_file=a.key_file,
           aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads,
           device=a.device)
     return 0

@@ -53,6 +53,9 @@ TEMPLATE_ERROR = "template_error"  # raised by the chat template on this record 
 BAD_KINDS = (MALFORMED_JSON, INVALID_UTF8, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_CONVERSATION,
              NON_TEXT_CONTENT, BAD_TOOL_CALL, BAD_TOOLS, TEMPLATE_ERROR)
 
+# the generation phase's records carry the target's own ids under this key (eagleflow.generate.regenerate)
+TOKEN_EXACT_KEY = "eagleflow_token_exact"
+
 NON_TEXT_ERROR = "error"
 NON_TEXT_DROP = "drop"
 
@@ -102,17 +105,23 @@ class Conversation:
     messages: list[dict]
     tools: list[dict] | None = None
     non_text_parts_dropped: int = 0
+    # a record the target regenerated (eagleflow.generate): its ids and mask as the target produced them,
+    # used as they are instead of rendering the messages again
+    token_exact: dict | None = None
 
     def uses_tools(self) -> bool:
         return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
 
     def to_json(self) -> str:
-        return json.dumps({"messages": self.messages, "tools": self.tools}, ensure_ascii=False)
+        d = {"messages": self.messages, "tools": self.tools}
+        if self.token_exact is not None:
+            d["token_exact"] = self.token_exact
+        return json.dumps(d, ensure_ascii=False)
 
     @staticmethod
     def from_json(text: str) -> "Conversation":
         d = json.loads(text)
-        return Conversation(d["messages"], d.get("tools"))
+        return Conversation(d["messages"], d.get("tools"), token_exact=d.get("token_exact"))
 
 
 def _get(d: dict, key: str) -> Any:
@@ -423,6 +432,8 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
                 else:
                     record = _drop_nulls({c: batch[c][i] for c in record_cols})
                 conv = normalise_conversation(record, non_text=non_text)
+                if isinstance(record, dict) and isinstance(record.get(TOKEN_EXACT_KEY), dict):
+                    conv.token_exact = record[TOKEN_EXACT_KEY]   # written by the generation phase
                 conv_json = conv.to_json()
             except RecursionError:   # read, but a field nested too deeply for the walk, repr or dumps
                 raise _too_deep("(record)") from None

@@ -335,8 +335,37 @@ class TokenisedRecord:
     content_dropped: str | None  # what the rendering lacks (see dropped_content)
 
 
+def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: str) -> TokenisedRecord:
+    """A regenerated record: the target's own ids and mask, never rendered again. Over max_length it is cut
+    at the end of the last target span that fits (a prefix, so still exact), dropped or truncated."""
+    te = conv.token_exact or {}
+    ids, mask = list(te["input_ids"]), list(te["loss_mask"])
+    status, kept_turns = "whole", len(conv.messages)
+    if len(ids) > max_length:
+        if over_max_length == TRUNCATE:
+            ids, mask, status = ids[:max_length], mask[:max_length], "truncated"
+        else:
+            ends = [e for e in te.get("span_ends", []) if e <= max_length]
+            if over_max_length == CUT_AT_MESSAGE and ends:
+                ids, mask, status = ids[:ends[-1]], mask[:ends[-1]], "cut"
+                n = len(ends)   # keep the messages up to the n-th assistant turn
+                seen = 0
+                for i, m in enumerate(conv.messages):
+                    seen += m["role"] == "assistant"
+                    if seen == n:
+                        kept_turns = i + 1
+                        break
+            else:
+                return TokenisedRecord([], [], "dropped", OVER_MAX_LENGTH, 0, 0, 0, 0, None, None)
+    reason = None if any(mask) else NO_ASSISTANT_TOKENS
+    calls, tools = _counts(conv.messages[:kept_turns])
+    return TokenisedRecord(ids, mask, status, reason, kept_turns, calls, tools, 0, None, None)
+
+
 def tokenise_record(tokenizer, conv: Conversation, *, max_length: int, method: str,
                     over_max_length: str = CUT_AT_MESSAGE) -> TokenisedRecord:
+    if conv.token_exact is not None:
+        return token_exact_record(conv, max_length=max_length, over_max_length=over_max_length)
     try:
         enc = encode_record(tokenizer, conv, method)
     except TemplateError:

@@ -1,0 +1,147 @@
+"""The generation phase as a whole: which sources, each shard's settings, the stats, the corpus phase's input.
+
+``generated/stats.json`` per source: records read, regenerated whole, cut at a
+diverging call (and at which assistant turn), cut at the context, kept or
+dropped after hitting max_new_tokens, failed generations by reason, bad records
+by kind, assistant turns regenerated, tokens generated and tokens/s (over the
+time the target spent on this source's requests, as the workers timed them).
+Bad records are listed whole in ``generated/bad_records.jsonl`` (source, file,
+line, field, reason), never silently dropped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagleflow.config import ConfigError, PipelineConfig
+from eagleflow.durable import atomic_write
+from eagleflow.layout import RunLayout
+
+from .regenerate import (BAD, CUT_AT_CONTEXT, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED, FAILED,
+                         REGENERATED, RecordResult, Sampling)
+from .worker import GenerateSettings, SourceInput, read_results
+
+STATS_FILE = "stats.json"
+BAD_RECORDS_FILE = "bad_records.jsonl"
+
+
+class GenerationIncomplete(RuntimeError):
+    """A shard has not finished every record; the message names the shards and counts."""
+
+
+def regenerated_sources(cfg: PipelineConfig) -> list[str]:
+    """The corpus sources the target rewrites (generate.sources, all when null); [] when the phase is off."""
+    if not cfg.generate.enabled:
+        return []
+    names = [s.name for s in cfg.corpus.sources]
+    chosen = names if cfg.generate.sources is None else list(cfg.generate.sources)
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise ConfigError(f"generate.sources names {unknown}, which are not in corpus.sources ({names}); "
+                          "list corpus source names, or null for all")
+    return chosen
+
+
+def shard_settings(cfg: PipelineConfig, layout: RunLayout, shard: int, server_url: str) -> GenerateSettings:
+    g = cfg.generate
+    chosen = set(regenerated_sources(cfg) or [s.name for s in cfg.corpus.sources])
+    sources = tuple(SourceInput(s.name, str(cfg.resolve(s.path)), s.format, s.limit)
+                    for s in cfg.corpus.sources if s.name in chosen)
+    return GenerateSettings(
+        run_id=layout.run_id, shard=shard, num_shards=g.shards, shard_dir=str(layout.generate_shard_dir(shard)),
+        server_url=server_url, model_path=str(cfg.resolve(cfg.target_model)), sources=sources,
+        sampling=Sampling(temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, seed=g.seed,
+                          reasoning=g.reasoning),
+        max_length=cfg.corpus.max_length, concurrency=g.concurrency, keep_truncated=g.keep_truncated,
+        max_bad_records=g.max_bad_records, tool_call_format=g.tool_call_format,
+        request_timeout_base_s=g.request_timeout_base_s, request_timeout_per_token_s=g.request_timeout_per_token_s,
+        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, non_text_parts=cfg.corpus.non_text_parts,
+        seed=cfg.corpus.seed)
+
+
+def _source_stats() -> dict:
+    return {"records": 0, "kept": 0, "regenerated": 0, "cut_at_diverging_call": 0, "cut_at_diverging_call_turns": {},
+            "cut_at_context": 0, "cut_at_truncated": 0, "dropped_truncated": 0, "truncated_turns": 0,
+            "failed": {}, "bad": {}, "turns_regenerated": 0, "tokens_generated": 0, "generation_s": 0.0,
+            "tokens_per_s": None}
+
+
+def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = True) -> dict:
+    """Read every shard's results, write stats.json and bad_records.jsonl; refuse an incomplete phase."""
+    from eagleflow.heartbeat import Heartbeat
+    n = cfg.generate.shards
+    per: dict[str, dict] = {name: _source_stats() for name in regenerated_sources(cfg)}
+    bad: list[dict] = []
+    incomplete = []
+    for shard in range(n):
+        results = read_results(layout.generate_shard_dir(shard))
+        hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
+        if hb is None or hb.state != "complete" or len(results) < hb.total:
+            incomplete.append(f"shard {shard}: {len(results)}/{hb.total if hb else '?'} records, "
+                              f"state {hb.state if hb else 'never started'}")
+        for r in results:
+            ps = per.setdefault(r.source, _source_stats())
+            _count(ps, r)
+            if r.status == BAD:
+                bad.append(r.bad)
+    if incomplete and require_complete:
+        raise GenerationIncomplete("generation is not complete: " + "; ".join(incomplete)
+                                   + ". Run the unfinished shards (`eagleflow generate run --shard I`): "
+                                   "each resumes from its manifest")
+    for ps in per.values():
+        ps["generation_s"] = round(ps["generation_s"], 3)
+        ps["tokens_per_s"] = round(ps["tokens_generated"] / ps["generation_s"], 1) if ps["generation_s"] else None
+    out = Path(str(layout.generated_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / BAD_RECORDS_FILE, "".join(json.dumps(b, sort_keys=True) + "\n" for b in bad))
+    stats = {"sources": list(per), "per_source": per, "records": sum(p["records"] for p in per.values()),
+             "kept": sum(p["kept"] for p in per.values()), "bad_records": len(bad),
+             "bad_records_file": str(out / BAD_RECORDS_FILE) if bad else None,
+             "max_bad_records": cfg.generate.max_bad_records, "complete": not incomplete,
+             "sampling": cfg.generate.model_dump(include={"temperature", "top_p", "max_new_tokens", "seed",
+                                                            "reasoning", "keep_truncated"})}
+    atomic_write(out / STATS_FILE, json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+def _count(ps: dict, r: RecordResult) -> None:
+    ps["records"] += 1
+    ps["turns_regenerated"] += r.turns_regenerated
+    ps["tokens_generated"] += r.tokens_generated
+    ps["generation_s"] += r.generation_s
+    ps["truncated_turns"] += r.truncated_turns
+    if r.kept:
+        ps["kept"] += 1
+    if r.status == REGENERATED:
+        ps["regenerated"] += 1
+    elif r.status == CUT_AT_DIVERGING_CALL:
+        ps["cut_at_diverging_call"] += 1
+        turns = ps["cut_at_diverging_call_turns"]
+        turns[str(r.cut_turn)] = turns.get(str(r.cut_turn), 0) + 1
+    elif r.status == CUT_AT_CONTEXT:
+        ps["cut_at_context"] += 1
+    elif r.status == CUT_AT_TRUNCATED:
+        ps["cut_at_truncated"] += 1
+    elif r.status == DROPPED_TRUNCATED:
+        ps["dropped_truncated"] += 1
+    elif r.status == FAILED:
+        ps["failed"][r.failure or "unknown"] = ps["failed"].get(r.failure or "unknown", 0) + 1
+    elif r.status == BAD:
+        kind = (r.bad or {}).get("kind", "unknown")
+        ps["bad"][kind] = ps["bad"].get(kind, 0) + 1
+    if r.failure and r.status != FAILED:
+        ps["failed"][r.failure] = ps["failed"].get(r.failure, 0) + 1
+
+
+def generated_source_rows(cfg: PipelineConfig, layout: RunLayout, source: str) -> list[dict]:
+    """The corpus phase's rows for a regenerated source: kept records by original row, as load_source rows
+    (``__row`` the original row, so the record keeps its corpus id and shuffle key)."""
+    rows = []
+    for shard in range(cfg.generate.shards):
+        for r in read_results(layout.generate_shard_dir(shard)):
+            if r.source == source and r.kept:
+                rows.append({"__row": int(r.id.rsplit(":", 1)[1]), "__where": r.where,
+                             "__raw": json.dumps(r.corpus_record(), ensure_ascii=False), "__decode_error": None})
+    rows.sort(key=lambda d: d["__row"])
+    return rows
+

@@ -1,0 +1,302 @@
+"""The generation worker of one shard: source records -> the target (serving mode) -> regenerated records.
+
+Input: the sources named by ``generate.sources`` (all when null), in config
+order, each read and normalised as the corpus phase reads it; record ``index``
+counts across them in that order and shard ``s`` of ``n`` takes
+``index % n == s``. A record's id is the corpus id ``<source>:<row>``.
+
+Output, per shard, in ``<run>/generated/shard_NNNNN/``: one result file per
+record (``<index>.json``, written atomically: temp, fsync, rename), then its
+line in ``manifest.jsonl`` (capture's manifest format: id, index, file,
+bytes, sha256, mtime), and ``heartbeat.json`` (the same heartbeat the
+extraction worker writes, unit "records"). Every record ends in a result
+file, whatever its outcome (regenerated, cut, dropped, bad): a resume skips
+exactly the indexes whose file is intact (``capture.manifest.completed_indexes``)
+and redoes every other one, so a kill -9 at any point loses and repeats nothing.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagleflow.capture.client import CaptureServerError, CaptureTimeout, generate_tokens
+from eagleflow.capture.manifest import (ManifestEntry, ManifestWriter, compact_manifest, completed_indexes,
+                                        read_manifest)
+from eagleflow.capture.storage import file_sha256, remove_temp_files
+from eagleflow.corpus.normalise import BadRecord, Conversation
+from eagleflow.durable import atomic_write
+from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
+
+from .regenerate import BAD, Generation, RecordBuilder, RecordResult, Sampling, TemplateError
+
+MANIFEST = "manifest.jsonl"
+HEARTBEAT = "heartbeat.json"
+GIVE_UP_FACTOR = 3.0   # as extraction: past its deadline a request is overdue evidence; the worker gives up later
+
+
+class GenerationError(RuntimeError):
+    """The shard cannot go on; the message says which record, what failed and what to do."""
+
+
+@dataclass(frozen=True)
+class SourceInput:
+    name: str
+    path: str
+    format: str = "auto"
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    run_id: str
+    shard: int
+    num_shards: int
+    shard_dir: str
+    server_url: str
+    model_path: str
+    sources: tuple[SourceInput, ...]
+    sampling: Sampling
+    max_length: int
+    concurrency: int = 8
+    keep_truncated: bool = True
+    max_bad_records: int = 0
+    tool_call_format: str = "hermes"
+    request_timeout_base_s: float = 120.0
+    request_timeout_per_token_s: float = 0.1
+    heartbeat_interval_s: float = 2.0
+    non_text_parts: str = "error"
+    seed: int = 42                    # corpus.seed: the same ids and shuffle keys as the corpus phase
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    index: int
+    id: str
+    source: str
+    file: str
+    where: str
+    conversation: str | None      # Conversation JSON, or None for a record normalisation refused
+    error: str | None             # BadRecord JSON
+
+
+def result_file_name(index: int) -> str:
+    return f"{index:08d}.json"
+
+
+def read_inputs(sources, shard: int, num_shards: int, work_dir: str, *, seed: int = 42,
+                non_text: str = "error") -> list[InputRecord]:
+    """This shard's records, in index order, normalised as the corpus phase normalises them."""
+    from eagleflow.config import SourceConfig
+    from eagleflow.corpus.normalise import normalise_batch
+    from eagleflow.corpus.sources import load_source
+
+    out: list[InputRecord] = []
+    index = 0
+    for src in sources:
+        ds = load_source(SourceConfig(name=src.name, path=src.path, format=src.format, limit=src.limit),
+                         Path(src.path), cache_dir=os.path.join(work_dir, src.name))
+        for start in range(0, len(ds), 1000):
+            batch = ds[start:start + 1000]
+            n = len(batch["__row"])
+            mine = [k for k in range(n) if (index + k) % num_shards == shard]
+            if mine:
+                part = {c: [batch[c][k] for k in mine] for c in batch}
+                norm = normalise_batch(part, source=src.name, file=src.path, seed=seed, non_text=non_text)
+                for k, i in enumerate(mine):
+                    out.append(InputRecord(index + i, norm["id"][k], src.name, src.path, norm["where"][k],
+                                           norm["conversation"][k], norm["error"][k]))
+            index += n
+    return out
+
+
+class GenerateWorker:
+    def __init__(self, settings: GenerateSettings, tokenizer=None, log=print):
+        self.s = settings
+        self.log = log
+        self._tok = tokenizer
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.bad: list[dict] = []
+
+    def _target(self, fl_ref: list, hbw: HeartbeatWriter, rid_base: str):
+        s = self.s
+
+        def target(input_ids, *, max_new_tokens, temperature, top_p, seed, stop_token_ids) -> Generation:
+            own = s.request_timeout_base_s + s.request_timeout_per_token_s * max_new_tokens
+            fl = InFlight(id=f"{rid_base}-t{len(fl_ref)}", since=time.time(), tokens=len(input_ids), timeout_s=own)
+            fl_ref.append(fl)
+            hbw.update(lambda hb: hb.in_flight.append(fl))
+            try:
+                ids, finish = generate_tokens(s.server_url, input_ids, fl.id, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, top_p=top_p, seed=seed,
+                                              stop_token_ids=stop_token_ids, timeout_s=GIVE_UP_FACTOR * own)
+            finally:
+                hbw.update(lambda hb: hb.in_flight.remove(fl) if fl in hb.in_flight else None)
+            return Generation(ids, finish)
+        return target
+
+    def run(self) -> Heartbeat:
+        s = self.s
+        shard_dir = Path(s.shard_dir)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        hb = Heartbeat(job=f"generate shard {s.shard}/{s.num_shards}", pid=os.getpid(), unit="records",
+                       extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url,
+                              "phase": "generate"})
+        hbw = HeartbeatWriter(shard_dir / HEARTBEAT, hb, interval_s=s.heartbeat_interval_s)
+        hbw.start()
+        try:
+            self._run(hbw)
+        except BaseException as e:
+            hbw.stop(state="failed", error=str(e) if isinstance(e, GenerationError) else f"{type(e).__name__}: {e}")
+            raise
+        hbw.stop(state="complete")
+        return hbw.hb
+
+    def _run(self, hbw: HeartbeatWriter) -> None:
+        import shutil
+        import tempfile
+        s = self.s
+        shard_dir = Path(s.shard_dir)
+        removed_tmp = remove_temp_files(shard_dir)
+        scan = read_manifest(shard_dir / MANIFEST)
+        check = completed_indexes(shard_dir, scan)
+        done = check.done
+        if check.broken or check.refreshed or not scan.clean:
+            keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
+            compact_manifest(shard_dir / MANIFEST, keep, fsync=s.fsync)
+        work = tempfile.mkdtemp(dir=shard_dir, prefix=".work-")
+        try:
+            inputs = read_inputs(s.sources, s.shard, s.num_shards, work, seed=s.seed, non_text=s.non_text_parts)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        todo = [r for r in inputs if r.index not in done]
+        for i in sorted(done):   # bad records already recorded count against max_bad_records too
+            try:
+                r = RecordResult.from_json((shard_dir / scan.entries[i].file).read_text())
+            except (OSError, ValueError, TypeError):
+                continue
+            if r.status == BAD:
+                self.bad.append(r.bad)
+        if self._tok is None:
+            from eagleflow.corpus.tokenize import load_tokenizer
+            self._tok = load_tokenizer(s.model_path)
+
+        def init(hb: Heartbeat) -> None:
+            hb.state = "running"
+            hb.started_at = hb.last_progress_at = time.time()
+            hb.total, hb.done, hb.resumed = len(inputs), len(inputs) - len(todo), len(inputs) - len(todo)
+        hbw.update(init)
+        hbw.flush()
+        self.log(f"generate shard {s.shard}/{s.num_shards}: {len(inputs)} records, {len(inputs) - len(todo)} "
+                 f"already done, {len(todo)} to do; removed {len(removed_tmp)} temp file(s)"
+                 + (f"; {len(check.broken)} result file(s) will be redone" if check.broken else ""))
+        self._check_bad()
+        if not todo:
+            return
+        q: queue.Queue[InputRecord] = queue.Queue()
+        for r in todo:
+            q.put(r)
+        with ManifestWriter(shard_dir / MANIFEST, fsync=s.fsync) as manifest:
+            threads = [threading.Thread(target=self._loop, args=(q, manifest, hbw), daemon=True,
+                                        name=f"generate-{k}") for k in range(min(s.concurrency, len(todo)))]
+            for t in threads:
+                t.start()
+            try:
+                for t in threads:
+                    while t.is_alive() and self._error is None:
+                        t.join(0.2)   # short waits: a signal handler runs only in this thread
+            except BaseException:
+                self._stop.set()
+                raise
+            self._stop.set()
+        if self._error is not None:
+            raise self._error
+
+    def _check_bad(self) -> None:
+        if len(self.bad) > self.s.max_bad_records:
+            shown = "; ".join(BadRecord(**b).describe() + f" [{b['kind']}]" for b in self.bad[:10])
+            raise GenerationError(f"generate shard {self.s.shard}: {len(self.bad)} record(s) cannot be regenerated, "
+                                  f"generate.max_bad_records is {self.s.max_bad_records}: {shown}. Fix or remove "
+                                  "them in the source, or raise generate.max_bad_records to skip them")
+
+    def _loop(self, q, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
+        s = self.s
+        builder = None
+        while not self._stop.is_set():
+            try:
+                rec = q.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fl_ref: list = []
+                if builder is None:
+                    builder = RecordBuilder(self._tok, None, s.sampling, max_length=s.max_length,
+                                            keep_truncated=s.keep_truncated, tool_call_format=s.tool_call_format)
+                builder.target = self._target(fl_ref, hbw, f"{s.run_id}-g{s.shard:05d}-{rec.index:08d}")
+                self._one(rec, builder, manifest, hbw)
+            except BaseException as e:
+                with self._lock:
+                    if self._error is None:
+                        self._error = e
+                self._stop.set()
+                return
+
+    def _one(self, rec: InputRecord, builder: RecordBuilder, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
+        s = self.s
+        started = time.time()
+        if rec.conversation is None:
+            res = RecordResult(id=rec.id, source=rec.source, where=rec.where, status=BAD,
+                               bad=BadRecord.from_json(rec.error).__dict__)
+        else:
+            try:
+                res = builder.regenerate(Conversation.from_json(rec.conversation), record_id=rec.id,
+                                         source=rec.source, file=rec.file, where=rec.where)
+            except CaptureServerError as e:
+                late = " (no answer within its deadline)" if isinstance(e, CaptureTimeout) else ""
+                raise GenerationError(f"generate shard {s.shard}: record {rec.id} ({rec.file} {rec.where}) failed: "
+                                      f"{e}{late}. The generation server at {s.server_url} is dead, hung or refused "
+                                      "the request; check its log, restart it and re-run this shard: finished "
+                                      "records are kept") from None
+            except TemplateError as e:
+                raise GenerationError(f"generate shard {s.shard}: record {rec.id} ({rec.file} {rec.where}): "
+                                      f"{e}. Use a template that renders history as a stable prefix, or leave "
+                                      f"source {rec.source} out of generate.sources") from None
+        if self._stop.is_set() and self._error is not None:
+            return
+        if res.status == BAD:
+            with self._lock:
+                self.bad.append(res.bad)
+                self._check_bad()
+        name = result_file_name(rec.index)
+        path = atomic_write(Path(s.shard_dir) / name, res.to_json() + "\n", fsync=s.fsync)
+        st = os.stat(path)
+        with self._lock:
+            manifest.append(ManifestEntry(id=rec.id, index=rec.index, file=name, tokens=len(res.input_ids),
+                                          bytes=st.st_size, sha256=file_sha256(path), mtime_ns=st.st_mtime_ns))
+        finished = time.time()
+
+        def progressed(hb: Heartbeat) -> None:
+            hb.done += 1
+            hb.tokens += res.tokens_generated
+            hb.extra["tokens_this_run"] = hb.extra.get("tokens_this_run", 0) + res.tokens_generated
+            record_pace(hb, gap_s=finished - hb.last_progress_at, request_s=finished - started)
+        hbw.update(progressed)
+        hbw.mark_progress()
+        hb = hbw.hb
+        if hb.done == hb.total or (hb.done - hb.resumed) % 50 == 0:
+            self.log(hb.progress_line())
+
+
+def read_results(shard_dir: str | os.PathLike) -> list[RecordResult]:
+    """The shard's results whose files are intact, by index (what the corpus phase and the stats read)."""
+    d = Path(shard_dir)
+    scan = read_manifest(d / MANIFEST)
+    done = completed_indexes(d, scan).done
+    return [RecordResult.from_json((d / scan.entries[i].file).read_text()) for i in sorted(done)]
+
