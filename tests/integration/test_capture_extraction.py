@@ -25,6 +25,7 @@ from eagleflow.capture.storage import read_sample
 from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
+from tests.fixtures.waiting import wait_until
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -150,15 +151,14 @@ def test_worker_sigkilled_mid_shard_resumes_exactly(server):
                             env={**os.environ, "EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME": "pause:60",
                                  "EAGLEFLOW_CAPTURE_FAULT_AFTER_N": "3"})
     try:
-        deadline = time.time() + 60
         # every sample passes through a temp file: wait for those that stay (paused once 3 are stored;
         # with two threads in flight, the other one may have stored a 4th before it reached the pause)
-        while time.time() < deadline and not (list(d.glob(".tmp-*")) and len(_manifest_lines(ctx, 1)) >= 3):
-            time.sleep(0.1)
-        assert list(d.glob(".tmp-*")), "worker never reached the pause before the rename"
-        time.sleep(1.0)   # let the heartbeat thread write the in-flight request
+        wait_until(lambda: list(d.glob(".tmp-*")) and len(_manifest_lines(ctx, 1)) >= 3, 60, every_s=0.1,
+                   what="the worker paused before a rename with 3 samples stored")
         stored = len(_manifest_lines(ctx, 1))
-        hb = Heartbeat.read(ctx.layout.heartbeat_file(1))
+        # the heartbeat thread writes the in-flight request at its next beat
+        hb = wait_until(lambda: (h := Heartbeat.read(ctx.layout.heartbeat_file(1))) and h.done == stored
+                        and h.in_flight and h, 10, every_s=0.1, what="a heartbeat listing the paused request")
         assert hb.state == "running" and hb.done == stored and hb.total == 6
         assert hb.in_flight and all(f.id.startswith("extkill.s00001.") and f.since > 0 for f in hb.in_flight)
     finally:
@@ -183,9 +183,8 @@ def test_rerun_attaches_to_the_live_worker(server):
     finally:
         del os.environ["EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME"]
     try:
-        deadline = time.time() + 60    # until it is paused before its first rename
-        while time.time() < deadline and not list(Path(ctx.layout.shard_dir(0)).glob(".tmp-*")):
-            time.sleep(0.1)
+        wait_until(lambda: list(Path(ctx.layout.shard_dir(0)).glob(".tmp-*")), 60, every_s=0.1,
+                   what="the worker paused before its first rename")
         rec2, attached2 = start_or_attach_worker(ctx, 0)
         assert (attached1, attached2) == (False, True) and rec2.pid == rec1.pid
     finally:
@@ -196,9 +195,8 @@ def test_rerun_attaches_to_the_live_worker(server):
     # a dead worker's record does not block a new start
     rec3, attached3 = start_or_attach_worker(ctx, 0)
     assert not attached3 and rec3.pid != rec1.pid
-    deadline = time.time() + 60
-    while time.time() < deadline and (Heartbeat.read(ctx.layout.heartbeat_file(0)) or Heartbeat("", 0)).state != "complete":
-        time.sleep(0.2)
+    wait_until(lambda: (Heartbeat.read(ctx.layout.heartbeat_file(0)) or Heartbeat("", 0)).state == "complete", 60,
+               every_s=0.2, what="shard 0 complete")
     _assert_shard_exact(ctx, 0)
 
 
@@ -212,9 +210,7 @@ def test_server_hang_or_death_fails_the_worker_clearly_within_its_timeout(demo_a
         wait_capture_server_ready(ctx, timeout_s=120, poll_s=0.3)
         rec = json.loads(Path(ctx.layout.pid_file("capture_server")).read_text())
         proc = subprocess.Popen(_worker_argv(ctx, 0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline and len(_manifest_lines(ctx, 0)) < 2:
-            time.sleep(0.05)
+        wait_until(lambda: len(_manifest_lines(ctx, 0)) >= 2, 60, what="2 samples stored")
         os.killpg(rec["pgid"], signal.SIGSTOP)                       # hung: accepts, never answers
         stopped_at = time.time()
         try:

@@ -14,6 +14,7 @@ from eagleflow.gpu.process_info import describe_pid
 from eagleflow.gpu.snapshot import GpuProcess
 from eagleflow.nodes import LocalNode, process_record
 from eagleflow.nodes.proc import ProcState, read_start_ticks
+from tests.fixtures.waiting import wait_until
 from tests.fixtures.processes import IGNORE_TERM, alive
 
 
@@ -24,12 +25,7 @@ def spawn_recorded(state, role, code):
 
 
 def wait_log(path, text, timeout=10):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never said {text!r}")
+    wait_until(lambda: path.exists() and text in path.read_text(), timeout, what=f"{path} saying {text!r}")
 
 
 @pytest.mark.timeout(60)

@@ -18,17 +18,13 @@ from eagleflow.nodes import LocalNode, Node, ProcessRecord
 from eagleflow.nodes import process_record as pr
 from eagleflow.nodes.proc import read_start_ticks
 from tests.fixtures.processes import alive
+from tests.fixtures.waiting import holds_within
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _wait(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return holds_within(cond, timeout)
 
 
 @pytest.fixture

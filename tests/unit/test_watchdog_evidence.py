@@ -19,6 +19,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.watchdog.policy import decide
 from eagleflow.watchdog.signals import (HealthSignal, WatchedJob, WatchMemory, kernel_oom_killed, observe,
                                         pace_of)
+from tests.fixtures.waiting import wait_until
 from tests.fixtures.watchdog_jobs import backdate_record, kill_group, spawn_sleeper, wait_gone, watch_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +29,8 @@ def stop_and_wait(pid: int) -> None:
     """SIGSTOP, then wait until /proc shows state T (delivery is not instantaneous on a busy machine)."""
     from eagleflow.nodes.proc import read_proc_state
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while (st := read_proc_state(pid)) is not None and st.state not in ("T", "t"):
-        assert time.monotonic() < deadline, f"pid {pid} not stopped after 5 s"
-        time.sleep(0.02)
+    wait_until(lambda: (st := read_proc_state(pid)) is None or st.state in ("T", "t"), 5, every_s=0.02,
+               what=f"pid {pid} stopped (state T)")
 
 
 class FakeClock:
