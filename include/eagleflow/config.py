@@ -212,8 +212,8 @@ class TrainConfig(_Section):
 class SpecConfig(_Section):
     """One speculative configuration, as SGLang's flags name it."""
     steps: int = Field(ge=1, le=32, description="--speculative-num-steps: draft steps per round")
-    topk: int = Field(default=1, ge=1, le=1, description="--speculative-eagle-topk; the hf evaluator drafts "
-                      "chains only (1)")
+    topk: int = Field(default=1, ge=1, le=16, description="--speculative-eagle-topk; the hf evaluator drafts "
+                      "chains only (1), eval.backend sglang drafts trees too")
     draft_tokens: int = Field(ge=2, le=64, description="--speculative-num-draft-tokens; steps + 1 for a chain")
     min_accept_length: float | None = Field(default=None, ge=1.0, description="gate for this configuration; "
                                             "null = eval.min_accept_length")
@@ -230,9 +230,18 @@ class SpecConfig(_Section):
         return f"{self.steps}/{self.topk}/{self.draft_tokens}"
 
 
+class PromptSet(_Section):
+    """Extra held-out prompts: a JSONL file of chat records (the corpus schema: 'messages' or 'conversations';
+    a record ending in an assistant turn is prompted with what precedes it) or {"prompt": "text"} lines."""
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the set's name in the tables")
+    path: str = Field(min_length=1, description="the JSONL file (relative to the config's folder)")
+    max_prompts: int | None = Field(default=None, ge=1, description="null = eval.max_prompts")
+
+
 class EvalConfig(_Section):
     backend: Literal["hf", "sglang"] = Field(default="hf", description="hf = our speculative decoder over "
-                                             "transformers (CPU or GPU); sglang = not built yet")
+                                             "transformers (CPU or GPU); sglang = the target served by SGLang "
+                                             "with the draft (GPU node), its own acceptance counters")
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     configs: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig(steps=3, draft_tokens=4),
                                                                SpecConfig(steps=7, draft_tokens=8)])
@@ -246,6 +255,26 @@ class EvalConfig(_Section):
     max_prompts: int = Field(default=32, ge=1)
     near_tie_logit_gap: float | None = Field(default=None, ge=0.0, description="a lossless mismatch whose "
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
+    prompt_sets: list[PromptSet] = Field(default_factory=list, description="evaluated besides the corpus's "
+                                         "held-out split ('held_out'), each reported on its own")
+    concurrency: int = Field(default=8, ge=1, le=1024, description="sglang backend: requests in flight at once")
+    ready_timeout_s: float = Field(default=1800.0, gt=0, description="sglang backend: how long a server may "
+                                   "take to load before /health_generate answers")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="sglang backend: one /generate request")
+    extra_server_args: list[str] = Field(default_factory=list, description="sglang backend: appended to each "
+                                         "launch_server command (e.g. --mem-fraction-static 0.8)")
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> "EvalConfig":
+        trees = [c.label for c in self.configs if c.topk > 1]
+        if self.backend == "hf" and trees:
+            raise ValueError(f"eval.configs {', '.join(trees)}: the hf evaluator drafts chains only (topk 1); "
+                             "use eval.backend sglang for top-k > 1")
+        names = [p.name for p in self.prompt_sets]
+        if "held_out" in names or len(set(names)) != len(names):
+            raise ValueError(f"eval.prompt_sets names {names}: each must be unique and not 'held_out' (the "
+                             "corpus's own split)")
+        return self
 
 
 class GenerateConfig(_Section):

@@ -76,6 +76,32 @@ def test_random_draft_is_refused_and_kept_a_passing_one_is_promoted(tmp_path, de
     promoted = json.loads((tmp_path / "runs" / "promoted.json").read_text())
     assert promoted["draft"] == str(export) and promoted["run_id"] == "ev" and "3/1/4" in promoted["accept_length"]
 
-    # the sglang backend is named as not built, not faked
+    # extra prompt sets: reported per set and configuration, beside the held-out split
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"prompt": "What is two plus two?"}) + "\n\n"
+                    + json.dumps({"id": "chat1", "messages": [{"role": "user", "content": "Say hi"},
+                                                              {"role": "assistant", "content": "hi"}]}) + "\n")
+    sets = ["--set", f"eval.prompt_sets=[{{name: mine, path: {mine}}}]", "--set", "eval.min_accept_length=1.0"]
+    res = _cli("evaluate", *run, *small, *sets, "--json")
+    assert res.returncode == 0, res.stderr
+    answer = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [(r["config"], r["prompt_set"], r["prompts"]) for r in answer["results"]] == [
+        ("3/1/4", "held_out", 2), ("3/1/4", "mine", 2)]
+    assert "mine x2" in res.stderr
+    promoted = json.loads((tmp_path / "runs" / "promoted.json").read_text())
+    assert [(t["config"], t["prompt_set"]) for t in promoted["table"]] == [("3/1/4", "held_out"), ("3/1/4", "mine")]
+
+    # a bad prompt-set file is named with its line, no figures
+    mine.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    res = _cli("evaluate", *run, *small, *sets, "--json")
+    assert res.returncode == 2 and f"eval.prompt_sets[0] (mine): {mine} line 2 is not JSON" in res.stderr
+    mine.write_text(json.dumps({"messages": []}) + "\n")
+    res = _cli("evaluate", *run, *small, *sets, "--json")
+    assert res.returncode == 2 and f"{mine} line 1: " in res.stderr and "no messages" in res.stderr
+    res = _cli("evaluate", *run, *small, "--set", f"eval.prompt_sets=[{{name: gone, path: {tmp_path}/gone.jsonl}}]")
+    assert res.returncode == 2 and f"eval.prompt_sets[0] (gone): {tmp_path}/gone.jsonl is not a file" in res.stderr
+
+    # the sglang backend needs sglang (the node's venv): without it, exit 2 saying what to do
     res = _cli("evaluate", *run, "--set", "eval.backend=sglang")
-    assert res.returncode == 2 and "eval.backend 'sglang'" in res.stderr and "not built" in res.stderr
+    assert res.returncode == 2 and "eval.backend sglang: sglang is not installed" in res.stderr, res.stderr
+    assert "eval.backend hf" in res.stderr

@@ -26,7 +26,7 @@ HELD_OUT = "held_out"
 
 
 class EvalBackendError(RuntimeError):
-    """The configured evaluation backend is not available here; the message says what to use."""
+    """The configured evaluation backend cannot run here or failed; the message says what to do."""
 
 
 def prompts_from_corpus(layout: RunLayout, max_prompts: int) -> list[dict]:
@@ -110,54 +110,128 @@ def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
     return why
 
 
-def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Path | None = None,
-                 log: Callable[[str], None] = print, verify=None) -> dict:
-    """Evaluate the run's exported draft, write eval.json (and promoted.json when it passes); the summary."""
+def load_prompt_sets(cfg: PipelineConfig, layout: RunLayout, tokenizer_path: str) -> dict[str, list[dict]]:
+    """The corpus's held-out split first, then each eval.prompt_sets file: {name: [{id, prompt_ids}]}."""
+    ec = cfg.eval
+    sets = {HELD_OUT: prompts_from_corpus(layout, ec.max_prompts)}
+    if ec.prompt_sets:
+        from eagleflow.corpus.tokenize import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer_path)
+        for i, ps in enumerate(ec.prompt_sets):
+            sets[ps.name] = prompts_from_file(cfg.resolve(ps.path), tokenizer, ps.max_prompts or ec.max_prompts,
+                                              f"eval.prompt_sets[{i}] ({ps.name})")
+    return sets
+
+
+def prompts_from_file(path, tokenizer, max_prompts: int, field: str) -> list[dict]:
+    """A JSONL prompt set: chat records in the corpus schema, or {"prompt": "text"}; each bad line named."""
+    from eagleflow.corpus.normalise import RecordError, normalise_conversation
+    from eagleflow.corpus.prepare import eval_prompt_ids
+    from eagleflow.corpus.tokenize import render
+    path = Path(str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"{field}: {path} is not a file; point path at a JSONL file of prompts "
+                                '({"messages": [...]} or {"prompt": "..."} per line)')
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if len(out) >= max_prompts:
+                break
+            if not line.strip():
+                continue
+            where = f"{field}: {path} line {n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                rec = {"messages": [{"role": "user", "content": rec["prompt"]}]}
+            try:
+                conv = normalise_conversation(rec)
+            except RecordError as e:
+                raise ValueError(f"{where}: field {e.field}: {e.problem}") from None
+            if conv.messages[-1]["role"] == "assistant":   # a record with its answer: prompted with what precedes
+                ids = eval_prompt_ids(tokenizer, conv, 1 << 30)
+            else:
+                ids = tokenizer(render(tokenizer, conv, add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"{where}: no prompt before its only assistant turn; end the record with a user "
+                                 "turn or drop it")
+            out.append({"id": str(rec.get("id", f"{path.stem}:{n}")), "prompt_ids": list(ids)})
+    if not out:
+        raise ValueError(f"{field}: {path} holds no prompt; one JSON object a line")
+    return out
+
+
+def _hf_results(cfg: PipelineConfig, target_dir: str, drafts: dict, prompt_sets: dict[str, list[dict]], log,
+                verify) -> tuple[list[dict], dict]:
     import torch
 
     from .decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold
     ec = cfg.eval
-    if ec.backend == "sglang":
-        raise EvalBackendError("eval.backend 'sglang' (the target served by SGLang with the draft on a GPU node, "
-                               "acceptance from its spec_verify_ct counters) is not built yet; set eval.backend: hf "
-                               "(our speculative decoder over transformers, eval.device cpu or cuda)")
-    started = time.monotonic()
-    draft_dir = Path(draft_dir) if draft_dir else Path(str(layout.draft_dir)) / "export"
-    target_dir = str(cfg.resolve(cfg.target_model))
-    prompts = prompts_from_corpus(layout, ec.max_prompts)
     target = Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
     torch.manual_seed(0)
-    drafts = {"draft": draft_dir}
-    if ec.baseline_draft:
-        drafts["baseline"] = cfg.resolve(ec.baseline_draft)
     proposers = {}
     for role, d in drafts.items():
         model, aux = load_draft(d, target_dir)
         proposers[role] = DraftProposer(model, target.aux_layers(aux or cfg.capture.aux_layers), target.device)
     threshold = (lambda top: near_tie_threshold(target.dtype, top, ec.near_tie_logit_gap))
-    log(f"evaluate: {len(prompts)} held-out prompt(s), up to {ec.max_new_tokens} new tokens each, target "
-        f"{target_dir} ({target.dtype}, {target.device}), draft {draft_dir}"
+    log(f"evaluate: target {target_dir} ({target.dtype}, {target.device})")
+    rows = []
+    for name, prompts in prompt_sets.items():
+        references = {p["id"]: greedy(target, p["prompt_ids"], ec.max_new_tokens) for p in prompts}
+        for sc in ec.configs:
+            row = {"config": sc.label, "steps": sc.steps, "topk": sc.topk, "draft_tokens": sc.draft_tokens,
+                   "prompt_set": name, "prompts": len(prompts),
+                   "min_accept_length": sc.min_accept_length or ec.min_accept_length}
+            for role, prop in proposers.items():
+                row[role] = measure(target, prop, prompts, references, sc.steps, ec.max_new_tokens, threshold,
+                                    verify=verify if role == "draft" else None)
+            rows.append(row)
+    return rows, {"target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device)}
+
+
+def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Path | None = None,
+                 log: Callable[[str], None] = print, verify=None, node=None, sglang_command=None) -> dict:
+    """Evaluate the run's exported draft, write eval.json (and promoted.json when it passes); the summary."""
+    ec = cfg.eval
+    if ec.backend == "sglang" and verify is not None:
+        raise EvalBackendError("a replaced verify step is an hf-backend test hook; eval.backend sglang verifies "
+                               "inside SGLang")
+    started = time.monotonic()
+    draft_dir = Path(draft_dir) if draft_dir else Path(str(layout.draft_dir)) / "export"
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(f"draft {draft_dir} has no config.json; run export_draft first or pass --draft")
+    target_dir = str(cfg.resolve(cfg.target_model))
+    prompt_sets = load_prompt_sets(cfg, layout, target_dir)
+    drafts = {"draft": draft_dir}
+    if ec.baseline_draft:
+        drafts["baseline"] = cfg.resolve(ec.baseline_draft)
+    log(f"evaluate ({ec.backend}): " + ", ".join(f"{len(p)} prompt(s) of {n}" for n, p in prompt_sets.items())
+        + f", up to {ec.max_new_tokens} new tokens each, target {target_dir}, draft {draft_dir}"
         + (f", baseline {drafts['baseline']}" if "baseline" in drafts else ""))
-    references = {p["id"]: greedy(target, p["prompt_ids"], ec.max_new_tokens) for p in prompts}
-    results = []
-    for sc in ec.configs:
-        row = {"config": sc.label, "steps": sc.steps, "topk": sc.topk, "draft_tokens": sc.draft_tokens,
-               "prompt_set": HELD_OUT, "prompts": len(prompts),
-               "min_accept_length": sc.min_accept_length or ec.min_accept_length}
-        for role, prop in proposers.items():
-            row[role] = measure(target, prop, prompts, references, sc.steps, ec.max_new_tokens, threshold,
-                                verify=verify if role == "draft" else None)
-        results.append(row)
+    if ec.backend == "sglang":
+        from .sglang_backend import SglangEvalError, results as sglang_results
+        try:
+            results, about = sglang_results(cfg, layout, target_dir=target_dir, drafts=drafts,
+                                            prompt_sets=prompt_sets, log=log, node=node,
+                                            command=sglang_command)
+        except SglangEvalError as e:
+            raise EvalBackendError(f"eval.backend sglang: {e}") from None
+    else:
+        results, about = _hf_results(cfg, target_dir, drafts, prompt_sets, log, verify)
+    for row in results:
         d = row["draft"]
-        log(f"evaluate: {sc.label} acceptance length {d['accept_length']:.3f} (per position "
-            f"{', '.join(f'{x:.2f}' for x in d['accepted_at_position'])}), {d['tokens_per_s']:.1f} tok/s vs "
-            f"{d['target_tokens_per_s']:.1f} alone (x{d['speedup']}), lossless {'yes' if d['lossless'] else 'NO'}"
+        log(f"evaluate: {row['config']} on {row['prompt_set']}: acceptance length {d['accept_length']:.3f} (per "
+            f"position {', '.join(f'{x:.2f}' for x in d['accepted_at_position'])}), {d['tokens_per_s']:.1f} tok/s "
+            f"vs {d['target_tokens_per_s']:.1f} alone (x{d['speedup']}), lossless {'yes' if d['lossless'] else 'NO'}"
             + (f"; baseline {row['baseline']['accept_length']:.3f}" if "baseline" in row else ""))
     refused = gate(results, cfg, "baseline" in drafts)
     summary = {"run_id": layout.run_id, "backend": ec.backend, "draft": str(draft_dir),
                "baseline_draft": str(drafts["baseline"]) if "baseline" in drafts else None,
-               "target": target_dir, "target_dtype": str(target.dtype).replace("torch.", ""),
-               "device": str(target.device), "max_new_tokens": ec.max_new_tokens, "tolerance": ec.tolerance,
+               "target": target_dir, **about, "max_new_tokens": ec.max_new_tokens, "tolerance": ec.tolerance,
+               "prompt_sets": {n: len(p) for n, p in prompt_sets.items()},
                "results": results, "passed": not refused, "refused": refused,
                "elapsed_s": round(time.monotonic() - started, 2)}
     out = Path(str(layout.run_dir)) / EVAL_FILE
@@ -178,8 +252,22 @@ def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
     atomic_write(path, json.dumps({
         "draft": summary["draft"], "run_id": layout.run_id, "eval_file": summary["eval_file"],
         "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "accept_length": {r["config"]: r["draft"]["accept_length"] for r in summary["results"]}}, indent=2) + "\n")
+        "accept_length": accept_lengths(summary["results"]), "table": acceptance_table(summary["results"])},
+        indent=2) + "\n")
     return str(path)
+
+
+def accept_lengths(results: list[dict]) -> dict[str, float]:
+    """{configuration: acceptance length} on the corpus's held-out split (the gate's headline figure)."""
+    return {r["config"]: r["draft"]["accept_length"] for r in results if r["prompt_set"] == HELD_OUT}
+
+
+def acceptance_table(results: list[dict]) -> list[dict]:
+    """One line per configuration x prompt set: what a deployment reads from promoted.json or the Asset event."""
+    return [{"config": r["config"], "prompt_set": r["prompt_set"], "prompts": r["prompts"],
+             "accept_length": r["draft"]["accept_length"], "speedup": r["draft"]["speedup"],
+             "baseline_accept_length": r["baseline"]["accept_length"] if r.get("baseline") else None}
+            for r in results]
 
 
 def table_lines(summary: dict) -> list[str]:

@@ -1,0 +1,273 @@
+"""eval.backend sglang: the target served by SGLang with the exported draft, acceptance from SGLang's own counters.
+
+Per configuration (steps / top-k / draft tokens) one ``sglang.launch_server``
+with ``--speculative-algorithm EAGLE3 --speculative-draft-model-path ...``,
+started detached and recorded like every process eagleflow starts
+(``Node.spawn_detached``: a pid record under the run's state, stopped through
+``Node.stop_recorded``), and once more without a draft (the target alone: the
+speed and lossless reference). Each prompt set is sent to ``/generate``
+concurrently, greedy, ``return_logprob`` with the top 2 on the target alone
+(the gap of a lossless mismatch).
+
+What is read, as sglang 0.5.23 writes it (``TokenizerManager._handle_batch_output``
+and ``_calculate_spec_decoding_metrics`` in ``srt/managers/tokenizer_manager.py``;
+the scheduler fills the counters in ``scheduler_components/batch_result_processor.py``:
+``spec_verify_ct += 1`` and ``spec_num_correct_drafts += num_correct_drafts`` per
+verify pass, ``update_spec_correct_drafts_histogram(num_correct_drafts)``):
+
+- ``meta_info.completion_tokens``: tokens generated, the prefill's one included;
+- ``meta_info.spec_verify_ct``: verify passes; present (with the other ``spec_*``
+  fields) only when it is > 0;
+- ``meta_info.spec_num_correct_drafts``: draft tokens accepted (no bonus);
+- ``meta_info.spec_correct_drafts_histogram[j]``: verify passes that accepted
+  exactly j drafts (omitted while empty);
+- ``meta_info.spec_accept_length`` = completion_tokens / spec_verify_ct.
+
+The acceptance length reported is the hf backend's: tokens per verify pass =
+(correct drafts + passes) / passes, summed over the prompts, so a draft never
+accepted scores exactly 1.0 (SGLang's own figure counts the prefill's token
+too, 64/63 for such a draft: kept as ``sglang_accept_length``).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from eagleflow.config import PipelineConfig, SpecConfig
+from eagleflow.layout import RunLayout
+
+TARGET_ALONE = "target"
+# A bf16 top-2 logit gap this small is within the arithmetic's reach (16 x eps x a logit of 32, the hf
+# backend's rule at a typical top logit): sglang answers log-probabilities, whose gap is the logits' gap,
+# not the top logit itself.
+_TYPICAL_TOP_LOGIT = 32.0
+
+
+class SglangEvalError(RuntimeError):
+    """The evaluation server could not be started or answered something we cannot read; the message says what."""
+
+
+def speculative_args(draft_dir: str, sc: SpecConfig) -> list[str]:
+    """SGLang 0.5.23's EAGLE-3 serve flags for one configuration (node tier: parsed by its own ServerArgs)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(sc.steps), "--speculative-eagle-topk", str(sc.topk),
+            "--speculative-num-draft-tokens", str(sc.draft_tokens)]
+
+
+def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int, draft_dir: str | None,
+                  sc: SpecConfig | None, python: str = sys.executable) -> list[str]:
+    """``python -m sglang.launch_server`` for the target, with the draft at ``sc`` (or alone when None)."""
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(cfg.capture.tp)]  # the TP the capture used; --tp is only an argparse abbreviation
+    if cfg.capture.dtype != "auto":
+        argv += ["--dtype", cfg.capture.dtype]
+    if sc is not None:
+        argv += speculative_args(str(draft_dir), sc)
+    return argv + list(cfg.eval.extra_server_args)
+
+
+def role(draft_role: str, sc: SpecConfig | None) -> str:
+    return f"eval_sglang_{draft_role}" + (f"_{sc.steps}_{sc.topk}_{sc.draft_tokens}" if sc else "")
+
+
+# --- one request, one prompt set ------------------------------------------------------------------------------
+
+def generate_body(prompt_ids: list[int], max_new: int, rid: str, top2: bool) -> dict:
+    body = {"input_ids": list(prompt_ids), "rid": rid,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
+    if top2:
+        body.update({"return_logprob": True, "top_logprobs_num": 2})
+    return body
+
+
+def read_answer(ans: dict, where: str, speculative: bool) -> dict:
+    """What one /generate answer says: output ids, and with a draft the speculative counters."""
+    meta = ans.get("meta_info")
+    ids = ans.get("output_ids")
+    if not isinstance(meta, dict) or not isinstance(ids, list):
+        raise SglangEvalError(f"{where}: the /generate answer has no meta_info / output_ids (keys "
+                              f"{sorted(ans)}); is this sglang 0.5.23's HTTP server?")
+    completion = int(meta.get("completion_tokens", len(ids)))
+    got = {"tokens": [int(t) for t in ids], "completion_tokens": completion}
+    top = meta.get("output_top_logprobs")
+    if top:
+        # each position: [[logprob, token_id, text], ...] best first (detokenize_logprob_tokens)
+        got["top2_gaps"] = [float(p[0][0]) - float(p[1][0]) if p and len(p) > 1 else float("inf") for p in top]
+    if speculative:
+        verify = int(meta.get("spec_verify_ct", 0))
+        if verify == 0 and completion > 1:
+            raise SglangEvalError(f"{where}: {completion} tokens generated but meta_info has no spec_verify_ct: "
+                                  "the server is not decoding speculatively (check its --speculative-* flags "
+                                  "and its log)")
+        got.update({"verify_passes": verify, "correct_drafts": int(meta.get("spec_num_correct_drafts", 0)),
+                    "histogram": [int(x) for x in meta.get("spec_correct_drafts_histogram") or []],
+                    "spec_accept_length": meta.get("spec_accept_length")})
+    return got
+
+
+def send_all(url: str, prompts: list[dict], max_new: int, *, tag: str, top2: bool, concurrency: int,
+             timeout_s: float, speculative: bool) -> tuple[dict[str, dict], float]:
+    """Every prompt to /generate, ``concurrency`` in flight; (answers by prompt id, wall seconds)."""
+    from eagleflow.capture.client import CaptureServerError, _request
+
+    def one(p):
+        where = f"{url}/generate prompt {p['id']}"
+        try:
+            ans = _request(url, "POST", "/generate", generate_body(p["prompt_ids"], max_new, f"{tag}-{p['id']}", top2),
+                           timeout_s)
+        except CaptureServerError as e:
+            raise SglangEvalError(f"{where}: {e}") from None
+        return p["id"], read_answer(ans, where, speculative)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(concurrency, max(1, len(prompts)))) as pool:
+        out = dict(pool.map(one, prompts))
+    return out, time.monotonic() - started
+
+
+def near_tie_threshold(dtype: str, absolute: float | None) -> float:
+    import torch
+
+    from .decoder import near_tie_threshold as by_dtype
+    t = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype, torch.bfloat16)
+    return by_dtype(t, _TYPICAL_TOP_LOGIT, absolute)
+
+
+def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone_secs: float, steps: int,
+            threshold: float) -> dict:
+    """One draft, one configuration, one prompt set: the hf backend's figures from SGLang's counters."""
+    passes = sum(a["verify_passes"] for a in answers.values())
+    correct = sum(a["correct_drafts"] for a in answers.values())
+    completion = sum(a["completion_tokens"] for a in answers.values())
+    at = [0] * steps
+    for a in answers.values():
+        for accepted, count in enumerate(a["histogram"]):
+            for j in range(min(accepted, steps)):
+                at[j] += count
+    mismatches = []
+    for pid, a in answers.items():
+        ref = alone[pid]
+        for i, (x, y) in enumerate(zip(ref["tokens"], a["tokens"])):
+            if x != y:
+                gap = ref.get("top2_gaps", [])[i] if i < len(ref.get("top2_gaps", [])) else None
+                mismatches.append({"prompt": pid, "position": i, "target": x, "with_draft": y,
+                                   "top2_logit_gap": round(gap, 6) if gap is not None else None,
+                                   "near_tie": gap is not None and gap <= threshold})
+                break
+        else:
+            if len(ref["tokens"]) != len(a["tokens"]):
+                i = min(len(ref["tokens"]), len(a["tokens"]))
+                mismatches.append({"prompt": pid, "position": i, "target": ref["tokens"][i] if i < len(ref["tokens"])
+                                   else None, "with_draft": a["tokens"][i] if i < len(a["tokens"]) else None,
+                                   "top2_logit_gap": None, "near_tie": False})
+    generated = sum(len(alone[pid]["tokens"]) for pid in answers)
+    tps = generated / secs if secs else 0.0
+    ref_tps = generated / alone_secs if alone_secs else 0.0
+    return {"accept_length": round((correct + passes) / passes, 4) if passes else 1.0,
+            "sglang_accept_length": round(completion / passes, 4) if passes else None,
+            "verify_passes": passes, "verify_tokens": correct + passes, "correct_drafts": correct,
+            "accepted_at_position": [round(x / passes, 4) if passes else 0.0 for x in at],
+            "tokens_per_s": round(tps, 2), "target_tokens_per_s": round(ref_tps, 2),
+            "speedup": round(tps / ref_tps, 3) if ref_tps else None,
+            "lossless": not [m for m in mismatches if not m["near_tie"]],
+            "near_ties": sum(m["near_tie"] for m in mismatches),
+            "mismatches": sorted(mismatches, key=lambda m: m["near_tie"])[:20]}
+
+
+# --- the servers ----------------------------------------------------------------------------------------------
+
+class Server:
+    """One recorded sglang server for the evaluation: started detached, stopped by its record on exit."""
+
+    def __init__(self, cfg: PipelineConfig, layout: RunLayout, node, argv: list[str], role_name: str, url: str,
+                 log):
+        self.cfg, self.layout, self.node, self.argv, self.role, self.url, self.log = (
+            cfg, layout, node, argv, role_name, url, log)
+        self.pid_file = str(layout.pid_file(role_name))
+        self.log_file = str(layout.log_file(role_name))
+
+    def __enter__(self) -> "Server":
+        Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
+        if self.node.live_record(self.pid_file) is not None:
+            # an earlier try's server (a retry after the task was killed): stop it, its port and flags may differ
+            self.node.stop_recorded(self.pid_file, grace_s=30)
+        rec = self.node.spawn_detached(self.argv, role=self.role, pid_file=self.pid_file, log_file=self.log_file)
+        self.log(f"evaluate (sglang): {self.role} pid {rec.pid}, log {self.log_file}: {' '.join(self.argv)}")
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        from eagleflow.capture.client import CaptureServerError, health_generate
+        deadline = time.monotonic() + self.cfg.eval.ready_timeout_s
+        while time.monotonic() < deadline:
+            if not self.node.process_status(self.pid_file).alive:
+                raise SglangEvalError(f"sglang ({self.role}) exited while loading; read {self.log_file}")
+            try:
+                health_generate(self.url, 20)
+                return
+            except CaptureServerError:
+                time.sleep(2)
+        raise SglangEvalError(f"sglang ({self.role}) did not answer {self.url}/health_generate within "
+                              f"{self.cfg.eval.ready_timeout_s:.0f} s; raise eval.ready_timeout_s or read "
+                              f"{self.log_file}")
+
+    def __exit__(self, *exc) -> None:
+        res = self.node.stop_recorded(self.pid_file, grace_s=30)
+        self.log(f"evaluate (sglang): {res.detail}")
+
+
+def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict[str, Path],
+            prompt_sets: dict[str, list[dict]], log, node=None, command=None) -> tuple[list[dict], dict]:
+    """The result rows (configuration x prompt set, each draft's figures), and what describes the target.
+
+    ``command`` (build_command's signature) replaces sglang's argv: the control-plane tests start a server
+    that answers as sglang does, through the same records, readiness and stop."""
+    from eagleflow.capture.sglang_launcher import (SglangLaunchError, check_supported_version, free_port,
+                                                   installed_sglang_version)
+    from eagleflow.nodes import LocalNode
+    ec = cfg.eval
+    if command is None:
+        try:
+            version = check_supported_version(installed_sglang_version())
+        except SglangLaunchError as e:
+            raise SglangEvalError(str(e).replace("capture.backend hf", "eval.backend hf")) from None
+        command = build_command
+    else:
+        version = None
+    node = node or LocalNode(name=cfg.node.name)
+    host = cfg.capture.host
+    threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
+
+    def serve(draft_role, draft_dir, sc):
+        port = free_port(host)
+        argv = command(cfg, model_path=target_dir, host=host, port=port, draft_dir=draft_dir, sc=sc)
+        return Server(cfg, layout, node, argv, role(draft_role, sc), f"http://{host}:{port}", log)
+
+    alone, alone_secs = {}, {}
+    with serve(TARGET_ALONE, None, None) as srv:
+        for name, prompts in prompt_sets.items():
+            alone[name], alone_secs[name] = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"alone-{name}",
+                                                     top2=True, concurrency=ec.concurrency,
+                                                     timeout_s=ec.request_timeout_s, speculative=False)
+    rows = {(sc.label, name): {"config": sc.label, "steps": sc.steps, "topk": sc.topk,
+                               "draft_tokens": sc.draft_tokens, "prompt_set": name, "prompts": len(prompts),
+                               "min_accept_length": sc.min_accept_length or ec.min_accept_length}
+            for sc in ec.configs for name, prompts in prompt_sets.items()}
+    for sc in ec.configs:
+        for draft_role, d in drafts.items():
+            with serve(draft_role, d, sc) as srv:
+                for name, prompts in prompt_sets.items():
+                    answers, secs = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"{draft_role}-{name}",
+                                             top2=False, concurrency=ec.concurrency,
+                                             timeout_s=ec.request_timeout_s, speculative=True)
+                    rows[(sc.label, name)][draft_role] = measure(answers, alone[name], secs, alone_secs[name],
+                                                                 sc.steps, threshold)
+    return list(rows.values()), {"sglang_version": version, "concurrency": ec.concurrency,
+                                 "target_dtype": cfg.capture.dtype, "device": "sglang"}
+

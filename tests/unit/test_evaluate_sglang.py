@@ -1,0 +1,114 @@
+"""eval.backend sglang, the control plane: servers started detached and recorded, polled until ready, the
+prompt sets sent concurrently, the figures and the gate, every server stopped by its record.
+
+The server is tests/fixtures/fake_sglang_generate.py, whose answers carry sglang 0.5.23's meta_info fields
+(its docstring names the tokenizer-manager code each comes from; tests/node/test_eval_sglang.py builds the
+same fields with sglang's own classes)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagleflow.config import load_config
+from eagleflow.evaluate import sglang_backend as sb
+from eagleflow.evaluate.run import gate
+from eagleflow.layout import RunLayout
+from eagleflow.nodes import LocalNode
+from eagleflow.nodes.process_record import records_in
+
+FAKE = str(Path(__file__).resolve().parents[1] / "fixtures" / "fake_sglang_generate.py")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fake_command(extra=()):
+    def command(cfg, *, model_path, host, port, draft_dir, sc, python=sys.executable):
+        argv = sb.build_command(cfg, model_path=model_path, host=host, port=port, draft_dir=draft_dir, sc=sc)
+        return [python, FAKE, *argv[1:], *extra]   # sglang's own flags, answered by the fake
+    return command
+
+
+def _setup(tmp_path, **eval_cfg):
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "target"),
+                            "capture": {"dtype": "bfloat16"},
+                            "eval": {"backend": "sglang", "concurrency": 4, "max_new_tokens": 16,
+                                     "ready_timeout_s": 30, "configs": [{"steps": 3, "draft_tokens": 4},
+                                                                         {"steps": 3, "topk": 4, "draft_tokens": 8}],
+                                     **eval_cfg}})
+    layout = RunLayout.for_run(cfg, "ev")
+    Path(str(layout.run_dir)).mkdir(parents=True)
+    return cfg, layout
+
+
+def _draft(tmp_path, name, **quality):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "fake_draft.json").write_text(json.dumps(quality))
+    return d
+
+
+def _prompts(n, base=0):
+    return [{"id": f"p{i}", "prompt_ids": [base + i, 5, 9]} for i in range(n)]
+
+
+def test_acceptance_per_configuration_and_prompt_set_and_every_server_stopped(tmp_path):
+    cfg, layout = _setup(tmp_path)
+    drafts = {"draft": _draft(tmp_path, "new", accept=2), "baseline": _draft(tmp_path, "old", accept=0)}
+    logs = []
+    rows, about = sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts=drafts,
+                             prompt_sets={"held_out": _prompts(6), "mine": _prompts(3, 40)}, log=logs.append,
+                             command=_fake_command())
+    assert [(r["config"], r["prompt_set"], r["prompts"]) for r in rows] == [
+        ("3/1/4", "held_out", 6), ("3/1/4", "mine", 3), ("3/4/8", "held_out", 6), ("3/4/8", "mine", 3)]
+    for r in rows:
+        new, old = r["draft"], r["baseline"]
+        # 16 tokens: 1 from the prefill, then 5 passes of 2 drafts + bonus: (10 + 5) / 5 = 3.0
+        assert new["accept_length"] == 3.0 and new["sglang_accept_length"] == 16 / 5
+        assert new["accepted_at_position"] == [1.0, 1.0, 0.0] and new["lossless"] and not new["mismatches"]
+        # a draft never right: exactly 1.0 (sglang's own figure is 16/15)
+        assert old["accept_length"] == 1.0 and old["sglang_accept_length"] == round(16 / 15, 4)
+        assert new["tokens_per_s"] > 0 and new["target_tokens_per_s"] > 0
+    assert gate(rows, cfg, baseline=True) == []
+    # one alone server + 2 configurations x 2 drafts, each started, ready, stopped by its record
+    started = [m for m in logs if ", log " in m]
+    assert len(started) == 5 and "--speculative-draft-model-path" not in started[0]
+    assert sum("--speculative-eagle-topk 4" in m for m in started) == 2
+    assert len([m for m in logs if m.endswith("terminated")]) == 5
+    assert records_in(str(layout.pids_dir), "ev") == []
+
+
+def test_a_never_accepted_draft_and_a_lossy_server_are_refused(tmp_path):
+    cfg, layout = _setup(tmp_path, configs=[{"steps": 3, "draft_tokens": 4}])
+    drafts = {"draft": _draft(tmp_path, "bad", accept=0, corrupt_at=4)}
+    rows, _ = sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts=drafts,
+                         prompt_sets={"held_out": _prompts(2)}, log=lambda m: None, command=_fake_command())
+    [row] = rows
+    d = row["draft"]
+    assert d["accept_length"] == 1.0 and not d["lossless"]
+    assert d["mismatches"][0]["position"] == 4 and d["mismatches"][0]["top2_logit_gap"] == 8.9
+    why = gate(rows, cfg, baseline=False)
+    assert why[0] == ("configuration 3/1/4 on held_out (2 prompts): acceptance length 1.000 is below "
+                      "eval.min_accept_length 1.500")
+    assert "position 4 (target top-2 logit gap 8.9)" in why[1]
+
+
+def test_a_server_that_dies_while_loading_is_named_with_its_log(tmp_path):
+    cfg, layout = _setup(tmp_path)
+    with pytest.raises(sb.SglangEvalError, match=r"exited while loading; read .*eval_sglang_target\.log"):
+        sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts={"draft": _draft(tmp_path, "d", accept=1)},
+                   prompt_sets={"held_out": _prompts(1)}, log=lambda m: None,
+                   command=_fake_command(["--die-while-loading"]))
+    assert records_in(str(layout.pids_dir), "ev") == []
+    assert "dying while loading" in Path(str(layout.log_file("eval_sglang_target"))).read_text()
+
+
+def test_without_sglang_installed_the_backend_says_what_to_do(tmp_path, monkeypatch):
+    from eagleflow.capture import sglang_launcher
+    cfg, layout = _setup(tmp_path)
+    monkeypatch.setattr(sglang_launcher, "installed_sglang_version", lambda: "0.4.0")
+    with pytest.raises(sb.SglangEvalError, match=r"sglang 0\.4\.0 is not a version.*eval\.backend hf"):
+        sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts={}, prompt_sets={}, log=print,
+                   node=LocalNode(name="local"))
