@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagleflow.durable import open_owned
+
 
 @dataclass(slots=True)
 class ManifestEntry:
@@ -134,13 +136,13 @@ class ManifestWriter:
         self.fsync = fsync
         self.fsync_every_s = fsync_every_s
         self._last_fsync = time.monotonic()
-        self._f = open(self.path, "ab")
-        if self._f.tell() > 0:
-            with open(self.path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                if r.read(1) != b"\n":
-                    self._f.write(b"\n")   # seal the partial line so it stays a bad line, not a merged one
-                    self._flush()
+        # appended to, never replaced: not through a link planted at its name (durable.open_owned)
+        fd = open_owned(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644, narrow=True)
+        self._f = os.fdopen(fd, "ab")
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            self._f.write(b"\n")   # seal the partial line so it stays a bad line, not a merged one
+            self._flush()
 
     def _flush(self, force: bool = True) -> None:
         self._f.flush()

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from eagleflow.durable import atomic_replace, atomic_write
+from eagleflow.durable import atomic_replace, atomic_write, open_owned
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -32,7 +33,8 @@ def truncate_metrics(path: str | Path, keep_until_step: int) -> None:
 
 
 def append_metrics(path: str | Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
+    # appended to, never replaced: not through a link planted at its name (durable.open_owned)
+    with os.fdopen(open_owned(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, narrow=True), "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
