@@ -18,6 +18,8 @@ from eagleflow.airflow.capture_operators import (
     VerifyHiddenStatesOperator,
 )
 from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
+from eagleflow.airflow.generate_operators import (GenerateShardOperator, PlanGenerateShardsOperator,
+                                                  StartGenerateServerOperator, StopGenerateServerOperator)
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
@@ -27,8 +29,11 @@ from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraft
 
 DOC = __doc__ + """
 
-Phases: write the run config to the node; merge, shuffle and tokenise the
-corpus; check the disk budget (optionally delete old caches); free the GPUs
+Phases: write the run config to the node; when generate.enabled, let the
+target rewrite the assistant turns of the chosen sources (GPU gates, the
+server in serving mode as a setup/teardown pair, generate_responses shards
+under the stall watchdog; each record token-exact and faithful to tool calls);
+merge, shuffle and tokenise the corpus; check the disk budget (optionally delete old caches); free the GPUs
 and verify each is at its idle baseline; start the capture server (setup);
 extract every shard under the stall watchdog; stop the server and free the
 GPUs (teardowns: they run whatever the shards did); verify every stored
@@ -85,11 +90,34 @@ with DAG(
                                                "(only under disk.cache_root) before the disk check."),
         "max_train_steps": Param(None, type=["null", "integer"], minimum=1, title="Training steps",
                                  description="Draft training steps; empty = the config's train.max_steps."),
+        "generate_enabled": Param(None, type=["null", "boolean"], title="Regenerate with the target",
+                                  description="Let the target rewrite the assistant turns of generate.sources "
+                                              "before tokenising; empty = the config's generate.enabled."),
+        "generate_temperature": Param(None, type=["null", "number"], minimum=0, maximum=10,
+                                      title="Generation temperature", description="0 = greedy; empty = config."),
+        "generate_top_p": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1,
+                                title="Generation top-p", description="empty = the config's generate.top_p."),
+        "generate_max_new_tokens": Param(None, type=["null", "integer"], minimum=1, maximum=131072,
+                                         title="Max new tokens per turn", description="empty = config."),
+        "generate_seed": Param(None, type=["null", "integer"], minimum=0, title="Generation seed",
+                               description="each turn's seed derives from it and the record id; empty = config."),
+        "generate_reasoning": Param(None, type=["null", "boolean"], title="Reasoning (thinking) on",
+                                    description="enable_thinking for thinking models; empty = config."),
         "alert_emails": Param(None, type=["null", "array"], items={"type": "string"}, title="Alert emails",
                               description="Who is mailed on a stall, a retry and a final failure."),
     },
 ) as dag:
     write_config = WriteRunConfigOperator(task_id="write_run_config")
+    # generate_responses: the target (serving mode) rewrites the assistant turns; a no-op when generate.enabled
+    # is off. GPU gates before the server and after it, which is stopped before the capture server starts.
+    gen_free = FreeGpusOperator(task_id="free_gpus_before_generation")
+    gen_idle = GpuIdleSensor(task_id="gpus_idle_before_generation", pool=NODE.pool)
+    gen_start = StartGenerateServerOperator(task_id="start_generate_server", pool=NODE.pool)
+    gen_plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
+    gen_shards = GenerateShardOperator.partial(task_id="generate_responses", retries=2,
+                                               pool=NODE.pool).expand(shard=gen_plan.output)
+    gen_stop = StopGenerateServerOperator(task_id="stop_generate_server")
+    gen_free_after = FreeGpusOperator(task_id="free_gpus_after_generation")
     prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus")
     delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
     check_disk = CheckDiskOperator(task_id="check_disk")
@@ -108,7 +136,11 @@ with DAG(
     export = ExportDraftOperator(task_id="export_draft")
     evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)   # loads the target (eval.device)
 
-    write_config >> prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
+    write_config >> gen_free >> gen_idle >> gen_start >> gen_plan >> gen_shards
+    gen_shards >> gen_stop.as_teardown(setups=gen_start)
+    gen_stop >> gen_free_after.as_teardown(setups=gen_start)
+    [gen_shards, gen_free_after] >> prepare_corpus
+    prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
     idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
     # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did, yet
     # training waits for verification too, so it never runs on partial or unverified data.

@@ -23,6 +23,7 @@ def register(sub) -> None:
     which = w.add_mutually_exclusive_group(required=True)
     which.add_argument("--shard", type=int, help="the extraction shard to watch")
     which.add_argument("--train", action="store_true", help="watch the draft training job")
+    w.add_argument("--generate", action="store_true", help="with --shard: a generation shard (eagleflow generate)")
     w.add_argument("--json", action="store_true", help="print the diagnosis as one JSON line")
     w.add_argument("--follow", action="store_true",
                    help="look again every watchdog.poll_interval_s until the job completes, stalls or dies")
@@ -69,11 +70,14 @@ def _watch(args) -> int:
     from .sentinel import looks_path, record_look
 
     cfg, layout = run_from_args(args)
-    if args.shard is not None and not 0 <= args.shard < cfg.capture.shards:
-        print(f"eagleflow watch: --shard {args.shard} is outside 0..{cfg.capture.shards - 1} "
-              f"(capture.shards = {cfg.capture.shards})", file=sys.stderr)
+    gen = bool(getattr(args, "generate", False)) and args.shard is not None
+    shards, field = (cfg.generate.shards, "generate.shards") if gen else (cfg.capture.shards, "capture.shards")
+    if args.shard is not None and not 0 <= args.shard < shards:
+        print(f"eagleflow watch: --shard {args.shard} is outside 0..{shards - 1} "
+              f"({field} = {shards})", file=sys.stderr)
         return 2
-    job = WatchedJob(shard=None if args.train else args.shard, num_shards=cfg.capture.shards)
+    job = WatchedJob(shard=None if args.train else args.shard, num_shards=shards,
+                     phase="generate" if gen else "extract")
     mpath = memory_path(layout, job)
     while True:
         started = time.monotonic()

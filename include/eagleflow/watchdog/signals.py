@@ -48,26 +48,47 @@ from eagleflow.nodes.process_record import RecordRefused, leader_state, load_rec
 # --------------------------------------------------------------------------- which job
 @dataclass(frozen=True)
 class WatchedJob:
-    """An extraction shard (``shard`` set) or the trainer (``shard`` None)."""
+    """An extraction shard (``shard`` set), a generation shard (``phase`` "generate": its worker writes the
+    same heartbeat and manifest, so the same signals and verdicts apply) or the trainer (``shard`` None)."""
     shard: int | None
     num_shards: int = 1
+    phase: str = "extract"
+
+    @property
+    def generating(self) -> bool:
+        return self.phase == "generate" and self.shard is not None
 
     @property
     def role(self) -> str:
-        return "trainer" if self.shard is None else f"worker_shard_{self.shard:05d}"
+        if self.shard is None:
+            return "trainer"
+        return f"generate_shard_{self.shard:05d}" if self.generating else f"worker_shard_{self.shard:05d}"
 
     @property
     def name(self) -> str:
-        return "training" if self.shard is None else f"shard {self.shard}/{self.num_shards}"
+        if self.shard is None:
+            return "training"
+        return f"{'generate shard' if self.generating else 'shard'} {self.shard}/{self.num_shards}"
 
     @property
     def uses_server(self) -> bool:
         return self.shard is not None
 
+    @property
+    def server_role(self) -> str:
+        return "generate_server" if self.generating else "capture_server"
+
+    def server_info_path(self, layout: RunLayout) -> str:
+        return str(layout.generate_server_info_file if self.generating else layout.server_info_file)
+
     def heartbeat_path(self, layout: RunLayout) -> str:
+        if self.generating:
+            return str(layout.generate_shard_dir(self.shard) / "heartbeat.json")
         return str(layout.train_heartbeat_file if self.shard is None else layout.heartbeat_file(self.shard))
 
     def work_dir(self, layout: RunLayout) -> str:
+        if self.generating:
+            return str(layout.generate_shard_dir(self.shard))
         return str(layout.draft_dir if self.shard is None else layout.shard_dir(self.shard))
 
 
@@ -453,9 +474,9 @@ def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
         return HealthSignal(True, False, f"error: {type(e).__name__}: {e}", time.monotonic() - t0, url)
 
 
-def server_url(layout: RunLayout) -> str | None:
+def server_url(layout: RunLayout, job: WatchedJob | None = None) -> str | None:
     try:
-        with open(str(layout.server_info_file)) as f:
+        with open(job.server_info_path(layout) if job else str(layout.server_info_file)) as f:
             return json.load(f).get("url")
     except (OSError, ValueError, AttributeError):
         return None
@@ -507,7 +528,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     hb, hb_err = _read_heartbeat(job, layout)
     hb_read_at = t0
     worker = read_process(layout, job.role, mem, t0)
-    server = read_process(layout, "capture_server", mem, t0) if job.uses_server else None
+    server = read_process(layout, job.server_role, mem, t0) if job.uses_server else None
     pace = pace_of(hb, cfg)
     stale_after = pace.stale_after_s if health_when_stale_after_s is None else health_when_stale_after_s
     running = hb is not None and hb.state not in ("complete", "failed")
@@ -524,7 +545,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
             cfg, gpu_sampler, mem, t0, until=until, min_span_s=span)), daemon=True)
         t.start()
         try:
-            health = check(server_url(layout), cfg.watchdog.health_timeout_s)
+            health = check(server_url(layout, job), cfg.watchdog.health_timeout_s)
         finally:
             until.set()
             t.join()
@@ -534,7 +555,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
         hb_read_at = clock()
         hb, hb_err = _read_heartbeat(job, layout)
         worker = read_process(layout, job.role, mem, hb_read_at)
-        server = read_process(layout, "capture_server", mem, hb_read_at)
+        server = read_process(layout, job.server_role, mem, hb_read_at)
         pace = pace_of(hb, cfg)
         if hb is not None and (hb.last_progress_at or 0.0) > before:
             progressed = hb.last_progress_at
@@ -549,7 +570,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
             and (not worker.alive or worker.stopped or t_end - _progress_at(hb, worker) >= stale_after):
         # the heartbeat lags the manifest by up to one write interval, and a frozen or dead
         # worker never catches up: the manifest is what is stored
-        stored = stored_samples(layout, job.shard)
+        stored = stored_samples(layout, job.shard, job)
         hb.done = max(hb.done, stored)
     if not worker.alive and worker.recorded and hb is not None and hb.state not in ("complete", "failed") \
             and worker.pid:
@@ -592,11 +613,13 @@ def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
     return ""
 
 
-def stored_samples(layout: RunLayout, shard: int) -> int:
-    """Distinct samples in the shard's manifest (a partial last line is not one)."""
+def stored_samples(layout: RunLayout, shard: int, job: WatchedJob | None = None) -> int:
+    """Distinct samples (records, for a generation shard) in the shard's manifest (a partial last line is not one)."""
     from eagleflow.capture.manifest import read_manifest
+    path = (Path(job.work_dir(layout)) / "manifest.jsonl") if job is not None and job.generating \
+        else layout.manifest_file(shard)
     try:
-        return len(read_manifest(layout.manifest_file(shard)).entries)
+        return len(read_manifest(path).entries)
     except OSError:
         return 0
 

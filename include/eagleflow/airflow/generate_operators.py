@@ -1,0 +1,146 @@
+"""The generation phase in Airflow: serving-mode server (setup), shards under the stall watch, server stop (teardown).
+
+Every operator is a logged no-op success when ``generate.enabled`` is off, so
+the DAG's wiring stays one shape and the corpus phase after it runs as before.
+A generation shard is watched by the extraction's own watch
+(``ShardWatchTrigger``, node-side ``eagleflow watch --shard I --generate``):
+the worker writes the same heartbeat and manifest, so the verdicts (stalled,
+dead, failed) and their evidence are the same. A stall is not recovered in the
+watch (recovery restarts the capture server, not this one): the task fails
+with the diagnosis, its failure mail goes out, and the retry resumes the shard
+from its manifest, restarting the server when it is gone.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.shard_watch import ShardWatchTrigger
+from eagleflow.capture.lifecycle import CaptureServerNotReady
+from eagleflow.generate.lifecycle import (SERVER_ROLE, check_ready, start_generate_server,
+                                          start_or_attach_generate_worker, stop_generate_server,
+                                          wait_generate_server_ready)
+from eagleflow.heartbeat import Heartbeat
+from eagleflow.nodes.process_record import RecordList
+
+OFF = "generate.enabled is off: the sources are tokenised as they are"
+
+
+class GenerateShardWatchTrigger(ShardWatchTrigger):
+    """The extraction watch over a generation shard (no in-watch recovery: see the module doc)."""
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return "eagleflow.airflow.generate_operators.GenerateShardWatchTrigger", self._serialize_common(
+            {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
+             "recoveries_left": 0})
+
+    def _recoverable(self, diag) -> bool:
+        return False
+
+    def _job_label(self) -> str:
+        return f"generate shard {self.shard}"
+
+    def _watch_args(self) -> list[str]:
+        return ["--shard", str(self.shard), "--generate"]
+
+    def _job_name(self, ctx: RunContext) -> str:
+        return f"generate shard {self.shard}/{ctx.cfg.generate.shards}"
+
+
+class StartGenerateServerOperator(RunOperator):
+    """Setup: the target in serving mode (kept when one of this run is alive), then wait until it answers."""
+
+    ui_color = "#e0ecff"
+
+    def run(self, ctx, context):
+        if not ctx.cfg.generate.enabled:
+            self.log.info("%s", OFF)
+            return None
+        rec, _ = start_generate_server(ctx, log=self.log.info)
+        try:
+            info = wait_generate_server_ready(ctx, log=self.log.info)
+        except CaptureServerNotReady as e:
+            raise AirflowFailException(str(e)) from None
+        return {"pid": rec.pid, "url": info.get("url")}
+
+
+class PlanGenerateShardsOperator(RunOperator):
+    """The shard numbers ``generate_responses`` is mapped over (one no-op shard when the phase is off)."""
+
+    def run(self, ctx, context):
+        n = ctx.cfg.generate.shards if ctx.cfg.generate.enabled else 1
+        return list(range(n))
+
+
+class GenerateShardOperator(RunOperator):
+    """One generation shard: its detached worker (started or attached to), watched until complete."""
+
+    ui_color = "#e8f0fb"
+    retry_advice = "The retry resumes the shard from its manifest (finished records are kept, never redone)."
+
+    def __init__(self, *, shard: int, deferrable: bool | None = None, **kw):
+        super().__init__(**kw)
+        self.shard = shard
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
+
+    def run(self, ctx, context):
+        if not ctx.cfg.generate.enabled:
+            self.log.info("%s", OFF)
+            return None
+        shard = int(self.shard)
+        state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
+        if state == "dead":   # a retry after the server died: put it back (it is this run's, recorded)
+            self.log.warning("generate shard %d: %s; starting the generation server again", shard, detail)
+            start_generate_server(ctx, log=self.log.info)
+            try:
+                wait_generate_server_ready(ctx, log=self.log.info)
+            except CaptureServerNotReady as e:
+                raise AirflowFailException(str(e)) from None
+        start_or_attach_generate_worker(ctx, shard, log=self.log.info)
+        trigger = GenerateShardWatchTrigger(run=ctx.trigger_ref(), shard=shard)
+        if not self.deferrable:
+            return self._finish(ctx, run_trigger_here(trigger))
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def execute_complete(self, context, event: dict[str, Any]):
+        ctx = RunContext.from_airflow(context)
+        try:
+            return self._finish(ctx, event)
+        finally:
+            ctx.close()
+
+    def _finish(self, ctx, event: dict[str, Any]):
+        shard = int(self.shard)
+        text = ctx.node.read_text(str(ctx.layout.generate_shard_dir(shard) / "heartbeat.json"))
+        if text:
+            self.log.info("%s", Heartbeat.from_json(text).progress_line())
+        if event.get("status") == "complete":
+            return {"shard": shard, "summary": event.get("summary", "")}
+        from eagleflow.watchdog.diagnosis import StallDetected
+        raise StallDetected(event.get("subject") or f"generate shard {shard} {event.get('status')}",
+                            event.get("diagnosis") or str(event))
+
+
+class StopGenerateServerOperator(RunOperator):
+    """Teardown: stop this run's live generation workers and the generation server, before capture starts."""
+
+    def __init__(self, *, grace_s: float = 30.0, **kw):
+        super().__init__(**kw)
+        self.grace_s = grace_s
+
+    def run(self, ctx, context):
+        records = ctx.node.run_json(ctx.node.process_record_argv(
+            "list", "--pids-dir", str(ctx.layout.pids_dir), "--run-id", ctx.layout.run_id,
+            "--role-pattern", r"generate_shard_\d{5}"), RecordList, timeout=60)
+        for st in records.records:
+            if st.record is not None:
+                stopped = ctx.node.stop_recorded(st.record.pid_file, grace_s=self.grace_s)
+                if stopped.outcome not in ("already_gone", "not_recorded"):
+                    self.log.warning("stopped a still-running generation worker (%s): %s", st.record.role,
+                                     stopped.detail)
+        if ctx.node.process_status(str(ctx.layout.pid_file(SERVER_ROLE))).recorded or ctx.cfg.generate.enabled:
+            return stop_generate_server(ctx, grace_s=self.grace_s, log=self.log.info)
+        return None

@@ -1,0 +1,105 @@
+"""A frozen generation server under Airflow: /generate hangs while /health_generate still answers (sglang issue
+4191's shape). One dag.test() run of the real operators (serving-mode server setup, generate_responses shard
+under the extraction's watch, teardown), the real-run watch defaults and a real SMTP server: the stall is found
+within the detection bound (<= 60 s), the task fails with the diagnosis and the failure mail names the
+generation shard; the stored records are kept, each once."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.dag_bundle import load_bundle_dag
+from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.processes import kill_recorded
+from tests.fixtures.smtp import SmtpSink, body_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+SMTP_CONN = "smtp_generate_test"
+
+DAG_FILE = """
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param
+
+from eagleflow.airflow.alerts import pipeline_failure_callbacks
+from eagleflow.airflow.generate_operators import (GenerateShardOperator, StartGenerateServerOperator,
+                                                  StopGenerateServerOperator)
+from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
+
+with DAG("generate_frozen_server", schedule=None, catchup=False,
+         default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
+         params={"config_path": Param(CONFIG, type="string")}) as dag:
+    start = StartGenerateServerOperator(task_id="start_generate_server")
+    (WriteRunConfigOperator(task_id="write_run_config") >> start
+     >> GenerateShardOperator(task_id="generate_responses", shard=0, retries=0, deferrable=False)
+     >> StopGenerateServerOperator(task_id="stop_generate_server").as_teardown(setups=start))
+"""
+
+
+class _Hanger(threading.Thread):
+    """Creates the server's hang file once shard 0 has finished ``after`` records."""
+
+    def __init__(self, run_root: Path, hang_file: Path, after: int = 3):
+        super().__init__(daemon=True)
+        self.run_root, self.hang_file, self.after = run_root, hang_file, after
+        self.hung_at: float | None = None
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            m = list(self.run_root.glob("*/generated/shard_00000/manifest.jsonl"))
+            if m and len(m[0].read_text().splitlines()) >= self.after:
+                self.hang_file.touch()
+                self.hung_at = time.time()
+                return
+            time.sleep(0.05)
+
+
+def test_a_frozen_generation_server_is_caught_within_the_bound_and_mailed(airflow_db, demo_assets, tmp_path,
+                                                                           monkeypatch):
+    from eagleflow.capture.hf_server import DELAY_ENV, HANG_FILE_ENV
+    from eagleflow.config import load_config
+    src = demo_assets["sources"][1]
+    # real-run watch defaults (poll 20 s, stall after 15 s, health timeout 20 s), only the mail settings set
+    cfgp = write_short_config(tmp_path, demo_assets, corpus={"sources": [src], "seed": 1, "max_length": 512},
+                              generate={"enabled": True, "shards": 1, "max_new_tokens": 4, "concurrency": 1},
+                              watchdog={"alert_emails": ["oncall@example.test"], "smtp_conn_id": SMTP_CONN,
+                                        "poll_interval_s": 20.0, "stall_after_s": 15.0, "startup_grace_s": 120.0})
+    bound = load_config(cfgp).watchdog.detection_bound_s
+    assert bound <= 60
+    dag = load_bundle_dag(monkeypatch, tmp_path / "dags", "generate_frozen_server.py",
+                          f"CONFIG = {str(cfgp)!r}\n" + DAG_FILE)
+    hang = tmp_path / "hang"
+    monkeypatch.setenv(HANG_FILE_ENV, str(hang))
+    monkeypatch.setenv(DELAY_ENV, "0.1")
+    run_root = tmp_path / "runs"
+    hanger = _Hanger(run_root, hang)
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env(SMTP_CONN).items():
+            monkeypatch.setenv(k, v)
+        hanger.start()
+        try:
+            dr = dag.test()
+        finally:
+            hanger.done.set()
+            hang.unlink(missing_ok=True)
+            kill_recorded(tmp_path / "node-state")
+    assert hanger.hung_at, "the server was never frozen: the shard finished before 3 records?"
+    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
+    assert tis["generate_responses"].state == "failed" and tis["stop_generate_server"].state == "success"
+    mails = [(m, t) for m, t in zip(smtp.messages, smtp.received_at) if "STALLED" in m["Subject"]]
+    assert len(mails) == 1, [m["Subject"] for m in smtp.messages]
+    msg, received = mails[0]
+    assert msg["Subject"] == "[eagleflow] STALLED generate shard 0/1 on local", msg["Subject"]
+    body = body_text(msg)
+    assert "health_generate" in body, body   # the server still answers health: the watch says so
+    print(body)
+    assert received - hanger.hung_at <= bound + 5.0, (received - hanger.hung_at, bound)
+    # the records finished before the freeze are kept, each once
+    shard = next(run_root.iterdir()) / "generated" / "shard_00000"
+    ids = [json.loads(x)["id"] for x in (shard / "manifest.jsonl").read_text().splitlines() if x.strip()]
+    assert len(ids) == len(set(ids)) >= 3
