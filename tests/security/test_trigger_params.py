@@ -34,7 +34,8 @@ from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 with DAG("security_trigger_params", schedule=None, catchup=False,
          params={{"config_path": Param({cfg!r}, type="string"), "run_name": Param(None, type=["null", "string"]),
                   "node_conn_id": Param(None, type=["null", "string"]),
-                  "force_free_gpus": Param(False, type="boolean")}}) as dag:
+                  "force_free_gpus": Param(False, type="boolean"),
+                  "alert_emails": Param(None, type=["null", "array"], items={{"type": "string"}})}}) as dag:
     WriteRunConfigOperator(task_id="write_run_config", retries=0)
 '''
 
@@ -52,7 +53,8 @@ def deployment(tmp_path, monkeypatch, demo_assets):
     monkeypatch.setenv("EAGLEFLOW_HOME", str(tmp_path))
     monkeypatch.setenv("EAGLEFLOW_CONFIG_DIRS", str(configs))
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg))   # the deployment's own config (the DAG parses with it)
-    for var in ("EAGLEFLOW_HEALTH_CONFIGS", "EAGLEFLOW_NODE_CONN_IDS", "EAGLEFLOW_ALLOW_FORCE_FREE"):
+    for var in ("EAGLEFLOW_HEALTH_CONFIGS", "EAGLEFLOW_NODE_CONN_IDS", "EAGLEFLOW_ALLOW_FORCE_FREE",
+                "EAGLEFLOW_ALERT_DOMAINS"):
         monkeypatch.delenv(var, raising=False)
     return {"configs": configs, "config": cfg, "secret": secret}
 
@@ -154,6 +156,21 @@ def test_force_free_from_the_form_is_refused_unless_the_deployment_allows_it(dep
     assert dr.state == "success"
     run_dir = Path(yaml.safe_load(deployment["config"].read_text())["run_root"]) / "forced"
     assert json.loads((run_dir / "run-config.json").read_text())["gpu"]["force_free"] is True
+
+
+def test_alert_recipients_outside_the_deployments_domains_are_refused(deployment, airflow_db, capfd, tmp_path,
+                                                                      monkeypatch):
+    """A run's mails carry its diagnosis: the form may not route them to any address it likes."""
+    monkeypatch.setenv("EAGLEFLOW_ALERT_DOMAINS", "ml.example.com")
+    small = _small_dag(tmp_path, monkeypatch, deployment["config"])
+    log = _refused(small, {"alert_emails": ["someone@elsewhere.net"], "run_name": "mail"}, capfd)
+    assert "'someone@elsewhere.net' is refused" in log and "ml.example.com" in log and "EAGLEFLOW_ALERT_DOMAINS" in log
+    run_root = Path(yaml.safe_load(deployment["config"].read_text())["run_root"])
+    assert not (run_root / "mail").exists()
+    dr = small.test(run_conf={"alert_emails": ["oncall@ml.example.com"], "run_name": "mail-ok"})
+    assert dr.state == "success"
+    frozen = json.loads((run_root / "mail-ok" / "run-config.json").read_text())
+    assert frozen["watchdog"]["alert_emails"] == ["oncall@ml.example.com"]
 
 
 def test_the_demo_config_still_passes(deployment, monkeypatch):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -54,6 +55,7 @@ DEFAULT_CONFIG_ENV = "EAGLEFLOW_CONFIG"
 HEALTH_CONFIGS_ENV = "EAGLEFLOW_HEALTH_CONFIGS"
 CONFIG_DIRS_ENV = "EAGLEFLOW_CONFIG_DIRS"
 NODE_CONN_IDS_ENV = "EAGLEFLOW_NODE_CONN_IDS"
+ALERT_DOMAINS_ENV = "EAGLEFLOW_ALERT_DOMAINS"
 ALLOW_FORCE_FREE_ENV = "EAGLEFLOW_ALLOW_FORCE_FREE"
 PROJECT_ROOT_ENV = "EAGLEFLOW_HOME"
 RUN_CONFIG_XCOM_KEY = "eagleflow_run_config"
@@ -130,6 +132,7 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
                  if params.get(p) not in (None, "", [], False)}
     conn_id = overrides.pop("node.conn_id", None)
+    emails = overrides.pop("watchdog.alert_emails", None)
     if overrides.get("gpu.force_free") and not force_free_allowed():
         raise ConfigError("DAG Param force_free_gpus = true is refused: this deployment does not let a trigger kill "
                           "processes eagleflow did not start (GPU nodes are shared). Leave it off; to force-free a "
@@ -145,7 +148,44 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
                 f"${NODE_CONN_IDS_ENV} in the deployment's settings). Leave it empty to run on the config's node "
                 f"{cfg.node.name!r} (connection {cfg.node.conn_id or 'none: this machine'}), or pick an allowed one")
         cfg.node.conn_id = conn_id
+    if emails is not None:
+        cfg.watchdog.alert_emails = checked_alert_emails(emails, cfg.watchdog.alert_emails)
     return cfg
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@([A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+                      r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+)")
+
+
+def alert_domains(config_emails: list[str]) -> list[str]:
+    """Mail domains the DAG Param alert_emails may name: $EAGLEFLOW_ALERT_DOMAINS (comma-separated), else those
+    of the config's own watchdog.alert_emails."""
+    listed = [d.strip().lower() for d in os.environ.get(ALERT_DOMAINS_ENV, "").split(",") if d.strip()]
+    return listed or sorted({e.rsplit("@", 1)[-1].lower() for e in config_emails if "@" in e})
+
+
+def checked_alert_emails(value: Any, config_emails: list[str]) -> list[str]:
+    """The trigger form's recipients, each one plain address in an allowed domain.
+
+    A run's mails carry its diagnosis (node names, paths, process evidence): a trigger must not route them to
+    any address it likes, nor smuggle extra headers or recipients into one entry.
+    """
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"DAG Param alert_emails = {value!r}: expected a list of mail addresses")
+    domains = alert_domains(config_emails)
+    out = []
+    for addr in (v.strip() for v in value):
+        m = _ADDRESS.fullmatch(addr)
+        if not m:
+            raise ConfigError(f"DAG Param alert_emails: {addr!r} is not one plain mail address (name@domain; no "
+                              f"display names, commas or line breaks); give one address per entry")
+        if addr not in config_emails and m.group(1).lower() not in domains:
+            raise ConfigError(f"DAG Param alert_emails: {addr!r} is refused: a trigger may mail only addresses in "
+                              f"this deployment's domains ({', '.join(domains) or 'none'}; ${ALERT_DOMAINS_ENV} in the "
+                              f"deployment's settings, else the domains of the config's watchdog.alert_emails). "
+                              f"Leave the Param empty to mail the config's recipients")
+        out.append(addr)
+    return out
 
 
 def allowed_node_conn_ids() -> list[str]:
