@@ -9,6 +9,7 @@ stalled, dead or failed; it resumes from its last checkpoint.
 """
 from __future__ import annotations
 
+from airflow.sdk import Asset
 from pydantic import BaseModel
 
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
@@ -130,6 +131,10 @@ class ExportDraftOperator(RunOperator):
                 "metrics": str(ctx.layout.draft_dir / "metrics.jsonl")}
 
 
+# A promoted draft: one event per promotion, its extra the figures (a deployment DAG schedules on it).
+PROMOTED_DRAFT_ASSET = Asset(name="eagleflow_promoted_draft", uri="eagleflow://promoted-draft")
+
+
 class EvalAnswer(BaseModel):
     """`eagleflow evaluate --json` (exit 0 passed, 1 refused)."""
     run_id: str
@@ -146,18 +151,21 @@ class EvalAnswer(BaseModel):
 class EvaluateDraftOperator(RunOperator):
     """`eagleflow evaluate` on the node: held-out speculative decoding with the export and the promotion gate.
 
-    Fails the run when the gate refuses the draft (the message says both numbers); the export stays."""
+    Fails the run when the gate refuses the draft (the message says both numbers); the export stays. A
+    promoted draft emits ``PROMOTED_DRAFT_ASSET`` with its path and the acceptance table (a failed task emits
+    no event, so a refused draft never triggers a deployment)."""
 
     ui_color = "#f3e8fb"
 
     def __init__(self, *, timeout_s: float = 3600.0, **kw):
+        kw.setdefault("outlets", [PROMOTED_DRAFT_ASSET])
         super().__init__(**kw)
         self.timeout_s = timeout_s
 
     def run(self, ctx: RunContext, context):
         from airflow.sdk.exceptions import AirflowFailException
 
-        from eagleflow.evaluate.run import table_lines
+        from eagleflow.evaluate.run import acceptance_table, accept_lengths, table_lines
         answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self.timeout_s,
                                    answer_codes=(0, 1), log=self.log.info)
         for line in table_lines(answer.model_dump()):
@@ -167,5 +175,10 @@ class EvaluateDraftOperator(RunOperator):
                                        + "; ".join(answer.refused) + f". Figures in {answer.eval_file} on node "
                                        f"{ctx.node.name}")
         self.log.info("draft %s passed; promoted (%s)", answer.draft, answer.promoted)
-        return {"passed": True, "eval_file": answer.eval_file, "promoted": answer.promoted,
-                "accept_length": {r["config"]: r["draft"]["accept_length"] for r in answer.results}}
+        summary = {"passed": True, "run_id": answer.run_id, "node": ctx.node.name, "draft": answer.draft,
+                   "eval_file": answer.eval_file, "promoted": answer.promoted,
+                   "accept_length": accept_lengths(answer.results), "table": acceptance_table(answer.results)}
+        outlet_events = context.get("outlet_events")
+        if outlet_events is not None:
+            outlet_events[PROMOTED_DRAFT_ASSET].extra = summary
+        return summary
