@@ -14,6 +14,8 @@
 #                  within one poll once it exits (bench/gpu_check_stages.py)
 #   train          draft training at Llama-3-8B draft dims: tokens/s, step time, peak memory, loss falling
 #                  (bench/gpu_check_train.py)
+#   train_fp8      the same at 2048 tokens from an fp8 store (capture.store_dtype fp8_e4m3): the loader's batch
+#                  de-quantised on the GPU, checked against the CPU's, and training steps on it
 #   hf_capture     the hf capture server on the GPU (bf16) and one shard of a tiny local target, verified
 #                  against the manifest, compared row by row with a CPU float32 forward
 #   specdec        speculative decoding with the evaluation phase's decoder (eagleflow.evaluate) on the GPU: a
@@ -48,7 +50,7 @@ T0=$SECONDS
 # the limits are sized for the GPU machine; a dry run on a slow shared CPU gets 3x the time (same mechanism)
 if [ "$DRY" = 1 ]; then SCALE=${GPU_CHECK_LIMIT_SCALE:-3}; else SCALE=${GPU_CHECK_LIMIT_SCALE:-1}; fi
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((330 * SCALE))}
-STAGES=(env gpu train hf_capture specdec sglang_capture sglang_eagle3)
+STAGES=(env gpu train train_fp8 hf_capture specdec sglang_capture sglang_eagle3)
 
 if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
 mkdir -p "$OUT" || { echo "bench/gpu_check.sh: cannot create OUT=$OUT" >&2; exit 2; }
@@ -151,9 +153,13 @@ run_stage gpu 75 "$PY" bench/gpu_check_stages.py gpu --work "$WORK"
 if [ "$DRY" = 0 ] && [ "$(status_of env cuda_available)" = True ]; then
   run_stage train 120 "$PY" bench/gpu_check_train.py --device cuda --dims llama3-8b --seq 2048 --steps 10 \
     --long-seq 8192 --data-samples 4
+  run_stage train_fp8 60 "$PY" bench/gpu_check_train.py --device cuda --dims llama3-8b --seq 2048 --steps 3 \
+    --long-seq 0 --data-samples 2 --store-dtype fp8_e4m3 --stage train_fp8
 else   # the same code on the CPU at toy dims
   run_stage train 120 "$PY" bench/gpu_check_train.py --device cpu --dims tiny --seq 64 --steps 2 --long-seq 0 \
     --data-samples 1
+  run_stage train_fp8 60 "$PY" bench/gpu_check_train.py --device cpu --dims tiny --seq 64 --steps 2 --long-seq 0 \
+    --data-samples 1 --store-dtype fp8_e4m3 --stage train_fp8
 fi
 run_stage hf_capture 120 "$PY" bench/gpu_check_stages.py hf_capture --work "$WORK" --samples 16
 stop_hf_server

@@ -10,6 +10,11 @@ the storage format, read + collate + copy to the GPU) against a step.
     python bench/gpu_check_train.py [--seq 2048] [--steps 10] [--data-samples 4]
     (or under torchrun: python -m torch.distributed.run --nproc_per_node 1 bench/gpu_check_train.py)
 
+``--store-dtype fp8_e4m3 --stage train_fp8``: the stored samples are fp8
+(capture.store_dtype), the loader's batches are de-quantised on the GPU
+(``Batch.to``), checked against the CPU de-quantisation, and the timed
+training steps run on those loaded batches instead of a synthetic one.
+
 Prints one line per measurement and a final JSON line.
 """
 from __future__ import annotations
@@ -66,11 +71,11 @@ def _synthetic_batch(seq: int, h: int, vocab: int, device, dtype: torch.dtype, g
                  hidden_states=torch.randn(1, seq, h, generator=gen).to(torch.bfloat16)).to(device, dtype)
 
 
-def _write_samples(d: Path, n: int, seq: int, h: int, vocab: int) -> None:
+def _write_samples(d: Path, n: int, seq: int, h: int, vocab: int, store_dtype: str = "auto") -> None:
     from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
     from eagleflow.capture.storage import SampleWriter
     shard = d / "shard_00000"
-    w = SampleWriter(shard, fsync=False)
+    w = SampleWriter(shard, fsync=False, store_dtype=store_dtype)
     with ManifestWriter(shard / "manifest.jsonl", fsync=False) as m:
         for i in range(n):
             s = w.write(index=i, sample_id=f"bench:{i}", input_ids=torch.randint(0, vocab, (seq,)),
@@ -79,7 +84,7 @@ def _write_samples(d: Path, n: int, seq: int, h: int, vocab: int) -> None:
                         hidden_states=torch.randn(seq, h, dtype=torch.bfloat16), aux_layers=[1, 15, 28],
                         model="synthetic-llama3-8b")
             m.append(ManifestEntry(id=f"bench:{i}", index=i, file=s.path.name, tokens=seq, bytes=s.bytes,
-                                   sha256=s.sha256))
+                                   sha256=s.sha256, store_dtype=s.store_dtype))
 
 
 def main() -> int:
@@ -93,9 +98,15 @@ def main() -> int:
     ap.add_argument("--data-samples", type=int, default=4, help="stored samples for the data-path timing; 0 skips")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: dry run of the code paths")
     ap.add_argument("--dims", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    ap.add_argument("--store-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="capture.store_dtype of the stored samples; fp8_e4m3 trains on the loaded batches")
+    ap.add_argument("--stage", default="train", help="the verdict's stage name")
     a = ap.parse_args()
+    fp8 = a.store_dtype == "fp8_e4m3"
+    if fp8 and a.data_samples < 1:
+        ap.error("--store-dtype fp8_e4m3 needs --data-samples >= 1: it trains on the loaded batches")
     if a.device == "cuda" and not torch.cuda.is_available():
-        return write_verdict("train", "fail", f"torch {torch.__version__} sees no CUDA GPU here; run this on a GPU "
+        return write_verdict(a.stage, "fail", f"torch {torch.__version__} sees no CUDA GPU here; run this on a GPU "
                              "node (a CUDA build of torch is needed), or --device cpu --dims tiny to rehearse")
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -144,6 +155,30 @@ def main() -> int:
 
     gen = torch.Generator().manual_seed(0)
     batch = _synthetic_batch(a.seq, h, v, dev, dtype, gen)
+    tmpdir = tempfile.TemporaryDirectory(prefix="eagleflow-gpucheck-")
+    fp8_res: dict = {}
+    if fp8:   # the steps below train on a batch the loader read from the fp8 store, de-quantised on the GPU
+        from eagleflow.capture.storage import read_sample
+        _write_samples(Path(tmpdir.name), a.data_samples, a.seq, h, v, "fp8_e4m3")
+        refs8 = scan_samples(tmpdir.name, log=lambda _m: None, verify_sha256=True)
+        loader8 = HiddenStateLoader(refs8, batch_size=1, seed=0, prefetch=False)
+        raw = loader8.next_batch()
+        sync()
+        s0 = time.perf_counter()
+        batch = raw.to(dev, dtype)
+        sync()
+        deq_s = time.perf_counter() - s0
+        loader8.close()
+        ids = raw.input_ids[0].tolist()
+        src = next(r for r in refs8 if read_sample(r.path, raw=True)[0]["input_ids"].tolist() == ids)
+        want = read_sample(src.path)[0]["aux_hidden_states"].float()    # the CPU's de-quantisation
+        # relative to the batch's range: both round the same float32 products to bf16 (at most an ulp apart)
+        diff = float((batch.aux_hidden_states[0].float().cpu() - want).abs().max() / want.abs().max())
+        fp8_res = {"store_dtype": "fp8_e4m3", "stored_bytes_per_token": refs8[0].bytes / a.seq,
+                   "dequant_copy_ms": 1000 * deq_s, "dequant_max_rel_diff_vs_cpu": diff,
+                   "dequant_device": str(batch.aux_hidden_states.device)}
+        print(f"fp8 store: {refs8[0].bytes / a.seq:,.0f} bytes/token; copy + de-quantise one {a.seq}-token batch "
+              f"on {batch.aux_hidden_states.device}: {1000 * deq_s:.1f} ms; max |GPU - CPU de-quantisation| / max |x| {diff:.3g}")
 
     def step(batch=batch) -> tuple[float, float, list[float]]:
         s0 = time.perf_counter()
@@ -183,7 +218,10 @@ def main() -> int:
     data_s = None
     if a.data_samples > 0:
         with tempfile.TemporaryDirectory(prefix="eagleflow-gpucheck-") as tmp:
-            _write_samples(Path(tmp), a.data_samples, a.seq, h, v)
+            if fp8:
+                tmp = tmpdir.name     # the fp8 store already written
+            else:
+                _write_samples(Path(tmp), a.data_samples, a.seq, h, v)
             refs = scan_samples(tmp, log=lambda _m: None)
             loader = HiddenStateLoader(refs, batch_size=1, seed=0, prefetch=False)
             times = []
@@ -194,7 +232,8 @@ def main() -> int:
                 times.append(time.perf_counter() - s0)
             loader.close()
         data_s = sorted(times)[len(times) // 2]
-        print(f"data path (read {a.seq}-token sample + collate + copy to GPU): {1000 * data_s:.1f} ms "
+        print(f"data path (read {a.seq}-token {a.store_dtype} sample + collate + copy to GPU"
+              f"{' + de-quantise there' if fp8 else ''}): {1000 * data_s:.1f} ms "
               f"= {data_s / step_s:.3f} of a step (page cache warm; the trainer prefetches it on a thread)")
 
     long_res: dict = {}
@@ -225,20 +264,23 @@ def main() -> int:
                "draft_vocab": a.draft_vocab, "hidden": h, "trainable_params_m": round(n_params / 1e6, 1),
                "steps": a.steps, "step_ms": 1000 * step_s, "tokens_per_s": tps, "peak_mem_gib": peak,
                "losses": [round(x, 4) for x in losses], "loss_first": losses[0], "loss_last": losses[-1],
-               "finite": finite, "data_fraction_of_step": None if data_s is None else data_s / step_s}
+               "finite": finite, "data_fraction_of_step": None if data_s is None else data_s / step_s, **fp8_res}
+    tmpdir.cleanup()
     print(json.dumps(figures))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     problems = [p for p, bad in (("a loss is not finite", not finite),
                                  (f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})", losses[-1] >= losses[0]),
-                                 (long_res.get("long_error", ""), "long_error" in long_res)) if bad]
+                                 (long_res.get("long_error", ""), "long_error" in long_res),
+                                 (f"GPU de-quantisation differs from the CPU's by {fp8_res.get('dequant_max_rel_diff_vs_cpu')}",
+                                  fp8 and not fp8_res["dequant_max_rel_diff_vs_cpu"] <= 1e-2)) if bad]
     if problems:
-        return write_verdict("train", "fail", "; ".join(problems), **figures)
+        return write_verdict(a.stage, "fail", "; ".join(problems), **figures)
     if not cuda:
         why = "dry run" if dry_run() else f"torch {torch.__version__} sees no CUDA GPU here"
-        return write_verdict("train", "skipped", f"{why}: needs a CUDA GPU; the training step was rehearsed on the "
+        return write_verdict(a.stage, "skipped", f"{why}: needs a CUDA GPU; the training step was rehearsed on the "
                              f"CPU at {a.dims} dims (not a measurement)", rehearsal=figures)
-    return write_verdict("train", "pass", None, **figures)
+    return write_verdict(a.stage, "pass", None, **figures)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,18 @@ Measured side by side in one run, on the same synthetic stored hidden states
 Prints tokens/s and data path / compute step as a fraction.
 
     .venv/bin/python bench/train.py [--samples 96] [--steps 30] [--ttt 7] [--json bench/results/train.json]
+
+``--real-size`` instead measures the training reader on files of the seeds' size
+(H = 7168, 8,192 tokens a sample, three aux layers plus the last; bf16 ~470 MB
+and fp8 ~235 MB a file): for each store dtype it writes ``--real-samples``
+files (fsynced), drops them from the page cache (posix_fadvise DONTNEED, no
+root needed), times a raw sequential read of the same files, drops them again
+and times the reader (HiddenStateLoader: read, checks, collate; then
+``Batch.to`` de-quantising to bf16, on the CPU here, on the training GPU in a
+run), and prints reader bytes/s / raw bytes/s and the reader's CPU seconds per
+sample. The files are deleted at the end.
+
+    .venv/bin/python bench/train.py --real-size [--real-samples 3] [--dir /some/disk]
 """
 from __future__ import annotations
 
@@ -51,8 +63,15 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1 keeps numbers stable on a shared machine)")
+    ap.add_argument("--real-size", action="store_true", help="the reader at H=7168, 8192 tokens (see above)")
+    ap.add_argument("--real-samples", type=int, default=3)
+    ap.add_argument("--real-tokens", type=int, default=8192)
+    ap.add_argument("--real-hidden", type=int, default=7168)
+    ap.add_argument("--dir", default=None, help="--real-size: where to write the files (default: a temp dir)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.real_size:
+        return real_size(a)
 
     assets = ensure_demo_assets(REPO / ".cache" / "test-assets", n_per_source=24)
     target = assets["target_model"]
@@ -120,6 +139,112 @@ def main() -> int:
             "threads": a.threads, "samples": len(refs), "batch": a.batch, "ttt": a.ttt, "draft_vocab": a.draft_vocab,
             "data_ms": 1000 * data_med, "compute_step_ms": 1000 * step_med, "compute_tokens_per_s": compute_tps,
             "trainer_tokens_per_s": e2e_tps, "data_fraction_of_step": data_med / step_med}, indent=2) + "\n")
+    return 0
+
+
+def _drop_cache(paths) -> None:
+    import os
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_read(paths, chunk: int = 16 << 20) -> int:
+    import os
+    n = 0
+    buf = bytearray(chunk)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                k = f.readinto(buf)
+                if not k:
+                    break
+                n += k
+    return n
+
+
+def real_size(a) -> int:
+    """The training reader against a raw sequential read of the same files, at the seeds' sizes."""
+    import json
+    import os
+    import shutil
+
+    from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
+    from eagleflow.capture.storage import SampleWriter
+
+    L, H, n = a.real_tokens, a.real_hidden, a.real_samples
+    root = Path(tempfile.mkdtemp(prefix="eagleflow-bench-realsize-", dir=a.dir))
+    results = {}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {n} samples x {L} tokens, H = {H}, "
+          f"aux 3H + last H; files under {root}")
+    try:
+        g = torch.Generator().manual_seed(0)
+        aux = torch.randn(L, 3 * H, generator=g).to(torch.bfloat16)
+        hid = torch.randn(L, H, generator=g).to(torch.bfloat16)
+        for store in ("auto", "fp8_e4m3"):
+            shard = root / store / "shard_00000"
+            w = SampleWriter(shard, fsync=True, store_dtype=store)
+            t0 = time.perf_counter()
+            with ManifestWriter(shard / "manifest.jsonl") as m:
+                for i in range(n):
+                    # a different sample each time (the same bytes would dedupe nowhere, but keep them honest)
+                    st = w.write(index=i, sample_id=f"bench:{i}", input_ids=torch.randint(0, 150_000, (L,)),
+                                 loss_mask=torch.ones(L, dtype=torch.uint8), aux_hidden_states=aux.roll(i, 0),
+                                 hidden_states=hid.roll(i, 0), aux_layers=[2, 30, 57], model="bench")
+                    m.append(ManifestEntry(f"bench:{i}", i, st.path.name, L, st.bytes, st.sha256,
+                                           os.stat(st.path).st_mtime_ns, st.store_dtype))
+            write_s = time.perf_counter() - t0
+            refs = scan_samples(root / store, log=lambda _m: None)
+            paths = [r.path for r in refs]
+            size = sum(r.bytes for r in refs)
+            _drop_cache(paths)
+            t0 = time.perf_counter()
+            got = _raw_read(paths)
+            raw_s = time.perf_counter() - t0
+            assert got == size
+            _drop_cache(paths)
+            loader = HiddenStateLoader(refs, batch_size=1, seed=0, prefetch=True)
+            c0, t0 = time.process_time(), time.perf_counter()
+            batches = [loader.next_batch() for _ in range(n)]    # what goes to the training device
+            read_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+            loader.close()
+            # de-quantising (fp8) or casting (bf16) to the training dtype: on the GPU in a GPU run
+            # (bench/gpu_check.sh times it there), on these CPUs in a CPU run
+            c0 = time.process_time()
+            for b in batches:
+                out = b.to(torch.device("cpu"), torch.bfloat16)
+                assert out.aux_hidden_states.dtype == torch.bfloat16 and out.num_tokens == L
+                del out
+            to_cpu_s = time.process_time() - c0
+            del batches
+            _drop_cache(paths)
+            t0 = time.perf_counter()
+            from eagleflow.capture.storage import file_sha256
+            for r in refs:
+                assert file_sha256(r.path) == r.sha256
+            sha_s = time.perf_counter() - t0
+            res = {"files": n, "bytes": size, "bytes_per_token": size / (n * L), "write_s": write_s,
+                   "raw_MBps": size / raw_s / 1e6, "reader_MBps": size / read_s / 1e6, "ratio": raw_s / read_s,
+                   "reader_cpu_s_per_sample": cpu_s / n, "sha256_MBps": size / sha_s / 1e6,
+                   "to_bf16_on_cpu_s_per_sample": to_cpu_s / n}
+            results[store] = res
+            print(f"{store:9s}: {size / n / 1e6:7.1f} MB a sample ({res['bytes_per_token']:,.0f} bytes/token); raw "
+                  f"sequential read {res['raw_MBps']:,.0f} MB/s, reader (read+checks+collate) "
+                  f"{res['reader_MBps']:,.0f} MB/s = {res['ratio']:.2f} of raw; reader CPU "
+                  f"{res['reader_cpu_s_per_sample']:.2f} s/sample; to bf16 on the CPU (a CPU run only) "
+                  f"{res['to_bf16_on_cpu_s_per_sample']:.2f} s/sample; sha256 (cold) {res['sha256_MBps']:,.0f} MB/s")
+            shutil.rmtree(root / store)
+        r8, r16 = results["fp8_e4m3"], results["auto"]
+        print(f"fp8 / bf16 stored bytes per token = {r8['bytes_per_token'] / r16['bytes_per_token']:.4f}; "
+              f"samples/s through the reader: bf16 {r16['reader_MBps'] * 1e6 / (r16['bytes'] / n):.2f}, "
+              f"fp8 {r8['reader_MBps'] * 1e6 / (r8['bytes'] / n):.2f}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

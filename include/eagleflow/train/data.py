@@ -6,8 +6,11 @@
   reported, per ``on_bad``. Given the verification record, only its shards
   are read, and a file written after verification counts as a mismatch
   (training takes only what ``capture verify`` passed).
-- Reading: ``safetensors.safe_open`` maps a file and copies out only the
-  tensors asked for; a sample is never loaded whole into memory beforehand.
+- Reading: the safetensors header is parsed and checked here, then each
+  tensor asked for is read straight into its own buffer with large
+  sequential reads (no mmap page faults, no second copy): at 470 MB a sample
+  this is what keeps the reader near the disk's sequential rate (bench/train.py
+  --real-size). Only the tensors asked for are read.
 - Order: a pure function of (seed, epoch): shuffle, group ~``bucket_batches``
   batches' worth of samples, sort each group by length (less padding), cut
   into batches, shuffle the batches. The position in that order
@@ -128,32 +131,77 @@ def _check_file(path: Path, size: int, sha256: str | None, verified_mtime_ns: in
     return None
 
 
+_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_READ_CHUNK = 16 << 20
+_MAX_HEADER = 100 << 20      # safetensors' own limit
+
+
+def _read_safetensors(path: str, keys: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """(the named tensors, metadata, keys in the file), each tensor read into its own buffer.
+
+    Raises ValueError for a header safetensors would refuse (bad length or JSON, unknown dtype, offsets
+    that do not match the shape or run past the file) and OSError for a file cut short."""
+    import json
+    import math
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        n = int.from_bytes(first, "little") if len(first) == 8 else -1
+        if not 0 < n <= min(_MAX_HEADER, size - 8):
+            raise ValueError(f"header length {n} does not fit a {size}-byte file")
+        header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", None) or {}
+        base = 8 + n
+        out: dict[str, torch.Tensor] = {}
+        for k in keys:
+            e = header.get(k)
+            if e is None:
+                continue
+            dt = _ST_DTYPES.get(e["dtype"])
+            if dt is None:
+                raise ValueError(f"{k}: dtype {e['dtype']!r} is not a stored-sample dtype")
+            start, end = (int(x) for x in e["data_offsets"])
+            shape = [int(x) for x in e["shape"]]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            if end - start != nbytes or start < 0 or base + end > size:
+                raise ValueError(f"{k}: offsets {start}..{end} do not hold shape {shape} {e['dtype']} in the "
+                                 f"{size}-byte file")
+            t = torch.empty(shape, dtype=dt)
+            view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
+            f.seek(base + start)
+            got = 0
+            while got < nbytes:
+                k_read = f.readinto(view[got:got + _READ_CHUNK])
+                if not k_read:
+                    raise OSError(f"file ends after {base + start + got} bytes, inside {k}")
+                got += k_read
+            out[k] = t
+    return out, meta, list(header)
+
+
 def read_sample_keys(ref: SampleRef, keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """The named tensors of one stored sample, checked for presence and length.
 
     From an fp8 store a hidden-state key comes as float8 with its ``<key>_scale`` beside it
     (``Batch.to`` de-quantises on the device); the file's own metadata must say fp8_e4m3.
     """
-    from safetensors import safe_open
     wanted = list(keys)
     if ref.store_dtype == "fp8_e4m3":
         wanted += [k + SCALE_SUFFIX for k in keys if k in QUANTISED_KEYS]
     try:
-        with safe_open(ref.path, framework="pt") as f:
-            stored_as = (f.metadata() or {}).get("store_dtype", "auto")
-            if stored_as != ref.store_dtype:
-                raise BadSampleError(f"{ref.path}: its metadata says store_dtype {stored_as}, its manifest line "
-                                     f"says {ref.store_dtype}; re-run its shard's extraction")
-            have = set(f.keys())
-            missing = [k for k in wanted if k not in have]
-            if missing:
-                raise BadSampleError(f"{ref.path}: missing key(s) {missing}; a stored sample has "
-                                     f"{list(SAMPLE_KEYS)}" + (" and their _scale keys" if wanted != list(keys) else ""))
-            out = {k: f.get_tensor(k) for k in wanted}
-    except BadSampleError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        out, meta, have = _read_safetensors(ref.path, wanted)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise BadSampleError(f"{ref.path}: not a readable safetensors file ({e}); re-run its shard's extraction") from None
+    stored_as = meta.get("store_dtype", "auto")
+    if stored_as != ref.store_dtype:
+        raise BadSampleError(f"{ref.path}: its metadata says store_dtype {stored_as}, its manifest line "
+                             f"says {ref.store_dtype}; re-run its shard's extraction")
+    missing = [k for k in wanted if k not in out]
+    if missing:
+        raise BadSampleError(f"{ref.path}: missing key(s) {missing}; a stored sample has "
+                             f"{list(SAMPLE_KEYS)}" + (" and their _scale keys" if wanted != list(keys) else ""))
     for k, t in out.items():
         if int(t.shape[0]) != ref.tokens:
             raise BadSampleError(f"{ref.path}: {k} has {int(t.shape[0])} rows but the manifest records "
@@ -203,6 +251,12 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = Non
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     t = max(lengths) if max_length is None else min(max(lengths), max_length)
     b = len(samples)
+    if b == 1 and lengths[0] == t:   # nothing to pad: the read buffers are the batch (no 470 MB copy)
+        s = samples[0]
+        one = lambda k: s[k].unsqueeze(0) if k in s else None  # noqa: E731
+        return Batch(s["input_ids"].to(torch.int64).unsqueeze(0), s["loss_mask"].bool().unsqueeze(0),
+                     torch.ones(1, t, dtype=torch.bool), one("aux_hidden_states"), one("hidden_states"),
+                     one("aux_hidden_states" + SCALE_SUFFIX), one("hidden_states" + SCALE_SUFFIX))
     aux_w = samples[0]["aux_hidden_states"].shape[1]
     h = samples[0]["hidden_states"].shape[1]
     dtype = samples[0]["hidden_states"].dtype

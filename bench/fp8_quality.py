@@ -1,0 +1,175 @@
+"""Held-out acceptance of drafts trained from a bf16 store and from an fp8 store of the same corpus.
+
+The demo's pipeline, phase by phase through the node CLI (what `make demo` runs through Airflow):
+`corpus prepare` -> the hf capture server and `capture run` per shard -> `capture verify --stats`, once per
+capture.store_dtype (auto: the tiny demo target's float32; fp8_e4m3), on the same corpus (same sources and
+seed: the two corpus.parquet files are checked to be byte-identical); then per seed `train` -> `export` ->
+`evaluate --json` (the hf backend's real speculative decoding, greedy, of the held-out split). Every seed
+trains in its own run directory whose corpus/ and hidden_states/ link to its store's capture.
+
+Prints, per store and eval configuration, the acceptance length of each seed, the mean and the spread
+(sample standard deviation; min..max), and fp8 - bf16 as a difference of means with the seeds' spread.
+
+    .venv/bin/python bench/fp8_quality.py [--seeds 1 2 3] [--steps 150] [--json bench/results/fp8_quality.json]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "include"))
+
+import yaml  # noqa: E402
+
+from eagleflow.demo_assets import ensure_demo_assets  # noqa: E402
+
+STORES = {"auto": "bf16 store (auto: the target's dtype)", "fp8_e4m3": "fp8 store"}
+
+
+def _cli(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "eagleflow.cli", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+    if p.returncode not in (0, 1) or (p.returncode == 1 and args[0] != "evaluate"):
+        raise SystemExit(f"eagleflow {' '.join(args)} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n"
+                         f"{p.stderr[-3000:]}")
+    return p
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--steps", type=int, default=150, help="train.max_steps (the demo's 150)")
+    ap.add_argument("--eval-fraction", type=float, default=0.15,
+                    help="corpus.eval_fraction: more held-out prompts than the demo's 3 %% (4), so a 1 %% "
+                         "difference is not lost in 4 prompts")
+    ap.add_argument("--max-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    t_all = time.time()
+    ensure_demo_assets(REPO / ".cache" / "demo")
+    root = Path(a.dir or tempfile.mkdtemp(prefix="eagleflow-fp8-quality-"))
+    demo = yaml.safe_load((REPO / "configs" / "local-demo.yaml").read_text())
+    base = REPO / "configs"
+    demo["run_root"] = str(root / "runs")
+    demo["target_model"] = str((base / demo["target_model"]).resolve())
+    for s in demo["corpus"]["sources"]:
+        s["path"] = str((base / s["path"]).resolve())
+    demo["corpus"]["eval_fraction"] = a.eval_fraction
+    demo["capture"]["dump_dir"] = str(root / "dumps")
+    demo["node"]["state_dir"] = str(root / "state")
+    demo["train"]["max_steps"] = a.steps
+    demo["eval"].update(max_prompts=a.max_prompts, max_new_tokens=a.max_new_tokens)
+    if "generate" in demo:   # the demo's regeneration phase is not what is compared: the sources as they are
+        demo["generate"]["enabled"] = False
+
+    from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, stop_capture_server,
+                                             wait_capture_server_ready)
+    from eagleflow.config import load_config
+    from eagleflow.layout import RunLayout
+
+    results: dict = {"seeds": a.seeds, "steps": a.steps, "stores": {}}
+    corpus_digest = {}
+    for store in STORES:
+        cfgp = root / f"config-{store}.yaml"
+        data = json.loads(json.dumps(demo))
+        data["capture"]["store_dtype"] = store
+        cfgp.write_text(yaml.safe_dump(data))
+        run = f"cap-{store}"
+        t0 = time.time()
+        _cli("corpus", "prepare", "--config", str(cfgp), "--run-id", run)
+        cfg = load_config(cfgp)
+        lay = RunLayout.for_run(cfg, run)
+        corpus_digest[store] = hashlib.sha256((Path(lay.corpus_dir) / "corpus.parquet").read_bytes()).hexdigest()
+        ctx = LocalRun(cfg=cfg, layout=lay, config_path=str(cfgp))
+        start_capture_server(ctx)
+        try:
+            wait_capture_server_ready(ctx, timeout_s=300, poll_s=0.5)
+            for shard in range(cfg.capture.shards):
+                _cli("capture", "run", "--config", str(cfgp), "--run-id", run, "--shard", str(shard))
+        finally:
+            stop_capture_server(ctx, grace_s=10)
+        ver = _cli("capture", "verify", "--config", str(cfgp), "--run-id", run, "--stats", "--json")
+        vj = json.loads(ver.stdout.strip().splitlines()[-1])
+        stored = sum(json.loads(x)["bytes"] for m in Path(lay.hidden_states_dir).glob("shard_*/manifest.jsonl")
+                     for x in m.read_text().splitlines() if x.strip())
+        tokens = sum(json.loads(x)["tokens"] for m in Path(lay.hidden_states_dir).glob("shard_*/manifest.jsonl")
+                     for x in m.read_text().splitlines() if x.strip())
+        entry = {"samples": vj["stored"], "tokens": tokens, "stored_bytes": stored,
+                 "bytes_per_token": stored / tokens, "quantisation": vj.get("quantisation"),
+                 "capture_s": time.time() - t0, "runs": {}}
+        print(f"[{store}] captured {vj['stored']} samples, {tokens:,} tokens, {stored / 2**20:.1f} MiB "
+              f"({stored / tokens:,.1f} bytes/token) in {entry['capture_s']:.0f} s", flush=True)
+        for seed in a.seeds:
+            rid = f"{store}-seed{seed}"
+            rdir = Path(cfg.run_dir(rid))
+            rdir.mkdir(parents=True, exist_ok=True)
+            for sub in ("corpus", "hidden_states"):   # the store's capture, shared by its seeds
+                link = rdir / sub
+                if not link.exists():
+                    os.symlink(Path(lay.run_dir) / sub, link)
+            sets = ["--config", str(cfgp), "--run-id", rid, "--set", f"train.seed={seed}"]
+            t0 = time.time()
+            tr = _cli("train", *sets)
+            _cli("export", *sets)
+            ev = _cli("evaluate", *sets, "--json")
+            summary = json.loads(ev.stdout.strip().splitlines()[-1])
+            rows = {f"{r.get('prompt_set', 'held_out')}:{r['config']}": r["draft"] for r in summary["results"]}
+            metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
+            entry["runs"][seed] = {"accept_length": {k: r["accept_length"] for k, r in rows.items()},
+                                   "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
+                                   "seconds": time.time() - t0}
+            print(f"[{store}] seed {seed}: " + ", ".join(f"{k} {v['accept_length']:.3f}" for k, v in rows.items())
+                  + f"; final loss {metrics[-1]['loss']:.3f} ({time.time() - t0:.0f} s)"
+                  + ("" if "Traceback" not in tr.stderr else " (train printed a traceback)"), flush=True)
+        results["stores"][store] = entry
+    if len(set(corpus_digest.values())) != 1:
+        raise SystemExit(f"the two captures did not get the same corpus ({corpus_digest}); the comparison is void")
+    results["corpus_sha256"] = corpus_digest["auto"]
+
+    a16, a8 = results["stores"]["auto"], results["stores"]["fp8_e4m3"]
+    print(f"\nfp8 / bf16 stored bytes per token on the demo: {a8['bytes_per_token'] / a16['bytes_per_token']:.4f} "
+          f"({a8['bytes_per_token']:.1f} / {a16['bytes_per_token']:.1f}; the demo target is float32, so auto stores "
+          "4 bytes an element here)")
+    q = (a8.get("quantisation") or {}).get("tensors", {})
+    if q:
+        print("fp8 quantisation error (capture verify --stats): " + "; ".join(
+            f"{k} max {t['max_rel']:.2e} mean {t['mean_rel']:.2e}" for k, t in q.items()))
+    keys = sorted(next(iter(a16["runs"].values()))["accept_length"])
+    print(f"\nheld-out acceptance length, {len(a.seeds)} seeds ({', '.join(map(str, a.seeds))}), {a.steps} steps "
+          "each (mean +- sample std [min..max]):")
+    print(f"{'set:config':24s} {'bf16 store':>28s} {'fp8 store':>28s} {'fp8 - bf16':>12s} {'relative':>9s}")
+    table = {}
+    for k in keys:
+        v16 = [a16["runs"][s]["accept_length"][k] for s in a.seeds]
+        v8 = [a8["runs"][s]["accept_length"][k] for s in a.seeds]
+        m16, m8 = statistics.mean(v16), statistics.mean(v8)
+        sd16 = statistics.stdev(v16) if len(v16) > 1 else 0.0
+        sd8 = statistics.stdev(v8) if len(v8) > 1 else 0.0
+        table[k] = {"bf16": v16, "fp8": v8, "bf16_mean": m16, "fp8_mean": m8, "bf16_std": sd16, "fp8_std": sd8,
+                    "diff": m8 - m16, "relative": (m8 - m16) / m16}
+        cell = lambda m, sd, v: f"{m:.3f} +- {sd:.3f} [{min(v):.2f}..{max(v):.2f}]"  # noqa: E731
+        print(f"{k:24s} {cell(m16, sd16, v16):>28s} {cell(m8, sd8, v8):>28s} {m8 - m16:>+12.3f} "
+              f"{(m8 - m16) / m16:>+9.1%}")
+    results["table"] = table
+    print(f"\n{time.time() - t_all:.0f} s in all; work dir {root}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    if not a.dir:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
