@@ -50,6 +50,10 @@ _IN_2_0 = """Generator Tensor arange autocast bfloat16 bincount bool cat cuda.ge
     optim.Optimizer randint rsqrt set_num_threads set_rng_state softmax sort stack tensor uint8 where zeros
     zeros_like"""
 TORCH_APIS = {f"torch.{name}": "2.0" for name in _IN_2_0.split()}
+# sampling in the hf server's serving mode, the FP8 store's scales, its packed integer columns
+TORCH_APIS.update({f"torch.{name}": "2.0" for name in "cumsum empty int8 int16 int32 isfinite multinomial "
+                   "ones_like".split()})
+TORCH_APIS["torch.float8_e4m3fn"] = "2.1"   # PyTorch 2.1 release notes: float8_e4m3fn and float8_e5m2 dtypes
 
 # Measured with transformers 5.17.0 (wheel from PyPI installed beside this venv's torch 2.13.0).
 TRANSFORMERS_NAMES_5_17 = {"AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "LlamaConfig", "LlamaForCausalLM",
