@@ -112,3 +112,15 @@ def test_without_sglang_installed_the_backend_says_what_to_do(tmp_path, monkeypa
     with pytest.raises(sb.SglangEvalError, match=r"sglang 0\.4\.0 is not a version.*eval\.backend hf"):
         sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts={}, prompt_sets={}, log=print,
                    node=LocalNode(name="local"))
+
+
+def test_the_operator_gives_the_node_command_every_servers_load_time(tmp_path):
+    from types import SimpleNamespace
+
+    from eagleflow.airflow.train_operators import EvaluateDraftOperator
+    op = EvaluateDraftOperator(task_id="evaluate_draft")
+    cfg, _ = _setup(tmp_path, baseline_draft=str(tmp_path / "old"), ready_timeout_s=1000, request_timeout_s=100)
+    # the target alone + 2 configurations x (draft, baseline) = 5 loads, each with its requests
+    assert op._timeout(SimpleNamespace(cfg=cfg)) == 5 * (1000 + 100)
+    hf = load_config(data={"target_model": "t"})
+    assert op._timeout(SimpleNamespace(cfg=hf)) == op.timeout_s == 3600.0

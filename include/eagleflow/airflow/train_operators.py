@@ -162,11 +162,20 @@ class EvaluateDraftOperator(RunOperator):
         super().__init__(**kw)
         self.timeout_s = timeout_s
 
+    def _timeout(self, ctx: RunContext) -> float:
+        """eval.backend sglang loads the target once per server (alone + each configuration x draft): the
+        node command may take each load's grace plus its requests, not one fixed hour."""
+        ec = ctx.cfg.eval
+        if ec.backend != "sglang":
+            return self.timeout_s
+        servers = 1 + len(ec.configs) * (2 if ec.baseline_draft else 1)
+        return max(self.timeout_s, servers * (ec.ready_timeout_s + ec.request_timeout_s * (1 + len(ec.prompt_sets))))
+
     def run(self, ctx: RunContext, context):
         from airflow.sdk.exceptions import AirflowFailException
 
         from eagleflow.evaluate.run import acceptance_table, accept_lengths, table_lines
-        answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self.timeout_s,
+        answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self._timeout(ctx),
                                    answer_codes=(0, 1), log=self.log.info)
         for line in table_lines(answer.model_dump()):
             self.log.info("%s", line)
