@@ -141,6 +141,7 @@ def test_look_log_is_bounded_and_last_look_survives_the_move(tmp_path):
     assert last_look(path)["at"] == 199.0
 
 
+@pytest.mark.slow
 def test_the_watch_command_records_each_look(tmp_path):
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump({

@@ -61,13 +61,24 @@ def health_dag_state() -> dict[str, Any] | None:
     return {"is_paused": bool(row.is_paused)}
 
 
+def live_airflow_health() -> dict[str, Any]:
+    """What this API server's /api/v2/monitor/health answers, read in-process (the same function serves it);
+    {"error": ...} when the metadata DB cannot be read."""
+    try:
+        from airflow.api.common.airflow_health import get_airflow_health
+        return {**get_airflow_health(), "read_at": time.time()}
+    except Exception as e:  # noqa: BLE001 - the page must still render the nodes
+        return {"error": f"{type(e).__name__}: {e}", "read_at": time.time()}
+
+
 def refresh_s() -> float:
     from eagleflow.settings import env_positive
     return env_positive("EAGLEFLOW_GPU_VIEW_REFRESH_S", 15, unit="seconds")
 
 
 def create_app(store: StatusStore | None = None,
-               dag_state: Callable[[], dict[str, Any] | None] = health_dag_state) -> FastAPI:
+               dag_state: Callable[[], dict[str, Any] | None] = health_dag_state,
+               airflow_health: Callable[[], dict[str, Any]] = live_airflow_health) -> FastAPI:
     app = FastAPI(title="eagleflow console", docs_url=None, redoc_url=None, openapi_url=None)
     refresh = refresh_s()  # a bad setting fails the plugin's load, with the variable named
 
@@ -81,7 +92,8 @@ def create_app(store: StatusStore | None = None,
         return the_store().all()
 
     def panel() -> str:
-        return gpu_page.render_panel(docs(), dag=dag_state(), incidents=the_store().incidents())
+        return gpu_page.render_panel(docs(), dag=dag_state(), incidents=the_store().incidents(),
+                                     airflow=airflow_health())
 
     @app.get("/", response_class=HTMLResponse)
     async def page(request: Request, bearer: HTTPAuthorizationCredentials | None = Depends(_bearer)):
@@ -104,7 +116,7 @@ def create_app(store: StatusStore | None = None,
     def status() -> dict[str, Any]:
         d, dag, now = docs(), dag_state(), time.time()
         return {"now": now, "health_dag": dag, "warnings": gpu_page.health_warnings(d, dag, now),
-                "incidents": gpu_page.open_incidents(the_store().incidents()),
+                "incidents": gpu_page.open_incidents(the_store().incidents()), "airflow": airflow_health(),
                 "nodes": [{k: doc.get(k) for k in _PUBLIC_KEYS} for doc in d]}
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(authorized_user)])

@@ -9,14 +9,15 @@ no retry, no extra mail) while an incident is open; the check itself failing
 """
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timezone
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, incident_thread, send_mail,
-                                      task_log_url)
+from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, airflow_base_url,
+                                      incident_thread, send_mail, task_log_url)
 from eagleflow.airflow.runtime import checked_config_path
 
 
@@ -117,7 +118,8 @@ class GpuNodeHealthOperator(BaseOperator):
                 continue
             finally:
                 node.close()
-            observed |= {f"link:{name}", f"gpus:{name}"}
+            observed |= {f"link:{name}", f"gpus:{name}", f"watch:{name}"}
+            findings += hi.watch_silent_findings(name, activity.watch_alarms)
             for line in activity.skipped:   # a bad line in the node's files: said, and the node still read
                 self.log.warning("node %s: %s", name, line)
             if not cfg.node.has_gpu:
@@ -139,6 +141,11 @@ class GpuNodeHealthOperator(BaseOperator):
             self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
                           gone, retention_s)
 
+        airflow = self._airflow_health()
+        store.save_extra(AIRFLOW_HEALTH_KEY, airflow)   # the GPU view's fallback when it cannot read it live
+        if not airflow.get("error"):
+            observed.add("airflow")
+            findings += hi.airflow_findings(airflow)
         book, due = hi.step(store.incidents(), findings, observed=observed, now=time.time(),
                             remind_after_s=remind_after_s, forget_after_s=retention_s)
         store.save_incidents(book)   # before mailing: a crash mid-mail must not mail again
@@ -146,6 +153,9 @@ class GpuNodeHealthOperator(BaseOperator):
         unsent = []
         for d in due:   # each incident's mail on its own: one SMTP error must not swallow the others
             self.log.warning("incident %s %s: %s", d.incident["id"], d.kind, d.subject)
+            if d.kind == "opened" and d.incident.get("kind") == "watch_silent" and "mailed this already" in \
+                    d.incident.get("detail", ""):
+                continue   # the node's sentinel mailed it: one mail per silent watch (its end is still mailed)
             try:
                 send_mail(context, incident_mail(d, recipients.get(d.incident["node"]) or everyone, context,
                                                  remind_after_s))
@@ -163,6 +173,29 @@ class GpuNodeHealthOperator(BaseOperator):
                 f"- {r['subject']} (incident {r['id']}, open {hi.duration(time.time() - r['opened_at'])})"
                 for r in open_now))
         return {"nodes_checked": checked, "incidents_open": 0}
+
+
+    def _airflow_health(self) -> dict:
+        """Airflow's health endpoint on this deployment's API server: $EAGLEFLOW_AIRFLOW_HEALTH_URL (where the
+        workers reach it, e.g. http://airflow-apiserver:8080 in docker compose), else Airflow's [api] base_url.
+        {"error": ...} when neither is set or it does not answer: no part is judged then."""
+        from eagleflow.console.airflow_health import HEALTH_PATH, fetch
+        base = os.environ.get("EAGLEFLOW_AIRFLOW_HEALTH_URL") or airflow_base_url("")
+        now = time.time()
+        if not base:
+            return {"error": "no API server named ($EAGLEFLOW_AIRFLOW_HEALTH_URL and Airflow's [api] base_url unset)",
+                    "url": "", "read_at": now}
+        try:
+            doc = fetch(base)
+        except (OSError, ValueError) as e:
+            self.log.warning("Airflow health %s%s not read: %s", base, HEALTH_PATH, e)
+            return {"error": f"{type(e).__name__}: {e}", "url": base + HEALTH_PATH, "read_at": now}
+        self.log.info("Airflow health (%s%s): %s", base, HEALTH_PATH,
+                      ", ".join(f"{k}: {(v or {}).get('status')}" for k, v in doc.items() if isinstance(v, dict)))
+        return {**doc, "url": base + HEALTH_PATH, "read_at": now}
+
+
+AIRFLOW_HEALTH_KEY = "eagleflow.airflow_health"
 
 
 def _everyone(rs) -> Recipients | None:

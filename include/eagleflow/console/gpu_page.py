@@ -16,6 +16,7 @@ from typing import Any
 
 from eagleflow.gpu.health_incidents import duration  # one way to say how long: the page and the mails
 
+from . import airflow_health
 from .status_doc import is_held_idle
 
 HEALTH_DAG_ID = "gpu_node_health"
@@ -176,14 +177,16 @@ def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
 
 
 def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None,
-                 incidents: dict[str, dict[str, Any]] | None = None) -> str:
+                 incidents: dict[str, dict[str, Any]] | None = None, airflow: dict[str, Any] | None = None) -> str:
+    """``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.console.airflow_health)."""
     now = time.time() if now is None else now
     warn = "".join(f"<p class='warning'>{_e(w)}</p>" for w in health_warnings(docs, dag, now))
     held = sum(1 for d in docs for g in d.get("gpus") or []
                if g["uuid"] in (d.get("held_since") or {}) and not d.get("error"))
     summary = (f"<p class='summary' data-nodes='{len(docs)}' data-held='{held}'>{len(docs)} node(s); "
                f"{held} GPU(s) holding memory at 0 %; page read {time.strftime('%H:%M:%S UTC', time.gmtime(now))}</p>")
-    return warn + summary + _incidents(incidents, now) + "".join(_node(d, now) for d in docs)
+    return (warn + airflow_health.render(airflow, now, ago) + summary + _incidents(incidents, now)
+            + "".join(_node(d, now) for d in docs))
 
 
 _CSS = """
@@ -196,6 +199,7 @@ tr.held{background:#ffe0e0}tr.held td:first-child{border-left:6px solid #d00}.he
 .ours{background:#e3f2fd;padding:0 4px}.foreign{background:#ffd8a8;padding:0 4px;font-weight:bold}
 ul.procs{margin:0;padding-left:1em}svg.spark{display:block;stroke:#1565c0;fill:#1565c0;stroke-width:1.2}
 svg.spark polyline{fill:none}.shard{margin-right:.8em}.incident{color:#b00}.node{margin-bottom:1.2em}
+.airflow .part{margin-right:.8em}.part.ok{color:#2a7a2a}.part.gone,.airflow.down{color:#b00;font-weight:bold}
 #conn{color:#b00}.incidents{border:1px solid #d00;padding:4px 8px;margin:.4em 0}.incidents.none{border:0;color:#2a7a2a}
 """
 

@@ -63,6 +63,7 @@ class NodeActivity:
     incidents: list[dict] = field(default_factory=list)                    # the watchdog's, newest last
     read_at: float = 0.0
     skipped: list[str] = field(default_factory=list)   # "<file> line N: why": bad lines left out, never fatal
+    watch_alarms: list[dict] = field(default_factory=list)   # sentinels' raised alarms: nothing looks at a job
 
     def job_pids(self) -> set[int]:
         return {p.pid for p in self.processes} | {p.pgid for p in self.processes}
@@ -81,7 +82,8 @@ class NodeActivity:
         return cls(processes=[OurProcess(**p) for p in d.get("processes") or []],
                    shards={r: [ShardProgress(**s) for s in v] for r, v in (d.get("shards") or {}).items()},
                    incidents=list(d.get("incidents") or []), read_at=float(d.get("read_at") or 0.0),
-                   skipped=[str(s) for s in d.get("skipped") or []])
+                   skipped=[str(s) for s in d.get("skipped") or []],
+                   watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)])
 
 
 def _run_dir(log_file: str) -> Path | None:
@@ -130,6 +132,25 @@ def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) ->
     return [i for i in by_id.values() if now - float(i.get("opened_at") or 0) < INCIDENT_DAYS * 86400]
 
 
+def _watch_alarms(state_dir: Path, skipped: list[str] | None = None) -> list[dict]:
+    """The sentinels' alarm records still raised (eagleflow.watchdog.sentinel): a job nobody looks at."""
+    out = []
+    for path in sorted((state_dir / "watch").glob("*.alarm.json")):
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            if skipped is not None:
+                skipped.append(f"{path}: not an alarm record ({type(e).__name__}); left out")
+            continue
+        if not (isinstance(d, dict) and d.get("state") == "raised"):
+            continue
+        # a sentinel stopped while raised never wrote "ended": its alarm holds only while it runs
+        sentinel = state_dir / "pids" / f"{d.get('run_id')}.sentinel_{d.get('role')}{RECORD_SUFFIX}"
+        if status(sentinel).alive:
+            out.append(d)
+    return out
+
+
 def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
     now = time.time() if now is None else now
     state_dir = Path(state_dir)
@@ -150,6 +171,7 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
     for run_id, rd in sorted(run_dirs.items()):
         act.shards[run_id] = _shards(rd, act.skipped)
     act.incidents = _incidents(state_dir, now, act.skipped)
+    act.watch_alarms = _watch_alarms(state_dir, act.skipped)
     return act
 
 

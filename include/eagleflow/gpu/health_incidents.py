@@ -18,6 +18,7 @@ and the scopes it observed in, to the new book and the mails now due:
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -176,3 +177,35 @@ def step(book: dict[str, dict[str, Any]], findings: list[Finding], *, observed: 
             continue
         new[key] = rec       # not looked at this time (node unreachable): still open, no mail
     return new, due
+
+
+def airflow_findings(doc: dict[str, Any]) -> list[Finding]:
+    """One finding per Airflow part its health endpoint reports not healthy (scope "airflow": a check that read
+    the endpoint and found the part healthy again resolves it)."""
+    from eagleflow.console.airflow_health import HEALTH_PATH, gone
+    out = []
+    for p in gone(doc):
+        beat = (f"its last heartbeat was {duration(doc['read_at'] - p['heartbeat_at'])} before this check"
+                if p["heartbeat_at"] and doc.get("read_at") else "no heartbeat recorded")
+        out.append(Finding(key=f"airflow:{p['part']}", scope="airflow", node="airflow", kind="airflow_part_gone",
+                           topic=f"Airflow {p['part']} gone", subject=f"Airflow {p['part']} is {p['status']}",
+                           detail=(f"Airflow's health endpoint ({HEALTH_PATH}) reports the {p['part']} as "
+                                   f"{p['status']}: {beat}. The {p['part']} {p['role']}. Restart it (`make airflow` "
+                                   f"restarts a dead part by itself; in docker compose its restart policy does).")))
+    return out
+
+
+def watch_silent_findings(node: str, alarms: list[dict[str, Any]]) -> list[Finding]:
+    """A sentinel's raised alarm on the node (nothing looked at a running job for 3 poll intervals), one finding
+    per job; scope "watch:<node>": a node read without that alarm resolves it."""
+    out = []
+    for a in alarms:
+        job, run = a.get("job") or a.get("role") or "?", a.get("run_id") or "?"
+        look = a.get("last_look") or {}
+        out.append(Finding(key=f"{node}:watch_silent:{run}:{a.get('role')}", scope=f"watch:{node}", node=node,
+                           kind="watch_silent", topic=f"{node}: nothing watches {job} of run {run}",
+                           subject=str(a.get("subject") or f"{node}: nothing watches {job} of run {run}")
+                           .removeprefix("[eagleflow] "),   # the mail adds it
+                           detail=(f"{a.get('detail') or ''}\n\nLast look: {json.dumps(look) if look else 'none'}; "
+                                   f"the node {'mailed this already' if a.get('mailed') else 'could not mail it (' + str(a.get('mail_error') or 'no watchdog.node_smtp') + ')'}.")))
+    return out
