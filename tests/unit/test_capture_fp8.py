@@ -210,3 +210,11 @@ def test_verify_stats_reports_the_error_per_tensor(tmp_path, demo_assets):
     write_synthetic_hidden_states(hs2, demo_assets["target_model"], samples=2, shards=1)
     exact = quantisation_stats(hs2)
     assert exact["store_dtypes"] == {"auto": 2} and exact["tensors"]["hidden_states"]["max_rel"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantising_leaves_the_callers_tensor_alone(dtype):
+    x = torch.randn(1500, 24).to(dtype)       # more rows than one quantisation chunk
+    before = x.clone()
+    quantise_fp8(x, 3)
+    assert torch.equal(x, before)

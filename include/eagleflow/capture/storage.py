@@ -138,7 +138,8 @@ def quantise_fp8(x, layers: int):
     scales = torch.empty(n, layers, dtype=torch.float32)
     worst, total = 0.0, 0.0
     for r0 in range(0, n, _QUANT_ROWS):
-        xf = x[r0:r0 + _QUANT_ROWS].to("cpu", torch.float32).reshape(-1, layers, h)
+        # copy=True: a float32 input would otherwise be this very tensor, and is scaled in place below
+        xf = x[r0:r0 + _QUANT_ROWS].to("cpu", torch.float32, copy=True).reshape(-1, layers, h)
         amax = xf.abs().amax(dim=-1)
         if not bool(torch.isfinite(amax).all()):
             raise ValueError("holds inf or NaN; fp8 storage cannot scale it (the target produced non-finite "
