@@ -45,7 +45,7 @@ def _complete_run(cfg, layout, t0):
     with open(f"{run}/draft/metrics.jsonl", "w") as f:
         for step in range(1, 51):
             f.write(json.dumps({"step": step, "loss": 20 / step, "acc_0": step / 60, "acc_1": step / 80,
-                                "accept_length": 1 + step / 20}) + "\n")
+                                "accept_length": 1 + step / 20, "loss_per_position": 60 / step}) + "\n")
     json.dump({"ok": True, "samples": 6, "shards": 2, "digest_checked": True},
               open(f"{run}/hidden_states/verified.json", "w"))
     for name in ("config.json", "model.safetensors"):
@@ -68,7 +68,7 @@ def test_complete_run_report(tmp_path):
     assert "server_frozen" in html and "worker_dead" not in html  # another run's incident is not this run's
     assert "Verified: 6 samples in 2 shard(s) against their manifests with digests." in html
     assert "GPU memory used during capture" in html and "GPU utilisation during capture" in html
-    assert "training loss" in html and "acceptance length 3.275" in html
+    assert "training loss" in html and "acceptance length 3.275" in html and "loss per scored position" in html
     cmd = ("python3 -m sglang.launch_server --model-path &#x27;/models/Kimi K2.5&#x27; --speculative-algorithm EAGLE3 "
            f"--speculative-draft-model-path {tmp_path}/runs/manual__r1/draft/export")
     assert cmd in html and "--tp-size 8 --dtype bfloat16" in html

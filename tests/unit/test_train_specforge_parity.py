@@ -234,6 +234,31 @@ def test_normalisation_by_hand():
         TrainingTimeTest(draft, 2, "per_token")
 
 
+def test_loss_per_scored_position_is_the_same_under_either_normalisation():
+    """The curves' comparable figure: ln 4 + 0.8 ln 4 per scored position, whatever divides the loss (the
+    by-hand batch above: SpecForge's B x T loss is 3 ln4 / 10 + 0.8 x 2 ln4 / 10, and would move with padding)."""
+    from eagleflow.train.loss import summarize
+    cfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=4, vocab_size=10, draft_vocab_size=4)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        draft.lm_head.weight.zero_()
+    ids = torch.randint(0, 10, (2, 5))
+    probs = torch.softmax(torch.randn(2, 5, 4), -1)
+    valid = torch.zeros(2, 5, dtype=torch.bool)
+    valid[0, 1] = valid[0, 2] = valid[1, 3] = True
+    ln4 = math.log(4)
+    for norm, loss_want in (("all_positions", 3 * ln4 / 10 + STEP_WEIGHT_DECAY * 2 * ln4 / 10),
+                            ("loss_positions", ln4 + STEP_WEIGHT_DECAY * ln4)):
+        _, stats = TrainingTimeTest(draft, 2, norm)(ids, torch.randn(2, 5, 24), probs, probs.argmax(-1), valid)
+        sm = summarize(stats, 2, 1)
+        assert sm.loss == pytest.approx(loss_want, rel=1e-5)
+        assert sm.loss_per_position == pytest.approx(ln4 + STEP_WEIGHT_DECAY * ln4, rel=1e-5)
+        assert sm.as_dict()["loss_per_position"] == sm.loss_per_position
+    # two micro-batches summed (as the trainer sums them): still per scored position
+    assert summarize(stats + stats, 2, 2).loss_per_position == pytest.approx(ln4 + STEP_WEIGHT_DECAY * ln4, rel=1e-5)
+
+
 def test_defaults_are_specforges():
     tc = TrainConfig()
     assert tc.lr == 1e-4                                   # config/schema.py TrainingConfig.learning_rate

@@ -242,6 +242,8 @@ def _training(metrics: list[dict]) -> str:
         return "<p class='missing'>No training metrics: train_draft did not run.</p>"
     pts = thin(metrics, 400)
     loss = [("loss", [(float(m["step"]), m.get("loss")) for m in pts])]
+    if any("loss_per_position" in m for m in pts):   # comparable across batches, beside the B x T figure
+        loss.append(("loss per scored position", [(float(m["step"]), m.get("loss_per_position")) for m in pts]))
     acc = [(k, [(float(m["step"]), m.get(k)) for m in pts]) for k in ("acc_0", "acc_1", "acc_2") if k in metrics[-1]]
     accept = [("acceptance length", [(float(m["step"]), m.get("accept_length")) for m in pts])]
     last = metrics[-10:]

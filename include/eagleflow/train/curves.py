@@ -50,7 +50,10 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "EA
     steps = [r["step"] for r in rows]
     k = len([key for key in rows[0] if key.startswith("acc_")])
     fig, (ax_loss, ax_acc, ax_len) = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax_loss.plot(steps, [r["loss"] for r in rows], label="weighted loss", color="black")
+    ax_loss.plot(steps, [r["loss"] for r in rows], label="weighted loss (train.loss_normalization)", color="black")
+    if any("loss_per_position" in r for r in rows):
+        ax_loss.plot(steps, [r.get("loss_per_position", float("nan")) for r in rows], color="tab:red",
+                     label="weighted loss per scored position")
     for i in range(k):
         ax_loss.plot(steps, [r.get(f"loss_{i}", float("nan")) for r in rows], label=f"step {i}", alpha=0.5)
         ax_acc.plot(steps, [r.get(f"acc_{i}", float("nan")) for r in rows], label=f"acc_{i}")

@@ -160,7 +160,7 @@ class TrainingTimeTest(nn.Module):
         hidden = self.draft.fc(aux_hidden_states)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         total = hidden.new_zeros((), dtype=torch.float32)
-        losses, corrects, counts = [], [], []
+        losses, corrects, counts, sums = [], [], [], []
         run = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)   # chain still unbroken at t
         accept = torch.zeros(b, t, dtype=torch.float32, device=input_ids.device)
         first_valid = None
@@ -176,6 +176,7 @@ class TrainingTimeTest(nn.Module):
                 losses.append(total.new_zeros(()))
                 corrects.append(total.new_zeros(()))
                 counts.append(total.new_zeros(()))
+                sums.append(total.new_zeros(()))
                 run = run & False
                 continue
             logits = self.draft.logits(hidden[:, :n]).float()
@@ -192,6 +193,7 @@ class TrainingTimeTest(nn.Module):
             losses.append(loss_k.detach())
             corrects.append(hit.sum().float())
             counts.append(cnt)
+            sums.append((per_pos * m).sum().detach())   # unnormalised: the loss per scored position
             step_ok = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
             step_ok[:, :n] = hit
             run = run & step_ok
@@ -204,7 +206,7 @@ class TrainingTimeTest(nn.Module):
         total = total + 0.0 * self.draft.logits(hidden[:, :1]).float().sum()
         fv = first_valid if first_valid is not None else torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
         accept_sum = (accept * fv.float()).sum() + fv.float().sum()   # 1 + run length per position
-        stats = torch.stack([*losses, *corrects, *counts, accept_sum, fv.float().sum()]).detach().float()
+        stats = torch.stack([*losses, *corrects, *counts, accept_sum, fv.float().sum(), *sums]).detach().float()
         return total, stats
 
 
@@ -215,9 +217,14 @@ class StepMetrics:
     acc: list[float]
     accept_length: float
     positions: int
+    # the same weighted loss with each step divided by the positions that count, whatever
+    # train.loss_normalization: comparable across batches of any padding (SpecForge's B x T is not)
+    loss_per_position: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         d = {"loss": self.loss, "accept_length": self.accept_length, "positions": self.positions}
+        if self.loss_per_position is not None:
+            d["loss_per_position"] = self.loss_per_position
         for i, a in enumerate(self.acc):
             d[f"acc_{i}"] = a
         for i, x in enumerate(self.step_losses):
@@ -234,4 +241,8 @@ def summarize(stats: torch.Tensor, ttt_length: int, micro_batches: int) -> StepM
     acc = [c / n if n else 0.0 for c, n in zip(corrects, counts)]
     loss = sum((STEP_WEIGHT_DECAY ** i) * x for i, x in enumerate(step_losses))
     accept = s[3 * k] / s[3 * k + 1] if s[3 * k + 1] else 1.0
-    return StepMetrics(loss=loss, step_losses=step_losses, acc=acc, accept_length=accept, positions=int(counts[0]))
+    sums = s[3 * k + 2:4 * k + 2]
+    per_position = (sum((STEP_WEIGHT_DECAY ** i) * (x / n if n else 0.0) for i, (x, n) in enumerate(zip(sums, counts)))
+                    if len(sums) == k else None)
+    return StepMetrics(loss=loss, step_losses=step_losses, acc=acc, accept_length=accept, positions=int(counts[0]),
+                       loss_per_position=per_position)
