@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] FAILED (exit {res.returncode}); run directory {run_dir}", file=sys.stderr)
         return res.returncode
     print(f"\n[demo] eagle3_pipeline finished in {time.time() - t0:.0f} s. Outputs:")
-    for label, rel in [("run config", "run-config.json"), ("corpus", "corpus/corpus.parquet"),
+    for label, rel in [("run config", "run-config.json"), ("regenerated records", "generated"),
+                       ("corpus", "corpus/corpus.parquet"),
                        ("corpus stats", "corpus/stats.json"), ("hidden states", "hidden_states"),
                        ("training metrics", "draft/metrics.jsonl"), ("training curves", "draft/curves.png"),
                        ("exported draft (SGLang EAGLE3)", "draft/export"), ("held-out corpus", "corpus/eval.parquet"),
@@ -62,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
 def summary_lines(run_dir: Path) -> list[str]:
     """What each phase produced, in numbers, read back from its files."""
     lines = ["\n[demo] what each phase produced:"]
+    gen_file = run_dir / "generated" / "stats.json"
+    if gen_file.is_file():
+        g = json.loads(gen_file.read_text())
+        for name, ps in g.get("per_source", {}).items():
+            lines.append(f"  generation ({name}, by the target): {ps['kept']}/{ps['records']} records kept, "
+                         f"{ps['turns_regenerated']} turns, {ps['cut_at_diverging_call']} cut at a diverging call, "
+                         f"{ps['truncated_turns']} hit max_new_tokens, {ps['tokens_generated']:,} tokens at "
+                         f"{ps['tokens_per_s'] or 0:,.0f} tokens/s")
     stats_file = run_dir / "corpus" / "stats.json"
     if stats_file.is_file():
         st = json.loads(stats_file.read_text())

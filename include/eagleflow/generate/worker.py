@@ -274,7 +274,10 @@ class GenerateWorker:
                 self.bad.append(res.bad)
                 self._check_bad()
         name = result_file_name(rec.index)
-        path = atomic_write(Path(s.shard_dir) / name, res.to_json() + "\n", fsync=s.fsync)
+        # No fsync per record (two per file cost ~0.4 s a record on a busy disk, half the phase's time): the
+        # rename still publishes whole files, and a file a machine crash loses or empties is found at resume
+        # by its manifest size and sha256 and redone; the manifest itself is group-committed (ManifestWriter).
+        path = atomic_write(Path(s.shard_dir) / name, res.to_json() + "\n", fsync=False)
         st = os.stat(path)
         with self._lock:
             manifest.append(ManifestEntry(id=rec.id, index=rec.index, file=name, tokens=len(res.input_ids),
