@@ -61,8 +61,9 @@ def test_pipeline_phase_order(dagbag):
         assert dag.get_task(t).trigger_rule == "all_success", t
 
 
-def test_params_override_config(tmp_path):
+def test_params_override_config(tmp_path, monkeypatch):
     from eagleflow.airflow.runtime import RunContext
+    monkeypatch.setenv("EAGLEFLOW_ALERT_DOMAINS", "example.com")   # the demo config names no recipients
     cfg_file = REPO / "configs" / "local-demo.yaml"
     ctx = RunContext.from_params({"config_path": str(cfg_file), "shards": 5, "capture_backend": None,
                                   "max_train_steps": 7, "alert_emails": ["a@example.com"]}, "manual__x")
