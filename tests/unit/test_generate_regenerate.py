@@ -208,3 +208,19 @@ def test_the_real_target_rerun_on_the_stored_record_reproduces_every_span(demo_a
                     logits = model.model(torch.tensor([res.input_ids])).logits[0]
                 for start, end in res.spans:
                     assert logits[start - 1:end - 1].argmax(-1).tolist() == res.input_ids[start:end]
+
+
+def test_the_corpus_phase_takes_regenerated_ids_as_they_are_and_cuts_them_only_at_a_span_end():
+    from eagleflow.corpus.tokenize import token_exact_record
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]
+    ids, mask = list(range(100, 120)), [0] * 5 + [1] * 5 + [0] * 5 + [1] * 5
+    conv = Conversation(msgs, token_exact={"input_ids": ids, "loss_mask": mask, "span_ends": [10, 20]})
+    whole = token_exact_record(conv, max_length=64, over_max_length="cut_at_message")
+    assert (whole.ids, whole.mask, whole.status, whole.turns) == (ids, mask, "whole", 4)
+    cut = token_exact_record(conv, max_length=15, over_max_length="cut_at_message")
+    assert (cut.ids, cut.mask, cut.status, cut.turns) == (ids[:10], mask[:10], "cut", 2)
+    assert token_exact_record(conv, max_length=15, over_max_length="drop").drop_reason == "over_max_length"
+    assert token_exact_record(conv, max_length=15, over_max_length="truncate").ids == ids[:15]
+    # the conversation JSON the corpus map passes carries the ids through
+    assert Conversation.from_json(conv.to_json()).token_exact == conv.token_exact
