@@ -3,8 +3,9 @@
 ``generated/stats.json`` per source: records read, regenerated whole, cut at a
 diverging call (and at which assistant turn), cut at the context, kept or
 dropped after hitting max_new_tokens, failed generations by reason, bad records
-by kind, assistant turns regenerated, tokens generated and tokens/s (over the
-time the target spent on this source's requests, as the workers timed them).
+by kind, assistant turns regenerated, tokens generated and tokens/s (the phase's
+wall time, its longest shard's, apportioned to each source by its share of the
+records' request time; the phase's own tokens/s beside it).
 Bad records are listed whole in ``generated/bad_records.jsonl`` (source, file,
 line, field, reason), never silently dropped.
 """
@@ -73,9 +74,12 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
     per: dict[str, dict] = {name: _source_stats() for name in regenerated_sources(cfg)}
     bad: list[dict] = []
     incomplete = []
+    wall_s = 0.0
     for shard in range(n):
         results = read_results(layout.generate_shard_dir(shard))
         hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
+        if hb is not None and hb.started_at:
+            wall_s = max(wall_s, hb.time - hb.started_at)   # shards run side by side: the longest one
         if hb is None or hb.state != "complete" or len(results) < hb.total:
             incomplete.append(f"shard {shard}: {len(results)}/{hb.total if hb else '?'} records, "
                               f"state {hb.state if hb else 'never started'}")
@@ -88,9 +92,13 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
         raise GenerationIncomplete("generation is not complete: " + "; ".join(incomplete)
                                    + ". Run the unfinished shards (`eagleflow generate run --shard I`): "
                                    "each resumes from its manifest")
+    # generation_s sums each record's time, overlapping under concurrency; tokens/s divides by the phase's wall
+    # time (its longest shard's last run) apportioned to each source by its share of that record time
+    busy = sum(ps["generation_s"] for ps in per.values())
     for ps in per.values():
+        share = wall_s * ps["generation_s"] / busy if busy else 0.0
         ps["generation_s"] = round(ps["generation_s"], 3)
-        ps["tokens_per_s"] = round(ps["tokens_generated"] / ps["generation_s"], 1) if ps["generation_s"] else None
+        ps["tokens_per_s"] = round(ps["tokens_generated"] / share, 1) if share else None
     out = Path(str(layout.generated_dir))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / BAD_RECORDS_FILE, "".join(json.dumps(b, sort_keys=True) + "\n" for b in bad))
@@ -98,6 +106,8 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
              "kept": sum(p["kept"] for p in per.values()), "bad_records": len(bad),
              "bad_records_file": str(out / BAD_RECORDS_FILE) if bad else None,
              "max_bad_records": cfg.generate.max_bad_records, "complete": not incomplete,
+             "wall_s": round(wall_s, 3),
+             "tokens_per_s": round(sum(p["tokens_generated"] for p in per.values()) / wall_s, 1) if wall_s else None,
              "sampling": cfg.generate.model_dump(include={"temperature", "top_p", "max_new_tokens", "seed",
                                                             "reasoning", "keep_truncated"})}
     atomic_write(out / STATS_FILE, json.dumps(stats, indent=2) + "\n")
