@@ -190,7 +190,7 @@ def test_partition_mid_shard_is_unreachable_not_stalled_and_the_shard_completes_
     assert not [s for s in subjects if "STALLED" in s or "DEAD" in s or "FAILED" in s], subjects
     # no recovery action on the node: the same server and worker processes, no incident opened
     assert not (state_dir / "incidents" / "incidents.jsonl").exists()
-    assert not list((state_dir / "locks").glob("*.incidents.jsonl")) if (state_dir / "locks").exists() else True
+    assert not list((state_dir / "locks").glob("*.restarts.jsonl")) if (state_dir / "locks").exists() else True
     assert part.pids_after == (part.server_pid, part.worker_pid)
 
     if fault == "drop":

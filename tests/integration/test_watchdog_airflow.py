@@ -154,7 +154,7 @@ def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactl
 
     # the watch restarted the frozen server exactly once, within one incident
     incidents = [json.loads(x) for x in
-                 (state_dir / "locks" / f"{run_dir.name}.capture_server.incidents.jsonl").read_text().splitlines()]
+                 (state_dir / "locks" / f"{run_dir.name}.capture_server.restarts.jsonl").read_text().splitlines()]
     assert len(incidents) == 1 and incidents[0]["old_pid"] == freezer.stopped_pid
     assert incidents[0]["new_pid"] != freezer.stopped_pid and incidents[0]["incident"].startswith("local-capture_server-")
 

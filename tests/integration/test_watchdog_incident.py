@@ -20,7 +20,7 @@ from eagleflow.capture.hf_server import DELAY_ENV, HANG_FILE_ENV
 from eagleflow.capture.lifecycle import start_capture_server, start_or_attach_worker, wait_capture_server_ready
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.watchdog.incidents import history
-from eagleflow.watchdog.recovery import incidents_path, recover_after_stall
+from eagleflow.watchdog.recovery import restarts_path, recover_after_stall
 from tests.integration.test_watchdog_failures import N, _manifest, _run, started  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -78,7 +78,7 @@ def test_a_hung_generate_seen_by_two_shards_is_one_incident_one_mail_one_restart
     for t in threads:
         t.join(240)
     assert sorted(results) == [0, 1] and all(r["ok"] for r in results.values()), results
-    restarts = [json.loads(x) for x in Path(incidents_path(run)).read_text().splitlines()]
+    restarts = [json.loads(x) for x in Path(restarts_path(run)).read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["old_pid"] == old_server, restarts
     assert restarts[0]["incident"] == incidents[0]["incident"]
     assert "alive but the watch found it stuck" in restarts[0]["reason"]

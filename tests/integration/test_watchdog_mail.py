@@ -19,7 +19,7 @@ import pytest
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.hf_server import DELAY_ENV
 from eagleflow.capture.lifecycle import start_capture_server, wait_capture_server_ready
-from eagleflow.watchdog.recovery import read_incidents
+from eagleflow.watchdog.recovery import read_restarts
 from tests.fixtures.smtp import SmtpSink
 from tests.integration.test_watchdog_failures import N, _manifest, _run, _server_pid, started  # noqa: F401
 
@@ -85,7 +85,7 @@ def test_a_killed_server_the_watch_restarts_mails_stalled_then_recovered_never_f
         time.sleep(1)
         subjects = [m["Subject"] for m in smtp.messages]
     assert result["shard"] == 0 and kill.get("pid")
-    restarts = read_incidents(run)
+    restarts = read_restarts(run)
     assert len(restarts) == 1 and restarts[0]["old_pid"] == kill["pid"], restarts
     assert len(subjects) == 2, subjects
     stalled, recovered = subjects
@@ -107,7 +107,7 @@ def test_a_mail_server_refusing_data_does_not_fail_the_recovery_and_the_mail_arr
             # the mail server takes mail again once the watch has restarted the capture server
             deadline = time.monotonic() + 150
             while time.monotonic() < deadline:
-                if smtp.refused and read_incidents(run):
+                if smtp.refused and read_restarts(run):
                     smtp.refusing.clear()
                     return
                 time.sleep(0.1)
@@ -123,7 +123,7 @@ def test_a_mail_server_refusing_data_does_not_fail_the_recovery_and_the_mail_arr
         refused = list(smtp.refused)
     assert result["shard"] == 0 and kill["pid"] == server_pid
     assert refused and not smtp.refusing.is_set(), "the outage hit the stall mail, then ended"
-    restarts = read_incidents(run)
+    restarts = read_restarts(run)
     assert len(restarts) == 1 and restarts[0]["old_pid"] == server_pid, restarts
     # the incident's own mails, once each and in order, after the server took mail again; few refused tries
     assert len(subjects) == 2, subjects

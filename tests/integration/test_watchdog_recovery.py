@@ -16,7 +16,7 @@ from eagleflow.capture.lifecycle import (LocalRun, capture_server_healthy, serve
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import read_proc_state
-from eagleflow.watchdog.recovery import read_incidents, recover_before_retry
+from eagleflow.watchdog.recovery import read_restarts, recover_before_retry
 from tests.fixtures.capture_corpus import write_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -46,7 +46,7 @@ def test_two_shards_recover_one_frozen_server_with_one_restart(demo_assets, tmp_
             results.append(json.loads(out.strip().splitlines()[-1]))
         actions = sorted(r["action"] for r in results)
         assert actions == ["none", "restarted"], results
-        incidents = read_incidents(run)
+        incidents = read_restarts(run)
         assert len(incidents) == 1 and incidents[0]["old_pid"] == old.pid
         new = run.node.process_status(pid_file).record
         assert new.pid == incidents[0]["new_pid"] != old.pid

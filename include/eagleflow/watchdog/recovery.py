@@ -4,7 +4,8 @@ Several shards notice one frozen server at about the same time, and each
 retry calls this. Under a node lock (<state_dir>/locks/<run>.capture_server.lock)
 the first one finds the server unhealthy and restarts it; the others, once
 they get the lock, find it healthy (or still loading after that restart) and
-only wait. The incident log beside the lock records each restart.
+only wait. The restart log beside the lock (<run>.capture_server.restarts.jsonl) records each restart;
+incidents (what a person is mailed about) are the node's incident book, eagleflow.watchdog.incidents.
 
 Steps of a restart: stop the shard's stuck worker (its pid record) so the
 retry never runs two workers on one shard; stop the server (pid record:
@@ -18,11 +19,13 @@ start the server; wait until /health_generate answers.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from eagleflow.durable import open_owned
 from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, start_capture_server,
                                          stop_capture_server, wait_capture_server_ready, worker_role)
 from eagleflow.nodes import NodeError, ProcessRecord
@@ -44,16 +47,24 @@ def lock_path(run: RunLike) -> str:
     return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.lock")
 
 
-def incidents_path(run: RunLike) -> str:
-    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.incidents.jsonl")
+def restarts_path(run: RunLike) -> str:
+    """The run's capture-server restart log: one JSON line per restart a recovery made."""
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.restarts.jsonl")
 
 
-def read_incidents(run: RunLike) -> list[dict]:
+def read_restarts(run: RunLike) -> list[dict]:
     try:
-        with open(incidents_path(run)) as f:
+        with os.fdopen(open_owned(restarts_path(run), os.O_RDONLY, narrow=True)) as f:
             return [json.loads(line) for line in f if line.strip().endswith("}")]
     except (OSError, ValueError):
         return []
+
+
+def _log_restart(run: RunLike, entry: dict) -> None:
+    # appended to, never replaced: not through a link planted at its name (durable.open_owned)
+    with os.fdopen(open_owned(restarts_path(run), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, narrow=True),
+                   "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[str, Any]:
@@ -73,7 +84,7 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         else:
             state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready":
-            last = read_incidents(run)[-1:] or [None]
+            last = read_restarts(run)[-1:] or [None]
             by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last[0]['at']))} for shard "
                   f"{last[0]['shard']})") if last[0] and time.time() - last[0]["at"] < 3600 else ""
             summary = f"capture server healthy at {info['url']}{by}: nothing to restart"
@@ -96,15 +107,14 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         proc, _ = start_capture_server(run, log=log)
         info = wait_capture_server_ready(run, log=log)
         new_pid = proc.pid
-        incident = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid,
-                    "new_pid": new_pid, "url": info.get("url"), "gpus": gpus}
-        with open(incidents_path(run), "a") as f:
-            f.write(json.dumps(incident) + "\n")
+        restart = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid,
+                   "new_pid": new_pid, "url": info.get("url"), "gpus": gpus}
+        _log_restart(run, restart)
         summary = (f"capture server restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
                    f"at {info.get('url')}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
         log(summary)
         return {"ok": True, "action": "restarted", "summary": summary, "worker": stopped_worker,
-                "incident": incident}
+                "restart": restart}
     except Exception as e:  # the retry must say what went wrong, never hang on it
         summary = f"recovery for shard {shard} failed: {type(e).__name__}: {e}"
         log(summary)
@@ -199,7 +209,7 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> 
     rec = status.record
     st = read_proc_state(rec.pid) if status.alive else None
     alive = st is not None
-    restarted_in_incident = [i for i in read_incidents(run)
+    restarted_in_incident = [i for i in read_restarts(run)
                              if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
     if restarted_in_incident and alive and st.state not in ("T", "t", "Z"):
         return {"action": "none", "server_summary": f"capture server already restarted in this incident "
@@ -223,8 +233,7 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> 
     new_pid = proc.pid
     entry = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid, "new_pid": new_pid,
              "url": info.get("url"), "gpus": gpus, "incident": incident["id"]}
-    with open(incidents_path(run), "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    _log_restart(run, entry)
     return {"action": "restarted", "restart": entry,
             "server_summary": f"capture server restarted: was pid {old_pid} ({reason}); now pid {new_pid} at "
                               f"{info.get('url')}, ready {time.time() - t0:.1f} s later; GPUs: {gpus}"}
@@ -258,7 +267,7 @@ def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within
     """The same incident: the live server is the one a recovery started less than ``within_s`` ago."""
     if rec is None or not rec.started_at:
         return False
-    last = read_incidents(run)[-1:]
+    last = read_restarts(run)[-1:]
     if not last or last[0].get("new_pid") != rec.pid:
         return False
     st = read_proc_state(rec.pid)
