@@ -101,8 +101,9 @@ with DAG(
                                          title="Max new tokens per turn", description="empty = config."),
         "generate_seed": Param(None, type=["null", "integer"], minimum=0, title="Generation seed",
                                description="each turn's seed derives from it and the record id; empty = config."),
-        "generate_reasoning": Param(None, type=["null", "boolean"], title="Reasoning (thinking) on",
-                                    description="enable_thinking for thinking models; empty = config."),
+        "generate_reasoning": Param(None, type=["null", "string"], enum=[None, "on", "off"], title="Reasoning",
+                                    description="thinking on or off for thinking models (enable_thinking); "
+                                                "empty = the config's generate.reasoning."),
         "alert_emails": Param(None, type=["null", "array"], items={"type": "string"}, title="Alert emails",
                               description="Who is mailed on a stall, a retry and a final failure."),
     },

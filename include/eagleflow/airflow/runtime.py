@@ -130,7 +130,8 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
                           f"path or set ${PROJECT_ROOT_ENV}")
     # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
-                 if params.get(p) not in (None, "", [], False)}
+                 # False is never an override (a boolean Param only switches on); numeric 0 is (temperature 0)
+                 if params.get(p) not in (None, "", []) and params.get(p) is not False}
     conn_id = overrides.pop("node.conn_id", None)
     emails = overrides.pop("watchdog.alert_emails", None)
     if overrides.get("gpu.force_free") and not force_free_allowed():
