@@ -85,6 +85,22 @@ def test_looks_going_on_never_alarm(setup):
     assert mails == [] and not os.path.exists(alarm_path(layout, JOB))
 
 
+def test_a_watch_slower_than_its_poll_interval_is_judged_by_its_own_pace(setup):
+    cfg, layout = setup                      # poll 10 s, but each look lands 25 s after the one before
+    clock = Clock(1000.0)
+    s, mails = _sentinel(cfg, layout, clock)
+    for i in range(6):
+        record_look(looks_path(layout, JOB), {"at": 1000.0 + 25 * i, "by": "watch", "pid": 1})
+    last = 1125.0
+    for t in range(1126, int(last + 3 * 25), 2):   # past 3 poll intervals, within 3 of its pace: quiet
+        clock.t = float(t)
+        s.check()
+    assert mails == []
+    clock.t = last + 3 * 25
+    s.check()
+    assert len(mails) == 1 and "3 poll intervals of 25 s, the watch's own pace (poll_interval_s 10 s)" in mails[0][1]
+
+
 def test_a_recovery_look_covers_its_own_bound(setup):
     cfg, layout = setup
     clock = Clock(1000.0)
@@ -103,14 +119,17 @@ def test_looks_coming_back_clear_the_alarm_and_rearm(setup):
     cfg, layout = setup
     clock = Clock(1000.0)
     s, mails = _sentinel(cfg, layout, clock)
-    clock.t = 1031.0
-    s.check()                                       # never looked at since the sentinel started
+    clock.t = 1059.0                                # never looked at: 3 intervals after the first look's grace
+    s.check()
+    assert mails == []
+    clock.t = 1060.0
+    s.check()
     assert len(mails) == 1 and "no look recorded since the sentinel started" in mails[0][1]
-    record_look(looks_path(layout, JOB), {"at": 1040.0, "by": "watch", "pid": 1})
-    clock.t = 1041.0
+    record_look(looks_path(layout, JOB), {"at": 1070.0, "by": "watch", "pid": 1})
+    clock.t = 1071.0
     s.check()
     assert _alarm(layout)["state"] == "cleared" and "WATCH BACK" in mails[1][0]
-    clock.t = 1071.0                                # silent again for 3 intervals: a new alarm
+    clock.t = 1100.0                                # silent again for 3 intervals: a new alarm
     s.check()
     assert len(mails) == 3 and "WATCH SILENT" in mails[2][0] and _alarm(layout)["state"] == "raised"
 
@@ -163,7 +182,7 @@ def test_the_watch_command_records_each_look(tmp_path):
 def _run_config(tmp_path, **wd) -> tuple[LocalRun, Path]:
     data = {"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "model"),
             "node": {"name": "test-node", "has_gpu": False, "state_dir": str(tmp_path / "state")},
-            "capture": {"shards": 2}, "watchdog": {"poll_interval_s": 1, **wd}}
+            "capture": {"shards": 2}, "watchdog": {"poll_interval_s": 1, "health_timeout_s": 0.5, **wd}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))
     from eagleflow.config import load_config
@@ -188,7 +207,8 @@ def test_detached_sentinel_mails_from_the_node_and_exits_with_the_job(tmp_path):
             msg = smtp.wait_for(lambda m: "WATCH SILENT" in m["Subject"], timeout_s=15)
             waited = time.time() - t0
             assert "shard 1/2 of run r1 on test-node" in msg["Subject"] and "last look at" in msg.get_content()
-            assert waited <= SILENT_POLLS * 1 + 2.5, waited   # 3 intervals of 1 s, plus a check period
+            # 3 intervals of 1 s, but never under one interval plus the longest look (0.5 s health + 2 x 2 s)
+            assert waited <= 1 + 4.5 + 2.5, waited
             assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "raised"
             time.sleep(2)
             assert len([m for m in smtp.messages if "WATCH SILENT" in m["Subject"]]) == 1   # once
@@ -205,8 +225,9 @@ def test_detached_sentinel_is_stopped_like_the_worker_and_signals_nothing_itself
     job = WatchedJob(shard=0, num_shards=2)
     worker = spawn_sleeper(run.layout, job.role)
     try:
+        record_look(looks_path(run.layout, job), {"at": time.time(), "by": "watch", "pid": 7})
         rec = ensure_sentinel(run, 0)
-        time.sleep(4.5)                      # silent past 3 intervals: an alarm, no mail configured
+        time.sleep(7.5)                      # silent past its bound (5.5 s): an alarm, no mail configured
         a = json.loads(Path(alarm_path(run.layout, job)).read_text())
         assert a["state"] == "raised" and not a["mailed"] and "watchdog.node_smtp" in a["mail_error"]
         assert alive(worker.pid)             # the sentinel never signals the job

@@ -1,4 +1,8 @@
-"""`make airflow` / `make airflow-stop`: Airflow standalone in the checkout's home.
+"""`make airflow` / `make airflow-stop`: Airflow's parts, supervised, in the checkout's home.
+
+``start`` runs ``supervise`` (below) in place of ``airflow standalone``: the same preparation, then the
+scheduler, DAG processor, API server and triggerer, each restarted when it dies (``airflow standalone``
+does not), after the log server it leaves holding its port is stopped.
 
 Started in its own session (setsid), so it can be stopped as a process group:
 in Airflow 3.3 a SIGTERM to the parent leaves the scheduler and workers
@@ -18,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -65,7 +70,9 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
                                f"port {old['port']}); stop it with `make airflow-stop`")
     log = open(home / "standalone.log", "ab")
     token = secrets.token_hex(16)
-    proc = subprocess.Popen([airflow_bin(), "standalone"], env={**env, process_record.TOKEN_ENV: token},
+    # our supervisor in place of `airflow standalone`, which neither restarts a dead part nor frees its log port
+    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.airflow.standalone", "supervise"],
+                            env={**env, process_record.TOKEN_ENV: token},
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": token,
             "port": port, "url": f"http://localhost:{port}", "log": str(home / "standalone.log"), "home": str(home)}
@@ -166,6 +173,154 @@ def _record(info: dict) -> process_record.ProcessRecord:
                                         token=str(info.get("token") or ""))
 
 
+# ----------------------------------------------------------------------------- the supervisor
+PARTS = ("scheduler", "dag-processor", "api-server", "triggerer")   # what `airflow standalone` runs
+RESTART_MAX_DELAY_S = 30.0   # a part that keeps dying is restarted at 1, 2, 4 ... s, at most this far apart
+STEADY_AFTER_S = 60.0        # a part that ran this long before it died is restarted at once
+
+
+def parts_file(home: Path) -> Path:
+    """What the supervisor runs now: each part's pid, start time, restarts and its log-server child."""
+    return home / "standalone-parts.json"
+
+
+def _children(pid: int) -> list[tuple[int, int, str]]:
+    """(pid, start_ticks, cmdline) of the live children of ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                _, state, rest = parse_stat(f.read())
+            if int(rest[0]) != pid or state in ("Z", "X"):   # rest[0] is field 4, the parent
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out.append((int(entry), int(rest[22 - 4]), cmd))
+    return out
+
+
+class _Part:
+    """One Airflow part run by the supervisor, and the log server it forked (scheduler, triggerer)."""
+
+    def __init__(self, name: str, log):
+        self.name, self.log = name, log
+        self.proc: subprocess.Popen | None = None
+        self.start_ticks = 0
+        self.started_at = 0.0
+        self.restarts = 0
+        self.fails = 0                  # quick deaths in a row: the restart backs off
+        self.next_start_at = 0.0
+        self.log_server: tuple[int, int] | None = None   # (pid, start_ticks) of its own serve-logs child
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([airflow_bin(), self.name], env=env, stdin=subprocess.DEVNULL)
+        self.start_ticks = read_start_ticks(self.proc.pid) or 0
+        self.started_at = time.time()
+        self.log_server = None
+
+    def find_log_server(self) -> None:
+        if self.log_server is None and self.proc is not None:
+            for pid, ticks, cmd in _children(self.proc.pid):
+                if cmd.startswith("airflow serve-logs"):
+                    self.log_server = (pid, ticks)
+
+    def free_log_server(self) -> None:
+        """Its orphaned serve-logs child holds the log port: stop that one recorded PID (same start time), only."""
+        if self.log_server is None:
+            return
+        pid, ticks = self.log_server
+        self.log_server = None
+        if read_start_ticks(pid) != ticks:
+            return   # gone already, or the PID is someone else's now: nothing to signal
+        outcome, _ = process_record.stop_pid(pid, grace_s=5.0, kill_wait_s=5.0)
+        self.log(f"{self.name}: its log server pid {pid} (port holder) {outcome}")
+
+    def state(self) -> dict:
+        return {"pid": self.proc.pid if self.proc else None, "start_ticks": self.start_ticks,
+                "started_at": self.started_at, "restarts": self.restarts,
+                "log_server_pid": self.log_server[0] if self.log_server else None}
+
+
+def _prepare_airflow() -> dict[str, str]:
+    """What `airflow standalone` does before it starts the parts: its environment (LocalExecutor, the simple
+    auth manager), the admin password file, the metadata DB; through its own code, so they stay the same."""
+    from airflow.configuration import write_default_airflow_configuration_if_needed
+
+    # what the `airflow` command does first: airflow.cfg with its generated secrets (the JWT secret the API
+    # server checks task tokens with) exists before any part starts, or each part makes up its own
+    write_default_airflow_configuration_if_needed()
+    from airflow.cli.commands.standalone_command import StandaloneCommand
+    from airflow.utils.providers_configuration_loader import providers_configuration_loaded
+
+    cmd = StandaloneCommand()
+
+    @providers_configuration_loaded
+    def prepare() -> dict[str, str]:
+        env = cmd.calculate_env()
+        cmd.find_user_info()
+        cmd.initialize_database()
+        return env
+
+    env = prepare()
+    cmd.update_output()
+    return env
+
+
+def supervise(home: Path, *, poll_s: float = 1.0) -> int:
+    """Run Airflow's parts and keep them running: a part that exits is started again (backed off when it keeps
+    dying), after its orphaned log server is stopped. SIGINT or SIGTERM: stop restarting, wait for the parts."""
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+
+    def log(msg: str) -> None:
+        print(f"[supervisor] {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+    env = _prepare_airflow()
+    parts = {n: _Part(n, log) for n in PARTS}
+    for p in parts.values():
+        p.start(env)
+        log(f"{p.name} started: pid {p.proc.pid}")
+    written = None
+    while not stopping.is_set():
+        now = time.time()
+        for p in parts.values():
+            rc = p.proc.poll() if p.proc is not None else 0
+            if p.proc is not None and rc is None:
+                p.find_log_server()
+                continue
+            if p.proc is not None:   # it just died
+                ran = now - p.started_at
+                p.fails = 0 if ran >= STEADY_AFTER_S else p.fails + 1
+                delay = 0.0 if p.fails == 0 else min(RESTART_MAX_DELAY_S, 2.0 ** (p.fails - 1))
+                log(f"{p.name} pid {p.proc.pid} exited ({'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}) "
+                    f"after {ran:.0f} s; restarting it in {delay:.0f} s")
+                p.free_log_server()
+                p.proc, p.next_start_at = None, now + delay
+            if now >= p.next_start_at and not stopping.is_set():
+                p.start(env)
+                p.restarts += 1
+                log(f"{p.name} restarted: pid {p.proc.pid} (restart {p.restarts})")
+        state = {n: p.state() for n, p in parts.items()}
+        if state != written:
+            _write_state(parts_file(home), {"supervisor_pid": os.getpid(), "parts": state})
+            written = state
+        stopping.wait(poll_s)
+    log("stopping: no more restarts; waiting for the parts")
+    deadline = time.time() + 25.0
+    for p in parts.values():
+        if p.proc is not None:
+            try:
+                p.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass   # `make airflow-stop` KILLs what is left of the group
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagleflow.airflow.standalone", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -174,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--home")
     t = sub.add_parser("stop")
     t.add_argument("--home")
+    sub.add_parser("supervise", help="(run by start) run Airflow's parts, restarting a dead one")
     a = ap.parse_args(argv)
+    if a.cmd == "supervise":
+        return supervise(Path(airflow_env(None)["AIRFLOW_HOME"]))
     if a.cmd == "start":
         print(f"starting airflow standalone on port {a.port} (first start migrates the DB, ~30-60 s) ...", flush=True)
         info = start(a.home, a.port)

@@ -13,7 +13,11 @@ node starts beside each worker (``capture.lifecycle.start_or_attach_worker``,
 recorded like the worker, one per shard under its own lock). While a live worker
 is recorded for the shard and its heartbeat is not complete or failed, it reads
 the look log every few seconds; when no look happened for SILENT_POLLS poll
-intervals it raises one alarm naming the job and the last look:
+intervals (the watch's own pace instead when it is slower: the median gap
+between its recent looks, as each look is a node command that can outlast a
+short poll interval; never less than one interval plus the longest one look
+may take; before the first look, FIRST_LOOK_GRACE_S more) it raises one alarm
+naming the job and the last look:
 
 - a record, ``<state_dir>/watch/<run>.<role>.alarm.json`` (state ``raised``),
   which gpu_node_health reads from the node (``console.node_activity``) and
@@ -49,6 +53,8 @@ SILENT_POLLS = 3                 # no look for this many poll intervals while th
 LOOKS_MAX_BYTES = 256 * 1024     # the look log moves to .1 past this (two files at most: bounded)
 SENTINEL_CHECK_MAX_S = 5.0       # the sentinel reads the look log at least this often
 SENTINEL_EXIT_CONFIRM_S = 3.0    # no live worker on two reads this far apart: the job ended
+PACE_LOOKS = 9                   # the watch's pace: the median gap between its last this-many looks
+FIRST_LOOK_GRACE_S = 30.0        # a new worker's task defers and a triggerer picks the watch up: its first look
 
 
 # --------------------------------------------------------------------------- paths
@@ -85,36 +91,60 @@ def record_look(path: str, entry: dict, max_bytes: int = LOOKS_MAX_BYTES) -> Non
         print(f"eagleflow: look not recorded in {path}: {e}", file=sys.stderr, flush=True)
 
 
-def _last_line(path: str, max_bytes: int = 8192) -> dict | None:
+def _tail(path: str, max_bytes: int = 8192) -> list[dict]:
     try:
         fd = open_owned(path, os.O_RDONLY, narrow=True)
     except (OSError, ValueError):
-        return None
+        return []
     with os.fdopen(fd, "rb") as f:
         f.seek(0, os.SEEK_END)
         f.seek(max(0, f.tell() - max_bytes))
         lines = f.read().decode("utf-8", "replace").splitlines()
-    for line in reversed(lines):
+    out = []
+    for line in lines:
         try:
             d = json.loads(line)
         except ValueError:
-            continue   # a line cut by a crash mid-write
+            continue   # a line cut by a crash mid-write (or by the tail's start)
         if isinstance(d, dict) and isinstance(d.get("at"), (int, float)):
-            return d
-    return None
+            out.append(d)
+    return out
+
+
+def recent_looks(path: str) -> list[dict]:
+    """The newest looks in the log, oldest first (the ``.1`` file's too when the current one has few)."""
+    looks = _tail(path)
+    return looks if len(looks) >= PACE_LOOKS else _tail(path + ".1") + looks
 
 
 def last_look(path: str) -> dict | None:
     """The newest look in the log (the ``.1`` file when the current one has none yet)."""
-    return _last_line(path) or _last_line(path + ".1")
+    looks = recent_looks(path)
+    return looks[-1] if looks else None
 
 
-def watched_until(look: dict | None, interval_s: float) -> float | None:
-    """Until when the watch accounts for the job: SILENT_POLLS intervals past its last look, or a recovery's
-    own bound (``until``) when that is later."""
+def look_interval_s(looks: list[dict], poll_interval_s: float) -> float:
+    """The watch's own pace: the poll interval, or the median gap between its recent looks when that is longer
+    (each look is one node command; on a loaded node it can take longer than a short poll interval)."""
+    times = [float(x["at"]) for x in looks if x.get("by") == "watch"][-PACE_LOOKS:]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
+    return max(poll_interval_s, gaps[len(gaps) // 2] if gaps else 0.0)
+
+
+def look_cost_s(cfg: PipelineConfig) -> float:
+    """The longest one look may take (a health check at its timeout plus the command's own cost): the next look
+    can land this long after one interval (WatchdogConfig.detection_bound_s counts the same)."""
+    wd = cfg.watchdog
+    return wd.health_timeout_s + 2 * wd.WATCH_COMMAND_ALLOWANCE_S
+
+
+def watched_until(look: dict | None, interval_s: float, cost_s: float = 0.0) -> float | None:
+    """Until when the watch accounts for the job: SILENT_POLLS intervals past its last look (never less than one
+    interval plus the longest a look may take), or a recovery's own bound (``until``) when that is later."""
     if look is None:
         return None
-    return max(float(look["at"]) + SILENT_POLLS * interval_s, float(look.get("until") or 0.0))
+    return max(float(look["at"]) + max(SILENT_POLLS * interval_s, interval_s + cost_s),
+               float(look.get("until") or 0.0))
 
 
 # --------------------------------------------------------------------------- the alarm
@@ -174,12 +204,16 @@ class Sentinel:
         now = self.clock()
         if not self.job_running():
             return False
-        look = last_look(looks_path(self.layout, self.job))
-        until = watched_until(look, self.interval_s)
+        looks = recent_looks(looks_path(self.layout, self.job))
+        look = looks[-1] if looks else None
+        interval = look_interval_s(looks, self.interval_s)
+        cost = look_cost_s(self.cfg)
+        until = watched_until(look, interval, cost)
         silent_since = float(look["at"]) if look else self.started_at
-        deadline = until if until is not None else self.started_at + SILENT_POLLS * self.interval_s
+        deadline = until if until is not None else \
+            self.started_at + FIRST_LOOK_GRACE_S + max(SILENT_POLLS * interval, interval + cost)
         if now >= deadline and self.alarm is None:
-            self._raise(look, silent_since, now)
+            self._raise(look, silent_since, now, interval)
         elif now < deadline and self.alarm is not None and look is not None \
                 and float(look["at"]) > self.alarm["silent_since"]:
             self._clear(look, now)
@@ -198,12 +232,13 @@ class Sentinel:
         return (f"last look at {_clock(look['at'])} by {look.get('by', 'watch')} (pid {look.get('pid', '?')}): "
                 f"{look.get('summary') or look.get('verdict') or '?'}")
 
-    def _raise(self, look: dict | None, silent_since: float, now: float) -> None:
+    def _raise(self, look: dict | None, silent_since: float, now: float, interval: float) -> None:
         job, node = self.job.name, self.cfg.node.name
+        pace = "" if interval <= self.interval_s else f", the watch's own pace (poll_interval_s {self.interval_s:g} s)"
         subject = (f"[eagleflow] WATCH SILENT {job} of run {self.layout.run_id} on {node}: no look for "
                    f"{now - silent_since:.0f} s")
         body = (f"Nothing has looked at {job} of run {self.layout.run_id} on node {node} for "
-                f"{now - silent_since:.0f} s ({SILENT_POLLS} poll intervals of {self.interval_s:g} s) while it runs: "
+                f"{now - silent_since:.0f} s ({SILENT_POLLS} poll intervals of {interval:.3g} s{pace}) while it runs: "
                 f"{self._describe(look)}.\n\nThe job keeps running, but a stall now would go unnoticed. The "
                 f"watch runs in Airflow's triggerer (or in the task's worker when not deferrable): check that "
                 f"the triggerer and the scheduler are alive (the GPU view shows Airflow's health; `make airflow` "
