@@ -50,7 +50,7 @@ T0=$SECONDS
 # the limits are sized for the GPU machine; a dry run on a slow shared CPU gets 3x the time (same mechanism)
 if [ "$DRY" = 1 ]; then SCALE=${GPU_CHECK_LIMIT_SCALE:-3}; else SCALE=${GPU_CHECK_LIMIT_SCALE:-1}; fi
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((330 * SCALE))}
-STAGES=(env gpu train train_fp8 hf_capture specdec sglang_capture sglang_eagle3)
+STAGES=(env gpu train train_fp8 hf_capture hf_generate specdec sglang_capture sglang_eagle3)
 
 if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
 mkdir -p "$OUT" || { echo "bench/gpu_check.sh: cannot create OUT=$OUT" >&2; exit 2; }
@@ -163,6 +163,8 @@ else   # the same code on the CPU at toy dims
 fi
 run_stage hf_capture 120 "$PY" bench/gpu_check_stages.py hf_capture --work "$WORK" --samples 16
 stop_hf_server
+# the generation phase's serving mode (in-process server): same seed same ids, greedy vs teacher-forced, tokens/s
+run_stage hf_generate 60 "$PY" bench/gpu_check_generate.py --work "$WORK" --prompts 16 --max-new-tokens 64
 
 if [ -e include/eagleflow/evaluate/decoder.py ]; then
   run_stage specdec 120 "$PY" bench/gpu_check_stages.py specdec --work "$WORK" --train-steps 300 --prompts 8

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ["env", "gpu", "train", "train_fp8", "hf_capture", "specdec", "sglang_capture", "sglang_eagle3"]
+STAGES = ["env", "gpu", "train", "train_fp8", "hf_capture", "hf_generate", "specdec", "sglang_capture",
+          "sglang_eagle3"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,7 +50,10 @@ def test_dry_run_walks_every_stage_and_writes_the_out_layout(tmp_path):
     assert verdicts["gpu"]["rehearsal"]["smi_held_names_pid"] is True
     assert verdicts["train"]["rehearsal"]["loss_last"] < verdicts["train"]["rehearsal"]["loss_first"]
     assert verdicts["hf_capture"]["rehearsal"]["worst"]["min_cos"] >= 0.995
-    assert all("not a measurement" in verdicts[n]["reason"] for n in ("gpu", "train", "train_fp8", "hf_capture"))
+    assert all("not a measurement" in verdicts[n]["reason"] for n in ("gpu", "train", "train_fp8", "hf_capture",
+                                                                      "hf_generate"))
+    gen = verdicts["hf_generate"]["rehearsal"]
+    assert gen["same_ids_for_same_seed"] and gen["greedy_teacher_forced_match"] >= 0.9 and gen["tokens_generated"]
     fp8 = verdicts["train_fp8"]["rehearsal"]
     assert fp8["store_dtype"] == "fp8_e4m3" and fp8["dequant_max_rel_diff_vs_cpu"] <= 1e-2 and fp8["finite"]
     if (REPO / "include" / "eagleflow" / "evaluate" / "decoder.py").is_file():
