@@ -55,7 +55,19 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES))
+    ap.add_argument("--parallel", type=int, default=1, help="seeds trained and evaluated at once")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="print the table of earlier --json results (e.g. one run per store) and exit")
     a = ap.parse_args()
+    if a.merge:
+        merged: dict = {"stores": {}}
+        for m in a.merge:
+            d = json.loads(Path(m).read_text())
+            merged["stores"].update(d["stores"])
+            merged.update({k: d[k] for k in ("seeds", "steps") if k in d})
+        table(merged)
+        return 0
     t_all = time.time()
     ensure_demo_assets(REPO / ".cache" / "demo")
     root = Path(a.dir or tempfile.mkdtemp(prefix="eagleflow-fp8-quality-"))
@@ -107,10 +119,10 @@ def main() -> int:
                      for x in m.read_text().splitlines() if x.strip())
         entry = {"samples": vj["stored"], "tokens": tokens, "stored_bytes": stored,
                  "bytes_per_token": stored / tokens, "quantisation": vj.get("quantisation"),
-                 "capture_s": time.time() - t0, "runs": {}}
+                 "capture_s": time.time() - t0, "corpus_sha256": corpus_digest[store], "runs": {}}
         print(f"[{store}] captured {vj['stored']} samples, {tokens:,} tokens, {stored / 2**20:.1f} MiB "
               f"({stored / tokens:,.1f} bytes/token) in {entry['capture_s']:.0f} s", flush=True)
-        for seed in a.seeds:
+        def one_seed(seed: int, store=store, cfg=cfg, lay=lay, cfgp=cfgp, entry=entry) -> None:
             rid = f"{store}-seed{seed}"
             rdir = Path(cfg.run_dir(rid))
             rdir.mkdir(parents=True, exist_ok=True)
@@ -126,17 +138,33 @@ def main() -> int:
             summary = json.loads(ev.stdout.strip().splitlines()[-1])
             rows = {f"{r.get('prompt_set', 'held_out')}:{r['config']}": r["draft"] for r in summary["results"]}
             metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
-            entry["runs"][seed] = {"accept_length": {k: r["accept_length"] for k, r in rows.items()},
+            entry["runs"][str(seed)] = {"accept_length": {k: r["accept_length"] for k, r in rows.items()},
                                    "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
                                    "seconds": time.time() - t0}
             print(f"[{store}] seed {seed}: " + ", ".join(f"{k} {v['accept_length']:.3f}" for k, v in rows.items())
                   + f"; final loss {metrics[-1]['loss']:.3f} ({time.time() - t0:.0f} s)"
                   + ("" if "Traceback" not in tr.stderr else " (train printed a traceback)"), flush=True)
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+            list(pool.map(one_seed, a.seeds))
         results["stores"][store] = entry
     if len(set(corpus_digest.values())) != 1:
         raise SystemExit(f"the two captures did not get the same corpus ({corpus_digest}); the comparison is void")
-    results["corpus_sha256"] = corpus_digest["auto"]
+    results["corpus_sha256"] = next(iter(corpus_digest.values()))
+    if len(results["stores"]) == len(STORES):
+        table(results)
+    print(f"\n{time.time() - t_all:.0f} s in all; work dir {root}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    if not a.dir:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
 
+
+def table(results: dict) -> None:
+    """The side-by-side table: per eval configuration, each store's seeds, mean, spread, and the difference."""
+    seeds, steps = results["seeds"], results["steps"]
     a16, a8 = results["stores"]["auto"], results["stores"]["fp8_e4m3"]
     print(f"\nfp8 / bf16 stored bytes per token on the demo: {a8['bytes_per_token'] / a16['bytes_per_token']:.4f} "
           f"({a8['bytes_per_token']:.1f} / {a16['bytes_per_token']:.1f}; the demo target is float32, so auto stores "
@@ -145,30 +173,25 @@ def main() -> int:
     if q:
         print("fp8 quantisation error (capture verify --stats): " + "; ".join(
             f"{k} max {t['max_rel']:.2e} mean {t['mean_rel']:.2e}" for k, t in q.items()))
+    if a16.get("corpus_sha256") and a8.get("corpus_sha256") and a16["corpus_sha256"] != a8["corpus_sha256"]:
+        raise SystemExit("the two stores were captured from different corpora; the comparison is void")
     keys = sorted(next(iter(a16["runs"].values()))["accept_length"])
-    print(f"\nheld-out acceptance length, {len(a.seeds)} seeds ({', '.join(map(str, a.seeds))}), {a.steps} steps "
+    print(f"\nheld-out acceptance length, {len(seeds)} seeds ({', '.join(map(str, seeds))}), {steps} steps "
           "each (mean +- sample std [min..max]):")
     print(f"{'set:config':24s} {'bf16 store':>28s} {'fp8 store':>28s} {'fp8 - bf16':>12s} {'relative':>9s}")
-    table = {}
+    rows = {}
     for k in keys:
-        v16 = [a16["runs"][s]["accept_length"][k] for s in a.seeds]
-        v8 = [a8["runs"][s]["accept_length"][k] for s in a.seeds]
+        v16 = [a16["runs"][str(s)]["accept_length"][k] for s in seeds]
+        v8 = [a8["runs"][str(s)]["accept_length"][k] for s in seeds]
         m16, m8 = statistics.mean(v16), statistics.mean(v8)
         sd16 = statistics.stdev(v16) if len(v16) > 1 else 0.0
         sd8 = statistics.stdev(v8) if len(v8) > 1 else 0.0
-        table[k] = {"bf16": v16, "fp8": v8, "bf16_mean": m16, "fp8_mean": m8, "bf16_std": sd16, "fp8_std": sd8,
+        rows[k] = {"bf16": v16, "fp8": v8, "bf16_mean": m16, "fp8_mean": m8, "bf16_std": sd16, "fp8_std": sd8,
                     "diff": m8 - m16, "relative": (m8 - m16) / m16}
         cell = lambda m, sd, v: f"{m:.3f} +- {sd:.3f} [{min(v):.2f}..{max(v):.2f}]"  # noqa: E731
         print(f"{k:24s} {cell(m16, sd16, v16):>28s} {cell(m8, sd8, v8):>28s} {m8 - m16:>+12.3f} "
               f"{(m8 - m16) / m16:>+9.1%}")
-    results["table"] = table
-    print(f"\n{time.time() - t_all:.0f} s in all; work dir {root}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
-    if not a.dir:
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    results["table"] = rows
 
 
 if __name__ == "__main__":
