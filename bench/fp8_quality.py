@@ -92,7 +92,7 @@ def main() -> int:
 
     results: dict = {"seeds": a.seeds, "steps": a.steps, "stores": {}}
     corpus_digest = {}
-    for store in STORES:
+    for store in a.stores:
         cfgp = root / f"config-{store}.yaml"
         data = json.loads(json.dumps(demo))
         data["capture"]["store_dtype"] = store
