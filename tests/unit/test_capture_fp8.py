@@ -218,3 +218,17 @@ def test_quantising_leaves_the_callers_tensor_alone(dtype):
     before = x.clone()
     quantise_fp8(x, 3)
     assert torch.equal(x, before)
+
+
+def test_train_refuses_a_run_whose_shards_mix_store_dtypes(tmp_path, demo_assets):
+    from eagleflow.config import load_config
+    from eagleflow.layout import RunLayout
+    from eagleflow.train.trainer import train
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": demo_assets["target_model"],
+                            "train": {"device": "cpu", "max_steps": 2, "batch_size": 2, "draft_vocab_size": 64},
+                            "capture": {"heartbeat_interval_s": 0.5}})
+    layout = RunLayout.for_run(cfg, "mixed")
+    write_synthetic_hidden_states(layout.hidden_states_dir, demo_assets["target_model"], samples=4, shards=2,
+                                  store_dtype={0: "fp8_e4m3", 1: "auto"})
+    with pytest.raises(MixedStoreError, match=r"auto: shard_00001 \(2 samples\); fp8_e4m3: shard_00000"):
+        train(cfg, layout, log=lambda _m: None)

@@ -40,11 +40,12 @@ def _train(args) -> int:
     from eagleflow.capture.verify import NotVerifiedError
 
     from .checkpoint import CheckpointWriteError
+    from .data import MixedStoreError
 
     cfg, layout = run_from_args(args)
     try:
         result = train(cfg, layout, stop_after_step=args.stop_after_steps, log=_log)
-    except (NotVerifiedError, CheckpointWriteError) as e:   # not a crash: say why, name what to do
+    except (NotVerifiedError, CheckpointWriteError, MixedStoreError) as e:   # not a crash: say why, what to do
         print(f"eagleflow train: {e}", file=sys.stderr, flush=True)
         return 1
     return 0 if result.completed or args.stop_after_steps is not None else 1
