@@ -237,7 +237,8 @@ def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float, 
     usual = (f"; this run's requests take {pace.request_p95_s:.1f} s (p95)" if pace.request_p95_s is not None
              else "")
     return (f"server answers /health_generate ({h.latency_s:.1f} s) but its /generate does not: request "
-            f"{oldest.id} in flight for {age:.0f} s with no sample completed (limit {limit:.0f} s"
+            f"{oldest.id} in flight for {age:.0f} s with no {hb.unit[:-1] if hb.unit.endswith('s') else hb.unit} "
+            f"completed (limit {limit:.0f} s"
             f"{usual})")
 
 
@@ -299,10 +300,11 @@ def _server_process_evidence(obs: Observation) -> list[str]:
     s = obs.server
     if not obs.job.uses_server:
         return []
+    server = "generation server" if obs.job.server_role == "generate_server" else "capture server"
     if s is None:
-        return ["no capture server is recorded (no pid file)"]
+        return [f"no {server} is recorded (no pid file)"]
     if not s.recorded:
-        return [_no_record(s).replace(f"no {s.role} process", "no capture server", 1)]
+        return [_no_record(s).replace(f"no {s.role} process", f"no {server}", 1)]
     if not s.alive:
         return [f"server pid {s.pid} is {'a zombie (exited, not yet reaped)' if s.zombie else 'gone'}"]
     if s.stopped:
