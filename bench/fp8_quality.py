@@ -178,7 +178,8 @@ def table(results: dict) -> None:
     keys = sorted(next(iter(a16["runs"].values()))["accept_length"])
     print(f"\nheld-out acceptance length, {len(seeds)} seeds ({', '.join(map(str, seeds))}), {steps} steps "
           "each (mean +- sample std [min..max]):")
-    print(f"{'set:config':24s} {'bf16 store':>28s} {'fp8 store':>28s} {'fp8 - bf16':>12s} {'relative':>9s}")
+    print(f"{'set:config':16s} {'bf16 store':>28s} {'fp8 store':>28s} {'fp8 - bf16':>10s} {'relative':>9s} "
+          f"{'paired (same seed) fp8 - bf16':>30s}")
     rows = {}
     for k in keys:
         v16 = [a16["runs"][str(s)]["accept_length"][k] for s in seeds]
@@ -186,11 +187,13 @@ def table(results: dict) -> None:
         m16, m8 = statistics.mean(v16), statistics.mean(v8)
         sd16 = statistics.stdev(v16) if len(v16) > 1 else 0.0
         sd8 = statistics.stdev(v8) if len(v8) > 1 else 0.0
+        paired = [y - x for x, y in zip(v16, v8)]   # same seed, same corpus: only the store differs
+        sdp = statistics.stdev(paired) if len(paired) > 1 else 0.0
         rows[k] = {"bf16": v16, "fp8": v8, "bf16_mean": m16, "fp8_mean": m8, "bf16_std": sd16, "fp8_std": sd8,
-                    "diff": m8 - m16, "relative": (m8 - m16) / m16}
+                   "diff": m8 - m16, "relative": (m8 - m16) / m16, "paired": paired, "paired_std": sdp}
         cell = lambda m, sd, v: f"{m:.3f} +- {sd:.3f} [{min(v):.2f}..{max(v):.2f}]"  # noqa: E731
-        print(f"{k:24s} {cell(m16, sd16, v16):>28s} {cell(m8, sd8, v8):>28s} {m8 - m16:>+12.3f} "
-              f"{(m8 - m16) / m16:>+9.1%}")
+        print(f"{k:16s} {cell(m16, sd16, v16):>28s} {cell(m8, sd8, v8):>28s} {m8 - m16:>+10.3f} "
+              f"{(m8 - m16) / m16:>+9.1%} {', '.join(f'{x:+.3f}' for x in paired) + f' (std {sdp:.3f})':>30s}")
     results["table"] = rows
 
 
