@@ -267,6 +267,8 @@ def _prepare_airflow() -> dict[str, str]:
 
     env = prepare()
     cmd.update_output()
+    from airflow.settings import dispose_orm
+    dispose_orm()   # the supervisor holds no connection to the metadata DB (SQLite: one writer at a time)
     return env
 
 
@@ -281,6 +283,8 @@ def supervise(home: Path, *, poll_s: float = 1.0) -> int:
         print(f"[supervisor] {time.strftime('%H:%M:%S')} {msg}", flush=True)
 
     env = _prepare_airflow()
+    if stopping.is_set():   # told to stop while preparing: start nothing
+        return 0
     parts = {n: _Part(n, log) for n in PARTS}
     for p in parts.values():
         p.start(env)
