@@ -81,21 +81,34 @@ def start_capture_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
 
     Returns (its record, whether it was started now).
     """
-    pid_file = str(ctx.layout.pid_file(SERVER_ROLE))
+    return start_or_attach_server(ctx, SERVER_ROLE, ctx.eagleflow_argv("capture", "serve"),
+                                  str(ctx.layout.server_info_file), f"capture server ({ctx.cfg.capture.backend})", log)
+
+
+def start_or_attach_server(ctx: RunLike, role: str, argv: list[str], info_file: str, what: str,
+                           log=None) -> tuple[ProcessRecord, bool]:
+    """The one server start (capture and generation): a live recorded server is kept, and the start is
+    exclusive, like a worker's: detach takes ``lock_file(role)`` and the server holds it for its life, so
+    two callers at once (concurrent retries) start one server and the other attaches to it."""
+    pid_file = str(ctx.layout.pid_file(role))
     rec = ctx.node.live_record(pid_file)
-    if rec is not None:
-        if log:
-            log(f"capture server already running: pid {rec.pid} (record {pid_file}); keeping it")
-        return rec, False
-    # A stale info file from an earlier server would make readiness read the wrong URL.
-    ctx.node.run(["rm", "-f", "--", str(ctx.layout.server_info_file)], timeout=30)
-    argv = ctx.eagleflow_argv("capture", "serve")
-    proc = ctx.node.spawn_detached(argv, role=SERVER_ROLE, pid_file=pid_file,
-                                   log_file=str(ctx.layout.log_file(SERVER_ROLE)))
+    if rec is None:
+        # A stale info file from an earlier server would make readiness read the wrong URL (a concurrent
+        # starter's server writes its own only once loaded, long after this).
+        ctx.node.run(["rm", "-f", "--", info_file], timeout=30)
+        try:
+            proc = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
+                                           lock_file=str(ctx.layout.lock_file(role)))
+        except JobAlreadyRunning as e:
+            rec = _recorded_holder(ctx, pid_file, e)
+        else:
+            if log:
+                log(f"{what} started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}, "
+                    f"command {shlex.join(argv)}")
+            return proc, True
     if log:
-        log(f"capture server ({ctx.cfg.capture.backend}) started on node {ctx.node.name}: pid {proc.pid}, "
-            f"log {proc.log_file}, command {shlex.join(argv)}")
-    return proc, True
+        log(f"{what.split(' (')[0]} already running: pid {rec.pid} (record {pid_file}); keeping it")
+    return rec, False
 
 
 def capture_server_healthy(url: str, timeout_s: float) -> bool:

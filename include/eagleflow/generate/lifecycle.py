@@ -10,10 +10,9 @@ takes before the worker starts.
 from __future__ import annotations
 
 import json
-import shlex
 import time
 
-from eagleflow.capture.lifecycle import CaptureServerNotReady, capture_server_healthy, log_tail
+from eagleflow.capture.lifecycle import CaptureServerNotReady, capture_server_healthy, log_tail, start_or_attach_server
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
 
@@ -34,20 +33,9 @@ def server_info(ctx: RunLike) -> dict | None:
 
 def start_generate_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
     """``eagleflow generate serve`` detached; a live recorded one is kept. (record, started now)."""
-    pid_file = str(ctx.layout.pid_file(SERVER_ROLE))
-    rec = ctx.node.live_record(pid_file)
-    if rec is not None:
-        if log:
-            log(f"generation server already running: pid {rec.pid} (record {pid_file}); keeping it")
-        return rec, False
-    ctx.node.run(["rm", "-f", "--", str(ctx.layout.generate_server_info_file)], timeout=30)
-    argv = ctx.eagleflow_argv("generate", "serve")
-    proc = ctx.node.spawn_detached(argv, role=SERVER_ROLE, pid_file=pid_file,
-                                   log_file=str(ctx.layout.log_file(SERVER_ROLE)))
-    if log:
-        log(f"generation server ({ctx.cfg.capture.backend}, serving mode) started on node {ctx.node.name}: "
-            f"pid {proc.pid}, log {proc.log_file}, command {shlex.join(argv)}")
-    return proc, True
+    return start_or_attach_server(ctx, SERVER_ROLE, ctx.eagleflow_argv("generate", "serve"),
+                                  str(ctx.layout.generate_server_info_file),
+                                  f"generation server ({ctx.cfg.capture.backend}, serving mode)", log)
 
 
 def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:

@@ -1,0 +1,55 @@
+"""A server start is exclusive like a worker's: two concurrent starts (shard retries) give one server."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagleflow.capture import lifecycle as capture
+from eagleflow.generate import lifecycle as generate
+from eagleflow.nodes import LocalNode
+
+
+class _Layout:
+    def __init__(self, root: Path):
+        self.root = root
+        self.generate_server_info_file = root / "generate_server.json"
+        self.server_info_file = root / "capture_server.json"
+
+    def pid_file(self, role):
+        return self.root / "pids" / f"r.{role}.json"
+
+    def lock_file(self, role):
+        return self.root / "locks" / f"r.{role}.lock"
+
+    def log_file(self, role):
+        return self.root / "logs" / f"r.{role}.log"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start,role", [(generate.start_generate_server, generate.SERVER_ROLE),
+                                        (capture.start_capture_server, capture.SERVER_ROLE)])
+def test_a_second_start_that_raced_the_first_attaches_instead_of_spawning(tmp_path, start, role):
+    node = LocalNode(name="t")
+    ctx = SimpleNamespace(node=node, layout=_Layout(tmp_path), cfg=SimpleNamespace(capture=SimpleNamespace(backend="hf")),
+                          eagleflow_argv=lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
+    first, started = start(ctx)
+    assert started
+    try:
+        real = node.live_record
+        seen = []
+
+        def raced(pid_file):   # the second retry looked before the first had recorded its server
+            if not seen:
+                seen.append(pid_file)
+                return None
+            return real(pid_file)
+        node.live_record = raced
+        second, started2 = start(ctx)
+        node.live_record = real
+        assert (second.pid, started2) == (first.pid, False)
+        assert node.live_record(str(ctx.layout.pid_file(role))).pid == first.pid
+    finally:
+        node.stop_recorded(str(ctx.layout.pid_file(role)), grace_s=2)
