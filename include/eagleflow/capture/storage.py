@@ -144,15 +144,31 @@ def quantise_fp8(x, layers: int):
         if not bool(torch.isfinite(amax).all()):
             raise ValueError("holds inf or NaN; fp8 storage cannot scale it (the target produced non-finite "
                              "hidden states: check capture.dtype, or store with capture.store_dtype: auto)")
-        scale = amax / FP8_MAX
-        # a zero block (or one under 448 x the smallest float32, |x| < 6e-43) keeps scale 0; divided by 1
-        # instead, its values are below e4m3's smallest subnormal and store as zeros
-        xs = xf.mul_((1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        scale = amax / FP8_MAX     # 0 for a zero block: it stores zeros and de-quantises to zeros
+        # a non-zero block under 448 x float32's smallest subnormal keeps that subnormal as its scale, not 0
+        scale = torch.where((amax > 0) & (scale == 0), torch.full_like(scale, 2.0 ** -149), scale)
+        inv = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                          torch.zeros_like(amax))
+        # A block under 448 / float32 max (|x| < 1.3e-36) would scale by inf (0 x inf = NaN), and a subnormal
+        # scale is not amax / 448 any more: such blocks are divided by their stored scale in float64, and
+        # their error is measured on what de-quantising gives back.
+        tiny = (amax > 0) & (scale < torch.finfo(torch.float32).tiny)
+        exact = None
+        if bool(tiny.any()):
+            exact = xf[tiny].double()
+            xf[tiny] = (exact / scale[tiny].double().unsqueeze(-1)).float()
+            inv = torch.where(tiny, torch.ones_like(inv), inv)
+        xs = xf.mul_(inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         qq = xs.to(torch.float8_e4m3fn)
         # relative error in the scaled domain: the scale cancels, so the float32 copy of x is not kept
         ref = xs.norm(dim=-1)
         err = xs.sub_(qq.float()).norm(dim=-1)
         rel = torch.where(ref > 0, err / torch.where(ref > 0, ref, torch.ones_like(ref)), torch.zeros_like(ref))
+        if exact is not None:   # what de-quantising with the stored (subnormal) scale really gives back
+            back = (qq[tiny].float() * scale[tiny].unsqueeze(-1)).double()   # as dequantise_fp8 computes it
+            rel[tiny] = ((back - exact).norm(dim=-1) / exact.norm(dim=-1)).float()
+        if not bool(torch.isfinite(rel).all()):   # never a NaN on disk behind a clean error figure
+            raise ValueError("fp8 quantisation produced a non-finite value; store with capture.store_dtype: auto")
         worst = max(worst, float(rel.max())) if rel.numel() else worst
         total += float(rel.sum())
         q[r0:r0 + _QUANT_ROWS] = qq.reshape(-1, width)
