@@ -76,7 +76,7 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
     incomplete = []
     wall_s = 0.0
     for shard in range(n):
-        results = read_results(layout.generate_shard_dir(shard))
+        results = read_results(layout.generate_shard_dir(shard), shard, n)
         hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
         if hb is not None and hb.started_at:
             wall_s = max(wall_s, hb.time - hb.started_at)   # shards run side by side: the longest one
@@ -147,11 +147,20 @@ def generated_source_rows(cfg: PipelineConfig, layout: RunLayout, source: str) -
     """The corpus phase's rows for a regenerated source: kept records by original row, as load_source rows
     (``__row`` the original row, so the record keeps its corpus id and shuffle key)."""
     rows = []
+    where: dict[str, list[int]] = {}   # id -> the shards that hold it: one record is generated once
     for shard in range(cfg.generate.shards):
-        for r in read_results(layout.generate_shard_dir(shard)):
+        for r in read_results(layout.generate_shard_dir(shard), shard, cfg.generate.shards):
+            if r.source == source:
+                where.setdefault(r.id, []).append(shard)
             if r.source == source and r.kept:
                 rows.append({"__row": int(r.id.rsplit(":", 1)[1]), "__where": r.where,
                              "__raw": json.dumps(r.corpus_record(), ensure_ascii=False), "__decode_error": None})
+    dups = [f"{i} (shards {', '.join(map(str, w))})" for i, w in where.items() if len(w) > 1]
+    if dups:
+        raise GenerationIncomplete(f"generated records of source {source} appear more than once: {', '.join(dups[:10])}"
+                                   f"{' ...' if len(dups) > 10 else ''}; the shard dirs under {layout.generated_dir} "
+                                   "mix results of different runs or shard counts. Delete them and run the "
+                                   "generation phase again")
     rows.sort(key=lambda d: d["__row"])
     return rows
 

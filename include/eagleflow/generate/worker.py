@@ -16,6 +16,8 @@ and redoes every other one, so a kill -9 at any point loses and repeats nothing.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
 import threading
@@ -35,6 +37,7 @@ from .regenerate import BAD, Generation, RecordBuilder, RecordResult, Sampling, 
 
 MANIFEST = "manifest.jsonl"
 HEARTBEAT = "heartbeat.json"
+IDENTITY = "shard.json"   # {num_shards, shard, inputs_sha256}: what the stored results were generated from
 GIVE_UP_FACTOR = 3.0   # as extraction: past its deadline a request is overdue evidence; the worker gives up later
 
 
@@ -114,6 +117,48 @@ def read_inputs(sources, shard: int, num_shards: int, work_dir: str, *, seed: in
     return out
 
 
+def inputs_digest(inputs: list[InputRecord]) -> str:
+    h = hashlib.sha256()
+    for r in inputs:
+        h.update(json.dumps([r.index, r.id, r.conversation, r.error], ensure_ascii=False).encode() + b"\n")
+    return h.hexdigest()
+
+
+def check_identity(shard_dir: str | os.PathLike, shard: int, num_shards: int, inputs: list[InputRecord],
+                   fsync: bool = True) -> None:
+    """Write the shard's identity on its first run; refuse to resume results made for another split or input.
+
+    A resume goes by record index: under another ``generate.shards`` or changed sources the same index is
+    another record, and its stored result would be kept for it."""
+    path = Path(shard_dir) / IDENTITY
+    want = {"num_shards": num_shards, "shard": shard, "inputs_sha256": inputs_digest(inputs)}
+    try:
+        have = json.loads(path.read_text())
+    except FileNotFoundError:
+        atomic_write(path, json.dumps(want, sort_keys=True) + "\n", fsync=fsync)
+        return
+    except ValueError as e:
+        raise GenerationError(f"generate shard {shard}: {path} is not JSON ({e}); delete {Path(shard_dir)} to "
+                              "regenerate this shard from scratch") from None
+    diff = [f"{k} {have.get(k)!r} there, {v!r} now" for k, v in want.items() if have.get(k) != v]
+    if diff:
+        raise GenerationError(f"generate shard {shard}: the results in {Path(shard_dir)} were generated for other "
+                              f"inputs ({path}: {'; '.join(diff)}). Restore the generate.shards and sources they "
+                              f"were made with to resume, or delete {Path(shard_dir)} to regenerate this shard")
+
+
+def plan_resume(inputs: list[InputRecord], scan, done: set[int]) -> tuple[list[InputRecord], list[str]]:
+    """(records to do, why stored ones are redone): an index is skipped only when its stored id is the input's."""
+    todo, redo = [], []
+    for r in inputs:
+        if r.index in done:
+            if scan.entries[r.index].id == r.id:
+                continue
+            redo.append(f"index {r.index}: stored {scan.entries[r.index].id!r}, input {r.id!r}")
+        todo.append(r)
+    return todo, redo
+
+
 class GenerateWorker:
     def __init__(self, settings: GenerateSettings, tokenizer=None, log=print):
         self.s = settings
@@ -175,8 +220,13 @@ class GenerateWorker:
             inputs = read_inputs(s.sources, s.shard, s.num_shards, work, seed=s.seed, non_text=s.non_text_parts)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        todo = [r for r in inputs if r.index not in done]
-        for i in sorted(done):   # bad records already recorded count against max_bad_records too
+        check_identity(shard_dir, s.shard, s.num_shards, inputs, fsync=s.fsync)
+        todo, redo = plan_resume(inputs, scan, done)
+        if redo:
+            self.log(f"generate shard {s.shard}: {len(redo)} stored result(s) are of another record and are redone: "
+                     + "; ".join(redo[:5]))
+        keep = {r.index for r in inputs} - {r.index for r in todo}
+        for i in sorted(keep):   # bad records already recorded count against max_bad_records too
             try:
                 r = RecordResult.from_json((shard_dir / scan.entries[i].file).read_text())
             except (OSError, ValueError, TypeError):
@@ -296,10 +346,19 @@ class GenerateWorker:
             self.log(hb.progress_line())
 
 
-def read_results(shard_dir: str | os.PathLike) -> list[RecordResult]:
-    """The shard's results whose files are intact, by index (what the corpus phase and the stats read)."""
+def read_results(shard_dir: str | os.PathLike, shard: int | None = None,
+                 num_shards: int | None = None) -> list[RecordResult]:
+    """The shard's results whose files are intact, by index (what the corpus phase and the stats read): only
+    this shard's indexes (``index % num_shards == shard``; from its identity file when not given)."""
     d = Path(shard_dir)
+    if shard is None or num_shards is None:
+        try:
+            ident = json.loads((d / IDENTITY).read_text())
+            shard, num_shards = int(ident["shard"]), int(ident["num_shards"])
+        except (OSError, ValueError, KeyError, TypeError):
+            shard = num_shards = None
     scan = read_manifest(d / MANIFEST)
     done = completed_indexes(d, scan).done
-    return [RecordResult.from_json((d / scan.entries[i].file).read_text()) for i in sorted(done)]
+    return [RecordResult.from_json((d / scan.entries[i].file).read_text()) for i in sorted(done)
+            if num_shards is None or i % num_shards == shard]
 

@@ -1,0 +1,71 @@
+"""A generation shard resumes only what it made: same split, same inputs, same id at each index."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
+from eagleflow.capture.storage import file_sha256
+from eagleflow.generate.phase import GenerationIncomplete, generated_source_rows
+from eagleflow.generate.regenerate import REGENERATED, RecordResult
+from eagleflow.generate.worker import (IDENTITY, MANIFEST, GenerationError, InputRecord, check_identity, plan_resume,
+                                       read_results, result_file_name)
+
+
+def _inputs(ids, shard=0, n=1):
+    return [InputRecord(i, rid, "s", "s.jsonl", f"line {i + 1}", '{"messages": []}', None)
+            for i, rid in ids if i % n == shard]
+
+
+def _store(shard_dir: Path, entries):
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    with ManifestWriter(shard_dir / MANIFEST, fsync=False) as m:
+        for index, rid in entries:
+            path = shard_dir / result_file_name(index)
+            path.write_text(RecordResult(id=rid, source="s", where="w", status=REGENERATED, input_ids=[1],
+                                         loss_mask=[1], spans=[[0, 1]]).to_json() + "\n")
+            st = os.stat(path)
+            m.append(ManifestEntry(id=rid, index=index, file=path.name, tokens=1, bytes=st.st_size,
+                                   sha256=file_sha256(path), mtime_ns=st.st_mtime_ns))
+
+
+def test_a_resume_under_another_shard_count_or_other_inputs_is_refused_naming_the_file(tmp_path):
+    ins = _inputs([(0, "s:0"), (2, "s:2")], 0, 2)
+    check_identity(tmp_path, 0, 2, ins)
+    assert (tmp_path / IDENTITY).exists()
+    check_identity(tmp_path, 0, 2, ins)   # the same split and inputs resume
+    with pytest.raises(GenerationError, match=r"shard\.json: num_shards 2 there, 3 now.*delete"):
+        check_identity(tmp_path, 0, 3, ins)
+    with pytest.raises(GenerationError, match=r"inputs_sha256 '[0-9a-f]{64}' there"):
+        check_identity(tmp_path, 0, 2, _inputs([(0, "s:0"), (2, "s:7")], 0, 2))
+
+
+def test_an_index_is_skipped_only_when_its_stored_id_is_the_inputs(tmp_path):
+    _store(tmp_path, [(0, "s:0"), (1, "other:1")])
+    scan = read_manifest(tmp_path / MANIFEST)
+    done = completed_indexes(tmp_path, scan).done
+    assert done == {0, 1}
+    todo, redo = plan_resume(_inputs([(0, "s:0"), (1, "s:1"), (2, "s:2")]), scan, done)
+    assert [r.index for r in todo] == [1, 2]
+    assert redo == ["index 1: stored 'other:1', input 's:1'"]
+
+
+def test_read_results_returns_only_this_shards_indexes(tmp_path):
+    _store(tmp_path, [(0, "s:0"), (1, "s:1"), (2, "s:2"), (3, "s:3")])
+    assert [r.id for r in read_results(tmp_path, 1, 2)] == ["s:1", "s:3"]
+    (tmp_path / IDENTITY).write_text('{"num_shards": 2, "shard": 0, "inputs_sha256": "x"}')
+    assert [r.id for r in read_results(tmp_path)] == ["s:0", "s:2"]
+
+
+def test_generated_source_rows_refuses_an_id_stored_twice(tmp_path):
+    layout = SimpleNamespace(generated_dir=tmp_path, generate_shard_dir=lambda s: tmp_path / f"shard_{s:05d}")
+    cfg = SimpleNamespace(generate=SimpleNamespace(shards=2))
+    _store(layout.generate_shard_dir(0), [(0, "s:0"), (2, "s:2")])
+    _store(layout.generate_shard_dir(1), [(1, "s:1")])
+    assert [r["__row"] for r in generated_source_rows(cfg, layout, "s")] == [0, 1, 2]
+    _store(layout.generate_shard_dir(1), [(3, "s:2")])
+    with pytest.raises(GenerationIncomplete, match=r"s:2 \(shards 0, 1\)"):
+        generated_source_rows(cfg, layout, "s")
