@@ -176,6 +176,13 @@ def test_max_new_tokens_hits_are_kept_or_dropped_by_setting(tok):
     assert dropped.status == DROPPED_TRUNCATED and not dropped.kept
 
 
+def test_a_finish_other_than_stop_or_length_is_an_error_not_a_stopped_turn(tok):
+    conv = Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    with pytest.raises(ValueError, match=r"record a:0, assistant turn 1: the target's finish is 'abort'"):
+        _builder(tok, Scripted(tok, ["half"], finish="abort")).regenerate(conv, record_id="a:0", source="a",
+                                                                         file="f", where="line 1")
+
+
 @pytest.mark.slow
 def test_the_real_target_rerun_on_the_stored_record_reproduces_every_span(demo_assets, tok):
     """Regenerate with the tiny transformers target; then re-run it on the stored record: each span's prefix, with

@@ -75,6 +75,12 @@ def generate_tokens(url: str, input_ids: list[int], rid: str, *, max_new_tokens:
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
         raise CaptureServerError(f"POST {url}/generate answered without output_ids (a list of token ids): "
                                  f"{str(out)[:200]}; is this a generation server?")
-    finish = (out.get("meta_info") or {}).get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    return ids, "length" if kind == "length" else "stop"
+    finish = (out.get("meta_info") or {}).get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length"):
+        # an abort (sglang: out of memory, a cancelled or invalid request) is no turn the target finished
+        msg = finish.get("message") if isinstance(finish, dict) else None
+        raise CaptureServerError(f"POST {url}/generate: request {rid} ended with finish_reason {finish!r}"
+                                 f"{f' ({msg})' if msg else ''}, not stop or length: the generation was "
+                                 "aborted; read the server's log")
+    return ids, kind

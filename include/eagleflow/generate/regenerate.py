@@ -270,6 +270,9 @@ class RecordBuilder:
                 out = self.target(ids, max_new_tokens=min(s.max_new_tokens, room), temperature=s.temperature,
                                   top_p=s.top_p, seed=turn_seed(s.seed, record_id, turn),
                                   stop_token_ids=self.stop_ids)
+                if out.finish not in ("stop", "length"):
+                    raise ValueError(f"record {record_id}, assistant turn {turn}: the target's finish is "
+                                     f"{out.finish!r}, not stop or length")
                 gen = list(out.ids)
                 if not gen:
                     if turn == 1:
