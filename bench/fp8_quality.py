@@ -166,7 +166,7 @@ def table(results: dict) -> None:
     """The side-by-side table: per eval configuration, each store's seeds, mean, spread, and the difference."""
     seeds, steps = results["seeds"], results["steps"]
     a16, a8 = results["stores"]["auto"], results["stores"]["fp8_e4m3"]
-    print(f"\nfp8 / bf16 stored bytes per token on the demo: {a8['bytes_per_token'] / a16['bytes_per_token']:.4f} "
+    print(f"\nfp8 / auto stored bytes per token on the demo: {a8['bytes_per_token'] / a16['bytes_per_token']:.4f} "
           f"({a8['bytes_per_token']:.1f} / {a16['bytes_per_token']:.1f}; the demo target is float32, so auto stores "
           "4 bytes an element here)")
     q = (a8.get("quantisation") or {}).get("tensors", {})
@@ -178,8 +178,8 @@ def table(results: dict) -> None:
     keys = sorted(next(iter(a16["runs"].values()))["accept_length"])
     print(f"\nheld-out acceptance length, {len(seeds)} seeds ({', '.join(map(str, seeds))}), {steps} steps "
           "each (mean +- sample std [min..max]):")
-    print(f"{'set:config':16s} {'bf16 store':>28s} {'fp8 store':>28s} {'fp8 - bf16':>10s} {'relative':>9s} "
-          f"{'paired (same seed) fp8 - bf16':>30s}")
+    print(f"{'set:config':16s} {'auto store':>28s} {'fp8 store':>28s} {'fp8 - auto':>10s} {'relative':>9s} "
+          f"{'paired (same seed) fp8 - auto':>30s}")
     rows = {}
     for k in keys:
         v16 = [a16["runs"][str(s)]["accept_length"][k] for s in seeds]
