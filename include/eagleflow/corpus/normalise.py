@@ -410,9 +410,31 @@ def shuffle_key(seed: int, sample_id: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # fits int64
 
 
+def checked_token_exact(value: Any) -> dict:
+    """The generation phase's ids, mask and span ends, checked: the corpus takes them as they are, so a
+    misaligned mask would train on the wrong tokens. RecordError names the field that is wrong."""
+    f = TOKEN_EXACT_KEY
+    if not isinstance(value, dict):
+        raise RecordError(f, value, WRONG_TYPE, "must be an object {input_ids, loss_mask, span_ends}")
+    ids, mask, ends = value.get("input_ids"), value.get("loss_mask"), value.get("span_ends", [])
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise RecordError(f"{f}.input_ids", ids, WRONG_TYPE, "must be a non-empty list of token ids (ints >= 0)")
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(type(m) is int and m in (0, 1) for m in mask):
+        raise RecordError(f"{f}.loss_mask", mask if not isinstance(mask, list) else f"{len(mask)} entries", WRONG_TYPE,
+                          f"must be a list of 0/1, as long as input_ids ({len(ids)})")
+    if (not isinstance(ends, list) or not all(type(e) is int and 0 < e <= len(ids) for e in ends)
+            or any(a >= b for a, b in zip(ends, ends[1:])) or any(mask[e - 1] != 1 for e in ends)):
+        raise RecordError(f"{f}.span_ends", ends, WRONG_TYPE, f"must be increasing ends (1..{len(ids)}) of "
+                          "spans whose last token is masked in")
+    return {"input_ids": ids, "loss_mask": mask, "span_ends": ends}
+
+
 def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int,
-                    non_text: str = NON_TEXT_ERROR) -> dict[str, list]:
-    """``datasets.map`` body: raw or structured rows in, one schema (as JSON text) or an error out."""
+                    non_text: str = NON_TEXT_ERROR, token_exact: bool = False) -> dict[str, list]:
+    """``datasets.map`` body: raw or structured rows in, one schema (as JSON text) or an error out.
+
+    ``token_exact``: the rows are the generation phase's (``generate.phase.generated_source_rows``); only
+    there is ``eagleflow_token_exact`` taken (checked), in any other source it is refused."""
     n = len(batch["__row"])
     out: dict[str, list] = {"id": [], "source": [], "where": [], "conversation": [], "uses_tools": [],
                             "non_text_dropped": [], "error": [], "shuffle_key": []}
@@ -432,8 +454,12 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
                 else:
                     record = _drop_nulls({c: batch[c][i] for c in record_cols})
                 conv = normalise_conversation(record, non_text=non_text)
-                if isinstance(record, dict) and isinstance(record.get(TOKEN_EXACT_KEY), dict):
-                    conv.token_exact = record[TOKEN_EXACT_KEY]   # written by the generation phase
+                if isinstance(record, dict) and TOKEN_EXACT_KEY in record:
+                    if not token_exact:
+                        raise RecordError(TOKEN_EXACT_KEY, _ABSENT, WRONG_TYPE,
+                                          "is written only by the generation phase (the target's own ids); a "
+                                          "source may not carry it: remove the key from the record")
+                    conv.token_exact = checked_token_exact(record[TOKEN_EXACT_KEY])
                 conv_json = conv.to_json()
             except RecursionError:   # read, but a field nested too deeply for the walk, repr or dumps
                 raise _too_deep("(record)") from None

@@ -292,7 +292,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
             norm = raw.map(normalise_batch, batched=True, batch_size=batch, num_proc=nproc,
                            remove_columns=raw.column_names, features=norm_features,
                            fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed,
-                                      "non_text": cc.non_text_parts},
+                                      "non_text": cc.non_text_parts, "token_exact": src.name in regenerated},
                            cache_file_name=os.path.join(work, f"norm-{src.name}.arrow"),
                            load_from_cache_file=False, desc=f"normalise {src.name}")
             normalised.append(norm)

@@ -335,11 +335,17 @@ class TokenisedRecord:
     content_dropped: str | None  # what the rendering lacks (see dropped_content)
 
 
-def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: str) -> TokenisedRecord:
+def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: str,
+                       vocab_size: int | None = None) -> TokenisedRecord:
     """A regenerated record: the target's own ids and mask, never rendered again. Over max_length it is cut
-    at the end of the last target span that fits (a prefix, so still exact), dropped or truncated."""
+    at the end of the last target span that fits (a prefix, so still exact), dropped or truncated.
+    (Shape, mask and span ends were checked when read: ``normalise.checked_token_exact``.)"""
     te = conv.token_exact or {}
     ids, mask = list(te["input_ids"]), list(te["loss_mask"])
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise ValueError(f"a regenerated record's eagleflow_token_exact.input_ids hold token id {max(ids)}, outside "
+                         f"this tokenizer's vocabulary ({vocab_size} ids): the generation phase ran with another "
+                         "target; run it again with this one (delete the run's generated/ dir)")
     status, kept_turns = "whole", len(conv.messages)
     if len(ids) > max_length:
         if over_max_length == TRUNCATE:
@@ -365,7 +371,8 @@ def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: 
 def tokenise_record(tokenizer, conv: Conversation, *, max_length: int, method: str,
                     over_max_length: str = CUT_AT_MESSAGE) -> TokenisedRecord:
     if conv.token_exact is not None:
-        return token_exact_record(conv, max_length=max_length, over_max_length=over_max_length)
+        return token_exact_record(conv, max_length=max_length, over_max_length=over_max_length,
+                                  vocab_size=len(tokenizer) if tokenizer is not None else None)
     try:
         enc = encode_record(tokenizer, conv, method)
     except TemplateError:
