@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from eagleflow.corpus.normalise import Conversation, normalise_conversation
 from eagleflow.demo_assets import CHAT_TEMPLATE
-from eagleflow.generate.regenerate import (BAD, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED,
+from eagleflow.generate.regenerate import (BAD, CUT_AT_CONTEXT, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED,
                                            EXCEEDS_CONTEXT, REGENERATED, STARTS_WITH_ASSISTANT, TOOL_WITHOUT_CALL,
                                            Generation, RecordBuilder, Sampling, calls_identical, parse_turn)
 
@@ -174,6 +174,21 @@ def test_max_new_tokens_hits_are_kept_or_dropped_by_setting(tok):
     dropped = _builder(tok, Scripted(tok, [long], finish="length"), max_new_tokens=4, keep_truncated=False).regenerate(
         conv, record_id="m:1", source="m", file="f", where="line 2")
     assert dropped.status == DROPPED_TRUNCATED and not dropped.kept
+
+
+def test_a_turn_ended_by_the_contexts_room_is_cut_at_context_not_a_max_new_tokens_hit(tok):
+    conv = Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}])
+    long = "alpha bravo charlie delta echo foxtrot golf hotel"
+    probe = Scripted(tok, ["a", "b"])
+    _builder(tok, probe).regenerate(conv, record_id="c:0", source="c", file="f", where="line 1")
+    prompt = len(probe.prompts[0])
+    res = _builder(tok, t := Scripted(tok, [long], finish="length"), max_new_tokens=64,
+                   max_length=prompt + 3, keep_truncated=False).regenerate(conv, record_id="c:1", source="c",
+                                                                           file="f", where="line 2")
+    assert (res.status, res.cut_turn, res.context_cut_turns, res.truncated_turns) == (CUT_AT_CONTEXT, 1, 1, 0)
+    assert res.kept and len(t.outputs[0]) == 3 and res.input_ids[-3:] == t.outputs[0]
+    assert len(res.input_ids) == prompt + 3
 
 
 def test_a_finish_other_than_stop_or_length_is_an_error_not_a_stopped_turn(tok):

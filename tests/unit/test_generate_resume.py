@@ -69,3 +69,35 @@ def test_generated_source_rows_refuses_an_id_stored_twice(tmp_path):
     _store(layout.generate_shard_dir(1), [(3, "s:2")])
     with pytest.raises(GenerationIncomplete, match=r"s:2 \(shards 0, 1\)"):
         generated_source_rows(cfg, layout, "s")
+
+
+def test_tokens_per_s_after_a_resume_divides_by_every_runs_wall_time(tmp_path):
+    from eagleflow.config import load_config
+    from eagleflow.generate.phase import collect
+    from eagleflow.generate.worker import HEARTBEAT, earlier_wall_s
+    from eagleflow.heartbeat import Heartbeat
+    cfg = load_config(data={"target_model": "/models/t", "corpus": {"sources": [{"name": "s", "path": "/x.jsonl"}]},
+                            "generate": {"enabled": True, "shards": 1}})
+    layout = SimpleNamespace(generated_dir=tmp_path, generate_shard_dir=lambda s: tmp_path / f"shard_{s:05d}")
+    d = layout.generate_shard_dir(0)
+    d.mkdir()
+    with ManifestWriter(d / MANIFEST, fsync=False) as m:
+        for i in range(2):   # record 0 from the first run, record 1 from the resume: 100 tokens each
+            p = d / result_file_name(i)
+            p.write_text(RecordResult(id=f"s:{i}", source="s", where="w", status=REGENERATED, input_ids=[1],
+                                      loss_mask=[1], spans=[[0, 1]], tokens_generated=100,
+                                      generation_s=1.0).to_json() + "\n")
+            st = os.stat(p)
+            m.append(ManifestEntry(id=f"s:{i}", index=i, file=p.name, tokens=1, bytes=st.st_size,
+                                   sha256=file_sha256(p), mtime_ns=st.st_mtime_ns))
+    # the first run took 30 s, the resume 10 s
+    first = Heartbeat(job="generate shard 0/1", pid=1, unit="records", started_at=1000.0, time=1030.0,
+                      extra={"wall_s_before": 0.0})
+    (d / HEARTBEAT).write_text(first.to_json())
+    assert earlier_wall_s(d / HEARTBEAT) == 30.0
+    resumed = Heartbeat(job="generate shard 0/1", pid=2, unit="records", started_at=2000.0, time=2010.0,
+                        state="complete", total=2, done=2, extra={"wall_s_before": earlier_wall_s(d / HEARTBEAT)})
+    (d / HEARTBEAT).write_text(resumed.to_json())
+    stats = collect(cfg, layout)
+    assert stats["wall_s"] == 40.0 and stats["tokens_per_s"] == 5.0
+    assert stats["per_source"]["s"]["tokens_per_s"] == 5.0

@@ -63,6 +63,7 @@ def shard_settings(cfg: PipelineConfig, layout: RunLayout, shard: int, server_ur
 def _source_stats() -> dict:
     return {"records": 0, "kept": 0, "regenerated": 0, "cut_at_diverging_call": 0, "cut_at_diverging_call_turns": {},
             "cut_at_context": 0, "cut_at_truncated": 0, "dropped_truncated": 0, "truncated_turns": 0,
+            "context_cut_turns": 0,
             "failed": {}, "bad": {}, "turns_regenerated": 0, "tokens_generated": 0, "generation_s": 0.0,
             "tokens_per_s": None}
 
@@ -79,7 +80,8 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
         results = read_results(layout.generate_shard_dir(shard), shard, n)
         hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
         if hb is not None and hb.started_at:
-            wall_s = max(wall_s, hb.time - hb.started_at)   # shards run side by side: the longest one
+            # shards run side by side: the longest one, over all its runs (a resume adds its earlier ones)
+            wall_s = max(wall_s, float(hb.extra.get("wall_s_before", 0.0)) + hb.time - hb.started_at)
         if hb is None or hb.state != "complete" or len(results) < hb.total:
             incomplete.append(f"shard {shard}: {len(results)}/{hb.total if hb else '?'} records, "
                               f"state {hb.state if hb else 'never started'}")
@@ -93,7 +95,7 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
                                    + ". Run the unfinished shards (`eagleflow generate run --shard I`): "
                                    "each resumes from its manifest")
     # generation_s sums each record's time, overlapping under concurrency; tokens/s divides by the phase's wall
-    # time (its longest shard's last run) apportioned to each source by its share of that record time
+    # time (its longest shard's runs, all of them) apportioned to each source by its share of that record time
     busy = sum(ps["generation_s"] for ps in per.values())
     for ps in per.values():
         share = wall_s * ps["generation_s"] / busy if busy else 0.0
@@ -120,6 +122,7 @@ def _count(ps: dict, r: RecordResult) -> None:
     ps["tokens_generated"] += r.tokens_generated
     ps["generation_s"] += r.generation_s
     ps["truncated_turns"] += r.truncated_turns
+    ps["context_cut_turns"] += r.context_cut_turns
     if r.kept:
         ps["kept"] += 1
     if r.status == REGENERATED:

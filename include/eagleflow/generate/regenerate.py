@@ -98,7 +98,8 @@ class RecordResult:
     spans: list[list[int]] = field(default_factory=list)  # [start, end) of each target-written span
     turns_regenerated: int = 0
     cut_turn: int | None = None          # 1-based assistant turn the record ended at (cut statuses)
-    truncated_turns: int = 0
+    truncated_turns: int = 0             # turns that hit generate.max_new_tokens
+    context_cut_turns: int = 0           # turns ended by the context's room (max_length), not max_new_tokens
     tokens_generated: int = 0
     generation_s: float = 0.0
     failure: str | None = None
@@ -298,6 +299,11 @@ class RecordBuilder:
                                          for c, o in zip(msg["tool_calls"], original["tool_calls"])]
                 hist.append(msg)
                 hist_end = len(hist)
+                if out.finish == "length" and room < s.max_new_tokens:
+                    # the context's room, not max_new_tokens, ended the turn: the record is full
+                    res.context_cut_turns += 1
+                    res.status, res.cut_turn = CUT_AT_CONTEXT, turn
+                    break
                 if out.finish == "length":
                     res.truncated_turns += 1
                     if not self.keep_truncated:

@@ -159,6 +159,16 @@ def plan_resume(inputs: list[InputRecord], scan, done: set[int]) -> tuple[list[I
     return todo, redo
 
 
+def earlier_wall_s(heartbeat_path: Path) -> float:
+    """The wall time of this shard's earlier runs (from the heartbeat the last one left): the stats divide
+    every stored record's tokens by every run's time, not by the last run's alone."""
+    prev = Heartbeat.read(str(heartbeat_path))
+    if prev is None:
+        return 0.0
+    ran = max(0.0, prev.time - prev.started_at) if prev.started_at else 0.0   # a run that failed before starting
+    return float(prev.extra.get("wall_s_before", 0.0)) + ran
+
+
 class GenerateWorker:
     def __init__(self, settings: GenerateSettings, tokenizer=None, log=print):
         self.s = settings
@@ -192,7 +202,7 @@ class GenerateWorker:
         shard_dir.mkdir(parents=True, exist_ok=True)
         hb = Heartbeat(job=f"generate shard {s.shard}/{s.num_shards}", pid=os.getpid(), unit="records",
                        extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url,
-                              "phase": "generate"})
+                              "phase": "generate", "wall_s_before": earlier_wall_s(shard_dir / HEARTBEAT)})
         hbw = HeartbeatWriter(shard_dir / HEARTBEAT, hb, interval_s=s.heartbeat_interval_s)
         hbw.start()
         try:
