@@ -53,3 +53,35 @@ def test_a_second_start_that_raced_the_first_attaches_instead_of_spawning(tmp_pa
         assert node.live_record(str(ctx.layout.pid_file(role))).pid == first.pid
     finally:
         node.stop_recorded(str(ctx.layout.pid_file(role)), grace_s=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_after_a_stall_blamed_on_the_server_stops_the_recorded_worker_and_server(tmp_path):
+    layout = _Layout(tmp_path)
+    layout.generate_shard_dir = lambda s: tmp_path / "generated" / f"shard_{s:05d}"
+    layout.generate_shard_dir(0).mkdir(parents=True)
+    node = LocalNode(name="t")
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ctx = SimpleNamespace(node=node, layout=layout, cfg=SimpleNamespace(capture=SimpleNamespace(backend="hf")),
+                          eagleflow_argv=lambda *a: sleep)
+    server, _ = generate.start_generate_server(ctx)
+    role = generate.worker_role(0)
+    worker = node.spawn_detached(sleep, role=role, pid_file=str(layout.pid_file(role)),
+                                 log_file=str(layout.log_file(role)))
+    try:
+        assert not generate.stop_after_server_stall(ctx, 0)      # no stall recorded: nothing stopped
+        assert not generate.record_server_stall(ctx, 0, {"status": "stalled", "cause": "worker"})
+        assert not generate.record_server_stall(ctx, 0, {"status": "dead", "cause": "capture_server"})
+        assert generate.record_server_stall(ctx, 0, {"status": "stalled", "cause": "capture_server",
+                                                     "subject": "STALLED generate shard 0/1"})
+        said = []
+        assert generate.stop_after_server_stall(ctx, 0, grace_s=2, log=said.append)
+        assert "STALLED generate shard 0/1" in said[0]
+        assert node.live_record(str(layout.pid_file(generate.SERVER_ROLE))) is None
+        assert node.live_record(str(layout.pid_file(role))) is None
+        assert not (layout.generate_shard_dir(0) / generate.SERVER_STALL).exists()
+        assert not generate.stop_after_server_stall(ctx, 0)      # once: the next retry attaches as usual
+    finally:
+        for pid_file in (layout.pid_file(generate.SERVER_ROLE), layout.pid_file(role)):
+            node.stop_recorded(str(pid_file), grace_s=2)
+    assert server.pid != worker.pid

@@ -8,7 +8,9 @@ the worker writes the same heartbeat and manifest, so the verdicts (stalled,
 dead, failed) and their evidence are the same. A stall is not recovered in the
 watch (recovery restarts the capture server, not this one): the task fails
 with the diagnosis, its failure mail goes out, and the retry resumes the shard
-from its manifest, restarting the server when it is gone.
+from its manifest, restarting the server when it is gone, or, when the stall
+was blamed on the server (hung but alive), after stopping it and the shard's
+worker by their records.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.capture.lifecycle import CaptureServerNotReady
-from eagleflow.generate.lifecycle import (SERVER_ROLE, check_ready, start_generate_server,
-                                          start_or_attach_generate_worker, stop_generate_server,
-                                          wait_generate_server_ready)
+from eagleflow.generate.lifecycle import (SERVER_ROLE, check_ready, record_server_stall, start_generate_server,
+                                          start_or_attach_generate_worker, stop_after_server_stall,
+                                          stop_generate_server, wait_generate_server_ready)
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.process_record import RecordList
 
@@ -91,6 +93,7 @@ class GenerateShardOperator(RunOperator):
             self.log.info("%s", OFF)
             return None
         shard = int(self.shard)
+        stop_after_server_stall(ctx, shard, log=self.log.warning)   # then check_ready finds it dead: restarted
         state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
         if state == "dead":   # a retry after the server died: put it back (it is this run's, recorded)
             self.log.warning("generate shard %d: %s; starting the generation server again", shard, detail)
@@ -120,6 +123,9 @@ class GenerateShardOperator(RunOperator):
         if event.get("status") == "complete":
             return {"shard": shard, "summary": event.get("summary", "")}
         from eagleflow.watchdog.diagnosis import StallDetected
+        if record_server_stall(ctx, shard, event):
+            self.log.warning("generate shard %d: the stall is blamed on the generation server: the retry stops "
+                             "and restarts it", shard)
         raise StallDetected(event.get("subject") or f"generate shard {shard} {event.get('status')}",
                             event.get("diagnosis") or str(event))
 

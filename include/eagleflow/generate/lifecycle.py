@@ -97,3 +97,40 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
     if log:
         log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
     return rec, False
+
+
+SERVER_STALL = "server_stall.json"   # in the shard dir: the last try ended on a stall blamed on the server
+
+
+def record_server_stall(ctx: RunLike, shard: int, event: dict) -> bool:
+    """Remember a stall verdict that blames the generation server, for the shard's retry; True when recorded."""
+    if event.get("status") != "stalled" or event.get("cause") != "capture_server":
+        return False
+    ctx.node.write_text(str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL),
+                        json.dumps({"subject": event.get("subject"), "verdict": event.get("verdict"),
+                                    "at": time.time()}) + "\n")
+    return True
+
+
+def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log=None) -> bool:
+    """A retry after a stall blamed on the server: a hung server still answers /health_generate, so attaching
+    again would hang again. Stop the shard's recorded worker and the recorded server (by their records);
+    the caller then starts the server again. True when it stopped them."""
+    marker = str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL)
+    text = ctx.node.read_text(marker)
+    if not text:
+        return False
+    try:
+        why = json.loads(text).get("subject") or "a stall"
+    except ValueError:
+        why = "a stall"
+    if log:
+        log(f"generate shard {shard}: the last try ended on {why} blamed on the generation server ({marker}); "
+            "stopping this shard's worker and the server by their records before starting it again (other "
+            "shards' workers on that server fail and resume on their own retries)")
+    stopped = ctx.node.stop_recorded(str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s)
+    if log:
+        log(f"generate shard {shard}: worker: {stopped.detail}")
+    stop_generate_server(ctx, grace_s=grace_s, log=log)
+    ctx.node.run(["rm", "-f", "--", marker], timeout=30)
+    return True
