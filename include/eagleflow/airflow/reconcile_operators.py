@@ -1,8 +1,10 @@
 """Operators of ``eagle3_shard_reconcile``: find unattended incomplete shards, rerun them watched, mail a summary.
 
 The decisions are made on the node by ``eagleflow reconcile scan|claim|release``
-(eagleflow.watchdog.reconcile); these operators only run those commands and
-watch the restarted workers with the same ShardWatchTrigger as the pipeline.
+(eagleflow.watchdog.reconcile), for extraction and generation shards alike;
+these operators only run those commands and watch the restarted workers with
+the same trigger as the pipeline (ShardWatchTrigger for an extraction shard,
+GenerateShardWatchTrigger for a generation shard).
 """
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ class FindIncompleteShardsOperator(RunOperator):
         states = _scan(ctx, int(self.latest_runs))
         for st in states:
             self.log.info("%s%s", st["line"], "  -> rerun" if st["needs_rerun"] else "")
-        todo = [{"run_id": st["run_id"], "shard": st["shard"], "run_config": st["run_config"],
-                 "stored": st["stored"], "expected": st["expected"]} for st in states if st["needs_rerun"]]
+        todo = [{"run_id": st["run_id"], "phase": st.get("phase", "extract"), "shard": st["shard"],
+                 "run_config": st["run_config"], "stored": st["stored"], "expected": st["expected"]}
+                for st in states if st["needs_rerun"]]
         self.log.info("%d shard(s) to rerun of %d looked at on node %s", len(todo), len(states), ctx.node.name)
         context["ti"].xcom_push(key="scanned", value=states)
         return todo
@@ -94,20 +97,26 @@ class RerunShardOperator(BaseOperator):
     def execute(self, context):
         ctx = self._run_context(context)
         shard = int(self.target["shard"])
+        phase = self.target.get("phase", "extract")
         ti = context.get("ti")
-        if ti is not None and (ti.try_number or 1) > 1:
-            # the rerun itself stalled: same recovery as the pipeline's retry (stuck worker, frozen server)
+        if phase == "extract" and ti is not None and (ti.try_number or 1) > 1:
+            # the rerun itself stalled: same recovery as the pipeline's retry (stuck worker, frozen server).
+            # A generation shard's retry does what the pipeline's does: the claim restarts a dead generation
+            # server through the generate lifecycle (this recovery would restart the capture server)
             from eagleflow.watchdog.recovery import recover_before_retry
             recover_before_retry(ctx, shard, self.log)
-        result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard)), ClaimAnswer,
-                                   timeout=ctx.cfg.capture.ready_timeout_s + 300,
+        result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase),
+                                   ClaimAnswer, timeout=ctx.cfg.capture.ready_timeout_s + 300,
                                    log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
-        self.log.info("run %s shard %d: %s (%s)", ctx.layout.run_id, shard, result.action, result.reason)
+        self.log.info("run %s %s shard %d: %s (%s)", ctx.layout.run_id, phase, shard, result.action, result.reason)
         if result.action == "skipped":
             ctx.close()
             return {**self.target, "outcome": "skipped", "reason": result.reason}
-        from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard)
+        if phase == "generate":
+            from eagleflow.airflow.generate_operators import GenerateShardWatchTrigger as Watch
+        else:
+            from eagleflow.airflow.shard_watch import ShardWatchTrigger as Watch
+        trigger = Watch(run=ctx.serialize(), shard=shard)
         ctx.close()
         if not self.deferrable:
             return self.execute_complete(context, run_trigger_here(trigger))
@@ -132,27 +141,39 @@ class ReconcileSummaryOperator(RunOperator):
         if not todo:
             self.log.info("nothing was rerun: every shard of the latest runs is complete or has a live worker")
             return {"rerun": 0, "summary": "nothing to rerun"}
-        after = {(s["run_id"], s["shard"]): s for s in _scan(ctx, 1000)}
+        from eagleflow.watchdog.reconcile import kind_of
+        # a generation phase that finished since is not scanned again: its shards read as complete below
+        after = {(s["run_id"], s.get("phase", "extract"), s["shard"]): s for s in _scan(ctx, 1000)}
         lines = []
         for t in todo:
-            now = after.get((t["run_id"], t["shard"]))
-            stored = now["stored"] if now else "?"
-            state = ("complete" if now and now["stored"] >= now["expected"] else
-                     "still incomplete" + (", worker running" if now and now["worker_alive"] else ""))
-            lines.append(f"run {t['run_id']} shard {t['shard']}: {t['stored']}/{t['expected']} -> "
-                         f"{stored}/{t['expected']} stored ({state})")
-        for run_id in sorted({t["run_id"] for t in todo}):
+            kind = kind_of(t.get("phase", "extract"))
+            now = after.get((t["run_id"], kind.phase, t["shard"]))
+            finished_phase = now is None and kind.phase == "generate"   # its stats say every shard is complete
+            stored = now["stored"] if now else (t["expected"] if finished_phase else "?")
+            state = ("complete" if finished_phase or (now and now["stored"] >= now["expected"]
+                                                      and now.get("finished", True))
+                     else "still incomplete" + (", worker running" if now and now["worker_alive"] else ""))
+            lines.append(f"run {t['run_id']} {kind.label} {t['shard']}: {t['stored']}/{t['expected']} -> "
+                         f"{stored}/{t['expected']} {kind.unit} stored ({state})")
+        for run_id, phase in sorted({(t["run_id"], t.get("phase", "extract")) for t in todo}):
             t = next(x for x in todo if x["run_id"] == run_id)
+            server = kind_of(phase).server
             try:
                 released = ctx.node.run_json(ctx.node.eagleflow_argv("reconcile", "release", "--config",
-                                                                     t["run_config"], "--run-id", run_id),
+                                                                     t["run_config"], "--run-id", run_id,
+                                                                     "--phase", phase),
                                              ClaimAnswer, timeout=300)
-                lines.append(f"run {run_id} capture server: {released.action} ({released.reason})")
+                lines.append(f"run {run_id} {server}: {released.action} ({released.reason})")
             except NodeError as e:
-                lines.append(f"run {run_id} capture server: release failed: {e}")
+                lines.append(f"run {run_id} {server}: release failed: {e}")
         summary = "\n".join(lines)
         self.log.info("reconcile summary:\n%s", summary)
-        subject = f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s)"
+        per_phase = {}
+        for t in todo:
+            per_phase[t.get("phase", "extract")] = per_phase.get(t.get("phase", "extract"), 0) + 1
+        subject = (f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s) ("
+                   + ", ".join(f"{n} {'generation' if p == 'generate' else 'extraction'}"
+                               for p, n in sorted(per_phase.items())) + ")")
         from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url
         recipients = Recipients.of_config(ctx.cfg)
         send_mail(context, Mail(recipients, subject, summary,

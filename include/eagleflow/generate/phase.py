@@ -60,6 +60,33 @@ def shard_settings(cfg: PipelineConfig, layout: RunLayout, shard: int, server_ur
         seed=cfg.corpus.seed)
 
 
+def phase_finished(layout: RunLayout) -> bool:
+    """The phase's finished marker: ``generated/stats.json`` written by ``collect`` with every shard complete."""
+    try:
+        return bool(json.loads((Path(str(layout.generated_dir)) / STATS_FILE).read_text()).get("complete"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def shard_record_count(cfg: PipelineConfig, layout: RunLayout, shard: int) -> int:
+    """How many records shard ``shard`` regenerates: its worker's own count (heartbeat total) once it got that
+    far, else counted from the sources exactly as the worker reads them (slower: it loads the sources)."""
+    import shutil
+    import tempfile
+
+    from eagleflow.heartbeat import Heartbeat
+    from .worker import read_inputs
+    hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
+    if hb is not None and hb.total:
+        return hb.total
+    work = tempfile.mkdtemp(prefix="eagleflow-generate-count-")
+    try:
+        s = shard_settings(cfg, layout, shard, server_url="")
+        return len(read_inputs(s.sources, shard, s.num_shards, work, seed=s.seed, non_text=s.non_text_parts))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _source_stats() -> dict:
     return {"records": 0, "kept": 0, "regenerated": 0, "cut_at_diverging_call": 0, "cut_at_diverging_call_turns": {},
             "cut_at_context": 0, "cut_at_truncated": 0, "dropped_truncated": 0, "truncated_turns": 0,

@@ -49,7 +49,8 @@ def register(sub) -> None:
     s.add_argument("--shard", type=int, required=True)
     s.set_defaults(func=_sentinel)
 
-    c = sub.add_parser("reconcile", help="find extraction shards left incomplete with no worker, and rerun them")
+    c = sub.add_parser("reconcile", help="find extraction and generation shards left incomplete with no worker, "
+                                         "and rerun them")
     csub = c.add_subparsers(dest="reconcile_command", metavar="ACTION", required=True)
     sc = csub.add_parser("scan", help="list the shards of the latest runs under run_root, as JSON lines")
     add_run_args(sc)
@@ -58,9 +59,13 @@ def register(sub) -> None:
     cl = csub.add_parser("claim", help="under a node lock: start the shard's worker (and the server) if still needed")
     add_run_args(cl)
     cl.add_argument("--shard", type=int, required=True)
+    cl.add_argument("--phase", choices=["extract", "generate"], default="extract",
+                    help="which phase's shard: extraction (capture server) or generation (generation server)")
     cl.set_defaults(func=_reconcile_claim)
-    rl = csub.add_parser("release", help="stop the run's capture server if reconcile started it and it is unused")
+    rl = csub.add_parser("release", help="stop the run's server of a phase if reconcile started it and it is unused")
     add_run_args(rl)
+    rl.add_argument("--phase", choices=["extract", "generate"], default="extract",
+                    help="extract: the capture server; generate: the generation server")
     rl.set_defaults(func=_reconcile_release)
 
 
@@ -173,7 +178,7 @@ def _reconcile_claim(args) -> int:
 
     cfg, layout = run_from_args(args)
     result = claim(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shard,
-                   log=lambda m: print(m, file=sys.stderr, flush=True))
+                   log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -184,6 +189,6 @@ def _reconcile_release(args) -> int:
 
     cfg, layout = run_from_args(args)
     result = release(LocalRun(cfg=cfg, layout=layout, config_path=args.config),
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
+                     log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase)
     print(json.dumps(result), flush=True)
     return 0

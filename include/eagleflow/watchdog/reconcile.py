@@ -1,19 +1,28 @@
-"""Find extraction shards left incomplete with nobody working on them, and claim them for a rerun.
+"""Find extraction and generation shards left incomplete with nobody working on them, and claim them for a rerun.
 
 Run on the node (``eagleflow reconcile scan|claim|release``), from the
-``eagle3_shard_reconcile`` DAG:
+``eagle3_shard_reconcile`` DAG. Both sharded phases are one shape here
+(``ShardKind``): extraction shards (``capture run``, the capture server) of
+runs with a corpus, and generation shards (``generate run``, the serving-mode
+generation server) of runs whose frozen config has ``generate.enabled`` and
+whose generation phase has not finished (``generated/stats.json`` not
+complete, ``eagleflow.generate.phase.phase_finished``):
 
 - scan: the latest runs under run_root (those with a run-config.json), and for
-  each shard: expected samples (corpus), stored samples (manifest entries
-  whose file exists at its recorded size), whether a worker is alive (pid
-  record + /proc start ticks). Incomplete + no live worker = a candidate.
+  each shard: expected units (extraction: the corpus's samples of the shard;
+  generation: the shard's records), stored units (manifest entries whose file
+  is intact), whether a worker is alive (pid record + /proc start ticks).
+  Incomplete + no live worker = a candidate. A generation shard is also
+  incomplete while its heartbeat does not say complete (the phase's stats
+  refuse it otherwise).
 - claim: under a per-shard node lock, look again (someone may have started it
-  since the scan), make sure the run's capture server is up (start it if
-  needed, noting that reconcile started it), start the worker detached. A
-  second reconcile, or the pipeline beside it, finds the live worker: no
-  double work.
-- release: stop a capture server that reconcile started, once no worker of
-  that run is alive.
+  since the scan), make sure the phase's own server is up (start it if
+  needed, noting that reconcile started it; a generation shard never gets the
+  capture server), start the worker detached. The worker holds its shard's
+  job lock for life: a second reconcile, or the pipeline beside it, finds the
+  live worker: no double work.
+- release: stop a server that reconcile started, once no worker of that
+  phase of the run is alive.
 """
 from __future__ import annotations
 
@@ -22,17 +31,62 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
-from eagleflow.capture.lifecycle import (SERVER_ROLE, LocalRun, start_capture_server,
-                                         start_or_attach_worker, stop_capture_server, wait_capture_server_ready,
-                                         worker_role)
+from eagleflow.capture import lifecycle as capture
+from eagleflow.capture.lifecycle import SERVER_ROLE, LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
+from eagleflow.generate import lifecycle as generate
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.watchdog.node_lock import NodeLock
 
 RUN_CONFIG = "run-config.json"
+EXTRACT, GENERATE = "extract", "generate"
+
+
+@dataclass(frozen=True)
+class ShardKind:
+    """One sharded phase as reconcile sees it: its workers, its server and where its shards write."""
+    phase: str
+    unit: str                                   # what the manifest counts
+    label: str                                  # how a shard is named in lines and mails
+    server: str                                 # how its server is named
+    server_role: str
+    marker: str                                 # <run>.<marker>: reconcile started this phase's server
+    started_dir: str                            # a run dir holding this means the phase started
+    worker_role: Callable[[int], str]
+    num_shards: Callable[[PipelineConfig], int]
+    shard_dir: Callable[[RunLayout, int], object]
+    start_server: Callable
+    wait_server_ready: Callable
+    stop_server: Callable
+    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
+
+
+KINDS = {
+    EXTRACT: ShardKind(
+        phase=EXTRACT, unit="samples", label="extract shard", server="capture server", server_role=capture.SERVER_ROLE,
+        marker="reconcile-started-server", started_dir="hidden_states", worker_role=capture.worker_role,
+        num_shards=lambda cfg: cfg.capture.shards, shard_dir=lambda lay, s: lay.shard_dir(s),
+        start_server=capture.start_capture_server, wait_server_ready=capture.wait_capture_server_ready,
+        stop_server=capture.stop_capture_server, start_worker=capture.start_or_attach_worker),
+    GENERATE: ShardKind(
+        phase=GENERATE, unit="records", label="generate shard", server="generation server",
+        server_role=generate.SERVER_ROLE, marker="reconcile-started-generate_server", started_dir="generated",
+        worker_role=generate.worker_role, num_shards=lambda cfg: cfg.generate.shards,
+        shard_dir=lambda lay, s: lay.generate_shard_dir(s),
+        start_server=generate.start_generate_server, wait_server_ready=generate.wait_generate_server_ready,
+        stop_server=generate.stop_generate_server, start_worker=generate.start_or_attach_generate_worker),
+}
+
+
+def kind_of(phase: str) -> ShardKind:
+    try:
+        return KINDS[phase]
+    except KeyError:
+        raise ValueError(f"reconcile: phase {phase!r} is not one of {sorted(KINDS)}") from None
 
 
 @dataclass
@@ -44,27 +98,31 @@ class ShardState:
     stored: int
     worker_alive: bool
     run_config: str
+    phase: str = EXTRACT
+    finished: bool = True      # the worker said complete (generation: its heartbeat); extraction: by counts
 
     @property
     def incomplete(self) -> bool:
-        return self.stored < self.expected
+        return self.stored < self.expected or not self.finished
 
     @property
     def needs_rerun(self) -> bool:
         return self.incomplete and not self.worker_alive
 
     def line(self) -> str:
-        return (f"run {self.run_id} shard {self.shard}/{self.num_shards}: {self.stored}/{self.expected} stored, "
+        k = kind_of(self.phase)
+        return (f"run {self.run_id} {k.label} {self.shard}/{self.num_shards}: {self.stored}/{self.expected} "
+                f"{k.unit} stored{'' if self.finished else ', not marked complete'}, "
                 f"worker {'alive' if self.worker_alive else 'not running'}")
 
 
 def latest_runs(run_root: str, limit: int) -> list[Path]:
-    """Run directories whose extraction started (run config + hidden_states/), newest first."""
+    """Run directories where a sharded phase started (run config + hidden_states/ or generated/), newest first."""
     root = Path(run_root)
     if not root.is_dir():
         return []
     runs = [p for p in root.iterdir()
-            if p.is_dir() and (p / RUN_CONFIG).is_file() and (p / "hidden_states").is_dir()]
+            if p.is_dir() and (p / RUN_CONFIG).is_file() and any((p / k.started_dir).is_dir() for k in KINDS.values())]
     runs.sort(key=lambda p: (p / RUN_CONFIG).stat().st_mtime, reverse=True)
     return runs[:limit]
 
@@ -75,56 +133,84 @@ def run_local(run_dir: Path) -> LocalRun:
     return LocalRun(cfg=cfg, layout=layout, config_path=str(run_dir / RUN_CONFIG))
 
 
-def shard_state(run: LocalRun, shard: int) -> ShardState:
-    from eagleflow.capture.worker import shard_indexes
+def _counts(run: LocalRun, kind: ShardKind, shard: int) -> tuple[int, bool]:
+    """(expected units, the worker marked the shard finished) for one shard of ``kind``."""
     lay = run.layout
-    corpus = str(lay.corpus_dir / "corpus.parquet")
-    n = run.cfg.capture.shards
-    expected = len(shard_indexes(corpus, shard, n)) if os.path.exists(corpus) else 0
-    scan = read_manifest(str(lay.manifest_file(shard)))
-    done = completed_indexes(str(lay.shard_dir(shard)), scan).done
-    alive = run.node.live_record(str(lay.pid_file(worker_role(shard)))) is not None
-    return ShardState(run_id=lay.run_id, shard=shard, num_shards=n, expected=expected, stored=len(done),
-                      worker_alive=alive, run_config=run.config_path)
+    if kind.phase == EXTRACT:
+        from eagleflow.capture.worker import shard_indexes
+        corpus = str(lay.corpus_dir / "corpus.parquet")
+        return (len(shard_indexes(corpus, shard, kind.num_shards(run.cfg))) if os.path.exists(corpus) else 0), True
+    from eagleflow.generate.phase import shard_record_count
+    from eagleflow.heartbeat import Heartbeat
+    hb = Heartbeat.read(str(Path(str(kind.shard_dir(lay, shard))) / "heartbeat.json"))
+    # the phase's stats (generate.phase.collect) accept a shard only once its heartbeat says complete
+    return shard_record_count(run.cfg, lay, shard), hb is not None and hb.state == "complete"
 
 
-def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
-    """Every shard of the latest runs that has extraction started (a shard dir) or a corpus to extract."""
+def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
+    kind = kind_of(phase)
+    lay = run.layout
+    shard_dir = str(kind.shard_dir(lay, shard))
+    expected, finished = _counts(run, kind, shard)
+    # both phases write capture's manifest: entries whose file is intact are the stored units
+    done = completed_indexes(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
+    alive = run.node.live_record(str(lay.pid_file(kind.worker_role(shard)))) is not None
+    return ShardState(run_id=lay.run_id, shard=shard, num_shards=kind.num_shards(run.cfg), expected=expected,
+                      stored=len(done), worker_alive=alive, run_config=run.config_path, phase=phase,
+                      finished=finished)
+
+
+def phases_to_scan(run: LocalRun) -> list[str]:
+    """The sharded phases of a run whose shards can be judged now."""
     out = []
-    for run_dir in latest_runs(str(cfg.resolve(cfg.run_root)), latest):
-        run = run_local(run_dir)
-        if not (Path(str(run.layout.corpus_dir)) / "corpus.parquet").exists():
-            continue  # no corpus: nothing to compare the shards against
-        out += [shard_state(run, s) for s in range(run.cfg.capture.shards)]
+    if run.cfg.generate.enabled and Path(str(run.layout.generated_dir)).is_dir():
+        from eagleflow.generate.phase import phase_finished
+        if not phase_finished(run.layout):
+            out.append(GENERATE)   # a finished phase (its stats say complete) is never rerun
+    if (Path(str(run.layout.corpus_dir)) / "corpus.parquet").exists():
+        out.append(EXTRACT)        # no corpus: nothing to compare the extraction shards against
     return out
 
 
-def _marker(run: LocalRun) -> Path:
-    return Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile-started-server"
+def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
+    """Every shard of the latest runs' phases that can be judged (see ``phases_to_scan``)."""
+    out = []
+    for run_dir in latest_runs(str(cfg.resolve(cfg.run_root)), latest):
+        run = run_local(run_dir)
+        for phase in phases_to_scan(run):
+            out += [shard_state(run, s, phase) for s in range(kind_of(phase).num_shards(run.cfg))]
+    return out
 
 
-def claim(run: LocalRun, shard: int, log=print) -> dict:
+def _marker(run: LocalRun, kind: ShardKind) -> Path:
+    return Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.{kind.marker}"
+
+
+def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT) -> dict:
     """Start the shard's worker if it is still incomplete and unattended; never twice."""
-    lock = NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile.{worker_role(shard)}.lock",
-                    purpose=f"reconcile shard {shard} of run {run.layout.run_id}")
+    kind = kind_of(phase)
+    role = kind.worker_role(shard)
+    lock = NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile.{role}.lock",
+                    purpose=f"reconcile {kind.label} {shard} of run {run.layout.run_id}")
     if not lock.try_acquire():
         return {"action": "skipped", "reason": f"another reconcile holds {lock.path} ({lock.holder()})"}
     try:
-        st = shard_state(run, shard)
+        st = shard_state(run, shard, phase)
         if st.worker_alive:
             return {"action": "skipped", "reason": f"a worker is already running ({st.line()})", **asdict(st)}
         if not st.incomplete:
             return {"action": "skipped", "reason": f"already complete ({st.line()})", **asdict(st)}
-        # the server lock of the watchdog's recovery: never start a server while a recovery restarts it
+        # the phase's server lock (the watchdog recovery's for capture): one start of a server at a time
         from eagleflow.watchdog.recovery import lock_path
-        with NodeLock(lock_path(run), purpose=f"reconcile start of the capture server for run {run.layout.run_id}"):
-            started, server_started = start_capture_server(run, log=log)
+        with NodeLock(lock_path(run, kind.server_role),
+                      purpose=f"reconcile start of the {kind.server} for run {run.layout.run_id}"):
+            started, server_started = kind.start_server(run, log=log)
             if server_started:
-                _marker(run).parent.mkdir(parents=True, exist_ok=True)
-                _marker(run).write_text(json.dumps({"pid": started.pid, "at": time.time()}))
-            wait_capture_server_ready(run, log=log)
+                _marker(run, kind).parent.mkdir(parents=True, exist_ok=True)
+                _marker(run, kind).write_text(json.dumps({"pid": started.pid, "at": time.time()}))
+            kind.wait_server_ready(run, log=log)
         try:
-            rec, attached = start_or_attach_worker(run, shard, log=log)
+            rec, attached = kind.start_worker(run, shard, log=log)
         except JobAlreadyRunning as e:  # a worker not recorded by us (started by hand) holds the shard
             return {"action": "skipped", "reason": str(e), **asdict(st)}
         return {"action": "attached" if attached else "started", "reason": st.line(), "worker_pid": rec.pid,
@@ -133,22 +219,32 @@ def claim(run: LocalRun, shard: int, log=print) -> dict:
         lock.release()
 
 
-def release(run: LocalRun, log=print) -> dict:
-    """Stop the capture server if reconcile started it and no worker of the run is alive any more."""
-    marker = _marker(run)
+def release(run: LocalRun, log=print, phase: str = EXTRACT, exit_grace_s: float = 30.0) -> dict:
+    """Stop the phase's server if reconcile started it and no worker of that phase of the run is alive any more."""
+    kind = kind_of(phase)
+    marker = _marker(run, kind)
     if not marker.exists():
-        return {"action": "none", "reason": "reconcile did not start this run's server"}
-    alive = [s for s in range(run.cfg.capture.shards)
-             if run.node.live_record(str(run.layout.pid_file(worker_role(s)))) is not None]
+        return {"action": "none", "reason": f"reconcile did not start this run's {kind.server}"}
+    def live() -> list[int]:
+        return [s for s in range(kind.num_shards(run.cfg))
+                if run.node.live_record(str(run.layout.pid_file(kind.worker_role(s)))) is not None]
+    alive = live()
+    # a worker whose shard is complete is exiting (the watch saw its heartbeat say so first): give it a moment
+    deadline = time.monotonic() + exit_grace_s
+    while alive and time.monotonic() < deadline and not any(shard_state(run, s, phase).incomplete for s in alive):
+        time.sleep(0.5)
+        alive = live()
     if alive:
-        return {"action": "kept", "reason": f"workers of shards {alive} still run"}
-    result = stop_capture_server(run, log=log)
+        return {"action": "kept", "reason": f"workers of {kind.label}s {alive} still run"}
+    result = kind.stop_server(run, log=log)
     marker.unlink(missing_ok=True)
-    return {"action": "stopped", "reason": f"server {result['server']}", "dumps_removed": result["dumps_removed"]}
+    return {"action": "stopped", "reason": f"server {result['server']}",
+            **({"dumps_removed": result["dumps_removed"]} if "dumps_removed" in result else {})}
 
 
 def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
     return Path(str(cfg.resolve(cfg.run_root))) / safe_run_id(run_id)
 
 
-__all__ = ["ShardState", "scan", "claim", "release", "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE"]
+__all__ = ["EXTRACT", "GENERATE", "KINDS", "ShardKind", "ShardState", "scan", "phases_to_scan", "claim", "release",
+           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE"]

@@ -1,7 +1,7 @@
 """Put a shard back on its feet before its retry: restart an unhealthy capture server once per incident.
 
 Several shards notice one frozen server at about the same time, and each
-retry calls this. Under a node lock (<state_dir>/locks/<run>.capture_server.lock)
+retry calls this. Under a node lock (<state_dir>/locks/<run>.capture_server.restart.lock)
 the first one finds the server unhealthy and restarts it; the others, once
 they get the lock, find it healthy (or still loading after that restart) and
 only wait. The restart log beside the lock (<run>.capture_server.restarts.jsonl) records each restart;
@@ -43,8 +43,12 @@ class RecoveryResult(BaseModel):
     summary: str
 
 
-def lock_path(run: RunLike) -> str:
-    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.lock")
+def lock_path(run: RunLike, server_role: str = SERVER_ROLE) -> str:
+    """The node lock held while a server of the run is (re)started: the capture server's, or another role's.
+
+    Not the server's own life lock (``layout.lock_file(role)``, taken by detach at its start): holding that one
+    here would make the start it guards refuse itself."""
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{server_role}.restart.lock")
 
 
 def restarts_path(run: RunLike) -> str:
