@@ -51,7 +51,7 @@ _IN_2_0 = """Generator Tensor arange autocast bfloat16 bincount bool cat cuda.ge
     zeros_like"""
 TORCH_APIS = {f"torch.{name}": "2.0" for name in _IN_2_0.split()}
 # sampling in the hf server's serving mode, the FP8 store's scales, its packed integer columns
-TORCH_APIS.update({f"torch.{name}": "2.0" for name in "cumsum empty int8 int16 int32 isfinite multinomial "
+TORCH_APIS.update({f"torch.{name}": "2.0" for name in "cumsum empty full_like int8 int16 int32 isfinite multinomial "
                    "ones_like".split()})
 TORCH_APIS["torch.float8_e4m3fn"] = "2.1"   # PyTorch 2.1 release notes: float8_e4m3fn and float8_e5m2 dtypes
 
