@@ -237,3 +237,38 @@ def test_detached_sentinel_is_stopped_like_the_worker_and_signals_nothing_itself
         assert alive(worker.pid)
     finally:
         kill_group(worker.pgid)
+
+
+def test_each_watched_job_names_its_sentinel_as_the_watch_names_the_job():
+    from eagleflow.watchdog.sentinel import sentinel_args
+    assert sentinel_args(WatchedJob(shard=3, num_shards=4)) == ["sentinel", "--shard", "3"]
+    assert sentinel_args(WatchedJob(shard=3, num_shards=4, phase="generate")) == ["sentinel", "--shard", "3",
+                                                                                  "--generate"]
+    assert sentinel_args(WatchedJob(shard=None)) == ["sentinel", "--train"]
+    assert sentinel_role(WatchedJob(shard=None)) == "sentinel_trainer"
+    assert sentinel_role(WatchedJob(shard=2, num_shards=4, phase="generate")) == "sentinel_generate_shard_00002"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", [WatchedJob(shard=None), WatchedJob(shard=0, num_shards=1, phase="generate")],
+                         ids=["trainer", "generate-shard"])
+def test_the_trainer_and_a_generation_shard_get_a_detached_sentinel_that_alarms_and_ends_with_them(tmp_path, job):
+    from eagleflow.watchdog.sentinel import ensure_sentinel as start
+    run, _ = _run_config(tmp_path)
+    worker = spawn_sleeper(run.layout, job.role)
+    try:
+        record_look(looks_path(run.layout, job), {"at": time.time(), "by": "watch", "pid": 7})
+        rec = start(run, job)
+        assert rec is not None and read_record(str(run.layout.pid_file(sentinel_role(job)))).pid == rec.pid
+        assert start(run, job) is None                     # one per job: the lock holds
+        deadline = time.time() + 15
+        while not Path(alarm_path(run.layout, job)).exists():
+            assert time.time() < deadline, "no alarm within 15 s of silence"
+            time.sleep(0.2)
+        a = json.loads(Path(alarm_path(run.layout, job)).read_text())
+        assert a["state"] == "raised" and a["role"] == job.role and a["job"] == job.name
+        kill_group(worker.pgid)                            # the job ends: the sentinel follows
+        wait_gone(rec.pid, timeout_s=15)
+        assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "ended"
+    finally:
+        kill_group(worker.pgid)

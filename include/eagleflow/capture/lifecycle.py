@@ -225,24 +225,10 @@ def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessR
 
 
 def ensure_sentinel(ctx: RunLike, shard: int, log=None) -> ProcessRecord | None:
-    """Start the shard's sentinel (eagleflow.watchdog.sentinel: it alarms when nothing looks at the shard),
-    recorded and locked like the worker; one already there (lock held) follows whichever worker is recorded.
-    A sentinel that cannot start is said, never fatal: the job runs without it."""
-    role = f"sentinel_{worker_role(shard)}"
-    try:
-        rec = ctx.node.spawn_detached(ctx.eagleflow_argv("sentinel", "--shard", str(shard)), role=role,
-                                      pid_file=str(ctx.layout.pid_file(role)),
-                                      log_file=str(ctx.layout.log_file(role)), lock_file=str(ctx.layout.lock_file(role)))
-    except JobAlreadyRunning:
-        return None   # the live sentinel of this shard watches the new worker too
-    except Exception as e:   # noqa: BLE001 - the worker must not fail for its sentinel
-        if log:
-            log(f"shard {shard}: WARNING: no sentinel started ({type(e).__name__}: {e}); nothing will say so if "
-                f"the watch of this shard goes silent")
-        return None
-    if log:
-        log(f"shard {shard}: sentinel started: pid {rec.pid}, log {rec.log_file}")
-    return rec
+    """The extraction shard's sentinel (eagleflow.watchdog.sentinel: it alarms when nothing looks at the shard)."""
+    from eagleflow.watchdog.sentinel import ensure_sentinel as start
+    from eagleflow.watchdog.signals import WatchedJob
+    return start(ctx, WatchedJob(shard=shard, num_shards=ctx.cfg.capture.shards), log)
 
 
 def _recorded_holder(ctx: RunLike, pid_file: str, refused: JobAlreadyRunning, wait_s: float = 10.0) -> ProcessRecord:

@@ -85,10 +85,14 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
     """The detached worker of generation shard ``shard``, or the live one: never two on one shard."""
     role = worker_role(shard)
     pid_file = str(ctx.layout.pid_file(role))
+    from eagleflow.watchdog.sentinel import ensure_sentinel
+    from eagleflow.watchdog.signals import WatchedJob
+    job = WatchedJob(shard=shard, num_shards=ctx.cfg.generate.shards, phase="generate")
     rec = ctx.node.live_record(pid_file)
     if rec is not None:
         if log:
             log(f"generate shard {shard}: worker pid {rec.pid} is still running; attaching to it")
+        ensure_sentinel(ctx, job, log)
         return rec, True
     argv = ctx.eagleflow_argv("generate", "run", "--shard", str(shard), "--of", str(ctx.cfg.generate.shards))
     # detach takes the shard's lock before the worker starts: a hand-started holder raises JobAlreadyRunning
@@ -96,6 +100,7 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
                                   lock_file=str(ctx.layout.lock_file(role)))
     if log:
         log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
+    ensure_sentinel(ctx, job, log)   # it alarms when nothing looks at this shard while it runs
     return rec, False
 
 

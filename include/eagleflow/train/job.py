@@ -40,11 +40,14 @@ def read_train_heartbeat(ctx: RunLike) -> Heartbeat | None:
 
 def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = None) -> tuple[ProcessRecord, bool]:
     """(pid record, attached): the live trainer of this run, or a newly started one."""
+    from eagleflow.watchdog.sentinel import ensure_sentinel
+    from eagleflow.watchdog.signals import WatchedJob
     pid_file = str(ctx.layout.pid_file(TRAINER_ROLE))
     rec = ctx.node.live_record(pid_file)
     if rec is not None:
         if log:
             log(f"trainer pid {rec.pid} is still running (record {pid_file}); attaching to it")
+        ensure_sentinel(ctx, WatchedJob(shard=None), log)
         return rec, True
     # A heartbeat left by an earlier trainer ("failed", old times) must not be read as this one's.
     now = time.time()
@@ -55,6 +58,7 @@ def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = No
                                    log_file=str(ctx.layout.log_file(TRAINER_ROLE)))
     if log:
         log(f"trainer started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}")
+    ensure_sentinel(ctx, WatchedJob(shard=None), log)   # it alarms when nothing looks at training while it runs
     return proc, False
 
 

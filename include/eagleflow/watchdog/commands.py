@@ -44,9 +44,12 @@ def register(sub) -> None:
     r.set_defaults(func=_recover)
 
     s = sub.add_parser("sentinel", help="(started detached beside each worker) alarm when nothing looked at the "
-                                        "shard for 3 poll intervals while it runs; exits when it ends")
+                                        "job for 3 poll intervals while it runs; exits when it ends")
     add_run_args(s)
-    s.add_argument("--shard", type=int, required=True)
+    sjob = s.add_mutually_exclusive_group(required=True)
+    sjob.add_argument("--shard", type=int, help="an extraction shard (with --generate: a generation shard)")
+    sjob.add_argument("--train", action="store_true", help="the draft training job")
+    s.add_argument("--generate", action="store_true", help="with --shard: a generation shard")
     s.set_defaults(func=_sentinel)
 
     c = sub.add_parser("reconcile", help="find extraction and generation shards left incomplete with no worker, "
@@ -151,11 +154,14 @@ def _sentinel(args) -> int:
     from .signals import WatchedJob
 
     cfg, layout = run_from_args(args)
-    if not 0 <= args.shard < cfg.capture.shards:
-        print(f"eagleflow sentinel: --shard {args.shard} is outside 0..{cfg.capture.shards - 1} "
-              f"(capture.shards = {cfg.capture.shards})", file=sys.stderr)
+    gen = bool(args.generate) and args.shard is not None
+    shards, field = (cfg.generate.shards, "generate.shards") if gen else (cfg.capture.shards, "capture.shards")
+    if args.shard is not None and not 0 <= args.shard < shards:
+        print(f"eagleflow sentinel: --shard {args.shard} is outside 0..{shards - 1} ({field} = {shards})",
+              file=sys.stderr)
         return 2
-    return run_sentinel(cfg, layout, WatchedJob(shard=args.shard, num_shards=cfg.capture.shards))
+    return run_sentinel(cfg, layout, WatchedJob(shard=None if args.train else args.shard, num_shards=shards,
+                                                phase="generate" if gen else "extract"))
 
 
 def _reconcile_scan(args) -> int:

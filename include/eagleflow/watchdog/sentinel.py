@@ -70,6 +70,35 @@ def sentinel_role(job: WatchedJob) -> str:
     return f"sentinel_{job.role}"
 
 
+def sentinel_args(job: WatchedJob) -> list[str]:
+    """The `eagleflow sentinel` arguments that name ``job`` (as `eagleflow watch` names it)."""
+    if job.shard is None:
+        return ["sentinel", "--train"]
+    return ["sentinel", "--shard", str(job.shard)] + (["--generate"] if job.generating else [])
+
+
+def ensure_sentinel(ctx, job: WatchedJob, log: Callable[[str], None] | None = None):
+    """Start the job's sentinel beside it, detached, recorded and locked like a worker; one already there (its
+    lock held) follows whichever worker is recorded now. ``ctx``: a RunLike (node, layout, eagleflow_argv).
+    A sentinel that cannot start is said, never fatal: the job runs without it. Its record, or None."""
+    from eagleflow.nodes import JobAlreadyRunning
+    role = sentinel_role(job)
+    try:
+        rec = ctx.node.spawn_detached(ctx.eagleflow_argv(*sentinel_args(job)), role=role,
+                                      pid_file=str(ctx.layout.pid_file(role)),
+                                      log_file=str(ctx.layout.log_file(role)), lock_file=str(ctx.layout.lock_file(role)))
+    except JobAlreadyRunning:
+        return None   # the live sentinel of this job watches the new worker too
+    except Exception as e:   # noqa: BLE001 - the job must not fail for its sentinel
+        if log:
+            log(f"{job.name}: WARNING: no sentinel started ({type(e).__name__}: {e}); nothing will say so if "
+                f"the watch of this job goes silent")
+        return None
+    if log:
+        log(f"{job.name}: sentinel started: pid {rec.pid}, log {rec.log_file}")
+    return rec
+
+
 # --------------------------------------------------------------------------- the look log
 def record_look(path: str, entry: dict, max_bytes: int = LOOKS_MAX_BYTES) -> None:
     """Append one look (one JSON line). Never raises: a look log that cannot be written must not stop the
