@@ -265,7 +265,7 @@ def test_gpu_node_health_opens_incidents_for_a_part_gone_and_a_silent_watch(tmp_
         "subject": "[eagleflow] WATCH SILENT shard 0/1 of run r7 on cpu-node: no look for 61 s",
         "detail": "Nothing has looked at shard 0/1 of run r7", "mailed": False,
         "mail_error": "no mail from the node (watchdog.node_smtp or watchdog.alert_emails empty)",
-        "last_look": {"at": time.time() - 61, "by": "watch", "pid": 99}}))
+        "last_look": {"at": time.time() - 61, "by": "watch", "pid": 99}, "sentinel_pid": sentinel.pid}))
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -272,3 +272,40 @@ def test_the_trainer_and_a_generation_shard_get_a_detached_sentinel_that_alarms_
         assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "ended"
     finally:
         kill_group(worker.pgid)
+
+
+def test_looks_left_by_an_earlier_try_do_not_make_a_new_sentinel_alarm_at_once(setup):
+    """The look log outlives a try: a sentinel started for a retry (or a reconcile rerun) 310 s after the last
+    look gives the new watch its first-look grace instead of mailing WATCH SILENT at its first check."""
+    cfg, layout = setup
+    for t in (650.0, 670.0, 690.0):
+        record_look(looks_path(layout, JOB), {"at": t, "by": "watch", "pid": 1})
+    clock = Clock(1000.0)
+    s, mails = _sentinel(cfg, layout, clock)
+    for t in range(1000, 1059, 2):          # grace 30 s + 3 intervals of 10 s
+        clock.t = float(t)
+        assert s.check()
+    assert mails == []
+    record_look(looks_path(layout, JOB), {"at": 1050.0, "by": "watch", "pid": 2})   # the new watch looks
+    for t in range(1060, 1079, 2):
+        clock.t = float(t)
+        s.check()
+    assert mails == []
+    clock.t = 1080.0                        # then falls silent: 3 intervals after its own last look
+    s.check()
+    assert len(mails) == 1 and "pid 2" in mails[0][1]
+
+
+def test_the_last_tries_failed_heartbeat_does_not_end_the_sentinel_of_a_new_worker(setup):
+    from eagleflow.heartbeat import Heartbeat
+    cfg, layout = setup
+    hb_path = JOB.heartbeat_path(layout)
+    Path(hb_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(hb_path).write_text(Heartbeat(job="extract shard 1/4", pid=111, state="failed", time=900.0,
+                                       started_at=800.0).to_json())
+    s = Sentinel(cfg, layout, JOB, worker_alive=lambda: True, worker_pid=lambda: 222, clock=Clock(1000.0),
+                 mailer=lambda subj, body: "", log=lambda m: None)
+    assert s.check()                        # pid 222 runs; the "failed" was pid 111's
+    ended = Sentinel(cfg, layout, JOB, worker_alive=lambda: True, worker_pid=lambda: 111, clock=Clock(1000.0),
+                     mailer=lambda subj, body: "", log=lambda m: None)
+    assert not ended.check()                # its own worker said failed: the job ended

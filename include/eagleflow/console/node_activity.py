@@ -144,9 +144,10 @@ def _watch_alarms(state_dir: Path, skipped: list[str] | None = None) -> list[dic
             continue
         if not (isinstance(d, dict) and d.get("state") == "raised"):
             continue
-        # a sentinel stopped while raised never wrote "ended": its alarm holds only while it runs
-        sentinel = state_dir / "pids" / f"{d.get('run_id')}.sentinel_{d.get('role')}{RECORD_SUFFIX}"
-        if status(sentinel).alive:
+        # a sentinel stopped while raised never wrote "ended": its alarm holds only while that sentinel runs
+        # (a later try's sentinel of the same role, which found looks, does not keep it open)
+        sentinel = status(state_dir / "pids" / f"{d.get('run_id')}.sentinel_{d.get('role')}{RECORD_SUFFIX}")
+        if sentinel.alive and sentinel.record is not None and sentinel.record.pid == d.get("sentinel_pid"):
             out.append(d)
     return out
 

@@ -204,10 +204,12 @@ class Sentinel:
 
     def __init__(self, cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, *,
                  worker_alive: Callable[[], bool], clock: Callable[[], float] = time.time,
-                 mailer: Callable[[str, str], str] | None = None, log: Callable[[str], None] | None = None):
+                 mailer: Callable[[str, str], str] | None = None, log: Callable[[str], None] | None = None,
+                 worker_pid: Callable[[], int | None] = lambda: None):
         self.cfg, self.layout, self.job = cfg, layout, job
         self.interval_s = cfg.watchdog.poll_interval_s
         self.worker_alive = worker_alive
+        self.worker_pid = worker_pid     # the recorded worker's pid (None: unknown)
         self.clock = clock
         self.mailer = mailer or (lambda subject, body: node_mail(cfg, subject, body))
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -225,7 +227,10 @@ class Sentinel:
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             hb = None   # no heartbeat yet (starting) or a damaged one: the worker is what tells
         if hb is not None and hb.state in ("complete", "failed"):
-            return False
+            # a retry's new worker may not have written its heartbeat yet: the last try's "failed" is not its word
+            pid = self.worker_pid()
+            if pid is None or hb.pid == pid:
+                return False
         return self.worker_alive()
 
     def check(self) -> bool:
@@ -234,8 +239,11 @@ class Sentinel:
         if not self.job_running():
             return False
         looks = recent_looks(looks_path(self.layout, self.job))
-        look = looks[-1] if looks else None
-        interval = look_interval_s(looks, self.interval_s)
+        # the log outlives a try (one per run and role): looks from before this sentinel started say nothing
+        # about the watch of the job it sits beside (nor does the gap across tries about its pace)
+        fresh = [lk for lk in looks if float(lk.get("at", 0)) >= self.started_at]
+        look = fresh[-1] if fresh else None
+        interval = look_interval_s(fresh, self.interval_s)
         cost = look_cost_s(self.cfg)
         until = watched_until(look, interval, cost)
         silent_since = float(look["at"]) if look else self.started_at
@@ -317,10 +325,21 @@ def recorded_worker_alive(layout: RunLayout, job: WatchedJob) -> bool:
     return st is not None and st.state != "Z"
 
 
+def recorded_worker_pid(layout: RunLayout, job: WatchedJob) -> int | None:
+    """The pid in the job's process record (None when there is no trusted record)."""
+    from eagleflow.nodes.process_record import read_record
+    try:
+        rec = read_record(str(layout.pid_file(job.role)))
+    except (OSError, ValueError):
+        return None
+    return rec.pid if rec is not None else None
+
+
 def run_sentinel(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, *,
                  sleep: Callable[[float], None] = time.sleep) -> int:
     """The sentinel process's loop: until the job ended (confirmed twice), one check every few seconds."""
-    s = Sentinel(cfg, layout, job, worker_alive=lambda: recorded_worker_alive(layout, job))
+    s = Sentinel(cfg, layout, job, worker_alive=lambda: recorded_worker_alive(layout, job),
+                 worker_pid=lambda: recorded_worker_pid(layout, job))
     s.log(f"sentinel for {job.name} of run {layout.run_id} on {cfg.node.name}: pid {os.getpid()}, alarm after "
           f"{SILENT_POLLS} x {s.interval_s:g} s without a look ({looks_path(layout, job)})")
     while True:
