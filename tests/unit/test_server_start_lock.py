@@ -13,8 +13,11 @@ from eagleflow.nodes import LocalNode
 
 
 class _Layout:
+    run_id = "r"
+
     def __init__(self, root: Path):
         self.root = root
+        self.locks_dir = root / "locks"
         self.generate_server_info_file = root / "generate_server.json"
         self.server_info_file = root / "capture_server.json"
 
@@ -56,7 +59,7 @@ def test_a_second_start_that_raced_the_first_attaches_instead_of_spawning(tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_a_retry_after_a_stall_blamed_on_the_server_stops_the_recorded_worker_and_server(tmp_path):
+def test_a_retry_after_a_stall_blamed_on_the_server_stops_the_recorded_worker_and_restarts_the_server(tmp_path):
     layout = _Layout(tmp_path)
     layout.generate_shard_dir = lambda s: tmp_path / "generated" / f"shard_{s:05d}"
     layout.generate_shard_dir(0).mkdir(parents=True)
@@ -77,7 +80,8 @@ def test_a_retry_after_a_stall_blamed_on_the_server_stops_the_recorded_worker_an
         said = []
         assert generate.stop_after_server_stall(ctx, 0, grace_s=2, log=said.append)
         assert "STALLED generate shard 0/1" in said[0]
-        assert node.live_record(str(layout.pid_file(generate.SERVER_ROLE))) is None
+        fresh = node.live_record(str(layout.pid_file(generate.SERVER_ROLE)))   # the stalled one, replaced
+        assert fresh is not None and fresh.pid != server.pid
         assert node.live_record(str(layout.pid_file(role))) is None
         assert not (layout.generate_shard_dir(0) / generate.SERVER_STALL).exists()
         assert not generate.stop_after_server_stall(ctx, 0)      # once: the next retry attaches as usual

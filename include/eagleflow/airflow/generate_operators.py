@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.capture.lifecycle import CaptureServerNotReady
-from eagleflow.generate.lifecycle import (SERVER_ROLE, check_ready, record_server_stall, start_generate_server,
-                                          start_or_attach_generate_worker, stop_after_server_stall,
+from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check_ready, record_server_stall,
+                                          start_generate_server, start_or_attach_generate_worker, stop_after_server_stall,
                                           stop_generate_server, wait_generate_server_ready)
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.process_record import RecordList
@@ -93,13 +93,16 @@ class GenerateShardOperator(RunOperator):
             self.log.info("%s", OFF)
             return None
         shard = int(self.shard)
-        stop_after_server_stall(ctx, shard, log=self.log.warning)   # then check_ready finds it dead: restarted
+        stop_after_server_stall(ctx, shard, log=self.log.warning)   # restarts it once if it is the stalled one
         state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state == "dead":   # a retry after the server died: put it back (it is this run's, recorded)
-            self.log.warning("generate shard %d: %s; starting the generation server again", shard, detail)
+        if state != "ready":   # dead: put it back (this run's, recorded); loading: attach, never run ahead of it
+            self.log.warning("generate shard %d: %s; starting (or attaching to) the generation server", shard, detail)
             start_generate_server(ctx, log=self.log.info)
             try:
                 wait_generate_server_ready(ctx, log=self.log.info)
+            except GenerateServerDied as e:   # e.g. another shard's retry restarted it: the next try starts it
+                raise AirflowException(f"generate shard {shard}: the generation server died while this try "
+                                       f"waited for it ({e}); the retry starts it again") from None
             except CaptureServerNotReady as e:
                 raise AirflowFailException(str(e)) from None
         start_or_attach_generate_worker(ctx, shard, log=self.log.info)

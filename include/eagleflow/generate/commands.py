@@ -1,4 +1,4 @@
-"""`eagleflow generate serve|run|start|wait|stop|health|stats`: the generation phase, each step alone."""
+"""`eagleflow generate serve|run|start|wait|stop|unstall|health|stats`: the generation phase, each step alone."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,12 @@ def register(sub) -> None:
     add_run_args(h)
     h.add_argument("--timeout", type=float, default=20.0)
     h.set_defaults(func=_health)
+    u = gsub.add_parser("unstall", help="after a stall blamed on the generation server: stop the shard's worker "
+                        "and, if it is still the one that stalled, restart the server (once for all shards)")
+    add_run_args(u)
+    u.add_argument("--shard", type=int, required=True)
+    u.add_argument("--grace", type=float, default=30.0)
+    u.set_defaults(func=_unstall)
     c = gsub.add_parser("stats", help="per-source stats of the phase (generated/stats.json); fails when incomplete")
     add_run_args(c)
     c.add_argument("--partial", action="store_true", help="report an unfinished phase instead of failing")
@@ -144,6 +150,14 @@ def _wait(args) -> int:
 def _stop(args) -> int:
     from .lifecycle import stop_generate_server
     print(json.dumps(stop_generate_server(_local(args), grace_s=args.grace, log=lambda m: print(m, file=sys.stderr))))
+    return 0
+
+
+def _unstall(args) -> int:
+    from .lifecycle import stop_after_server_stall
+    stopped = stop_after_server_stall(_local(args), args.shard, grace_s=args.grace,
+                                      log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps({"server_stopped": stopped}))
     return 0
 
 

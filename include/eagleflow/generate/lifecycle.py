@@ -12,11 +12,18 @@ from __future__ import annotations
 import json
 import time
 
-from eagleflow.capture.lifecycle import CaptureServerNotReady, capture_server_healthy, log_tail, start_or_attach_server
+from pydantic import BaseModel, ConfigDict
+
+from eagleflow.capture.lifecycle import (CaptureServerNotReady, _recorded_holder, capture_server_healthy, log_tail,
+                                         start_or_attach_server)
 from eagleflow.layout import RunLike
-from eagleflow.nodes import LocalNode, ProcessRecord
+from eagleflow.nodes import JobAlreadyRunning, LocalNode, ProcessRecord
 
 SERVER_ROLE = "generate_server"
+
+
+class GenerateServerDied(CaptureServerNotReady):
+    """The generation server exited while a shard waited for it: a retry starts it again."""
 
 
 def worker_role(shard: int) -> str:
@@ -65,7 +72,7 @@ def wait_generate_server_ready(ctx: RunLike, timeout_s: float | None = None, pol
                 log(f"generation server ready at {info['url']}: model {info.get('model')}")
             return info
         if state == "dead":
-            raise CaptureServerNotReady(detail)
+            raise GenerateServerDied(detail)
         if time.monotonic() >= deadline:
             raise CaptureServerNotReady(f"the generation server did not become ready within {timeout_s:.0f} s "
                                         f"({detail}); raise capture.ready_timeout_s if the model loads slowly, "
@@ -96,8 +103,15 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
         return rec, True
     argv = ctx.eagleflow_argv("generate", "run", "--shard", str(shard), "--of", str(ctx.cfg.generate.shards))
     # detach takes the shard's lock before the worker starts: a hand-started holder raises JobAlreadyRunning
-    rec = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
-                                  lock_file=str(ctx.layout.lock_file(role)))
+    try:
+        rec = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
+                                      lock_file=str(ctx.layout.lock_file(role)))
+    except JobAlreadyRunning as e:   # a concurrent start won the lock: attach to the worker it records
+        rec = _recorded_holder(ctx, pid_file, e)
+        if log:
+            log(f"generate shard {shard}: worker pid {rec.pid} was just started by another try; attaching to it")
+        ensure_sentinel(ctx, job, log)
+        return rec, True
     if log:
         log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
     ensure_sentinel(ctx, job, log)   # it alarms when nothing looks at this shard while it runs
@@ -107,35 +121,72 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
 SERVER_STALL = "server_stall.json"   # in the shard dir: the last try ended on a stall blamed on the server
 
 
+def _server_identity(ctx: RunLike) -> dict | None:
+    """pid + start_ticks of the live recorded generation server (None when none runs): tells it from a later one."""
+    st = ctx.node.process_status(str(ctx.layout.pid_file(SERVER_ROLE)))
+    return {"pid": st.record.pid, "start_ticks": st.record.start_ticks} if st.alive and st.record else None
+
+
 def record_server_stall(ctx: RunLike, shard: int, event: dict) -> bool:
-    """Remember a stall verdict that blames the generation server, for the shard's retry; True when recorded."""
+    """Remember a stall verdict that blames the generation server, and which server that was, for the shard's
+    retry; True when recorded."""
     if event.get("status") != "stalled" or event.get("cause") != "capture_server":
         return False
     ctx.node.write_text(str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL),
                         json.dumps({"subject": event.get("subject"), "verdict": event.get("verdict"),
-                                    "at": time.time()}) + "\n")
+                                    "server": _server_identity(ctx), "at": time.time()}) + "\n")
     return True
 
 
 def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log=None) -> bool:
     """A retry after a stall blamed on the server: a hung server still answers /health_generate, so attaching
-    again would hang again. Stop the shard's recorded worker and the recorded server (by their records);
-    the caller then starts the server again. True when it stopped them."""
+    again would hang again. Stop the shard's recorded worker and, when the recorded server is still the one
+    that stalled, stop it and start a fresh one; a server another shard's retry already replaced is kept.
+    Runs on the node (``eagleflow generate unstall``) under the server's recovery lock, so several shards'
+    retries stop one hung server once. True when it stopped the server."""
+    if not isinstance(ctx.node, LocalNode):
+        ans = ctx.node.run_json(ctx.eagleflow_argv("generate", "unstall", "--shard", str(shard),
+                                                   "--grace", str(grace_s)),
+                                UnstallAnswer, timeout=grace_s + 300, log=log)
+        return ans.server_stopped
     marker = str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL)
-    text = ctx.node.read_text(marker)
-    if not text:
+    if not ctx.node.read_text(marker):
         return False
-    try:
-        why = json.loads(text).get("subject") or "a stall"
-    except ValueError:
-        why = "a stall"
-    if log:
-        log(f"generate shard {shard}: the last try ended on {why} blamed on the generation server ({marker}); "
-            "stopping this shard's worker and the server by their records before starting it again (other "
-            "shards' workers on that server fail and resume on their own retries)")
-    stopped = ctx.node.stop_recorded(str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s)
-    if log:
-        log(f"generate shard {shard}: worker: {stopped.detail}")
-    stop_generate_server(ctx, grace_s=grace_s, log=log)
-    ctx.node.run(["rm", "-f", "--", marker], timeout=30)
-    return True
+    from eagleflow.watchdog.node_lock import NodeLock
+    from eagleflow.watchdog.recovery import lock_path
+    with NodeLock(lock_path(ctx, SERVER_ROLE),
+                  purpose=f"generation server restart after a stall, shard {shard} of run {ctx.layout.run_id}"):
+        text = ctx.node.read_text(marker)
+        if not text:
+            return False
+        try:
+            seen = json.loads(text)
+        except ValueError:
+            seen = {}
+        why = seen.get("subject") or "a stall"
+        stopped = ctx.node.stop_recorded(str(ctx.layout.pid_file(worker_role(shard))), grace_s=grace_s)
+        if log:
+            log(f"generate shard {shard}: the last try ended on {why} blamed on the generation server ({marker}); "
+                f"this shard's worker: {stopped.detail}")
+        now = _server_identity(ctx)
+        # a marker without "server" predates the identity: the recorded server is taken to be the stalled one
+        stalled = seen.get("server", now)
+        server_stopped = now is not None and now == stalled
+        if server_stopped:
+            if log:
+                log(f"generate shard {shard}: the generation server pid {now['pid']} is the one that stalled; "
+                    "stopping it and starting a fresh one (other shards' workers on it fail and resume on their "
+                    "own retries)")
+            stop_generate_server(ctx, grace_s=grace_s, log=log)
+            start_generate_server(ctx, log=log)
+        elif log:
+            log(f"generate shard {shard}: the server that stalled ({stalled}) is no longer the recorded one "
+                f"({now}): another retry replaced it; attaching")
+        ctx.node.run(["rm", "-f", "--", marker], timeout=30)
+    return server_stopped
+
+
+class UnstallAnswer(BaseModel):
+    """What ``eagleflow generate unstall`` prints."""
+    model_config = ConfigDict(extra="allow")
+    server_stopped: bool
