@@ -136,3 +136,29 @@ def test_a_worker_start_that_lost_the_race_attaches_to_the_winner(tmp_path):
     finally:
         time.sleep(0.2)
         _stop_all(ctx)
+
+
+@pytest.mark.timeout(60)
+def test_a_reconcile_rerun_that_stalled_on_the_generation_server_restarts_it_on_its_retry(tmp_path):
+    from eagleflow.airflow.reconcile_operators import RerunShardOperator
+    from eagleflow.watchdog.diagnosis import StallDetected
+    claim = [sys.executable, "-c", "print('{\"action\": \"skipped\", \"reason\": \"test: claim not run\"}')"]
+    ctx = _ctx(tmp_path)
+    ctx.eagleflow_argv = lambda *a: claim if "claim" in a else SLEEP
+    ctx.close = lambda: None
+    op = RerunShardOperator(task_id="rerun_shard", target={"run_id": "r", "phase": "generate", "shard": 1,
+                                                           "run_config": "unused"}, deferrable=True)
+    op._run_context = lambda context: ctx
+    server_pid = str(ctx.layout.pid_file(generate.SERVER_ROLE))
+    try:
+        hung, _ = generate.start_generate_server(ctx)
+        with pytest.raises(StallDetected):
+            op.execute_complete({}, STALL)
+        assert (ctx.layout.generate_shard_dir(1) / generate.SERVER_STALL).exists()
+        out = op.execute({"ti": SimpleNamespace(try_number=2)})
+        assert out["outcome"] == "skipped"
+        fresh = ctx.node.live_record(server_pid)
+        assert fresh is not None and fresh.pid != hung.pid
+        assert not (ctx.layout.generate_shard_dir(1) / generate.SERVER_STALL).exists()
+    finally:
+        _stop_all(ctx)

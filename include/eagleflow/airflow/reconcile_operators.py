@@ -105,6 +105,10 @@ class RerunShardOperator(BaseOperator):
             # server through the generate lifecycle (this recovery would restart the capture server)
             from eagleflow.watchdog.recovery import recover_before_retry
             recover_before_retry(ctx, shard, self.log)
+        if phase == "generate" and ti is not None and (ti.try_number or 1) > 1:
+            # the rerun stalled on a hung generation server: stop it once (if still that one) before the claim
+            from eagleflow.generate.lifecycle import stop_after_server_stall
+            stop_after_server_stall(ctx, shard, log=self.log.warning)
         result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase),
                                    ClaimAnswer, timeout=ctx.cfg.capture.ready_timeout_s + 300,
                                    log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
@@ -127,6 +131,14 @@ class RerunShardOperator(BaseOperator):
             self.log.info("run %s shard %s rerun complete: %s", self.target["run_id"], self.target["shard"],
                           event.get("summary"))
             return {**self.target, "outcome": "complete", "reason": event.get("summary", "")}
+        if self.target.get("phase", "extract") == "generate":   # as the pipeline's generate_responses does
+            from eagleflow.generate.lifecycle import record_server_stall
+            ctx = self._run_context(context)
+            try:
+                if record_server_stall(ctx, int(self.target["shard"]), event):
+                    self.log.warning("the stall is blamed on the generation server: the retry stops and restarts it")
+            finally:
+                ctx.close()
         from eagleflow.watchdog.diagnosis import StallDetected
         raise StallDetected(event.get("subject") or f"rerun of shard {self.target['shard']} {event.get('status')}",
                             event.get("diagnosis") or str(event))
