@@ -83,6 +83,9 @@ def test_node_activity_reads_a_raised_alarm_only_while_its_sentinel_runs(tmp_pat
                                                    pid_file=str(state / "pids" / "r1.sentinel_worker_shard_00002.json"),
                                                    log_file=str(tmp_path / "logs" / "s.log"))
     try:
+        assert collect(state).watch_alarms == []      # raised by another sentinel than the one running
+        (state / "watch" / "r1.worker_shard_00002.alarm.json").write_text(json.dumps({**alarm,
+                                                                                  "sentinel_pid": sentinel.pid}))
         act = collect(state)
         assert [a["role"] for a in act.watch_alarms] == ["worker_shard_00002"]
         assert any("r1.worker_shard_00004.alarm.json" in s for s in act.skipped)
