@@ -50,3 +50,22 @@ def test_ids_outside_the_tokenizers_vocabulary_are_refused():
     assert token_exact_record(conv, max_length=64, over_max_length="cut_at_message", vocab_size=9).ids == GOOD["input_ids"]
     with pytest.raises(ValueError, match=r"token id 8, outside this tokenizer's vocabulary \(8 ids\)"):
         token_exact_record(conv, max_length=64, over_max_length="cut_at_message", vocab_size=8)
+
+
+def test_a_raw_source_carrying_the_key_reports_the_values_type_not_absent():
+    _, bad = _norm(GOOD, token_exact=False)
+    assert bad.value != "(absent)" and "dict with keys" in bad.value and "input_ids" in bad.value
+    _, bad = _norm([1, 2], token_exact=False)
+    assert "list of 2 items" in bad.value
+
+
+def test_a_vocabulary_refusal_inside_the_map_names_the_record_source_and_where(demo_assets):
+    from eagleflow.corpus.tokenize import load_tokenizer, tokenize_batch
+    vocab = len(load_tokenizer(demo_assets["target_model"]))
+    te = {"input_ids": [5, 6, 7, vocab + 3], "loss_mask": [0, 0, 1, 1], "span_ends": [4]}
+    ok = Conversation(MSGS, token_exact=GOOD).to_json()
+    batch = {"conversation": [ok, Conversation(MSGS, token_exact=te).to_json()], "id": ["generated:0", "generated:1"],
+             "source": ["generated", "generated"], "where": ["line 1", "line 2"]}
+    with pytest.raises(ValueError, match=r"record generated:1 \(source generated, line 2\): .*token id "
+                                         rf"{vocab + 3}, outside"):
+        tokenize_batch(batch, model_path=demo_assets["target_model"], max_length=64, method="generation_tags")

@@ -100,6 +100,15 @@ def short_repr(value: Any, limit: int = 80) -> str:
 _ABSENT = object()
 
 
+def _summary(value: Any) -> str:
+    """A value's type and shape, short: for a field that may be large (a record's whole token ids)."""
+    if isinstance(value, dict):
+        return f"dict with keys {sorted(map(str, value))[:8]}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)} items"
+    return f"{type(value).__name__} {short_repr(value, 60)}"
+
+
 @dataclass
 class Conversation:
     messages: list[dict]
@@ -456,7 +465,7 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
                 conv = normalise_conversation(record, non_text=non_text)
                 if isinstance(record, dict) and TOKEN_EXACT_KEY in record:
                     if not token_exact:
-                        raise RecordError(TOKEN_EXACT_KEY, _ABSENT, WRONG_TYPE,
+                        raise RecordError(TOKEN_EXACT_KEY, _summary(record[TOKEN_EXACT_KEY]), WRONG_TYPE,
                                           "is written only by the generation phase (the target's own ids); a "
                                           "source may not carry it: remove the key from the record")
                     conv.token_exact = checked_token_exact(record[TOKEN_EXACT_KEY])

@@ -335,6 +335,10 @@ class TokenisedRecord:
     content_dropped: str | None  # what the rendering lacks (see dropped_content)
 
 
+class TokenExactVocabError(ValueError):
+    """A regenerated record holds ids outside this tokenizer's vocabulary (another target generated it)."""
+
+
 def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: str,
                        vocab_size: int | None = None) -> TokenisedRecord:
     """A regenerated record: the target's own ids and mask, never rendered again. Over max_length it is cut
@@ -343,7 +347,7 @@ def token_exact_record(conv: Conversation, *, max_length: int, over_max_length: 
     te = conv.token_exact or {}
     ids, mask = list(te["input_ids"]), list(te["loss_mask"])
     if vocab_size is not None and ids and max(ids) >= vocab_size:
-        raise ValueError(f"a regenerated record's eagleflow_token_exact.input_ids hold token id {max(ids)}, outside "
+        raise TokenExactVocabError(f"a regenerated record's eagleflow_token_exact.input_ids hold token id {max(ids)}, outside "
                          f"this tokenizer's vocabulary ({vocab_size} ids): the generation phase ran with another "
                          "target; run it again with this one (delete the run's generated/ dir)")
     status, kept_turns = "whole", len(conv.messages)
@@ -398,8 +402,15 @@ def tokenize_batch(batch: dict[str, list], *, model_path: str, max_length: int, 
     import numpy as np
     import pyarrow as pa
     tok = load_tokenizer(model_path)
-    recs = [tokenise_record(tok, Conversation.from_json(c), max_length=max_length, method=method,
-                            over_max_length=over_max_length) for c in batch["conversation"]]
+    recs = []
+    for i, c in enumerate(batch["conversation"]):
+        try:
+            recs.append(tokenise_record(tok, Conversation.from_json(c), max_length=max_length, method=method,
+                                        over_max_length=over_max_length))
+        except TokenExactVocabError as e:   # raised inside datasets.map: say which record
+            def col(name):
+                return batch[name][i] if name in batch else "?"
+            raise TokenExactVocabError(f"record {col('id')} (source {col('source')}, {col('where')}): {e}") from None
     ids_rows = [r.ids for r in recs]
     lengths = np.fromiter((len(r) for r in ids_rows), dtype=np.int32, count=len(ids_rows))
     # A table (not a dict) is written by datasets as is: the other columns are passed through here.
