@@ -43,6 +43,37 @@ def test_a_resume_under_another_shard_count_or_other_inputs_is_refused_naming_th
         check_identity(tmp_path, 0, 2, _inputs([(0, "s:0"), (2, "s:7")], 0, 2))
 
 
+def test_a_reworded_bad_record_message_still_resumes_but_another_error_or_conversation_does_not(tmp_path):
+    from eagleflow.corpus.normalise import BadRecord
+
+    def bad(problem, kind="wrong_type", field="messages"):
+        return BadRecord(source="s", file="s.jsonl", where="line 2", field=field, value="1", kind=kind,
+                         problem=problem).to_json()
+    good = InputRecord(0, "s:0", "s", "s.jsonl", "line 1", '{"messages": []}', None)
+    check_identity(tmp_path, 0, 1, [good, InputRecord(1, "s:1", "s", "s.jsonl", "line 2", None, bad("is not a list"))])
+    # an upgrade words the same error differently: the same inputs, resumed
+    check_identity(tmp_path, 0, 1, [good, InputRecord(1, "s:1", "s", "s.jsonl", "line 2", None,
+                                                      bad("must be a list of messages; fix the record"))])
+    for other in ([good, InputRecord(1, "s:1", "s", "s.jsonl", "line 2", None, bad("x", field="tools"))],
+                  [InputRecord(0, "s:0", "s", "s.jsonl", "line 1", '{"messages": [1]}', None),
+                   InputRecord(1, "s:1", "s", "s.jsonl", "line 2", None, bad("x"))]):
+        with pytest.raises(GenerationError, match="inputs_sha256"):
+            check_identity(tmp_path, 0, 1, other)
+
+
+def test_an_identity_written_with_the_older_digest_resumes_and_is_rewritten(tmp_path):
+    import hashlib
+    import json
+    ins = _inputs([(0, "s:0"), (1, "s:1")])
+    h = hashlib.sha256()   # the digest before (the whole conversation and error text)
+    for r in ins:
+        h.update(json.dumps([r.index, r.id, r.conversation, r.error], ensure_ascii=False).encode() + b"\n")
+    (tmp_path / IDENTITY).write_text(json.dumps({"num_shards": 1, "shard": 0, "inputs_sha256": h.hexdigest()}))
+    check_identity(tmp_path, 0, 1, ins)
+    assert json.loads((tmp_path / IDENTITY).read_text())["inputs_sha256"] != h.hexdigest()
+    check_identity(tmp_path, 0, 1, ins)
+
+
 def test_an_index_is_skipped_only_when_its_stored_id_is_the_inputs(tmp_path):
     _store(tmp_path, [(0, "s:0"), (1, "other:1")])
     scan = read_manifest(tmp_path / MANIFEST)

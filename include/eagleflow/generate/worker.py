@@ -118,6 +118,24 @@ def read_inputs(sources, shard: int, num_shards: int, work_dir: str, *, seed: in
 
 
 def inputs_digest(inputs: list[InputRecord]) -> str:
+    """What the shard's results were made from: per record its index, id, the conversation's sha256 and, for a
+    bad record, only the error's kind and field (never its wording, which an upgrade may change)."""
+    h = hashlib.sha256()
+    for r in inputs:
+        conv = hashlib.sha256(r.conversation.encode()).hexdigest() if r.conversation is not None else None
+        err = None
+        if r.error is not None:
+            try:
+                e = json.loads(r.error)
+                err = [e.get("kind"), e.get("field")]
+            except ValueError:
+                err = ["?", "?"]
+        h.update(json.dumps([r.index, r.id, conv, err]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _legacy_inputs_digest(inputs: list[InputRecord]) -> str:
+    # the digest shard identities were written with before: still resumed (their identity is rewritten)
     h = hashlib.sha256()
     for r in inputs:
         h.update(json.dumps([r.index, r.id, r.conversation, r.error], ensure_ascii=False).encode() + b"\n")
@@ -141,6 +159,10 @@ def check_identity(shard_dir: str | os.PathLike, shard: int, num_shards: int, in
         raise GenerationError(f"generate shard {shard}: {path} is not JSON ({e}); delete {Path(shard_dir)} to "
                               "regenerate this shard from scratch") from None
     diff = [f"{k} {have.get(k)!r} there, {v!r} now" for k, v in want.items() if have.get(k) != v]
+    if (len(diff) == 1 and have.get("inputs_sha256") != want["inputs_sha256"]
+            and have.get("inputs_sha256") == _legacy_inputs_digest(inputs)):
+        atomic_write(path, json.dumps(want, sort_keys=True) + "\n", fsync=fsync)   # the same inputs, older digest
+        return
     if diff:
         raise GenerationError(f"generate shard {shard}: the results in {Path(shard_dir)} were generated for other "
                               f"inputs ({path}: {'; '.join(diff)}). Restore the generate.shards and sources they "
