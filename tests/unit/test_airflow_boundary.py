@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[2] / "include" / "eagleflow"
 LAZY_ALLOWED = {"nodes/ssh.py": "airflow.providers.ssh", "nodes/ssh_async.py": "airflow.providers.ssh",
                 "demo.py": "eagleflow.airflow"}
@@ -44,6 +46,7 @@ def test_only_the_adapter_package_imports_airflow():
     assert not offenders, "Airflow imported outside eagleflow/airflow: " + "; ".join(offenders)
 
 
+@pytest.mark.slow   # a fresh interpreter importing the whole core
 def test_core_imports_and_cli_run_with_airflow_unimportable():
     # A node without Airflow: any import of it fails, and the core modules plus the CLI's help still work.
     core = sorted("eagleflow." + p.relative_to(PKG).with_suffix("").as_posix().replace("/", ".")

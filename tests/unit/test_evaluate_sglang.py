@@ -21,7 +21,7 @@ from eagleflow.nodes.process_record import records_in
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fixtures" / "fake_sglang_generate.py")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]   # fake sglang servers in subprocesses
 
 
 def _fake_command(extra=()):

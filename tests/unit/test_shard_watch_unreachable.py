@@ -2,6 +2,8 @@
 ``unreachable_since`` a re-deferred watch carries (round-tripped by serialize, as the triggerer rebuilds it)."""
 from __future__ import annotations
 
+import pytest
+
 from eagleflow.airflow.shard_watch import (ShardWatchTrigger, TrainWatchTrigger, _claim_outage, _end_outage,
                                            reconnect_delay_s)
 
@@ -41,6 +43,7 @@ def test_unreachable_since_round_trips_and_is_absent_when_unset():
     assert tkw["unreachable_since"] == 5.0 and TrainWatchTrigger(**tkw).serialize() == (tpath, tkw)
 
 
+@pytest.mark.slow   # waits out a 4 s unreachable bound
 def test_a_due_mail_does_not_restart_the_clock_of_an_outage_not_yet_reported(tmp_path, monkeypatch):
     """The watch re-defers to send a refused mail again mid-outage; the next watch goes on from the outage's
     start (the unreachable verdict comes at start + bound, not at re-deferral + bound) and says that start."""
