@@ -309,3 +309,20 @@ def test_the_last_tries_failed_heartbeat_does_not_end_the_sentinel_of_a_new_work
     ended = Sentinel(cfg, layout, JOB, worker_alive=lambda: True, worker_pid=lambda: 111, clock=Clock(1000.0),
                      mailer=lambda subj, body: "", log=lambda m: None)
     assert not ended.check()                # its own worker said failed: the job ended
+
+
+def test_looks_since_the_recorded_worker_started_count_even_from_before_the_sentinel(setup):
+    """A sentinel (re)started beside a running worker takes that worker's looks; an earlier worker's do not."""
+    cfg, layout = setup
+    record_look(looks_path(layout, JOB), {"at": 900.0, "by": "watch", "pid": 1})     # the last try's worker
+    record_look(looks_path(layout, JOB), {"at": 995.0, "by": "watch", "pid": 2})     # this worker's watch
+    clock = Clock(1000.0)
+    mails: list = []
+    s = Sentinel(cfg, layout, JOB, worker_alive=lambda: True, worker_started_at=lambda: 950.0, clock=clock,
+                 mailer=lambda subj, body: mails.append(subj) or "", log=lambda m: None)
+    clock.t = 1024.0
+    s.check()
+    assert mails == []
+    clock.t = 1025.0                         # 3 intervals of 10 s after this worker's last look at 995
+    s.check()
+    assert len(mails) == 1 and "no look for 30 s" in mails[0]

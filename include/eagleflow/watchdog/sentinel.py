@@ -205,11 +205,13 @@ class Sentinel:
     def __init__(self, cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, *,
                  worker_alive: Callable[[], bool], clock: Callable[[], float] = time.time,
                  mailer: Callable[[str, str], str] | None = None, log: Callable[[str], None] | None = None,
-                 worker_pid: Callable[[], int | None] = lambda: None):
+                 worker_pid: Callable[[], int | None] = lambda: None,
+                 worker_started_at: Callable[[], float | None] = lambda: None):
         self.cfg, self.layout, self.job = cfg, layout, job
         self.interval_s = cfg.watchdog.poll_interval_s
         self.worker_alive = worker_alive
         self.worker_pid = worker_pid     # the recorded worker's pid (None: unknown)
+        self.worker_started_at = worker_started_at   # when the recorded worker started (None: unknown)
         self.clock = clock
         self.mailer = mailer or (lambda subject, body: node_mail(cfg, subject, body))
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -239,16 +241,19 @@ class Sentinel:
         if not self.job_running():
             return False
         looks = recent_looks(looks_path(self.layout, self.job))
-        # the log outlives a try (one per run and role): looks from before this sentinel started say nothing
-        # about the watch of the job it sits beside (nor does the gap across tries about its pace)
-        fresh = [lk for lk in looks if float(lk.get("at", 0)) >= self.started_at]
+        # the log outlives a try (one per run and role): looks from before the recorded worker started (or,
+        # not knowing that, before this sentinel started) are an earlier try's, and say nothing about the
+        # watch of this one (nor does the gap across tries about its pace)
+        since = self.worker_started_at() or self.started_at
+        fresh = [lk for lk in looks if float(lk.get("at", 0)) >= since]
         look = fresh[-1] if fresh else None
         interval = look_interval_s(fresh, self.interval_s)
         cost = look_cost_s(self.cfg)
         until = watched_until(look, interval, cost)
-        silent_since = float(look["at"]) if look else self.started_at
+        base = max(self.started_at, since)   # no look yet: the first one's grace runs from here
+        silent_since = float(look["at"]) if look else base
         deadline = until if until is not None else \
-            self.started_at + FIRST_LOOK_GRACE_S + max(SILENT_POLLS * interval, interval + cost)
+            base + FIRST_LOOK_GRACE_S + max(SILENT_POLLS * interval, interval + cost)
         if now >= deadline and self.alarm is None:
             self._raise(look, silent_since, now, interval)
         elif now < deadline and self.alarm is not None and look is not None \
@@ -325,6 +330,16 @@ def recorded_worker_alive(layout: RunLayout, job: WatchedJob) -> bool:
     return st is not None and st.state != "Z"
 
 
+def recorded_worker_started_at(layout: RunLayout, job: WatchedJob) -> float | None:
+    """When the job's recorded worker started (unix time; None when there is no trusted record)."""
+    from eagleflow.nodes.process_record import read_record
+    try:
+        rec = read_record(str(layout.pid_file(job.role)))
+    except (OSError, ValueError):
+        return None
+    return float(rec.started_at) if rec is not None and rec.started_at else None
+
+
 def recorded_worker_pid(layout: RunLayout, job: WatchedJob) -> int | None:
     """The pid in the job's process record (None when there is no trusted record)."""
     from eagleflow.nodes.process_record import read_record
@@ -339,7 +354,8 @@ def run_sentinel(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, *,
                  sleep: Callable[[float], None] = time.sleep) -> int:
     """The sentinel process's loop: until the job ended (confirmed twice), one check every few seconds."""
     s = Sentinel(cfg, layout, job, worker_alive=lambda: recorded_worker_alive(layout, job),
-                 worker_pid=lambda: recorded_worker_pid(layout, job))
+                 worker_pid=lambda: recorded_worker_pid(layout, job),
+                 worker_started_at=lambda: recorded_worker_started_at(layout, job))
     s.log(f"sentinel for {job.name} of run {layout.run_id} on {cfg.node.name}: pid {os.getpid()}, alarm after "
           f"{SILENT_POLLS} x {s.interval_s:g} s without a look ({looks_path(layout, job)})")
     while True:
