@@ -90,25 +90,32 @@ def start_or_attach_server(ctx: RunLike, role: str, argv: list[str], info_file: 
     """The one server start (capture and generation): a live recorded server is kept, and the start is
     exclusive, like a worker's: detach takes ``lock_file(role)`` and the server holds it for its life, so
     two callers at once (concurrent retries) start one server and the other attaches to it."""
+    # A stale info file from an earlier server would make readiness read the wrong URL (a concurrent
+    # starter's server writes its own only once loaded, long after this).
+    rec, started = start_exclusive(ctx, role, argv,
+                                   before=lambda: ctx.node.run(["rm", "-f", "--", info_file], timeout=30))
+    if log and started:
+        log(f"{what} started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}, command {shlex.join(argv)}")
+    elif log:
+        log(f"{what.split(' (')[0]} already running: pid {rec.pid} (record {ctx.layout.pid_file(role)}); keeping it")
+    return rec, started
+
+
+def start_exclusive(ctx: RunLike, role: str, argv: list[str], before=None) -> tuple[ProcessRecord, bool]:
+    """(record, started): the live recorded process of ``role``, or a new detached one that holds
+    ``lock_file(role)`` for its life; a concurrent start that won the lock is attached to (servers, workers).
+    ``before`` runs just before a spawn."""
     pid_file = str(ctx.layout.pid_file(role))
     rec = ctx.node.live_record(pid_file)
-    if rec is None:
-        # A stale info file from an earlier server would make readiness read the wrong URL (a concurrent
-        # starter's server writes its own only once loaded, long after this).
-        ctx.node.run(["rm", "-f", "--", info_file], timeout=30)
-        try:
-            proc = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
-                                           lock_file=str(ctx.layout.lock_file(role)))
-        except JobAlreadyRunning as e:
-            rec = _recorded_holder(ctx, pid_file, e)
-        else:
-            if log:
-                log(f"{what} started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}, "
-                    f"command {shlex.join(argv)}")
-            return proc, True
-    if log:
-        log(f"{what.split(' (')[0]} already running: pid {rec.pid} (record {pid_file}); keeping it")
-    return rec, False
+    if rec is not None:
+        return rec, False
+    if before is not None:
+        before()
+    try:
+        return ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
+                                       lock_file=str(ctx.layout.lock_file(role))), True
+    except JobAlreadyRunning as e:   # a concurrent start won the lock: the process it records
+        return _recorded_holder(ctx, pid_file, e), False
 
 
 def capture_server_healthy(url: str, timeout_s: float) -> bool:
@@ -204,22 +211,16 @@ def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessR
     naming its PID.
     """
     role = worker_role(shard)
-    pid_file = str(ctx.layout.pid_file(role))
-    rec = ctx.node.live_record(pid_file)
-    if rec is None:
-        argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
-        try:
-            rec = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
-                                          lock_file=str(ctx.layout.lock_file(role)))
-        except JobAlreadyRunning as e:
-            rec = _recorded_holder(ctx, pid_file, e)
-        else:
-            if log:
-                log(f"shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
-            ensure_sentinel(ctx, shard, log)
-            return rec, False
+    argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
+    rec, started = start_exclusive(ctx, role, argv)
+    if started:
+        if log:
+            log(f"shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
+        ensure_sentinel(ctx, shard, log)
+        return rec, False
     if log:
-        log(f"shard {shard}: worker pid {rec.pid} is still running (record {pid_file}); attaching to it")
+        log(f"shard {shard}: worker pid {rec.pid} is still running (record {ctx.layout.pid_file(role)}); "
+            f"attaching to it")
     ensure_sentinel(ctx, shard, log)
     return rec, True
 

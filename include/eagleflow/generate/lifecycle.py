@@ -14,10 +14,10 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from eagleflow.capture.lifecycle import (CaptureServerNotReady, _recorded_holder, capture_server_healthy, log_tail,
+from eagleflow.capture.lifecycle import (CaptureServerNotReady, capture_server_healthy, log_tail,
                                          start_or_attach_server)
 from eagleflow.layout import RunLike
-from eagleflow.nodes import JobAlreadyRunning, LocalNode, ProcessRecord
+from eagleflow.nodes import LocalNode, ProcessRecord
 
 SERVER_ROLE = "generate_server"
 
@@ -90,32 +90,18 @@ def stop_generate_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict:
 
 def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
     """The detached worker of generation shard ``shard``, or the live one: never two on one shard."""
-    role = worker_role(shard)
-    pid_file = str(ctx.layout.pid_file(role))
+    from eagleflow.capture.lifecycle import start_exclusive
     from eagleflow.watchdog.sentinel import ensure_sentinel
     from eagleflow.watchdog.signals import WatchedJob
-    job = WatchedJob(shard=shard, num_shards=ctx.cfg.generate.shards, phase="generate")
-    rec = ctx.node.live_record(pid_file)
-    if rec is not None:
-        if log:
-            log(f"generate shard {shard}: worker pid {rec.pid} is still running; attaching to it")
-        ensure_sentinel(ctx, job, log)
-        return rec, True
     argv = ctx.eagleflow_argv("generate", "run", "--shard", str(shard), "--of", str(ctx.cfg.generate.shards))
-    # detach takes the shard's lock before the worker starts: a hand-started holder raises JobAlreadyRunning
-    try:
-        rec = ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
-                                      lock_file=str(ctx.layout.lock_file(role)))
-    except JobAlreadyRunning as e:   # a concurrent start won the lock: attach to the worker it records
-        rec = _recorded_holder(ctx, pid_file, e)
-        if log:
-            log(f"generate shard {shard}: worker pid {rec.pid} was just started by another try; attaching to it")
-        ensure_sentinel(ctx, job, log)
-        return rec, True
+    # never two workers on a shard: a live one, or the one a concurrent start recorded, is attached to
+    rec, started = start_exclusive(ctx, worker_role(shard), argv)
     if log:
-        log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
-    ensure_sentinel(ctx, job, log)   # it alarms when nothing looks at this shard while it runs
-    return rec, False
+        log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}"
+            if started else f"generate shard {shard}: worker pid {rec.pid} is still running; attaching to it")
+    # it alarms when nothing looks at this shard while it runs
+    ensure_sentinel(ctx, WatchedJob(shard=shard, num_shards=ctx.cfg.generate.shards, phase="generate"), log)
+    return rec, not started
 
 
 SERVER_STALL = "server_stall.json"   # in the shard dir: the last try ended on a stall blamed on the server
