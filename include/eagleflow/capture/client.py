@@ -12,7 +12,15 @@ from urllib.parse import urlsplit
 
 
 class CaptureServerError(RuntimeError):
-    """The capture server could not be reached or answered with an error."""
+    """The capture server could not be reached or answered with an error.
+
+    ``http_status``: the server's answer when it was not 200; ``cause``: the connection error when it
+    could not be reached (ConnectionRefusedError: nothing listens), so a caller can tell them apart.
+    """
+
+    def __init__(self, message: str, *, http_status: int | None = None, cause: BaseException | None = None):
+        super().__init__(message)
+        self.http_status, self.cause = http_status, cause
 
 
 class CaptureTimeout(CaptureServerError):
@@ -35,7 +43,7 @@ def _request(url: str, method: str, path: str, body: dict | None, timeout_s: flo
     except (socket.timeout, TimeoutError):
         raise CaptureTimeout(f"{method} {url}{path} got no answer within {timeout_s:.1f} s") from None
     except (ConnectionError, OSError, http.client.HTTPException) as e:
-        raise CaptureServerError(f"{method} {url}{path} failed: {type(e).__name__}: {e}") from None
+        raise CaptureServerError(f"{method} {url}{path} failed: {type(e).__name__}: {e}", cause=e) from None
     finally:
         conn.close()
     try:
@@ -44,7 +52,7 @@ def _request(url: str, method: str, path: str, body: dict | None, timeout_s: flo
         payload = {"raw": raw[:500].decode(errors="replace")}
     if resp.status != 200:
         raise CaptureServerError(f"{method} {url}{path} answered HTTP {resp.status}: "
-                                 f"{payload.get('error') or payload}")
+                                 f"{payload.get('error') or payload}", http_status=resp.status)
     return payload if isinstance(payload, dict) else {"value": payload}
 
 

@@ -73,7 +73,7 @@ def free_recorded_processes(state_dir: str | Path, *, grace_s: float = 15.0, for
             continue
         seen.add(gp.pid)
         st = read_proc_state(gp.pid)
-        if st is None or st.is_zombie:
+        if st is None or not st.alive:
             continue
         user = gp.user or user_of(gp.pid)
         if not force:

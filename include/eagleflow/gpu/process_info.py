@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from eagleflow.nodes.proc import parse_stat, read_proc_state
+from eagleflow.nodes.proc import read_proc_state
 
 
 def user_of(pid: int, proc_root: str = "/proc") -> str | None:
@@ -24,20 +24,11 @@ def user_of(pid: int, proc_root: str = "/proc") -> str | None:
         return str(uid)
 
 
-def pgid_of(pid: int, proc_root: str = "/proc") -> int | None:
-    try:
-        with open(f"{proc_root}/{pid}/stat") as f:
-            _, _, rest = parse_stat(f.read())
-        return int(rest[1])  # field 5 overall: pgrp
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def describe_pid(pid: int, proc_root: str = "/proc") -> dict[str, Any]:
     """{user, state, pgid, wchan, comm} for one PID; all None when it is not visible here."""
     st = read_proc_state(pid, proc_root)
     if st is None:
         return {"user": None, "state": None, "pgid": None, "wchan": None, "comm": None}
     state = "D" if st.in_d_state else st.state
-    return {"user": user_of(pid, proc_root), "state": state, "pgid": pgid_of(pid, proc_root),
+    return {"user": user_of(pid, proc_root), "state": state, "pgid": st.pgid,
             "wchan": st.wchan if st.in_d_state else None, "comm": st.comm}

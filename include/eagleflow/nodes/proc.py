@@ -1,26 +1,48 @@
-"""Reading /proc: process state, start time, D-state threads, wchan.
+"""Reading /proc: the one place eagleflow parses a process's state (``ProcState``).
+
+Everything that asks "does this PID still run, is it ours, is it stopped, a
+zombie, stuck in D, how did it end" reads it here: ``read_stat`` (one read of
+``/proc/<pid>/stat``: cheap enough to scan every PID) or ``read_proc_state``
+(that plus the D-state threads and the wchan, for a diagnosis).
 
 ``comm`` (field 2 of /proc/<pid>/stat) may hold spaces and parentheses, so the
-fields are split after the last ')'.
+fields are split after the last ')'. Standard library only: it runs on the
+node with whatever interpreter the node has.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+# /proc/<pid>/stat fields, numbered as in proc(5); the list after the state starts at field 4
+_PGRP, _STARTTIME, _EXIT_CODE = 5, 22, 52
 
 
 @dataclass(frozen=True)
 class ProcState:
     pid: int
     comm: str
-    state: str                 # R S D Z T ...
-    start_ticks: int
-    d_state_threads: tuple[int, ...] = field(default=())  # tids in D (uninterruptible)
-    wchan: str | None = None
+    state: str                 # R S D Z T t X ...
+    start_ticks: int           # field 22: tells a process from a later one with the same PID
+    d_state_threads: tuple[int, ...] = field(default=())  # tids in D (uninterruptible); read_proc_state only
+    wchan: str | None = None   # read_proc_state only
+    pgid: int = 0              # field 5
+    exit_code: int | None = None    # a zombie's, from field 52 (Linux >= 3.5); None while it runs
+    exit_signal: int | None = None  # the signal that killed a zombie
 
     @property
-    def is_zombie(self) -> bool:
+    def alive(self) -> bool:
+        """Runs (or sleeps, or is stopped): not a zombie waiting to be reaped, not dead."""
+        return self.state not in ("Z", "X")
+
+    @property
+    def zombie(self) -> bool:
         return self.state == "Z"
+
+    @property
+    def stopped(self) -> bool:
+        """SIGSTOP (T) or stopped by a tracer (t): alive, but does nothing until SIGCONT."""
+        return self.state in ("T", "t")
 
     @property
     def in_d_state(self) -> bool:
@@ -36,21 +58,37 @@ def parse_stat(text: str) -> tuple[str, str, list[str]]:
     return comm, rest[0], rest[1:]
 
 
-def read_start_ticks(pid: int, proc_root: str = "/proc") -> int | None:
-    try:
-        with open(f"{proc_root}/{pid}/stat") as f:
-            _, _, rest = parse_stat(f.read())
-    except (OSError, ValueError):
-        return None
-    # starttime is field 22 overall; rest starts at field 4
-    return int(rest[22 - 4])
+def _field(rest: list[str], n: int) -> int:
+    return int(rest[n - 4])
 
 
-def read_proc_state(pid: int, proc_root: str = "/proc") -> ProcState | None:
+def read_stat(pid: int, proc_root: str = "/proc") -> ProcState | None:
+    """The PID's state, process group, start time and (a zombie's) exit status; None when it does not exist."""
     try:
         with open(f"{proc_root}/{pid}/stat") as f:
             comm, state, rest = parse_stat(f.read())
-    except (OSError, ValueError):
+        st = ProcState(pid=pid, comm=comm, state=state, start_ticks=_field(rest, _STARTTIME),
+                       pgid=_field(rest, _PGRP))
+    except (OSError, ValueError, IndexError):
+        return None
+    if st.zombie:
+        try:
+            status = _field(rest, _EXIT_CODE)   # the wait status: low 7 bits the signal, else code << 8
+        except (ValueError, IndexError):
+            return st
+        return replace(st, exit_signal=status & 0x7F) if status & 0x7F else replace(st, exit_code=status >> 8)
+    return st
+
+
+def read_start_ticks(pid: int, proc_root: str = "/proc") -> int | None:
+    st = read_stat(pid, proc_root)
+    return None if st is None else st.start_ticks
+
+
+def read_proc_state(pid: int, proc_root: str = "/proc") -> ProcState | None:
+    """``read_stat`` plus the threads in D and the wchan: where a process waits in the kernel."""
+    st = read_stat(pid, proc_root)
+    if st is None:
         return None
     d_threads = []
     try:
@@ -70,5 +108,14 @@ def read_proc_state(pid: int, proc_root: str = "/proc") -> ProcState | None:
             wchan = f.read().strip() or None
     except OSError:
         pass
-    return ProcState(pid=pid, comm=comm, state=state, start_ticks=int(rest[22 - 4]),
-                     d_state_threads=tuple(sorted(d_threads)), wchan=wchan)
+    return replace(st, d_state_threads=tuple(sorted(d_threads)), wchan=wchan)
+
+
+def thread_wchan(pid: int, tid: int, proc_root: str = "/proc") -> str | None:
+    """Where one thread waits in the kernel, named with its tid; None when it does not wait or is gone."""
+    try:
+        with open(f"{proc_root}/{pid}/task/{tid}/wchan") as f:
+            w = f.read().strip()
+        return f"{w} (thread {tid})" if w and w != "0" else None
+    except OSError:
+        return None

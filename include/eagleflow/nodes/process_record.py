@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagleflow.durable import UnsafeFile, atomic_write, read_owned
-from eagleflow.nodes.proc import parse_stat, read_proc_state
+from eagleflow.nodes.proc import ProcState, read_proc_state, read_stat
 
 TOKEN_ENV = "EAGLEFLOW_PROC_TOKEN"
 RECORD_SUFFIX = ".json"
@@ -178,16 +178,6 @@ def scan_records(pids_dir: str | os.PathLike, run_id: str | None = None,
 
 
 # ----------------------------------------------------------------------------- proof of ownership
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgid, start ticks) of a PID, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            _, state, rest = parse_stat(f.read())
-        return state, int(rest[1]), int(rest[22 - 4])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _carries_token(pid: int, token: str) -> bool:
     if not token:
         return False
@@ -207,8 +197,8 @@ def _carries_token(pid: int, token: str) -> bool:
 
 
 def _runs_with_recorded_start(rec: ProcessRecord) -> bool:
-    st = _stat(rec.pid)
-    return st is not None and st[0] not in ("Z", "X") and rec.start_ticks > 0 and st[2] == rec.start_ticks
+    st = read_stat(rec.pid)
+    return st is not None and st.alive and rec.start_ticks > 0 and st.start_ticks == rec.start_ticks
 
 
 def leader_is_ours(rec: ProcessRecord) -> bool:
@@ -217,8 +207,8 @@ def leader_is_ours(rec: ProcessRecord) -> bool:
     return _runs_with_recorded_start(rec) and _carries_token(rec.pid, rec.token)
 
 
-def leader_state(rec: ProcessRecord):
-    """The /proc state (``ProcState``) of the recorded leader when it is the process we started (same start
+def leader_state(rec: ProcessRecord) -> ProcState | None:
+    """The /proc state of the recorded leader when it is the process we started (same start
     time), a zombie included so its exit can be read; None when it is gone or the PID is someone else's.
     What the watchdog reads; it never signals through this."""
     st = read_proc_state(rec.pid)
@@ -229,8 +219,8 @@ def leader_state(rec: ProcessRecord):
 
 def _leads_its_group(rec: ProcessRecord) -> bool:
     """Our leader runs and still leads the recorded group: the group id cannot name anyone else's group."""
-    st = _stat(rec.pid)
-    return leader_is_ours(rec) and st is not None and st[1] == rec.pgid
+    st = read_stat(rec.pid)
+    return leader_is_ours(rec) and st is not None and st.pgid == rec.pgid
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -238,8 +228,8 @@ def group_pids(pgid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
-            st = _stat(int(name))
-            if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
+            st = read_stat(int(name))
+            if st is not None and st.pgid == pgid and st.alive:
                 out.append(int(name))
     return out
 
@@ -274,18 +264,18 @@ def status(pid_file: str | os.PathLike) -> RecordStatus:
         return RecordStatus(recorded=False, detail=f"no pid record at {pid_file}")
     except (OSError, RecordRefused) as e:
         return RecordStatus(recorded=False, detail=f"refused: {e}")
-    st = _stat(rec.pid)
+    st = read_stat(rec.pid)
     alive = leader_is_ours(rec)
     mine = members(rec)
     if alive:
         detail = f"{rec.role} pid {rec.pid} running"
     elif _runs_with_recorded_start(rec):
         detail = f"not ours: {rec.role} pid {rec.pid} runs but does not carry the record's token (token mismatch)"
-    elif st is not None and st[0] not in ("Z", "X"):
+    elif st is not None and st.alive:
         detail = f"{rec.role} pid {rec.pid} gone; the PID now belongs to another process (start time differs)"
     else:
         detail = f"{rec.role} pid {rec.pid} gone"
-    return RecordStatus(recorded=True, alive=alive, members=len(mine), state=st[0] if st else None, record=rec,
+    return RecordStatus(recorded=True, alive=alive, members=len(mine), state=st.state if st else None, record=rec,
                         detail=detail)
 
 
@@ -375,7 +365,7 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
     foreign = [p for p in group_pids(rec.pgid) if p not in mine]
     res.left_alone = foreign
     if not mine:
-        st = _stat(rec.pid)
+        st = read_stat(rec.pid)
         if _runs_with_recorded_start(rec):
             # pid, group and start time match but the environment does not: a forged or foreign record
             res.outcome = "not_ours"
@@ -384,10 +374,10 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
                           f"{'' if rec.token else ': the record has none'}); not signalled. The record is kept "
                           "for a person to look at: eagleflow did not write it for that process")
             return res
-        if st is not None and st[0] not in ("Z", "X"):
+        if st is not None and st.alive:
             res.outcome = "stale_record"
             res.detail = (f"record {rec.pid_file}: pid {rec.pid} now belongs to another process (start time "
-                          f"{st[2]}, recorded {rec.start_ticks}); not signalled")
+                          f"{st.start_ticks}, recorded {rec.start_ticks}); not signalled")
         elif foreign:
             res.outcome = "stale_record"
             res.detail = (f"record {rec.pid_file}: {rec.role} pid {rec.pid} is gone and process group {rec.pgid} now "
@@ -399,12 +389,12 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
         return res
     # Proven ours at this first look stays ours while it runs with the same start time: a leader that exits
     # first (airflow standalone on SIGINT) must not orphan children whose environ a proc title overwrote.
-    known = {p: st[2] for p in mine if (st := _stat(p)) is not None}
+    known = {p: st.start_ticks for p in mine if (st := read_stat(p)) is not None}
 
     def ours() -> list[int]:
         now = set(members(rec))
         now.update(p for p, ticks in known.items()
-                   if (st := _stat(p)) is not None and st[0] not in ("Z", "X") and st[2] == ticks)
+                   if (st := read_stat(p)) is not None and st.alive and st.start_ticks == ticks)
         return sorted(now)
 
     res.outcome, res.wchan = _term_grace_kill(ours, lambda sig: _send(rec, sig, ours), grace_s, kill_wait_s,
@@ -423,14 +413,14 @@ def stop_pid(pid: int, *, grace_s: float = 15.0, kill_wait_s: float = 5.0) -> tu
     Its start time is read first and checked before every signal, so a PID
     reused meanwhile is not touched. Returns (outcome, wchan).
     """
-    st = _stat(pid)
-    if st is None or st[0] in ("Z", "X"):
+    st = read_stat(pid)
+    if st is None or not st.alive:
         return "already_gone", None
-    ticks = st[2]
+    ticks = st.start_ticks
 
     def remaining() -> list[int]:
-        now = _stat(pid)
-        return [pid] if now is not None and now[0] not in ("Z", "X") and now[2] == ticks else []
+        now = read_stat(pid)
+        return [pid] if now is not None and now.alive and now.start_ticks == ticks else []
 
     def send(sig: int) -> None:
         if remaining():

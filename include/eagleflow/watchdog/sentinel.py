@@ -327,7 +327,7 @@ def recorded_worker_alive(layout: RunLayout, job: WatchedJob) -> bool:
     except (OSError, ValueError):
         return False
     st = leader_state(rec) if rec is not None else None
-    return st is not None and st.state != "Z"
+    return st is not None and st.alive
 
 
 def recorded_worker_started_at(layout: RunLayout, job: WatchedJob) -> float | None:

@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +38,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
-from eagleflow.nodes.proc import read_proc_state
+from eagleflow.nodes.proc import thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
 
 
@@ -368,15 +365,15 @@ def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> 
     st = leader_state(rec)
     if st is None:
         return sig  # gone, or the PID now belongs to someone else (start time differs or unproven)
-    sig.alive = not st.is_zombie
+    sig.alive = st.alive
     sig.state = st.state
-    if st.is_zombie:
-        sig.exit_code, sig.exit_signal = _zombie_exit_status(pid)
+    if st.zombie:
+        sig.exit_code, sig.exit_signal = st.exit_code, st.exit_signal
     sig.wchan = st.wchan
     sig.d_state = st.in_d_state
     if st.d_state_threads and st.state != "D":
         # the main thread sleeps; the one in D says where the process is stuck
-        sig.wchan = _thread_wchan(pid, st.d_state_threads[0]) or sig.wchan
+        sig.wchan = thread_wchan(pid, st.d_state_threads[0]) or sig.wchan
     key = f"{pid}:{st.start_ticks}"
     if st.in_d_state:
         mem.d_since[key] = mem.d_since.get(key, now)
@@ -384,27 +381,6 @@ def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> 
     else:
         mem.d_since.pop(key, None)
     return sig
-
-
-def _zombie_exit_status(pid: int) -> tuple[int | None, int | None]:
-    """(exit code, killing signal) of a zombie, from /proc/<pid>/stat field 52 (Linux >= 3.5)."""
-    from eagleflow.nodes.proc import parse_stat
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            _, _, rest = parse_stat(f.read())
-        status = int(rest[52 - 4])
-    except (OSError, ValueError, IndexError):
-        return None, None
-    return (None, status & 0x7F) if status & 0x7F else (status >> 8, None)
-
-
-def _thread_wchan(pid: int, tid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-            w = f.read().strip()
-        return f"{w} (thread {tid})" if w and w != "0" else None
-    except OSError:
-        return None
 
 
 KMSG_PATH = "/dev/kmsg"
@@ -454,24 +430,23 @@ def check_health(url: str | None, timeout_s: float) -> HealthSignal:
 def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
     if not url:
         return HealthSignal(checked=False, outcome="no server info")
+    from eagleflow.capture.client import CaptureServerError, CaptureTimeout, health_generate
     t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health_generate", timeout=timeout_s) as r:
-            r.read()
-            return HealthSignal(True, True, "ok", time.monotonic() - t0, url)
-    except urllib.error.HTTPError as e:
-        return HealthSignal(True, False, f"http {e.code}", time.monotonic() - t0, url)
-    except urllib.error.URLError as e:
-        reason = e.reason
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            return HealthSignal(True, False, "timeout", time.monotonic() - t0, url)
-        if isinstance(reason, ConnectionRefusedError):
-            return HealthSignal(True, False, "refused", time.monotonic() - t0, url)
-        return HealthSignal(True, False, f"error: {reason}", time.monotonic() - t0, url)
-    except (socket.timeout, TimeoutError):
+    try:   # the one client of the server's API: its timeout bounds connect and answer alike
+        health_generate(url.rstrip("/"), timeout_s)
+        return HealthSignal(True, True, "ok", time.monotonic() - t0, url)
+    except CaptureTimeout:
         return HealthSignal(True, False, "timeout", time.monotonic() - t0, url)
-    except (ConnectionError, OSError) as e:
-        return HealthSignal(True, False, f"error: {type(e).__name__}: {e}", time.monotonic() - t0, url)
+    except CaptureServerError as e:
+        if e.http_status is not None:
+            outcome = f"http {e.http_status}"
+        elif isinstance(e.cause, ConnectionRefusedError):
+            outcome = "refused"
+        elif e.cause is not None:
+            outcome = f"error: {type(e.cause).__name__}: {e.cause}"
+        else:
+            outcome = f"error: {e}"
+        return HealthSignal(True, False, outcome, time.monotonic() - t0, url)
 
 
 def server_url(layout: RunLayout, job: WatchedJob | None = None) -> str | None:
