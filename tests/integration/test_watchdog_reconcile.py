@@ -21,7 +21,7 @@ from eagleflow.capture.storage import FAULT_AFTER_ENV, FAULT_ENV
 from eagleflow.config import load_config
 from eagleflow.generate import lifecycle as gen
 from eagleflow.layout import RunLayout
-from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.nodes.locks import NodeLock
 from eagleflow.watchdog.reconcile import claim, scan
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 from tests.fixtures.pipeline_config import write_short_config

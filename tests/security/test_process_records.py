@@ -22,7 +22,7 @@ from eagleflow.durable import UnsafeFile
 from eagleflow.nodes import LocalNode, Node
 from eagleflow.nodes.base import NodeCommandFailed
 from eagleflow.nodes.proc import read_start_ticks
-from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.nodes.locks import NodeLock
 from tests.fixtures.processes import alive
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from eagleflow.watchdog.node_lock import NodeLock, NodeLockTimeout
+from eagleflow.nodes.locks import NodeLock, NodeLockTimeout
 
-HOLD = ("import sys,time\nfrom eagleflow.watchdog.node_lock import NodeLock\n"
+HOLD = ("import sys,time\nfrom eagleflow.nodes.locks import NodeLock\n"
         "NodeLock(sys.argv[1], 'test holder').acquire()\nprint('held', flush=True)\ntime.sleep(60)\n")
 
 

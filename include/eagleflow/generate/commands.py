@@ -83,7 +83,7 @@ def _serve(args) -> int:
 
 def _run(args) -> int:
     from eagleflow.durable import UnsafeFile
-    from eagleflow.nodes.job_lock import JobLockHeld, hold_for_life
+    from eagleflow.nodes.locks import JobLockHeld, hold_for_life
 
     from .lifecycle import worker_role
     from .phase import shard_settings

@@ -138,7 +138,7 @@ def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log
     marker = str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL)
     if not ctx.node.read_text(marker):
         return False
-    from eagleflow.watchdog.node_lock import NodeLock
+    from eagleflow.nodes.locks import NodeLock
     from eagleflow.watchdog.recovery import lock_path
     with NodeLock(lock_path(ctx, SERVER_ROLE),
                   purpose=f"generation server restart after a stall, shard {shard} of run {ctx.layout.run_id}"):

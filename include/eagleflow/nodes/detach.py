@@ -27,7 +27,7 @@ import time
 
 from eagleflow.durable import UnsafeFile, open_owned
 
-from .job_lock import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
+from .locks import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
 from .process_record import TOKEN_ENV, ProcessRecord, write_record
 

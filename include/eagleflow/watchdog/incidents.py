@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.durable import atomic_write, open_owned
-from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.nodes.locks import NodeLock
 
 
 def incidents_dir(state_dir: str | os.PathLike) -> Path:

@@ -40,7 +40,7 @@ from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.generate import lifecycle as generate
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
-from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.nodes.locks import NodeLock
 
 RUN_CONFIG = "run-config.json"
 EXTRACT, GENERATE = "extract", "generate"
