@@ -21,6 +21,7 @@ from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCache
 from eagleflow.airflow.generate_operators import (GenerateShardOperator, PlanGenerateShardsOperator,
                                                   StartGenerateServerOperator, StopGenerateServerOperator)
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
+from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
 from eagleflow.airflow.routing import default_config_path, node_routing
@@ -35,7 +36,8 @@ server in serving mode as a setup/teardown pair, generate_responses shards
 under the stall watchdog; each record token-exact and faithful to tool calls);
 merge, shuffle and tokenise the corpus; check the disk budget (optionally delete old caches); free the GPUs
 and verify each is at its idle baseline; start the capture server (setup);
-extract every shard under the stall watchdog; stop the server and free the
+extract every shard under the stall watchdog, then the held-out records the
+trainer scores itself on (capture_held_out); stop the server and free the
 GPUs (teardowns: they run whatever the shards did); verify every stored
 sample (it runs after a failed shard too, and fails the run naming the
 shards and counts); check the GPUs idle; train the draft on the node only
@@ -128,6 +130,8 @@ with DAG(
     server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=NODE.pool)
     shards = PlanShardsOperator(task_id="plan_shards")
     extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2, pool=NODE.pool).expand(shard=shards.output)
+    # the held-out records the trainer scores itself on (train.eval_every), apart from the training store
+    held_out = CaptureHeldOutOperator(task_id="capture_held_out", retries=2, pool=NODE.pool)
     stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
     # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
     verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done")
@@ -142,12 +146,13 @@ with DAG(
     gen_stop >> gen_free_after.as_teardown(setups=gen_start)
     [gen_shards, gen_free_after] >> prepare_corpus
     prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
-    idle_before >> start_server >> server_ready >> shards >> extract >> stop_server.as_teardown(setups=start_server)
+    idle_before >> start_server >> server_ready >> shards >> extract >> held_out
+    held_out >> stop_server.as_teardown(setups=start_server)
     # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did, yet
     # training waits for verification too, so it never runs on partial or unverified data.
     stop_server >> free_after.as_teardown(setups=start_server)
     extract >> verify
-    [free_after, verify] >> idle_after >> train >> export >> evaluate
+    [free_after, verify, held_out] >> idle_after >> train >> export >> evaluate
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: evaluate_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run

@@ -195,6 +195,12 @@ class TrainConfig(_Section):
     verify_sha256: bool = Field(default=False, description="hash every stored sample against its manifest at start")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the exported weights; auto = the target's")
+    eval_every: int = Field(default=50, ge=0, description="evaluate the draft on the held-out hidden states every "
+                            "this many steps and at the last (loss, top-1 agreement, simulated acceptance in "
+                            "metrics.jsonl and curves.png, so overfitting shows); 0 = never")
+    held_out_samples: int = Field(default=64, ge=0, description="held-out records (corpus eval split, in its "
+                                  "order) whose hidden states the capture phase also stores, apart, for eval_every; "
+                                  "0 = none captured")
 
     @field_validator("adam_betas")
     @classmethod

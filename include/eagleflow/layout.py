@@ -3,6 +3,7 @@
     <run_root>/<run_id>/
         corpus/                 corpus.parquet, stats.json
         hidden_states/shard_00003/   <sample>.safetensors, manifest.jsonl, heartbeat.json
+        hidden_states_held_out/shard_00000/   the same for the held-out records trained models are scored on
         logs/                   one log per detached process
         draft/                  checkpoints/, export/, metrics.jsonl, curves.png
     <state_dir>/                node-wide, across runs
@@ -42,6 +43,11 @@ class RunLayout:
 
     def shard_dir(self, shard: int) -> PurePosixPath:
         return self.hidden_states_dir / f"shard_{shard:05d}"
+
+    @property
+    def held_out_hidden_states_dir(self) -> PurePosixPath:
+        """The held-out records' hidden states (train.held_out_samples): evaluated on, never trained on."""
+        return self.run_dir / "hidden_states_held_out"
 
     @property
     def generated_dir(self) -> PurePosixPath:

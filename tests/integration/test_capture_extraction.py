@@ -125,6 +125,42 @@ def test_every_sample_matches_a_direct_forward(server, reference):
     assert again.returncode == 0 and "6 already stored, 0 to do" in again.stdout
 
 
+def test_held_out_capture_stores_the_first_held_out_samples_apart_and_verifies_them(server, reference):
+    import pyarrow.parquet as pq
+    base, info = server
+    ctx = _ctx(Path(base.config_path), "heldout")
+    rows = write_corpus(Path(ctx.layout.corpus_dir) / "eval.parquet", 7, VOCAB, seed=5)
+    held = [{**r, "id": f"held:{r['index']}"} for r in rows]
+    import pyarrow as pa
+    pq.write_table(pa.Table.from_pylist(held, schema=pq.read_schema(Path(ctx.layout.corpus_dir) / "eval.parquet")),
+                   Path(ctx.layout.corpus_dir) / "eval.parquet")
+
+    def held_out(*extra):
+        return subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "held-out", "--config",
+                               ctx.config_path, "--run-id", "heldout", "--url", info["url"], "--json", *extra],
+                              capture_output=True, text=True, timeout=120)
+    res = held_out("--set", "train.held_out_samples=5")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["stored"] == report["expected"] == 5 and report["held_out_samples"] == 5
+    d = Path(ctx.layout.held_out_hidden_states_dir) / "shard_00000"
+    assert sorted(e["index"] for e in (json.loads(x) for x in (d / "manifest.jsonl").read_text().splitlines())) \
+        == [0, 1, 2, 3, 4]
+    assert (Path(ctx.layout.held_out_hidden_states_dir) / "verified.json").is_file()
+    assert not Path(ctx.layout.hidden_states_dir).exists(), "nothing written into the training store"
+    t, meta = read_sample(d / "00000003.safetensors")
+    with torch.inference_mode():
+        hs = reference(torch.tensor([held[3]["input_ids"]]), output_hidden_states=True).hidden_states
+    assert meta["id"] == "held:3" and t["input_ids"].tolist() == held[3]["input_ids"]
+    torch.testing.assert_close(t["hidden_states"], hs[-1][0])
+    # request ids of their own (shard 99999): no dump of a training shard's name, none left behind
+    assert not [p for p in Path(ctx.cfg.capture.dump_dir).rglob("heldout.*")]
+    # a rerun with a larger cap resumes: the 5 stay, 2 more are captured
+    res = held_out()
+    assert res.returncode == 0 and json.loads(res.stdout)["stored"] == 7, res.stderr
+    assert "5 already stored, 2 to do" in res.stderr
+
+
 def test_worker_killing_itself_between_temp_write_and_rename_resumes_exactly(server):
     base, info = server
     ctx = _ctx(Path(base.config_path), "selfkill")

@@ -50,7 +50,10 @@ def test_pipeline_phase_order(dagbag):
     for a, b in zip(order, order[1:]):
         assert b in dag.get_task(a).get_flat_relative_ids(upstream=False), f"{a} must come before {b}"
     stop = dag.get_task("stop_capture_server")
-    assert stop.is_teardown and "extract_shard" in stop.upstream_task_ids
+    # the held-out records are captured after the shards, while the server is up; training waits for them
+    assert dag.get_task("capture_held_out").upstream_task_ids == {"extract_shard"}
+    assert stop.is_teardown and "capture_held_out" in stop.upstream_task_ids
+    assert "capture_held_out" in dag.get_task("gpus_idle_after_capture").upstream_task_ids
     # GPU cleanup after capture is a teardown of the server's start: it runs whatever the shards did...
     free_after = dag.get_task("free_gpus_after_capture")
     assert free_after.is_teardown and "stop_capture_server" in free_after.upstream_task_ids

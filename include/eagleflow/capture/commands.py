@@ -1,8 +1,9 @@
-"""`eagleflow capture serve|run|verify|stop|health`."""
+"""`eagleflow capture serve|run|held-out|verify|stop|health`."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import PurePosixPath
 
 from eagleflow.cliargs import add_run_args, run_from_args
 
@@ -24,6 +25,13 @@ def register(sub) -> None:
     r.add_argument("--of", type=int, help="number of shards (default capture.shards)")
     r.add_argument("--url", help="server URL (default: from <run_dir>/capture_server.json)")
     r.set_defaults(func=_run)
+
+    o = csub.add_parser("held-out", help="capture the held-out records training evaluates on (train."
+                        "held_out_samples, kept apart from the training store) and verify them")
+    add_run_args(o)
+    o.add_argument("--url", help="server URL (default: from <run_dir>/capture_server.json)")
+    o.add_argument("--json", action="store_true", help="print the verification report as JSON")
+    o.set_defaults(func=_held_out)
 
     v = csub.add_parser("verify", help="check every stored file against its shard's manifest")
     add_run_args(v)
@@ -67,67 +75,107 @@ def _serve(args) -> int:
 
 
 def _run(args) -> int:
-    from .client import CaptureServerError, server_info
-    from .lifecycle import dump_dir
-    from .worker import ExtractionError, ShardWorker, WorkerSettings
-
     cfg, layout = run_from_args(args)
     of = args.of or cfg.capture.shards
     if not 0 <= args.shard < of:
         print(f"eagleflow capture run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
         return 2
+    from .lifecycle import worker_role
+    return _work(args, cfg, layout, "eagleflow capture run", worker_role(args.shard),
+                 f"extraction worker of shard {args.shard} of run {layout.run_id}",
+                 shard=args.shard, num_shards=of, corpus_file=str(layout.corpus_dir / "corpus.parquet"),
+                 shard_dir=str(layout.shard_dir(args.shard)))
+
+
+HELD_OUT_ROLE = "worker_held_out"
+HELD_OUT_REQUEST_SHARD = 99999   # request ids and dump names apart from every training shard (capture.shards <= 1024)
+
+
+def _held_out(args) -> int:
+    """Capture the first train.held_out_samples held-out records into their own store, then verify it."""
+    import os
+
+    from eagleflow.corpus.prepare import EVAL_FILE
+    from .verify import verify_hidden_states
+    from .worker import shard_indexes
+
+    cfg, layout = run_from_args(args)
+    eval_file = str(layout.corpus_dir / EVAL_FILE)
+    if not os.path.isfile(eval_file):
+        print(f"eagleflow capture held-out: FAILED: no held-out split at {eval_file}; run `eagleflow corpus "
+              "prepare` first", file=sys.stderr)
+        return 2
+    limit = cfg.train.held_out_samples
+    expected = shard_indexes(eval_file, 0, 1, limit)
+    if expected:
+        code = _work(args, cfg, layout, "eagleflow capture held-out", HELD_OUT_ROLE,
+                     f"held-out capture of run {layout.run_id}", shard=0, num_shards=1, corpus_file=eval_file,
+                     shard_dir=str(PurePosixPath(layout.held_out_hidden_states_dir) / "shard_00000"), limit=limit,
+                     request_shard=HELD_OUT_REQUEST_SHARD, log_to=sys.stderr)
+        if code != 0:
+            return code
+    result = verify_hidden_states(layout.held_out_hidden_states_dir, {0: expected})
+    report = {**result.to_json(), "held_out_samples": limit, "dir": str(layout.held_out_hidden_states_dir)}
+    print(json.dumps(report) if args.json else f"{result.summary()} in {layout.held_out_hidden_states_dir}")
+    return 0 if result.ok else 1
+
+
+def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdout, **settings) -> int:
+    """One extraction worker in the foreground: its lock held for life, the server and dump key found."""
+    from .client import CaptureServerError, server_info
+    from .lifecycle import dump_dir
+    from .worker import ExtractionError, ShardWorker, WorkerSettings
+
     from eagleflow.durable import UnsafeFile
     from eagleflow.nodes.job_lock import JobLockHeld, hold_for_life
-    from .lifecycle import worker_role
+    shard = settings["shard"]
     try:
         # one worker per shard: held until this process exits (the kernel releases it, however it ends)
-        hold_for_life(str(layout.lock_file(worker_role(args.shard))),
-                      purpose=f"extraction worker of shard {args.shard} of run {layout.run_id}")
+        hold_for_life(str(layout.lock_file(role)), purpose=purpose)
     except JobLockHeld as e:
-        print(f"eagleflow capture run: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
         return EXIT_ALREADY_RUNNING
     except UnsafeFile as e:   # a link or someone else's file at the lock path: never taken as ours
-        print(f"eagleflow capture run: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
         return 2
     url = args.url
     if not url:
         try:
             url = json.loads(open(str(layout.server_info_file)).read())["url"]
         except (OSError, ValueError, KeyError):
-            print(f"eagleflow capture run: no capture server recorded at {layout.server_info_file}; start one "
+            print(f"{prog}: no capture server recorded at {layout.server_info_file}; start one "
                   f"(`eagleflow capture serve`) or pass --url", file=sys.stderr)
             return 3
     from .protocol import DumpTrustError, load_dump_key, private_dump_dir
     try:
         dumps, dump_key = str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file)
     except DumpTrustError as e:
-        print(f"eagleflow capture run: shard {args.shard}: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: shard {shard}: {e}", file=sys.stderr, flush=True)
         return 2
     model = str(cfg.resolve(cfg.target_model))
     try:
         model = server_info(url).get("model") or model
     except CaptureServerError:
         pass  # the first request reports the failure with its sample
-    settings = WorkerSettings(
-        run_id=layout.run_id, shard=args.shard, num_shards=of,
-        corpus_file=str(layout.corpus_dir / "corpus.parquet"), shard_dir=str(layout.shard_dir(args.shard)),
-        dump_dir=dumps, dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,
+    ws = WorkerSettings(
+        run_id=layout.run_id, dump_dir=dumps, dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,
         request_timeout_base_s=cfg.capture.request_timeout_base_s,
         request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
-        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model, store_dtype=cfg.capture.store_dtype)
+        heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model, store_dtype=cfg.capture.store_dtype,
+        **settings)
     import signal
 
     def _stopped(signum, _frame):
         # Leaves "failed: stopped by SIGTERM" in the heartbeat instead of a stale "running".
-        raise ExtractionError(f"shard {args.shard}: stopped by {signal.Signals(signum).name}; stored samples are "
+        raise ExtractionError(f"shard {shard}: stopped by {signal.Signals(signum).name}; stored samples are "
                               "kept and a re-run resumes from the manifest")
     signal.signal(signal.SIGTERM, _stopped)
     try:
-        hb = ShardWorker(settings, log=lambda m: print(m, flush=True)).run()
+        hb = ShardWorker(ws, log=lambda m: print(m, file=log_to, flush=True)).run()
     except ExtractionError as e:
-        print(f"eagleflow capture run: FAILED: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: FAILED: {e}", file=sys.stderr, flush=True)
         return 3
-    print(hb.progress_line(), flush=True)
+    print(hb.progress_line(), file=log_to, flush=True)
     return 0
 
 

@@ -91,18 +91,25 @@ class WorkerSettings:
     fsync: bool = True
     dump_key: bytes = b""          # the dump key: a dump without its MAC under it is never stored
     store_dtype: str = "auto"      # capture.store_dtype
+    limit: int | None = None       # only corpus indexes below this (the held-out capture's train.held_out_samples)
+    request_shard: int | None = None  # the shard number in request ids and dump names, when not ``shard``
+
+    @property
+    def rid_shard(self) -> int:
+        return self.shard if self.request_shard is None else self.request_shard
 
     def request_timeout(self, tokens: int) -> float:
         return self.request_timeout_base_s + self.request_timeout_per_token_s * tokens
 
 
-def shard_indexes(corpus_file: str, shard: int, num_shards: int) -> list[int]:
+def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | None = None) -> list[int]:
     import pyarrow.parquet as pq
     idx = pq.read_table(corpus_file, columns=["index"]).column("index").to_numpy()
-    return sorted(int(i) for i in idx[idx % num_shards == shard])
+    return sorted(int(i) for i in idx[idx % num_shards == shard] if limit is None or i < limit)
 
 
-def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int]) -> tuple[int, list[Sample]]:
+def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int],
+                 limit: int | None = None) -> tuple[int, list[Sample]]:
     """(shard total, samples still to do in index order); input ids are read only for those."""
     import numpy as np
     import pyarrow.parquet as pq
@@ -111,7 +118,7 @@ def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int]) 
         raise ExtractionError(f"corpus file {corpus_file} does not exist; run `eagleflow corpus prepare` first")
     pf = pq.ParquetFile(corpus_file)
     idx = pf.read(columns=["index"]).column("index").to_numpy()
-    mine = np.nonzero(idx % num_shards == shard)[0]
+    mine = np.nonzero((idx % num_shards == shard) & ((idx < limit) if limit is not None else True))[0]
     total = int(len(mine))
     todo_rows = [int(r) for r in mine if int(idx[r]) not in skip]
     if not todo_rows:
@@ -192,7 +199,7 @@ class ShardWorker:
         s = self.s
         shard_dir = Path(s.shard_dir)
         removed_tmp = remove_temp_files(shard_dir)
-        removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.shard)
+        removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.rid_shard)
         scan = read_manifest(shard_dir / "manifest.jsonl")
         check = completed_indexes(shard_dir, scan)
         done, broken = check.done, check.broken
@@ -209,7 +216,7 @@ class ShardWorker:
             # must not sit beside a damaged, repeated or stale line of itself
             keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
             compact_manifest(shard_dir / "manifest.jsonl", keep, fsync=s.fsync)
-        total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done)
+        total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done, s.limit)
         resumed = total - len(todo)
         resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
 
@@ -290,7 +297,7 @@ class ShardWorker:
 
     def _one(self, smp: Sample, writer: SampleWriter, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
         s = self.s
-        rid = request_id(s.run_id, s.shard, smp.index)
+        rid = request_id(s.run_id, s.rid_shard, smp.index)
         fl = InFlight(id=rid, since=0.0, tokens=smp.tokens)
         ahead, pace = 0, self._pace()
 

@@ -31,6 +31,7 @@ from .checkpoint import (load_newest_intact_checkpoint, remove_leftover_temp_dir
                          save_checkpoint)
 from .curves import append_metrics, plot_curves, truncate_metrics
 from .data import DataPosition, HiddenStateLoader, read_aux_layers, scan_samples
+from .held_out import evaluate_held_out, held_out_refs
 from .loss import TargetHead, TrainingTimeTest, load_target_head_and_embedding, summarize, target_batch
 from .model import DraftConfig, Eagle3Draft
 from .vocab import DraftVocab, build_draft_vocab, count_loss_tokens
@@ -166,6 +167,14 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256, log=say,
                         verified=verified)
     aux_layers = read_aux_layers(refs[0])
+    # rank 0 scores the held-out records; the others need not read them
+    held = held_out_refs(layout.held_out_hidden_states_dir, eval_every=tc.eval_every, log=say) if d.is_main else []
+    trained_ids = {r.id for r in refs}
+    leaked = sorted(r.id for r in held if r.id in trained_ids)
+    if leaked:
+        raise ValueError(f"held-out records {leaked[:5]} are also in the training store "
+                         f"{layout.hidden_states_dir}: the split is broken; rerun `eagleflow corpus prepare` and "
+                         "the capture for this run")
     target_dir = cfg.resolve(cfg.target_model)
     dcfg = DraftConfig.from_target(target_dir, tc.draft_vocab_size)
     if d.is_main:
@@ -254,6 +263,13 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             row = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
                    "tokens": tokens_all, "tokens_per_s": tokens_all / max(dt, 1e-9),
                    "epoch": loader.position.epoch, **sm.as_dict()}
+            end_now = step == tc.max_steps or (stop_after_step is not None and step >= stop_after_step)
+            if held and (step % tc.eval_every == 0 or end_now):
+                row.update(evaluate_held_out(ttt, head_t, held, batch_size=tc.batch_size, device=d.device,
+                                             dtype=data_dtype, mask_alignment=tc.loss_mask_alignment))
+                say(f"held-out at step {step}: loss per position {row.get('eval_loss_per_position', float('nan')):.4f} "
+                    f"acc_0 {row['eval_acc_0']:.3f} accept_len {row['eval_accept_length']:.2f} "
+                    f"({len(held)} samples)")
             last_metrics = row
             if d.is_main:
                 append_metrics(paths["metrics"], row)
@@ -268,7 +284,6 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                 if step % tc.log_every == 0 or step == start_step + 1:
                     say(f"step {step}/{tc.max_steps} loss {sm.loss:.4f} acc_0 {sm.acc[0]:.3f} "
                         f"accept_len {sm.accept_length:.2f} lr {lr:.2e} {row['tokens_per_s']:,.0f} tok/s")
-            end_now = step == tc.max_steps or (stop_after_step is not None and step >= stop_after_step)
             if step % tc.checkpoint_every == 0 or end_now:
                 if d.is_main:
                     state = {"data_position": loader.position.to_json(), "draft_config": dcfg.to_json(),
