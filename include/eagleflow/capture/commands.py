@@ -127,7 +127,7 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
     from .worker import ExtractionError, ShardWorker, WorkerSettings
 
     from eagleflow.durable import UnsafeFile
-    from eagleflow.nodes.job_lock import JobLockHeld, hold_for_life
+    from eagleflow.nodes.locks import JobLockHeld, hold_for_life
     shard = settings["shard"]
     try:
         # one worker per shard: held until this process exits (the kernel releases it, however it ends)
