@@ -112,7 +112,7 @@ def _port_open(port: int) -> bool:
 @pytest.mark.timeout(900)
 def test_killed_triggerer_is_noticed_by_the_sentinel_and_restarted_by_the_supervisor(tmp_path, demo_assets):
     from eagleflow.capture.hf_server import DELAY_ENV
-    from eagleflow.console.airflow_health import fetch, parts
+    from eagleflow.health.airflow_health import fetch, parts
 
     home = tmp_path / "airflow_home"
     port = standalone.free_port()
@@ -240,7 +240,7 @@ def _context(params):
 @pytest.mark.timeout(180)
 def test_gpu_node_health_opens_incidents_for_a_part_gone_and_a_silent_watch(tmp_path, monkeypatch):
     from eagleflow.airflow.health_operators import AIRFLOW_HEALTH_KEY, GpuNodeHealthOperator, HealthIncidentsOpen
-    from eagleflow.console.status_store import StatusStore
+    from eagleflow.health.status_store import StatusStore
     from eagleflow.layout import RunLayout
     from eagleflow.nodes import LocalNode
     from eagleflow.watchdog.sentinel import alarm_path, sentinel_role

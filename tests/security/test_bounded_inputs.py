@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eagleflow.config import load_config
-from eagleflow.console.node_activity import read_node_activity
+from eagleflow.health.node_activity import read_node_activity
 from eagleflow.corpus.prepare import BadRecordsError, prepare_corpus
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode
@@ -64,7 +64,7 @@ def _event(**kw) -> str:
 
 
 def test_malformed_incident_and_heartbeat_lines_are_skipped_and_named_not_a_dead_node(tmp_path):
-    """The real node-side command (`python -m eagleflow.console.node_activity`) that gpu_node_health runs."""
+    """The real node-side command (`python -m eagleflow.health.node_activity`) that gpu_node_health runs."""
     state = tmp_path / "state"
     book = state / "incidents" / "incidents.jsonl"
     book.parent.mkdir(parents=True)

@@ -20,14 +20,16 @@ def _airflow_imports(path: Path):
     """(module imported, line, at module level?) for each import of airflow or eagleflow.airflow."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = set(id(n) for n in tree.body)
+    package = ["eagleflow", *path.relative_to(PKG).parent.parts]
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        elif isinstance(node, ast.ImportFrom) and node.level and node.module and node.module.startswith("airflow"):
-            names = ["eagleflow." + node.module]  # relative import of the adapter package
+        elif isinstance(node, ast.ImportFrom) and node.level and node.module:
+            # resolved: ``from ..airflow import x`` in eagleflow/demo/ is the adapter, health's ``.airflow_health`` not
+            names = [".".join(package[:len(package) - node.level + 1] + [node.module])]
         for name in names:
             if name == "airflow" or name.startswith(("airflow.", "eagleflow.airflow")):
                 yield name, node.lineno, id(node) in top
@@ -44,6 +46,56 @@ def test_only_the_adapter_package_imports_airflow():
             if top_level or allowed is None or not name.startswith(allowed):
                 offenders.append(f"{rel}:{line} imports {name}" + (" at module level" if top_level else ""))
     assert not offenders, "Airflow imported outside eagleflow/airflow: " + "; ".join(offenders)
+
+
+# Packages that must not import others (anywhere, lazily included): the layering is strictly downward,
+# console -> health -> gpu (eagleflow/health/__init__.py); an arrow back is the gpu <-> console loop again.
+NEVER_IMPORTS = {"gpu": ("console", "health"), "health": ("console",)}
+
+
+def _eagleflow_imports(path: Path):
+    """(eagleflow module imported, line) for every import in ``path``, relative ones resolved."""
+    package = ["eagleflow", *path.relative_to(PKG).parent.parts]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[:len(package) - node.level + 1])
+            names = [f"{base}.{node.module}" if node.module else f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("eagleflow."):
+                yield name, node.lineno
+
+
+def test_layering_is_strictly_downward():
+    offenders = []
+    for low, banned in NEVER_IMPORTS.items():
+        for path in sorted((PKG / low).rglob("*.py")):
+            for name, line in _eagleflow_imports(path):
+                top = name.split(".")[1]
+                if top in banned:
+                    offenders.append(f"{path.relative_to(PKG).as_posix()}:{line} imports {name}")
+    assert not offenders, ("an upward import (allowed: console -> health -> gpu, see eagleflow/health/__init__.py): "
+                           + "; ".join(sorted(set(offenders))))
+
+
+def test_the_layering_check_sees_relative_and_lazy_imports(tmp_path, monkeypatch):
+    # the check above passing means nothing if it cannot see the loop it guards against
+    fake = tmp_path / "eagleflow"
+    (fake / "gpu").mkdir(parents=True)
+    (fake / "gpu" / "x.py").write_text("from ..console.status_doc import program_name\n"
+                                       "def f():\n    from eagleflow.health import rules\n"
+                                       "from eagleflow import console\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    found = sorted(n for n, _ in _eagleflow_imports(fake / "gpu" / "x.py"))
+    assert found == ["eagleflow.console", "eagleflow.console.status_doc", "eagleflow.health",
+                     "eagleflow.health.rules"], found
+    with pytest.raises(AssertionError, match="gpu/x.py:1 imports eagleflow.console.status_doc"):
+        test_layering_is_strictly_downward()
 
 
 @pytest.mark.slow   # a fresh interpreter importing the whole core

@@ -7,9 +7,10 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from eagleflow.console import airflow_health, gpu_page
-from eagleflow.console.node_activity import NodeActivity, collect
-from eagleflow.gpu import health_incidents as hi
+from eagleflow.console import gpu_page
+from eagleflow.health import airflow_health
+from eagleflow.health import incidents as hi
+from eagleflow.health.node_activity import NodeActivity, collect
 from eagleflow.nodes import LocalNode
 from tests.fixtures.watchdog_jobs import kill_group, wait_gone
 

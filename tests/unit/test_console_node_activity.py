@@ -8,8 +8,8 @@ import time
 import pytest
 
 from eagleflow.console import prometheus
-from eagleflow.console.node_activity import read_node_activity
-from eagleflow.console.status_store import StatusStore
+from eagleflow.health.node_activity import read_node_activity
+from eagleflow.health.status_store import StatusStore
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.local import LocalNode
@@ -101,7 +101,7 @@ def test_history_is_bounded_and_held_since_survives_checks(tmp_path):
 
 
 def test_bad_retention_setting_is_named(monkeypatch):
-    from eagleflow.console.status_store import history_retention_s
+    from eagleflow.health.status_store import history_retention_s
     monkeypatch.setenv("EAGLEFLOW_GPU_HISTORY_MIN", "0")
     with pytest.raises(ValueError, match="EAGLEFLOW_GPU_HISTORY_MIN='0'"):
         history_retention_s()

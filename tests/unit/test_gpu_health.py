@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
-from eagleflow.gpu.health import HealthRules, StatusStore, assess
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
+from eagleflow.health.rules import HealthRules, assess
+from eagleflow.health.status_store import StatusStore
 
 RULES = HealthRules(memory_threshold_mib=1024, window_s=600)
 

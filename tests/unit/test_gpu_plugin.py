@@ -7,10 +7,10 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from eagleflow.console.node_activity import NodeActivity, OurProcess
-from eagleflow.console.status_store import StatusStore
-from eagleflow.gpu.health import HealthAlert
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
+from eagleflow.health.node_activity import NodeActivity, OurProcess
+from eagleflow.health.rules import HealthAlert
+from eagleflow.health.status_store import StatusStore
 
 pytestmark = pytest.mark.slow  # migrates Airflow's metadata DB (about a minute on 2 cores)
 
@@ -170,7 +170,7 @@ def test_a_bad_refresh_setting_is_named(monkeypatch, store):
 
 
 def test_open_incidents_are_listed_first_with_their_mail_count_in_json_and_metrics(store, auth):
-    from eagleflow.gpu import health_incidents as hi
+    from eagleflow.health import incidents as hi
     t0 = time.time() - 3600
     held = hi.Finding(key="gpu-node-1:memory_held_idle", scope="gpus:gpu-node-1", node="gpu-node-1",
                       kind="memory_held_idle", topic="gpu-node-1: GPU memory held at 0 % with no eagleflow job",

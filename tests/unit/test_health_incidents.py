@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagleflow.gpu import health_incidents as hi
-from eagleflow.gpu.health import HealthAlert
+from eagleflow.health import incidents as hi
+from eagleflow.health.durations import duration
+from eagleflow.health.rules import HealthAlert
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
 
 CMD = "python3 -m sglang.launch_server --model-path /models/kimi-k2.5 --api-key sk-secret"
@@ -104,5 +105,5 @@ def test_reminders_need_a_positive_interval(bad):
 
 
 def test_durations_read_as_a_person_says_them():
-    assert [hi.duration(s) for s in (0, 45, 119, 660, 7199, 7500, 30 * 3600)] == [
+    assert [duration(s) for s in (0, 45, 119, 660, 7199, 7500, 30 * 3600)] == [
         "0 s", "45 s", "119 s", "11 min", "119 min", "2 h 05 min", "30 h 00 min"]

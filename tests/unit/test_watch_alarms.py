@@ -4,7 +4,7 @@ import os
 import sys
 from pathlib import Path
 
-from eagleflow.console.node_activity import _watch_alarms
+from eagleflow.health.node_activity import _watch_alarms
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode
 from eagleflow.watchdog.sentinel import alarm_path, sentinel_role

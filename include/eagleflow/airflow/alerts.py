@@ -303,7 +303,7 @@ def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients:
 def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: dict[str, Any],
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
-    from eagleflow.gpu.health_incidents import duration
+    from eagleflow.health.durations import duration
     took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
     job, node = event.get("job") or "the job", event.get("node") or "its node"
     if close.get("kind") == "outage":

@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from eagleflow.console import gpu_page, prometheus
-from eagleflow.console.status_store import StatusStore
+from eagleflow.health.status_store import StatusStore
 
 HEALTH_DAG_ID = gpu_page.HEALTH_DAG_ID
 _PUBLIC_KEYS = ("node", "has_gpu", "checked_at", "last_seen", "unreachable_since", "error", "interval_s",

@@ -2,7 +2,7 @@
 
 Each check stores every node's status in Airflow's metadata DB (the GPU view and
 /metrics read it) and turns what it found into incidents
-(eagleflow.gpu.health_incidents): one mail when one opens, reminders that back
+(eagleflow.health.incidents): one mail when one opens, reminders that back
 off, one mail when a check no longer finds it. The task fails (red in the grid,
 no retry, no extra mail) while an incident is open; the check itself failing
 (not a finding) goes to the DAG's failure mail.
@@ -27,7 +27,7 @@ class HealthIncidentsOpen(AlreadyMailed):
 
 def health_rules(params: dict):
     """The check's Params, each checked: 0 or a negative number is refused with its name, never defaulted."""
-    from eagleflow.gpu.health import HealthRules
+    from eagleflow.health.rules import HealthRules
     from eagleflow.settings import positive_number
     where = "gpu_node_health Params"
     try:
@@ -63,7 +63,7 @@ class GpuNodeHealthOperator(BaseOperator):
         self.interval_s = interval_s  # the DAG's schedule, so the GPU view can tell when a check is late
 
     def _store(self):
-        from eagleflow.console.status_store import StatusStore
+        from eagleflow.health.status_store import StatusStore
         if self.status_dir:
             return StatusStore(self.status_dir)
         from eagleflow.airflow.status_variables import variable_status_store
@@ -71,12 +71,13 @@ class GpuNodeHealthOperator(BaseOperator):
 
     def execute(self, context):
         from eagleflow.config import load_config
-        from eagleflow.console.node_activity import read_node_activity
-        from eagleflow.console.status_doc import error_kind
-        from eagleflow.console.status_store import history_retention_s
-        from eagleflow.gpu import health_incidents as hi
-        from eagleflow.gpu.health import assess
         from eagleflow.gpu.probes import probe_for
+        from eagleflow.health import incidents as hi
+        from eagleflow.health.durations import duration
+        from eagleflow.health.node_activity import read_node_activity
+        from eagleflow.health.rules import assess
+        from eagleflow.health.status_doc import error_kind
+        from eagleflow.health.status_store import history_retention_s
         from eagleflow.nodes import node_from_config
 
         params = dict(context["params"])
@@ -170,7 +171,7 @@ class GpuNodeHealthOperator(BaseOperator):
         open_now = [r for r in book.values() if r["state"] == "open" or (r["state"] == "notice" and r["key"] in found)]
         if open_now:
             raise HealthIncidentsOpen("GPU node health check found:\n" + "\n".join(
-                f"- {r['subject']} (incident {r['id']}, open {hi.duration(time.time() - r['opened_at'])})"
+                f"- {r['subject']} (incident {r['id']}, open {duration(time.time() - r['opened_at'])})"
                 for r in open_now))
         return {"nodes_checked": checked, "incidents_open": 0}
 
@@ -179,7 +180,7 @@ class GpuNodeHealthOperator(BaseOperator):
         """Airflow's health endpoint on this deployment's API server: $EAGLEFLOW_AIRFLOW_HEALTH_URL (where the
         workers reach it, e.g. http://airflow-apiserver:8080 in docker compose), else Airflow's [api] base_url.
         {"error": ...} when neither is set or it does not answer: no part is judged then."""
-        from eagleflow.console.airflow_health import HEALTH_PATH, fetch
+        from eagleflow.health.airflow_health import HEALTH_PATH, fetch
         base = os.environ.get("EAGLEFLOW_AIRFLOW_HEALTH_URL") or airflow_base_url("")
         now = time.time()
         if not base:
@@ -208,7 +209,7 @@ def _everyone(rs) -> Recipients | None:
 
 def incident_mail(d, recipients: Recipients | None, context, remind_after_s: float) -> Mail:
     """The mail of one incident step; Message-ID/In-Reply-To keep an incident in one thread."""
-    from eagleflow.gpu.health_incidents import duration
+    from eagleflow.health.durations import duration
     inc = d.incident
     recipients = recipients or Recipients((), "smtp_default", "")
     opened_at = time.time() if inc["opened_at"] is None else inc["opened_at"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from eagleflow.console.status_store import KEY_PREFIX, StatusStore
+from eagleflow.health.status_store import KEY_PREFIX, StatusStore
 
 INDEX_KEY = "eagleflow.gpu_status_index"
 DESCRIPTION = "eagleflow GPU view: written by gpu_node_health every check; do not edit"

@@ -1,6 +1,6 @@
 """The operator's console: what the GPU view, the metrics endpoint and the run report show.
 
-Airflow-free: the status documents (status_doc), where they are kept (status_store),
-what the node tells about our jobs (node_activity), and the renderings (gpu_page,
-prometheus, run_report). eagleflow.airflow.console_app serves them behind Airflow's login.
+Airflow-free renderings (gpu_page, prometheus, run_report) of what eagleflow.health
+keeps (the status documents, the incident book). Layering: console imports health and
+gpu, never the other way round. eagleflow.airflow.console_app serves them behind Airflow's login.
 """

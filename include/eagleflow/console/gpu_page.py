@@ -14,10 +14,9 @@ import json
 import time
 from typing import Any
 
-from eagleflow.gpu.health_incidents import duration  # one way to say how long: the page and the mails
-
-from . import airflow_health
-from .status_doc import is_held_idle
+from eagleflow.health import airflow_health
+from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
+from eagleflow.health.status_doc import is_held_idle
 
 HEALTH_DAG_ID = "gpu_node_health"
 
@@ -39,6 +38,24 @@ def ago(ts: float | None, now: float) -> str:
     if not ts:
         return "<span>never</span>"
     return f"<span class='ago' data-ts='{float(ts):.0f}'>{duration(now - float(ts))} ago</span>"
+
+
+def airflow_line(doc: dict[str, Any] | None, now: float) -> str:
+    """The "Airflow" line: each part, its status and last heartbeat."""
+    if not doc:
+        return "<div class='airflow unknown'><b>Airflow</b>: health not read yet</div>"
+    if doc.get("error"):
+        return (f"<div class='airflow down'><b>Airflow</b>: health endpoint {_e(airflow_health.HEALTH_PATH)} did "
+                f"not answer ({_e(doc['error'])}), read {ago(doc.get('read_at'), now)}</div>")
+    cells = []
+    for p in airflow_health.parts(doc):
+        if p["status"] == "not reported":
+            continue
+        cls = "ok" if p["healthy"] else "gone"
+        beat = f", heartbeat {ago(p['heartbeat_at'], now)}" if p["heartbeat_at"] else ""
+        cells.append(f"<span class='part {cls}' data-part='{p['part']}' data-status='{_e(p['status'])}'>"
+                     f"{p['part']}: {_e(p['status'])}{beat}</span>")
+    return f"<div class='airflow'><b>Airflow</b>: {' '.join(cells)}</div>"
 
 
 
@@ -178,14 +195,14 @@ def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
 
 def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None,
                  incidents: dict[str, dict[str, Any]] | None = None, airflow: dict[str, Any] | None = None) -> str:
-    """``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.console.airflow_health)."""
+    """``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.health.airflow_health)."""
     now = time.time() if now is None else now
     warn = "".join(f"<p class='warning'>{_e(w)}</p>" for w in health_warnings(docs, dag, now))
     held = sum(1 for d in docs for g in d.get("gpus") or []
                if g["uuid"] in (d.get("held_since") or {}) and not d.get("error"))
     summary = (f"<p class='summary' data-nodes='{len(docs)}' data-held='{held}'>{len(docs)} node(s); "
                f"{held} GPU(s) holding memory at 0 %; page read {time.strftime('%H:%M:%S UTC', time.gmtime(now))}</p>")
-    return (warn + airflow_health.render(airflow, now, ago) + summary + _incidents(incidents, now)
+    return (warn + airflow_line(airflow, now) + summary + _incidents(incidents, now)
             + "".join(_node(d, now) for d in docs))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from .status_doc import is_held_idle
+from eagleflow.health.status_doc import is_held_idle
 
 _DCGM = (("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", lambda g: g.get("memory_used_mib")),
          ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).",

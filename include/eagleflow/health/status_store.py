@@ -103,7 +103,7 @@ class StatusStore:
         return doc if isinstance(doc, dict) else {}
 
     def incidents(self) -> dict[str, dict[str, Any]]:
-        """gpu_node_health's incident book (eagleflow.gpu.health_incidents), keyed by finding."""
+        """gpu_node_health's incident book (eagleflow.health.incidents), keyed by finding."""
         return self.load_extra(INCIDENTS_KEY)
 
     def save_incidents(self, book: dict[str, dict[str, Any]]) -> None:

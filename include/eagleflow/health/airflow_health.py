@@ -12,11 +12,10 @@ A part is healthy when its newest job's heartbeat is recent (Airflow's own
 every deferred shard, so a triggerer that is not healthy is a part gone, as is
 the scheduler, the DAG processor or the metadata DB. gpu_node_health reads the
 endpoint each check and opens an incident per part gone; the GPU view shows
-the parts. Standard library only (no Airflow import: a plain HTTP read).
+the parts (eagleflow.console.gpu_page). Standard library only (no Airflow import: a plain HTTP read).
 """
 from __future__ import annotations
 
-import html
 import json
 import urllib.request
 from datetime import datetime
@@ -68,20 +67,3 @@ def gone(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The parts Airflow itself reports as not healthy (a part the endpoint does not name is not judged)."""
     return [p for p in parts(doc) if not p["healthy"] and p["status"] != "not reported"]
 
-
-def render(doc: dict[str, Any] | None, now: float, ago) -> str:
-    """The GPU view's "Airflow" line: each part, its status and last heartbeat (``ago`` renders a time)."""
-    if not doc:
-        return "<div class='airflow unknown'><b>Airflow</b>: health not read yet</div>"
-    if doc.get("error"):
-        return (f"<div class='airflow down'><b>Airflow</b>: health endpoint {html.escape(HEALTH_PATH)} did not "
-                f"answer ({html.escape(str(doc['error']))}), read {ago(doc.get('read_at'), now)}</div>")
-    cells = []
-    for p in parts(doc):
-        if p["status"] == "not reported":
-            continue
-        cls = "ok" if p["healthy"] else "gone"
-        beat = f", heartbeat {ago(p['heartbeat_at'], now)}" if p["heartbeat_at"] else ""
-        cells.append(f"<span class='part {cls}' data-part='{p['part']}' data-status='{html.escape(p['status'])}'>"
-                     f"{p['part']}: {html.escape(p['status'])}{beat}</span>")
-    return f"<div class='airflow'><b>Airflow</b>: {' '.join(cells)}</div>"

@@ -1,6 +1,6 @@
 """What eagleflow runs on a node right now: live process records, shard progress, incidents.
 
-One node-side command (``python -m eagleflow.console.node_activity --state-dir D``,
+One node-side command (``python -m eagleflow.health.node_activity --state-dir D``,
 one JSON line), so gpu_node_health learns in one round trip which GPU processes
 are ours (run, role, shard), how far each live run's shards are, and the
 watchdog's incidents. Standard library plus eagleflow's own record module: it
@@ -178,12 +178,12 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
 
 def read_node_activity(node, state_dir: str) -> NodeActivity:
     """``collect`` run on the node: one command, its answer validated (``Node.run_json``)."""
-    return node.run_json([node.python, "-m", "eagleflow.console.node_activity", "--state-dir", state_dir],
+    return node.run_json([node.python, "-m", "eagleflow.health.node_activity", "--state-dir", state_dir],
                          NodeActivity, timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagleflow.console.node_activity", description=__doc__)
+    ap = argparse.ArgumentParser(prog="eagleflow.health.node_activity", description=__doc__)
     ap.add_argument("--state-dir", required=True, help="the node's eagleflow state dir (node.state_dir)")
     a = ap.parse_args(argv)
     print(json.dumps(collect(a.state_dir).to_dict()), flush=True)

@@ -23,10 +23,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from eagleflow.console.status_doc import program_name
+from eagleflow.gpu.snapshot import GpuSnapshot
 
-from .health import HealthAlert
-from .snapshot import GpuSnapshot
+from .airflow_health import HEALTH_PATH, gone
+from .durations import duration
+from .rules import HealthAlert
+from .status_doc import program_name
 
 MAX_REMIND_S = 24 * 3600.0
 
@@ -50,17 +52,6 @@ class MailDue:
     incident: dict[str, Any]  # the book's record after this step
     subject: str
     detail: str
-
-
-def duration(seconds: float) -> str:
-    """45 s, 11 min, 2 h 05 min: how long, as a person says it."""
-    s = max(0, int(round(seconds)))
-    if s < 120:
-        return f"{s} s"
-    m = s // 60
-    if m < 120:
-        return f"{m} min"
-    return f"{m // 60} h {m % 60:02d} min"
 
 
 def _gib(mib: float) -> str:
@@ -182,7 +173,6 @@ def step(book: dict[str, dict[str, Any]], findings: list[Finding], *, observed: 
 def airflow_findings(doc: dict[str, Any]) -> list[Finding]:
     """One finding per Airflow part its health endpoint reports not healthy (scope "airflow": a check that read
     the endpoint and found the part healthy again resolves it)."""
-    from eagleflow.console.airflow_health import HEALTH_PATH, gone
     out = []
     for p in gone(doc):
         beat = (f"its last heartbeat was {duration(doc['read_at'] - p['heartbeat_at'])} before this check"

@@ -4,7 +4,7 @@ This is the seeds' incident seen from outside any run: ~90 GB per GPU held at
 0 % utilisation for hours. ``assess`` is pure: it takes this reading, the
 state kept from the previous ones (since when each GPU has looked like that,
 the last ECC count) and which processes belong to a registered eagleflow job,
-and returns alerts plus the new state. ``eagleflow.console.status_store``
+and returns alerts plus the new state. ``eagleflow.health.status_store``
 keeps that state and the node's status document (the GPU view reads it).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .snapshot import GpuSnapshot
+from eagleflow.gpu.snapshot import GpuSnapshot
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,3 @@ def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, Any], *, now: f
                              "ecc_uncorrected": s.ecc_uncorrected if s.ecc_uncorrected is not None else last_ecc}
     return alerts, new_state
 
-
-def public_process_name(name: str) -> str:
-    """Only the program, never its arguments (kept here for callers of the health module)."""
-    from eagleflow.console.status_doc import program_name
-    return program_name(name)
-
-
-# the status documents (latest snapshots, history, the rules' state) live in the console's store
-from eagleflow.console.status_store import StatusStore  # noqa: E402,F401
