@@ -49,6 +49,18 @@ class ProcState:
         return self.state == "D" or bool(self.d_state_threads)
 
 
+def state_phrase(state: str | None) -> str:
+    """Why a process that should be working is not, from its state letter (None: no such process): the one
+    wording for the watch's diagnoses and its skipped health checks. '' while it runs (or sleeps)."""
+    if state is None or state == "X":
+        return "gone"
+    if state == "Z":
+        return "a zombie (exited, not yet reaped)"
+    if state in ("T", "t"):
+        return f"stopped (state {state}: SIGSTOP, Ctrl-Z or a debugger)"
+    return ""
+
+
 def parse_stat(text: str) -> tuple[str, str, list[str]]:
     """(comm, state, fields after state) from a /proc/<pid>/stat line."""
     lpar = text.index("(")

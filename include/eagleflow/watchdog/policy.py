@@ -100,7 +100,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if not w.recorded:
         return diag("dead", f"{_no_record(w)}; {counts_u}", _disk_evidence(obs), with_log=True, cause=_WORKER)
     if not w.alive:
-        what = "is a zombie (exited, not yet reaped)" if w.zombie else "is gone"
+        what = f"is {w.state_text}"
         hb_txt = f"; last heartbeat at {_clock(hb.time)}" if hb else "; it never wrote a heartbeat"
         server_ev = _server_process_evidence(obs)
         ev = [_death_cause(obs), f"{counts_u} (from the manifest), {last_txt}{hb_txt}"] + server_ev \
@@ -200,7 +200,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                                 f"({obs.heartbeat_error or 'no heartbeat file'})"))
 
     if w.stopped:
-        bad.append((0, _WORKER, f"worker pid {w.pid} is stopped (state {w.state}: SIGSTOP, Ctrl-Z or a debugger)"))
+        bad.append((0, _WORKER, f"worker pid {w.pid} is {w.state_text}"))
     if w.d_state and w.d_since is not None and now - w.d_since >= wd.d_state_after_s:
         bad.append((0, _WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
                                 + (f" (waiting in {w.wchan})" if w.wchan else "")))
@@ -275,7 +275,7 @@ def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[tuple[str, s
     out = [(_SERVER, t) for t in _server_process_evidence(obs)] \
         if obs.server is not None and obs.server.recorded else []
     if w.stopped:
-        out.append((_WORKER, f"worker pid {w.pid} is stopped (state {w.state}: SIGSTOP, Ctrl-Z or a debugger)"))
+        out.append((_WORKER, f"worker pid {w.pid} is {w.state_text}"))
     if w.d_state and w.d_since is not None and now - w.d_since >= cfg.watchdog.d_state_after_s:
         out.append((_WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
                              + (f" (waiting in {w.wchan})" if w.wchan else "")))
@@ -306,9 +306,9 @@ def _server_process_evidence(obs: Observation) -> list[str]:
     if not s.recorded:
         return [_no_record(s).replace(f"no {s.role} process", f"no {server}", 1)]
     if not s.alive:
-        return [f"server pid {s.pid} is {'a zombie (exited, not yet reaped)' if s.zombie else 'gone'}"]
+        return [f"server pid {s.pid} is {s.state_text}"]
     if s.stopped:
-        return [f"server pid {s.pid} is stopped (state {s.state}: SIGSTOP or a debugger), so it cannot answer"]
+        return [f"server pid {s.pid} is {s.state_text}, so it cannot answer"]
     return []
 
 

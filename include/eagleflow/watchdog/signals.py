@@ -38,7 +38,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
-from eagleflow.nodes.proc import thread_wchan
+from eagleflow.nodes.proc import state_phrase, thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
 
 
@@ -115,6 +115,11 @@ class ProcessSignal:
     @property
     def stopped(self) -> bool:
         return self.state in ("T", "t")
+
+    @property
+    def state_text(self) -> str:
+        """'gone', 'a zombie (...)', 'stopped (state T: ...)' (``nodes.proc.state_phrase``); '' while it works."""
+        return state_phrase(self.state if self.alive or self.zombie else None)
 
 
 @dataclass
@@ -579,12 +584,10 @@ def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
     if server is not None:
         if not server.recorded:
             return "no capture server recorded"
-        if not server.alive:
-            return f"server pid {server.pid} is gone"
-        if server.stopped:
-            return f"server pid {server.pid} is stopped (state {server.state})"
+        if not server.alive or server.stopped:
+            return f"server pid {server.pid} is {server.state_text}"
     if worker.recorded and (not worker.alive or worker.stopped):
-        return f"worker pid {worker.pid} is {'stopped' if worker.stopped else 'gone'}"
+        return f"worker pid {worker.pid} is {worker.state_text}"
     return ""
 
 
