@@ -6,8 +6,12 @@ settings) and is held open across calls: a fresh connection costs ~0.3-0.5 s,
 a new channel on an open one ~0.2 s (see bench/probe.py). Every argv element
 is quoted with shlex before it reaches the remote shell. Host keys are checked
 (pinned ``host_key`` extra or ~/.ssh/known_hosts) unless the connection sets
-``no_host_key_check``. This is the one core module that imports Airflow's SSH
-provider, and only ``node_from_config`` imports it, lazily.
+``no_host_key_check``. With ssh_async.py, the only core module that imports
+Airflow's SSH provider, inside ``_get_hook`` (only ``node_from_config`` imports
+this module, lazily): it stays in nodes/ because the core's own CLI (``eagleflow
+gpu status|wait-idle|baseline --node CONN_ID``) reaches a node through an Airflow
+connection without the adapter package; tests/unit/test_airflow_boundary.py
+holds the code to this.
 """
 from __future__ import annotations
 
