@@ -61,6 +61,27 @@ def test_health_ok_timeout_http_error_and_refused(http_server):
     assert check_health(None, 2).outcome == "no server info"
 
 
+@pytest.mark.timeout(30)
+def test_health_names_the_error_when_the_server_drops_the_request():
+    # the check goes through capture/client: a connection closed without an answer is named, not a timeout
+    import socket
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def drop_one():
+        conn, _ = srv.accept()
+        conn.recv(65536)   # read the request first: closing then sends FIN, not RST
+        conn.close()
+    t = threading.Thread(target=drop_one, daemon=True)
+    t.start()
+    try:
+        h = check_health(f"http://127.0.0.1:{srv.getsockname()[1]}", 5)
+    finally:
+        t.join(5)
+        srv.close()
+    assert h.checked and not h.ok and h.outcome.startswith("error: RemoteDisconnected: "), h
+    assert h.read_at is not None and h.latency_s < 5
+
+
 class ScriptedGpus:
     """GPU readings a test dictates (the real probes need a driver these machines lack)."""
 
