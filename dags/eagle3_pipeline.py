@@ -139,7 +139,12 @@ with DAG(
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
     train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
     export = ExportDraftOperator(task_id="export_draft")
-    evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)   # loads the target (eval.device)
+    # the evaluation loads the target again (eval.device; eval.backend sglang: a server per configuration):
+    # the same GPU gates as the servers before it, and its servers' recorded processes freed however it ends
+    eval_free = FreeGpusOperator(task_id="free_gpus_before_evaluation")
+    eval_idle = GpuIdleSensor(task_id="gpus_idle_before_evaluation", pool=NODE.pool)
+    evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)
+    eval_free_after = FreeGpusOperator(task_id="free_gpus_after_evaluation")
 
     write_config >> gen_free >> gen_idle >> gen_start >> gen_plan >> gen_shards
     gen_shards >> gen_stop.as_teardown(setups=gen_start)
@@ -152,7 +157,8 @@ with DAG(
     # training waits for verification too, so it never runs on partial or unverified data.
     stop_server >> free_after.as_teardown(setups=start_server)
     extract >> verify
-    [free_after, verify, held_out] >> idle_after >> train >> export >> evaluate
+    [free_after, verify, held_out] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
+    evaluate >> eval_free_after.as_teardown(setups=eval_idle)
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: evaluate_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run

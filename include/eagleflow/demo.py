@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default=None, help="default: demo__<timestamp>")
     a = ap.parse_args(argv)
 
-    from eagleflow.airflow.home import airflow_bin, airflow_env, ensure_db
+    from eagleflow.airflow.deploy.home import airflow_bin, airflow_env, ensure_db
 
     t0 = time.time()
     print("[demo] building local inputs (sources, tokenizer, tiny Llama target) under .cache/demo ...", flush=True)
@@ -92,6 +92,14 @@ def summary_lines(run_dir: Path) -> list[str]:
                          f"acc_0 {rows[0].get('acc_0', 0):.2f} -> {mean('acc_0'):.2f}, acceptance length "
                          f"{mean('accept_length'):.2f} simulated on training batches (means of the last "
                          f"{len(tail)} steps)")
+            held = [r for r in rows if "eval_accept_length" in r]
+            if held:
+                h0, h1 = held[0], held[-1]
+                lines.append(f"  held-out while training ({h1['eval_samples']} samples never trained on, steps "
+                             f"{h0['step']} -> {h1['step']}): loss per scored position "
+                             f"{h0.get('eval_loss_per_position', 0):.2f} -> {h1.get('eval_loss_per_position', 0):.2f}, "
+                             f"acc_0 {h0['eval_acc_0']:.2f} -> {h1['eval_acc_0']:.2f}, acceptance length "
+                             f"{h0['eval_accept_length']:.2f} -> {h1['eval_accept_length']:.2f} simulated")
     eval_file = run_dir / "eval.json"
     if eval_file.is_file():
         from eagleflow.evaluate.run import table_lines

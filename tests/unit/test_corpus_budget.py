@@ -152,3 +152,17 @@ def test_disk_check_with_fp8_store_halves_the_need_and_says_what_auto_would_need
     # free space between the two: fp8 fits where auto would not
     between = FixedFreeNode(free=v.estimate.needed_bytes)
     assert check_budget(cfg8, layout, between).ok and not check_budget(cfg, layout, between).ok
+
+
+def test_the_budget_counts_the_held_out_records_captured_for_training_time_evaluation(tmp_path, demo_assets):
+    cfg, layout = _setup(tmp_path, demo_assets)
+    stats_file = Path(str(layout.corpus_dir)) / "stats.json"
+    stats = json.loads(stats_file.read_text())
+    stats.update(eval_records=10, eval_tokens=2_000)
+    stats_file.write_text(json.dumps(stats))
+    cfg.train.held_out_samples = 4
+    verdict = check_budget(cfg, layout, FixedFreeNode(free=10**12))
+    assert verdict.estimate.records == 104 and verdict.estimate.tokens == 20_800   # 4 of mean length 200
+    assert "hidden states for 104 samples (4 of them held out) / 20800 tokens" in verdict.message
+    cfg.train.eval_every = 0     # no training-time evaluation: nothing held out is captured
+    assert check_budget(cfg, layout, FixedFreeNode(free=10**12)).estimate.records == 100

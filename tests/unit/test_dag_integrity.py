@@ -46,7 +46,8 @@ def test_pipeline_phase_order(dagbag):
     dag = dagbag.dags["eagle3_pipeline"]
     order = ["write_run_config", "prepare_corpus", "check_disk", "free_gpus", "gpus_idle", "start_capture_server",
              "capture_server_ready", "extract_shard", "verify_hidden_states",
-             "gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"]
+             "gpus_idle_after_capture", "train_draft", "export_draft", "free_gpus_before_evaluation",
+             "gpus_idle_before_evaluation", "evaluate_draft"]
     for a, b in zip(order, order[1:]):
         assert b in dag.get_task(a).get_flat_relative_ids(upstream=False), f"{a} must come before {b}"
     stop = dag.get_task("stop_capture_server")
@@ -60,6 +61,9 @@ def test_pipeline_phase_order(dagbag):
     # ...and training waits for verification as well, which runs after failed shards (all_done) to report them
     assert {"free_gpus_after_capture", "verify_hidden_states"} <= dag.get_task("gpus_idle_after_capture").upstream_task_ids
     assert dag.get_task("verify_hidden_states").trigger_rule == "all_done"
+    # the evaluation's servers are freed however it ends, without deciding the run's outcome (a teardown)
+    eval_free = dag.get_task("free_gpus_after_evaluation")
+    assert eval_free.is_teardown and eval_free.upstream_task_ids == {"evaluate_draft", "gpus_idle_before_evaluation"}
     for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
         assert dag.get_task(t).trigger_rule == "all_success", t
 

@@ -34,3 +34,22 @@ def test_report_shows_the_table_and_the_refusal(tmp_path):
     assert "<td>3/1/4</td><td>held_out (6)</td><td>1.688</td><td>0.62 0.03 0.01</td><td>12.5</td><td>10.0</td>" \
            "<td>1.25x</td><td>yes</td><td>1.50</td><td>1.900</td>" in html
     assert "<td>7/1/8</td>" in html and "<td>1.701</td>" in html
+
+
+def test_report_shows_the_held_out_figures_of_training_beside_the_training_curves(tmp_path):
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/t"})
+    layout = RunLayout.for_run(cfg, "r1")
+    draft = tmp_path / "runs" / "r1" / "draft"
+    draft.mkdir(parents=True)
+    rows = [{"step": s, "loss": 2.0 / s, "loss_per_position": 3.0 / s, "acc_0": 0.1 * s, "accept_length": 1 + 0.1 * s}
+            for s in range(1, 5)]
+    rows[1].update(eval_loss_per_position=2.5, eval_acc_0=0.15, eval_accept_length=1.2, eval_samples=16)
+    rows[3].update(eval_loss_per_position=1.75, eval_acc_0=0.3, eval_accept_length=1.4, eval_samples=16)
+    (draft / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = write_report(cfg, layout).read_text()
+    assert ("Held-out (16 samples never trained on) at step 4: loss per scored position 1.750, acc_0 0.300, "
+            "simulated acceptance length 1.400.") in html
+    assert "held-out loss per scored position" in html and "held-out acc_0" in html
+    (draft / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval_")})
+                                                 + "\n" for r in rows))
+    assert "Held-out (" not in write_report(cfg, layout).read_text()

@@ -246,6 +246,12 @@ def _training(metrics: list[dict]) -> str:
         loss.append(("loss per scored position", [(float(m["step"]), m.get("loss_per_position")) for m in pts]))
     acc = [(k, [(float(m["step"]), m.get(k)) for m in pts]) for k in ("acc_0", "acc_1", "acc_2") if k in metrics[-1]]
     accept = [("acceptance length", [(float(m["step"]), m.get("accept_length")) for m in pts])]
+    held = [m for m in metrics if "eval_accept_length" in m]   # train.eval_every: where these part, it overfits
+    if held:
+        loss.append(("held-out loss per scored position",
+                     [(float(m["step"]), m.get("eval_loss_per_position")) for m in held]))
+        acc.append(("held-out acc_0", [(float(m["step"]), m.get("eval_acc_0")) for m in held]))
+        accept.append(("held-out", [(float(m["step"]), m.get("eval_accept_length")) for m in held]))
     last = metrics[-10:]
 
     def mean(k: str) -> str:
@@ -253,6 +259,10 @@ def _training(metrics: list[dict]) -> str:
         return f"{sum(vals) / len(vals):.3f}" if vals else "n/a"
     return (f"<p>{int(metrics[-1]['step']):,} steps; last 10 steps: loss {mean('loss')}, acc_0 {mean('acc_0')}, "
             f"acceptance length {mean('accept_length')}.</p>"
+            + (f"<p>Held-out ({int(held[-1]['eval_samples'])} samples never trained on) at step "
+               f"{int(held[-1]['step']):,}: loss per scored position {held[-1].get('eval_loss_per_position', 0):.3f}, "
+               f"acc_0 {held[-1]['eval_acc_0']:.3f}, simulated acceptance length "
+               f"{held[-1]['eval_accept_length']:.3f}.</p>" if held else "")
             + line_chart(loss, title="training loss", y_label="loss", x_is_time=False)
             + line_chart(acc, title="draft accuracy per step", y_label="accuracy", x_is_time=False, y_max=1)
             + line_chart(accept, title="acceptance length (simulated)", y_label="tokens", x_is_time=False))

@@ -190,7 +190,11 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     shape = target_shape(config_text, config_path, cfg.capture.dtype)
     aux = cfg.capture.aux_layers or shape.default_aux_layers()
     longest_source = max((len(s) for s in stats.get("per_source", {})), default=8)
-    est = estimate(stats["records"], stats["tokens"], shape, aux_layers=aux, model=model,
+    # the held-out records the trainer scores itself on are stored too (train.held_out_samples; mean length)
+    eval_records = int(stats.get("eval_records") or 0)
+    held_n = min(cfg.train.held_out_samples, eval_records) if cfg.train.eval_every else 0
+    held_tokens = round(int(stats.get("eval_tokens") or 0) * held_n / eval_records) if held_n else 0
+    est = estimate(stats["records"] + held_n, stats["tokens"] + held_tokens, shape, aux_layers=aux, model=model,
                    longest_id="s" * longest_source + ":" + "9" * len(str(max(stats["records"], 1))),
                    headroom_fraction=cfg.disk.headroom_fraction, store_dtype=cfg.capture.store_dtype)
     where = str(layout.hidden_states_dir)
@@ -206,7 +210,8 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     dump_line = (f"dump_dir {dump_dir}: {min(stats['records'], cfg.capture.shards * cfg.capture.in_flight)} dump(s) "
                  f"in flight of up to {longest} tokens need {human_bytes(dump_need)}; free there: "
                  f"{human_bytes(dump_free)}")
-    head = (f"hidden states for {est.records} samples / {est.tokens} tokens need {human_bytes(est.needed_bytes)} "
+    head = (f"hidden states for {est.records} samples" + (f" ({held_n} of them held out)" if held_n else "")
+            + f" / {est.tokens} tokens need {human_bytes(est.needed_bytes)} "
             f"({est.needed_bytes} bytes: {human_bytes(est.total_bytes)} estimated + "
             f"{est.headroom_fraction:.0%} headroom; {est.bytes_per_token} bytes/token = 4 x {est.hidden_size} x "
             + (f"fp8_e4m3 + scales + ids + mask; capture.store_dtype auto ({est.dtype}) would need "
