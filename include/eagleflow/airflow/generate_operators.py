@@ -18,7 +18,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
+from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.capture.lifecycle import CaptureServerNotReady
@@ -42,14 +42,11 @@ class GenerateShardWatchTrigger(ShardWatchTrigger):
     def _recoverable(self, diag) -> bool:
         return False
 
-    def _job_label(self) -> str:
-        return f"generate shard {self.shard}"
-
     def _watch_args(self) -> list[str]:
         return ["--shard", str(self.shard), "--generate"]
 
-    def _job_name(self, ctx: RunContext) -> str:
-        return f"generate shard {self.shard}/{ctx.cfg.generate.shards}"
+    def _job_name(self, ctx: RunContext | None = None) -> str:
+        return f"generate shard {self.shard}" + (f"/{ctx.cfg.generate.shards}" if ctx is not None else "")
 
 
 class StartGenerateServerOperator(RunOperator):
@@ -106,31 +103,35 @@ class GenerateShardOperator(RunOperator):
             except CaptureServerNotReady as e:
                 raise AirflowFailException(str(e)) from None
         start_or_attach_generate_worker(ctx, shard, log=self.log.info)
-        trigger = GenerateShardWatchTrigger(run=ctx.trigger_ref(), shard=shard)
-        if not self.deferrable:
-            return self._finish(ctx, run_trigger_here(trigger))
-        self.defer(trigger=trigger, method_name="execute_complete")
+        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref()))
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)
         try:
-            return self._finish(ctx, event)
+            return self._watch(ctx, context, event)
         finally:
             ctx.close()
 
-    def _finish(self, ctx, event: dict[str, Any]):
+    def _rewatch(self, **kw):
+        return GenerateShardWatchTrigger(shard=int(self.shard), **kw)
+
+    def _watch(self, ctx, context, start):
+        """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
+        recovery: see the module doc)."""
+        from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
+        from eagleflow.watchdog.protocol import Complete
+        final = watch_to_the_end(self, context, start, lambda ev: follow_event(
+            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch))
         shard = int(self.shard)
         text = ctx.node.read_text(str(ctx.layout.generate_shard_dir(shard) / "heartbeat.json"))
         if text:
             self.log.info("%s", Heartbeat.from_json(text).progress_line())
-        if event.get("status") == "complete":
-            return {"shard": shard, "summary": event.get("summary", "")}
-        from eagleflow.watchdog.diagnosis import StallDetected
-        if record_server_stall(ctx, shard, event):
+        if isinstance(final, Complete):
+            return {"shard": shard, "summary": final.summary}
+        if record_server_stall(ctx, shard, final.to_dict()):
             self.log.warning("generate shard %d: the stall is blamed on the generation server: the retry stops "
                              "and restarts it", shard)
-        raise StallDetected(event.get("subject") or f"generate shard {shard} {event.get('status')}",
-                            event.get("diagnosis") or str(event))
+        fail_with(final, f"generate shard {shard}")
 
 
 class StopGenerateServerOperator(RunOperator):

@@ -45,13 +45,10 @@ each with its next try time; eagleflow.airflow.alerts) yields
 the operator tries it again and watches on. Every event carries them too: a
 mail never decides the task's fate.
 
-Every trigger yields exactly one event:
-``{"status": "complete", "summary": str}``,
-``{"status": "stalled"|"dead"|"failed", "verdict": str, "diagnosis": str, "subject": str, "cause": str}`` or
-``{"status": "recovered", ..., "recovery": {...}}`` (the stall's payload plus what the recovery did) or
-``{"status": "unreachable", "verdict": "unreachable", "since": float, "diagnosis": str, "subject": str}`` or
-``{"status": "resumed", "closed": [...], "still_open": [...], "done": int, "total": int, "observed_at": float,
-"summary": str}`` or ``{"status": "mail_due", "pending_mails": [...], "unreachable_since": float | None}``.
+Every trigger yields exactly one event, a type of ``eagleflow.watchdog.protocol`` sent as its ``to_dict()``:
+``Complete`` (status complete), ``JobVerdict`` (stalled, dead, failed; failed/unreachable when the watch cannot
+vouch for the job any more), ``Recovering`` (the stall's verdict plus the ``OpenIncident``), ``Unreachable``,
+``Resumed`` or ``MailDue``; each carries the ``WatchState`` (close_incidents, pending_mails, recoveries_left).
 """
 from __future__ import annotations
 
@@ -67,6 +64,8 @@ from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.nodes import NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
 from eagleflow.watchdog.diagnosis import StallDiagnosis
+from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, WatchEvent, WatchState, clock as _clock,
+                                         parse_event, unreachable_event)
 
 WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come with a diagnosis
 # An unreachable node (link, sshd) says nothing about its detached jobs: the watch keeps reconnecting,
@@ -116,7 +115,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
         self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
         # mails of this task its SMTP server did not take yet (eagleflow.airflow.alerts.send_pending)
         self.pending_mails = list(pending_mails or [])
-        self.run_data = RunRef.from_dict(run).to_dict()  # 0.1.0 payloads carried the whole config
+        self.ref = RunRef.from_dict(run)          # parsed once; 0.1.0 payloads carried the whole config
+        self.run_data = self.ref.to_dict()
         self.poll_interval_s = poll_interval_s
         # set when an earlier watch of this job already reported the node unreachable (unix time): this one
         # keeps reconnecting without a second event until the node answers or UNREACHABLE_GIVE_UP_S passed
@@ -127,11 +127,13 @@ class _NodeJobWatchTrigger(BaseTrigger):
     def _watch_args(self) -> list[str]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _job_name(self, ctx: RunContext) -> str:  # pragma: no cover - abstract
+    def _job_name(self, ctx: RunContext | None = None) -> str:  # pragma: no cover - abstract
+        """The job as mails and logs name it ("shard 3/8"); without the run's config (not read yet) the
+        count is unknown ("shard 3")."""
         raise NotImplementedError
 
     # -- the loop -----------------------------------------------------------
-    async def _load_context(self) -> RunContext | dict:
+    async def _load_context(self) -> RunContext | WatchEvent:
         """The run's context (reads run-config.json on the node), reconnecting while the node is unreachable;
         an unreachable event instead when the node stays silent past EARLY_UNREACHABLE_S (not yet reported)."""
         misses, first = 0, time.time()
@@ -149,7 +151,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
                 await asyncio.sleep(reconnect_delay_s(misses, min(self.poll_interval_s or 2.0, 2.0)))
 
     async def _read_context(self) -> RunContext:
-        ref = RunRef.from_dict(self.run_data)
+        ref = self.ref
         if not ref.conn_id:
             return await asyncio.to_thread(RunContext.from_serialized, self.run_data)
         if self._anode is None:
@@ -170,8 +172,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     async def _watch(self) -> AsyncIterator[TriggerEvent]:
         ctx = await self._load_context()
-        if isinstance(ctx, dict):
-            yield TriggerEvent(ctx)
+        if isinstance(ctx, WatchEvent):
+            yield TriggerEvent(ctx.to_dict())
             return
         wd = ctx.cfg.watchdog
         interval = self.poll_interval_s or wd.poll_interval_s
@@ -193,9 +195,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
                     # a mail is due again: the operator sends it and watches on; the outage stays reported
                     clocks = {"outage_started": None if reported else unreachable_since,
                               "failing_since": first_failure}
-                    yield TriggerEvent({**self._resume_fields(), "status": "mail_due",
-                                        "unreachable_since": unreachable_since if reported else None,
-                                        "clocks": {k: v for k, v in clocks.items() if v is not None}})
+                    yield TriggerEvent(MailDue(unreachable_since=unreachable_since if reported else None,
+                                               clocks={k: v for k, v in clocks.items() if v is not None},
+                                               state=self._state()).to_dict())
                     return
                 diag: StallDiagnosis | None = None
                 reconnect_in: float | None = None
@@ -217,15 +219,13 @@ class _NodeJobWatchTrigger(BaseTrigger):
                     self.log.warning("%s on node %s: node unreachable since %s (%d failed looks): %s",
                                      self._job_name(ctx), ctx.node.name, _clock(unreachable_since), misses, e)
                     if not reported and now - unreachable_since >= unreachable_limit:
-                        ev = self._node_unreachable_event(ctx, unreachable_since, last_contact, str(e))
-                        ev["mail"] = _claim_outage(self._node_key(ctx), unreachable_since)
-                        yield TriggerEvent(ev)
+                        yield TriggerEvent(self._unreachable(
+                            ctx, unreachable_since, str(e), last_contact=last_contact,
+                            mail=_claim_outage(self._node_key(ctx), unreachable_since)).to_dict())
                         return
                     if now - unreachable_since >= UNREACHABLE_GIVE_UP_S:
-                        ev = self._node_unreachable_event(ctx, unreachable_since, last_contact, str(e))
-                        yield TriggerEvent({**ev, "status": "failed",
-                                            "diagnosis": ev["diagnosis"] + f"\nGave up after "
-                                                         f"{UNREACHABLE_GIVE_UP_S / 3600:.0f} h."})
+                        yield TriggerEvent(self._unreachable(ctx, unreachable_since, str(e), last_contact=last_contact,
+                                                             gave_up_after_s=UNREACHABLE_GIVE_UP_S).to_dict())
                         return
                     reconnect_in = reconnect_delay_s(misses, interval)
                     if not reported:   # look again when the bound is reached, so the verdict is not late
@@ -236,25 +236,27 @@ class _NodeJobWatchTrigger(BaseTrigger):
                     first_failure = first_failure or now
                     self.log.warning("watching %s on node %s failed: %s", self._job_name(ctx), ctx.node.name, e)
                     if now - first_failure >= unreachable_limit:
-                        yield TriggerEvent(self._unreachable_event(ctx, now - first_failure, str(e)))
+                        # the task ends: its operator still tries the mails it holds, and logs those never sent
+                        yield TriggerEvent(self._unreachable(ctx, first_failure, str(e),
+                                                             command_failing_s=now - first_failure).to_dict())
                         return
                 else:
                     self.log.info("%s", diag.summary)
                     closed = [c for c in self.close_incidents if self._incident_over(c, diag)]
                     if closed:
-                        yield TriggerEvent({**self._resume_fields(), "status": "resumed", "closed": closed,
-                                            "still_open": [c for c in self.close_incidents if c not in closed],
-                                            "done": diag.done, "total": diag.total, "observed_at": diag.observed_at,
-                                            "job": diag.job, "node": diag.node, "summary": diag.summary})
+                        yield TriggerEvent(Resumed(
+                            closed=tuple(closed), still_open=tuple(c for c in self.close_incidents if c not in closed),
+                            done=diag.done, total=diag.total, observed_at=diag.observed_at, job=diag.job,
+                            node=diag.node, summary=diag.summary, state=self._state()).to_dict())
                         return
                     if diag.status is not None:
-                        payload = diag.event_payload()
-                        payload["detected_at"] = time.time()
-                        payload["close_incidents"] = self.close_incidents
-                        payload["pending_mails"] = self.pending_mails
+                        # a verdict carries the mails and incidents, not the recoveries left (Recovering does)
+                        event = parse_event({**diag.event_payload(), "detected_at": time.time(),
+                                             "close_incidents": self.close_incidents,
+                                             "pending_mails": self.pending_mails})
                         if self._recoverable(diag):
-                            payload = await asyncio.to_thread(self._recover, ctx, diag, payload)
-                        yield TriggerEvent(payload)
+                            event = await asyncio.to_thread(self._recover, ctx, diag, event)
+                        yield TriggerEvent(event.to_dict())
                         return
                 wait = interval if reconnect_in is None else reconnect_in
                 if diag is not None and diag.recheck_in_s is not None:
@@ -287,8 +289,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
     def _recoverable(self, diag: StallDiagnosis) -> bool:
         return False
 
-    def _recover(self, ctx: RunContext, diag: StallDiagnosis, payload: dict) -> dict:  # pragma: no cover
-        return payload
+    def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:  # pragma: no cover
+        return event
 
     async def _observe_async(self, ctx: RunContext) -> StallDiagnosis:
         """One look; over SSH on the trigger's held asynchronous connection, never blocking the event loop."""
@@ -314,53 +316,23 @@ class _NodeJobWatchTrigger(BaseTrigger):
     def _node_key(ctx: RunContext) -> str:
         return ctx.cfg.node.conn_id or ctx.node.name
 
-    def _resume_fields(self) -> dict:
-        """What the operator needs to watch again after an unreachable or resumed event."""
-        return {"close_incidents": self.close_incidents, "pending_mails": self.pending_mails}
+    def _state(self) -> WatchState:
+        """What the next watch of this job needs (every event carries it)."""
+        return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails))
 
     def _mail_at(self) -> float | None:
         """When the first pending mail may be tried again (they go in order); None: no mail is waiting."""
         return float(self.pending_mails[0].get("next_at") or 0) if self.pending_mails else None
 
-    def _early_unreachable_event(self, since: float, error: str) -> dict:
-        """Unreachable before the run's config could even be read (so no job or node name from it yet)."""
-        ref = RunRef.from_dict(self.run_data)
-        diagnosis = (f"UNREACHABLE {self._job_label()} of run {ref.run_id} over connection {ref.conn_id!r}: the node "
-                     f"has not answered since {_clock(since)} ({time.time() - since:.0f} s; the watch could not read "
-                     f"the run's config there); last error: {error}. This is the network or the node's sshd, not a "
-                     f"verdict on the job: nothing is restarted, and the watch keeps reconnecting.")
-        return {**self._unreachable_payload(since, None, diagnosis,
-                                            f"[eagleflow] UNREACHABLE {self._job_label()} over {ref.conn_id}"),
-                "mail": _claim_outage(ref.conn_id, since)}
+    def _early_unreachable_event(self, since: float, error: str) -> WatchEvent:
+        """Unreachable before the run's config could even be read (so no job count or node name from it yet)."""
+        return unreachable_event(job=self._job_name(), since=since, error=error, state=self._state(),
+                                 conn_id=self.ref.conn_id, run_id=self.ref.run_id,
+                                 mail=_claim_outage(self.ref.conn_id, since))
 
-    def _unreachable_payload(self, since: float, last_contact: float | None, diagnosis: str, subject: str) -> dict:
-        """The "unreachable since T" event: no verdict on the job, what the operator needs to watch on."""
-        return {"status": "unreachable", "verdict": "unreachable", "since": since, "last_contact": last_contact,
-                "diagnosis": diagnosis, "subject": subject, "cause": "network", **self._resume_fields()}
-
-    def _job_label(self) -> str:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _node_unreachable_event(self, ctx: RunContext, since: float, last_contact: float | None, error: str) -> dict:
-        """The node cannot be reached (network, sshd): the verdict "unreachable since T", not a stall."""
-        job = self._job_name(ctx)
-        seen = f"last answer at {_clock(last_contact)}" if last_contact else "no answer in this watch"
-        diagnosis = (f"UNREACHABLE {job} on {ctx.node.name}: the node has not answered since {_clock(since)} "
-                     f"({time.time() - since:.0f} s; {seen}); last error: {error}. This is the network or the "
-                     f"node's sshd, not a verdict on the job: its detached processes keep running there, nothing "
-                     f"is restarted, and the watch keeps reconnecting (check node.conn_id={ctx.cfg.node.conn_id!r}).")
-        return self._unreachable_payload(since, last_contact, diagnosis,
-                                         f"[eagleflow] UNREACHABLE {job} on {ctx.node.name}")
-
-    def _unreachable_event(self, ctx: RunContext, for_s: float, error: str) -> dict:
-        job = self._job_name(ctx)
-        subject = f"[eagleflow] UNREACHABLE {job} on {ctx.node.name}"
-        diagnosis = (f"UNREACHABLE {job} on {ctx.node.name}: the watch command has failed for {for_s:.0f} s, "
-                     f"so the job's health is unknown; last error: {error}. Check the node connection "
-                     f"(node.conn_id={ctx.cfg.node.conn_id!r}) and that eagleflow is installed there.")
-        # the task ends: its operator still tries the mails it holds, and logs those never sent
-        return {**self._resume_fields(), "status": "failed", "verdict": "unreachable", "diagnosis": diagnosis,
-                "subject": subject}
+    def _unreachable(self, ctx: RunContext, since: float, error: str, **kw) -> WatchEvent:
+        return unreachable_event(job=self._job_name(ctx), since=since, error=error, state=self._state(),
+                                 node=ctx.node.name, conn_id=ctx.cfg.node.conn_id, **kw)
 
 
 class ShardWatchTrigger(_NodeJobWatchTrigger):
@@ -387,7 +359,7 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
             and diag.cause in ("capture_server", "worker")
 
-    def _recover(self, ctx: RunContext, diag: StallDiagnosis, payload: dict) -> dict:
+    def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:
         """One quick node command: open or join the incident of (node, cause); the operator mails and recovers."""
         argv = ctx.eagleflow_argv("recover", "--shard", str(self.shard), "--json", "--cause", diag.cause,
                                   "--incident-only", "--summary", diag.summary[:1500])
@@ -396,21 +368,19 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         except NodeError as e:
             # no incident book: the task fails with the stall and Airflow's retry recovers it
             self.log.warning("shard %d: could not open an incident on node %s: %s", self.shard, ctx.node.name, e)
-            return payload
+            return event
         self.log.info("shard %d: %s", self.shard, inc.get("summary"))
-        return {**payload, "status": "recovering", "incident": inc, "recoveries_left": self.recoveries_left}
+        return Recovering.from_dict({**event.to_dict(), "incident": inc, "recoveries_left": self.recoveries_left})
 
-    def _resume_fields(self) -> dict:
-        return {**super()._resume_fields(), "recoveries_left": self.recoveries_left}
-
-    def _job_label(self) -> str:
-        return f"shard {self.shard}"
+    def _state(self) -> WatchState:
+        return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails),
+                          recoveries_left=self.recoveries_left)
 
     def _watch_args(self) -> list[str]:
         return ["--shard", str(self.shard)]
 
-    def _job_name(self, ctx: RunContext) -> str:
-        return f"shard {self.shard}/{ctx.cfg.capture.shards}"
+    def _job_name(self, ctx: RunContext | None = None) -> str:
+        return f"shard {self.shard}" + (f"/{ctx.cfg.capture.shards}" if ctx is not None else "")
 
 
 class TrainWatchTrigger(_NodeJobWatchTrigger):
@@ -423,12 +393,6 @@ class TrainWatchTrigger(_NodeJobWatchTrigger):
     def _watch_args(self) -> list[str]:
         return ["--train"]
 
-    def _job_label(self) -> str:
+    def _job_name(self, ctx: RunContext | None = None) -> str:
         return "training"
 
-    def _job_name(self, ctx: RunContext) -> str:
-        return "training"
-
-
-def _clock(t: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t))

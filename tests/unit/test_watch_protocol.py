@@ -1,0 +1,72 @@
+"""The watch's protocol (eagleflow.watchdog.protocol): each event round-trips through the plain-value payload
+Airflow stores, a payload of another release (unknown keys, missing optional ones) still parses, the one
+unreachable builder says each case, and next_step maps every kind to what the operator does."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagleflow.watchdog.protocol import (Complete, JobVerdict, MailDue, OpenIncident, Recovering, Resumed,
+                                         Unreachable, WatchState, next_step, parse_event, unreachable_event)
+
+STATE = WatchState(close_incidents=({"kind": "stall", "id": "i1", "since": 5.0, "done": 3},),
+                   pending_mails=({"kind": "stall", "next_at": 9.0, "tries": 1},), recoveries_left=1)
+
+EVENTS = [
+    Complete(summary="COMPLETE shard 0/2", detected_at=10.0, state=STATE),
+    JobVerdict(status="dead", verdict="dead", diagnosis="DEAD shard 0/2", subject="[eagleflow] DEAD shard 0/2",
+               cause="worker", observed_at=4.0, job="shard 0/2", node="n1", done=3, total=9, state=STATE),
+    Recovering(verdict="stalled", diagnosis="d", subject="s", cause="capture_server", done=3, total=9,
+               incident=OpenIncident(incident="n1-capture_server-x", opened=True, incident_shards=("0", "1"),
+                                     shards={"0": "3/9"}), state=STATE),
+    Unreachable(since=100.0, diagnosis="d", subject="s", mail=True, state=STATE),
+    Resumed(closed=({"kind": "outage", "id": "o"},), still_open=(), done=4, total=9, observed_at=11.0, job="j",
+            node="n1", summary="HEALTHY", state=STATE),
+    MailDue(unreachable_since=None, clocks={"outage_started": 7.5}, state=STATE),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_each_event_round_trips_through_a_json_payload(event):
+    payload = json.loads(json.dumps(event.to_dict()))    # what the triggerer stores and hands back
+    assert parse_event(payload) == event
+    assert payload["status"] == event.kind
+    assert payload["close_incidents"] == [dict(c) for c in STATE.close_incidents]
+
+
+def test_a_payload_of_another_release_parses():
+    ev = parse_event({"status": "stalled", "verdict": "stalled", "diagnosis": "x", "subject": "y", "cause": "worker",
+                      "from_a_newer_node": [1, 2]})
+    assert isinstance(ev, JobVerdict) and ev.cause == "worker" and ev.state == WatchState()
+    bare = parse_event({"status": "recovering", "verdict": "stalled", "diagnosis": "x", "subject": "y",
+                        "incident": {"incident": "i", "opened": False, "extra": 1}, "recoveries_left": "2"})
+    assert isinstance(bare, Recovering) and bare.incident.incident == "i" and bare.state.recoveries_left == 2
+    odd = parse_event({"status": "exploded"})
+    assert isinstance(odd, JobVerdict) and odd.status == "failed" and "exploded" in odd.diagnosis
+    assert parse_event(None).status == "failed"
+
+
+def test_the_one_unreachable_builder():
+    silent = unreachable_event(job="shard 1/4", since=100.0, error="no route", state=STATE, node="n1", conn_id="c",
+                               last_contact=90.0, mail=True, now=160.0)
+    assert isinstance(silent, Unreachable) and silent.mail and silent.since == 100.0
+    assert silent.subject == "[eagleflow] UNREACHABLE shard 1/4 on n1" and "(60 s; last answer at" in silent.diagnosis
+    early = unreachable_event(job="shard 1", since=100.0, error="e", state=STATE, conn_id="c", run_id="r", now=170.0)
+    assert isinstance(early, Unreachable) and early.subject == "[eagleflow] UNREACHABLE shard 1 over c"
+    assert "could not read the run's config" in early.diagnosis and "run r" in early.diagnosis
+    gave_up = unreachable_event(job="training", since=0.0, error="e", state=STATE, node="n1", conn_id="c",
+                                gave_up_after_s=6 * 3600, now=7 * 3600)
+    assert isinstance(gave_up, JobVerdict) and (gave_up.status, gave_up.verdict) == ("failed", "unreachable")
+    assert gave_up.diagnosis.endswith("Gave up after 6 h.")
+    failing = unreachable_event(job="training", since=0.0, error="exit 127", state=STATE, node="n1", conn_id="c",
+                                command_failing_s=41.0)
+    assert failing.status == "failed" and "the watch command has failed for 41 s" in failing.diagnosis
+    assert failing.to_dict()["pending_mails"] == [dict(STATE.pending_mails[0])]
+
+
+def test_next_step_of_each_kind():
+    steps = {type(e).__name__: next_step(e, can_recover=True) for e in EVENTS}
+    assert steps == {"Complete": "done", "JobVerdict": "fail", "Recovering": "recover", "Unreachable": "watch",
+                     "Resumed": "watch", "MailDue": "watch"}
+    assert next_step(EVENTS[2], can_recover=False) == "fail"
