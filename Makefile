@@ -62,10 +62,10 @@ demo-inputs: venv
 	$(BIN)/python -m eagleflow.demo_assets .cache/demo >/dev/null
 
 airflow: venv demo-inputs
-	$(BIN)/python -m eagleflow.airflow.standalone start --port $(AIRFLOW_PORT)
+	$(BIN)/python -m eagleflow.airflow.deploy.standalone start --port $(AIRFLOW_PORT)
 
 airflow-stop:
-	$(BIN)/python -m eagleflow.airflow.standalone stop
+	$(BIN)/python -m eagleflow.airflow.deploy.standalone stop
 
 bench: venv
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from eagleflow.airflow import standalone
+from eagleflow.airflow.deploy import standalone
 from tests.fixtures.pipeline_config import write_short_config
 
 

@@ -1,6 +1,6 @@
 """The scale-out deployment, run for real on this machine: CeleryExecutor on PostgreSQL and Redis.
 
-The same parts as docker-compose.yaml (eagleflow.airflow.scaleout): scheduler, DAG processor, API server,
+The same parts as docker-compose.yaml (eagleflow.airflow.deploy.scaleout): scheduler, DAG processor, API server,
 triggerer, a Celery worker on the default queue and one bound to the GPU node's queue, each its own
 process group; a real PostgreSQL and Redis from the Debian packages on 127.0.0.1 and free ports.
 The demo pipeline is triggered through the REST API; every one of its tasks must be routed to the queue
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.airflow.home import airflow_bin, airflow_env
-from eagleflow.airflow.scaleout import GpuNodeRoute, celery_env, components, init_commands
-from eagleflow.airflow.standalone import admin_password, free_port
+from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
+from eagleflow.airflow.deploy.scaleout import GpuNodeRoute, celery_env, components, init_commands
+from eagleflow.airflow.deploy.standalone import admin_password, free_port
 from tests.fixtures.pipeline_config import write_short_config
 from tests.fixtures.scaleout import (INSTALL_HINT, missing_servers, start_postgres, start_recorded, start_redis,
                                     stop_recorded)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.airflow import standalone
+from eagleflow.airflow.deploy import standalone
 from tests.fixtures.browser import chromium  # noqa: F401  (fixture)
 from tests.fixtures.console_nodes import HELD, STALLED_CMD, write_console_nodes
 from tests.fixtures.gpu_scenarios import gpu, write_scenario

@@ -1,6 +1,6 @@
 """Who watches the watcher, for real (issue 27 item 3).
 
-`make airflow`'s supervisor (eagleflow.airflow.standalone) runs the scheduler, DAG processor, API
+`make airflow`'s supervisor (eagleflow.airflow.deploy.standalone) runs the scheduler, DAG processor, API
 server and triggerer; a shard extracts under a deferred ShardWatchTrigger. The test SIGKILLs the
 triggerer mid-extraction (it started this Airflow, so it may): the shard's sentinel on the node mails
 WATCH SILENT within three poll intervals of the last look through a real SMTP server, naming the job
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from eagleflow.airflow import standalone
+from eagleflow.airflow.deploy import standalone
 from tests.fixtures.capture_corpus import write_run_config
 from tests.fixtures.processes import alive, kill_recorded
 from eagleflow.config import load_config

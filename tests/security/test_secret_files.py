@@ -5,8 +5,8 @@ import json
 import os
 import stat
 
-from eagleflow.airflow import standalone
-from eagleflow.airflow.home import airflow_env
+from eagleflow.airflow.deploy import standalone
+from eagleflow.airflow.deploy.home import airflow_env
 
 
 def _mode(p) -> int:

@@ -1,6 +1,6 @@
 """docker-compose.yaml mirrors the scale-out deployment that tests/integration/test_celery_scaleout.py runs.
 
-Both come from eagleflow.airflow.scaleout: the same parts with the same `airflow` commands, the same
+Both come from eagleflow.airflow.deploy.scaleout: the same parts with the same `airflow` commands, the same
 CeleryExecutor/Postgres/Redis settings, a worker bound to the queue the example GPU node's config names
 and that node's pool created at init. Checked by `docker compose config` / `docker-compose config`
 where a client exists (no engine needed; .ci/run installs Debian's docker-compose), and always parsed.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.airflow.scaleout import GpuNodeRoute, celery_env, components, init_commands
+from eagleflow.airflow.deploy.scaleout import GpuNodeRoute, celery_env, components, init_commands
 from eagleflow.config import load_config
 
 pytestmark = pytest.mark.slow  # runs docker-compose config in a subprocess

@@ -202,7 +202,7 @@ def test_records_of_a_run_are_found_by_exact_name(tmp_path):
 
 def test_airflow_standalone_stop_with_a_stale_state_file_signals_nothing(tmp_path, foreign_group):
     """`make airflow-stop` long after: standalone.json's group id now names a foreign `sleep`."""
-    from eagleflow.airflow import standalone
+    from eagleflow.airflow.deploy import standalone
     pgid, sleep_pid = foreign_group
     (tmp_path / "standalone.json").write_text(json.dumps({"pid": pgid, "pgid": pgid, "start_ticks": 4242,
                                                           "token": secrets.token_hex(16), "port": 8080}))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: dict[str, str] | None = None) -> dict[str, str]:

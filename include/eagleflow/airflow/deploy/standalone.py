@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagleflow.airflow.home import airflow_bin, airflow_env
+from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
 from eagleflow.nodes import process_record
 from eagleflow.nodes.proc import parse_stat, read_start_ticks
 
@@ -71,7 +71,7 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
     log = open(home / "standalone.log", "ab")
     token = secrets.token_hex(16)
     # our supervisor in place of `airflow standalone`, which neither restarts a dead part nor frees its log port
-    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.airflow.standalone", "supervise"],
+    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.airflow.deploy.standalone", "supervise"],
                             env={**env, process_record.TOKEN_ENV: token},
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": token,
@@ -326,7 +326,7 @@ def supervise(home: Path, *, poll_s: float = 1.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagleflow.airflow.standalone", description=__doc__)
+    ap = argparse.ArgumentParser(prog="eagleflow.airflow.deploy.standalone", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
     s.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_PORT", "8080")))
