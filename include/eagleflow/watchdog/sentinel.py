@@ -20,7 +20,7 @@ may take; before the first look, FIRST_LOOK_GRACE_S more) it raises one alarm
 naming the job and the last look:
 
 - a record, ``<state_dir>/watch/<run>.<role>.alarm.json`` (state ``raised``),
-  which gpu_node_health reads from the node (``console.node_activity``) and
+  which gpu_node_health reads from the node (``health.node_activity``) and
   opens an incident for (it mails that incident unless the node already did);
 - a mail, when the node has an SMTP relay of its own (``watchdog.node_smtp``).
 
