@@ -51,6 +51,7 @@ def test_held_out_figures_every_eval_every_steps_improve_and_are_their_own(tmp_p
     assert (Path(layout.draft_dir) / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow   # trains
 def test_no_held_out_store_trains_without_scores_and_says_so(tmp_path, demo_assets):
     cfg, layout = _setup(tmp_path, demo_assets["target_model"], held_out=0, max_steps=3)
     lines: list[str] = []
@@ -72,6 +73,7 @@ def test_held_out_record_also_in_the_training_store_is_refused(tmp_path, demo_as
         train(cfg, layout, log=lambda _m: None)
 
 
+@pytest.mark.slow   # trains
 def test_eval_every_zero_never_reads_the_held_out_store(tmp_path, demo_assets):
     cfg, layout = _setup(tmp_path, demo_assets["target_model"], held_out_kw={"verify": False}, max_steps=3,
                          eval_every=0)
