@@ -12,7 +12,7 @@ from typing import Any
 from airflow.sdk import PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable, run_trigger_here
+from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable
 from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
@@ -125,15 +125,8 @@ class ExtractShardOperator(RunOperator):
             self._look_before_retry(ctx, shard, ti.try_number)
         rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
         self._log_progress(ctx, shard)
-        from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        trigger = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard,
-                                    recoveries_left=ctx.cfg.watchdog.recoveries_in_watch)
-        if not self.deferrable:     # same watch, run in this worker slot
-            event = run_trigger_here(trigger)
-            while (trigger := self._next_watch(ctx, context, event)) is not None:
-                event = run_trigger_here(trigger)
-            return self._finish(ctx, event, context)
-        self.defer(trigger=trigger, method_name="execute_complete")
+        trigger = self._rewatch(run=ctx.trigger_ref(), recoveries_left=ctx.cfg.watchdog.recoveries_in_watch)
+        return self._watch(ctx, context, trigger)
 
     def _look_before_retry(self, ctx: RunContext, shard: int, try_number: int) -> None:
         """A retry looks first: the try before may have died with the control plane, not with the shard.
@@ -160,45 +153,21 @@ class ExtractShardOperator(RunOperator):
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)
         try:
-            trigger = self._next_watch(ctx, context, event)
-            if trigger is not None:
-                self.defer(trigger=trigger, method_name="execute_complete")
-            return self._finish(ctx, event, context)
+            return self._watch(ctx, context, event)
         finally:
             ctx.close()
 
-    def _next_watch(self, ctx: RunContext, context, event: dict[str, Any]):
-        """Act on a watch's event (mail, recover) and return the watch to go on with; None: the event is final."""
-        from eagleflow.airflow.alerts import close_of_outage, mail_or_keep, send_pending
+    def _rewatch(self, **kw):
         from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        shard, status = int(self.shard), event.get("status")
-        left = int(event.get("recoveries_left") or 0)
-        closes = list(event.get("close_incidents") or [])   # incidents this task mailed, not over yet
-        pending = list(event.get("pending_mails") or [])    # mails the SMTP server did not take yet
-        if status == "unreachable":
-            # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
-            self.log.warning("shard %s: %s", self.shard, event.get("diagnosis"))
-            if event.get("mail"):   # the first watch to find this node unreachable mails for the outage
-                pending = mail_or_keep(context, pending, "unreachable", event)
-            outage = close_of_outage(event)
-            return ShardWatchTrigger(run=ctx.serialize(), shard=shard, unreachable_since=event["since"],
-                                     recoveries_left=left, close_incidents=closes + ([outage] if outage else []),
-                                     pending_mails=pending)
-        if status == "recovering":
-            # the watch found a stall it can recover: mail once per incident, recover now, watch again
-            left, stall, pending = self._recover(ctx, context, event, pending)
-            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
-                                     close_incidents=closes + ([stall] if stall else []), pending_mails=pending)
-        if status == "resumed":   # incidents this task mailed are over: say so, watch on with the rest
-            for close in event.get("closed") or []:
-                pending = mail_or_keep(context, pending, "over", event, close)
-            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left,
-                                     close_incidents=event.get("still_open"), pending_mails=pending)
-        if status == "mail_due":   # a mail the SMTP server refused earlier: try again, watch on as before
-            return ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard, recoveries_left=left, close_incidents=closes,
-                                     unreachable_since=event.get("unreachable_since"), clocks=event.get("clocks"),
-                                     pending_mails=send_pending(context, pending))
-        return None
+        return ShardWatchTrigger(shard=int(self.shard), **kw)
+
+    def _watch(self, ctx: RunContext, context, start):
+        """The watch (deferred or here) until its final event, each event through the one handler."""
+        from eagleflow.airflow.watch_handler import follow_event, watch_to_the_end
+        final = watch_to_the_end(self, context, start, lambda ev: follow_event(
+            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch,
+            recover=lambda raw, pending: self._recover(ctx, context, raw, pending)))
+        return self._finish(ctx, final)
 
     def _last_mails(self, context, event: dict[str, Any]) -> None:
         """The task ends: one last try of the mails still waiting; those the server never took are logged."""
@@ -231,20 +200,20 @@ class ExtractShardOperator(RunOperator):
                                 f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
         return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 
-    def _finish(self, ctx: RunContext, event: dict[str, Any], context):
+    def _finish(self, ctx: RunContext, final):
+        """The watch's final event (its mails already tried): the shard's result, or the task fails."""
+        from eagleflow.airflow.watch_handler import fail_with
+        from eagleflow.watchdog.protocol import Complete
         shard = int(self.shard)
-        self._last_mails(context, event)
         try:
             self._log_progress(ctx, shard)
         except NodeUnreachable as e:   # the event's own verdict matters more than this log line
             self.log.warning("shard %d: progress not read: %s", shard, e)
-        if event.get("status") == "complete":
-            self.log.info("shard %d complete: %s", shard, event.get("summary", ""))
-            return {"shard": shard, "summary": event.get("summary", "")}
-        from eagleflow.watchdog.diagnosis import StallDetected
-        self.log.error("shard %d %s: %s", shard, event.get("status"), event.get("diagnosis"))
-        raise StallDetected(event.get("subject") or f"shard {shard} {event.get('status')}",
-                            event.get("diagnosis") or str(event))
+        if isinstance(final, Complete):
+            self.log.info("shard %d complete: %s", shard, final.summary)
+            return {"shard": shard, "summary": final.summary}
+        self.log.error("shard %d %s: %s", shard, final.kind, final.to_dict().get("diagnosis"))
+        fail_with(final, f"shard {shard}")
 
     def _log_progress(self, ctx: RunContext, shard: int) -> None:
         text = ctx.node.read_text(str(ctx.layout.heartbeat_file(shard)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from airflow.sdk import Asset
 from pydantic import BaseModel
 
-from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
+from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 
@@ -40,11 +40,7 @@ class TrainDraftOperator(RunOperator):
         rec, attached = start_or_attach_trainer(ctx, log=self.log.info)
         self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec.pid, ctx.node.name,
                       "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.log_file)
-        from eagleflow.airflow.shard_watch import TrainWatchTrigger
-        trigger = TrainWatchTrigger(run=ctx.trigger_ref(), poll_interval_s=self.poll_interval_s)
-        if self.deferrable:
-            self.defer(trigger=trigger, method_name="execute_complete")
-        return self.execute_complete(context, run_trigger_here(trigger))
+        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref()))
 
     def _restart_if_unhealthy(self, ctx: RunContext) -> None:
         """On a retry, one look of the watch first: a trainer that is starting, healthy or slow is kept;
@@ -63,47 +59,24 @@ class TrainDraftOperator(RunOperator):
         self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
 
     def execute_complete(self, context, event):
-        from eagleflow.airflow.alerts import close_of_outage, log_unsent, mail_or_keep, send_pending
+        # the run's context only when there is a next watch: a final event needs no config read
+        return self._watch(lambda: RunContext.from_airflow(context), context, event or {})
+
+    def _rewatch(self, **kw):
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
-        event = event or {}
-        status = event.get("status")
-        pending = list(event.get("pending_mails") or [])   # mails the SMTP server did not take yet
-        trigger = None
-        if status == "unreachable":
-            # the node (link, sshd) cannot be reached: the trainer keeps running there; mail once, keep watching
-            self.log.warning("%s", event.get("diagnosis"))
-            if event.get("mail"):
-                pending = mail_or_keep(context, pending, "unreachable", event)
-            ctx = RunContext.from_airflow(context)
-            outage = close_of_outage(event)
-            trigger = TrainWatchTrigger(run=ctx.serialize(), poll_interval_s=self.poll_interval_s,
-                                        unreachable_since=event["since"],
-                                        close_incidents=list(event.get("close_incidents") or [])
-                                        + ([outage] if outage else []), pending_mails=pending)
-        elif status == "resumed":   # the outage this task mailed is over: say so, watch on
-            for close in event.get("closed") or []:
-                pending = mail_or_keep(context, pending, "over", event, close)
-            trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
-                                        poll_interval_s=self.poll_interval_s, close_incidents=event.get("still_open"),
-                                        pending_mails=pending)
-        elif status == "mail_due":   # a mail the SMTP server refused earlier: try again, watch on as before
-            trigger = TrainWatchTrigger(run=RunContext.from_airflow(context).trigger_ref(),
-                                        poll_interval_s=self.poll_interval_s,
-                                        close_incidents=event.get("close_incidents"),
-                                        unreachable_since=event.get("unreachable_since"), clocks=event.get("clocks"),
-                                        pending_mails=send_pending(context, pending))
-        if trigger is not None:
-            if self.deferrable:
-                self.defer(trigger=trigger, method_name="execute_complete")
-            return self.execute_complete(context, run_trigger_here(trigger))
-        if pending:   # the task ends: one last try; what the server never took is logged
-            log_unsent(send_pending(context, pending, force=True))
-        if status == "complete":
-            self.log.info("%s", event.get("summary", "training complete"))
-            return {"status": "complete", "summary": event.get("summary", "")}
-        from eagleflow.watchdog.diagnosis import StallDetected
-        raise StallDetected(event.get("subject") or f"[eagleflow] training {event.get('status', 'failed')}",
-                            event.get("diagnosis") or f"the training watch ended with {event!r}")
+        return TrainWatchTrigger(poll_interval_s=self.poll_interval_s, **kw)
+
+    def _watch(self, ctx: RunContext, context, start):
+        """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
+        recovery: a stalled trainer fails the try and the retry restarts it from its last checkpoint)."""
+        from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
+        from eagleflow.watchdog.protocol import Complete
+        final = watch_to_the_end(self, context, start, lambda ev: follow_event(
+            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch))
+        if isinstance(final, Complete):
+            self.log.info("%s", final.summary or "training complete")
+            return {"status": "complete", "summary": final.summary}
+        fail_with(final, "[eagleflow] training")
 
 
 class ExportAnswer(BaseModel):

@@ -1,0 +1,89 @@
+"""The one handler of a watch's events, for every watched job (extraction shards, generation shards, training).
+
+A watch (``eagleflow.airflow.shard_watch``) yields one event (``eagleflow.watchdog.protocol``) and ends.
+``follow_event`` turns it into the next step (``protocol.next_step``): mail and recover, then watch again;
+mail what is due and watch again; or the final event (done, fail), after one last try of the mails still
+pending. ``watch_to_the_end`` is the one loop around it: each next watch deferred to the triggerer (a
+deferrable operator) or run in this worker slot, until the final event, which it returns.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from eagleflow.airflow.base import run_trigger_here
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, Unreachable, WatchEvent, next_step,
+                                         parse_event)
+
+# Builds the job's next watch from the keyword arguments every watch trigger takes (run, unreachable_since,
+# close_incidents, pending_mails, clocks; recoveries_left for shards).
+Rewatch = Callable[..., Any]
+# Mails (when this shard opened the incident) and recovers; returns (recoveries left, the stall's close entry
+# for the next watch or None, the mails still pending). Raises to fail the task.
+Recover = Callable[[dict[str, Any], list[dict[str, Any]]], tuple[int, "dict[str, Any] | None", list[dict[str, Any]]]]
+
+
+def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callable[[], RunContext], context,
+                 log: logging.Logger | Any, rewatch: Rewatch, recover: Recover | None = None) -> Any:
+    """The next watch to go on with (mails sent or kept, a recovery done), or the final ``WatchEvent``.
+
+    ``ctx`` may be a callable giving the run's context: it is needed only to watch again (a final event needs
+    no run config read)."""
+    from eagleflow.airflow.alerts import close_of_outage, log_unsent, mail_or_keep, send_pending
+    ev = parse_event(event)
+    raw = ev.to_dict()   # the mails are rendered from the plain payload
+    pending = list(ev.state.pending_mails)     # mails the SMTP server did not take yet
+    closes = list(ev.state.close_incidents)    # incidents this task mailed, not over yet
+    left = {} if ev.state.recoveries_left is None else {"recoveries_left": ev.state.recoveries_left}
+    step = next_step(ev, can_recover=recover is not None)
+    if step in ("recover", "watch") and callable(ctx):
+        ctx = ctx()
+    if step == "recover":
+        # the watch found a stall it can recover: mail once per incident, recover now, watch again
+        assert isinstance(ev, Recovering)
+        n_left, stall, pending = recover(raw, pending)
+        return rewatch(run=ctx.trigger_ref(), recoveries_left=n_left,
+                       close_incidents=closes + ([stall] if stall else []), pending_mails=pending)
+    if step == "watch":
+        if isinstance(ev, Unreachable):
+            # the node (link, sshd) cannot be reached: not the job's fault; mail once, keep watching
+            log.warning("%s", ev.diagnosis)
+            if ev.mail:   # the first watch to find this node unreachable mails for the outage
+                pending = mail_or_keep(context, pending, "unreachable", raw)
+            outage = close_of_outage(raw)
+            return rewatch(run=ctx.serialize(), unreachable_since=ev.since,
+                           close_incidents=closes + ([outage] if outage else []), pending_mails=pending, **left)
+        if isinstance(ev, Resumed):   # incidents this task mailed are over: say so, watch on with the rest
+            for close in ev.closed:
+                pending = mail_or_keep(context, pending, "over", raw, dict(close))
+            return rewatch(run=ctx.trigger_ref(), close_incidents=[dict(c) for c in ev.still_open],
+                           pending_mails=pending, **left)
+        if isinstance(ev, MailDue):   # a mail the SMTP server refused earlier: try again, watch on as before
+            return rewatch(run=ctx.trigger_ref(), close_incidents=closes, unreachable_since=ev.unreachable_since,
+                           clocks=dict(ev.clocks), pending_mails=send_pending(context, pending), **left)
+    if pending:   # the task ends: one last try; what the server never took is logged
+        log_unsent(send_pending(context, pending, force=True))
+    return ev
+
+
+def watch_to_the_end(operator, context, start: Any, follow: Callable[[dict[str, Any]], Any]) -> WatchEvent:
+    """Watch until the final event: ``start`` a trigger (watch it) or an event (act on it first). A deferrable
+    ``operator`` defers each watch (its ``execute_complete`` calls this again with the event); otherwise the
+    same watch runs here."""
+    step = start
+    while not isinstance(step, WatchEvent):
+        if isinstance(step, dict):
+            step = follow(step)
+            continue
+        if operator.deferrable:
+            operator.defer(trigger=step, method_name="execute_complete")
+        step = run_trigger_here(step)
+    return step
+
+
+def fail_with(event: WatchEvent, job: str):
+    """The task fails with the watch's verdict (a plain Exception: Airflow retries it)."""
+    from eagleflow.watchdog.diagnosis import StallDetected
+    d = event.to_dict()
+    raise StallDetected(d.get("subject") or f"{job} {event.kind}", d.get("diagnosis") or str(d))
