@@ -18,12 +18,15 @@ Prints tokens/s and data path / compute step as a fraction.
 and fp8 ~235 MB a file): for each store dtype it writes ``--real-samples``
 files (fsynced), drops them from the page cache (posix_fadvise DONTNEED, no
 root needed), times a raw sequential read of the same files, drops them again
-and times the reader (HiddenStateLoader: read, checks, collate; then
-``Batch.to`` de-quantising to bf16, on the CPU here, on the training GPU in a
-run), and prints reader bytes/s / raw bytes/s and the reader's CPU seconds per
-sample. The files are deleted at the end.
+and times the reader the way a training loop uses it (HiddenStateLoader,
+prefetching: read, checks, collate; each batch taken, used, dropped), then
+``Batch.to`` de-quantising to bf16 (on the CPU here, on the training GPU in a
+run). It prints reader bytes/s / raw bytes/s and the reader's CPU seconds per
+sample for both store dtypes side by side. ``--reader-buffers 0`` gives the
+reader a fresh allocation per sample (no buffer reuse: how it read before).
+The files are deleted at the end.
 
-    .venv/bin/python bench/train.py --real-size [--real-samples 3] [--dir /some/disk]
+    .venv/bin/python bench/train.py --real-size [--real-samples 3] [--dir /some/disk] [--reader-buffers 3]
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="--real-size: where to write the files (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=2, help="--real-size: raw read and reader alternate this many "
                     "times (cache dropped before each); the best of each counts (a shared disk is noisy)")
+    ap.add_argument("--reader-buffers", type=int, default=3, help="--real-size: host buffers the reader reuses "
+                    "(HiddenStateLoader buffers=; 0: a fresh allocation per sample)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.real_size:
@@ -156,7 +161,6 @@ def _drop_cache(paths) -> None:
 
 
 def _raw_read(paths, chunk: int = 16 << 20) -> int:
-    import os
     n = 0
     buf = bytearray(chunk)
     for p in paths:
@@ -211,21 +215,30 @@ def real_size(a) -> int:
                 raw_s = min(raw_s, time.perf_counter() - t0)
                 assert got == size
                 _drop_cache(paths)
-                loader = HiddenStateLoader(refs, batch_size=1, seed=0, prefetch=True)
+                loader = HiddenStateLoader(refs, batch_size=1, seed=0, prefetch=True, buffers=a.reader_buffers)
                 c0, t0 = time.process_time(), time.perf_counter()
-                batches = [loader.next_batch() for _ in range(n)]    # what goes to the training device
+                tokens = 0
+                for _ in range(n):      # as a training loop: take a batch, use it, drop it
+                    b = loader.next_batch()
+                    tokens += b.num_tokens
+                    del b
                 if time.perf_counter() - t0 < read_s:
                     read_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
                 loader.close()
+                assert tokens == n * L
+                pool = loader.sample_buffers
             # de-quantising (fp8) or casting (bf16) to the training dtype: on the GPU in a GPU run
-            # (bench/gpu_check.sh times it there), on these CPUs in a CPU run
-            c0 = time.process_time()
-            for b in batches:
+            # (bench/gpu_check.sh times it there), on these CPUs in a CPU run; the reads are not counted
+            loader = HiddenStateLoader(refs, batch_size=1, seed=0, prefetch=False, buffers=a.reader_buffers)
+            to_cpu_s = 0.0
+            for _ in range(n):
+                b = loader.next_batch()
+                c0 = time.process_time()
                 out = b.to(torch.device("cpu"), torch.bfloat16)
+                to_cpu_s += time.process_time() - c0
                 assert out.aux_hidden_states.dtype == torch.bfloat16 and out.num_tokens == L
-                del out
-            to_cpu_s = time.process_time() - c0
-            del batches
+                del out, b
+            loader.close()
             _drop_cache(paths)
             t0 = time.perf_counter()
             from eagleflow.capture.storage import file_sha256
@@ -235,7 +248,9 @@ def real_size(a) -> int:
             res = {"files": n, "bytes": size, "bytes_per_token": size / (n * L), "write_s": write_s,
                    "raw_MBps": size / raw_s / 1e6, "reader_MBps": size / read_s / 1e6, "ratio": raw_s / read_s,
                    "reader_cpu_s_per_sample": cpu_s / n, "sha256_MBps": size / sha_s / 1e6,
-                   "to_bf16_on_cpu_s_per_sample": to_cpu_s / n}
+                   "to_bf16_on_cpu_s_per_sample": to_cpu_s / n, "reader_buffers": a.reader_buffers,
+                   "buffers_allocated": pool.allocated if pool else None,
+                   "buffers_reused": pool.reused if pool else None}
             results[store] = res
             print(f"{store:9s}: {size / n / 1e6:7.1f} MB a sample ({res['bytes_per_token']:,.0f} bytes/token); raw "
                   f"sequential read {res['raw_MBps']:,.0f} MB/s, reader (read+checks+collate) "
@@ -244,6 +259,11 @@ def real_size(a) -> int:
                   f"{res['to_bf16_on_cpu_s_per_sample']:.2f} s/sample; sha256 (cold) {res['sha256_MBps']:,.0f} MB/s")
             shutil.rmtree(root / store)
         r8, r16 = results["fp8_e4m3"], results["auto"]
+        print(f"\n{'store':9s} {'MB/sample':>9s} {'raw MB/s':>9s} {'reader MB/s':>11s} {'ratio':>6s} "
+              f"{'CPU s/sample':>12s}   (goal: ratio >= 0.9; reader buffers {a.reader_buffers})")
+        for store, r in results.items():
+            print(f"{store:9s} {r['bytes'] / n / 1e6:9.1f} {r['raw_MBps']:9,.0f} {r['reader_MBps']:11,.0f} "
+                  f"{r['ratio']:6.2f} {r['reader_cpu_s_per_sample']:12.2f}")
         print(f"fp8 / bf16 stored bytes per token = {r8['bytes_per_token'] / r16['bytes_per_token']:.4f}; "
               f"samples/s through the reader: bf16 {r16['reader_MBps'] * 1e6 / (r16['bytes'] / n):.2f}, "
               f"fp8 {r8['reader_MBps'] * 1e6 / (r8['bytes'] / n):.2f}")

@@ -6,11 +6,15 @@
   reported, per ``on_bad``. Given the verification record, only its shards
   are read, and a file written after verification counts as a mismatch
   (training takes only what ``capture verify`` passed).
-- Reading: the safetensors header is parsed and checked here, then each
-  tensor asked for is read straight into its own buffer with large
-  sequential reads (no mmap page faults, no second copy): at 470 MB a sample
-  this is what keeps the reader near the disk's sequential rate (bench/train.py
-  --real-size). Only the tensors asked for are read.
+- Reading: the safetensors header is parsed and checked here, then the
+  tensors asked for are read straight into host memory with large sequential
+  reads (no mmap page faults, no second copy). Only the tensors asked for are
+  read. The loader reads into reused buffers (``HostBufferPool``): a fresh
+  470 MB allocation per sample costs more in first-touch page faults than the
+  read itself (glibc gives big frees back to the OS, so every sample paid
+  again); reused, the reader runs at the disk's sequential rate
+  (bench/train.py --real-size). A buffer goes back to its pool only when the
+  last tensor viewing it is gone, so a batch still held is never overwritten.
 - Order: a pure function of (seed, epoch): shuffle, group ~``bucket_batches``
   batches' worth of samples, sort each group by length (less padding), cut
   into batches, shuffle the batches. The position in that order
@@ -25,10 +29,12 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
 import torch
 
@@ -136,10 +142,82 @@ _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": tor
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _READ_CHUNK = 16 << 20
 _MAX_HEADER = 100 << 20      # safetensors' own limit
+_ALIGN = 64                  # tensors carved from one buffer start on a 64-byte boundary (any dtype's alignment)
+
+Buffer = Callable[[int], torch.Tensor]   # nbytes -> a 1-D uint8 host tensor of exactly that many bytes
 
 
-def _read_safetensors(path: str, keys: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
-    """(the named tensors, metadata, keys in the file), each tensor read into its own buffer.
+class HostBufferPool:
+    """Reusable host buffers: ``take(nbytes)`` gives a uint8 tensor backed by a kept block when one fits.
+
+    The block goes back to the pool when the last tensor sharing its memory is freed (views, ``unsqueeze``,
+    ``.to`` that returns self included: they all hold the one storage, whose release drops the numpy array
+    the finalizer watches), never earlier, so a caller may hold a batch as long as it likes. Blocks are
+    sized to the largest request seen (rounded to 2 MiB) so they fit the next sample; at most ``keep``
+    free ones are kept (the smallest dropped first; one smaller than the largest request is not kept).
+    Thread-safe (the prefetch thread takes, any thread frees).
+    """
+
+    def __init__(self, keep: int = 3, round_to: int = 2 << 20):
+        self.keep = keep
+        self.round_to = round_to
+        self.largest = 0
+        self.allocated = 0      # fresh blocks made
+        self.reused = 0         # takes served from a kept block
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.RLock()   # a give-back can run inside take() on the same thread (a freed view)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        block = None
+        with self._lock:
+            self.largest = max(self.largest, nbytes)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self.reused += 1
+            else:
+                self.allocated += 1
+        if block is None:
+            cap = max(self.largest, 1)
+            block = torch.empty(-(-cap // self.round_to) * self.round_to, dtype=torch.uint8)
+        arr = block.numpy()[:nbytes]
+        weakref.finalize(arr, self._give_back, block).atexit = False
+        return torch.from_numpy(arr)
+
+    def _give_back(self, block: torch.Tensor) -> None:
+        with self._lock:
+            if block.numel() >= self.largest:
+                self._free.append(block)
+                if len(self._free) > self.keep:     # the smallest goes: the largest fit every sample
+                    self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+def _carve(buffer: Buffer | None, specs: Sequence[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialised tensors of the given shapes: views into one ``buffer`` block, or each its own allocation."""
+    import math
+    if buffer is None:
+        return [torch.empty(shape, dtype=dt) for shape, dt in specs]
+    offsets, total = [], 0
+    for shape, dt in specs:
+        offsets.append(total)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    block = buffer(total)
+    out = []
+    for (shape, dt), off in zip(specs, offsets):
+        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        out.append(block[off:off + n].view(dt).view(shape) if n else torch.empty(shape, dtype=dt))
+    return out
+
+
+def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """(the named tensors, metadata, keys in the file): each tensor in its own allocation, or all of them
+    carved from one ``buffer`` block.
 
     Raises ValueError for a header safetensors would refuse (bad length or JSON, unknown dtype, offsets
     that do not match the shape or run past the file) and OSError for a file cut short."""
@@ -154,7 +232,7 @@ def _read_safetensors(path: str, keys: Sequence[str]) -> tuple[dict[str, torch.T
         header = json.loads(f.read(n))
         meta = header.pop("__metadata__", None) or {}
         base = 8 + n
-        out: dict[str, torch.Tensor] = {}
+        found: list[tuple[str, int, int, list[int], torch.dtype]] = []
         for k in keys:
             e = header.get(k)
             if e is None:
@@ -168,7 +246,11 @@ def _read_safetensors(path: str, keys: Sequence[str]) -> tuple[dict[str, torch.T
             if end - start != nbytes or start < 0 or base + end > size:
                 raise ValueError(f"{k}: offsets {start}..{end} do not hold shape {shape} {e['dtype']} in the "
                                  f"{size}-byte file")
-            t = torch.empty(shape, dtype=dt)
+            found.append((k, start, nbytes, shape, dt))
+        found.sort(key=lambda x: x[1])       # in file order: one sequential pass
+        tensors = _carve(buffer, [(shape, dt) for _k, _s, _n, shape, dt in found])
+        out: dict[str, torch.Tensor] = {}
+        for (k, start, nbytes, _shape, _dt), t in zip(found, tensors):
             view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
             f.seek(base + start)
             got = 0
@@ -181,17 +263,18 @@ def _read_safetensors(path: str, keys: Sequence[str]) -> tuple[dict[str, torch.T
     return out, meta, list(header)
 
 
-def read_sample_keys(ref: SampleRef, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+def read_sample_keys(ref: SampleRef, keys: Sequence[str], buffer: Buffer | None = None) -> dict[str, torch.Tensor]:
     """The named tensors of one stored sample, checked for presence and length.
 
     From an fp8 store a hidden-state key comes as float8 with its ``<key>_scale`` beside it
     (``Batch.to`` de-quantises on the device); the file's own metadata must say fp8_e4m3.
+    With ``buffer`` (e.g. ``HostBufferPool.take``) all of them are views into one block from it.
     """
     wanted = list(keys)
     if ref.store_dtype == "fp8_e4m3":
         wanted += [k + SCALE_SUFFIX for k in keys if k in QUANTISED_KEYS]
     try:
-        out, meta, have = _read_safetensors(ref.path, wanted)
+        out, meta, have = _read_safetensors(ref.path, wanted, buffer)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise BadSampleError(f"{ref.path}: not a readable safetensors file ({e}); re-run its shard's extraction") from None
     stored_as = meta.get("store_dtype", "auto")
@@ -246,37 +329,53 @@ class Batch:
                      mv(self.aux_hidden_states, True, self.aux_scale), mv(self.hidden_states, True, self.hidden_scale))
 
 
-def collate(samples: list[dict[str, torch.Tensor]], max_length: int | None = None) -> Batch:
-    """Right-pad to the longest sample (causal attention never looks right, so padding needs no mask)."""
-    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+def collate(samples: Iterable[dict[str, torch.Tensor]], max_length: int | None = None, *,
+            lengths: Sequence[int] | None = None, buffer: Buffer | None = None) -> Batch:
+    """Right-pad to the longest sample (causal attention never looks right, so padding needs no mask).
+
+    With ``lengths`` (each sample's tokens, from the manifest) ``samples`` may be a lazy iterable: each
+    is copied in and let go before the next is read, so one sample's memory is held at a time. ``buffer``
+    gives the padded batch's host memory (the loader's pool); by default it is a fresh allocation.
+    """
+    if lengths is None:
+        samples = list(samples)
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    it = iter(samples)
     t = max(lengths) if max_length is None else min(max(lengths), max_length)
-    b = len(samples)
+    b = len(lengths)
+    s = next(it)
     if b == 1 and lengths[0] == t:   # nothing to pad: the read buffers are the batch (no 470 MB copy)
-        s = samples[0]
         one = lambda k: s[k].unsqueeze(0) if k in s else None  # noqa: E731
         return Batch(s["input_ids"].to(torch.int64).unsqueeze(0), s["loss_mask"].bool().unsqueeze(0),
                      torch.ones(1, t, dtype=torch.bool), one("aux_hidden_states"), one("hidden_states"),
                      one("aux_hidden_states" + SCALE_SUFFIX), one("hidden_states" + SCALE_SUFFIX))
-    aux_w = samples[0]["aux_hidden_states"].shape[1]
-    h = samples[0]["hidden_states"].shape[1]
-    dtype = samples[0]["hidden_states"].dtype
-    fp8 = "aux_hidden_states" + SCALE_SUFFIX in samples[0]
-    ids = torch.zeros(b, t, dtype=torch.int64)
-    lm = torch.zeros(b, t, dtype=torch.bool)
-    am = torch.zeros(b, t, dtype=torch.bool)
-    aux = torch.zeros(b, t, aux_w, dtype=dtype)
-    hid = torch.zeros(b, t, h, dtype=dtype)
-    scales = {k: torch.zeros(b, t, samples[0][k + SCALE_SUFFIX].shape[1], dtype=torch.float32)
-              for k in QUANTISED_KEYS} if fp8 else {}
-    for i, s in enumerate(samples):
+    aux_w = s["aux_hidden_states"].shape[1]
+    h = s["hidden_states"].shape[1]
+    dtype = s["hidden_states"].dtype
+    scale_w = {k: s[k + SCALE_SUFFIX].shape[1] for k in QUANTISED_KEYS} if "aux_hidden_states" + SCALE_SUFFIX in s else {}
+    ids, lm, am, aux, hid, *sc = _carve(buffer, [([b, t], torch.int64), ([b, t], torch.bool), ([b, t], torch.bool),
+                                                 ([b, t, aux_w], dtype), ([b, t, h], dtype)]
+                                        + [([b, t, w], torch.float32) for w in scale_w.values()])
+    scales = dict(zip(scale_w, sc))
+    for small in (ids, lm, am, *sc):     # padding keeps scale 0: it de-quantises to zeros
+        small.zero_()
+    for i in range(b):
+        if i:
+            s = next(it)
+        if int(s["input_ids"].shape[0]) != lengths[i]:
+            raise ValueError(f"sample {i} of the batch has {int(s['input_ids'].shape[0])} tokens, "
+                             f"lengths says {lengths[i]}")
         n = min(lengths[i], t)
         ids[i, :n] = s["input_ids"][:n]
         lm[i, :n] = s["loss_mask"][:n].bool()
         am[i, :n] = True
         aux[i, :n] = s["aux_hidden_states"][:n]
         hid[i, :n] = s["hidden_states"][:n]
-        for k, sc in scales.items():     # padding keeps scale 0: it de-quantises to zeros
-            sc[i, :n] = s[k + SCALE_SUFFIX][:n]
+        aux[i, n:].zero_()                # only the padding is zeroed: the rest is overwritten
+        hid[i, n:].zero_()
+        for k, x in scales.items():
+            x[i, :n] = s[k + SCALE_SUFFIX][:n]
+        s = None                          # let its buffer go before the next sample is read
     return Batch(ids, lm, am, aux, hid, scales.get("aux_hidden_states"), scales.get("hidden_states"))
 
 
@@ -309,11 +408,15 @@ class DataPosition:
 
 
 class HiddenStateLoader:
-    """Yields this process's micro-batches in the planned order, reading one ahead on a thread."""
+    """Yields this process's micro-batches in the planned order, reading one ahead on a thread.
+
+    Samples are read into, and padded batches built in, reused host buffers (``buffers`` kept per
+    pool; 0: a fresh allocation every time): a batch's buffer is reused only once the batch is dropped.
+    """
 
     def __init__(self, refs: Sequence[SampleRef], *, batch_size: int, seed: int, rank: int = 0,
                  world_size: int = 1, position: DataPosition | None = None, prefetch: bool = True,
-                 max_length: int | None = None):
+                 max_length: int | None = None, buffers: int = 3):
         self.refs = list(refs)
         self.batch_size = batch_size
         self.seed = seed
@@ -325,6 +428,9 @@ class HiddenStateLoader:
         self._plan: list[list[int]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
         self._ahead: tuple[tuple[int, int], Future] | None = None
+        # the batch in use, the one read ahead and the one being read while the caller still holds its last
+        self.sample_buffers = HostBufferPool(buffers) if buffers else None
+        self.batch_buffers = HostBufferPool(buffers) if buffers else None
 
     def _batches(self, epoch: int) -> list[list[int]]:
         if epoch != self._plan_epoch:
@@ -341,7 +447,11 @@ class HiddenStateLoader:
     def _load(self, epoch: int, cursor: int) -> Batch:
         members = epoch_batches(self.refs, self.batch_size, self.seed, epoch, self.world_size)[cursor + self.rank] \
             if epoch != self._plan_epoch else self._plan[cursor + self.rank]
-        return collate([read_sample_keys(self.refs[i], SAMPLE_KEYS) for i in members], self.max_length)
+        refs = [self.refs[i] for i in members]
+        take = self.sample_buffers.take if self.sample_buffers else None
+        return collate((read_sample_keys(r, SAMPLE_KEYS, take) for r in refs), self.max_length,
+                       lengths=[r.tokens for r in refs],
+                       buffer=self.batch_buffers.take if self.batch_buffers else None)
 
     def next_batch(self) -> Batch:
         pos = self.position
