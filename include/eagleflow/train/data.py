@@ -352,7 +352,8 @@ def collate(samples: Iterable[dict[str, torch.Tensor]], max_length: int | None =
     aux_w = s["aux_hidden_states"].shape[1]
     h = s["hidden_states"].shape[1]
     dtype = s["hidden_states"].dtype
-    scale_w = {k: s[k + SCALE_SUFFIX].shape[1] for k in QUANTISED_KEYS} if "aux_hidden_states" + SCALE_SUFFIX in s else {}
+    fp8 = "aux_hidden_states" + SCALE_SUFFIX in s
+    scale_w = {k: s[k + SCALE_SUFFIX].shape[1] for k in QUANTISED_KEYS} if fp8 else {}
     ids, lm, am, aux, hid, *sc = _carve(buffer, [([b, t], torch.int64), ([b, t], torch.bool), ([b, t], torch.bool),
                                                  ([b, t, aux_w], dtype), ([b, t, h], dtype)]
                                         + [([b, t, w], torch.float32) for w in scale_w.values()])
