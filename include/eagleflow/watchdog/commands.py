@@ -118,11 +118,12 @@ def _recover(args) -> int:
 
     if args.cause and not args.incident_only:
         # the watch at work, not a silent watch: the sentinel allows the recovery its own bound
+        from .recovery import recovery_budget_s
         from .sentinel import looks_path, record_look
         from .signals import WatchedJob
         job = WatchedJob(shard=args.shard, num_shards=cfg.capture.shards)
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
-                                              "until": time.time() + recovery_bound_s(cfg),
+                                              "until": time.time() + recovery_budget_s(cfg),
                                               "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
         from .recovery import open_incident
@@ -141,12 +142,6 @@ def _recover(args) -> int:
     else:
         print(result["summary"])
     return 0 if result["ok"] else 1
-
-
-def recovery_bound_s(cfg) -> float:
-    """The longest an in-watch recovery may take: the server lock wait (recovery.recover_in_watch), then a
-    restart (GPUs freed, the server ready) and the worker started again."""
-    return 2 * (cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
 
 
 def _sentinel(args) -> int:

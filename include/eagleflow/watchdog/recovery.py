@@ -13,8 +13,10 @@ TERM, grace, KILL, with a SIGCONT first so a SIGSTOPped server can act on
 TERM); wait until the GPUs read idle again (baseline + margin, eagleflow.gpu.IdlePolicy);
 start the server; wait until /health_generate answers.
 
-``recover_capture_server`` runs ON the node (``eagleflow recover``);
-``recover_before_retry`` is what the Airflow operator calls: one node command.
+``recover_capture_server`` (a retry) and ``recover_in_watch`` (the watch's stall, per cause) run ON the node
+(``eagleflow recover``) and restart the server through the one ``_restart_server``; the Airflow side calls them
+through the one ``recover_on_node``, whose node command may take ``recovery_budget_s`` (the one time budget
+of a recovery, whatever its cause, from the config).
 """
 from __future__ import annotations
 
@@ -33,6 +35,23 @@ from eagleflow.nodes.proc import read_proc_state
 from eagleflow.watchdog.node_lock import NodeLock
 
 Log = Callable[[str], None]
+
+
+def server_restart_s(cfg) -> float:
+    """The longest one server restart may take: the GPUs freed (``gpu.idle_timeout_s``), the model loaded
+    (``capture.ready_timeout_s``), 120 s for the stop and the worker. Also how long a recovery waits for the
+    server's recovery lock, held by another shard's restart."""
+    return cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120
+
+
+def recovery_budget_s(cfg) -> float:
+    """The time budget of one recovery, whatever its cause: the wait for another shard's restart under the
+    lock, then its own restart. The sentinel allows a recovering watch this long; the control plane waits this
+    plus ``RECOVERY_COMMAND_SLACK_S`` for the node command."""
+    return 2 * server_restart_s(cfg)
+
+
+RECOVERY_COMMAND_SLACK_S = 60.0   # the SSH round trip and the command's own start, beyond the budget
 
 
 class RecoveryResult(BaseModel):
@@ -77,7 +96,7 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
     lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
     t0 = time.time()
     # Long enough for another shard's full restart: stop, GPU wait, model load.
-    waited = lock.acquire(timeout_s=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+    waited = lock.acquire(timeout_s=server_restart_s(cfg))
     try:
         if waited:
             log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
@@ -104,18 +123,10 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         reason = detail if state in ("dead", "stuck") else f"not answering /health_generate within " \
                                                             f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
         log(f"shard {shard}: capture server unhealthy: {reason}; restarting it")
-        old_pid = rec.pid if rec else None
-        # the stop sends CONT after TERM: a SIGSTOPped server acts on it
-        stop_capture_server(run, grace_s=min(cfg.gpu.kill_grace_s, 30.0), log=log)
-        gpus = _free_and_verify_gpus(run, log)
-        proc, _ = start_capture_server(run, log=log)
-        info = wait_capture_server_ready(run, log=log)
-        new_pid = proc.pid
-        restart = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid,
-                   "new_pid": new_pid, "url": info.get("url"), "gpus": gpus}
-        _log_restart(run, restart)
+        restart = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 30.0))
+        old_pid, new_pid, gpus = restart["old_pid"], restart["new_pid"], restart["gpus"]
         summary = (f"capture server restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
-                   f"at {info.get('url')}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
+                   f"at {restart['url']}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
         log(summary)
         return {"ok": True, "action": "restarted", "summary": summary, "worker": stopped_worker,
                 "restart": restart}
@@ -180,7 +191,7 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     try:
         if cause == SERVER_ROLE:
             lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
-            lock.acquire(timeout_s=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+            lock.acquire(timeout_s=server_restart_s(cfg))
             try:
                 result["worker"] = _stop_stuck_worker(run, shard, log)
                 result.update(_restart_server_once(run, shard, incident, log))
@@ -228,19 +239,32 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> 
         reason = f"pid {rec.pid} is alive but the watch found it stuck ({incident['shards'].get(str(shard), {}).get('summary', '')[:300]})"
     log(f"shard {shard}: capture server {reason}; restarting it")
     t0 = time.time()
+    # the watch saw the stall a moment ago: a shorter grace and a finer readiness poll than a retry's
+    entry = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 10.0), poll_s=0.25,
+                            incident_id=incident["id"])
+    return {"action": "restarted", "restart": entry,
+            "server_summary": f"capture server restarted: was pid {entry['old_pid']} ({reason}); now pid "
+                              f"{entry['new_pid']} at {entry['url']}, ready {time.time() - t0:.1f} s later; "
+                              f"GPUs: {entry['gpus']}"}
+
+
+def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason: str, log: Log, *, grace_s: float,
+                    poll_s: float | None = None, incident_id: str | None = None) -> dict[str, Any]:
+    """The one server restart, under the caller's recovery lock: stop it (pid record; the stop sends CONT after
+    TERM, so a SIGSTOPped server acts on it), wait until the GPUs read idle, start it, wait until it answers,
+    and log the restart (the entry, returned). ``incident_id``: the incident book's incident it belongs to."""
     old_pid = rec.pid if rec else None
-    # the stop sends CONT after TERM: a SIGSTOPped server acts on it
-    stop_capture_server(run, grace_s=min(cfg.gpu.kill_grace_s, 10.0), log=log)
+    stop_capture_server(run, grace_s=grace_s, log=log)
     gpus = _free_and_verify_gpus(run, log)
     proc, _ = start_capture_server(run, log=log)
-    info = wait_capture_server_ready(run, poll_s=0.25, log=log)
-    new_pid = proc.pid
-    entry = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid, "new_pid": new_pid,
-             "url": info.get("url"), "gpus": gpus, "incident": incident["id"]}
+    info = (wait_capture_server_ready(run, log=log) if poll_s is None
+            else wait_capture_server_ready(run, poll_s=poll_s, log=log))
+    entry = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid, "new_pid": proc.pid,
+             "url": info.get("url"), "gpus": gpus}
+    if incident_id is not None:
+        entry["incident"] = incident_id
     _log_restart(run, entry)
-    return {"action": "restarted", "restart": entry,
-            "server_summary": f"capture server restarted: was pid {old_pid} ({reason}); now pid {new_pid} at "
-                              f"{info.get('url')}, ready {time.time() - t0:.1f} s later; GPUs: {gpus}"}
+    return entry
 
 
 def shard_counts(run: RunLike) -> dict[str, str]:
@@ -304,49 +328,38 @@ def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
 
 
 # ----------------------------------------------------------------------------- control plane side
-def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
-    """Called by ExtractShardOperator on a retry whose first look found the shard stalled, dead or failed
-    (a live, progressing worker is attached to instead): one node command, ``eagleflow recover --shard I --json``.
-
-    ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
-    recovery failed, so the retry fails with the reason instead of running blind.
-    """
+def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident: str | None = None,
+                    summary: str = "") -> dict[str, Any]:
+    """The one control-plane call of a recovery, for every cause: ``eagleflow recover --shard I --json`` (with
+    ``--cause``/``--incident``/``--summary`` after a watch's stall), given ``recovery_budget_s`` plus
+    ``RECOVERY_COMMAND_SLACK_S``. ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
+    recovery failed or gave no answer, so the task fails with the reason instead of running blind."""
     say = log.info if hasattr(log, "info") else log
-    cfg = ctx.cfg
-    timeout = cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + cfg.capture.ready_timeout_s + 300
+    argv = ["recover", "--shard", str(shard), "--json"]
+    if cause is not None:
+        argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500]]
     try:
         # exit 1 still carries the result: a recovery that failed says why
-        result = ctx.node.run_json(ctx.eagleflow_argv("recover", "--shard", str(shard), "--json"), RecoveryResult,
-                                   timeout=timeout, answer_codes=(0, 1),
+        result = ctx.node.run_json(ctx.eagleflow_argv(*argv), RecoveryResult,
+                                   timeout=recovery_budget_s(ctx.cfg) + RECOVERY_COMMAND_SLACK_S, answer_codes=(0, 1),
                                    log=lambda line: say(f"recover (node {ctx.node.name}): {line}"))
     except NodeError as e:
-        raise RuntimeError(f"`eagleflow recover --shard {shard}` gave no result: {e}") from None
+        raise RuntimeError(f"`eagleflow recover --shard {shard}` on node {ctx.node.name} gave no result: {e}") from None
     say(f"shard {shard}: {result.summary}")
     if not result.ok:
-        raise RuntimeError(result.summary)
+        raise RuntimeError(result.summary or "recovery failed without a reason")
     return result.model_dump()
 
 
-def recover_after_stall(ctx, shard: int, event: dict[str, Any], log) -> dict[str, Any]:
-    """Control plane, right after the watch's stall event (and its mail): ``eagleflow recover --incident``.
+def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
+    """Called by ExtractShardOperator on a retry whose first look found the shard stalled, dead or failed
+    (a live, progressing worker is attached to instead)."""
+    return recover_on_node(ctx, shard, log)
 
-    One node command; raises RuntimeError when the recovery failed, so the task fails with the stall and
-    the reason, and Airflow's retry (``recover_before_retry``) is the fallback.
-    """
-    say = log.info if hasattr(log, "info") else log
-    cfg = ctx.cfg
+
+def recover_after_stall(ctx, shard: int, event: dict[str, Any], log) -> dict[str, Any]:
+    """Control plane, right after the watch's stall event (and its mail): the recovery of the event's cause in
+    the event's incident; Airflow's retry (``recover_before_retry``) is the fallback when it fails."""
     inc = event.get("incident") or {}
-    argv = ctx.eagleflow_argv("recover", "--shard", str(shard), "--json", "--cause", str(event.get("cause")),
-                              "--incident", str(inc.get("incident")),
-                              "--summary", (event.get("diagnosis") or "").splitlines()[0][:1500])
-    from eagleflow.nodes import NodeError
-    try:
-        # exit 1 still carries the answer (ok: false, with the reason)
-        result = ctx.node.run_json(argv, dict, timeout=cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 300,
-                                   answer_codes=(0, 1), log=lambda line: say(f"recover (node {ctx.node.name}): {line}"))
-    except NodeError as e:
-        raise RuntimeError(f"`eagleflow recover --shard {shard}` on node {ctx.node.name} gave no result: {e}") from None
-    say(f"shard {shard}: {result.get('summary')}")
-    if not result.get("ok"):
-        raise RuntimeError(result.get("summary") or "recovery failed without a reason")
-    return result
+    return recover_on_node(ctx, shard, log, cause=str(event.get("cause")), incident=str(inc.get("incident")),
+                           summary=next(iter((event.get("diagnosis") or "").splitlines()), ""))
