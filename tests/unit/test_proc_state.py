@@ -54,7 +54,7 @@ def test_stopped_is_alive_and_stopped_until_continued_and_group_and_start_time_a
     try:
         st = read_stat(p.pid)
         assert st is not None and st.alive and not st.stopped and not st.zombie, st
-        assert st.pgid == p.pid != os.getpgrp()   # its own group (setsid), not ours
+        assert st.pgid == p.pid != os.getpgrp() and st.ppid == os.getpid()   # its own group (setsid), our child
         assert st.start_ticks == read_start_ticks(p.pid) > 0 and st.exit_code is None and st.exit_signal is None
         os.kill(p.pid, signal.SIGSTOP)
         st = wait_until(lambda: (s := read_stat(p.pid)) is not None and s.stopped and s, 10, every_s=0.02,

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 # /proc/<pid>/stat fields, numbered as in proc(5); the list after the state starts at field 4
-_PGRP, _STARTTIME, _EXIT_CODE = 5, 22, 52
+_PPID, _PGRP, _STARTTIME, _EXIT_CODE = 4, 5, 22, 52
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ProcState:
     pgid: int = 0              # field 5
     exit_code: int | None = None    # a zombie's, from field 52 (Linux >= 3.5); None while it runs
     exit_signal: int | None = None  # the signal that killed a zombie
+    ppid: int = 0              # field 4: the parent
 
     @property
     def alive(self) -> bool:
@@ -80,7 +81,7 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcState | None:
         with open(f"{proc_root}/{pid}/stat") as f:
             comm, state, rest = parse_stat(f.read())
         st = ProcState(pid=pid, comm=comm, state=state, start_ticks=_field(rest, _STARTTIME),
-                       pgid=_field(rest, _PGRP))
+                       pgid=_field(rest, _PGRP), ppid=_field(rest, _PPID))
     except (OSError, ValueError, IndexError):
         return None
     if st.zombie:
