@@ -29,7 +29,7 @@ from pathlib import Path
 
 from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
 from eagleflow.nodes import process_record
-from eagleflow.nodes.proc import parse_stat, read_start_ticks
+from eagleflow.nodes.proc import read_start_ticks, read_stat
 
 
 def free_port() -> int:
@@ -125,17 +125,7 @@ def admin_password(home: Path, wait_s: float = 0) -> str | None:
 def _group_alive(pgid: int) -> bool:
     """Any process of the group that is not a zombie (a zombie holds no port and no memory)."""
     _reap(pgid)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                _, state, rest = parse_stat(f.read())
-        except (OSError, ValueError):
-            continue
-        if int(rest[1]) == pgid and state != "Z":  # rest[1] is field 5, the process group
-            return True
-    return False
+    return bool(process_record.group_pids(pgid))
 
 
 def _reap(pid: int) -> None:
@@ -188,18 +178,15 @@ def _children(pid: int) -> list[tuple[int, int, str]]:
     """(pid, start_ticks, cmdline) of the live children of ``pid``."""
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        st = read_stat(int(entry)) if entry.isdigit() else None
+        if st is None or st.ppid != pid or not st.alive:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                _, state, rest = parse_stat(f.read())
-            if int(rest[0]) != pid or state in ("Z", "X"):   # rest[0] is field 4, the parent
-                continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        out.append((int(entry), int(rest[22 - 4]), cmd))
+        out.append((st.pid, st.start_ticks, cmd))
     return out
 
 
