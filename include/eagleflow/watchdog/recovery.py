@@ -31,8 +31,9 @@ from eagleflow.durable import open_owned
 from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, start_capture_server,
                                          stop_capture_server, wait_capture_server_ready, worker_role)
 from eagleflow.nodes import NodeError, ProcessRecord
-from eagleflow.nodes.proc import read_proc_state
-from eagleflow.watchdog.node_lock import NodeLock
+from eagleflow.nodes.locks import NodeLock
+from eagleflow.nodes.proc import read_stat
+from eagleflow.nodes.process_record import leader_state
 
 Log = Callable[[str], None]
 
@@ -143,12 +144,12 @@ def _server_provably_stuck(run: RunLike) -> str:
     rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
     if rec is None:
         return ""
-    st = read_proc_state(rec.pid)
-    if st is None or st.start_ticks != rec.start_ticks:
+    st = leader_state(rec)
+    if st is None:
         return ""   # gone: check_ready says "dead" at once, without a health request
-    if st.state in ("T", "t"):
+    if st.stopped:
         return f"capture server pid {rec.pid} is stopped (state T; no health re-check needed)"
-    if st.state == "Z":
+    if st.zombie:
         return f"capture server pid {rec.pid} is a zombie (no health re-check needed)"
     return ""
 
@@ -222,18 +223,18 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> 
     cfg = run.cfg
     status = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE)))
     rec = status.record
-    st = read_proc_state(rec.pid) if status.alive else None
+    st = read_stat(rec.pid) if status.alive else None
     alive = st is not None
     restarted_in_incident = [i for i in read_restarts(run)
                              if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
-    if restarted_in_incident and alive and st.state not in ("T", "t", "Z"):
+    if restarted_in_incident and alive and st.alive and not st.stopped:
         return {"action": "none", "server_summary": f"capture server already restarted in this incident "
                                                     f"(now pid {rec.pid}): no second restart"}
     if not alive:
         reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
-    elif st.state in ("T", "t"):
+    elif st.stopped:
         reason = f"pid {rec.pid} is stopped (state T; no health re-check needed)"
-    elif st.state == "Z":
+    elif st.zombie:
         reason = f"pid {rec.pid} is a zombie (no health re-check needed)"
     else:
         reason = f"pid {rec.pid} is alive but the watch found it stuck ({incident['shards'].get(str(shard), {}).get('summary', '')[:300]})"
@@ -298,9 +299,8 @@ def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within
     last = read_restarts(run)[-1:]
     if not last or last[0].get("new_pid") != rec.pid:
         return False
-    st = read_proc_state(rec.pid)
-    return (st is not None and st.state not in ("T", "t", "Z") and st.start_ticks == rec.start_ticks
-            and time.time() - rec.started_at < within_s)
+    st = leader_state(rec)
+    return st is not None and st.alive and not st.stopped and time.time() - rec.started_at < within_s
 
 
 def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
