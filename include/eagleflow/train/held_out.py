@@ -48,11 +48,11 @@ def held_out_refs(held_out_dir: str | Path, *, eval_every: int, log: Callable[[s
 
 
 def evaluate_held_out(ttt: TrainingTimeTest, head: TargetHead, refs: Sequence[SampleRef], *, batch_size: int,
-                      device: torch.device, dtype: torch.dtype, mask_alignment: str) -> dict[str, float]:
+                      device: torch.device, dtype: torch.dtype, mask_alignment: str,
+                      autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                      ) -> dict[str, float]:
     """``eval_*`` figures of the draft as it is now, over every held-out sample (no gradient, weights untouched)."""
     order = sorted(range(len(refs)), key=lambda i: (-refs[i].tokens, refs[i].index))  # less padding
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
-        else contextlib.nullcontext
     was_training = ttt.training
     ttt.eval()
     total, batches = None, 0

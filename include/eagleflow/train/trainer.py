@@ -266,7 +266,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             end_now = step == tc.max_steps or (stop_after_step is not None and step >= stop_after_step)
             if held and (step % tc.eval_every == 0 or end_now):
                 row.update(evaluate_held_out(ttt, head_t, held, batch_size=tc.batch_size, device=d.device,
-                                             dtype=data_dtype, mask_alignment=tc.loss_mask_alignment))
+                                             dtype=data_dtype, mask_alignment=tc.loss_mask_alignment,
+                                             autocast=autocast))
                 say(f"held-out at step {step}: loss per position {row.get('eval_loss_per_position', float('nan')):.4f} "
                     f"acc_0 {row['eval_acc_0']:.3f} accept_len {row['eval_accept_length']:.2f} "
                     f"({len(held)} samples)")
