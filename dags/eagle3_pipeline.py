@@ -5,9 +5,10 @@ Trigger it from the Airflow UI (the form below) or the REST API with a conf.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from datetime import timedelta
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, Param, TaskGroup
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.capture_operators import (
@@ -24,7 +25,8 @@ from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
-from eagleflow.airflow.routing import default_config_path, node_routing
+from eagleflow.airflow.fleet_operators import PREPARE_TASK, CollectShardsOperator, PrepareNodeOperator
+from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
 from eagleflow.airflow.runtime import allowed_node_conn_ids
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 
@@ -43,10 +45,59 @@ sample (it runs after a failed shard too, and fails the run naming the
 shards and counts); check the GPUs idle; train the draft on the node only
 on verified data; export it in the format SGLang serves. Any failure ends
 the run failed: nothing trains or exports on partial data.
+
+A fleet (fleet.nodes in $EAGLEFLOW_CONFIG) gives each node a task group of its own (its queue and pool):
+prepare_node (skips a node the run leaves out; probes shared storage, else copies the corpus there), the
+GPU gates, its capture server, its share of the shards, and collect_shards (its verified shard files to
+the training node, which verifies every shard of every node before it trains).
 """
 
-# The node's Celery queue and GPU pool, from $EAGLEFLOW_CONFIG (Airflow fixes them at parse time).
-NODE = node_routing()
+# The fleet's nodes (one without a fleet), each with its Celery queue and GPU pool, from $EAGLEFLOW_CONFIG:
+# Airflow fixes them at parse time. The training node runs everything but the other nodes' capture.
+FLEET = fleet_routing()
+NODE = next(n for n in FLEET if n.training)
+GROUPED = len(FLEET) > 1
+
+
+def capture_on(node: FleetNodeRoute):
+    """One node's capture (a task group per node in a fleet): GPU gates, its capture server as a setup/
+    teardown pair, its share of the shards under the watch (the training node: also the held-out records)
+    and, off shared storage, the copy of its shards to the training node. Returns the tasks the DAG wires."""
+    group = TaskGroup(node.name, default_args={"queue": node.queue, "fleet_node": node.name}) \
+        if GROUPED else nullcontext()
+    prefix = f"{node.name}." if GROUPED else ""
+    with group:
+        prepare = PrepareNodeOperator(task_id=PREPARE_TASK) if GROUPED else None
+        free_before = FreeGpusOperator(task_id="free_gpus")
+        idle_before = GpuIdleSensor(task_id="gpus_idle", pool=node.pool)
+        start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=node.pool)
+        server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=node.pool)
+        shards = PlanShardsOperator(task_id="plan_shards")
+        # named, not left to the group's default_args: a mapped task is rebuilt from its partial kwargs
+        extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2, pool=node.pool,
+                                               fleet_node=node.name if GROUPED else None
+                                               ).expand(shard=shards.output)
+        stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
+        free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
+        if prepare is not None:
+            prepare >> free_before
+        free_before >> idle_before >> start_server >> server_ready >> shards >> extract
+        last = extract
+        if node.training:
+            # the held-out records the trainer scores itself on (train.eval_every), apart from the training store
+            last = CaptureHeldOutOperator(task_id="capture_held_out", retries=2, pool=node.pool)
+            extract >> last
+        last >> stop_server.as_teardown(setups=start_server)
+        # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did
+        stop_server >> free_after.as_teardown(setups=start_server)
+        collect = None
+        if GROUPED and not node.training:
+            collect = CollectShardsOperator(task_id="collect_shards", trigger_rule="all_done",
+                                            prepare_task_id=prefix + PREPARE_TASK, retries=2)
+            extract >> collect
+    return {"first": prepare or free_before, "extract": extract, "held_out": last if node.training else None,
+            "free_after": free_after, "collect": collect, "plan_task_id": prefix + "plan_shards"}
+
 
 with DAG(
     dag_id="eagle3_pipeline",
@@ -106,6 +157,10 @@ with DAG(
         "generate_reasoning": Param(None, type=["null", "string"], enum=[None, "on", "off"], title="Reasoning",
                                     description="thinking on or off for thinking models (enable_thinking); "
                                                 "empty = the config's generate.reasoning."),
+        "fleet_nodes": Param(None, type=["null", "array"], items={"type": "string", "enum": [n.name for n in FLEET]},
+                             title="Fleet nodes",
+                             description="The GPU nodes this run spreads its shards over (in proportion to their "
+                                         "GPU slots); empty = all of the fleet. The training node always takes part."),
         "alert_emails": Param(None, type=["null", "array"], items={"type": "string"}, title="Alert emails",
                               description="Who is mailed on a stall, a retry and a final failure."),
     },
@@ -124,18 +179,11 @@ with DAG(
     prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus")
     delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
     check_disk = CheckDiskOperator(task_id="check_disk")
-    free_before = FreeGpusOperator(task_id="free_gpus")
-    idle_before = GpuIdleSensor(task_id="gpus_idle", pool=NODE.pool)
-    start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=NODE.pool)
-    server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=NODE.pool)
-    shards = PlanShardsOperator(task_id="plan_shards")
-    extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2, pool=NODE.pool).expand(shard=shards.output)
-    # the held-out records the trainer scores itself on (train.eval_every), apart from the training store
-    held_out = CaptureHeldOutOperator(task_id="capture_held_out", retries=2, pool=NODE.pool)
-    stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
+    captures = {node.name: capture_on(node) for node in FLEET}
+    home = captures[NODE.name]
     # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
-    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done")
-    free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
+    verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done",
+                                        plan_task_id=home["plan_task_id"])
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
     train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
     export = ExportDraftOperator(task_id="export_draft")
@@ -150,14 +198,14 @@ with DAG(
     gen_shards >> gen_stop.as_teardown(setups=gen_start)
     gen_stop >> gen_free_after.as_teardown(setups=gen_start)
     [gen_shards, gen_free_after] >> prepare_corpus
-    prepare_corpus >> delete_caches >> check_disk >> free_before >> idle_before
-    idle_before >> start_server >> server_ready >> shards >> extract >> held_out
-    held_out >> stop_server.as_teardown(setups=start_server)
-    # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did, yet
-    # training waits for verification too, so it never runs on partial or unverified data.
-    stop_server >> free_after.as_teardown(setups=start_server)
-    extract >> verify
-    [free_after, verify, held_out] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
+    prepare_corpus >> delete_caches >> check_disk
+    for cap in captures.values():
+        check_disk >> cap["first"]
+        cap["extract"] >> verify
+        if cap["collect"] is not None:
+            cap["collect"] >> verify
+    # training waits for verification too, so it never runs on partial or unverified data
+    [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: evaluate_draft and the other leaves do, so a failed run stays failed

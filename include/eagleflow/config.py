@@ -81,6 +81,46 @@ class NodeConfig(_Section):
                                          "null = default_pool")
 
 
+class FleetNodeConfig(NodeConfig):
+    """One GPU node of a fleet: how to reach it (the NodeConfig fields) and what of it a run uses.
+
+    ``run_root``, ``dump_dir`` and ``gpus`` left empty take the top-level run_root, capture.dump_dir and
+    gpu.select; ``state_dir`` empty is <run_root>/.node-state/<name> (one per node, so nodes that share a
+    run root never share pid records or locks).
+    """
+    gpu_slots: int = Field(default=1, ge=1, le=1024, description="how many shards this node runs at once "
+                           "(its pool's slots); a run's shards are shared out in proportion to them")
+    gpus: list[str] | None = Field(default=None, description="GPU UUIDs or indices a run uses; null = gpu.select")
+    run_root: str | None = Field(default=None, description="the node's run root; null = the top-level run_root")
+    dump_dir: str | None = Field(default=None, description="the node's capture dump dir; null = capture.dump_dir")
+
+
+class FleetConfig(_Section):
+    """The GPU nodes one deployment drives. Empty: the single node of the ``node`` section."""
+    nodes: list[FleetNodeConfig] = Field(default_factory=list, description="the fleet's nodes, names unique")
+    training_node: str | None = Field(default=None, description="the node that prepares the corpus, trains "
+                                      "and evaluates; null = the first of nodes")
+    storage: Literal["auto", "shared", "copy"] = Field(
+        default="auto", description="auto: a probe file written on each node and read on the training node "
+        "decides; shared: the run roots must be one filesystem (the probe must pass); copy: each node's "
+        "verified shards are copied to the training node over SSH")
+    use: list[str] | None = Field(default=None, description="the nodes this run uses (the trigger form's "
+                                  "fleet_nodes); null = all; the training node is always among them")
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_nodes(cls, v: list[FleetNodeConfig]) -> list[FleetNodeConfig]:
+        names = [n.name for n in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(dup)}")
+        bad = [n for n in names if not n.replace("-", "").replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"fleet node names name task groups and files: letters, digits, '-' and '_' only; "
+                             f"not {', '.join(map(repr, bad))}")
+        return v
+
+
 class GpuConfig(_Section):
     select: list[str] = Field(default_factory=list, description="GPU UUIDs or indices; empty = all")
     probe: Literal["auto", "nvml", "smi"] = "auto"
@@ -318,6 +358,7 @@ class PipelineConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
 
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)
@@ -328,6 +369,80 @@ class PipelineConfig(_Section):
             raise ValueError("capture.backend 'sglang' needs a GPU node, but node.has_gpu is false; "
                              "use backend 'hf' on a CPU node")
         return self
+
+    @model_validator(mode="after")
+    def _fleet_is_complete(self) -> "PipelineConfig":
+        """Each fleet node complete (its empty fields from the top level), and the top level the training
+        node's view, so every task that is not a node's own talks to the training node."""
+        fleet = self.fleet
+        if not fleet.nodes:
+            if fleet.use not in (None, [self.node.name]):
+                raise ValueError(f"fleet.use {fleet.use} names nodes, but there is no fleet: this config's one "
+                                 f"node is {self.node.name!r}; leave fleet_nodes empty")
+            if fleet.training_node not in (None, self.node.name):
+                raise ValueError(f"fleet.training_node {fleet.training_node!r} names no node of fleet.nodes "
+                                 "(there are none); list the nodes under fleet.nodes or remove training_node")
+            return self
+        names = [n.name for n in fleet.nodes]
+        if fleet.training_node is None:
+            fleet.training_node = names[0]
+        if fleet.training_node not in names:
+            raise ValueError(f"fleet.training_node {fleet.training_node!r} is not one of fleet.nodes "
+                             f"({', '.join(names)}); name one of them")
+        if "node" in self.model_fields_set and self.node.name not in names:
+            raise ValueError(f"with fleet.nodes, the node section is the training node's and is set from "
+                             f"fleet.nodes; node.name {self.node.name!r} is none of them: remove the node section")
+        for n in fleet.nodes:
+            n.run_root = n.run_root or self.run_root
+            n.dump_dir = n.dump_dir or self.capture.dump_dir
+            n.gpus = list(self.gpu.select) if n.gpus is None else n.gpus
+            n.state_dir = n.state_dir or f"{n.run_root.rstrip('/')}/.node-state/{n.name}"
+            if self.capture.backend == "sglang" and not n.has_gpu:
+                raise ValueError(f"fleet node {n.name!r} has has_gpu false, but capture.backend is 'sglang'")
+        if fleet.use is not None:
+            unknown = [u for u in fleet.use if u not in names]
+            if unknown:
+                raise ValueError(f"fleet.use names {', '.join(map(repr, unknown))}, not in fleet.nodes "
+                                 f"({', '.join(names)}); pick among those")
+            if fleet.training_node not in fleet.use:
+                raise ValueError(f"fleet.use {fleet.use} leaves out the training node {fleet.training_node!r}, "
+                                 "which prepares the corpus and trains; keep it in")
+        self._apply_node(fleet.training_node)
+        return self
+
+    def nodes_in_use(self) -> list[FleetNodeConfig]:
+        """The fleet nodes this run uses, in the fleet's order (one implicit node without a fleet)."""
+        if not self.fleet.nodes:
+            return [FleetNodeConfig(**self.node.model_dump(), gpus=list(self.gpu.select), run_root=self.run_root,
+                                    dump_dir=self.capture.dump_dir)]
+        use = self.fleet.use
+        return [n for n in self.fleet.nodes if use is None or n.name in use]
+
+    def _apply_node(self, name: str) -> None:
+        entry = next(n for n in self.fleet.nodes if n.name == name)
+        # straight into __dict__: an assignment would validate the whole config again, and with it this
+        self.__dict__["node"] = NodeConfig(**{k: getattr(entry, k) for k in NodeConfig.model_fields})
+        self.__dict__["run_root"] = entry.run_root
+        self.capture.dump_dir = entry.dump_dir
+        self.gpu.select = list(entry.gpus)
+
+    @property
+    def is_fleet(self) -> bool:
+        """More than one node: each node's files get its name (the nodes may share a run root)."""
+        return len(self.fleet.nodes) > 1
+
+    def fleet_node_names(self) -> list[str]:
+        return [n.name for n in self.fleet.nodes] or [self.node.name]
+
+    def node_view(self, name: str) -> "PipelineConfig":
+        """This config as the fleet node ``name`` sees it: its connection, run root, dump dir and GPUs."""
+        if not self.fleet.nodes and name == self.node.name:
+            return self.model_copy(deep=True)
+        if name not in [n.name for n in self.fleet.nodes]:
+            raise ConfigError(f"node {name!r} is not in this run's fleet ({', '.join(self.fleet_node_names())})")
+        view = self.model_copy(deep=True)
+        view._apply_node(name)
+        return view
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the config, made absolute against the config file's folder."""

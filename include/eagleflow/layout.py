@@ -27,11 +27,28 @@ class RunLayout:
     run_id: str
     run_dir: PurePosixPath
     state_dir: PurePosixPath
+    # a fleet node other than the training node: its own files in the run dir carry its name, since the
+    # nodes may share one run root (the training node keeps the plain names the tools look for)
+    node_tag: str | None = None
 
     @classmethod
     def for_run(cls, cfg: PipelineConfig, run_id: str) -> "RunLayout":
+        tag = cfg.node.name if cfg.is_fleet and cfg.node.name != cfg.fleet.training_node else None
         return cls(run_id=safe_run_id(run_id), run_dir=PurePosixPath(cfg.run_dir(run_id)),
-                   state_dir=PurePosixPath(cfg.node_state_dir()))
+                   state_dir=PurePosixPath(cfg.node_state_dir()), node_tag=tag)
+
+    def _tagged(self, name: str, suffix: str) -> str:
+        return f"{name}.{self.node_tag}{suffix}" if self.node_tag else f"{name}{suffix}"
+
+    @property
+    def run_config_file(self) -> PurePosixPath:
+        """The run's frozen config as this node sees it (``run-config.json`` on the training node)."""
+        return self.run_dir / self._tagged("run-config", ".json")
+
+    @property
+    def fleet_probe_dir(self) -> PurePosixPath:
+        """Each fleet node's probe file: found on the training node, it proves the run roots are one filesystem."""
+        return self.run_dir / "fleet-probe"
 
     @property
     def corpus_dir(self) -> PurePosixPath:
@@ -64,7 +81,7 @@ class RunLayout:
 
     @property
     def logs_dir(self) -> PurePosixPath:
-        return self.run_dir / "logs"
+        return self.run_dir / "logs" / self.node_tag if self.node_tag else self.run_dir / "logs"
 
     @property
     def draft_dir(self) -> PurePosixPath:
@@ -103,7 +120,7 @@ class RunLayout:
     @property
     def server_info_file(self) -> PurePosixPath:
         """Written by the capture server once it listens: url, pid, model, layers, backend."""
-        return self.run_dir / "capture_server.json"
+        return self.run_dir / self._tagged("capture_server", ".json")
 
     @property
     def train_heartbeat_file(self) -> PurePosixPath:

@@ -169,7 +169,8 @@ def preflight(cfg: PipelineConfig, run_id: str) -> PreflightReport:
     except ConfigError as e:
         rep.add("run id", run_id, str(e))
     check_target_model(cfg, rep)
-    check_sources(cfg, rep)
+    if cfg.fleet.training_node in (None, cfg.node.name):   # only the training node reads the sources
+        check_sources(cfg, rep)
     check_dirs(cfg, run_id, rep)
     return rep
 

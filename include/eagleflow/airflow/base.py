@@ -40,6 +40,10 @@ class RunOperator(BaseOperator):
     ui_color = "#e8f1fb"
     freezes_run_config = False
 
+    def __init__(self, *, fleet_node: str | None = None, **kw):
+        super().__init__(**kw)
+        self.fleet_node = fleet_node   # the fleet node this task talks to; None: the training node
+
     def execute(self, context):
         try:
             ctx = RunContext.resolve_for(context) if self.freezes_run_config else RunContext.from_airflow(context)
@@ -68,9 +72,10 @@ class RunSensor(BaseSensorOperator):
     wall-clock time from the first poke of this try (reschedule mode: the first reschedule).
     """
 
-    def __init__(self, *, deferrable: bool | None = None, **kw):
+    def __init__(self, *, deferrable: bool | None = None, fleet_node: str | None = None, **kw):
         kw.setdefault("timeout", 24 * 3600.0)  # a ceiling: the gate's own deadline (from config) fires first
         super().__init__(**kw)
+        self.fleet_node = fleet_node   # the fleet node this sensor polls; None: the training node
         self.deferrable = default_deferrable() if deferrable is None else deferrable
         self._poke_started: float | None = None
 

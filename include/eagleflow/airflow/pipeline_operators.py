@@ -58,24 +58,35 @@ class WriteRunConfigOperator(RunOperator):
                 + "\nTrigger it with a config for the node this DAG serves, or point $EAGLEFLOW_CONFIG at this "
                   "config for the DAG's processes")
         node = ctx.node
-        report = node.run_json([node.python, "-m", "eagleflow.preflight", ctx.layout.run_id], PreflightReport,
-                               input=json.dumps(ctx.cfg.model_dump(mode="json")), timeout=120)
-        for line in report.checked:
-            self.log.info("input OK: %s", line)
-        if report.problems:
-            raise AirflowFailException(
-                f"the run's inputs are not usable on node {node.name} ({len(report.problems)} problem(s)); "
-                "fix them and trigger again:\n" + "\n".join(f"  - {p.line()}" for p in report.problems))
+        check_inputs_on_node(ctx, self.log)
         path = ctx.write_run_config()
         self.log.info("run %s on node %s: config written to %s (run dir %s)", ctx.layout.run_id,
                       node.name, path, ctx.layout.run_dir)
         return {"run_dir": str(ctx.layout.run_dir), "run_config": path}
 
 
+def check_inputs_on_node(ctx, log) -> None:
+    """The node's preflight (target model, sources, run_root and dump_dir writable, free space), or the task
+    fails at once naming each problem: a retry would find the same."""
+    node = ctx.node
+    report = node.run_json([node.python, "-m", "eagleflow.preflight", ctx.layout.run_id], PreflightReport,
+                           input=json.dumps(ctx.cfg.model_dump(mode="json")), timeout=120)
+    for line in report.checked:
+        log.info("input OK on node %s: %s", node.name, line)
+    if report.problems:
+        raise AirflowFailException(
+            f"the run's inputs are not usable on node {node.name} ({len(report.problems)} problem(s)); "
+            "fix them and trigger again:\n" + "\n".join(f"  - {p.line()}" for p in report.problems))
+
+
 class PlanShardsOperator(RunOperator):
-    """The shard numbers that ``extract_shard`` is mapped over."""
+    """The shard numbers that this node's ``extract_shard`` is mapped over: all of them on a single node, its
+    share (in proportion to its GPU slots, eagleflow.fleet.assign) on a fleet node."""
 
     def run(self, ctx, context):
-        n = ctx.cfg.capture.shards
-        self.log.info("extraction planned as %d shard(s)", n)
-        return list(range(n))
+        from eagleflow.fleet.assign import run_assignment
+        plan = run_assignment(ctx.cfg)
+        mine = plan.get(ctx.cfg.node.name, [])
+        self.log.info("extraction planned as %d shard(s); node %s takes %d: %s (whole plan: %s)",
+                      ctx.cfg.capture.shards, ctx.cfg.node.name, len(mine), mine, plan)
+        return mine

@@ -41,13 +41,44 @@ def node_routing(config_path: str | None = None) -> NodeRouting:
     return NodeRouting.for_config(load_config(resolve_config_path(config_path or default_config_path())))
 
 
+@dataclass(frozen=True)
+class FleetNodeRoute:
+    """One node of the fleet as the DAG is built for it: its task group, queue and pool."""
+    name: str
+    queue: str
+    pool: str
+    training: bool
+
+
+def fleet_routing(config_path: str | None = None) -> list[FleetNodeRoute]:
+    """Every node of the fleet named by ``config_path`` (default ``default_config_path()``), at parse time;
+    a config without a fleet is one training node."""
+    from eagleflow.airflow.runtime import resolve_config_path
+    cfg = load_config(resolve_config_path(config_path or default_config_path()))
+    out = []
+    for name in cfg.fleet_node_names():
+        r = NodeRouting.for_config(cfg.node_view(name))
+        out.append(FleetNodeRoute(name=name, queue=r.queue, pool=r.pool, training=name == cfg.node.name))
+    return out
+
+
 def routing_mismatches(dag, cfg: PipelineConfig) -> list[str]:
     """Tasks of ``dag`` routed elsewhere than the run's config says (empty: the run fits the DAG)."""
-    want = NodeRouting.for_config(cfg)
-    bad = []
+    names = cfg.fleet_node_names()
+    bad, grouped = [], set()
     for task in dag.tasks:
+        node = getattr(task, "fleet_node", None) or cfg.node.name
+        if node not in names:
+            bad.append(f"task {task.task_id} talks to node {node!r}, which the run's fleet lacks ({', '.join(names)})")
+            continue
+        grouped.add(node)
+        want = NodeRouting.for_config(cfg.node_view(node))
         if task.queue != want.queue:
             bad.append(f"task {task.task_id} runs on queue {task.queue!r}, the run's node.queue is {want.queue!r}")
         if task.pool not in (DEFAULT_POOL, want.pool):
             bad.append(f"task {task.task_id} takes pool {task.pool!r}, the run's node.pool is {want.pool!r}")
+    if cfg.is_fleet:
+        for node in names:
+            if node not in grouped:
+                bad.append(f"the run's fleet has node {node!r}, for which this DAG has no tasks")
     return bad

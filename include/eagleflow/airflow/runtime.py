@@ -49,6 +49,7 @@ PARAM_OVERRIDES: dict[str, str] = {
     "generate_max_new_tokens": "generate.max_new_tokens",
     "generate_seed": "generate.seed",
     "generate_reasoning": "generate.reasoning",
+    "fleet_nodes": "fleet.use",
 }
 
 DEFAULT_CONFIG_ENV = "EAGLEFLOW_CONFIG"
@@ -216,6 +217,9 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
         data["disk"]["cache_root"] = str(cfg.resolve(cfg.disk.cache_root))
     data["disk"]["old_caches"] = [str(cfg.resolve(p)) for p in cfg.disk.old_caches]
     data["capture"]["dump_dir"] = str(cfg.resolve(cfg.capture.dump_dir))
+    for entry in data["fleet"]["nodes"]:
+        for key in ("run_root", "dump_dir", "state_dir"):
+            entry[key] = str(cfg.resolve(entry[key]))
     return data
 
 
@@ -277,6 +281,12 @@ class RunRef:
         except KeyError as e:
             raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
                               "run_id") from None
+
+
+def task_fleet_node(context) -> str | None:
+    """The fleet node the context's task talks to (set per node task group when the DAG is parsed); None:
+    the run's training node (or its only node)."""
+    return getattr(context.get("task"), "fleet_node", None)
 
 
 def _node_for(conn_id: str | None) -> Node:
@@ -341,16 +351,24 @@ class RunContext:
 
     @classmethod
     def from_airflow(cls, context) -> "RunContext":
-        """The run's frozen config; resolved from the Params only in a DAG that has no freezing task."""
+        """The run's frozen config (as the task's fleet node sees it); resolved from the Params only in a DAG
+        that has no freezing task."""
         ctx = cls.frozen_in(context)
         if ctx is not None:
-            return ctx
+            return ctx.for_node(task_fleet_node(context))
         freezers = _freezing_task_ids(context)
         if freezers:
             raise ConfigError(f"run {context.get('run_id')}: the run's config was never frozen: task(s) "
                               f"{', '.join(freezers)} must succeed first (clear the run from there); a later "
                               "task never re-reads the YAML, which may have changed since the run started")
-        return cls.resolve_for(context)
+        return cls.resolve_for(context).for_node(task_fleet_node(context))
+
+    def for_node(self, name: str | None) -> "RunContext":
+        """This run as fleet node ``name`` sees it: its connection, run dir, pid records, GPUs (None: as is)."""
+        if name is None or name == self.cfg.node.name:
+            return self
+        cfg = self.cfg.node_view(name)
+        return RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, self.layout.run_id))
 
     # -- triggers ------------------------------------------------------------------------------
     def serialize(self) -> dict[str, Any]:
@@ -408,7 +426,7 @@ class RunContext:
 
     @property
     def run_config_path(self) -> str:
-        return str(self.layout.run_dir / RUN_CONFIG_FILE)
+        return str(self.layout.run_config_file)
 
     def write_run_config(self) -> str:
         self.node.write_text(self.run_config_path, json.dumps(self.cfg.model_dump(mode="json"), indent=2))

@@ -1,0 +1,115 @@
+"""The two tasks a fleet node's task group adds around its capture: prepare the node, collect its shards.
+
+``prepare_node`` (first of the group): skips a node the run does not use or gives no shards; checks the
+run's inputs on the node; writes the node's view of the frozen config there (its own file, so nodes that
+share a run root never read each other's); writes a probe file with a fresh token in the node's run dir
+and reads it back on the training node: found, the run roots are one filesystem and nothing moves;
+not found, the corpus is copied to the node (``eagleflow.fleet.transfer``, resumable) and the node's
+shards are copied back after extraction. ``fleet.storage: shared`` fails a run whose probe is not found,
+``copy`` copies whatever the probe says.
+
+``collect_shards`` (after the node's shards, whatever they did): copies each of the node's shard folders
+to the training node, files before the manifest, each checked against the source's digest. Verification
+on the training node (``verify_hidden_states``) then gates training over every shard of every node.
+"""
+from __future__ import annotations
+
+import secrets
+
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from eagleflow.airflow.base import RunOperator
+from eagleflow.airflow.pipeline_operators import check_inputs_on_node
+from eagleflow.fleet.assign import shards_of
+from eagleflow.nodes.base import NodeError
+
+PREPARE_TASK = "prepare_node"
+
+
+def node_in_use(cfg, name: str) -> bool:
+    return name in [n.name for n in cfg.nodes_in_use()]
+
+
+class PrepareNodeOperator(RunOperator):
+    """A fleet node ready for its shards, or skipped (its whole group with it) when the run leaves it out."""
+
+    def run(self, ctx, context):
+        cfg, name = ctx.cfg, ctx.cfg.node.name
+        training = cfg.fleet.training_node or name
+        if not node_in_use(cfg, name):
+            raise AirflowSkipException(f"node {name} is not among this run's nodes (fleet_nodes "
+                                       f"{cfg.fleet.use}): its group skips")
+        shards = shards_of(cfg, name)
+        if not shards and name != training:
+            raise AirflowSkipException(f"node {name} gets none of the run's {cfg.capture.shards} shard(s) "
+                                       f"(GPU slots {[(n.name, n.gpu_slots) for n in cfg.nodes_in_use()]})")
+        if name == training:   # write_run_config checked its inputs and wrote its config already
+            return {"node": name, "shared": True, "shards": shards}
+        check_inputs_on_node(ctx, self.log)
+        ctx.write_run_config()
+        home = ctx.for_node(training)
+        try:
+            shared = self._probe(ctx, home)
+            if cfg.fleet.storage == "shared" and not shared:
+                raise AirflowFailException(
+                    f"fleet.storage is 'shared', but the probe node {name} wrote in its run dir "
+                    f"({ctx.layout.fleet_probe_dir}) is not in the training node {training}'s run dir "
+                    f"({home.layout.fleet_probe_dir}): the run roots are not one filesystem. Mount the same "
+                    "storage at both run roots, or set fleet.storage to auto or copy")
+            if cfg.fleet.storage == "copy" or not shared:
+                from eagleflow.fleet.transfer import copy_dir
+                report = copy_dir(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
+                                  log=self.log.info)
+                self.log.info("corpus copied %s -> %s: %s", training, name, report)
+        finally:
+            home.close()
+        self.log.info("node %s ready: %d shard(s) %s; storage %s", name, len(shards), shards,
+                      "shared with the training node" if shared else f"its own (shards copied to {training})")
+        return {"node": name, "shared": shared and cfg.fleet.storage != "copy", "shards": shards}
+
+    def _probe(self, ctx, home) -> bool:
+        """Whether a token written in this node's run dir is read in the training node's run dir."""
+        token = secrets.token_hex(16)
+        probe = f"{ctx.cfg.node.name}.token"
+        ctx.node.write_text(str(ctx.layout.fleet_probe_dir / probe), token)
+        seen = home.node.read_text(str(home.layout.fleet_probe_dir / probe))
+        self.log.info("storage probe: wrote %s on %s, read %r on %s", ctx.layout.fleet_probe_dir / probe,
+                      ctx.node.name, seen, home.node.name)
+        return (seen or "").strip() == token
+
+
+class CollectShardsOperator(RunOperator):
+    """Copies the node's shard folders to the training node (nothing on shared storage); resumable."""
+
+    def __init__(self, *, prepare_task_id: str = PREPARE_TASK, **kw):
+        super().__init__(**kw)
+        self.prepare_task_id = prepare_task_id
+
+    def run(self, ctx, context):
+        from eagleflow.fleet.transfer import copy_dir
+        name = ctx.cfg.node.name
+        ready = context["ti"].xcom_pull(task_ids=self.prepare_task_id)
+        if not ready:
+            raise AirflowSkipException(f"node {name} was not prepared ({self.prepare_task_id} did not succeed): "
+                                       "nothing of it to collect")
+        if ready.get("shared"):
+            self.log.info("node %s shares the training node's storage: its shards are already there", name)
+            return {"node": name, "copied": 0}
+        home = ctx.for_node(ctx.cfg.fleet.training_node)
+        copied, problems = {}, []
+        try:
+            for shard in ready.get("shards") or []:
+                try:
+                    rep = copy_dir(ctx.node, str(ctx.layout.shard_dir(shard)), home.node,
+                                   str(home.layout.shard_dir(shard)), log=self.log.info)
+                except (NodeError, RuntimeError) as e:   # the others still move; the task fails at the end
+                    problems.append(f"shard {shard}: {e}")
+                    continue
+                copied[shard] = rep.files_copied
+                self.log.info("shard %d: %s -> %s: %s", shard, name, home.node.name, rep)
+        finally:
+            home.close()
+        if problems:
+            raise RuntimeError(f"node {name}: {len(problems)} shard(s) not collected on the training node (a "
+                               "retry resumes what was copied):\n" + "\n".join(f"  - {p}" for p in problems))
+        return {"node": name, "copied": copied}

@@ -1,0 +1,116 @@
+"""The fleet in the config: complete node entries, each node's view, the shard assignment, the DAG's groups."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagleflow.config import ConfigError, load_config
+from eagleflow.fleet.assign import assign_shards, run_assignment, shards_of
+from eagleflow.layout import RunLayout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fleet_cfg(**fleet):
+    fleet.setdefault("nodes", [{"name": "a", "gpu_slots": 8, "conn_id": "node_a"},
+                               {"name": "b", "gpu_slots": 4, "conn_id": "node_b", "run_root": "/rb",
+                                "gpus": ["1", "2"]}])
+    return load_config(data={"target_model": "/m", "run_root": "/ra", "capture": {"shards": 6, "dump_dir": "/d"},
+                             "fleet": fleet})
+
+
+def test_shards_go_in_proportion_to_gpu_slots_and_every_shard_once():
+    assert assign_shards(6, {"a": 8, "b": 4}) == {"a": [0, 1, 2, 3], "b": [4, 5]}
+    assert assign_shards(3, {"a": 1, "b": 1}) == {"a": [0, 1], "b": [2]}   # tie: the earlier node
+    assert assign_shards(1, {"a": 1, "b": 1, "c": 1}) == {"a": [0], "b": [], "c": []}
+    for n in range(0, 40):
+        plan = assign_shards(n, {"x": 3, "y": 5, "z": 1})
+        got = sorted(s for shards in plan.values() for s in shards)
+        assert got == list(range(n))
+        assert abs(len(plan["y"]) - n * 5 / 9) < 1
+    with pytest.raises(ValueError, match="at least 1 GPU slot"):
+        assign_shards(4, {"a": 0})
+
+
+def test_a_fleet_node_entry_is_completed_and_the_top_level_is_the_training_node():
+    cfg = fleet_cfg()
+    assert cfg.fleet.training_node == "a" and cfg.node.name == "a" and cfg.node.conn_id == "node_a"
+    a, b = cfg.fleet.nodes
+    assert (a.run_root, a.dump_dir, a.gpus) == ("/ra", "/d", [])
+    assert b.state_dir == "/rb/.node-state/b"   # per node: nodes that share a run root never share records
+    view = cfg.node_view("b")
+    assert (view.node.name, view.node.conn_id, view.run_root, view.gpu.select) == ("b", "node_b", "/rb", ["1", "2"])
+    assert str(view.node_state_dir()) == "/rb/.node-state/b"
+    # the frozen form (what write_run_config stores) loads to the same views
+    again = load_config(data=cfg.model_dump(mode="json"))
+    assert again.node.name == "a" and again.node_view("b").run_root == "/rb"
+    assert run_assignment(cfg) == {"a": [0, 1, 2, 3], "b": [4, 5]} and shards_of(view, "b") == [4, 5]
+
+
+def test_node_files_carry_the_node_name_off_the_training_node():
+    cfg = fleet_cfg(nodes=[{"name": "a"}, {"name": "b"}])   # one run root: the nodes share it
+    home, other = RunLayout.for_run(cfg, "r1"), RunLayout.for_run(cfg.node_view("b"), "r1")
+    assert home.run_dir == other.run_dir
+    assert home.run_config_file.name == "run-config.json" and other.run_config_file.name == "run-config.b.json"
+    assert home.server_info_file != other.server_info_file and home.logs_dir != other.logs_dir
+    assert home.pids_dir != other.pids_dir and home.shard_dir(3) == other.shard_dir(3)
+
+
+def test_fleet_nodes_a_run_may_use():
+    cfg = fleet_cfg(use=["a"])
+    assert [n.name for n in cfg.nodes_in_use()] == ["a"] and run_assignment(cfg) == {"a": list(range(6))}
+    with pytest.raises(ConfigError, match="leaves out the training node 'a'"):
+        fleet_cfg(use=["b"])
+    with pytest.raises(ConfigError, match="'c', not in fleet.nodes"):
+        fleet_cfg(use=["a", "c"])
+
+
+@pytest.mark.parametrize("fleet, message", [
+    ({"nodes": [{"name": "a"}, {"name": "a"}]}, "repeated: a"),
+    ({"nodes": [{"name": "a"}, {"name": "b/c"}]}, "not 'b/c'"),
+    ({"nodes": [{"name": "a"}], "training_node": "z"}, "training_node 'z' is not one of fleet.nodes"),
+    ({"nodes": [{"name": "a", "gpu_slots": 0}]}, "gpu_slots"),
+])
+def test_a_bad_fleet_is_named(fleet, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(data={"target_model": "/m", "fleet": fleet})
+
+
+def test_without_a_fleet_one_node_takes_every_shard():
+    cfg = load_config(data={"target_model": "/m", "capture": {"shards": 3}, "node": {"name": "solo"}})
+    assert cfg.fleet_node_names() == ["solo"] and not cfg.is_fleet
+    assert run_assignment(cfg) == {"solo": [0, 1, 2]}
+    assert RunLayout.for_run(cfg, "r").run_config_file.name == "run-config.json"
+
+
+def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_path):
+    """Parsed in a fresh interpreter with $EAGLEFLOW_CONFIG = the shipped two-node example."""
+    code = (
+        "from airflow.dag_processing.dagbag import DagBag\n"
+        "b = DagBag(dag_folder='dags/eagle3_pipeline.py')\n"
+        "assert not b.import_errors, b.import_errors\n"
+        "d = b.dags['eagle3_pipeline']\n"
+        "import json\n"
+        "out = {t.task_id: [t.queue, t.pool, (t.partial_kwargs if hasattr(t, 'partial_kwargs') else "
+        "vars(t)).get('fleet_node'), sorted(t.upstream_task_ids)] for t in d.tasks}\n"
+        "out['_param'] = d.params.get_param('fleet_nodes').schema['items']['enum']\n"
+        "print(json.dumps(out))\n")
+    env = {"PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(tmp_path), "EAGLEFLOW_HOME": str(REPO),
+           "EAGLEFLOW_CONFIG": "configs/fleet.example.yaml", "PYTHONPATH": str(REPO / "include")}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    tasks = json.loads(res.stdout.strip().splitlines()[-1])
+    assert tasks.pop("_param") == ["gpu-node-1", "gpu-node-2"]
+    for node in ("gpu-node-1", "gpu-node-2"):
+        assert tasks[f"{node}.extract_shard"][:3] == [node, node, node]
+        assert tasks[f"{node}.gpus_idle"][:3] == [node, node, node]
+        assert tasks[f"{node}.prepare_node"][3] == ["check_disk"]
+    assert "gpu-node-1.collect_shards" not in tasks and "gpu-node-2.capture_held_out" not in tasks
+    assert tasks["train_draft"][:2] == ["gpu-node-1", "gpu-node-1"]
+    assert set(tasks["verify_hidden_states"][3]) == {"gpu-node-1.extract_shard", "gpu-node-2.extract_shard",
+                                                      "gpu-node-2.collect_shards"}
