@@ -29,24 +29,29 @@ def _doc() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def _example_node() -> GpuNodeRoute:
+def _example_nodes() -> list[GpuNodeRoute]:
+    """Every node of the fleet the deployment's config names (a pool per node, its GPU slots in size)."""
     env = _doc()["x-airflow-common"]["environment"]
     assert env["EAGLEFLOW_HOME"] == "/opt/eagleflow"
     cfg = load_config(REPO / env["EAGLEFLOW_CONFIG"])  # relative: against EAGLEFLOW_HOME, the repo in the image
-    assert cfg.node.queue and cfg.node.pool, "the example GPU node's config must name its queue and pool"
-    return GpuNodeRoute(queue=cfg.node.queue, pool=cfg.node.pool, pool_slots=1)
+    assert len(cfg.fleet.nodes) >= 2, "the deployment shows a fleet of at least two GPU nodes"
+    out = []
+    for n in cfg.fleet.nodes:
+        assert n.queue and n.pool, f"fleet node {n.name} must name its queue and pool"
+        out.append(GpuNodeRoute(queue=n.queue, pool=n.pool, pool_slots=n.gpu_slots))
+    return out
 
 
 def test_compose_runs_exactly_the_scaleout_parts():
     doc = _doc()
     services = doc["services"]
-    parts = components([_example_node()])
+    parts = components(_example_nodes())
     assert set(services) == {"postgres", "redis", "airflow-init", *parts}
     for name, args in parts.items():
         command = services[name]["command"]
         assert (shlex.split(command) if isinstance(command, str) else command) == args, name
     init = services["airflow-init"]["command"][0]
-    assert [shlex.split(step) for step in init.split("&&")] == [["airflow", *c] for c in init_commands([_example_node()])]
+    assert [shlex.split(step) for step in init.split("&&")] == [["airflow", *c] for c in init_commands(_example_nodes())]
 
 
 def test_compose_settings_are_the_scaleout_settings():
@@ -92,10 +97,11 @@ def test_docker_compose_config_validates(tmp_path):
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     resolved = yaml.safe_load(res.stdout)
-    node = _example_node()
-    assert set(resolved["services"]) >= set(components([node]))
-    worker = resolved["services"][f"airflow-worker-{node.queue}"]
-    assert worker["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    nodes = _example_nodes()
+    assert set(resolved["services"]) >= set(components(nodes))
+    for node in nodes:
+        worker = resolved["services"][f"airflow-worker-{node.queue}"]
+        assert worker["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
     # without the shared secret the deployment is refused, not started with a guessable one
     bare = {k: v for k, v in os.environ.items() if k != "AIRFLOW_JWT_SECRET"}
     res = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,

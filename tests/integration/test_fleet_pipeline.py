@@ -1,0 +1,75 @@
+"""One run of eagle3_pipeline over a fleet of two nodes: each extracts its share of the shards under its own
+task group (capture server, watch), and the training node verifies and trains on every shard of both.
+
+The two nodes are this machine seen through two node views (own run root or a shared one, own pid records,
+dump dir and capture server): what differs between nodes in a fleet is the view, which this drives for real
+under dag.test(). `storage` shared: both run roots are one folder (the probe passes, nothing moves); copy:
+each node has its own run root, the corpus is copied out and the shards back (eagleflow.fleet.transfer).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.pipeline_config import write_short_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fleet_config(tmp_path: Path, demo_assets, storage: str) -> Path:
+    path = write_short_config(tmp_path, demo_assets, capture={"shards": 4})
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["node"]
+    nodes = []
+    for name in ("n1", "n2"):
+        entry = {"name": name, "has_gpu": False, "state_dir": str(tmp_path / f"state-{name}"),
+                 "dump_dir": str(tmp_path / f"dumps-{name}"), "gpu_slots": 1}
+        if storage == "copy" and name == "n2":
+            entry["run_root"] = str(tmp_path / "runs-n2")
+        nodes.append(entry)
+    cfg["fleet"] = {"nodes": nodes, "training_node": "n1", "storage": storage}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def manifest_ids(run_dir: Path, shards) -> list[str]:
+    return [json.loads(line)["id"] for s in shards
+            for line in (run_dir / "hidden_states" / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("storage", ["shared", "copy"])
+def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_assets, monkeypatch, storage):
+    if storage == "copy":
+        pytest.importorskip("eagleflow.fleet.transfer")
+    from airflow.dag_processing.dagbag import DagBag
+    cfg_path = fleet_config(tmp_path, demo_assets, storage)
+    monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
+    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": f"fleet-{storage}"})
+    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    assert dr.state == "success", states
+    # each node extracted its half (shards 0-1 on n1, 2-3 on n2), every shard once
+    assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
+        {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
+    home = tmp_path / "runs" / f"fleet-{storage}"
+    other = (tmp_path / "runs-n2" if storage == "copy" else tmp_path / "runs") / f"fleet-{storage}"
+    assert (other / "capture_server.n2.json").is_file() and (home / "capture_server.json").is_file()
+    assert (other / "run-config.n2.json").is_file()
+    assert json.loads((other / "run-config.n2.json").read_text())["node"]["name"] == "n2"
+    # n2's workers logged in n2's log folder and were recorded in n2's pid records, n1's in n1's
+    assert list((other / "logs" / "n2").glob("*2*")) and list((other / "logs" / "n2").glob("*3*"))
+    assert {p.name for p in (tmp_path / "state-n2" / "pids").iterdir()} & {f"fleet-{storage}.capture_server.json"}
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
+    assert set(manifest_ids(other, [2, 3])) <= set(ids)
+    if storage == "copy":
+        assert (other / "corpus" / "corpus.parquet").is_file()          # the corpus went out to n2
+        assert not (other / "hidden_states" / "shard_00000").exists()    # n1's shards never went there
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
