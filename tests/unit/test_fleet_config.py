@@ -114,3 +114,23 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
     assert tasks["train_draft"][:2] == ["gpu-node-1", "gpu-node-1"]
     assert set(tasks["verify_hidden_states"][3]) == {"gpu-node-1.extract_shard", "gpu-node-2.extract_shard",
                                                       "gpu-node-2.collect_shards"}
+
+
+def test_a_run_whose_fleet_differs_from_the_parsed_dag_is_refused():
+    from types import SimpleNamespace
+
+    from eagleflow.airflow.routing import routing_mismatches
+
+    def task(tid, queue, pool, node):
+        return SimpleNamespace(task_id=tid, queue=queue, pool=pool, fleet_node=node)
+
+    cfg = fleet_cfg(nodes=[{"name": "a", "queue": "qa", "pool": "pa"}, {"name": "b", "queue": "qb", "pool": "pb"}])
+    fits = SimpleNamespace(tasks=[task("train_draft", "qa", "pa", None), task("b.extract_shard", "qb", "pb", "b")])
+    assert routing_mismatches(fits, cfg) == []
+    wrong_queue = SimpleNamespace(tasks=[task("train_draft", "qa", "pa", None), task("b.extract_shard", "qa", "pb", "b")])
+    assert routing_mismatches(wrong_queue, cfg) == \
+        ["task b.extract_shard runs on queue 'qa', the run's node.queue is 'qb'"]
+    no_group = SimpleNamespace(tasks=[task("train_draft", "qa", "pa", None)])
+    assert routing_mismatches(no_group, cfg) == ["the run's fleet has node 'b', for which this DAG has no tasks"]
+    foreign = SimpleNamespace(tasks=[task("c.extract_shard", "qc", "pc", "c"), task("b.x", "qb", "pb", "b")])
+    assert "talks to node 'c', which the run's fleet lacks (a, b)" in routing_mismatches(foreign, cfg)[0]
