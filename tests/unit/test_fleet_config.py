@@ -134,3 +134,16 @@ def test_a_run_whose_fleet_differs_from_the_parsed_dag_is_refused():
     assert routing_mismatches(no_group, cfg) == ["the run's fleet has node 'b', for which this DAG has no tasks"]
     foreign = SimpleNamespace(tasks=[task("c.extract_shard", "qc", "pc", "c"), task("b.x", "qb", "pb", "b")])
     assert "talks to node 'c', which the run's fleet lacks (a, b)" in routing_mismatches(foreign, cfg)[0]
+
+
+def test_reconcile_on_a_fleet_node_looks_only_at_its_own_shards(tmp_path):
+    from types import SimpleNamespace
+
+    from eagleflow.watchdog.reconcile import EXTRACT, claim, own_shards
+    cfg = fleet_cfg()   # a: shards 0-3, b: 4-5
+    run = SimpleNamespace(cfg=cfg, layout=RunLayout.for_run(cfg, "r1"))
+    assert own_shards(run, EXTRACT) == [0, 1, 2, 3]
+    other = SimpleNamespace(cfg=cfg.node_view("b"), layout=RunLayout.for_run(cfg.node_view("b"), "r1"))
+    assert own_shards(other, EXTRACT) == [4, 5]
+    got = claim(run, 5, log=lambda *a: None)
+    assert got["action"] == "skipped" and "belongs to another fleet node" in got["reason"]

@@ -86,7 +86,6 @@ class CollectShardsOperator(RunOperator):
         self.prepare_task_id = prepare_task_id
 
     def run(self, ctx, context):
-        from eagleflow.fleet.transfer import copy_dir
         name = ctx.cfg.node.name
         ready = context["ti"].xcom_pull(task_ids=self.prepare_task_id)
         if not ready:
@@ -95,6 +94,7 @@ class CollectShardsOperator(RunOperator):
         if ready.get("shared"):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
+        from eagleflow.fleet.transfer import copy_dir
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:

@@ -178,8 +178,18 @@ def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
     for run_dir in latest_runs(str(cfg.resolve(cfg.run_root)), latest):
         run = run_local(run_dir)
         for phase in phases_to_scan(run):
-            out += [shard_state(run, s, phase) for s in range(kind_of(phase).num_shards(run.cfg))]
+            out += [shard_state(run, s, phase) for s in own_shards(run, phase)]
     return out
+
+
+def own_shards(run: LocalRun, phase: str) -> list[int]:
+    """The shards of ``phase`` this node may work on: in a fleet, only the extraction shards assigned to it
+    (another node's shard has its worker and lock there, out of sight: never a second worker)."""
+    shards = list(range(kind_of(phase).num_shards(run.cfg)))
+    if phase == EXTRACT and run.cfg.is_fleet:
+        from eagleflow.fleet.assign import shards_of
+        shards = shards_of(run.cfg, run.cfg.node.name)
+    return shards
 
 
 def _marker(run: LocalRun, kind: ShardKind) -> Path:
@@ -192,6 +202,9 @@ def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT) -> dict:
     role = kind.worker_role(shard)
     lock = NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile.{role}.lock",
                     purpose=f"reconcile {kind.label} {shard} of run {run.layout.run_id}")
+    if shard not in own_shards(run, phase):
+        return {"action": "skipped", "reason": f"{kind.label} {shard} of run {run.layout.run_id} belongs to "
+                f"another fleet node than {run.cfg.node.name}; it is rerun there"}
     if not lock.try_acquire():
         return {"action": "skipped", "reason": f"another reconcile holds {lock.path} ({lock.holder()})"}
     try:
