@@ -26,6 +26,16 @@ from eagleflow.nodes.base import NodeError
 PREPARE_TASK = "prepare_node"
 
 
+def _copy_dir():
+    """eagleflow.fleet.transfer.copy_dir, or the task fails saying that this install cannot copy."""
+    try:
+        from eagleflow.fleet.transfer import copy_dir
+    except ImportError as e:
+        raise AirflowFailException(f"this eagleflow cannot copy between fleet nodes ({e}): put the nodes' run "
+                                   "roots on one shared filesystem (fleet.storage: shared), or upgrade") from None
+    return copy_dir
+
+
 def node_in_use(cfg, name: str) -> bool:
     return name in [n.name for n in cfg.nodes_in_use()]
 
@@ -57,8 +67,7 @@ class PrepareNodeOperator(RunOperator):
                     f"({home.layout.fleet_probe_dir}): the run roots are not one filesystem. Mount the same "
                     "storage at both run roots, or set fleet.storage to auto or copy")
             if cfg.fleet.storage == "copy" or not shared:
-                from eagleflow.fleet.transfer import copy_dir
-                report = copy_dir(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
+                report = _copy_dir()(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
                                   log=self.log.info)
                 self.log.info("corpus copied %s -> %s: %s", training, name, report)
         finally:
@@ -94,7 +103,7 @@ class CollectShardsOperator(RunOperator):
         if ready.get("shared"):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
-        from eagleflow.fleet.transfer import copy_dir
+        copy_dir = _copy_dir()
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:
