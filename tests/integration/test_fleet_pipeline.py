@@ -75,3 +75,28 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
         assert (other / "corpus" / "corpus.parquet").is_file()          # the corpus went out to n2
         assert not (other / "hidden_states" / "shard_00000").exists()    # n1's shards never went there
     assert (home / "draft" / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_fleet_said_to_share_storage_that_does_not_fails_that_node_and_the_run(tmp_path, airflow_db, demo_assets,
+                                                                                monkeypatch):
+    """storage: shared, but n2's run root is another folder: n2's probe is not found on n1, so n2's group
+    fails at prepare_node naming both folders; n1's shards still run, and verification fails the run
+    naming n2's missing shards (nothing trains on half the data)."""
+    from airflow.dag_processing.dagbag import DagBag
+    cfg_path = fleet_config(tmp_path, demo_assets, "copy")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["fleet"]["storage"] = "shared"
+    cfg["train"]["max_steps"] = 2
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))
+    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "not-shared"})
+    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    assert dr.state == "failed", states
+    assert states[("n2.prepare_node", -1)] == "failed"
+    assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
+    assert states[("verify_hidden_states", -1)] == "failed" and states[("train_draft", -1)] != "success"
+    home = tmp_path / "runs" / "not-shared"
+    assert manifest_ids(home, [0, 1]) and not (home / "hidden_states" / "shard_00002").exists()
