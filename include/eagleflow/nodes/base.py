@@ -11,7 +11,7 @@ import json
 import shlex
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import BinaryIO, Callable, TypeVar
 
 from .process_record import ProcessRecord, RecordStatus, StopResult
 
@@ -53,6 +53,14 @@ class JobAlreadyRunning(NodeError):
     def __init__(self, message: str, holder_pid: int | None, lock_file: str):
         super().__init__(message)
         self.holder_pid, self.lock_file = holder_pid, lock_file
+
+
+FILE_MODES = ("rb", "wb", "ab")
+
+
+def check_file_mode(node: str, path: str, mode: str) -> None:
+    if mode not in FILE_MODES:
+        raise ValueError(f"on node {node}: open_file({path!r}, {mode!r}): mode must be one of {FILE_MODES}")
 
 
 # ProcessRecord is what spawn_detached returns and what every pid record holds (one shape).
@@ -216,6 +224,19 @@ class Node(ABC):
                               "import os,sys;p=os.path.abspath(sys.argv[1])\n"
                               "while not os.path.exists(p): p=os.path.dirname(p)\n"
                               "s=os.statvfs(p);print(s.f_bavail*s.f_frsize)", path], int, timeout=30)
+
+    # -- binary files (transfers between nodes: streamed, never through a command's stdout) --------
+    @abstractmethod
+    def open_file(self, path: str, mode: str) -> BinaryIO:
+        """A binary file on the node ("rb", "wb" or "ab"), a context manager; read/write it in chunks."""
+
+    @abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically replace dst with src on the node (both on one filesystem)."""
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None:
+        """mkdir -p on the node."""
 
     def close(self) -> None:
         pass

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from . import process_record
-from .base import CommandResult, Node, NodeCommandTimeout, NodeError
+from .base import CommandResult, Node, NodeCommandTimeout, NodeError, check_file_mode
 
 KILL_AFTER_S = 5.0  # as SSHNode: TERM at the deadline, KILL what is left this much later
 
@@ -43,6 +43,25 @@ class LocalNode(Node):
             _end_group(p)
             raise
         return CommandResult(tuple(argv), p.returncode, out, err)
+
+    def open_file(self, path: str, mode: str):
+        check_file_mode(self.name, path, mode)
+        try:
+            return open(path, mode)
+        except OSError as e:
+            raise NodeError(f"on node {self.name}: cannot open {path} ({mode}): {e}") from None
+
+    def rename(self, src: str, dst: str) -> None:
+        try:
+            os.replace(src, dst)
+        except OSError as e:
+            raise NodeError(f"on node {self.name}: cannot rename {src} to {dst}: {e}") from None
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise NodeError(f"on node {self.name}: cannot create folder {path}: {e}") from None
 
     # This machine is the node: the same process_record functions, called here instead of through a
     # new interpreter (a reconcile scan asks once per shard; a poke every few seconds).

@@ -19,7 +19,7 @@ import shlex
 import socket
 import time
 
-from .base import CommandResult, Node, NodeCommandTimeout, NodeError, NodeUnreachable
+from .base import CommandResult, Node, NodeCommandTimeout, NodeError, NodeUnreachable, check_file_mode
 
 KILL_AFTER_S = 5.0  # after the TERM at the deadline, KILL whatever of the remote command is left
 # A pulled cable leaves an open TCP connection silent, not closed: a keepalive every KEEPALIVE_S puts data
@@ -53,6 +53,7 @@ class SSHNode(Node):
         self._python = python
         self.connect_timeout_s = connect_timeout_s
         self._hook = None
+        self._sftp = None  # one SFTPClient per connection (open_file, rename, makedirs); closed in _drop
         self.connects = 0  # how many SSH connections this node opened (tests, bench)
 
     @property
@@ -139,6 +140,12 @@ class SSHNode(Node):
                 self._drop()  # connection went stale (node rebooted, sshd restarted): reconnect once
 
     def _drop(self) -> None:
+        sftp, self._sftp = self._sftp, None
+        if sftp is not None:
+            try:
+                sftp.close()
+            except Exception:
+                pass
         if self._hook is not None and self._hook.client is not None:
             try:
                 self._hook.client.close()
@@ -148,6 +155,84 @@ class SSHNode(Node):
 
     def close(self) -> None:
         self._drop()
+
+    # -- files over SFTP (the connection's own subsystem: no command, no stdout in between) ---------
+    def _sftp_client(self):
+        import paramiko
+        for attempt in (1, 2):
+            client = self._client()
+            transport = client.get_transport()
+            if self._sftp is not None and self._sftp.get_channel().get_transport() is transport:
+                return self._sftp
+            try:
+                self._sftp = paramiko.SFTPClient.from_transport(transport)
+                if self._sftp is None:
+                    raise paramiko.SSHException("the SFTP channel did not open")
+                return self._sftp
+            except (paramiko.SSHException, EOFError, OSError) as e:
+                self._sftp = None
+                if transport is not None and transport.is_active():   # connected, but no SFTP here
+                    raise NodeError(f"node {self.name}: SFTP to {self._where()} failed ({e}); the node's sshd "
+                                    f"needs `Subsystem sftp internal-sftp` (or sftp-server) in sshd_config") from None
+                if attempt == 2:
+                    raise NodeUnreachable(f"node {self.name}: SSH connection to {self._where()} dropped and a "
+                                          f"reconnect for SFTP failed ({e})") from None
+                self._drop()
+
+    def _file_error(self, what: str, e: BaseException) -> NodeError:
+        """An SFTP failure as NodeUnreachable (the connection is gone: dropped, to reconnect) or NodeError."""
+        sftp = self._sftp
+        transport = sftp.get_channel().get_transport() if sftp is not None else None
+        if isinstance(e, (EOFError, ConnectionError)) or transport is None or not transport.is_active() \
+                or sftp.get_channel().closed:
+            self._drop()
+            return NodeUnreachable(f"on node {self.name}: the SSH connection to {self._where()} dropped while "
+                                   f"{what} ({type(e).__name__}: {e}); a new call reconnects")
+        return NodeError(f"on node {self.name}: {what} failed: {e}")
+
+    def open_file(self, path: str, mode: str):
+        check_file_mode(self.name, path, mode)
+        sftp = self._sftp_client()
+        try:
+            f = sftp.open(path, mode)
+            size = f.stat().st_size if mode == "rb" else None
+        except Exception as e:
+            raise self._file_error(f"opening {path} ({mode})", e) from None
+        return _SFTPFile(self, path, mode, f, size)
+
+    def rename(self, src: str, dst: str) -> None:
+        sftp = self._sftp_client()
+        try:
+            sftp.posix_rename(src, dst)
+        except Exception as e:
+            raise self._file_error(f"renaming {src} to {dst}", e) from None
+
+    def makedirs(self, path: str) -> None:
+        import stat
+        sftp = self._sftp_client()
+        missing, p = [], path.rstrip("/") or "/"
+        try:
+            while True:
+                try:
+                    if not stat.S_ISDIR(sftp.stat(p).st_mode):
+                        raise NodeError(f"on node {self.name}: cannot create folder {path}: {p} is not a folder")
+                    break
+                except FileNotFoundError:
+                    missing.append(p)
+                    parent = p.rsplit("/", 1)[0] or "/"
+                    if parent == p:
+                        break
+                    p = parent
+            for d in reversed(missing):
+                try:
+                    sftp.mkdir(d)
+                except OSError:
+                    if not stat.S_ISDIR(sftp.stat(d).st_mode):   # made by someone else meanwhile: fine
+                        raise
+        except NodeError:
+            raise
+        except Exception as e:
+            raise self._file_error(f"creating folder {path}", e) from None
 
     # -- commands -------------------------------------------------------------------------------
     @staticmethod
@@ -237,6 +322,70 @@ class SSHNode(Node):
         return command_result(self.name, self._where(), argv, cmd, None if dropped else code,
                               out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timeout,
                               past_deadline=deadline is not None and time.monotonic() > deadline)
+
+
+class _SFTPFile:
+    """A file open over SFTP: reads pipelined one call's length at a time (``readv``: bounded memory, not one
+    round trip per 32 KiB), writes pipelined; every failure raised as NodeError/NodeUnreachable naming the file."""
+
+    def __init__(self, node: SSHNode, path: str, mode: str, f, size: int | None):
+        self._node, self.path, self.mode, self._f, self._size = node, path, mode, f, size
+        self._pos = 0
+        if mode != "rb":
+            f.set_pipelined(True)
+
+    def _fail(self, what: str, e: BaseException) -> NodeError:
+        return self._node._file_error(f"{what} {self.path}", e)
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._size - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        if n <= 0:   # readv past the end would fail: the size is the one seen at open
+            return b""
+        try:
+            data = b"".join(self._f.readv([(self._pos, n)]))
+        except Exception as e:
+            raise self._fail("reading", e) from None
+        self._pos += len(data)
+        return data
+
+    def write(self, data: bytes) -> int:
+        try:
+            self._f.write(data)
+        except Exception as e:
+            raise self._fail("writing", e) from None
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        try:
+            if self.mode == "rb":
+                self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
+            else:
+                self._f.seek(offset, whence)
+        except Exception as e:
+            raise self._fail("seeking in", e) from None
+        return self.tell()
+
+    def tell(self) -> int:
+        return self._pos if self.mode == "rb" else self._f.tell()
+
+    def close(self) -> None:
+        try:
+            self._f.close()   # a pipelined write's errors come back here
+        except Exception as e:
+            raise self._fail("closing", e) from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:   # the first error is the one to report
+            try:
+                self._f.close()
+            except Exception:
+                pass
 
 
 def _check_size(node: str, cmd: str, out: bytearray, err: bytearray) -> None:

@@ -1,0 +1,1 @@
+"""One deployment, several GPU nodes: shard assignment, shared-storage probe, transfers."""
