@@ -390,8 +390,8 @@ class PipelineConfig(_Section):
             raise ValueError(f"fleet.training_node {fleet.training_node!r} is not one of fleet.nodes "
                              f"({', '.join(names)}); name one of them")
         if "node" in self.model_fields_set and self.node.name not in names:
-            raise ValueError(f"with fleet.nodes, the node section is the training node's and is set from "
-                             f"fleet.nodes; node.name {self.node.name!r} is none of them: remove the node section")
+            raise ValueError(f"with fleet.nodes, the node section is set from fleet.nodes (the training node's, "
+                             f"or a node's own view); node.name {self.node.name!r} is none of them: remove it")
         for n in fleet.nodes:
             n.run_root = n.run_root or self.run_root
             n.dump_dir = n.dump_dir or self.capture.dump_dir
@@ -407,7 +407,8 @@ class PipelineConfig(_Section):
             if fleet.training_node not in fleet.use:
                 raise ValueError(f"fleet.use {fleet.use} leaves out the training node {fleet.training_node!r}, "
                                  "which prepares the corpus and trains; keep it in")
-        self._apply_node(fleet.training_node)
+        # a node's view (frozen as run-config.<node>.json) names its node: loading it keeps that node's view
+        self._apply_node(self.node.name if "node" in self.model_fields_set else fleet.training_node)
         return self
 
     def nodes_in_use(self) -> list[FleetNodeConfig]:

@@ -47,6 +47,9 @@ def test_a_fleet_node_entry_is_completed_and_the_top_level_is_the_training_node(
     # the frozen form (what write_run_config stores) loads to the same views
     again = load_config(data=cfg.model_dump(mode="json"))
     assert again.node.name == "a" and again.node_view("b").run_root == "/rb"
+    # a node's own frozen view (run-config.b.json) loads as that node's view, not the training node's
+    b_again = load_config(data=view.model_dump(mode="json"))
+    assert (b_again.node.name, b_again.run_root, str(b_again.node_state_dir())) == ("b", "/rb", "/rb/.node-state/b")
     assert run_assignment(cfg) == {"a": [0, 1, 2, 3], "b": [4, 5]} and shards_of(view, "b") == [4, 5]
 
 

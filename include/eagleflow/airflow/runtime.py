@@ -283,10 +283,19 @@ class RunRef:
                               "run_id") from None
 
 
-def task_fleet_node(context) -> str | None:
-    """The fleet node the context's task talks to (set per node task group when the DAG is parsed); None:
-    the run's training node (or its only node)."""
-    return getattr(context.get("task"), "fleet_node", None)
+def task_fleet_node(context, cfg: PipelineConfig | None = None) -> str | None:
+    """The fleet node the context's task talks to; None: the run's training node (or its only node).
+
+    The operator's ``fleet_node`` (set per node task group when the DAG is parsed); else the task group
+    its id names (``<node>.<task>``): a task rebuilt from the serialized DAG (a resumed deferral) has lost
+    the attribute but never its id."""
+    name = getattr(context.get("task"), "fleet_node", None)
+    if name is None and cfg is not None and cfg.is_fleet:
+        task_id = getattr(context.get("ti"), "task_id", None) or getattr(context.get("task"), "task_id", "")
+        group = task_id.split(".", 1)[0] if "." in (task_id or "") else None
+        if group in cfg.fleet_node_names():
+            name = group
+    return name
 
 
 def _node_for(conn_id: str | None) -> Node:
@@ -355,13 +364,14 @@ class RunContext:
         that has no freezing task."""
         ctx = cls.frozen_in(context)
         if ctx is not None:
-            return ctx.for_node(task_fleet_node(context))
+            return ctx.for_node(task_fleet_node(context, ctx.cfg))
         freezers = _freezing_task_ids(context)
         if freezers:
             raise ConfigError(f"run {context.get('run_id')}: the run's config was never frozen: task(s) "
                               f"{', '.join(freezers)} must succeed first (clear the run from there); a later "
                               "task never re-reads the YAML, which may have changed since the run started")
-        return cls.resolve_for(context).for_node(task_fleet_node(context))
+        ctx = cls.resolve_for(context)
+        return ctx.for_node(task_fleet_node(context, ctx.cfg))
 
     def for_node(self, name: str | None) -> "RunContext":
         """This run as fleet node ``name`` sees it: its connection, run dir, pid records, GPUs (None: as is)."""
