@@ -67,6 +67,8 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     # n2's workers logged in n2's log folder and held their locks in n2's state dir
     assert list((other / "logs" / "n2").glob("*2*")) and list((other / "logs" / "n2").glob("*3*"))
     assert (tmp_path / "state-n2" / "locks" / f"fleet-{storage}.worker_shard_00002.lock").exists()
+    # and nothing of n1's ever took an n2 shard (the watch and its recovery work in n2's view too)
+    assert not list((tmp_path / "state-n1" / "locks").glob(f"fleet-{storage}.*worker_shard_00002.lock"))
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
