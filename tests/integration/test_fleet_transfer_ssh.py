@@ -97,10 +97,15 @@ def test_copy_over_sftp_resumes_after_the_connection_drops(conn, tmp_path, direc
         with pytest.raises(NodeUnreachable, match="dropped while"):
             copy_dir(pair[0], str(src), pair[1], str(dst), chunk_bytes=CHUNK)
         part = dst / PARTIAL / "s0.safetensors"
-        assert 0 < part.stat().st_size < (src / "s0.safetensors").stat().st_size
+        kept = part.stat().st_size if part.exists() else 0
+        # written locally, the chunks read before the drop are there; over SFTP, pipelined writes the server
+        # had not acknowledged are lost with the link (the partial may even be empty)
+        assert kept < (src / "s0.safetensors").stat().st_size and (kept > 0 or direction == "to_ssh")
         assert not (dst / "manifest.jsonl").exists()
         rep = copy_dir(pair[0], str(src), pair[1], str(dst), chunk_bytes=CHUNK)   # reconnects
-        assert rep.bytes_resumed > 0 and rep.files_copied + rep.files_kept == 3
+        # what the server wrote after the drop counts too: at least what was there when we looked
+        assert kept <= rep.bytes_resumed <= (src / "s0.safetensors").stat().st_size
+        assert rep.files_copied + rep.files_kept == 3
         assert identical(src, dst)
         assert remote.connects == 2
         again = copy_dir(pair[0], str(src), pair[1], str(dst), chunk_bytes=CHUNK)
