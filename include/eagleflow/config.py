@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names file, field, value and fix."""
 
 
+def check_unique_names(what: str, names: list[str]) -> None:
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{what} names must be unique; repeated: {', '.join(dup)}")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -52,10 +58,7 @@ class CorpusConfig(_Section):
     @field_validator("sources")
     @classmethod
     def _unique_names(cls, v: list[SourceConfig]) -> list[SourceConfig]:
-        names = [s.name for s in v]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"source names must be unique; repeated: {', '.join(dup)}")
+        check_unique_names("source", [s.name for s in v])
         return v
 
 
@@ -111,9 +114,7 @@ class FleetConfig(_Section):
     @classmethod
     def _unique_nodes(cls, v: list[FleetNodeConfig]) -> list[FleetNodeConfig]:
         names = [n.name for n in v]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"node names must be unique; repeated: {', '.join(dup)}")
+        check_unique_names("node", names)
         bad = [n for n in names if not n.replace("-", "").replace("_", "").isalnum()]
         if bad:
             raise ValueError(f"fleet node names name task groups and files: letters, digits, '-' and '_' only; "
