@@ -38,7 +38,7 @@ from tests.fixtures.smtp import SmtpSink, body_text
 
 pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
-N = 90
+N = 150   # at 2 samples/s the shard still runs when the triggerer's trigger moves (~35 s after the kill)
 POLL_S = 1.0
 WATCH = {"poll_interval_s": POLL_S, "stall_after_s": 6.0, "health_timeout_s": 1.0, "startup_grace_s": 60.0,
          "alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_watcher_test"}
@@ -129,8 +129,10 @@ def test_killed_triggerer_is_noticed_by_the_sentinel_and_restarted_by_the_superv
         (dags / "watcher_watched.py").write_text(f"CONFIG = {str(cfgp)!r}\nN = {N}\n" + DAG_FILE)
         extra = {"AIRFLOW__CORE__DAGS_FOLDER": str(dags), "PYTHONPATH": str(REPO),
                  "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
-                 # a dead triggerer's triggers go to the next one after this many seconds without its heartbeat
-                 "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10",
+                 # a dead triggerer's triggers go to the next one after this many seconds without its heartbeat:
+                 # Airflow's default, far past the sentinel's bound (at 10 s the restarted triggerer took the
+                 # trigger over 5 s after the last look, before the 6 s bound, and rightly no alarm was raised)
+                 "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "30",
                  DELAY_ENV: "0.4", **smtp.airflow_conn_env(WATCH["smtp_conn_id"])}
         try:
             info = standalone.start(home, port, wait_s=300, extra_env=extra)
