@@ -193,3 +193,44 @@ def test_an_smtp_outage_fails_the_check_loudly_naming_the_connection(monkeypatch
     with pytest.raises(RuntimeError, match=r"could not send:\n- opened mail of incident [0-9a-f]{12} \(node config "
                                            r".*missing.yaml cannot be read\).*ConnectionRefused(?s:.*)watchdog.smtp_conn_id"):
         op.execute(_context(params))
+
+
+@pytest.mark.timeout(180)
+def test_a_fleet_config_has_every_node_checked_and_named(sshd, monkeypatch, tmp_path):  # noqa: F811
+    """One fleet config, two nodes: the training node here (no GPU) and gpu-node-2 over SSH holding the seeds'
+    idle 88 GiB. Both reach the GPU view under their own names, and the incident and its mail name gpu-node-2."""
+    from eagleflow.airflow.health_operators import GpuNodeHealthOperator, HealthIncidentsOpen
+    from eagleflow.health.status_store import StatusStore
+    monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE_TEST", sshd.airflow_conn())
+    scenario = sshd.env["FAKE_NVIDIA_SMI_SCENARIO"]
+    cfg = yaml.safe_load(write_gpu_config(tmp_path / "cfg.yaml", conn_id="gpu_node_test",
+                                          run_root=tmp_path / "runs").read_text())
+    del cfg["node"]
+    cfg["fleet"] = {"training_node": "gpu-node-1", "nodes": [
+        {"name": "gpu-node-1", "has_gpu": False, "python": sys.executable, "state_dir": str(tmp_path / "state-1")},
+        {"name": "gpu-node-2", "conn_id": "gpu_node_test", "python": sys.executable, "has_gpu": True,
+         "state_dir": str(tmp_path / "state-2")}]}
+    cfg["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_fleet"}
+    cfg_path = tmp_path / "fleet.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    params = {"config_paths": [str(cfg_path)], **PARAMS}
+    op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env("smtp_fleet").items():
+            monkeypatch.setenv(k, v)
+        try:
+            write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0), gpu(1, 1)],
+                                      "processes": [proc(4242, 0, 89990, "python3 -m sglang.launch_server")]})
+            assert op.execute(_context(params)) == {"nodes_checked": 1, "incidents_open": 0}   # gpu-node-2's GPUs
+            docs = {d["node"]: d for d in StatusStore(str(tmp_path / "status")).all()}
+            assert set(docs) == {"gpu-node-1", "gpu-node-2"}, docs
+            assert docs["gpu-node-1"]["has_gpu"] is False and docs["gpu-node-2"]["has_gpu"] is True
+            assert [g["memory_used_mib"] for g in docs["gpu-node-2"]["gpus"]] == [90000, 1]
+            time.sleep(1.2)
+            with pytest.raises(HealthIncidentsOpen, match="gpu-node-2: 1 GPU holds 88 GiB at 0 %"):
+                op.execute(_context(params))
+            mail = smtp.wait_for()
+            assert mail["Subject"].startswith("[eagleflow] gpu-node-2: 1 GPU holds 88 GiB at 0 % for ")
+            assert "gpu-node-1" not in mail["Subject"] and len(smtp.messages) == 1
+        finally:
+            write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})

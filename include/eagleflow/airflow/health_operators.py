@@ -69,16 +69,57 @@ class GpuNodeHealthOperator(BaseOperator):
         from eagleflow.airflow.status_variables import variable_status_store
         return variable_status_store()
 
-    def execute(self, context):
-        from eagleflow.config import load_config
+    def _check_node(self, cfg, path, store, rules, status_kw, unreachable_after_s, findings: list, observed: set,
+                    recipients: dict, names: set) -> int:
+        """One node of a config: its activity and GPUs into the store, its findings added; 1 when its GPUs were read."""
         from eagleflow.gpu.probes import probe_for
         from eagleflow.health import incidents as hi
-        from eagleflow.health.durations import duration
         from eagleflow.health.node_activity import read_node_activity
         from eagleflow.health.rules import assess
         from eagleflow.health.status_doc import error_kind
-        from eagleflow.health.status_store import history_retention_s
         from eagleflow.nodes import node_from_config
+
+        name = cfg.node.name
+        names.add(name)
+        recipients[name] = Recipients.of_config(cfg)
+        node = node_from_config(cfg)
+        now = time.time()
+        try:  # one call for our jobs (pid records, shard progress, incidents), one for the GPUs
+            activity = read_node_activity(node, str(cfg.node_state_dir()))
+            snaps = probe_for(node, cfg).snapshot() if cfg.node.has_gpu else []
+        except Exception as e:  # an unreadable node is itself a finding, once it lasts
+            self.log.warning("node %s (%s) could not be read: %s", name, path, e)
+            store.save(name, error=str(e), has_gpu=cfg.node.has_gpu, config_path=str(path), **status_kw)
+            observed.add(f"link:{name}")
+            findings.append(hi.unreachable_finding(name, error_kind(str(e)), unreachable_after_s))
+            return 0
+        finally:
+            node.close()
+        observed.update({f"link:{name}", f"gpus:{name}", f"watch:{name}"})
+        findings.extend(hi.watch_silent_findings(name, activity.watch_alarms))
+        for line in activity.skipped:   # a bad line in the node's files: said, and the node still read
+            self.log.warning("node %s: %s", name, line)
+        if not cfg.node.has_gpu:
+            self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
+                          path, name, len(activity.processes))
+            store.save(name, [], None, [], has_gpu=False, activity=activity, config_path=str(path), **status_kw)
+            return 0
+        prev = store.load(name).get("state", {})
+        alerts, state = assess(name, snaps, prev, now=now, rules=rules,
+                               job_pids=activity.job_pids(), any_job_alive=bool(activity.processes))
+        store.save(name, snaps, state, alerts, activity=activity, config_path=str(path), now=now, **status_kw)
+        for s in snaps:
+            self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", name, s.index, s.uuid,
+                          s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
+        held = hi.held_idle_finding(name, alerts, snaps, state, now)
+        findings.extend(([held] if held else []) + hi.ecc_findings(name, alerts))
+        return 1
+
+    def execute(self, context):
+        from eagleflow.config import load_config
+        from eagleflow.health import incidents as hi
+        from eagleflow.health.durations import duration
+        from eagleflow.health.status_store import history_retention_s
 
         params = dict(context["params"])
         paths = params.get("config_paths") or []
@@ -98,46 +139,16 @@ class GpuNodeHealthOperator(BaseOperator):
             observed.add(f"config:{path}")
             try:
                 # relative: against the project root; only the deployment's config folders (the Param is a form field)
-                cfg = load_config(checked_config_path(path, "gpu_node_health Param config_paths"))
+                whole = load_config(checked_config_path(path, "gpu_node_health Param config_paths"))
+                # a fleet config names several nodes: each is checked in its own view (connection, state dir, GPUs)
+                views = [whole.node_view(n) for n in whole.fleet_node_names()]
             except Exception as e:   # one bad config must not blind the check to the other nodes
                 self.log.error("config %s cannot be read: %s", path, e)
                 findings.append(hi.config_finding(str(path), str(e)))
                 continue
-            name = cfg.node.name
-            names.add(name)
-            recipients[name] = Recipients.of_config(cfg)
-            node = node_from_config(cfg)
-            now = time.time()
-            try:  # one call for our jobs (pid records, shard progress, incidents), one for the GPUs
-                activity = read_node_activity(node, str(cfg.node_state_dir()))
-                snaps = probe_for(node, cfg).snapshot() if cfg.node.has_gpu else []
-            except Exception as e:  # an unreadable node is itself a finding, once it lasts
-                self.log.warning("node %s (%s) could not be read: %s", name, path, e)
-                store.save(name, error=str(e), has_gpu=cfg.node.has_gpu, config_path=str(path), **status_kw)
-                observed.add(f"link:{name}")
-                findings.append(hi.unreachable_finding(name, error_kind(str(e)), unreachable_after_s))
-                continue
-            finally:
-                node.close()
-            observed |= {f"link:{name}", f"gpus:{name}", f"watch:{name}"}
-            findings += hi.watch_silent_findings(name, activity.watch_alarms)
-            for line in activity.skipped:   # a bad line in the node's files: said, and the node still read
-                self.log.warning("node %s: %s", name, line)
-            if not cfg.node.has_gpu:
-                self.log.info("%s: node %s has no GPU (node.has_gpu is false); %d eagleflow process(es) live",
-                              path, name, len(activity.processes))
-                store.save(name, [], None, [], has_gpu=False, activity=activity, config_path=str(path), **status_kw)
-                continue
-            prev = store.load(name).get("state", {})
-            alerts, state = assess(name, snaps, prev, now=now, rules=rules,
-                                   job_pids=activity.job_pids(), any_job_alive=bool(activity.processes))
-            store.save(name, snaps, state, alerts, activity=activity, config_path=str(path), now=now, **status_kw)
-            checked += 1
-            for s in snaps:
-                self.log.info("node %s GPU %d %s: %s/%s MiB, %s %%, %d process(es)", name, s.index, s.uuid,
-                              s.memory_used_mib, s.memory_total_mib, s.utilization_pct, len(s.processes))
-            held = hi.held_idle_finding(name, alerts, snaps, state, now)
-            findings += ([held] if held else []) + hi.ecc_findings(name, alerts)
+            for cfg in views:
+                checked += self._check_node(cfg, path, store, rules, status_kw, unreachable_after_s, findings,
+                                            observed, recipients, names)
         for gone in store.forget_unchecked(keep=names, forget_after_s=retention_s):
             self.log.info("node %s is no longer configured and was not checked for %.0f s: removed from the GPU view",
                           gone, retention_s)
