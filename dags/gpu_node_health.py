@@ -50,7 +50,8 @@ with DAG(
                   **pipeline_failure_callbacks(retry_mail=False)},
     params={
         "config_paths": Param(CONFIGS, type="array", items={"type": "string"}, title="Node configs",
-                              description="Pipeline configs whose nodes are checked (a fleet config: each of its nodes)."),
+                              description="Pipeline configs whose nodes are checked (a fleet config: each of its "
+                                          "nodes)."),
         "memory_threshold_mib": Param(1024, type="integer", minimum=1, title="Held memory threshold (MiB)",
                                       description="A GPU above this at 0 % utilisation counts as held."),
         "window_s": Param(WINDOW_S, type="integer", minimum=1, title="Window (s)",
