@@ -69,6 +69,10 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     assert (tmp_path / "state-n2" / "locks" / f"fleet-{storage}.worker_shard_00002.lock").exists()
     # and nothing of n1's ever took an n2 shard (the watch and its recovery work in n2's view too)
     assert not list((tmp_path / "state-n1" / "locks").glob(f"fleet-{storage}.*worker_shard_00002.lock"))
+    # the watch of n2's shard looked in n2's state dir, and what it says (the mails' diagnosis) names n2
+    looks = [json.loads(line) for line in (tmp_path / "state-n2" / "watch" /
+                                           f"fleet-{storage}.worker_shard_00002.looks.jsonl").read_text().splitlines()]
+    assert looks and all(" shard 2/4 on n2" in x["summary"] for x in looks if x.get("by") == "watch"), looks
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
