@@ -1,0 +1,81 @@
+"""A fleet over two network stacks: n1 is this machine (the training node), n2 the node host in its own network
+namespace, reached only over the veth link and its sshd (tests/fixtures/node_host.py), with its own run root,
+state dir, dump dir and fake GPUs.
+
+One run of eagle3_pipeline under dag.test(): storage ``auto`` finds that n2's run root is not n1's (its probe
+is not found on n1), so the corpus goes out to n2 over SFTP and n2's shards come back the same way; n2's GPU
+gates read its fake nvidia-smi, its capture server and workers run inside its namespace, and the training
+node verifies and trains on every shard of both.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.gpu_scenarios import gpu, write_scenario
+from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.pipeline_config import write_short_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def manifest_ids(run_dir: Path, shards) -> list[str]:
+    return [json.loads(line)["id"] for s in shards
+            for line in (run_dir / "hidden_states" / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_assets, node_host_fixture,  # noqa: F811
+                                                     monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagleflow.nodes.ssh import SSHNode
+    host = node_host_fixture
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_FLEET", host.airflow_conn())
+    cfg_path = write_short_config(tmp_path, demo_assets, capture={"shards": 4},
+                                  gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30})
+    cfg = yaml.safe_load(cfg_path.read_text())
+    del cfg["node"]
+    cfg["fleet"] = {"training_node": "n1", "storage": "auto", "nodes": [
+        {"name": "n1", "has_gpu": False, "state_dir": str(tmp_path / "state-n1"),
+         "dump_dir": str(tmp_path / "dumps-n1"), "gpu_slots": 1},
+        {"name": "n2", "conn_id": "node_host_fleet", "python": sys.executable, "has_gpu": True,
+         "state_dir": str(tmp_path / "state-n2"), "dump_dir": str(tmp_path / "dumps-n2"),
+         "run_root": str(tmp_path / "runs-n2"), "gpu_slots": 1}]}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
+
+    in_ns: set[str] = set()   # the detached jobs started over SSH whose PIDs live in the node's namespace
+    real_spawn = SSHNode.spawn_detached
+
+    def spawn_and_check(self, argv, *, role, **kw):
+        rec = real_spawn(self, argv, role=role, **kw)
+        if rec.pid in host.pids():
+            in_ns.add(role)
+        return rec
+
+    monkeypatch.setattr(SSHNode, "spawn_detached", spawn_and_check)
+    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-ns"})
+    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    assert dr.state == "success", states
+    assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
+        {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
+    assert states[("n2.gpus_idle", -1)] == "success" and states[("n2.collect_shards", -1)] == "success"
+    # n2's capture server and both its shard workers ran inside the node host's namespace
+    assert {"capture_server", "worker_shard_00002", "worker_shard_00003"} <= in_ns, in_ns
+    home, other = tmp_path / "runs" / "fleet-ns", tmp_path / "runs-n2" / "fleet-ns"
+    assert (other / "corpus" / "corpus.parquet").is_file()            # the corpus went out to n2
+    assert not (other / "hidden_states" / "shard_00000").exists()     # n1's shards never did
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
+    assert len(ids) == len(set(ids)) == stats["records"]              # 0 lost, 0 duplicated
+    assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
