@@ -10,13 +10,15 @@ node verifies and trains on every shard of both.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.fixtures.gpu_scenarios import gpu, write_scenario
+from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 
@@ -29,18 +31,11 @@ def manifest_ids(run_dir: Path, shards) -> list[str]:
             if line.strip()]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_assets, node_host_fixture,  # noqa: F811
-                                                     monkeypatch):
-    from airflow.dag_processing.dagbag import DagBag
-
-    from eagleflow.nodes.ssh import SSHNode
-    host = node_host_fixture
-    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float) -> Path:
+    """n1 here (training, no GPU), n2 the node host over its sshd with its own run root; 4 shards, 2 each."""
     monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_FLEET", host.airflow_conn())
     cfg_path = write_short_config(tmp_path, demo_assets, capture={"shards": 4},
-                                  gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30})
+                                  gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": idle_timeout_s})
     cfg = yaml.safe_load(cfg_path.read_text())
     del cfg["node"]
     cfg["fleet"] = {"training_node": "n1", "storage": "auto", "nodes": [
@@ -51,6 +46,19 @@ def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_
          "run_root": str(tmp_path / "runs-n2"), "gpu_slots": 1}]}
     cfg_path.write_text(yaml.safe_dump(cfg))
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
+    return cfg_path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_assets, node_host_fixture,  # noqa: F811
+                                                     monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagleflow.nodes.ssh import SSHNode
+    host = node_host_fixture
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
 
     in_ns: set[str] = set()   # the detached jobs started over SSH whose PIDs live in the node's namespace
     real_spawn = SSHNode.spawn_detached
@@ -79,3 +87,42 @@ def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_
     assert len(ids) == len(set(ids)) == stats["records"]              # 0 lost, 0 duplicated
     assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
     assert (home / "draft" / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, airflow_db, demo_assets,
+                                                                    node_host_fixture, monkeypatch, capfd):  # noqa: F811
+    """A foreign process holds 88 GiB on n2's GPU 0: n2's gate fails naming it and nothing signals it; n1's
+    shards are extracted and stored all the same; n2's shards are never started elsewhere, and verification
+    fails the run naming them (nothing trains on half the data)."""
+    from airflow.dag_processing.dagbag import DagBag
+    host = node_host_fixture
+    scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
+    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=3)
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
+                                  "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
+        dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+        dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-gate"})
+        states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+        assert dr.state == "failed", states
+        assert foreign.poll() is None            # a gate never kills, and free_gpus only kills what we recorded
+        assert "failed" in (states.get(("n2.free_gpus", -1)), states.get(("n2.gpus_idle", -1))), states
+        assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
+        assert not [k for k, v in states.items() if k[0] == "n2.extract_shard" and v == "success"]
+        assert states[("verify_hidden_states", -1)] == "failed" and states[("train_draft", -1)] != "success"
+        home = tmp_path / "runs" / "fleet-gate"
+        assert len(manifest_ids(home, [0, 1])) > 0
+        assert not (home / "hidden_states" / "shard_00002").exists()   # never started on n1 instead
+        assert not list((tmp_path / "state-n2" / "locks").glob("fleet-gate.worker_shard_*.lock"))
+        out, err = capfd.readouterr()   # dag.test() logs through structlog to stdout
+        text = out + err
+        assert f"pid {foreign.pid} (" in text and "python3 -m vllm.entrypoints" in text   # the gate names it
+        for k in (2, 3):   # verification names n2's shards, none stored
+            assert re.search(rf"shard {k}: 0/\d+ stored and verified <- FAILED", text), k
+    finally:
+        foreign.kill()
+        foreign.wait()
+        write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
