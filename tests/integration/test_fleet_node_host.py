@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,94 @@ def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, air
         foreign.kill()
         foreign.wait()
         write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
+
+
+OUTAGE_S = 22.0   # longer than the unreachable bound (stall_after 4 + 2 x poll 1 = 6 s) plus dead-link detection
+
+
+def _stored(shard_dir: Path) -> int:
+    try:
+        return sum(1 for line in (shard_dir / "manifest.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path, airflow_db, demo_assets,
+                                                                         node_host_fixture, monkeypatch):  # noqa: F811
+    """n2's cable is pulled while one of its shards extracts, for longer than the unreachable bound: the watch
+    mails UNREACHABLE naming the shard and n2 (never STALLED), n2's worker goes on storing, the shard completes
+    in the same try once n2 answers again (REACHABLE again), and the training node holds every sample once."""
+    import threading
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagleflow.capture.hf_server import DELAY_FILE_ENV
+    from tests.fixtures.processes import kill_recorded
+    from tests.fixtures.smtp import SmtpSink
+    host = node_host_fixture
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["watchdog"] = {"poll_interval_s": 1.0, "stall_after_s": 4.0, "health_timeout_s": 2.0,
+                       "startup_grace_s": 60.0, "alert_emails": ["oncall@example.test"],
+                       "smtp_conn_id": "smtp_fleet_part"}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    other = tmp_path / "runs-n2" / "fleet-part"
+    cut: dict = {}
+
+    def partition():
+        try:
+            while not done.is_set():
+                hit = [k for k in (2, 3) if _stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
+                if hit:
+                    break
+                time.sleep(0.05)
+            else:
+                return
+            k = hit[0]
+            cut.update(shard=k, at=time.time(), stored=_stored(other / "hidden_states" / f"shard_{k:05d}"))
+            host.link_down()
+            time.sleep(OUTAGE_S)
+            cut["stored_at_restore"] = _stored(other / "hidden_states" / f"shard_{k:05d}")
+            host.link_up()
+            cut["restored_at"] = time.time()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            cut["error"] = e
+
+    done = threading.Event()
+    # n2's forwards wait 0.7 s each (the node's sessions read this file): its shard spans the outage
+    Path(host.env[DELAY_FILE_ENV]).write_text("0.7")
+    thread = threading.Thread(target=partition, daemon=True)
+    with SmtpSink() as smtp:
+        for k, v in smtp.airflow_conn_env("smtp_fleet_part").items():
+            monkeypatch.setenv(k, v)
+        thread.start()
+        try:
+            dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+            dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-part"})
+        finally:
+            done.set()
+            thread.join(OUTAGE_S + 10)
+            Path(host.env[DELAY_FILE_ENV]).write_text("")
+            host.link_up()
+            kill_recorded(tmp_path / "state-n2")
+            kill_recorded(tmp_path / "state-n1")
+    assert "error" not in cut, cut
+    assert cut.get("shard") in (2, 3), "the partition never started: n2's shards finished before 3 samples?"
+    tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
+    assert dr.state == "success", {k: t.state for k, t in tis.items()}
+    hit = tis[("n2.extract_shard", cut["shard"] - 2)]
+    assert hit.try_number == 1, "a partition must not cost a task try"
+    assert tis[("n1.extract_shard", 0)].state == tis[("n1.extract_shard", 1)].state == "success"
+    subjects = [m["Subject"] for m in smtp.messages]
+    assert not [s for s in subjects if "STALLED" in s or "DEAD" in s or "FAILED" in s], subjects
+    assert f"[eagleflow] UNREACHABLE shard {cut['shard']}/4 on n2" in subjects, subjects
+    assert [s for s in subjects if s.startswith(f"[eagleflow] REACHABLE again: shard {cut['shard']}/4 on n2, ")], \
+        subjects
+    assert cut["stored_at_restore"] > cut["stored"], cut    # n2's worker stored on while nobody could see it
+    home = tmp_path / "runs" / "fleet-part"
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
