@@ -218,3 +218,62 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_host_fixture, monkeypatch):  # noqa: F811
+    """Both nodes are node hosts, each in its own network namespace behind its own sshd with its own fake GPUs:
+    n1 (host A) prepares, trains and exports; n2 (host B) extracts its half; the control plane reaches them
+    only over SSH. Every sample is verified once on n1."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagleflow.nodes.ssh import SSHNode
+    from tests.fixtures.node_host import node_host, node_host_env
+    host_a = node_host_fixture
+    work_b = tmp_path / "host-b"
+    work_b.mkdir()
+    with node_host(work_b / "node", node_host_env(work_b)) as host_b:
+        for h in (host_a, host_b):
+            write_scenario(h.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+        assert host_a.netns != host_b.netns and host_a.node_ip != host_b.node_ip
+        monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_A", host_a.airflow_conn())
+        monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_B", host_b.airflow_conn())
+        cfg_path = write_short_config(tmp_path, demo_assets, capture={"shards": 4},
+                                      gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30})
+        cfg = yaml.safe_load(cfg_path.read_text())
+        del cfg["node"]
+        cfg["fleet"] = {"training_node": "n1", "storage": "auto", "nodes": [
+            {"name": "n1", "conn_id": "node_host_a", "python": sys.executable, "has_gpu": True,
+             "state_dir": str(tmp_path / "state-n1"), "dump_dir": str(tmp_path / "dumps-n1"), "gpu_slots": 1},
+            {"name": "n2", "conn_id": "node_host_b", "python": sys.executable, "has_gpu": True,
+             "state_dir": str(tmp_path / "state-n2"), "dump_dir": str(tmp_path / "dumps-n2"),
+             "run_root": str(tmp_path / "runs-n2"), "gpu_slots": 1}]}
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))
+
+        where: dict[str, set[str]] = {"A": set(), "B": set()}   # detached jobs, by the namespace their PID is in
+        real_spawn = SSHNode.spawn_detached
+
+        def spawn_and_check(self, argv, *, role, **kw):
+            rec = real_spawn(self, argv, role=role, **kw)
+            for key, h in (("A", host_a), ("B", host_b)):
+                if rec.pid in h.pids():
+                    where[key].add(role)
+            return rec
+
+        monkeypatch.setattr(SSHNode, "spawn_detached", spawn_and_check)
+        dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+        dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "two-hosts"})
+    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    assert dr.state == "success", states
+    # host A: its capture server, its shards 0-1 and the trainer; host B: its server and shards 2-3, nothing else
+    assert {"capture_server", "worker_shard_00000", "worker_shard_00001", "trainer"} <= where["A"], where
+    assert where["B"] >= {"capture_server", "worker_shard_00002", "worker_shard_00003"}, where
+    assert not {"worker_shard_00000", "worker_shard_00001", "trainer"} & where["B"], where
+    home, other = tmp_path / "runs" / "two-hosts", tmp_path / "runs-n2" / "two-hosts"
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
+    assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
