@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
 
     ratios = sorted(x["ratio"] for x in rounds)
     out = {"samples": a.samples, "shards": a.shards, "slots_per_node": a.slots, "forward_delay_s": a.delay,
-           "rounds": rounds, "ratios": ratios, "ratio": ratios[len(ratios) // 2],
+           "rounds": rounds, "ratios": ratios, "ratio": statistics.median(ratios),
            "overhead_per_shard_s": {"one": [overhead(x["one"]) for x in rounds],
                                     "two": [overhead(x["two"]) for x in rounds]}}
     for i, x in enumerate(rounds):
