@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
-from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +30,14 @@ def manifest_ids(run_dir: Path, shards) -> list[str]:
     return [json.loads(line)["id"] for s in shards
             for line in (run_dir / "hidden_states" / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
             if line.strip()]
+
+
+def run_pipeline(cfg_path: Path, run_name: str):
+    """eagle3_pipeline under dag.test() (its task groups from $EAGLEFLOW_CONFIG): the run and its task states."""
+    from airflow.dag_processing.dagbag import DagBag
+    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
+    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": run_name})
+    return dr, {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
 
 
 def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float) -> Path:
@@ -54,26 +62,12 @@ def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s:
 @pytest.mark.timeout(1200)
 def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_assets, node_host_fixture,  # noqa: F811
                                                      monkeypatch):
-    from airflow.dag_processing.dagbag import DagBag
-
-    from eagleflow.nodes.ssh import SSHNode
     host = node_host_fixture
     write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
     cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
 
-    in_ns: set[str] = set()   # the detached jobs started over SSH whose PIDs live in the node's namespace
-    real_spawn = SSHNode.spawn_detached
-
-    def spawn_and_check(self, argv, *, role, **kw):
-        rec = real_spawn(self, argv, role=role, **kw)
-        if rec.pid in host.pids():
-            in_ns.add(role)
-        return rec
-
-    monkeypatch.setattr(SSHNode, "spawn_detached", spawn_and_check)
-    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-ns"})
-    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
+    dr, states = run_pipeline(cfg_path, "fleet-ns")
     assert dr.state == "success", states
     assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
         {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
@@ -97,7 +91,6 @@ def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, air
     """A foreign process holds 88 GiB on n2's GPU 0: n2's gate fails naming it and nothing signals it; n1's
     shards are extracted and stored all the same; n2's shards are never started elsewhere, and verification
     fails the run naming them (nothing trains on half the data)."""
-    from airflow.dag_processing.dagbag import DagBag
     host = node_host_fixture
     scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
     cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=3)
@@ -105,9 +98,7 @@ def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, air
     try:
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
                                   "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
-        dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-        dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-gate"})
-        states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+        dr, states = run_pipeline(cfg_path, "fleet-gate")
         assert dr.state == "failed", states
         assert foreign.poll() is None            # a gate never kills, and free_gpus only kills what we recorded
         assert "failed" in (states.get(("n2.free_gpus", -1)), states.get(("n2.gpus_idle", -1))), states
@@ -147,8 +138,6 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     mails UNREACHABLE naming the shard and n2 (never STALLED), n2's worker goes on storing, the shard completes
     in the same try once n2 answers again (REACHABLE again), and the training node holds every sample once."""
     import threading
-
-    from airflow.dag_processing.dagbag import DagBag
 
     from eagleflow.capture.hf_server import DELAY_FILE_ENV
     from tests.fixtures.processes import kill_recorded
@@ -192,8 +181,7 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
             monkeypatch.setenv(k, v)
         thread.start()
         try:
-            dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-            dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "fleet-part"})
+            dr, _ = run_pipeline(cfg_path, "fleet-part")
         finally:
             done.set()
             thread.join(OUTAGE_S + 10)
@@ -226,9 +214,6 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
     """Both nodes are node hosts, each in its own network namespace behind its own sshd with its own fake GPUs:
     n1 (host A) prepares, trains and exports; n2 (host B) extracts its half; the control plane reaches them
     only over SSH. Every sample is verified once on n1."""
-    from airflow.dag_processing.dagbag import DagBag
-
-    from eagleflow.nodes.ssh import SSHNode
     from tests.fixtures.node_host import node_host, node_host_env
     host_a = node_host_fixture
     work_b = tmp_path / "host-b"
@@ -252,20 +237,8 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
         cfg_path.write_text(yaml.safe_dump(cfg))
         monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))
 
-        where: dict[str, set[str]] = {"A": set(), "B": set()}   # detached jobs, by the namespace their PID is in
-        real_spawn = SSHNode.spawn_detached
-
-        def spawn_and_check(self, argv, *, role, **kw):
-            rec = real_spawn(self, argv, role=role, **kw)
-            for key, h in (("A", host_a), ("B", host_b)):
-                if rec.pid in h.pids():
-                    where[key].add(role)
-            return rec
-
-        monkeypatch.setattr(SSHNode, "spawn_detached", spawn_and_check)
-        dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-        dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "two-hosts"})
-    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+        where = record_spawns(monkeypatch, {"A": host_a, "B": host_b})
+        dr, states = run_pipeline(cfg_path, "two-hosts")
     assert dr.state == "success", states
     # host A: its capture server, its shards 0-1 and the trainer; host B: its server and shards 2-3, nothing else
     assert {"capture_server", "worker_shard_00000", "worker_shard_00001", "trainer"} <= where["A"], where

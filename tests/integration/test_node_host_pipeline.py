@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
-from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 from tests.fixtures.processes import alive
 
@@ -33,18 +33,8 @@ def test_pipeline_runs_green_on_the_node_host(tmp_path, airflow_db, demo_assets,
         tmp_path, demo_assets,
         node={"name": "gpu-node-ns", "conn_id": "node_host", "python": sys.executable, "has_gpu": True},
         gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30})
-    seen_in_ns: set[str] = set()
     # note which detached jobs ran inside the node's namespace (their PIDs are listed by `ip netns pids`)
-    from eagleflow.nodes.ssh import SSHNode
-    real_spawn = SSHNode.spawn_detached
-
-    def spawn_and_check(self, argv, *, role, **kw):
-        rec = real_spawn(self, argv, role=role, **kw)
-        if rec.pid in host.pids():
-            seen_in_ns.add(role)
-        return rec
-
-    monkeypatch.setattr(SSHNode, "spawn_detached", spawn_and_check)
+    seen_in_ns = record_spawns(monkeypatch, {"node": host})["node"]
     dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
     dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "node-host"})
     states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
