@@ -100,6 +100,9 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
         "out = {t.task_id: [t.queue, t.pool, (t.partial_kwargs if hasattr(t, 'partial_kwargs') else "
         "vars(t)).get('fleet_node'), sorted(t.upstream_task_ids)] for t in d.tasks}\n"
         "out['_param'] = d.params.get_param('fleet_nodes').schema['items']['enum']\n"
+        "from eagleflow.config import load_config\n"
+        "from eagleflow.airflow.routing import routing_mismatches\n"
+        "out['_mismatches'] = routing_mismatches(d, load_config('configs/fleet.example.yaml'))\n"
         "print(json.dumps(out))\n")
     env = {"PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(tmp_path), "EAGLEFLOW_HOME": str(REPO),
            "EAGLEFLOW_CONFIG": "configs/fleet.example.yaml", "PYTHONPATH": str(REPO / "include")}
@@ -109,6 +112,7 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
     import json
     tasks = json.loads(res.stdout.strip().splitlines()[-1])
     assert tasks.pop("_param") == ["gpu-node-1", "gpu-node-2"]
+    assert tasks.pop("_mismatches") == []   # the run's first task accepts a run of the config the DAG was parsed with
     for node in ("gpu-node-1", "gpu-node-2"):
         assert tasks[f"{node}.extract_shard"][:3] == [node, node, node]
         assert tasks[f"{node}.gpus_idle"][:3] == [node, node, node]

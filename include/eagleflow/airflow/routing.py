@@ -62,12 +62,27 @@ def fleet_routing(config_path: str | None = None) -> list[FleetNodeRoute]:
     return out
 
 
+def task_node_name(task, fleet_names: list[str], task_id: str | None = None) -> str | None:
+    """The fleet node a task talks to; None: the run's training node (or its only node).
+
+    The operator's ``fleet_node`` (set per node task group when the DAG is parsed); a mapped task keeps it in
+    its partial kwargs; else the task group its id names (``<node>.<task>``): a task rebuilt from the
+    serialized DAG (a resumed deferral) has lost the attribute but never its id."""
+    name = getattr(task, "fleet_node", None) or (getattr(task, "partial_kwargs", None) or {}).get("fleet_node")
+    if name is None:
+        task_id = task_id or getattr(task, "task_id", "") or ""
+        group = task_id.split(".", 1)[0] if "." in task_id else None
+        if group in fleet_names:
+            name = group
+    return name
+
+
 def routing_mismatches(dag, cfg: PipelineConfig) -> list[str]:
     """Tasks of ``dag`` routed elsewhere than the run's config says (empty: the run fits the DAG)."""
     names = cfg.fleet_node_names()
     bad, grouped = [], set()
     for task in dag.tasks:
-        node = getattr(task, "fleet_node", None) or cfg.node.name
+        node = task_node_name(task, names) or cfg.node.name
         if node not in names:
             bad.append(f"task {task.task_id} talks to node {node!r}, which the run's fleet lacks ({', '.join(names)})")
             continue

@@ -284,18 +284,10 @@ class RunRef:
 
 
 def task_fleet_node(context, cfg: PipelineConfig | None = None) -> str | None:
-    """The fleet node the context's task talks to; None: the run's training node (or its only node).
-
-    The operator's ``fleet_node`` (set per node task group when the DAG is parsed); else the task group
-    its id names (``<node>.<task>``): a task rebuilt from the serialized DAG (a resumed deferral) has lost
-    the attribute but never its id."""
-    name = getattr(context.get("task"), "fleet_node", None)
-    if name is None and cfg is not None and cfg.is_fleet:
-        task_id = getattr(context.get("ti"), "task_id", None) or getattr(context.get("task"), "task_id", "")
-        group = task_id.split(".", 1)[0] if "." in (task_id or "") else None
-        if group in cfg.fleet_node_names():
-            name = group
-    return name
+    """The fleet node the context's task talks to (routing.task_node_name); None: the run's training node."""
+    from eagleflow.airflow.routing import task_node_name
+    names = cfg.fleet_node_names() if cfg is not None and cfg.is_fleet else []
+    return task_node_name(context.get("task"), names, getattr(context.get("ti"), "task_id", None))
 
 
 def _node_for(conn_id: str | None) -> Node:
