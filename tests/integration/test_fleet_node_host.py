@@ -20,16 +20,11 @@ import pytest
 import yaml
 
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet
 from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def manifest_ids(run_dir: Path, shards) -> list[str]:
-    return [json.loads(line)["id"] for s in shards
-            for line in (run_dir / "hidden_states" / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
-            if line.strip()]
 
 
 def run_pipeline(cfg_path: Path, run_name: str):
@@ -43,17 +38,7 @@ def run_pipeline(cfg_path: Path, run_name: str):
 def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float) -> Path:
     """n1 here (training, no GPU), n2 the node host over its sshd with its own run root; 4 shards, 2 each."""
     monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_FLEET", host.airflow_conn())
-    cfg_path = write_short_config(tmp_path, demo_assets, capture={"shards": 4},
-                                  gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": idle_timeout_s})
-    cfg = yaml.safe_load(cfg_path.read_text())
-    del cfg["node"]
-    cfg["fleet"] = {"training_node": "n1", "storage": "auto", "nodes": [
-        {"name": "n1", "has_gpu": False, "state_dir": str(tmp_path / "state-n1"),
-         "dump_dir": str(tmp_path / "dumps-n1"), "gpu_slots": 1},
-        {"name": "n2", "conn_id": "node_host_fleet", "python": sys.executable, "has_gpu": True,
-         "state_dir": str(tmp_path / "state-n2"), "dump_dir": str(tmp_path / "dumps-n2"),
-         "run_root": str(tmp_path / "runs-n2"), "gpu_slots": 1}]}
-    cfg_path.write_text(yaml.safe_dump(cfg))
+    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_fleet", idle_timeout_s=idle_timeout_s)
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
     return cfg_path
 
@@ -123,13 +108,6 @@ def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, air
 OUTAGE_S = 22.0   # longer than the unreachable bound (stall_after 4 + 2 x poll 1 = 6 s) plus dead-link detection
 
 
-def _stored(shard_dir: Path) -> int:
-    try:
-        return sum(1 for line in (shard_dir / "manifest.jsonl").read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path, airflow_db, demo_assets,
@@ -156,17 +134,17 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     def partition():
         try:
             while not done.is_set():
-                hit = [k for k in (2, 3) if _stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
+                hit = [k for k in (2, 3) if stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
                 if hit:
                     break
                 time.sleep(0.05)
             else:
                 return
             k = hit[0]
-            cut.update(shard=k, at=time.time(), stored=_stored(other / "hidden_states" / f"shard_{k:05d}"))
+            cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"))
             host.link_down()
             time.sleep(OUTAGE_S)
-            cut["stored_at_restore"] = _stored(other / "hidden_states" / f"shard_{k:05d}")
+            cut["stored_at_restore"] = stored(other / "hidden_states" / f"shard_{k:05d}")
             host.link_up()
             cut["restored_at"] = time.time()
         except BaseException as e:  # noqa: BLE001 - reported by the test

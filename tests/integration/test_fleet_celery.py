@@ -1,0 +1,136 @@
+"""A fleet on the scale-out deployment: CeleryExecutor on PostgreSQL and Redis, one Celery worker per node
+queue, so the two nodes really work at once (under dag.test() their tasks run one after another).
+
+n1 is this machine (the training node), n2 the node host in its own network namespace behind its sshd
+(tests/fixtures/node_host.py). The pipeline is triggered through the REST API as the web UI does. n2's
+cable is pulled while one of its shards extracts: n1's worker, n1's shards and the triggerer's watch of
+them must go on as if nothing happened, n2's shard must complete in its first try once the cable is back,
+and the training node must hold every sample once.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagleflow.airflow.deploy.scaleout import GpuNodeRoute
+from eagleflow.capture.hf_server import DELAY_FILE_ENV
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet
+from tests.fixtures.gpu_scenarios import gpu, write_scenario
+from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.processes import kill_recorded
+from tests.fixtures.scaleout import celery_deployment, when
+from tests.fixtures.smtp import SmtpSink
+
+pytestmark = [pytest.mark.slow]
+
+ROUTES = [GpuNodeRoute(queue="fleet-n1", pool="fleet-n1", pool_slots=1),
+          GpuNodeRoute(queue="fleet-n2", pool="fleet-n2", pool_slots=1)]
+OUTAGE_S = 25.0        # longer than the unreachable bound (stall_after 8 + 2 x poll 1 = 10 s) plus dead-link detection
+N1_CRAWL_S = "2.0"     # n1's forwards until the cable is pulled: n1 is mid-shard when it happens
+N1_PACE_S = "0.3"      # and after: what n1 stores during the outage is n1 not held up by n2
+
+
+def _n1_stored(run_dir: Path) -> int:
+    return sum(stored(run_dir / "hidden_states" / f"shard_{k:05d}") for k in (0, 1))
+
+
+@pytest.mark.timeout(1800)
+def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(tmp_path, demo_assets,
+                                                                               node_host_fixture):  # noqa: F811
+    host = node_host_fixture
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_celery", idle_timeout_s=30, routed=True)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["watchdog"] = {"poll_interval_s": 1.0, "stall_after_s": 8.0, "health_timeout_s": 2.0,
+                       "startup_grace_s": 90.0, "alert_emails": ["oncall@example.test"],
+                       "smtp_conn_id": "smtp_fleet_celery"}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    home, other = tmp_path / "runs" / "celery-part", tmp_path / "runs-n2" / "celery-part"
+    n1_delay, n2_delay = tmp_path / "n1_forward_delay_s", Path(host.env[DELAY_FILE_ENV])
+    n1_delay.write_text(N1_CRAWL_S)
+    n2_delay.write_text("0.7")   # n2's shard spans the outage
+    cut: dict = {}
+    done = threading.Event()
+
+    def partition():
+        try:
+            while not done.is_set():
+                hit = [k for k in (2, 3) if stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
+                if hit:
+                    break
+                time.sleep(0.05)
+            else:
+                return
+            k = hit[0]
+            host.link_down()
+            cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"),
+                       n1_stored=_n1_stored(home))
+            n1_delay.write_text(N1_PACE_S)
+            time.sleep(OUTAGE_S)
+            cut["n1_stored_at_restore"] = _n1_stored(home)
+            cut["stored_at_restore"] = stored(other / "hidden_states" / f"shard_{k:05d}")
+            host.link_up()
+            cut["restored_at"] = time.time()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            cut["error"] = e
+
+    thread = threading.Thread(target=partition, daemon=True)
+    try:
+        with SmtpSink() as smtp, celery_deployment(
+                tmp_path / "deploy", ROUTES, cfg_path,
+                env={"AIRFLOW_CONN_NODE_HOST_CELERY": host.airflow_conn(),
+                     **smtp.airflow_conn_env("smtp_fleet_celery")},
+                # n1's capture server starts from n1's worker and reads its pace from this file
+                worker_env={"fleet-n1": {DELAY_FILE_ENV: str(n1_delay)}}) as deploy:
+            thread.start()
+            run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-part"})
+            state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
+            done.set()
+            thread.join(OUTAGE_S + 10)
+            tis = deploy.task_instances("eagle3_pipeline", run_id)
+            summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
+                       for t in tis}
+            assert state == "success", f"{summary}\n" + deploy.tails()
+    finally:
+        done.set()
+        n1_delay.write_text("")
+        n2_delay.write_text("")
+        host.link_up()
+        kill_recorded(tmp_path / "state-n2")
+        kill_recorded(tmp_path / "state-n1")
+    assert "error" not in cut, cut
+    print(f"partition of n2: {cut}")   # pytest -s: what each node stored around the outage
+    assert cut.get("shard") in (2, 3), "the partition never started: n2's shards finished before 3 samples?"
+
+    # each node's tasks went to its queue and ran on its worker; the run's own tasks on the training node's
+    for t in tis:
+        node = t["task_id"].split(".", 1)[0] if t["task_id"].startswith(("n1.", "n2.")) else "n1"
+        assert (t["queue"], t["hostname"]) == (f"fleet-{node}", f"airflow-worker-fleet-{node}"), summary
+    # n1 was not held up: it stored on at its own pace while n2 could not be seen
+    assert cut["n1_stored_at_restore"] >= cut["n1_stored"] + 10, cut
+    by_key = {(t["task_id"], t["map_index"]): t for t in tis}
+    hit = by_key[("n2.extract_shard", cut["shard"] - 2)]
+    assert hit["try_number"] == 1, "a partition must not cost a task try"
+    for k in (0, 1):
+        assert by_key[("n1.extract_shard", k)]["try_number"] == 1, summary
+    # the shard n2 was extracting overlapped n1's work in time: the nodes ran at once
+    n1_window = [when(by_key[("n1.extract_shard", k)]["start_date"]) for k in (0, 1)] + \
+        [when(by_key[("n1.extract_shard", k)]["end_date"]) for k in (0, 1)]
+    assert when(hit["start_date"]) < max(n1_window) and min(n1_window) < when(hit["end_date"]), summary
+    assert cut["stored_at_restore"] > cut["stored"], cut   # n2's worker stored on while nobody could see it
+
+    subjects = [m["Subject"] for m in smtp.messages]
+    assert not [s for s in subjects if "STALLED" in s or "DEAD" in s or "FAILED" in s], subjects
+    assert not [s for s in subjects if " on n1" in s], subjects      # no alarm about the node that was fine
+    assert f"[eagleflow] UNREACHABLE shard {cut['shard']}/4 on n2" in subjects, subjects
+    assert [s for s in subjects if s.startswith(f"[eagleflow] REACHABLE again: shard {cut['shard']}/4 on n2, ")], \
+        subjects
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
