@@ -25,7 +25,9 @@ from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
-from eagleflow.airflow.fleet_operators import PREPARE_TASK, CollectShardsOperator, PrepareNodeOperator
+from eagleflow.airflow.fleet_operators import (PREPARE_TASK, CollectShardsOperator, PrepareNodeOperator,
+                                              ReleaseTakeoverServerOperator, TakeOverShardsOperator)
+from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
 from eagleflow.airflow.runtime import allowed_node_conn_ids
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
@@ -204,6 +206,18 @@ with DAG(
         cap["extract"] >> verify
         if cap["collect"] is not None:
             cap["collect"] >> verify
+    if GROUPED:
+        # the shards another node left incomplete, taken over by the training node once that node proves
+        # them free of our workers (fleet.take_over); the rest wait for their node
+        take_over = TakeOverShardsOperator(task_id="take_over_shards", trigger_rule="all_done")
+        taken = RerunShardOperator.partial(task_id="take_over_shard", retries=2,
+                                           pool=NODE.pool).expand(target=take_over.output)
+        release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", trigger_rule="all_done")
+        for cap in captures.values():
+            [cap["extract"], cap["free_after"]] >> take_over
+            if cap["collect"] is not None:
+                cap["collect"] >> take_over
+        take_over >> taken >> release >> verify
     # training waits for verification too, so it never runs on partial or unverified data
     [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)

@@ -109,6 +109,10 @@ class FleetConfig(_Section):
         "verified shards are copied to the training node over SSH")
     use: list[str] | None = Field(default=None, description="the nodes this run uses (the trigger form's "
                                   "fleet_nodes); null = all; the training node is always among them")
+    take_over: bool = Field(default=True, description="after the nodes' groups: the training node takes "
+                            "over the shards another node left incomplete, once that node is proven free of our "
+                            "workers (reachable, the shard's worker lock free, no live worker); false: they wait "
+                            "for their node and verification fails the run naming them")
 
     @field_validator("nodes")
     @classmethod

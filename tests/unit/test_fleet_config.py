@@ -120,7 +120,11 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
     assert "gpu-node-1.collect_shards" not in tasks and "gpu-node-2.capture_held_out" not in tasks
     assert tasks["train_draft"][:2] == ["gpu-node-1", "gpu-node-1"]
     assert set(tasks["verify_hidden_states"][3]) == {"gpu-node-1.extract_shard", "gpu-node-2.extract_shard",
-                                                      "gpu-node-2.collect_shards"}
+                                                      "gpu-node-2.collect_shards", "release_takeover_server"}
+    # the takeover looks once every node's group is done, on the training node's queue
+    assert set(tasks["take_over_shards"][3]) >= {"gpu-node-2.collect_shards", "gpu-node-2.free_gpus_after_capture",
+                                                 "gpu-node-1.free_gpus_after_capture"}
+    assert tasks["take_over_shard"][:2] == ["gpu-node-1", "gpu-node-1"]
 
 
 def test_a_run_whose_fleet_differs_from_the_parsed_dag_is_refused():

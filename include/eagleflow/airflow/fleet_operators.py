@@ -11,12 +11,22 @@ shards are copied back after extraction. ``fleet.storage: shared`` fails a run w
 ``collect_shards`` (after the node's shards, whatever they did): copies each of the node's shard folders
 to the training node, files before the manifest, each checked against the source's digest. Verification
 on the training node (``verify_hidden_states``) then gates training over every shard of every node.
+
+``take_over_shards`` (on the training node, after every node's group): a shard another node left
+incomplete on the training node is handed over to it once that node proves it free of our workers
+(``eagleflow reconcile hand-over`` there: reachable, the shard's worker lock taken, no live worker; its
+worker refuses the shard from then on). The mapped ``take_over_shard`` tasks extract those on the
+training node (``reconcile claim --taken-from``) under the same watch, and ``release_takeover_server``
+stops the capture server they started. An unreachable node or a held lock keeps its shards: they wait
+for their node, and verification fails the run naming them.
 """
 from __future__ import annotations
 
 import secrets
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from pydantic import BaseModel
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
@@ -122,3 +132,79 @@ class CollectShardsOperator(RunOperator):
             raise RuntimeError(f"node {name}: {len(problems)} shard(s) not collected on the training node (a "
                                "retry resumes what was copied):\n" + "\n".join(f"  - {p}" for p in problems))
         return {"node": name, "copied": copied}
+
+
+class ShardStates(BaseModel):
+    """What ``eagleflow reconcile states`` prints: ``ShardState`` fields per shard."""
+    shards: list[dict]
+
+
+class HandOverAnswer(BaseModel):
+    """What ``eagleflow reconcile hand-over`` prints (``eagleflow.watchdog.reconcile.hand_over``)."""
+    handed_over: list[int]
+    kept: dict[str, str]
+    node: str
+
+
+class TakeOverShardsOperator(RunOperator):
+    """The shards other nodes left incomplete, handed over to the training node where proven free (the input
+    of the mapped ``take_over_shard``); the others wait for their node."""
+
+    def run(self, ctx, context):
+        cfg = ctx.cfg
+        training = cfg.fleet.training_node or cfg.node.name
+        todo = []
+        for node in cfg.nodes_in_use():
+            shards = shards_of(cfg, node.name)
+            if node.name == training or not shards:
+                continue
+            here = {st["shard"]: st for st in ctx.node.run_json(
+                ctx.eagleflow_argv("reconcile", "states", "--shards", ",".join(map(str, shards))),
+                ShardStates, timeout=300).shards}
+            missing = [s for s in shards if here[s]["stored"] < here[s]["expected"]]
+            if not missing:
+                self.log.info("node %s: its shards %s are all on the training node", node.name, shards)
+                continue
+            if not cfg.fleet.take_over:
+                self.log.warning("node %s left shards %s incomplete here; fleet.take_over is off: they wait for it",
+                                 node.name, missing)
+                continue
+            other = ctx.for_node(node.name)
+            try:
+                answer = other.node.run_json(other.eagleflow_argv("reconcile", "hand-over", "--shards",
+                                                                  ",".join(map(str, missing)), "--to", training),
+                                             HandOverAnswer, timeout=120)
+            except NodeError as e:   # not proven free: never a second worker on a shard that may still run
+                self.log.warning("node %s could not prove its shards %s free of our workers (%s): they wait for "
+                                 "it; clear its group once it is back", node.name, missing, e)
+                continue
+            finally:
+                other.close()
+            for shard, why in sorted(answer.kept.items()):
+                self.log.warning("node %s keeps shard %s: %s", node.name, shard, why)
+            for shard in answer.handed_over:
+                st = here[shard]
+                self.log.info("node %s handed shard %d over to %s (%d/%d samples here)", node.name, shard,
+                              training, st["stored"], st["expected"])
+                todo.append({"run_id": ctx.layout.run_id, "phase": "extract", "shard": shard,
+                             "run_config": ctx.run_config_path, "stored": st["stored"], "expected": st["expected"],
+                             "taken_from": node.name})
+        self.log.info("%d shard(s) to take over on %s", len(todo), training)
+        return todo
+
+
+class ReleaseTakeoverServerOperator(RunOperator):
+    """After the taken-over shards, whatever they did: stop the capture server their claims started."""
+
+    def __init__(self, *, takeover_task_id: str = "take_over_shards", **kw):
+        super().__init__(**kw)
+        self.takeover_task_id = takeover_task_id
+
+    def run(self, ctx, context):
+        if not context["ti"].xcom_pull(task_ids=self.takeover_task_id):
+            raise AirflowSkipException("no shard was taken over: no server to release")
+        from eagleflow.airflow.reconcile_operators import ClaimAnswer
+        released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", "extract"), ClaimAnswer,
+                                     timeout=300)
+        self.log.info("capture server of the takeover: %s (%s)", released.action, released.reason)
+        return {"action": released.action, "reason": released.reason}

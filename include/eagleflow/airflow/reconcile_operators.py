@@ -109,7 +109,9 @@ class RerunShardOperator(BaseOperator):
             # the rerun stalled on a hung generation server: stop it once (if still that one) before the claim
             from eagleflow.generate.lifecycle import stop_after_server_stall
             stop_after_server_stall(ctx, shard, log=self.log.warning)
-        result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase),
+        taken = ["--taken-from", str(self.target["taken_from"])] if self.target.get("taken_from") else []
+        result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase,
+                                                      *taken),
                                    ClaimAnswer, timeout=ctx.cfg.capture.ready_timeout_s + 300,
                                    log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
         self.log.info("run %s %s shard %d: %s (%s)", ctx.layout.run_id, phase, shard, result.action, result.reason)

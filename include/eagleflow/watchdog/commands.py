@@ -8,6 +8,7 @@ Exit codes of `eagleflow watch`: 0 healthy, starting or complete; 3 slow;
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -64,7 +65,20 @@ def register(sub) -> None:
     cl.add_argument("--shard", type=int, required=True)
     cl.add_argument("--phase", choices=["extract", "generate"], default="extract",
                     help="which phase's shard: extraction (capture server) or generation (generation server)")
+    cl.add_argument("--taken-from", help="a fleet node that handed this extraction shard over to this one "
+                                         "(`reconcile hand-over` there): recorded, then claimed as this node's")
     cl.set_defaults(func=_reconcile_claim)
+    ho = csub.add_parser("hand-over", help="on a fleet node: hand shards proven free of our workers (lock free, "
+                                           "no live worker) over to another node; their workers here refuse them")
+    add_run_args(ho)
+    ho.add_argument("--shards", type=_shard_list, required=True, help="comma-separated extraction shards")
+    ho.add_argument("--to", required=True, help="the fleet node that takes them")
+    ho.set_defaults(func=_reconcile_hand_over)
+    st = csub.add_parser("states", help="stored / expected samples of the given extraction shards in this node's "
+                                        "run dir, whoever owns them, as JSON")
+    add_run_args(st)
+    st.add_argument("--shards", type=_shard_list, required=True, help="comma-separated extraction shards")
+    st.set_defaults(func=_reconcile_states)
     rl = csub.add_parser("release", help="stop the run's server of a phase if reconcile started it and it is unused")
     add_run_args(rl)
     rl.add_argument("--phase", choices=["extract", "generate"], default="extract",
@@ -179,8 +193,43 @@ def _reconcile_claim(args) -> int:
 
     cfg, layout = run_from_args(args)
     result = claim(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shard,
-                   log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase)
+                   log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase,
+                   taken_from=args.taken_from)
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def _shard_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shards {text!r}: expected comma-separated shard numbers, "
+                                         "e.g. 2,3") from None
+    if any(k < 0 for k in out):
+        raise argparse.ArgumentTypeError(f"--shards {text!r}: shard numbers start at 0")
+    return out
+
+
+def _reconcile_hand_over(args) -> int:
+    from eagleflow.capture.lifecycle import LocalRun
+    from .reconcile import hand_over
+
+    cfg, layout = run_from_args(args)
+    print(json.dumps(hand_over(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shards, args.to)),
+          flush=True)
+    return 0
+
+
+def _reconcile_states(args) -> int:
+    from dataclasses import asdict
+
+    from eagleflow.capture.lifecycle import LocalRun
+    from .reconcile import shard_state
+
+    cfg, layout = run_from_args(args)
+    run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
+    print(json.dumps({"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}
+                                 for st in (shard_state(run, s) for s in args.shards)]}), flush=True)
     return 0
 
 

@@ -23,6 +23,15 @@ complete, ``eagleflow.generate.phase.phase_finished``):
   live worker: no double work.
 - release: stop a server that reconcile started, once no worker of that
   phase of the run is alive.
+- hand-over (a fleet, on the node that owns the shards): prove each shard
+  free of our workers (its job lock taken, no live pid record) and, holding
+  that lock, leave a hand-over mark: the shard's worker checks for it once it
+  holds the lock and refuses to extract, so the owner never works on a shard
+  another node took (never two workers on one shard). A held lock or a live
+  worker keeps the shard where it is.
+- states / claim --taken-from (on the taking node): how much of the shards it
+  holds, and a claim of a shard handed over to it, recorded in its run dir
+  (``takeover.json``) so that a later scan and claim there count it as its own.
 """
 from __future__ import annotations
 
@@ -184,24 +193,113 @@ def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
 
 def own_shards(run: LocalRun, phase: str) -> list[int]:
     """The shards of ``phase`` this node may work on: in a fleet, only the extraction shards assigned to it
-    (another node's shard has its worker and lock there, out of sight: never a second worker)."""
+    and those handed over to it (another node's shard has its worker and lock there, out of sight: never a
+    second worker)."""
     shards = list(range(kind_of(phase).num_shards(run.cfg)))
     if phase == EXTRACT and run.cfg.is_fleet:
         from eagleflow.fleet.assign import shards_of
-        shards = shards_of(run.cfg, run.cfg.node.name)
+        shards = sorted(set(shards_of(run.cfg, run.cfg.node.name)) | set(taken_over(run)))
     return shards
+
+
+# ----------------------------------------------------------------------------- a fleet's hand-over
+TAKEOVER_FILE = "takeover.json"
+
+
+def hand_over_mark(layout: RunLayout, shard: int) -> Path:
+    """Beside the shard's job lock on its owning node: present = handed over, never extracted here again."""
+    return Path(str(layout.lock_file(capture.worker_role(shard)))).with_suffix(".handed-over")
+
+
+def handed_over_to(layout: RunLayout, shard: int) -> dict | None:
+    """The hand-over mark of ``shard`` ({"to", "at"}), or None while the shard is this node's."""
+    from eagleflow.durable import read_owned
+    try:
+        doc = json.loads(read_owned(hand_over_mark(layout, shard), limit=1 << 16))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"to": "(unreadable mark)", "at": None}   # a mark we cannot read still means: not ours
+    return doc if isinstance(doc, dict) else {"to": "(unreadable mark)", "at": None}
+
+
+def hand_over(run: LocalRun, shards: list[int], to_node: str) -> dict:
+    """On the shards' owning node: hand each shard that is proven free of our workers over to ``to_node``."""
+    from eagleflow.durable import atomic_write
+    from eagleflow.nodes.locks import JobLockHeld, lock_exclusive
+    lay = run.layout
+    handed, kept = [], {}
+    for shard in shards:
+        role = capture.worker_role(shard)
+        mark = handed_over_to(lay, shard)
+        if mark is not None:   # asked again (a retried task): the same answer
+            if mark.get("to") == to_node:
+                handed.append(shard)
+            else:
+                kept[shard] = f"already handed over to {mark.get('to')}"
+            continue
+        try:
+            fd = lock_exclusive(str(lay.lock_file(role)), purpose=f"hand-over of extract shard {shard} of run "
+                                                                  f"{lay.run_id} to {to_node}")
+        except JobLockHeld as e:
+            kept[shard] = f"its worker lock is held: {e}"
+            continue
+        try:
+            live = run.node.live_record(str(lay.pid_file(role)))
+            if live is not None:   # a worker that lost its lock file but lives: never taken from it
+                kept[shard] = f"a worker of it is alive (pid {live.pid})"
+                continue
+            st = shard_state(run, shard)
+            if st.expected > 0 and not st.incomplete:   # no corpus here yet (expected 0): never started here
+                kept[shard] = (f"complete here ({st.stored}/{st.expected} samples): its copy to {to_node} is what "
+                               f"is missing; clear {run.cfg.node.name}.collect_shards")
+                continue
+            atomic_write(hand_over_mark(lay, shard), json.dumps({"to": to_node, "at": time.time()}))
+            handed.append(shard)
+        finally:
+            os.close(fd)
+    return {"handed_over": handed, "kept": {str(k): v for k, v in kept.items()}, "node": run.cfg.node.name}
+
+
+def taken_over(run: LocalRun) -> dict[int, str]:
+    """Shards handed over to this node in this run: shard -> the node it came from."""
+    path = Path(str(run.layout.run_dir)) / TAKEOVER_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable takeover record ({e}); it lists the shards other nodes handed "
+                         "over to this one: restore it or remove it and clear the take_over_shards task") from None
+    return {int(k): str(v) for k, v in doc.get("shards", {}).items()}
+
+
+def record_taken_over(run: LocalRun, shard: int, from_node: str) -> None:
+    from eagleflow.durable import atomic_write
+    from eagleflow.nodes.locks import NodeLock
+    path = Path(str(run.layout.run_dir)) / TAKEOVER_FILE
+    with NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.takeover.lock",
+                  purpose=f"takeover record of run {run.layout.run_id}"):
+        shards = {**taken_over(run), shard: from_node}
+        atomic_write(path, json.dumps({"shards": {str(k): v for k, v in sorted(shards.items())}}))
 
 
 def _marker(run: LocalRun, kind: ShardKind) -> Path:
     return Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.{kind.marker}"
 
 
-def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT) -> dict:
-    """Start the shard's worker if it is still incomplete and unattended; never twice."""
+def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT, taken_from: str | None = None) -> dict:
+    """Start the shard's worker if it is still incomplete and unattended; never twice. ``taken_from``: the
+    fleet node that handed this shard over (``hand_over``), recorded first so it is this node's from now on."""
     kind = kind_of(phase)
     role = kind.worker_role(shard)
     lock = NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile.{role}.lock",
                     purpose=f"reconcile {kind.label} {shard} of run {run.layout.run_id}")
+    if taken_from is not None:
+        if phase != EXTRACT or not run.cfg.is_fleet or taken_from not in run.cfg.fleet_node_names():
+            raise ValueError(f"claim --taken-from {taken_from!r}: only an extraction shard of a fleet run can be "
+                             f"taken from one of its nodes ({', '.join(run.cfg.fleet_node_names())})")
+        record_taken_over(run, shard, taken_from)
     if shard not in own_shards(run, phase):
         return {"action": "skipped", "reason": f"{kind.label} {shard} of run {run.layout.run_id} belongs to "
                 f"another fleet node than {run.cfg.node.name}; it is rerun there"}
@@ -260,4 +358,4 @@ def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
 
 
 __all__ = ["EXTRACT", "GENERATE", "KINDS", "ShardKind", "ShardState", "scan", "phases_to_scan", "claim", "release",
-           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE"]
+           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE", "hand_over", "handed_over_to", "taken_over"]
