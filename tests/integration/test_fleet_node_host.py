@@ -10,7 +10,6 @@ node verifies and trains on every shard of both.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -71,11 +70,12 @@ def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, airflow_db, demo_assets,
-                                                                    node_host_fixture, monkeypatch, capfd):  # noqa: F811
+def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_path, airflow_db, demo_assets,
+                                                                            node_host_fixture, monkeypatch, capfd):  # noqa: F811
     """A foreign process holds 88 GiB on n2's GPU 0: n2's gate fails naming it and nothing signals it; n1's
-    shards are extracted and stored all the same; n2's shards are never started elsewhere, and verification
-    fails the run naming them (nothing trains on half the data)."""
+    shards are extracted all the same. n2 is reachable and holds no lock of ours, so it hands its shards over
+    (marks beside their locks there) and the training node extracts them: the run is green with every sample
+    once, and no worker of those shards ever ran on n2."""
     host = node_host_fixture
     scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
     cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=3)
@@ -83,22 +83,29 @@ def test_a_node_refusing_its_gpu_gate_holds_up_only_its_own_shards(tmp_path, air
     try:
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
                                   "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
+        in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
         dr, states = run_pipeline(cfg_path, "fleet-gate")
-        assert dr.state == "failed", states
         assert foreign.poll() is None            # a gate never kills, and free_gpus only kills what we recorded
+        assert dr.state == "success", states
         assert "failed" in (states.get(("n2.free_gpus", -1)), states.get(("n2.gpus_idle", -1))), states
         assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
         assert not [k for k, v in states.items() if k[0] == "n2.extract_shard" and v == "success"]
-        assert states[("verify_hidden_states", -1)] == "failed" and states[("train_draft", -1)] != "success"
+        assert states[("take_over_shard", 0)] == states[("take_over_shard", 1)] == "success", states
+        assert states[("release_takeover_server", -1)] == "success", states
+        assert not {"worker_shard_00002", "worker_shard_00003"} & in_ns, in_ns   # never a worker of them on n2
         home = tmp_path / "runs" / "fleet-gate"
-        assert len(manifest_ids(home, [0, 1])) > 0
-        assert not (home / "hidden_states" / "shard_00002").exists()   # never started on n1 instead
-        assert not list((tmp_path / "state-n2" / "locks").glob("fleet-gate.worker_shard_*.lock"))
+        stats = json.loads((home / "corpus" / "stats.json").read_text())
+        ids = manifest_ids(home, range(4))
+        assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
+        assert json.loads((home / "takeover.json").read_text()) == {"shards": {"2": "n2", "3": "n2"}}
+        for k in (2, 3):   # n2 handed them over: its marks, beside the locks its workers would take
+            mark = tmp_path / "state-n2" / "locks" / f"fleet-gate.worker_shard_{k:05d}.handed-over"
+            assert json.loads(mark.read_text())["to"] == "n1", k
+        assert (home / "draft" / "export" / "model.safetensors").is_file()
         out, err = capfd.readouterr()   # dag.test() logs through structlog to stdout
         text = out + err
         assert f"pid {foreign.pid} (" in text and "python3 -m vllm.entrypoints" in text   # the gate names it
-        for k in (2, 3):   # verification names n2's shards, none stored
-            assert re.search(rf"shard {k}: 0/\d+ stored and verified <- FAILED", text), k
+        assert "node n2 handed shard 2 over to n1" in text and "node n2 handed shard 3 over to n1" in text
     finally:
         foreign.kill()
         foreign.wait()
@@ -228,3 +235,67 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
     assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
     assert (home / "draft" / "export" / "model.safetensors").is_file()
+
+
+# paramiko's read-ahead thread dies with the connection and leaves a traceback: expected here
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_shard_transfer_cut_mid_file_is_resumed_by_the_collect_retry(tmp_path, airflow_db, demo_assets,
+                                                                        node_host_fixture, monkeypatch):  # noqa: F811
+    """n2's shards come back to n1 over SFTP. n2's SSH connections are killed while collect_shards streams the
+    third file of shard 3 (one piece of it written): that try fails, its retry continues the partial files
+    instead of sending them again, and the run is green with every sample once and n2's files identical on n1."""
+    import hashlib
+
+    from eagleflow.fleet import transfer
+    host = node_host_fixture
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
+    real_copy, real_stream = transfer.copy_dir, transfer._stream
+    reports: list = []
+    seen: list[str] = []
+    cut: dict = {}
+
+    def copy_in_small_pieces(src, src_dir, dst, dst_dir, **kw):
+        kw["chunk_bytes"] = 8 << 10   # the shard files are 20-130 KB: the cut lands inside one
+        rep = real_copy(src, src_dir, dst, dst_dir, **kw)
+        reports.append((src_dir, rep))
+        return rep
+
+    def stream_and_cut(inp, out, chunk_bytes):
+        name = str(getattr(out, "name", ""))   # n1 is local: a plain file with its path
+        if not cut and "shard_00003" in name:
+            seen.append(name)
+            if len(seen) == 3:
+                piece = inp.read(chunk_bytes)
+                out.write(piece)
+                cut.update(file=name, sessions=host.drop_connections(), written=len(piece))
+                return len(piece) + real_stream(inp, out, chunk_bytes)   # the next read meets a dead link
+        return real_stream(inp, out, chunk_bytes)
+
+    monkeypatch.setattr(transfer, "copy_dir", copy_in_small_pieces)
+    monkeypatch.setattr(transfer, "_stream", stream_and_cut)
+    dr, states = run_pipeline(cfg_path, "fleet-cut")
+    tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
+    assert cut.get("sessions"), f"the cut never happened (files of shard 3 seen: {seen})"
+    assert dr.state == "success", states
+    assert tis[("n2.collect_shards", -1)].try_number == 2, "the cut should have failed the first try"
+    assert not [k for k, v in states.items() if k[0] == "take_over_shard" and v == "success"]   # nothing to take
+    home, other = tmp_path / "runs" / "fleet-cut", tmp_path / "runs-n2" / "fleet-cut"
+    shard3 = [rep for src_dir, rep in reports if src_dir.endswith("shard_00003")]
+    assert len(shard3) == 1, reports              # the first try's copy of shard 3 raised: no report
+    sizes = sum(p.stat().st_size for p in (other / "hidden_states" / "shard_00003").glob("*.safetensors"))
+    # the retry sent only what the cut try had not: the partials (two whole files and a piece) were continued
+    assert shard3[0].bytes_resumed >= cut["written"] and shard3[0].bytes_copied < sizes, (shard3, sizes)
+    assert not (home / "hidden_states" / "shard_00003" / transfer.PARTIAL).exists() or \
+        not list((home / "hidden_states" / "shard_00003" / transfer.PARTIAL).iterdir())
+    for k in (2, 3):
+        src = other / "hidden_states" / f"shard_{k:05d}"
+        for f in src.iterdir():
+            if f.is_file() and f.name != "heartbeat.json":
+                got = home / "hidden_states" / f"shard_{k:05d}" / f.name
+                assert hashlib.sha256(got.read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), got
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated

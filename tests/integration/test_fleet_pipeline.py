@@ -89,11 +89,13 @@ def test_a_fleet_said_to_share_storage_that_does_not_fails_that_node_and_the_run
                                                                                 monkeypatch):
     """storage: shared, but n2's run root is another folder: n2's probe is not found on n1, so n2's group
     fails at prepare_node naming both folders; n1's shards still run, and verification fails the run
-    naming n2's missing shards (nothing trains on half the data)."""
+    naming n2's missing shards (nothing trains on half the data). fleet.take_over is off: n2's shards wait
+    for it (with it on, the training node would take them over: test_fleet_node_host)."""
     from airflow.dag_processing.dagbag import DagBag
     cfg_path = fleet_config(tmp_path, demo_assets, "copy")
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["fleet"]["storage"] = "shared"
+    cfg["fleet"]["take_over"] = False
     cfg["train"]["max_steps"] = 2
     cfg_path.write_text(yaml.safe_dump(cfg))
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))
@@ -104,5 +106,6 @@ def test_a_fleet_said_to_share_storage_that_does_not_fails_that_node_and_the_run
     assert states[("n2.prepare_node", -1)] == "failed"
     assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
     assert states[("verify_hidden_states", -1)] == "failed" and states[("train_draft", -1)] != "success"
+    assert states[("take_over_shards", -1)] == "success" and states.get(("take_over_shard", 0)) is None, states
     home = tmp_path / "runs" / "not-shared"
     assert manifest_ids(home, [0, 1]) and not (home / "hidden_states" / "shard_00002").exists()
