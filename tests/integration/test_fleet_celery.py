@@ -19,7 +19,7 @@ import yaml
 
 from eagleflow.airflow.deploy.scaleout import GpuNodeRoute
 from eagleflow.capture.hf_server import DELAY_FILE_ENV
-from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
 from tests.fixtures.processes import kill_recorded
@@ -63,14 +63,9 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
 
     def partition():
         try:
-            while not done.is_set():
-                hit = [k for k in (2, 3) if stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
-                if hit:
-                    break
-                time.sleep(0.05)
-            else:
+            k = wait_for_stored(other, (2, 3), 3, done)
+            if k is None:
                 return
-            k = hit[0]
             host.link_down()
             cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"),
                        n1_stored=_n1_stored(home))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
-from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored
 from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 
@@ -140,14 +140,9 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
 
     def partition():
         try:
-            while not done.is_set():
-                hit = [k for k in (2, 3) if stored(other / "hidden_states" / f"shard_{k:05d}") >= 3]
-                if hit:
-                    break
-                time.sleep(0.05)
-            else:
+            k = wait_for_stored(other, (2, 3), 3, done)
+            if k is None:
                 return
-            k = hit[0]
             cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"))
             host.link_down()
             time.sleep(OUTAGE_S)
