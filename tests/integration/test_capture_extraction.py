@@ -21,7 +21,7 @@ from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_o
                                          stop_worker, wait_capture_server_ready, worker_role)
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.worker import GIVE_UP_FACTOR, request_deadline
-from eagleflow.capture.storage import read_sample
+from eagleflow.capture.storage import SAMPLE_SUFFIX, read_sample
 from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
@@ -219,7 +219,9 @@ def test_rerun_attaches_to_the_live_worker(server):
     finally:
         del os.environ["EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME"]
     try:
-        wait_until(lambda: list(Path(ctx.layout.shard_dir(0)).glob(".tmp-*")), 60, every_s=0.1,
+        # a sample's temp file, not the heartbeat's (.tmp-heartbeat.json.*): that one exists while torch
+        # still imports, and a TERM then tested the startup, not the pause
+        wait_until(lambda: list(Path(ctx.layout.shard_dir(0)).glob(f".tmp-*{SAMPLE_SUFFIX}.*")), 60, every_s=0.1,
                    what="the worker paused before its first rename")
         rec2, attached2 = start_or_attach_worker(ctx, 0)
         assert (attached1, attached2) == (False, True) and rec2.pid == rec1.pid
@@ -234,6 +236,24 @@ def test_rerun_attaches_to_the_live_worker(server):
     wait_until(lambda: (Heartbeat.read(ctx.layout.heartbeat_file(0)) or Heartbeat("", 0)).state == "complete", 60,
                every_s=0.2, what="shard 0 complete")
     _assert_shard_exact(ctx, 0)
+
+
+def test_a_worker_stopped_while_it_starts_says_so(server):
+    """TERM as soon as the worker's first heartbeat is down: it lands in the corpus read or in torch's import
+    (whose op lookup once renamed our stop to an AttributeError), and the heartbeat still names the signal."""
+    base, info = server
+    ctx = _ctx(Path(base.config_path), "stop-at-start")
+    Path(ctx.layout.server_info_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(ctx.layout.server_info_file).write_text(json.dumps(info))
+    rec, _ = start_or_attach_worker(ctx, 1)
+    try:
+        wait_until(lambda: Path(ctx.layout.heartbeat_file(1)).exists(), 60, every_s=0.02,
+                   what="the worker's first heartbeat")
+    finally:
+        assert stop_worker(ctx, 1, grace_s=15) == "terminated"
+    hb = Heartbeat.read(ctx.layout.heartbeat_file(1))
+    assert hb.state == "failed" and hb.error.startswith("shard 1: stopped by SIGTERM; stored samples are kept"), hb
+    assert hb.pid == rec.pid
 
 
 def test_server_hang_or_death_fails_the_worker_clearly_within_its_timeout(demo_assets, tmp_path, monkeypatch):

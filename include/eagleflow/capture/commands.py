@@ -173,16 +173,12 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
         request_timeout_per_token_s=cfg.capture.request_timeout_per_token_s,
         heartbeat_interval_s=cfg.capture.heartbeat_interval_s, model=model, store_dtype=cfg.capture.store_dtype,
         **settings)
-    import signal
-
-    def _stopped(signum, _frame):
-        # Leaves "failed: stopped by SIGTERM" in the heartbeat instead of a stale "running".
-        raise ExtractionError(f"shard {shard}: stopped by {signal.Signals(signum).name}; stored samples are "
-                              "kept and a re-run resumes from the manifest")
-    signal.signal(signal.SIGTERM, _stopped)
+    from eagleflow.stop_signal import Stopped, stop_on_term
+    # leaves "failed: stopped by SIGTERM" in the heartbeat instead of a stale "running"
+    stop_on_term(f"shard {shard}", "stored samples are kept and a re-run resumes from the manifest")
     try:
         hb = ShardWorker(ws, log=lambda m: print(m, file=log_to, flush=True)).run()
-    except ExtractionError as e:
+    except (ExtractionError, Stopped) as e:
         print(f"{prog}: FAILED: {e}", file=sys.stderr, flush=True)
         return 3
     print(hb.progress_line(), file=log_to, flush=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.stop_signal import failure_text
 
 from .client import CaptureServerError, CaptureTimeout, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
@@ -189,8 +190,7 @@ class ShardWorker:
         try:
             self._run(writer_hb)
         except BaseException as e:
-            msg = str(e) if isinstance(e, ExtractionError) else f"{type(e).__name__}: {e}"
-            writer_hb.stop(state="failed", error=msg)
+            writer_hb.stop(state="failed", error=failure_text(e, ExtractionError))
             raise
         writer_hb.stop(state="complete")
         return writer_hb.hb

@@ -113,15 +113,11 @@ def _run(args) -> int:
             print(f"eagleflow generate run: no generation server recorded at {layout.generate_server_info_file}; "
                   "start one (`eagleflow generate start`) or pass --url", file=sys.stderr)
             return EXIT_FAILED
-    import signal
-
-    def _stopped(signum, _frame):
-        raise GenerationError(f"generate shard {args.shard}: stopped by {signal.Signals(signum).name}; finished "
-                              "records are kept and a re-run resumes from the manifest")
-    signal.signal(signal.SIGTERM, _stopped)
+    from eagleflow.stop_signal import Stopped, stop_on_term
+    stop_on_term(f"generate shard {args.shard}", "finished records are kept and a re-run resumes from the manifest")
     try:
         hb = GenerateWorker(shard_settings(cfg, layout, args.shard, url), log=lambda m: print(m, flush=True)).run()
-    except GenerationError as e:
+    except (GenerationError, Stopped) as e:
         print(f"eagleflow generate run: FAILED: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print(hb.progress_line(), flush=True)

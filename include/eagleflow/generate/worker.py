@@ -32,6 +32,7 @@ from eagleflow.capture.storage import file_sha256, remove_temp_files
 from eagleflow.corpus.normalise import BadRecord, Conversation
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.stop_signal import failure_text
 
 from .regenerate import BAD, Generation, RecordBuilder, RecordResult, Sampling, TemplateError
 
@@ -230,7 +231,7 @@ class GenerateWorker:
         try:
             self._run(hbw)
         except BaseException as e:
-            hbw.stop(state="failed", error=str(e) if isinstance(e, GenerationError) else f"{type(e).__name__}: {e}")
+            hbw.stop(state="failed", error=failure_text(e, GenerationError))
             raise
         hbw.stop(state="complete")
         return hbw.hb

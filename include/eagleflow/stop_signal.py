@@ -1,0 +1,36 @@
+"""A worker told to stop (SIGTERM) says so in its final heartbeat, whatever it was doing when told.
+
+The stop is raised in the main thread as ``Stopped``, a BaseException like KeyboardInterrupt: library code
+that catches Exception or RuntimeError cannot swallow or rename it. (It did: a worker stopped while torch
+was still importing left "AttributeError: The underlying op of 'mkldnn._convolution_pointwise' has no
+overload name 'default'" in its heartbeat, because torch's op lookup turns a RuntimeError into an
+AttributeError.) The reason is also kept here, so a heartbeat written after a library did wrap the stop
+still names the signal.
+"""
+from __future__ import annotations
+
+import signal
+
+_reason: str | None = None
+
+
+class Stopped(BaseException):
+    """Raised by the stop signal's handler; its text says what was stopped, by what and what is kept."""
+
+
+def stop_on_term(what: str, kept: str) -> None:
+    """From now on SIGTERM raises ``Stopped("<what>: stopped by SIGTERM; <kept>")`` in the main thread."""
+
+    def _stopped(signum, _frame):
+        global _reason
+        _reason = f"{what}: stopped by {signal.Signals(signum).name}; {kept}"
+        raise Stopped(_reason)
+    signal.signal(signal.SIGTERM, _stopped)
+
+
+def failure_text(e: BaseException, own: type[BaseException]) -> str:
+    """The error a failed worker's last heartbeat carries: a stop's reason first (even if a library wrapped
+    it), our own errors' text as written (it says what to do), anything else with its type."""
+    if _reason is not None:
+        return _reason
+    return str(e) if isinstance(e, (own, Stopped)) else f"{type(e).__name__}: {e}"

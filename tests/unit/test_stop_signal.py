@@ -1,0 +1,75 @@
+"""A worker told to stop says "stopped by SIGTERM" in its last heartbeat, even when the signal lands inside
+library code that catches RuntimeError (torch's op lookup does, and renames it AttributeError): the CI
+failure of test_rerun_attaches_to_the_live_worker, whose TERM landed in the worker's torch import."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eagleflow.heartbeat import Heartbeat
+
+# Runs in its own process: the handler replaces this interpreter's SIGTERM handling.
+CHILD = r"""
+import sys, time
+from pathlib import Path
+from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
+from eagleflow.stop_signal import failure_text, stop_on_term
+
+class OwnError(RuntimeError):
+    pass
+
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+stop_on_term("shard 7", "stored samples are kept")
+hbw = HeartbeatWriter(out / "heartbeat.json", Heartbeat(job="extract shard 7/8", pid=0), interval_s=0.1)
+hbw.start()
+try:
+    if mode == "torch-op-lookup":
+        import torch
+        packet = torch.ops.aten.add
+        (out / "ready").write_text("1")
+        while True:     # torch's op lookup, where the signal once landed: it turns a RuntimeError into an
+            packet.__getattr__("default")     # AttributeError "The underlying op of ... has no overload name"
+    (out / "ready").write_text("1")
+    while True:
+        try:
+            time.sleep(0.05)
+        except BaseException:
+            raise AttributeError("a library that wraps even BaseException") from None
+except BaseException as e:
+    hbw.stop(state="failed", error=failure_text(e, OwnError))
+    raise
+"""
+
+
+@pytest.mark.parametrize("mode", ["torch-op-lookup", "wraps-everything"])
+def test_a_stop_inside_library_code_is_named_in_the_heartbeat(tmp_path, mode):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode], stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    hb = Heartbeat.read(tmp_path / "heartbeat.json")
+    assert hb.state == "failed"
+    assert hb.error == "shard 7: stopped by SIGTERM; stored samples are kept", json.dumps(hb.to_json())
+    assert ("Stopped: shard 7: stopped by SIGTERM" in err) == (mode == "torch-op-lookup"), err
+
+
+def test_other_failures_keep_their_own_text_or_type():
+    from eagleflow.stop_signal import failure_text
+
+    class OwnError(RuntimeError):
+        pass
+    assert failure_text(OwnError("shard 1: disk full; free space"), OwnError) == "shard 1: disk full; free space"
+    assert failure_text(KeyError("x"), OwnError) == "KeyError: 'x'"
