@@ -26,7 +26,8 @@ from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
 from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
 from eagleflow.airflow.fleet_operators import (PREPARE_TASK, CollectShardsOperator, PrepareNodeOperator,
-                                              ReleaseTakeoverServerOperator, TakeOverShardsOperator)
+                                              ReceiveCorpusOperator, ReleaseTakeoverServerOperator,
+                                              TakeOverShardsOperator)
 from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
 from eagleflow.airflow.runtime import allowed_node_conn_ids
@@ -49,9 +50,11 @@ on verified data; export it in the format SGLang serves. Any failure ends
 the run failed: nothing trains or exports on partial data.
 
 A fleet (fleet.nodes in $EAGLEFLOW_CONFIG) gives each node a task group of its own (its queue and pool):
-prepare_node (skips a node the run leaves out; probes shared storage, else copies the corpus there), the
-GPU gates, its capture server, its share of the shards, and collect_shards (its verified shard files to
-the training node, which verifies every shard of every node before it trains).
+prepare_node (skips a node the run leaves out; probes shared storage), its generation shards (GPU gates, its
+generation server; collect_generated copies them to the training node, where the corpus is prepared from
+every node's), then receive_corpus (the corpus copied there off shared storage), the GPU gates, its capture
+server, its share of the shards, and collect_shards (its verified shard files to the training node, which
+verifies every shard of every node before it trains).
 """
 
 # The fleet's nodes (one without a fleet), each with its Celery queue and GPU pool, from $EAGLEFLOW_CONFIG:
@@ -61,15 +64,43 @@ NODE = next(n for n in FLEET if n.training)
 GROUPED = len(FLEET) > 1
 
 
-def capture_on(node: FleetNodeRoute):
-    """One node's capture (a task group per node in a fleet): GPU gates, its capture server as a setup/
-    teardown pair, its share of the shards under the watch (the training node: also the held-out records)
-    and, off shared storage, the copy of its shards to the training node. Returns the tasks the DAG wires."""
+def generation_on(node: FleetNodeRoute, prefix: str):
+    """One node's generation (inside its group): GPU gates, its generation server as a setup/teardown pair, its
+    share of the generation shards under the watch and, off shared storage, their copy to the training node.
+    Returns the first task and those the corpus waits for; all no-ops when generate.enabled is off."""
+    free = FreeGpusOperator(task_id="free_gpus_before_generation", generation=True)
+    idle = GpuIdleSensor(task_id="gpus_idle_before_generation", pool=node.pool, generation=True)
+    start = StartGenerateServerOperator(task_id="start_generate_server", pool=node.pool)
+    plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
+    shards = GenerateShardOperator.partial(task_id="generate_responses", retries=2, pool=node.pool,
+                                           fleet_node=node.name if GROUPED else None).expand(shard=plan.output)
+    stop = StopGenerateServerOperator(task_id="stop_generate_server")
+    free_after = FreeGpusOperator(task_id="free_gpus_after_generation", generation=True)
+    free >> idle >> start >> plan >> shards
+    shards >> stop.as_teardown(setups=start)
+    stop >> free_after.as_teardown(setups=start)
+    done = [shards, free_after]
+    if GROUPED and not node.training:
+        collect = CollectShardsOperator(task_id="collect_generated", phase="generate",
+                                        prepare_task_id=prefix + PREPARE_TASK, retries=2)
+        shards >> collect
+        done.append(collect)
+    return free, done
+
+
+def node_tasks(node: FleetNodeRoute):
+    """One node's work (a task group per node in a fleet): its generation, then (after the corpus) its capture:
+    GPU gates, its capture server as a setup/teardown pair, its share of the shards under the watch (the
+    training node: also the held-out records) and, off shared storage, the copy of its shards to the
+    training node. Returns the tasks the DAG wires."""
     group = TaskGroup(node.name, default_args={"queue": node.queue, "fleet_node": node.name}) \
         if GROUPED else nullcontext()
     prefix = f"{node.name}." if GROUPED else ""
     with group:
         prepare = PrepareNodeOperator(task_id=PREPARE_TASK) if GROUPED else None
+        gen_first, gen_done = generation_on(node, prefix)
+        receive = ReceiveCorpusOperator(task_id="receive_corpus", prepare_task_id=prefix + PREPARE_TASK) \
+            if GROUPED and not node.training else None
         free_before = FreeGpusOperator(task_id="free_gpus")
         idle_before = GpuIdleSensor(task_id="gpus_idle", pool=node.pool)
         start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=node.pool)
@@ -82,7 +113,10 @@ def capture_on(node: FleetNodeRoute):
         stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
         free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
         if prepare is not None:
-            prepare >> free_before
+            prepare >> gen_first
+            prepare >> (receive or free_before)   # a node the run leaves out skips its capture too
+        if receive is not None:
+            receive >> free_before
         free_before >> idle_before >> start_server >> server_ready >> shards >> extract
         last = extract
         if node.training:
@@ -97,8 +131,9 @@ def capture_on(node: FleetNodeRoute):
             collect = CollectShardsOperator(task_id="collect_shards", trigger_rule="all_done",
                                             prepare_task_id=prefix + PREPARE_TASK, retries=2)
             extract >> collect
-    return {"first": prepare or free_before, "extract": extract, "held_out": last if node.training else None,
-            "free_after": free_after, "collect": collect, "plan_task_id": prefix + "plan_shards"}
+    return {"first": prepare or gen_first, "generated": gen_done, "capture_first": receive or free_before,
+            "extract": extract, "held_out": last if node.training else None, "free_after": free_after,
+            "collect": collect, "plan_task_id": prefix + "plan_shards"}
 
 
 with DAG(
@@ -168,21 +203,15 @@ with DAG(
     },
 ) as dag:
     write_config = WriteRunConfigOperator(task_id="write_run_config")
-    # generate_responses: the target (serving mode) rewrites the assistant turns; a no-op when generate.enabled
-    # is off. GPU gates before the server and after it, which is stopped before the capture server starts.
-    gen_free = FreeGpusOperator(task_id="free_gpus_before_generation")
-    gen_idle = GpuIdleSensor(task_id="gpus_idle_before_generation", pool=NODE.pool)
-    gen_start = StartGenerateServerOperator(task_id="start_generate_server", pool=NODE.pool)
-    gen_plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
-    gen_shards = GenerateShardOperator.partial(task_id="generate_responses", retries=2,
-                                               pool=NODE.pool).expand(shard=gen_plan.output)
-    gen_stop = StopGenerateServerOperator(task_id="stop_generate_server")
-    gen_free_after = FreeGpusOperator(task_id="free_gpus_after_generation")
-    prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus")
+    # per node: generate_responses (the target, serving mode, rewrites the assistant turns; no-ops when
+    # generate.enabled is off) behind GPU gates, its server stopped before the capture server starts; then
+    # the capture. A fleet run skips the groups of the nodes it leaves out: the corpus waits for the others
+    nodes = {node.name: node_tasks(node) for node in FLEET}
+    home = nodes[NODE.name]
+    prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus",
+                                           trigger_rule="none_failed" if GROUPED else "all_success")
     delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
     check_disk = CheckDiskOperator(task_id="check_disk")
-    captures = {node.name: capture_on(node) for node in FLEET}
-    home = captures[NODE.name]
     # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
     verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done",
                                         plan_task_id=home["plan_task_id"])
@@ -196,13 +225,12 @@ with DAG(
     evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)
     eval_free_after = FreeGpusOperator(task_id="free_gpus_after_evaluation")
 
-    write_config >> gen_free >> gen_idle >> gen_start >> gen_plan >> gen_shards
-    gen_shards >> gen_stop.as_teardown(setups=gen_start)
-    gen_stop >> gen_free_after.as_teardown(setups=gen_start)
-    [gen_shards, gen_free_after] >> prepare_corpus
+    for tasks in nodes.values():
+        write_config >> tasks["first"]
+        tasks["generated"] >> prepare_corpus
     prepare_corpus >> delete_caches >> check_disk
-    for cap in captures.values():
-        check_disk >> cap["first"]
+    for cap in nodes.values():
+        check_disk >> cap["capture_first"]
         cap["extract"] >> verify
         if cap["collect"] is not None:
             cap["collect"] >> verify
@@ -213,7 +241,7 @@ with DAG(
         taken = RerunShardOperator.partial(task_id="take_over_shard", retries=2,
                                            pool=NODE.pool).expand(target=take_over.output)
         release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", trigger_rule="all_done")
-        for cap in captures.values():
+        for cap in nodes.values():
             [cap["extract"], cap["free_after"]] >> take_over
             if cap["collect"] is not None:
                 cap["collect"] >> take_over

@@ -76,8 +76,8 @@ class RunLayout:
 
     @property
     def generate_server_info_file(self) -> PurePosixPath:
-        """Written by the generation (serving-mode) server once it listens."""
-        return self.run_dir / "generate_server.json"
+        """Written by the generation (serving-mode) server once it listens (tagged: fleet nodes each run one)."""
+        return self.run_dir / self._tagged("generate_server", ".json")
 
     @property
     def logs_dir(self) -> PurePosixPath:

@@ -19,8 +19,8 @@ from tests.fixtures.pipeline_config import write_short_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fleet_config(tmp_path: Path, demo_assets, storage: str) -> Path:
-    path = write_short_config(tmp_path, demo_assets, capture={"shards": 4})
+def fleet_config(tmp_path: Path, demo_assets, storage: str, **sections) -> Path:
+    path = write_short_config(tmp_path, demo_assets, capture={"shards": 4}, **sections)
     cfg = yaml.safe_load(path.read_text())
     del cfg["node"]
     nodes = []
@@ -35,9 +35,9 @@ def fleet_config(tmp_path: Path, demo_assets, storage: str) -> Path:
     return path
 
 
-def manifest_ids(run_dir: Path, shards) -> list[str]:
+def manifest_ids(run_dir: Path, shards, folder: str = "hidden_states") -> list[str]:
     return [json.loads(line)["id"] for s in shards
-            for line in (run_dir / "hidden_states" / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
+            for line in (run_dir / folder / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
             if line.strip()]
 
 
@@ -48,7 +48,11 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     if storage == "copy":
         pytest.importorskip("eagleflow.fleet.transfer")
     from airflow.dag_processing.dagbag import DagBag
-    cfg_path = fleet_config(tmp_path, demo_assets, storage)
+    # the target regenerates one source first: generation shard 0 on n1, 1 on n2, each with its own server
+    regenerated = demo_assets["sources"][1]["name"]
+    cfg_path = fleet_config(tmp_path, demo_assets, storage,
+                            generate={"enabled": True, "sources": [regenerated], "shards": 2, "max_new_tokens": 4,
+                                      "concurrency": 2})
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
     dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
     dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": f"fleet-{storage}"})
@@ -73,6 +77,25 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     looks = [json.loads(line) for line in (tmp_path / "state-n2" / "watch" /
                                            f"fleet-{storage}.worker_shard_00002.looks.jsonl").read_text().splitlines()]
     assert looks and all(" shard 2/4 on n2" in x["summary"] for x in looks if x.get("by") == "watch"), looks
+    # generation: each node its own share, server and worker lock; the corpus took every generated record
+    assert states[("n1.generate_responses", 0)] == states[("n2.generate_responses", 0)] == "success"
+    assert (other / "logs" / "n2" / "generate_server.log").is_file() and (home / "logs" / "generate_server.log").is_file()
+    assert (tmp_path / "state-n2" / "locks" / f"fleet-{storage}.generate_shard_00001.lock").exists()
+    assert not (tmp_path / "state-n1" / "locks" / f"fleet-{storage}.generate_shard_00001.lock").exists()
+    assert not (tmp_path / "state-n2" / "locks" / f"fleet-{storage}.generate_shard_00000.lock").exists()
+    generated = manifest_ids(home, [0, 1], "generated")
+    assert len(generated) == len(set(generated)) > 0
+    assert (home / "generated" / "shard_00001" / "manifest.jsonl").read_bytes() == \
+        (other / "generated" / "shard_00001" / "manifest.jsonl").read_bytes()
+    gen_stats = json.loads((home / "generated" / "stats.json").read_text())
+    assert gen_stats["complete"] and gen_stats["per_source"][regenerated]["records"] == len(generated)
+    import pyarrow.parquet as pq
+    rows = pq.read_table(home / "corpus" / "corpus.parquet", columns=["id", "source"]).to_pylist()
+    corpus_regenerated = {r["id"] for r in rows if r["source"] == regenerated}
+    # the source's rows are the target's records, from both nodes' shards (n2's: copied or shared)
+    assert corpus_regenerated <= set(generated)
+    assert corpus_regenerated & set(manifest_ids(home, [0], "generated"))
+    assert corpus_regenerated & set(manifest_ids(other, [1], "generated"))
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
@@ -80,6 +103,11 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     if storage == "copy":
         assert (other / "corpus" / "corpus.parquet").is_file()          # the corpus went out to n2
         assert not (other / "hidden_states" / "shard_00000").exists()    # n1's shards never went there
+        assert not (other / "generated" / "shard_00000").exists()
+        # n2's generation shard came back whole: every file identical, its final heartbeat with it
+        for f in (other / "generated" / "shard_00001").iterdir():
+            if f.is_file():
+                assert (home / "generated" / "shard_00001" / f.name).read_bytes() == f.read_bytes(), f.name
     assert (home / "draft" / "export" / "model.safetensors").is_file()
 
 

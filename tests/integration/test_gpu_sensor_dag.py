@@ -55,7 +55,9 @@ PASSING_BODY = '''
 '''
 
 FAILING_BODY = '''
-    GpuIdleSensor(task_id="gpus_idle", deferrable=True, retries=0)
+    # the generation phase's gate guards nothing with generate.enabled off: it passes, the capture gate fails
+    (GpuIdleSensor(task_id="gpus_idle_before_generation", deferrable=True, retries=0, generation=True)
+     >> GpuIdleSensor(task_id="gpus_idle", deferrable=True, retries=0))
 '''
 
 
@@ -94,6 +96,8 @@ def test_gate_fails_listing_the_foreign_process(airflow_db, sshd, monkeypatch, t
         dag = load_dag(monkeypatch, tmp_path / "bundle", "gpu_gate_fails", FAILING_BODY, cfg, scenario)
         dr = dag.test()
         assert dr.state == "failed"
+        states = {ti.task_id: ti.state for ti in dr.get_task_instances()}
+        assert states == {"gpus_idle_before_generation": "success", "gpus_idle": "failed"}, states
         assert foreign.poll() is None  # a gate never kills
         out, err = capfd.readouterr()  # dag.test() logs the task's failure through structlog to stdout
         text = out + err

@@ -116,8 +116,20 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
     for node in ("gpu-node-1", "gpu-node-2"):
         assert tasks[f"{node}.extract_shard"][:3] == [node, node, node]
         assert tasks[f"{node}.gpus_idle"][:3] == [node, node, node]
-        assert tasks[f"{node}.prepare_node"][3] == ["check_disk"]
+        assert tasks[f"{node}.prepare_node"][3] == ["write_run_config"]
+        # each node generates its share behind its own gates, on its queue and pool
+        assert tasks[f"{node}.generate_responses"][:3] == [node, node, node]
+        assert tasks[f"{node}.gpus_idle_before_generation"][:2] == [node, node]
+        assert tasks[f"{node}.free_gpus_before_generation"][3] == [f"{node}.prepare_node"]
     assert "gpu-node-1.collect_shards" not in tasks and "gpu-node-2.capture_held_out" not in tasks
+    assert "gpu-node-1.collect_generated" not in tasks and "gpu-node-1.receive_corpus" not in tasks
+    # the corpus waits for every node's generation (n2's copied back); n2's capture for the corpus
+    assert set(tasks["prepare_corpus"][3]) == {"gpu-node-1.generate_responses", "gpu-node-1.free_gpus_after_generation",
+                                               "gpu-node-2.generate_responses", "gpu-node-2.free_gpus_after_generation",
+                                               "gpu-node-2.collect_generated"}
+    assert set(tasks["gpu-node-2.receive_corpus"][3]) == {"check_disk", "gpu-node-2.prepare_node"}
+    assert set(tasks["gpu-node-2.free_gpus"][3]) == {"gpu-node-2.receive_corpus"}
+    assert set(tasks["gpu-node-1.free_gpus"][3]) == {"check_disk", "gpu-node-1.prepare_node"}
     assert tasks["train_draft"][:2] == ["gpu-node-1", "gpu-node-1"]
     assert set(tasks["verify_hidden_states"][3]) == {"gpu-node-1.extract_shard", "gpu-node-2.extract_shard",
                                                       "gpu-node-2.collect_shards", "release_takeover_server"}

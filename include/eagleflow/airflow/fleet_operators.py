@@ -1,12 +1,18 @@
-"""The two tasks a fleet node's task group adds around its capture: prepare the node, collect its shards.
+"""The tasks a fleet node's task group adds around its generation and capture: prepare the node, receive the
+corpus, collect its shards.
 
-``prepare_node`` (first of the group): skips a node the run does not use or gives no shards; checks the
-run's inputs on the node; writes the node's view of the frozen config there (its own file, so nodes that
-share a run root never read each other's); writes a probe file with a fresh token in the node's run dir
-and reads it back on the training node: found, the run roots are one filesystem and nothing moves;
-not found, the corpus is copied to the node (``eagleflow.fleet.transfer``, resumable) and the node's
-shards are copied back after extraction. ``fleet.storage: shared`` fails a run whose probe is not found,
-``copy`` copies whatever the probe says.
+``prepare_node`` (first of the group, right after ``write_run_config``): skips a node the run does not use
+or gives no shards of either phase; checks the run's inputs on the node (the target model and the
+generation sources at the config's paths: they are not copied); writes the node's view of the frozen
+config there (its own file, so nodes that share a run root never read each other's); writes a probe file
+with a fresh token in the node's run dir and reads it back on the training node: found, the run roots are
+one filesystem and nothing moves; not found, files are copied (``eagleflow.fleet.transfer``, resumable).
+``fleet.storage: shared`` fails a run whose probe is not found, ``copy`` copies whatever the probe says.
+
+``collect_generated`` (after the node's generation shards): copies each of its generation shard folders to
+the training node, where ``prepare_corpus`` reads every node's generated records. ``receive_corpus``
+(after ``check_disk``): copies the corpus to the node before its extraction shards; it skips the node's
+capture when the node has no extraction shard.
 
 ``collect_shards`` (after the node's shards, whatever they did): copies each of the node's shard folders
 to the training node, files before the manifest, each checked against the source's digest. Verification
@@ -18,7 +24,8 @@ incomplete on the training node is handed over to it once that node proves it fr
 worker refuses the shard from then on). The mapped ``take_over_shard`` tasks extract those on the
 training node (``reconcile claim --taken-from``) under the same watch, and ``release_takeover_server``
 stops the capture server they started. An unreachable node or a held lock keeps its shards: they wait
-for their node, and verification fails the run naming them.
+for their node, and verification fails the run naming them. (Generation shards always wait for their
+node: the corpus needs every one of them.)
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from pydantic import BaseModel
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
+from eagleflow.generate.lifecycle import SERVER_STALL
 from eagleflow.nodes.base import NodeError
 
 PREPARE_TASK = "prepare_node"
@@ -59,32 +67,31 @@ class PrepareNodeOperator(RunOperator):
         if not node_in_use(cfg, name):
             raise AirflowSkipException(f"node {name} is not among this run's nodes (fleet_nodes "
                                        f"{cfg.fleet.use}): its group skips")
-        shards = shards_of(cfg, name)
-        if not shards and name != training:
+        shards, generate = shards_of(cfg, name), shards_of(cfg, name, "generate")
+        if not shards and not generate and name != training:
             raise AirflowSkipException(f"node {name} gets none of the run's {cfg.capture.shards} shard(s) "
                                        f"(GPU slots {[(n.name, n.gpu_slots) for n in cfg.nodes_in_use()]})")
+        ready = {"node": name, "shared": True, "shards": shards, "generate_shards": generate}
         if name == training:   # write_run_config checked its inputs and wrote its config already
-            return {"node": name, "shared": True, "shards": shards}
+            return ready
         check_inputs_on_node(ctx, self.log)
         ctx.write_run_config()
         home = ctx.for_node(training)
         try:
             shared = self._probe(ctx, home)
-            if cfg.fleet.storage == "shared" and not shared:
-                raise AirflowFailException(
-                    f"fleet.storage is 'shared', but the probe node {name} wrote in its run dir "
-                    f"({ctx.layout.fleet_probe_dir}) is not in the training node {training}'s run dir "
-                    f"({home.layout.fleet_probe_dir}): the run roots are not one filesystem. Mount the same "
-                    "storage at both run roots, or set fleet.storage to auto or copy")
-            if cfg.fleet.storage == "copy" or not shared:
-                report = _copy_dir()(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
-                                  log=self.log.info)
-                self.log.info("corpus copied %s -> %s: %s", training, name, report)
         finally:
             home.close()
-        self.log.info("node %s ready: %d shard(s) %s; storage %s", name, len(shards), shards,
-                      "shared with the training node" if shared else f"its own (shards copied to {training})")
-        return {"node": name, "shared": shared and cfg.fleet.storage != "copy", "shards": shards}
+        if cfg.fleet.storage == "shared" and not shared:
+            raise AirflowFailException(
+                f"fleet.storage is 'shared', but the probe node {name} wrote in its run dir "
+                f"({ctx.layout.fleet_probe_dir}) is not in the training node {training}'s run dir "
+                f"({home.layout.fleet_probe_dir}): the run roots are not one filesystem. Mount the same "
+                "storage at both run roots, or set fleet.storage to auto or copy")
+        shared = shared and cfg.fleet.storage != "copy"
+        self.log.info("node %s ready: extraction shard(s) %s, generation shard(s) %s; storage %s", name, shards,
+                      generate, "shared with the training node" if shared else
+                      f"its own (the corpus copied here, its shards to {training})")
+        return {**ready, "shared": shared}
 
     def _probe(self, ctx, home) -> bool:
         """Whether a token written in this node's run dir is read in the training node's run dir."""
@@ -97,8 +104,17 @@ class PrepareNodeOperator(RunOperator):
         return (seen or "").strip() == token
 
 
-class CollectShardsOperator(RunOperator):
-    """Copies the node's shard folders to the training node (nothing on shared storage); resumable."""
+def _prepared(context, task_id: str, name: str, what: str) -> dict:
+    """What the node's prepare_node returned, or this task skips (the node was not prepared)."""
+    ready = context["ti"].xcom_pull(task_ids=task_id)
+    if not ready:
+        raise AirflowSkipException(f"node {name} was not prepared ({task_id} did not succeed): {what}")
+    return ready
+
+
+class ReceiveCorpusOperator(RunOperator):
+    """The corpus copied to the node before its extraction shards (nothing on shared storage); skips the node's
+    capture when it has no extraction shard."""
 
     def __init__(self, *, prepare_task_id: str = PREPARE_TASK, **kw):
         super().__init__(**kw)
@@ -106,26 +122,60 @@ class CollectShardsOperator(RunOperator):
 
     def run(self, ctx, context):
         name = ctx.cfg.node.name
-        ready = context["ti"].xcom_pull(task_ids=self.prepare_task_id)
-        if not ready:
-            raise AirflowSkipException(f"node {name} was not prepared ({self.prepare_task_id} did not succeed): "
-                                       "nothing of it to collect")
+        ready = _prepared(context, self.prepare_task_id, name, "no corpus for it")
+        if not ready.get("shards"):
+            raise AirflowSkipException(f"node {name} extracts none of the run's {ctx.cfg.capture.shards} shard(s): "
+                                       "its capture skips")
+        if ready.get("shared"):
+            self.log.info("node %s shares the training node's storage: the corpus is already there", name)
+            return {"node": name, "copied": 0}
+        home = ctx.for_node(ctx.cfg.fleet.training_node)
+        try:
+            report = _copy_dir()(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
+                                 log=self.log.info)
+        finally:
+            home.close()
+        self.log.info("corpus copied %s -> %s: %s", home.node.name, name, report)
+        return {"node": name, "copied": report.files_copied}
+
+
+# a generation shard's heartbeat goes too, after its manifest: the phase's stats on the training node accept a
+# shard once its heartbeat says complete, and it is final here (the shard's worker has ended)
+_COPY = {"extract": {}, "generate": {"last": ("manifest.jsonl", "heartbeat.json"), "skip": (SERVER_STALL,)}}
+
+
+class CollectShardsOperator(RunOperator):
+    """Copies the node's shard folders of one phase (extract: hidden states; generate: generated records) to
+    the training node (nothing on shared storage); resumable."""
+
+    def __init__(self, *, prepare_task_id: str = PREPARE_TASK, phase: str = "extract", **kw):
+        super().__init__(**kw)
+        if phase not in _COPY:
+            raise ValueError(f"phase {phase!r}: must be one of {sorted(_COPY)}")
+        self.prepare_task_id, self.phase = prepare_task_id, phase
+
+    def run(self, ctx, context):
+        name = ctx.cfg.node.name
+        ready = _prepared(context, self.prepare_task_id, name, "nothing of it to collect")
         if ready.get("shared"):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
+        shards = ready.get("shards" if self.phase == "extract" else "generate_shards") or []
+        folder = (lambda run, s: run.layout.shard_dir(s)) if self.phase == "extract" else \
+            (lambda run, s: run.layout.generate_shard_dir(s))
         copy_dir = _copy_dir()
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:
-            for shard in ready.get("shards") or []:
+            for shard in shards:
                 try:
-                    rep = copy_dir(ctx.node, str(ctx.layout.shard_dir(shard)), home.node,
-                                   str(home.layout.shard_dir(shard)), log=self.log.info)
+                    rep = copy_dir(ctx.node, str(folder(ctx, shard)), home.node, str(folder(home, shard)),
+                                   log=self.log.info, **_COPY[self.phase])
                 except (NodeError, RuntimeError) as e:   # the others still move; the task fails at the end
-                    problems.append(f"shard {shard}: {e}")
+                    problems.append(f"{self.phase} shard {shard}: {e}")
                     continue
                 copied[shard] = rep.files_copied
-                self.log.info("shard %d: %s -> %s: %s", shard, name, home.node.name, rep)
+                self.log.info("%s shard %d: %s -> %s: %s", self.phase, shard, name, home.node.name, rep)
         finally:
             home.close()
         if problems:

@@ -67,11 +67,19 @@ class StartGenerateServerOperator(RunOperator):
 
 
 class PlanGenerateShardsOperator(RunOperator):
-    """The shard numbers ``generate_responses`` is mapped over (one no-op shard when the phase is off)."""
+    """The shard numbers this node's ``generate_responses`` is mapped over: all of them on a single node, its
+    share (in proportion to its GPU slots, eagleflow.fleet.assign) on a fleet node; one no-op shard when the
+    phase is off."""
 
     def run(self, ctx, context):
-        n = ctx.cfg.generate.shards if ctx.cfg.generate.enabled else 1
-        return list(range(n))
+        if not ctx.cfg.generate.enabled:
+            return [0]
+        from eagleflow.fleet.assign import run_assignment
+        plan = run_assignment(ctx.cfg, "generate")
+        mine = plan.get(ctx.cfg.node.name, [])
+        self.log.info("generation planned as %d shard(s); node %s takes %d: %s (whole plan: %s)",
+                      ctx.cfg.generate.shards, ctx.cfg.node.name, len(mine), mine, plan)
+        return mine
 
 
 class GenerateShardOperator(RunOperator):

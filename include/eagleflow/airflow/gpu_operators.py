@@ -26,6 +26,15 @@ class GpuGateError(Exception):
     """The GPUs could not be read (SSH, driver); retryable."""
 
 
+def skip_generation_gate(task, cfg) -> bool:
+    """A gate of the generation phase (``generation=True``) with generate.enabled off: a logged no-op, so that a
+    node whose GPUs are held fails at its capture gate, not before a phase that does not run."""
+    if task.generation and not cfg.generate.enabled:
+        task.log.info("generate.enabled is off: no generation server starts, so this gate has nothing to guard")
+        return True
+    return False
+
+
 class FreeGpusOperator(RunOperator):
     """Stop what eagleflow recorded on the node (TERM, grace, KILL), then wait for idle GPUs.
 
@@ -37,10 +46,16 @@ class FreeGpusOperator(RunOperator):
 
     ui_color = "#fbe9e7"
 
+    def __init__(self, *, generation: bool = False, **kw):
+        super().__init__(**kw)
+        self.generation = generation
+
     def run(self, ctx: RunContext, context):
         from eagleflow.gpu.cleanup import CleanupReport
         from eagleflow.gpu.idle_gate import IdleGate, no_gpu_message
 
+        if skip_generation_gate(self, ctx.cfg):
+            return None
         cfg, node = ctx.cfg, ctx.node
         if node.read_text(ctx.run_config_path) is None:
             ctx.write_run_config()  # the node-side command reads the run's config
@@ -90,9 +105,11 @@ class GpuIdleSensor(RunSensor):
     retry_advice = ("The retry waits again for every selected GPU to reach its idle baseline; stop what holds "
                     "them (see the processes below) or set force_free_gpus.")
 
-    def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, **kw):
+    def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, generation: bool = False,
+                 **kw):
         super().__init__(poke_interval=poke_interval, **kw)
         self.gate_timeout_s = gate_timeout_s
+        self.generation = generation
         self._gate = None
 
     def _gate_timeout(self, ctx: RunContext) -> float:
@@ -114,6 +131,8 @@ class GpuIdleSensor(RunSensor):
         from eagleflow.gpu.idle_gate import no_gpu_message
         ctx = RunContext.from_airflow(context)
         try:
+            if skip_generation_gate(self, ctx.cfg):
+                return None
             if not ctx.cfg.node.has_gpu:
                 self.log.info(no_gpu_message(ctx.cfg))
                 return None

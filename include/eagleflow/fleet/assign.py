@@ -1,4 +1,4 @@
-"""Which node of a run extracts which shard: in proportion to the nodes' GPU slots, the same answer every time.
+"""Which node of a run extracts (or generates) which shard: in proportion to the nodes' GPU slots, the same answer every time.
 
 Every node's plan task computes the whole assignment from the frozen config and keeps its own part, so
 the nodes agree without talking to each other, and a cleared task plans the same shards again (one
@@ -34,11 +34,16 @@ def assign_shards(n_shards: int, slots: dict[str, int]) -> dict[str, list[int]]:
     return out
 
 
-def run_assignment(cfg: PipelineConfig) -> dict[str, list[int]]:
-    """The run's whole assignment: capture.shards over the nodes it uses."""
-    return assign_shards(cfg.capture.shards, {n.name: n.gpu_slots for n in cfg.nodes_in_use()})
+def run_assignment(cfg: PipelineConfig, phase: str = "extract") -> dict[str, list[int]]:
+    """The run's whole assignment of one phase's shards over the nodes it uses: capture.shards (extract) or,
+    when generation is on, generate.shards (generate; none when it is off)."""
+    if phase not in ("extract", "generate"):
+        raise ValueError(f"phase {phase!r}: must be 'extract' or 'generate'")
+    n = cfg.capture.shards if phase == "extract" else (cfg.generate.shards if cfg.generate.enabled else 0)
+    return assign_shards(n, {node.name: node.gpu_slots for node in cfg.nodes_in_use()})
 
 
-def shards_of(cfg: PipelineConfig, node: str) -> list[int]:
-    """The shards node ``node`` extracts in this run (empty: a node the run does not use, or none left)."""
-    return run_assignment(cfg).get(node, [])
+def shards_of(cfg: PipelineConfig, node: str, phase: str = "extract") -> list[int]:
+    """The shards of ``phase`` node ``node`` works in this run (empty: a node the run does not use, or none
+    left)."""
+    return run_assignment(cfg, phase).get(node, [])

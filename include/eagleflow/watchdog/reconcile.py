@@ -192,13 +192,15 @@ def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
 
 
 def own_shards(run: LocalRun, phase: str) -> list[int]:
-    """The shards of ``phase`` this node may work on: in a fleet, only the extraction shards assigned to it
-    and those handed over to it (another node's shard has its worker and lock there, out of sight: never a
+    """The shards of ``phase`` this node may work on: in a fleet, only those assigned to it and the extraction
+    shards handed over to it (another node's shard has its worker and lock there, out of sight: never a
     second worker)."""
     shards = list(range(kind_of(phase).num_shards(run.cfg)))
-    if phase == EXTRACT and run.cfg.is_fleet:
+    if run.cfg.is_fleet:
         from eagleflow.fleet.assign import shards_of
-        shards = sorted(set(shards_of(run.cfg, run.cfg.node.name)) | set(taken_over(run)))
+        shards = shards_of(run.cfg, run.cfg.node.name, phase)
+        if phase == EXTRACT:
+            shards = sorted(set(shards) | set(taken_over(run)))
     return shards
 
 
