@@ -79,13 +79,14 @@ def generation_on(node: FleetNodeRoute, prefix: str):
     free >> idle >> start >> plan >> shards
     shards >> stop.as_teardown(setups=start)
     stop >> free_after.as_teardown(setups=start)
-    done = [shards, free_after]
-    if GROUPED and not node.training:
-        collect = CollectShardsOperator(task_id="collect_generated", phase="generate",
-                                        prepare_task_id=prefix + PREPARE_TASK, retries=2)
-        shards >> collect
-        done.append(collect)
-    return free, done
+    if not GROUPED or node.training:
+        return free, [shards, free_after]
+    # whatever the node's generation did (all_done), as collect_shards: the corpus then refuses an incomplete
+    # generation naming the shards and their node, and a node the run leaves out skips without holding it up
+    collect = CollectShardsOperator(task_id="collect_generated", phase="generate", trigger_rule="all_done",
+                                    prepare_task_id=prefix + PREPARE_TASK, retries=2)
+    [shards, free_after] >> collect
+    return free, [collect]
 
 
 def node_tasks(node: FleetNodeRoute):
@@ -205,7 +206,7 @@ with DAG(
     write_config = WriteRunConfigOperator(task_id="write_run_config")
     # per node: generate_responses (the target, serving mode, rewrites the assistant turns; no-ops when
     # generate.enabled is off) behind GPU gates, its server stopped before the capture server starts; then
-    # the capture. A fleet run skips the groups of the nodes it leaves out: the corpus waits for the others
+    # the capture. The corpus waits for every node's generation; it checks itself that each shard is complete
     nodes = {node.name: node_tasks(node) for node in FLEET}
     home = nodes[NODE.name]
     prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus",
@@ -238,6 +239,10 @@ with DAG(
         # the shards another node left incomplete, taken over by the training node once that node proves
         # them free of our workers (fleet.take_over); the rest wait for their node
         take_over = TakeOverShardsOperator(task_id="take_over_shards", trigger_rule="all_done")
+        # the training node's GPUs checked idle again before the takeover's server (they were freed after
+        # its own shards, and a shared node's GPUs may have been taken since)
+        take_over_idle = GpuIdleSensor(task_id="gpus_idle_before_takeover", pool=NODE.pool,
+                                       guards="take_over_shards")
         taken = RerunShardOperator.partial(task_id="take_over_shard", retries=2,
                                            pool=NODE.pool).expand(target=take_over.output)
         release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", trigger_rule="all_done")
@@ -245,7 +250,7 @@ with DAG(
             [cap["extract"], cap["free_after"]] >> take_over
             if cap["collect"] is not None:
                 cap["collect"] >> take_over
-        take_over >> taken >> release >> verify
+        take_over >> take_over_idle >> taken >> release >> verify
     # training waits for verification too, so it never runs on partial or unverified data
     [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)

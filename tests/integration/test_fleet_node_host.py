@@ -91,6 +91,7 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
         assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
         assert not [k for k, v in states.items() if k[0] == "n2.extract_shard" and v == "success"]
         assert states[("take_over_shard", 0)] == states[("take_over_shard", 1)] == "success", states
+        assert states[("gpus_idle_before_takeover", -1)] == "success", states   # n1's GPUs again, first
         assert states[("release_takeover_server", -1)] == "success", states
         assert not {"worker_shard_00002", "worker_shard_00003"} & in_ns, in_ns   # never a worker of them on n2
         home = tmp_path / "runs" / "fleet-gate"

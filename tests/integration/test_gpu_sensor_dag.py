@@ -55,8 +55,14 @@ PASSING_BODY = '''
 '''
 
 FAILING_BODY = '''
-    # the generation phase's gate guards nothing with generate.enabled off: it passes, the capture gate fails
-    (GpuIdleSensor(task_id="gpus_idle_before_generation", deferrable=True, retries=0, generation=True)
+    @task
+    def take_over_shards() -> list:
+        return []   # no shard taken over: no server starts
+
+    # the gates that guard nothing (no shard taken over; generate.enabled off) pass; the capture gate fails
+    (take_over_shards()
+     >> GpuIdleSensor(task_id="gpus_idle_before_takeover", deferrable=True, retries=0, guards="take_over_shards")
+     >> GpuIdleSensor(task_id="gpus_idle_before_generation", deferrable=True, retries=0, generation=True)
      >> GpuIdleSensor(task_id="gpus_idle", deferrable=True, retries=0))
 '''
 
@@ -97,7 +103,8 @@ def test_gate_fails_listing_the_foreign_process(airflow_db, sshd, monkeypatch, t
         dr = dag.test()
         assert dr.state == "failed"
         states = {ti.task_id: ti.state for ti in dr.get_task_instances()}
-        assert states == {"gpus_idle_before_generation": "success", "gpus_idle": "failed"}, states
+        assert states == {"take_over_shards": "success", "gpus_idle_before_takeover": "success",
+                          "gpus_idle_before_generation": "success", "gpus_idle": "failed"}, states
         assert foreign.poll() is None  # a gate never kills
         out, err = capfd.readouterr()  # dag.test() logs the task's failure through structlog to stdout
         text = out + err

@@ -53,12 +53,28 @@ def test_a_fleet_node_entry_is_completed_and_the_top_level_is_the_training_node(
     assert run_assignment(cfg) == {"a": [0, 1, 2, 3], "b": [4, 5]} and shards_of(view, "b") == [4, 5]
 
 
+def test_generation_shards_are_shared_out_by_the_same_rule_only_when_generation_is_on():
+    off = fleet_cfg()
+    assert run_assignment(off, "generate") == {"a": [], "b": []}
+    data = off.model_dump(mode="json")
+    data["generate"] = {**data["generate"], "enabled": True, "shards": 3}
+    on = load_config(data=data)
+    assert run_assignment(on, "generate") == {"a": [0, 1], "b": [2]}
+    assert shards_of(on.node_view("b"), "b", "generate") == [2]
+    assert run_assignment(on) == {"a": [0, 1, 2, 3], "b": [4, 5]}   # extraction unchanged
+    with pytest.raises(ValueError, match="phase 'train'"):
+        run_assignment(on, "train")
+
+
 def test_node_files_carry_the_node_name_off_the_training_node():
     cfg = fleet_cfg(nodes=[{"name": "a"}, {"name": "b"}])   # one run root: the nodes share it
     home, other = RunLayout.for_run(cfg, "r1"), RunLayout.for_run(cfg.node_view("b"), "r1")
     assert home.run_dir == other.run_dir
     assert home.run_config_file.name == "run-config.json" and other.run_config_file.name == "run-config.b.json"
     assert home.server_info_file != other.server_info_file and home.logs_dir != other.logs_dir
+    # each node runs its own generation server, in the one run dir
+    assert home.generate_server_info_file != other.generate_server_info_file
+    assert home.generate_shard_dir(1) == other.generate_shard_dir(1)
     assert home.pids_dir != other.pids_dir and home.shard_dir(3) == other.shard_dir(3)
 
 
@@ -125,8 +141,9 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
     assert "gpu-node-1.collect_generated" not in tasks and "gpu-node-1.receive_corpus" not in tasks
     # the corpus waits for every node's generation (n2's copied back); n2's capture for the corpus
     assert set(tasks["prepare_corpus"][3]) == {"gpu-node-1.generate_responses", "gpu-node-1.free_gpus_after_generation",
-                                               "gpu-node-2.generate_responses", "gpu-node-2.free_gpus_after_generation",
                                                "gpu-node-2.collect_generated"}
+    assert set(tasks["gpu-node-2.collect_generated"][3]) == {"gpu-node-2.generate_responses",
+                                                             "gpu-node-2.free_gpus_after_generation"}
     assert set(tasks["gpu-node-2.receive_corpus"][3]) == {"check_disk", "gpu-node-2.prepare_node"}
     assert set(tasks["gpu-node-2.free_gpus"][3]) == {"gpu-node-2.receive_corpus"}
     assert set(tasks["gpu-node-1.free_gpus"][3]) == {"check_disk", "gpu-node-1.prepare_node"}

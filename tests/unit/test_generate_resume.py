@@ -132,3 +132,22 @@ def test_tokens_per_s_after_a_resume_divides_by_every_runs_wall_time(tmp_path):
     stats = collect(cfg, layout)
     assert stats["wall_s"] == 40.0 and stats["tokens_per_s"] == 5.0
     assert stats["per_source"]["s"]["tokens_per_s"] == 5.0
+
+
+def test_an_incomplete_fleet_generation_names_each_shards_node(tmp_path):
+    """The corpus refuses a fleet's generation while a node's shard is missing, naming the node to bring back."""
+    from eagleflow.config import load_config
+    from eagleflow.generate.phase import collect
+    from eagleflow.generate.worker import HEARTBEAT
+    from eagleflow.heartbeat import Heartbeat
+    cfg = load_config(data={"target_model": "/models/t", "corpus": {"sources": [{"name": "s", "path": "/x.jsonl"}]},
+                            "generate": {"enabled": True, "shards": 2},
+                            "fleet": {"nodes": [{"name": "n1"}, {"name": "n2"}], "training_node": "n1"}})
+    layout = SimpleNamespace(generated_dir=tmp_path, generate_shard_dir=lambda s: tmp_path / f"shard_{s:05d}")
+    _store(layout.generate_shard_dir(0), [(0, "s:0")])   # n1's shard, complete
+    (layout.generate_shard_dir(0) / HEARTBEAT).write_text(
+        Heartbeat(job="generate shard 0/2", pid=1, unit="records", state="complete", total=1, done=1).to_json())
+    with pytest.raises(GenerationIncomplete) as e:    # n2's shard never came back
+        collect(cfg, layout)
+    assert "shard 1 (node n2): 0/? records, state never started" in str(e.value)
+    assert "shard 0" not in str(e.value) and "clear that node's generate_responses" in str(e.value)

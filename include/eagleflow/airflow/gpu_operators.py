@@ -26,11 +26,15 @@ class GpuGateError(Exception):
     """The GPUs could not be read (SSH, driver); retryable."""
 
 
-def skip_generation_gate(task, cfg) -> bool:
-    """A gate of the generation phase (``generation=True``) with generate.enabled off: a logged no-op, so that a
-    node whose GPUs are held fails at its capture gate, not before a phase that does not run."""
+def gate_not_needed(task, cfg, context) -> bool:
+    """A gate that guards nothing this run, as a logged no-op: one of the generation phase (``generation=True``)
+    with generate.enabled off, so that a node whose GPUs are held fails at its capture gate, not before a phase
+    that does not run; or one whose ``guards`` task returned nothing to do (no shard taken over)."""
     if task.generation and not cfg.generate.enabled:
         task.log.info("generate.enabled is off: no generation server starts, so this gate has nothing to guard")
+        return True
+    if task.guards and not context["ti"].xcom_pull(task_ids=task.guards):
+        task.log.info("%s returned nothing to do: no server starts, so this gate has nothing to guard", task.guards)
         return True
     return False
 
@@ -46,15 +50,15 @@ class FreeGpusOperator(RunOperator):
 
     ui_color = "#fbe9e7"
 
-    def __init__(self, *, generation: bool = False, **kw):
+    def __init__(self, *, generation: bool = False, guards: str | None = None, **kw):
         super().__init__(**kw)
-        self.generation = generation
+        self.generation, self.guards = generation, guards
 
     def run(self, ctx: RunContext, context):
         from eagleflow.gpu.cleanup import CleanupReport
         from eagleflow.gpu.idle_gate import IdleGate, no_gpu_message
 
-        if skip_generation_gate(self, ctx.cfg):
+        if gate_not_needed(self, ctx.cfg, context):
             return None
         cfg, node = ctx.cfg, ctx.node
         if node.read_text(ctx.run_config_path) is None:
@@ -106,10 +110,10 @@ class GpuIdleSensor(RunSensor):
                     "them (see the processes below) or set force_free_gpus.")
 
     def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, generation: bool = False,
-                 **kw):
+                 guards: str | None = None, **kw):
         super().__init__(poke_interval=poke_interval, **kw)
         self.gate_timeout_s = gate_timeout_s
-        self.generation = generation
+        self.generation, self.guards = generation, guards
         self._gate = None
 
     def _gate_timeout(self, ctx: RunContext) -> float:
@@ -131,7 +135,7 @@ class GpuIdleSensor(RunSensor):
         from eagleflow.gpu.idle_gate import no_gpu_message
         ctx = RunContext.from_airflow(context)
         try:
-            if skip_generation_gate(self, ctx.cfg):
+            if gate_not_needed(self, ctx.cfg, context):
                 return None
             if not ctx.cfg.node.has_gpu:
                 self.log.info(no_gpu_message(ctx.cfg))

@@ -102,6 +102,10 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
     per: dict[str, dict] = {name: _source_stats() for name in regenerated_sources(cfg)}
     bad: list[dict] = []
     incomplete = []
+    owners = {}
+    if cfg.is_fleet:   # which node generates it: the one to bring back
+        from eagleflow.fleet.assign import run_assignment
+        owners = {s: f" (node {node})" for node, shards in run_assignment(cfg, "generate").items() for s in shards}
     wall_s = 0.0
     for shard in range(n):
         results = read_results(layout.generate_shard_dir(shard), shard, n)
@@ -110,17 +114,19 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
             # shards run side by side: the longest one, over all its runs (a resume adds its earlier ones)
             wall_s = max(wall_s, float(hb.extra.get("wall_s_before", 0.0)) + hb.time - hb.started_at)
         if hb is None or hb.state != "complete" or len(results) < hb.total:
-            incomplete.append(f"shard {shard}: {len(results)}/{hb.total if hb else '?'} records, "
-                              f"state {hb.state if hb else 'never started'}")
+            incomplete.append(f"shard {shard}{owners.get(shard, '')}: {len(results)}/{hb.total if hb else '?'} "
+                              f"records, state {hb.state if hb else 'never started'}")
         for r in results:
             ps = per.setdefault(r.source, _source_stats())
             _count(ps, r)
             if r.status == BAD:
                 bad.append(r.bad)
     if incomplete and require_complete:
+        where = ("run the unfinished shards on their node (clear that node's generate_responses and "
+                 "collect_generated once it is back)" if cfg.is_fleet else
+                 "run the unfinished shards (`eagleflow generate run --shard I`)")
         raise GenerationIncomplete("generation is not complete: " + "; ".join(incomplete)
-                                   + ". Run the unfinished shards (`eagleflow generate run --shard I`): "
-                                   "each resumes from its manifest")
+                                   + f". To go on, {where}: each resumes from its manifest")
     # generation_s sums each record's time, overlapping under concurrency; tokens/s divides by the phase's wall
     # time (its longest shard's runs, all of them) apportioned to each source by its share of that record time
     busy = sum(ps["generation_s"] for ps in per.values())
