@@ -5,7 +5,8 @@ n1 is this machine (the training node), n2 the node host in its own network name
 (tests/fixtures/node_host.py). The pipeline is triggered through the REST API as the web UI does. n2's
 cable is pulled while one of its shards extracts: n1's worker, n1's shards and the triggerer's watch of
 them must go on as if nothing happened, n2's shard must complete in its first try once the cable is back,
-and the training node must hold every sample once.
+and the training node must hold every sample once. And n2 refusing its GPU gate: its shards are handed over
+from n2's worker and extracted by the training node's.
 """
 from __future__ import annotations
 
@@ -133,6 +134,58 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
     assert f"[eagleflow] UNREACHABLE shard {cut['shard']}/4 on n2" in subjects, subjects
     assert [s for s in subjects if s.startswith(f"[eagleflow] REACHABLE again: shard {cut['shard']}/4 on n2, ")], \
         subjects
+    stats = json.loads((home / "corpus" / "stats.json").read_text())
+    ids = manifest_ids(home, range(4))
+    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(1800)
+def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_nodes_worker(tmp_path, demo_assets,
+                                                                                    node_host_fixture):  # noqa: F811
+    """The takeover on the scale-out deployment: a foreign process holds n2's GPU 0, so n2's gate fails naming
+    it (never signalled); n2's own worker then proves n2's shards free (reconcile hand-over on n2) and the
+    training node's worker checks its GPUs idle again and extracts them: green, every sample once, no worker of
+    those shards ever started on n2, each task on its node's queue and worker."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.gpu_scenarios import proc
+    host = node_host_fixture
+    scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
+    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_celery", idle_timeout_s=3, routed=True)
+    home, other = tmp_path / "runs" / "celery-gate", tmp_path / "runs-n2" / "celery-gate"
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
+    try:
+        write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
+                                  "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
+        with celery_deployment(tmp_path / "deploy", ROUTES, cfg_path,
+                               env={"AIRFLOW_CONN_NODE_HOST_CELERY": host.airflow_conn()}) as deploy:
+            run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-gate"})
+            state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
+            tis = deploy.task_instances("eagle3_pipeline", run_id)
+            summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
+                       for t in tis}
+            assert state == "success", f"{summary}\n" + deploy.tails()
+        assert foreign.poll() is None   # a gate never kills, and free_gpus only kills what we recorded
+    finally:
+        foreign.kill()
+        foreign.wait()
+        write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
+        kill_recorded(tmp_path / "state-n2")
+        kill_recorded(tmp_path / "state-n1")
+    by_key = {(t["task_id"], t["map_index"]): t for t in tis}
+    assert "failed" in (by_key[("n2.free_gpus", -1)]["state"], by_key[("n2.gpus_idle", -1)]["state"]), summary
+    assert not [k for k, t in by_key.items() if k[0] == "n2.extract_shard" and t["state"] == "success"], summary
+    for task_id, map_index in (("gpus_idle_before_takeover", -1), ("take_over_shard", 0), ("take_over_shard", 1),
+                               ("release_takeover_server", -1)):
+        t = by_key[(task_id, map_index)]
+        assert (t["state"], t["queue"], t["hostname"]) == ("success", "fleet-n1", "airflow-worker-fleet-n1"), summary
+    assert json.loads((home / "takeover.json").read_text()) == {"shards": {"2": "n2", "3": "n2"}}
+    for k in (2, 3):   # handed over on n2, and no worker of them ever started there
+        mark = tmp_path / "state-n2" / "locks" / f"celery-gate.worker_shard_{k:05d}.handed-over"
+        assert json.loads(mark.read_text())["to"] == "n1", k
+        assert not (other / "logs" / "n2" / f"worker_shard_{k:05d}.log").exists(), k
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
