@@ -44,32 +44,6 @@ def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_one_run_over_this_machine_and_the_node_host(tmp_path, airflow_db, demo_assets, node_host_fixture,  # noqa: F811
-                                                     monkeypatch):
-    host = node_host_fixture
-    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
-    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
-
-    in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
-    dr, states = run_pipeline(cfg_path, "fleet-ns")
-    assert dr.state == "success", states
-    assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
-        {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
-    assert states[("n2.gpus_idle", -1)] == "success" and states[("n2.collect_shards", -1)] == "success"
-    # n2's capture server and both its shard workers ran inside the node host's namespace
-    assert {"capture_server", "worker_shard_00002", "worker_shard_00003"} <= in_ns, in_ns
-    home, other = tmp_path / "runs" / "fleet-ns", tmp_path / "runs-n2" / "fleet-ns"
-    assert (other / "corpus" / "corpus.parquet").is_file()            # the corpus went out to n2
-    assert not (other / "hidden_states" / "shard_00000").exists()     # n1's shards never did
-    stats = json.loads((home / "corpus" / "stats.json").read_text())
-    ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
-    assert len(ids) == len(set(ids)) == stats["records"]              # 0 lost, 0 duplicated
-    assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
-    assert (home / "draft" / "export" / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
 def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_path, airflow_db, demo_assets,
                                                                             node_host_fixture, monkeypatch, capfd):  # noqa: F811
     """A foreign process holds 88 GiB on n2's GPU 0: n2's gate fails naming it and nothing signals it; n1's
@@ -239,9 +213,11 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
 @pytest.mark.timeout(1200)
 def test_a_shard_transfer_cut_mid_file_is_resumed_by_the_collect_retry(tmp_path, airflow_db, demo_assets,
                                                                         node_host_fixture, monkeypatch):  # noqa: F811
-    """n2's shards come back to n1 over SFTP. n2's SSH connections are killed while collect_shards streams the
-    third file of shard 3 (one piece of it written): that try fails, its retry continues the partial files
-    instead of sending them again, and the run is green with every sample once and n2's files identical on n1."""
+    """One run over this machine and the node host: n2's capture server and shard workers run in the node host's
+    namespace, the corpus goes out to n2 and n2's shards come back to n1 over SFTP. n2's SSH connections are
+    killed while collect_shards streams the third file of shard 3 (one piece of it written): that try fails,
+    its retry continues the partial files instead of sending them again, and the run is green with every
+    sample once and n2's files identical on n1."""
     import hashlib
 
     from eagleflow.fleet import transfer
@@ -272,13 +248,21 @@ def test_a_shard_transfer_cut_mid_file_is_resumed_by_the_collect_retry(tmp_path,
 
     monkeypatch.setattr(transfer, "copy_dir", copy_in_small_pieces)
     monkeypatch.setattr(transfer, "_stream", stream_and_cut)
+    in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
     dr, states = run_pipeline(cfg_path, "fleet-cut")
     tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
     assert cut.get("sessions"), f"the cut never happened (files of shard 3 seen: {seen})"
     assert dr.state == "success", states
+    assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
+        {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
+    assert states[("n2.gpus_idle", -1)] == "success"
+    # n2's capture server and both its shard workers ran inside the node host's namespace
+    assert {"capture_server", "worker_shard_00002", "worker_shard_00003"} <= in_ns, in_ns
     assert tis[("n2.collect_shards", -1)].try_number == 2, "the cut should have failed the first try"
     assert not [k for k, v in states.items() if k[0] == "take_over_shard" and v == "success"]   # nothing to take
     home, other = tmp_path / "runs" / "fleet-cut", tmp_path / "runs-n2" / "fleet-cut"
+    assert (other / "corpus" / "corpus.parquet").is_file()            # the corpus went out to n2
+    assert not (other / "hidden_states" / "shard_00000").exists()     # n1's shards never did
     shard3 = [rep for src_dir, rep in reports if src_dir.endswith("shard_00003")]
     assert len(shard3) == 1, reports              # the first try's copy of shard 3 raised: no report
     sizes = sum(p.stat().st_size for p in (other / "hidden_states" / "shard_00003").glob("*.safetensors"))
@@ -295,3 +279,4 @@ def test_a_shard_transfer_cut_mid_file_is_resumed_by_the_collect_retry(tmp_path,
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
