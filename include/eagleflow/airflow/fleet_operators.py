@@ -39,6 +39,7 @@ from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
 from eagleflow.generate.lifecycle import SERVER_STALL
+from eagleflow.layout import RunLayout
 from eagleflow.nodes.base import NodeError
 
 PREPARE_TASK = "prepare_node"
@@ -139,9 +140,12 @@ class ReceiveCorpusOperator(RunOperator):
         return {"node": name, "copied": report.files_copied}
 
 
-# a generation shard's heartbeat goes too, after its manifest: the phase's stats on the training node accept a
-# shard once its heartbeat says complete, and it is final here (the shard's worker has ended)
-_COPY = {"extract": {}, "generate": {"last": ("manifest.jsonl", "heartbeat.json"), "skip": (SERVER_STALL,)}}
+# per phase: prepare_node's key for the node's shards, a shard's folder, how copy_dir moves it. A generation
+# shard's heartbeat goes too, after its manifest: the phase's stats on the training node accept a shard once
+# its heartbeat says complete, and it is final here (the shard's worker has ended)
+_PHASES = {"extract": ("shards", RunLayout.shard_dir, {}),
+           "generate": ("generate_shards", RunLayout.generate_shard_dir,
+                        {"last": ("manifest.jsonl", "heartbeat.json"), "skip": (SERVER_STALL,)})}
 
 
 class CollectShardsOperator(RunOperator):
@@ -150,8 +154,8 @@ class CollectShardsOperator(RunOperator):
 
     def __init__(self, *, prepare_task_id: str = PREPARE_TASK, phase: str = "extract", **kw):
         super().__init__(**kw)
-        if phase not in _COPY:
-            raise ValueError(f"phase {phase!r}: must be one of {sorted(_COPY)}")
+        if phase not in _PHASES:
+            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
         self.prepare_task_id, self.phase = prepare_task_id, phase
 
     def run(self, ctx, context):
@@ -160,17 +164,15 @@ class CollectShardsOperator(RunOperator):
         if ready.get("shared"):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
-        shards = ready.get("shards" if self.phase == "extract" else "generate_shards") or []
-        folder = (lambda run, s: run.layout.shard_dir(s)) if self.phase == "extract" else \
-            (lambda run, s: run.layout.generate_shard_dir(s))
+        key, folder, how = _PHASES[self.phase]
         copy_dir = _copy_dir()
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:
-            for shard in shards:
+            for shard in ready.get(key) or []:
                 try:
-                    rep = copy_dir(ctx.node, str(folder(ctx, shard)), home.node, str(folder(home, shard)),
-                                   log=self.log.info, **_COPY[self.phase])
+                    rep = copy_dir(ctx.node, str(folder(ctx.layout, shard)), home.node, str(folder(home.layout, shard)),
+                                   log=self.log.info, **how)
                 except (NodeError, RuntimeError) as e:   # the others still move; the task fails at the end
                     problems.append(f"{self.phase} shard {shard}: {e}")
                     continue

@@ -74,12 +74,8 @@ class PlanGenerateShardsOperator(RunOperator):
     def run(self, ctx, context):
         if not ctx.cfg.generate.enabled:
             return [0]
-        from eagleflow.fleet.assign import run_assignment
-        plan = run_assignment(ctx.cfg, "generate")
-        mine = plan.get(ctx.cfg.node.name, [])
-        self.log.info("generation planned as %d shard(s); node %s takes %d: %s (whole plan: %s)",
-                      ctx.cfg.generate.shards, ctx.cfg.node.name, len(mine), mine, plan)
-        return mine
+        from eagleflow.airflow.pipeline_operators import plan_node_shards
+        return plan_node_shards(ctx, "generate", self.log)
 
 
 class GenerateShardOperator(RunOperator):

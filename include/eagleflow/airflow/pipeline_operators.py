@@ -79,14 +79,20 @@ def check_inputs_on_node(ctx, log) -> None:
             "fix them and trigger again:\n" + "\n".join(f"  - {p.line()}" for p in report.problems))
 
 
+def plan_node_shards(ctx, phase: str, log) -> list[int]:
+    """This node's share of ``phase``'s shards (eagleflow.fleet.assign): all of them on a single node, logged
+    beside the whole plan."""
+    from eagleflow.fleet.assign import run_assignment
+    plan = run_assignment(ctx.cfg, phase)
+    mine = plan.get(ctx.cfg.node.name, [])
+    log.info("%s planned as %d shard(s); node %s takes %d: %s (whole plan: %s)", phase,
+             sum(len(v) for v in plan.values()), ctx.cfg.node.name, len(mine), mine, plan)
+    return mine
+
+
 class PlanShardsOperator(RunOperator):
     """The shard numbers that this node's ``extract_shard`` is mapped over: all of them on a single node, its
     share (in proportion to its GPU slots, eagleflow.fleet.assign) on a fleet node."""
 
     def run(self, ctx, context):
-        from eagleflow.fleet.assign import run_assignment
-        plan = run_assignment(ctx.cfg)
-        mine = plan.get(ctx.cfg.node.name, [])
-        self.log.info("extraction planned as %d shard(s); node %s takes %d: %s (whole plan: %s)",
-                      ctx.cfg.capture.shards, ctx.cfg.node.name, len(mine), mine, plan)
-        return mine
+        return plan_node_shards(ctx, "extract", self.log)

@@ -1,4 +1,5 @@
-"""Which node of a run extracts (or generates) which shard: in proportion to the nodes' GPU slots, the same answer every time.
+"""Which node of a run extracts (or generates) which shard: in proportion to the nodes' GPU slots, the same
+answer every time.
 
 Every node's plan task computes the whole assignment from the frozen config and keeps its own part, so
 the nodes agree without talking to each other, and a cleared task plans the same shards again (one

@@ -195,13 +195,11 @@ def own_shards(run: LocalRun, phase: str) -> list[int]:
     """The shards of ``phase`` this node may work on: in a fleet, only those assigned to it and the extraction
     shards handed over to it (another node's shard has its worker and lock there, out of sight: never a
     second worker)."""
-    shards = list(range(kind_of(phase).num_shards(run.cfg)))
-    if run.cfg.is_fleet:
-        from eagleflow.fleet.assign import shards_of
-        shards = shards_of(run.cfg, run.cfg.node.name, phase)
-        if phase == EXTRACT:
-            shards = sorted(set(shards) | set(taken_over(run)))
-    return shards
+    if not run.cfg.is_fleet:
+        return list(range(kind_of(phase).num_shards(run.cfg)))
+    from eagleflow.fleet.assign import shards_of
+    shards = shards_of(run.cfg, run.cfg.node.name, phase)
+    return sorted(set(shards) | set(taken_over(run))) if phase == EXTRACT else shards
 
 
 # ----------------------------------------------------------------------------- a fleet's hand-over
