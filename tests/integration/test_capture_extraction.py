@@ -98,8 +98,13 @@ def test_every_sample_matches_a_direct_forward(server, reference):
                              "--run-id", "full"], capture_output=True, text=True, timeout=60)
     assert health.returncode == 0 and json.loads(health.stdout)["healthy"] is True
     for shard in (0, 1):
-        res = _run_worker(ctx, shard)
+        # Python lists every module it imports: a worker storing the target's dtype moves bytes, no torch
+        res = _run_worker(ctx, shard, env={"PYTHONPROFILEIMPORTTIME": "1"})
         assert res.returncode == 0, res.stderr
+        imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+        assert "eagleflow.capture.worker" in imported and "pyarrow" in imported
+        assert not {m for m in imported if m == "torch" or m.startswith("torch.") or m == "safetensors.torch"}, \
+            "the extraction worker imported torch"
         assert "6/6 samples" in res.stdout
         _assert_shard_exact(ctx, shard)
         hb = Heartbeat.read(ctx.layout.heartbeat_file(shard))

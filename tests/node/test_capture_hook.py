@@ -66,10 +66,11 @@ def test_batched_prefill_is_dumped_row_by_row_per_request(capture_env, attn_tp_r
         d = read_dump(capture_env / f"{rid}.safetensors")
         assert d.rid == rid and d.aux_layers == [1, 3, 4] and d.model == "tiny-llama"
         assert d.input_ids.tolist() == ids[start:start + n].tolist()
-        assert d.aux_hidden_states.dtype == torch.bfloat16 and d.aux_hidden_states.shape == (n, K * H)
+        got_aux, got_last = d.aux_hidden_states.to_torch(), d.hidden_states.to_torch()
+        assert got_aux.dtype == torch.bfloat16 and got_aux.shape == (n, K * H)
         for row in range(n):
-            assert torch.equal(d.aux_hidden_states[row], aux[start + row])
-            assert torch.equal(d.hidden_states[row], last[start + row])
+            assert torch.equal(got_aux[row], aux[start + row])
+            assert torch.equal(got_last[row], last[start + row])
 
 
 def test_other_attention_tp_ranks_write_nothing(capture_env, attn_tp_rank):
@@ -103,7 +104,7 @@ def test_forward_batch_only_call(capture_env, attn_tp_rank):
         _hooked(result)(_worker(), None, forward_batch=fb)
     d = read_dump(capture_env / f"{b}.safetensors")
     assert d.input_ids.tolist() == [53, 54, 55, 56]
-    assert torch.equal(d.aux_hidden_states, aux[3:7]) and torch.equal(d.hidden_states, last[3:7])
+    assert torch.equal(d.aux_hidden_states.to_torch(), aux[3:7]) and torch.equal(d.hidden_states.to_torch(), last[3:7])
 
 
 def test_a_server_without_aux_capture_is_named(capture_env, attn_tp_rank):
@@ -132,7 +133,7 @@ def test_dumps_carry_the_key_s_mac_and_stay_private(capture_env, attn_tp_rank, m
     p = capture_env / f"{a}.safetensors"
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and stat.S_IMODE(os.stat(capture_env).st_mode) == 0o700
     d = read_dump(p)
-    assert d.aux_hidden_states.dtype == torch.bfloat16
+    assert d.aux_hidden_states.to_torch().dtype == torch.bfloat16
     verify_dump(d, key, p, a)
     with pytest.raises(DumpTrustError, match="does not match"):
         verify_dump(d, secrets.token_bytes(32), p, a)

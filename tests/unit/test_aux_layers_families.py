@@ -121,7 +121,7 @@ def _capture_with_hf_twin(target: Path, aux: list[int] | None, dump_dir: Path):
 
 def _export_from_sample(target: Path, dump, work: Path) -> dict:
     """Stored sample -> its aux_layers -> a checkpoint's state -> export_draft -> config.json."""
-    n = int(dump.input_ids.shape[0])
+    n = dump.input_ids.rows
     stored = SampleWriter(work / "shard_00000").write(
         index=0, sample_id="s0", input_ids=dump.input_ids, loss_mask=torch.ones(n, dtype=torch.uint8),
         aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states, aux_layers=dump.aux_layers,
@@ -148,9 +148,9 @@ def test_hf_twin_sglang_and_export_name_the_same_layers(targets, tmp_path, famil
     dump = _capture_with_hf_twin(target, aux, tmp_path / "dumps")
     assert dump.aux_layers == intended
     want = _captured_by_hooks(target, INPUT_IDS, outputs_of=intended)
-    torch.testing.assert_close(dump.aux_hidden_states, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dump.aux_hidden_states.to_torch(), want, rtol=0, atol=1e-6)
     wrong = _captured_by_hooks(target, INPUT_IDS, outputs_of=[j + 1 for j in intended])
-    assert (dump.aux_hidden_states - wrong).abs().max() > 1e-3    # a layer off by one would show
+    assert (dump.aux_hidden_states.to_torch() - wrong).abs().max() > 1e-3    # a layer off by one would show
     # 2. the export names them in sglang's numbering for this family
     conf = _export_from_sample(target, dump, tmp_path / "draft")
     ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -161,7 +161,7 @@ def test_hf_twin_sglang_and_export_name_the_same_layers(targets, tmp_path, famil
     layers_to_capture = SGLANG_RULES[archs[0]](ids)
     assert sorted(layers_to_capture) == [j + 1 for j in intended]
     sglang_rows = _captured_by_hooks(target, INPUT_IDS, inputs_of=layers_to_capture)
-    torch.testing.assert_close(sglang_rows, dump.aux_hidden_states, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sglang_rows, dump.aux_hidden_states.to_torch(), rtol=0, atol=1e-6)
     assert layer_outputs_from_sglang_ids(ids, archs, n) == intended
 
 

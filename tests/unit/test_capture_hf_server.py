@@ -45,7 +45,7 @@ def test_generate_writes_one_whole_dump_per_rid(served):
     assert tuple(d.aux_hidden_states.shape) == (5, 192) and tuple(d.hidden_states.shape) == (5, 64)
     with torch.inference_mode():
         hs = srv.capture.model(torch.tensor([[7, 8, 9, 10, 11]]), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(d.hidden_states, hs[-1][0])
+    torch.testing.assert_close(d.hidden_states.to_torch(), hs[-1][0])
     assert not [p for p in dump_dir.iterdir() if p.name.startswith(".")], "no temp dump left behind"
 
 

@@ -136,11 +136,12 @@ def test_zero_copy_serialisation_is_valid_safetensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load
 
-    from eagleflow.capture.storage import file_sha256, safetensors_parts
+    from eagleflow.capture.storage import file_sha256
+    from eagleflow.safetensors_format import RawTensor, file_parts
     t = {"input_ids": torch.arange(7), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8),
          "aux_hidden_states": torch.randn(7, 12).to(torch.bfloat16), "hidden_states": torch.randn(7, 4),
          "half": torch.randn(3, 5).to(torch.float16)[:, 1:4]}          # non-contiguous input
-    data = b"".join(bytes(p) for p in safetensors_parts(t, {"id": "x:1"}))
+    data = b"".join(bytes(p) for p in file_parts({k: RawTensor.from_torch(v) for k, v in t.items()}, {"id": "x:1"}))
     back = load(data)
     for k, v in t.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k

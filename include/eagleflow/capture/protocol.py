@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.durable import TEMP_PREFIX, atomic_replace, read_owned
+from eagleflow.safetensors_format import RawTensor, as_raw, read_raw
 
 # The capture layers live in aux_layers (one place for the per-family sglang numbering too).
 from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
@@ -189,15 +190,15 @@ def dump_key_from_env(env: dict[str, str] | None = None) -> bytes | None:
 
 
 def dump_mac(key: bytes, metadata: dict[str, str], tensors: dict) -> str:
-    """HMAC-SHA256 over the metadata (sorted JSON, ``mac`` left out) and each tensor's name, dtype, shape, bytes."""
-    import torch
+    """HMAC-SHA256 over the metadata (sorted JSON, ``mac`` left out) and each tensor's name, dtype (torch's
+    name), shape and bytes; tensors as RawTensor or torch tensors, the same MAC either way."""
     h = hmac.new(key, digestmod=hashlib.sha256)
     h.update(json.dumps({k: v for k, v in metadata.items() if k != DUMP_MAC}, sort_keys=True).encode())
     for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(f"\0{name}\0{str(t.dtype)}\0{list(t.shape)}\0".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        t = as_raw(tensors[name])
+        h.update(f"\0{name}\0{t.torch_name}\0{list(t.shape)}\0".encode())
+        if t.nbytes:
+            h.update(t.data)
     return h.hexdigest()
 
 
@@ -245,9 +246,9 @@ def remove_dumps(dump_dir: str | os.PathLike, run_id: str, shard: int | None = N
 @dataclass(frozen=True)
 class Dump:
     rid: str
-    input_ids: "object"          # torch.Tensor [L] int64
-    aux_hidden_states: "object"  # torch.Tensor [L, k*H]
-    hidden_states: "object"      # torch.Tensor [L, H]
+    input_ids: RawTensor          # [L] int64 (``.tolist()``; ``.to_torch()`` where torch is wanted)
+    aux_hidden_states: RawTensor  # [L, k*H]
+    hidden_states: RawTensor      # [L, H]
     aux_layers: list[int]
     model: str
     metadata: dict | None = None  # as stored, the MAC included (what verify_dump checks)
@@ -278,11 +279,17 @@ def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_s
 
 
 def read_dump(path: str | os.PathLike) -> Dump:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        t = {k: f.get_tensor(k) for k in (DUMP_IDS, DUMP_AUX, DUMP_LAST)}
+    """The dump at ``path``, its tensors as raw bytes (no torch: the worker moves them unchanged); a dump
+    that is no readable safetensors file with the three keys is a DumpTrustError naming it."""
+    try:
+        meta, t = read_raw(path, (DUMP_IDS, DUMP_AUX, DUMP_LAST))
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError) as e:
+        raise DumpTrustError(f"the dump {path} is not a readable safetensors file ({e}); refusing to store it") from None
+    missing = [k for k in (DUMP_IDS, DUMP_AUX, DUMP_LAST) if k not in t]
+    if missing:
+        raise DumpTrustError(f"the dump {path} lacks {', '.join(missing)}; refusing to store it")
     return Dump(rid=meta.get("rid", ""), input_ids=t[DUMP_IDS], aux_hidden_states=t[DUMP_AUX],
                 hidden_states=t[DUMP_LAST], aux_layers=json.loads(meta.get("aux_layers", "[]")),
                 model=meta.get("model", ""), metadata=dict(meta))

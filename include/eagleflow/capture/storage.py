@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.durable import TEMP_PREFIX, atomic_replace
+from eagleflow.safetensors_format import RawTensor, as_raw, file_parts
 
 SAMPLE_SUFFIX = ".safetensors"
 TMP_PREFIX = TEMP_PREFIX  # eagleflow.durable names its temp files .tmp-<name>.<random>
@@ -71,37 +72,35 @@ class SampleWriter:
 
     def write(self, *, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_states, hidden_states,
               aux_layers: list[int], model: str) -> StoredSample:
-        import torch
-
-        n = int(input_ids.shape[0])
-        for name, t in (("loss_mask", loss_mask), ("aux_hidden_states", aux_hidden_states),
-                        ("hidden_states", hidden_states)):
-            if int(t.shape[0]) != n:
-                raise ValueError(f"sample {sample_id} (index {index}): {name} has {int(t.shape[0])} rows but "
+        """Store one sample. Tensors come as RawTensor (a dump's bytes, moved unchanged: no torch needed) or
+        torch tensors; ``loss_mask`` may be a list of 0/1. Only ``store_dtype: fp8_e4m3`` imports torch."""
+        mask = RawTensor.of_bytes(loss_mask) if isinstance(loss_mask, (list, tuple)) else as_raw(loss_mask)
+        tensors = {"input_ids": as_raw(input_ids).as_int64(), "loss_mask": mask,
+                   "aux_hidden_states": as_raw(aux_hidden_states), "hidden_states": as_raw(hidden_states)}
+        n = tensors["input_ids"].rows
+        for name in ("loss_mask", "aux_hidden_states", "hidden_states"):
+            if tensors[name].rows != n:
+                raise ValueError(f"sample {sample_id} (index {index}): {name} has {tensors[name].rows} rows but "
                                  f"input_ids has {n}; the dump does not belong to this sample")
-        tensors = {
-            "input_ids": input_ids.to(torch.int64).contiguous(),
-            "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-            "aux_hidden_states": aux_hidden_states.contiguous(),
-            "hidden_states": hidden_states.contiguous(),
-        }
+        if mask.dtype != "U8":
+            tensors["loss_mask"] = RawTensor.of_bytes(mask.tolist())
         meta = {"id": sample_id, "index": str(index), "aux_layers": json.dumps(list(aux_layers)), "model": model,
                 "store_dtype": self.store_dtype}
         if self.store_dtype == "fp8_e4m3":
             errors = {}
-            meta["orig_dtype"] = str(hidden_states.dtype).replace("torch.", "")
+            meta["orig_dtype"] = tensors["hidden_states"].torch_name.replace("torch.", "")
             for key, layers in (("aux_hidden_states", len(aux_layers)), ("hidden_states", 1)):
                 try:
-                    q, scale, errors[key] = quantise_fp8(tensors[key], layers)
+                    q, scale, errors[key] = quantise_fp8(tensors[key].to_torch(), layers)
                 except ValueError as e:
                     raise ValueError(f"sample {sample_id} (index {index}): {key}: {e}") from None
-                tensors[key] = q
-                tensors[key + SCALE_SUFFIX] = scale
+                tensors[key] = RawTensor.from_torch(q)
+                tensors[key + SCALE_SUFFIX] = RawTensor.from_torch(scale)
             meta["scaling"] = FP8_SCALING
             # fixed-width figures: the header's length (and so the disk budget's estimate) stays exact
             meta["quant_error"] = json.dumps({k: {m: f"{v:.3e}" for m, v in e.items()} for k, e in errors.items()},
                                              separators=(",", ":"))
-        parts = safetensors_parts(tensors, meta)
+        parts = file_parts(tensors, meta)
         size = sum(len(p) for p in parts)
         # Hash while the bytes go to disk: hashlib and write/fsync both release the GIL.
         hasher = hashlib.sha256()
@@ -186,35 +185,6 @@ def dequantise_fp8(q, scale, dtype=None):
     x = q.to(torch.float32).reshape(*shape[:-1], layers, shape[-1] // layers) * scale.to(torch.float32).unsqueeze(-1)
     x = x.reshape(shape)
     return x if dtype is None else x.to(dtype)
-
-
-_DTYPES = {"float8_e4m3fn": "F8_E4M3", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
-           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def safetensors_parts(tensors: dict, metadata: dict[str, str]) -> list:
-    """A safetensors file as [header, tensor bytes...] without copying the tensors into one buffer.
-
-    Same layout as ``safetensors.torch.save``: u64 little-endian header length,
-    JSON header (padded with spaces to 8 bytes), then the tensors back to back
-    in key order. Readers (``safe_open``) check it; the tests read every file back.
-    """
-    import torch
-
-    header: dict = {"__metadata__": dict(metadata)}
-    views = []
-    offset = 0
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        views.append(memoryview(raw).cast("B") if nbytes else b"")
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-(8 + len(hjson)) % 8)
-    return [len(hjson).to_bytes(8, "little") + hjson, *views]
 
 
 def _maybe_fault(stored_so_far: int) -> None:

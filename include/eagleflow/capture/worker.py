@@ -3,7 +3,9 @@
 Order per sample, so that a crash at any point loses nothing and repeats
 nothing: request (a dump appears) -> its MAC checked under the dump key
 (``protocol.verify_dump``: a replaced dump is refused) -> final file (temp, fsync, rename) ->
-manifest append -> delete the dump. On start the manifest says what is done
+manifest append -> delete the dump. The dump's bytes are moved unchanged
+(``eagleflow.safetensors_format``): a worker imports no torch unless it stores
+fp8, so it starts in a fraction of the time. On start the manifest says what is done
 (each file must exist with its recorded size, and a file changed since it was
 recorded must still hash to its sha256); a manifest with damaged, repeated or
 stale lines is rewritten atomically with one line per intact sample; temp
@@ -220,8 +222,8 @@ class ShardWorker:
         resumed = total - len(todo)
         resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
 
-        import safetensors.torch  # noqa: F401 - import now, not inside the first sample's clock
-        import torch  # noqa: F401
+        if s.store_dtype == "fp8_e4m3":
+            import torch  # noqa: F401 - quantising needs it: import now, not inside the first sample's clock
 
         def init(hb: Heartbeat) -> None:
             hb.state = "running"
@@ -332,19 +334,17 @@ class ShardWorker:
             dpath = dump_path(s.dump_dir, rid)
             try:
                 dump = read_dump(dpath)
+                verify_dump(dump, s.dump_key, dpath, rid)   # before its hidden states go anywhere near the store
             except FileNotFoundError:
                 raise ExtractionError(f"shard {s.shard}: the server answered request {rid} but wrote no dump at "
                                       f"{dpath}; is capture.dump_dir ({s.dump_dir}) the server's dump dir, and is "
                                       "its capture hook installed?") from None
-            try:
-                verify_dump(dump, s.dump_key, dpath, rid)   # before its hidden states go anywhere near the store
             except DumpTrustError as e:
                 raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}): {e}") from None
             if dump.input_ids.tolist() != smp.input_ids:
                 raise ExtractionError(f"shard {s.shard}: the dump {dpath} holds {dump.input_ids.shape[0]} tokens "
                                       f"that differ from sample {smp.id} ({smp.tokens} tokens); the server did not "
                                       "run the whole sample in one prefill (radix cache or chunked prefill on?)")
-            import torch
             try:
                 self._dump_bytes_per_token = max(self._dump_bytes_per_token,
                                                  os.stat(dpath).st_size // max(smp.tokens, 1))
@@ -354,7 +354,7 @@ class ShardWorker:
                 return   # abandoned: its dump is an orphan the next start removes, the sample is redone then
             try:
                 stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
-                                      loss_mask=torch.tensor(smp.loss_mask, dtype=torch.uint8),
+                                      loss_mask=smp.loss_mask,
                                       aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states,
                                       aux_layers=dump.aux_layers, model=dump.model or s.model)
                 mtime_ns = os.stat(stored.path).st_mtime_ns   # lets a resume skip hashing an unchanged file

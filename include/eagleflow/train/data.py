@@ -40,6 +40,7 @@ import torch
 
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.storage import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8, file_sha256
+from eagleflow.safetensors_format import read_header
 
 if TYPE_CHECKING:
     from eagleflow.capture.verify import VerificationRecord
@@ -141,7 +142,6 @@ _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": tor
               "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _READ_CHUNK = 16 << 20
-_MAX_HEADER = 100 << 20      # safetensors' own limit
 _ALIGN = 64                  # tensors carved from one buffer start on a 64-byte boundary (any dtype's alignment)
 
 Buffer = Callable[[int], torch.Tensor]   # nbytes -> a 1-D uint8 host tensor of exactly that many bytes
@@ -221,32 +221,18 @@ def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = No
 
     Raises ValueError for a header safetensors would refuse (bad length or JSON, unknown dtype, offsets
     that do not match the shape or run past the file) and OSError for a file cut short."""
-    import json
-    import math
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        n = int.from_bytes(first, "little") if len(first) == 8 else -1
-        if not 0 < n <= min(_MAX_HEADER, size - 8):
-            raise ValueError(f"header length {n} does not fit a {size}-byte file")
-        header = json.loads(f.read(n))
-        meta = header.pop("__metadata__", None) or {}
-        base = 8 + n
+        h = read_header(f, os.fstat(f.fileno()).st_size)    # the one check, shared with the extraction worker
+        base = h.data_start
         found: list[tuple[str, int, int, list[int], torch.dtype]] = []
         for k in keys:
-            e = header.get(k)
+            e = h.entries.get(k)
             if e is None:
                 continue
-            dt = _ST_DTYPES.get(e["dtype"])
+            dt = _ST_DTYPES.get(e.dtype)
             if dt is None:
-                raise ValueError(f"{k}: dtype {e['dtype']!r} is not a stored-sample dtype")
-            start, end = (int(x) for x in e["data_offsets"])
-            shape = [int(x) for x in e["shape"]]
-            nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            if end - start != nbytes or start < 0 or base + end > size:
-                raise ValueError(f"{k}: offsets {start}..{end} do not hold shape {shape} {e['dtype']} in the "
-                                 f"{size}-byte file")
-            found.append((k, start, nbytes, shape, dt))
+                raise ValueError(f"{k}: dtype {e.dtype!r} is not a stored-sample dtype")
+            found.append((k, e.start, e.end - e.start, list(e.shape), dt))
         found.sort(key=lambda x: x[1])       # in file order: one sequential pass
         tensors = _carve(buffer, [(shape, dt) for _k, _s, _n, shape, dt in found])
         out: dict[str, torch.Tensor] = {}
@@ -260,7 +246,7 @@ def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = No
                     raise OSError(f"file ends after {base + start + got} bytes, inside {k}")
                 got += k_read
             out[k] = t
-    return out, meta, list(header)
+    return out, h.metadata, list(h.entries)
 
 
 def read_sample_keys(ref: SampleRef, keys: Sequence[str], buffer: Buffer | None = None) -> dict[str, torch.Tensor]:
