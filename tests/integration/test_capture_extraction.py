@@ -101,8 +101,9 @@ def test_every_sample_matches_a_direct_forward(server, reference):
         # Python lists every module it imports: a worker storing the target's dtype moves bytes, no torch
         res = _run_worker(ctx, shard, env={"PYTHONPROFILEIMPORTTIME": "1"})
         assert res.returncode == 0, res.stderr
-        imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
-        assert "eagleflow.capture.worker" in imported and "pyarrow" in imported
+        imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "eagleflow.capture.worker" in imported and "pyarrow" in imported and "pandas" not in imported
         assert not {m for m in imported if m == "torch" or m.startswith("torch.") or m == "safetensors.torch"}, \
             "the extraction worker imported torch"
         assert "6/6 samples" in res.stdout

@@ -83,7 +83,8 @@ def test_the_dump_mac_is_the_same_over_raw_bytes_and_torch_tensors(tmp_path):
     key = secrets.token_bytes(32)
     t = {"input_ids": torch.arange(4), "aux_hidden_states": torch.randn(4, 6).to(torch.bfloat16),
          "hidden_states": torch.randn(4, 2).to(torch.bfloat16)}
-    assert dump_mac(key, {"rid": "r"}, t) == dump_mac(key, {"rid": "r"}, {k: RawTensor.from_torch(v) for k, v in t.items()})
+    raw = {k: RawTensor.from_torch(v) for k, v in t.items()}
+    assert dump_mac(key, {"rid": "r"}, t) == dump_mac(key, {"rid": "r"}, raw)
     rid = "r.s00000.00000001"
     p = write_dump(tmp_path, rid, **t, aux_layers=[1, 2, 3], model="m", key=key)
     d = read_dump(p)

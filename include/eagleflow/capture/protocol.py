@@ -286,7 +286,8 @@ def read_dump(path: str | os.PathLike) -> Dump:
     except FileNotFoundError:
         raise
     except (ValueError, OSError) as e:
-        raise DumpTrustError(f"the dump {path} is not a readable safetensors file ({e}); refusing to store it") from None
+        raise DumpTrustError(f"the dump {path} is not a readable safetensors file ({e}); refusing to store "
+                             "it") from None
     missing = [k for k in (DUMP_IDS, DUMP_AUX, DUMP_LAST) if k not in t]
     if missing:
         raise DumpTrustError(f"the dump {path} lacks {', '.join(missing)}; refusing to store it")

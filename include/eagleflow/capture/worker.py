@@ -107,36 +107,35 @@ class WorkerSettings:
 
 def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | None = None) -> list[int]:
     import pyarrow.parquet as pq
-    idx = pq.read_table(corpus_file, columns=["index"]).column("index").to_numpy()
-    return sorted(int(i) for i in idx[idx % num_shards == shard] if limit is None or i < limit)
+    idx = pq.read_table(corpus_file, columns=["index"]).column("index").to_pylist()
+    return sorted(i for i in idx if i % num_shards == shard and (limit is None or i < limit))
 
 
 def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int],
                  limit: int | None = None) -> tuple[int, list[Sample]]:
     """(shard total, samples still to do in index order); input ids are read only for those."""
-    import numpy as np
     import pyarrow.parquet as pq
 
     if not Path(corpus_file).is_file():
         raise ExtractionError(f"corpus file {corpus_file} does not exist; run `eagleflow corpus prepare` first")
     pf = pq.ParquetFile(corpus_file)
-    idx = pf.read(columns=["index"]).column("index").to_numpy()
-    mine = np.nonzero((idx % num_shards == shard) & ((idx < limit) if limit is not None else True))[0]
-    total = int(len(mine))
-    todo_rows = [int(r) for r in mine if int(idx[r]) not in skip]
-    if not todo_rows:
+    # to_pylist, not to_numpy: pyarrow's numpy conversion imports pandas
+    idx = pf.read(columns=["index"]).column("index").to_pylist()
+    mine = [i for i in idx if i % num_shards == shard and (limit is None or i < limit)]
+    total = len(mine)
+    wanted = {i for i in mine if i not in skip}
+    if not wanted:
         return total, []
-    wanted = {int(idx[r]) for r in todo_rows}
     samples = []
     # Batch by batch: a worker holds its own shard's tokens, not the whole corpus (seeds: 87.8 M tokens).
     for batch in pf.iter_batches(batch_size=4096, columns=["index", "id", "input_ids", "loss_mask"]):
-        bidx = batch.column("index").to_numpy()
-        keep = [k for k, i in enumerate(bidx) if int(i) in wanted]
-        if not keep:
-            continue
-        rows = batch.take(keep).to_pydict()
-        samples += [Sample(index=int(i), id=str(s), input_ids=[int(t) for t in ids], loss_mask=[int(m) for m in mask])
-                    for i, s, ids, mask in zip(rows["index"], rows["id"], rows["input_ids"], rows["loss_mask"])]
+        bidx = batch.column("index").to_pylist()
+        for k, i in enumerate(bidx):
+            if i in wanted:      # a zero-copy slice per row: take() would import pandas, a third of a worker's start
+                row = batch.slice(k, 1).to_pydict()
+                samples.append(Sample(index=int(i), id=str(row["id"][0]),
+                                      input_ids=[int(t) for t in row["input_ids"][0]],
+                                      loss_mask=[int(m) for m in row["loss_mask"][0]]))
     samples.sort(key=lambda s: s.index)
     return total, samples
 
