@@ -107,11 +107,17 @@ class RawTensor:
         return np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).tolist()
 
     def as_int64(self) -> "RawTensor":
-        if self.dtype == "I64":
+        return self._as("I64")
+
+    def as_uint8(self) -> "RawTensor":
+        return self._as("U8")
+
+    def _as(self, code: str) -> "RawTensor":
+        if self.dtype == code:
             return self
         import numpy as np
-        values = np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).astype("<i8")
-        return RawTensor("I64", self.shape, memoryview(values).cast("B"))
+        values = np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).astype(_NUMPY[code])
+        return RawTensor(code, self.shape, memoryview(values).cast("B"))
 
     def to_torch(self):
         """A torch tensor over these bytes (shared, not copied, when they are writable)."""
@@ -132,10 +138,10 @@ class RawTensor:
         return cls(code, tuple(int(d) for d in t.shape), data)
 
     @classmethod
-    def of_bytes(cls, values, dtype: str = "U8") -> "RawTensor":
-        """A 1-D tensor of small non-negative integers (a loss mask): ValueError for a value over 255."""
+    def of_bytes(cls, values) -> "RawTensor":
+        """A 1-D uint8 tensor of small non-negative integers (a loss mask): ValueError for a value over 255."""
         data = bytes(int(v) for v in values)
-        return cls(dtype, (len(data),), memoryview(data))
+        return cls("U8", (len(data),), memoryview(data))
 
 
 def as_raw(t) -> RawTensor:

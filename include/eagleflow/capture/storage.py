@@ -74,7 +74,7 @@ class SampleWriter:
               aux_layers: list[int], model: str) -> StoredSample:
         """Store one sample. Tensors come as RawTensor (a dump's bytes, moved unchanged: no torch needed) or
         torch tensors; ``loss_mask`` may be a list of 0/1. Only ``store_dtype: fp8_e4m3`` imports torch."""
-        mask = RawTensor.of_bytes(loss_mask) if isinstance(loss_mask, (list, tuple)) else as_raw(loss_mask)
+        mask = RawTensor.of_bytes(loss_mask) if isinstance(loss_mask, (list, tuple)) else as_raw(loss_mask).as_uint8()
         tensors = {"input_ids": as_raw(input_ids).as_int64(), "loss_mask": mask,
                    "aux_hidden_states": as_raw(aux_hidden_states), "hidden_states": as_raw(hidden_states)}
         n = tensors["input_ids"].rows
@@ -82,8 +82,6 @@ class SampleWriter:
             if tensors[name].rows != n:
                 raise ValueError(f"sample {sample_id} (index {index}): {name} has {tensors[name].rows} rows but "
                                  f"input_ids has {n}; the dump does not belong to this sample")
-        if mask.dtype != "U8":
-            tensors["loss_mask"] = RawTensor.of_bytes(mask.tolist())
         meta = {"id": sample_id, "index": str(index), "aux_layers": json.dumps(list(aux_layers)), "model": model,
                 "store_dtype": self.store_dtype}
         if self.store_dtype == "fp8_e4m3":

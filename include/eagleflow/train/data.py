@@ -40,7 +40,7 @@ import torch
 
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.storage import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8, file_sha256
-from eagleflow.safetensors_format import read_header
+from eagleflow.safetensors_format import DTYPES, read_header
 
 if TYPE_CHECKING:
     from eagleflow.capture.verify import VerificationRecord
@@ -138,9 +138,8 @@ def _check_file(path: Path, size: int, sha256: str | None, verified_mtime_ns: in
     return None
 
 
-_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
-              "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# every safetensors dtype a stored sample may hold (F8_E5M2 never is)
+_ST_DTYPES = {code: getattr(torch, name) for code, (_size, name) in DTYPES.items() if code != "F8_E5M2"}
 _READ_CHUNK = 16 << 20
 _ALIGN = 64                  # tensors carved from one buffer start on a 64-byte boundary (any dtype's alignment)
 
