@@ -20,7 +20,7 @@ import yaml
 
 from eagleflow.airflow.deploy.scaleout import GpuNodeRoute
 from eagleflow.capture.hf_server import DELAY_FILE_ENV
-from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored, wait_for_watch
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)
 from tests.fixtures.processes import kill_recorded
@@ -65,7 +65,7 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
     def partition():
         try:
             k = wait_for_stored(other, (2, 3), 3, done)
-            if k is None:
+            if k is None or not wait_for_watch(tmp_path / "state-n2", k, done):
                 return
             host.link_down()
             cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"),

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
-from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored
+from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored, wait_for_watch
 from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
 
@@ -116,7 +116,7 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     def partition():
         try:
             k = wait_for_stored(other, (2, 3), 3, done)
-            if k is None:
+            if k is None or not wait_for_watch(tmp_path / "state-n2", k, done):
                 return
             cut.update(shard=k, at=time.time(), stored=stored(other / "hidden_states" / f"shard_{k:05d}"))
             host.link_down()

@@ -75,11 +75,13 @@ def test_later_tasks_read_the_frozen_config_not_the_edited_yaml(airflow_db, demo
     assert seen["run_dir"] == seen["trigger_run_dir"] == run_dir
     frozen_file = Path(run_dir) / "run-config.json"
     assert json.loads(frozen_file.read_text())["capture"]["shards"] == 3
-    # a trigger carries only how to find the run again, and the frozen control-plane settings
-    from eagleflow.airflow.runtime import CONTROL_PLANE_FIELDS
-    control = seen["payload"].pop("control")
+    # a trigger carries only how to find the run again, the frozen control-plane settings and the watch's
+    # hints, the frozen run's too (3 shards, not the edited YAML's 7)
+    from eagleflow.airflow.runtime import CONTROL_PLANE_FIELDS, WATCH_HINT_FIELDS
+    control, hints = seen["payload"].pop("control"), seen["payload"].pop("watch")
     assert seen["payload"] == {"conn_id": None, "run_config": str(frozen_file), "run_id": "frozen"}
     assert set(control) == set(CONTROL_PLANE_FIELDS)
+    assert set(hints) == set(WATCH_HINT_FIELDS) and hints["capture.shards"] == 3
 
 
 def test_a_relative_config_path_never_depends_on_the_cwd(demo_assets, monkeypatch, tmp_path):

@@ -67,8 +67,10 @@ def test_the_payload_carries_the_frozen_control_plane_settings(tmp_path, demo_as
     assert set(ref.control) == set(CONTROL_PLANE_FIELDS)
     assert ref.control["node.python"] == ctx.cfg.node.python
     # anything else a payload might claim is not taken from it
-    forged = {**ctx.serialize(), "control": {"node.python": "/bin/true", "capture.dump_dir": "/"}}
+    forged = {**ctx.serialize(), "control": {"node.python": "/bin/true", "capture.dump_dir": "/"},
+              "watch": {"capture.shards": 2, "node.python": "/bin/true"}}
     assert RunRef.from_dict(forged).control == {"node.python": "/bin/true"}
+    assert RunRef.from_dict(forged).watch == {"capture.shards": 2}     # hints are only hints
 
 
 @pytest.mark.parametrize("cache_root,why", [("/", "file system's root"), ("~", "home folder"),

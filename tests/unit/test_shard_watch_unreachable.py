@@ -83,3 +83,52 @@ def test_a_due_mail_does_not_restart_the_clock_of_an_outage_not_yet_reported(tmp
         _end_outage(key)
     assert ev["status"] == "unreachable" and ev["since"] == due["clocks"]["outage_started"]
     assert time.time() - started < 4.0 + 1.5 + 1.0     # the bound from the outage's start, not 1.5 s + bound
+
+
+@pytest.mark.slow   # waits out a 4 s unreachable bound
+def test_a_watch_started_while_its_node_is_unreachable_reports_by_the_same_bound_and_words(tmp_path, monkeypatch):
+    """The triggerer may start a shard's watch after the node went away (the cable pulled between the task's
+    deferral and the triggerer picking the watch up): the watch cannot read the run's config there, yet it
+    reports the outage at the run's bound (stall_after 3 + 2 x poll 0.5 = 4 s, not 60 s) and names the node
+    and the job as a watch that had read the config does; the real SSH connect to a port nobody serves."""
+    import asyncio
+    import time
+
+    from eagleflow.airflow.deploy.standalone import free_port
+    from eagleflow.airflow.generate_operators import GenerateShardWatchTrigger
+    from eagleflow.airflow.runtime import RunContext
+    from eagleflow.airflow.shard_watch import _OUTAGES, EARLY_UNREACHABLE_S
+    from eagleflow.layout import RunLayout
+    from tests.fixtures.watchdog_jobs import watch_config
+
+    cfg = watch_config(tmp_path)
+    cfg.node.conn_id = "ef_gone_node"
+    monkeypatch.setenv("AIRFLOW_CONN_EF_GONE_NODE", f"ssh://nobody@127.0.0.1:{free_port()}")
+    payload = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, "manual__2026-12-03T01:00:00+00:00")).serialize()
+
+    async def first(trigger):
+        agen = trigger.run()
+        try:
+            return (await asyncio.wait_for(agen.__anext__(), 30)).payload
+        finally:
+            await agen.aclose()
+
+    for key in list(_OUTAGES):
+        _end_outage(key)
+    started = time.time()
+    ev = asyncio.run(first(ShardWatchTrigger(**ShardWatchTrigger(payload, 1).serialize()[1])))
+    took = time.time() - started
+    for key in list(_OUTAGES):
+        _end_outage(key)
+    assert ev["status"] == "unreachable" and ev["mail"] is True, ev
+    assert ev["subject"] == "[eagleflow] UNREACHABLE shard 1/4 on test-node", ev
+    assert "ef_gone_node" in ev["diagnosis"] and "not a verdict on the job" in ev["diagnosis"], ev
+    assert started - 0.1 <= ev["since"] <= started + 1.0
+    assert 4.0 <= took < 4.0 + 2.0, took
+    # a generation shard's watch names its job by the generation count; a payload from before the hints
+    # were carried keeps the old bound and says only what it knows
+    assert GenerateShardWatchTrigger(payload, 2)._job_name() == "generate shard 2/1"
+    old = {k: v for k, v in payload.items() if k != "watch"}
+    assert ShardWatchTrigger(old, 1)._early_bound_s() == EARLY_UNREACHABLE_S
+    assert ShardWatchTrigger(old, 1)._job_name() == "shard 1"
+    assert ShardWatchTrigger(payload, 1, poll_interval_s=2.0)._early_bound_s() == 3.0 + 2 * 2.0

@@ -46,7 +46,8 @@ class GenerateShardWatchTrigger(ShardWatchTrigger):
         return ["--shard", str(self.shard), "--generate"]
 
     def _job_name(self, ctx: RunContext | None = None) -> str:
-        return f"generate shard {self.shard}" + (f"/{ctx.cfg.generate.shards}" if ctx is not None else "")
+        total = ctx.cfg.generate.shards if ctx is not None else self.ref.hint("generate.shards")
+        return f"generate shard {self.shard}" + (f"/{total}" if total is not None else "")
 
 
 class StartGenerateServerOperator(RunOperator):

@@ -228,14 +228,25 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
 CONTROL_PLANE_FIELDS = ("node.python", "watchdog.alert_emails", "watchdog.smtp_conn_id", "watchdog.airflow_base_url")
 
 
-def control_plane_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """``CONTROL_PLANE_FIELDS`` of ``cfg`` as plain values (a trigger payload's ``control``)."""
+def _dotted_settings(cfg: PipelineConfig, fields: tuple[str, ...]) -> dict[str, Any]:
     out = {}
-    for dotted in CONTROL_PLANE_FIELDS:
+    for dotted in fields:
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
         out[dotted] = list(value) if isinstance(value, (list, tuple)) else value
     return out
+
+
+def control_plane_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """``CONTROL_PLANE_FIELDS`` of ``cfg`` as plain values (a trigger payload's ``control``)."""
+    return _dotted_settings(cfg, CONTROL_PLANE_FIELDS)
+
+
+# What a watch needs before it has read the run's config on the node (a triggerer can start a watch while the
+# node is unreachable): the node's name, the job counts its mails name, the unreachable bound's settings.
+# Only read while the config cannot be, never laid over it (a reconcile's watch of a run keeps the run's counts).
+WATCH_HINT_FIELDS = ("node.name", "capture.shards", "generate.shards", "watchdog.stall_after_s",
+                     "watchdog.poll_interval_s")
 
 
 def apply_control_plane(cfg: PipelineConfig, settings: dict[str, Any]) -> None:
@@ -249,19 +260,27 @@ def apply_control_plane(cfg: PipelineConfig, settings: dict[str, Any]) -> None:
 @dataclass(frozen=True)
 class RunRef:
     """What a trigger carries to find its run again: how to reach the node, where the frozen config lies there,
-    which run, and the frozen config's control-plane settings (``CONTROL_PLANE_FIELDS``; None in a payload
-    from before they were carried). Nothing else, so a renamed config field never breaks a deferred task
-    across an upgrade."""
+    which run, the frozen config's control-plane settings (``CONTROL_PLANE_FIELDS``; None in a payload
+    from before they were carried) and the watch's hints for the time before it read the run's config
+    (``WATCH_HINT_FIELDS``). Nothing else, so a renamed config field never breaks a deferred task across an
+    upgrade."""
     conn_id: str | None
     run_config: str
     run_id: str
     control: dict[str, Any] | None = None
+    watch: dict[str, Any] | None = None    # WATCH_HINT_FIELDS (None in a payload from before they were carried)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
         if self.control is not None:
             d["control"] = dict(self.control)
+        if self.watch is not None:
+            d["watch"] = dict(self.watch)
         return d
+
+    def hint(self, dotted: str) -> Any:
+        """A WATCH_HINT_FIELDS value from the payload; None when it does not carry it."""
+        return (self.watch or {}).get(dotted)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunRef":
@@ -274,10 +293,12 @@ class RunRef:
             return cls(conn_id=(config.get("node") or {}).get("conn_id"),
                        run_config=str(run_root / safe_run_id(run_id) / RUN_CONFIG_FILE), run_id=run_id)
         try:
-            control = data.get("control")
+            control, watch = data.get("control"), data.get("watch")
             return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]),
                        control={k: v for k, v in control.items() if k in CONTROL_PLANE_FIELDS}
-                       if isinstance(control, dict) else None)
+                       if isinstance(control, dict) else None,
+                       watch={k: v for k, v in watch.items() if k in WATCH_HINT_FIELDS}
+                       if isinstance(watch, dict) else None)
         except KeyError as e:
             raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
                               "run_id") from None
@@ -378,7 +399,8 @@ class RunContext:
         conn_id = getattr(self._node, "conn_id", self.cfg.node.conn_id) if self._node is not None \
             else self.cfg.node.conn_id
         return RunRef(conn_id=conn_id, run_config=self.run_config_path, run_id=self.layout.run_id,
-                      control=control_plane_settings(self.cfg)).to_dict()
+                      control=control_plane_settings(self.cfg),
+                      watch=_dotted_settings(self.cfg, WATCH_HINT_FIELDS)).to_dict()
 
     def trigger_ref(self) -> dict[str, Any]:
         """The RunRef for a trigger this task defers to. A config this task resolved itself (a DAG without a

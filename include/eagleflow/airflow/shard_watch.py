@@ -72,8 +72,14 @@ WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come w
 # backed off from RECONNECT_FIRST_S up to the poll interval, and gives up only after this long.
 RECONNECT_FIRST_S = 0.5
 UNREACHABLE_GIVE_UP_S = 6 * 3600.0
-# Silent from the start (the run's config, hence its watchdog settings, cannot be read yet): say so after this.
+# Silent from the start, and the payload carries no watchdog settings (one deferred before they were
+# carried, RunRef.watch): say so after this.
 EARLY_UNREACHABLE_S = 60.0
+
+
+def unreachable_bound_s(stall_after_s: float, poll_interval_s: float) -> float:
+    """How long a node may not answer before its watch says it is unreachable."""
+    return stall_after_s + 2 * poll_interval_s
 
 
 def reconnect_delay_s(misses: int, cap_s: float, jitter: Callable[[], float] = random.random) -> float:
@@ -128,27 +134,39 @@ class _NodeJobWatchTrigger(BaseTrigger):
         raise NotImplementedError
 
     def _job_name(self, ctx: RunContext | None = None) -> str:  # pragma: no cover - abstract
-        """The job as mails and logs name it ("shard 3/8"); without the run's config (not read yet) the
-        count is unknown ("shard 3")."""
+        """The job as mails and logs name it ("shard 3/8"); without the run's config (not read yet) the count
+        is the payload's hint, unknown in an older payload ("shard 3")."""
         raise NotImplementedError
 
     # -- the loop -----------------------------------------------------------
+    def _early_bound_s(self) -> float:
+        """The unreachable bound before the run's config is read: the one the watch keeps after, from the
+        payload's hints (a watch the triggerer starts mid-outage reports it as late as one already watching)."""
+        stall_after, interval = self.ref.hint("watchdog.stall_after_s"), self.ref.hint("watchdog.poll_interval_s")
+        if stall_after is None or interval is None:
+            return EARLY_UNREACHABLE_S
+        return unreachable_bound_s(float(stall_after), float(self.poll_interval_s or interval))
+
     async def _load_context(self) -> RunContext | WatchEvent:
         """The run's context (reads run-config.json on the node), reconnecting while the node is unreachable;
-        an unreachable event instead when the node stays silent past EARLY_UNREACHABLE_S (not yet reported)."""
-        misses, first = 0, time.time()
+        an unreachable event instead when the node stays silent past the bound (not yet reported)."""
+        misses, first, bound = 0, time.time(), self._early_bound_s()
         while True:
             try:
                 return await self._read_context()
             except NodeUnreachable as e:
                 misses += 1
-                if self.unreachable_since is None and time.time() - first >= EARLY_UNREACHABLE_S:
+                now = time.time()
+                if self.unreachable_since is None and now - first >= bound:
                     return self._early_unreachable_event(first, str(e))
-                if time.time() - (self.unreachable_since or first) >= UNREACHABLE_GIVE_UP_S:
+                if now - (self.unreachable_since or first) >= UNREACHABLE_GIVE_UP_S:
                     raise
                 self.log.warning("node unreachable while loading the run config (try %d): %s", misses, e)
-                # the poll interval is in the config we cannot read yet: retry at least every 2 s
-                await asyncio.sleep(reconnect_delay_s(misses, min(self.poll_interval_s or 2.0, 2.0)))
+                # retry at least every 2 s, and look again when the bound is reached, so the verdict is not late
+                wait = reconnect_delay_s(misses, min(self.poll_interval_s or 2.0, 2.0))
+                if self.unreachable_since is None:
+                    wait = min(wait, max(RECONNECT_FIRST_S, first + bound - now))
+                await asyncio.sleep(wait)
 
     async def _read_context(self) -> RunContext:
         ref = self.ref
@@ -179,7 +197,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
         interval = self.poll_interval_s or wd.poll_interval_s
         # The node can be unreachable for a while (SSH hiccup) without the job being at fault;
         # past this long we cannot vouch for it any more and say so.
-        unreachable_limit = wd.stall_after_s + 2 * interval
+        unreachable_limit = unreachable_bound_s(wd.stall_after_s, interval)
         first_failure: float | None = self.clocks.get("failing_since")   # unix time of the first failed look
         # unreachable_since: unix time of the node's last answer before failed looks (or of the first failed
         # look); reported: this outage was already yielded (by this watch or, re-deferred, the one before)
@@ -325,9 +343,10 @@ class _NodeJobWatchTrigger(BaseTrigger):
         return float(self.pending_mails[0].get("next_at") or 0) if self.pending_mails else None
 
     def _early_unreachable_event(self, since: float, error: str) -> WatchEvent:
-        """Unreachable before the run's config could even be read (so no job count or node name from it yet)."""
+        """Unreachable before the run's config could even be read: the node's name and the job count from the
+        payload's hints, so the mail reads as one from a watch that had read it (none in an older payload)."""
         return unreachable_event(job=self._job_name(), since=since, error=error, state=self._state(),
-                                 conn_id=self.ref.conn_id, run_id=self.ref.run_id,
+                                 node=self.ref.hint("node.name"), conn_id=self.ref.conn_id, run_id=self.ref.run_id,
                                  mail=_claim_outage(self.ref.conn_id, since))
 
     def _unreachable(self, ctx: RunContext, since: float, error: str, **kw) -> WatchEvent:
@@ -380,7 +399,8 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         return ["--shard", str(self.shard)]
 
     def _job_name(self, ctx: RunContext | None = None) -> str:
-        return f"shard {self.shard}" + (f"/{ctx.cfg.capture.shards}" if ctx is not None else "")
+        total = ctx.cfg.capture.shards if ctx is not None else self.ref.hint("capture.shards")
+        return f"shard {self.shard}" + (f"/{total}" if total is not None else "")
 
 
 class TrainWatchTrigger(_NodeJobWatchTrigger):
