@@ -54,7 +54,9 @@ prepare_node (skips a node the run leaves out; probes shared storage), its gener
 generation server; collect_generated copies them to the training node, where the corpus is prepared from
 every node's), then receive_corpus (the corpus copied there off shared storage), the GPU gates, its capture
 server, its share of the shards, and collect_shards (its verified shard files to the training node, which
-verifies every shard of every node before it trains).
+verifies every shard of every node before it trains). Shards of either phase that a node left incomplete
+(its gate refused, its server failed) are taken over by the training node once that node proves them free of
+our workers: take_over_generated before the corpus, take_over_shards before verification.
 """
 
 # The fleet's nodes (one without a fleet), each with its Celery queue and GPU pool, from $EAGLEFLOW_CONFIG:
@@ -229,6 +231,21 @@ with DAG(
     for tasks in nodes.values():
         write_config >> tasks["first"]
         tasks["generated"] >> prepare_corpus
+    if GROUPED:
+        # generation shards another node left incomplete (its gate refused, its server failed), taken over by
+        # the training node once that node proves them free of our workers, before the corpus needs them all;
+        # a logged no-op when generate.enabled is off or nothing is missing
+        take_gen = TakeOverShardsOperator(task_id="take_over_generated", phase="generate", trigger_rule="all_done")
+        take_gen_idle = GpuIdleSensor(task_id="gpus_idle_before_generation_takeover", pool=NODE.pool,
+                                      generation=True, guards="take_over_generated")
+        taken_gen = RerunShardOperator.partial(task_id="take_over_generated_shard", retries=2,
+                                               pool=NODE.pool).expand(target=take_gen.output)
+        release_gen = ReleaseTakeoverServerOperator(task_id="release_generation_takeover_server", phase="generate",
+                                                    takeover_task_id="take_over_generated", trigger_rule="all_done")
+        for tasks in nodes.values():
+            tasks["generated"] >> take_gen
+        # the corpus checks itself that every generation shard is complete, naming any that is not
+        take_gen >> take_gen_idle >> taken_gen >> release_gen >> prepare_corpus
     prepare_corpus >> delete_caches >> check_disk
     for cap in nodes.values():
         check_disk >> cap["capture_first"]

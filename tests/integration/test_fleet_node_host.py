@@ -34,10 +34,10 @@ def run_pipeline(cfg_path: Path, run_name: str):
     return dr, {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
 
 
-def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float) -> Path:
+def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float, **sections) -> Path:
     """n1 here (training, no GPU), n2 the node host over its sshd with its own run root; 4 shards, 2 each."""
     monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_FLEET", host.airflow_conn())
-    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_fleet", idle_timeout_s=idle_timeout_s)
+    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_fleet", idle_timeout_s=idle_timeout_s, **sections)
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
     return cfg_path
 
@@ -46,13 +46,17 @@ def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s:
 @pytest.mark.timeout(1200)
 def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_path, airflow_db, demo_assets,
                                                                             node_host_fixture, monkeypatch, capfd):  # noqa: F811
-    """A foreign process holds 88 GiB on n2's GPU 0: n2's gate fails naming it and nothing signals it; n1's
-    shards are extracted all the same. n2 is reachable and holds no lock of ours, so it hands its shards over
-    (marks beside their locks there) and the training node extracts them: the run is green with every sample
+    """A foreign process holds 88 GiB on n2's GPU 0: n2's gates fail naming it and nothing signals it; n1's
+    shards are generated and extracted all the same. n2 is reachable and holds no lock of ours, so it hands its
+    generation shard over before the corpus and its extraction shards after (marks beside their locks there),
+    and the training node generates and extracts them: the run is green with every record and every sample
     once, and no worker of those shards ever ran on n2."""
     host = node_host_fixture
     scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
-    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=3)
+    regenerated = demo_assets["sources"][1]["name"]   # generation shard 0 is n1's, 1 n2's
+    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=3,
+                            generate={"enabled": True, "sources": [regenerated], "shards": 2, "max_new_tokens": 4,
+                                      "concurrency": 2})
     foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
@@ -62,6 +66,13 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
         assert foreign.poll() is None            # a gate never kills, and free_gpus only kills what we recorded
         assert dr.state == "success", states
         assert "failed" in (states.get(("n2.free_gpus", -1)), states.get(("n2.gpus_idle", -1))), states
+        assert "failed" in (states.get(("n2.free_gpus_before_generation", -1)),
+                            states.get(("n2.gpus_idle_before_generation", -1))), states
+        assert states[("n1.generate_responses", 0)] == "success"
+        assert not [k for k, v in states.items() if k[0] == "n2.generate_responses" and v == "success"]
+        assert states[("take_over_generated_shard", 0)] == "success", states
+        assert states[("release_generation_takeover_server", -1)] == "success", states
+        assert not {"generate_shard_00001"} & in_ns, in_ns   # its generation worker never ran on n2
         assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"
         assert not [k for k, v in states.items() if k[0] == "n2.extract_shard" and v == "success"]
         assert states[("take_over_shard", 0)] == states[("take_over_shard", 1)] == "success", states
@@ -72,15 +83,29 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
         stats = json.loads((home / "corpus" / "stats.json").read_text())
         ids = manifest_ids(home, range(4))
         assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
-        assert json.loads((home / "takeover.json").read_text()) == {"shards": {"2": "n2", "3": "n2"}}
-        for k in (2, 3):   # n2 handed them over: its marks, beside the locks its workers would take
-            mark = tmp_path / "state-n2" / "locks" / f"fleet-gate.worker_shard_{k:05d}.handed-over"
-            assert json.loads(mark.read_text())["to"] == "n1", k
+        assert json.loads((home / "takeover.json").read_text()) == {"shards": {"2": "n2", "3": "n2"},
+                                                                     "generate_shards": {"1": "n2"}}
+        for role in ("worker_shard_00002", "worker_shard_00003", "generate_shard_00001"):
+            # n2 handed them over: its marks, beside the locks its workers would take
+            mark = tmp_path / "state-n2" / "locks" / f"fleet-gate.{role}.handed-over"
+            assert json.loads(mark.read_text())["to"] == "n1", role
+        # both generation shards on the training node, each record once, the corpus built from both
+        generated = manifest_ids(home, [0, 1], "generated")
+        assert len(generated) == len(set(generated)) > 0
+        assert json.loads((home / "generated" / "stats.json").read_text())["complete"]
+        assert not (tmp_path / "runs-n2" / "fleet-gate" / "generated" / "shard_00001").exists()
+        import pyarrow.parquet as pq
+        rows = pq.read_table(home / "corpus" / "corpus.parquet", columns=["id", "source"]).to_pylist()
+        corpus_regenerated = {r["id"] for r in rows if r["source"] == regenerated}
+        assert corpus_regenerated <= set(generated)
+        assert corpus_regenerated & set(manifest_ids(home, [1], "generated"))   # n2's share, generated on n1
         assert (home / "draft" / "export" / "model.safetensors").is_file()
         out, err = capfd.readouterr()   # dag.test() logs through structlog to stdout
         text = out + err
         assert f"pid {foreign.pid} (" in text and "python3 -m vllm.entrypoints" in text   # the gate names it
-        assert "node n2 handed shard 2 over to n1" in text and "node n2 handed shard 3 over to n1" in text
+        assert "node n2 handed extract shard 2 over to n1" in text and "node n2 handed extract shard 3 over to n1" \
+            in text
+        assert "node n2 handed generate shard 1 over to n1" in text
     finally:
         foreign.kill()
         foreign.wait()

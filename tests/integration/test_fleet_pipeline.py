@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.fleet_run import manifest_ids
 from tests.fixtures.pipeline_config import write_short_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +34,6 @@ def fleet_config(tmp_path: Path, demo_assets, storage: str, **sections) -> Path:
     cfg["fleet"] = {"nodes": nodes, "training_node": "n1", "storage": storage}
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def manifest_ids(run_dir: Path, shards, folder: str = "hidden_states") -> list[str]:
-    return [json.loads(line)["id"] for s in shards
-            for line in (run_dir / folder / f"shard_{s:05d}" / "manifest.jsonl").read_text().splitlines()
-            if line.strip()]
 
 
 @pytest.mark.slow

@@ -139,9 +139,15 @@ def test_the_dag_parses_one_task_group_per_fleet_node_on_its_queue_and_pool(tmp_
         assert tasks[f"{node}.free_gpus_before_generation"][3] == [f"{node}.prepare_node"]
     assert "gpu-node-1.collect_shards" not in tasks and "gpu-node-2.capture_held_out" not in tasks
     assert "gpu-node-1.collect_generated" not in tasks and "gpu-node-1.receive_corpus" not in tasks
-    # the corpus waits for every node's generation (n2's copied back); n2's capture for the corpus
+    # the corpus waits for every node's generation (n2's copied back) and for the generation shards the
+    # training node took over; n2's capture for the corpus
     assert set(tasks["prepare_corpus"][3]) == {"gpu-node-1.generate_responses", "gpu-node-1.free_gpus_after_generation",
-                                               "gpu-node-2.collect_generated"}
+                                               "gpu-node-2.collect_generated", "release_generation_takeover_server"}
+    assert set(tasks["take_over_generated"][3]) == {"gpu-node-1.generate_responses",
+                                                    "gpu-node-1.free_gpus_after_generation",
+                                                    "gpu-node-2.collect_generated"}
+    assert tasks["take_over_generated_shard"][:2] == ["gpu-node-1", "gpu-node-1"]
+    assert tasks["gpus_idle_before_generation_takeover"][3] == ["take_over_generated"]
     assert set(tasks["gpu-node-2.collect_generated"][3]) == {"gpu-node-2.generate_responses",
                                                              "gpu-node-2.free_gpus_after_generation"}
     assert set(tasks["gpu-node-2.receive_corpus"][3]) == {"check_disk", "gpu-node-2.prepare_node"}

@@ -1,6 +1,7 @@
 """A generation shard resumes only what it made: same split, same inputs, same id at each index."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,8 +143,10 @@ def test_an_incomplete_fleet_generation_names_each_shards_node(tmp_path):
     from eagleflow.heartbeat import Heartbeat
     cfg = load_config(data={"target_model": "/models/t", "corpus": {"sources": [{"name": "s", "path": "/x.jsonl"}]},
                             "generate": {"enabled": True, "shards": 2},
-                            "fleet": {"nodes": [{"name": "n1"}, {"name": "n2"}], "training_node": "n1"}})
-    layout = SimpleNamespace(generated_dir=tmp_path, generate_shard_dir=lambda s: tmp_path / f"shard_{s:05d}")
+                            "fleet": {"nodes": [{"name": "n1"}, {"name": "n2"}], "training_node": "n1"}}
+                      ).node_view("n1")
+    layout = SimpleNamespace(generated_dir=tmp_path, generate_shard_dir=lambda s: tmp_path / f"shard_{s:05d}",
+                             run_dir=tmp_path)
     _store(layout.generate_shard_dir(0), [(0, "s:0")])   # n1's shard, complete
     (layout.generate_shard_dir(0) / HEARTBEAT).write_text(
         Heartbeat(job="generate shard 0/2", pid=1, unit="records", state="complete", total=1, done=1).to_json())
@@ -151,3 +154,8 @@ def test_an_incomplete_fleet_generation_names_each_shards_node(tmp_path):
         collect(cfg, layout)
     assert "shard 1 (node n2): 0/? records, state never started" in str(e.value)
     assert "shard 0" not in str(e.value) and "clear that node's generate_responses" in str(e.value)
+    # once the training node took it over (reconcile claim --taken-from), the shard is named as its
+    from eagleflow.watchdog.reconcile import TAKEOVER_FILE
+    (tmp_path / TAKEOVER_FILE).write_text(json.dumps({"generate_shards": {"1": "n2"}}))
+    with pytest.raises(GenerationIncomplete, match=r"shard 1 \(node n1, taken over from n2\): 0/\? records"):
+        collect(cfg, layout)

@@ -24,11 +24,15 @@ incomplete on the training node is handed over to it once that node proves it fr
 worker refuses the shard from then on). The mapped ``take_over_shard`` tasks extract those on the
 training node (``reconcile claim --taken-from``) under the same watch, and ``release_takeover_server``
 stops the capture server they started. An unreachable node or a held lock keeps its shards: they wait
-for their node, and verification fails the run naming them. (Generation shards always wait for their
-node: the corpus needs every one of them.)
+for their node, and verification fails the run naming them. Generation shards the same way, before the
+corpus (``take_over_generated``, ``take_over_generated_shard``, ``release_generation_takeover_server``):
+a node that failed its generation gate no longer fails the corpus when it can prove its shards free.
+``collect_shards`` and ``collect_generated`` never copy a shard the node handed over: the training node
+completes it in its own run dir, and the node's partial copy would overwrite it.
 """
 from __future__ import annotations
 
+import json
 import secrets
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
@@ -170,6 +174,11 @@ class CollectShardsOperator(RunOperator):
         copied, problems = {}, []
         try:
             for shard in ready.get(key) or []:
+                taken_by = self._handed_over_to(ctx, shard)
+                if taken_by is not None:   # the taking node works on it in its own run dir: this copy is stale
+                    self.log.warning("%s shard %d: node %s handed it over to %s; not copied (its copy here would "
+                                     "overwrite the shard %s completes)", self.phase, shard, name, taken_by, taken_by)
+                    continue
                 try:
                     rep = copy_dir(ctx.node, str(folder(ctx.layout, shard)), home.node, str(folder(home.layout, shard)),
                                    log=self.log.info, **how)
@@ -185,6 +194,17 @@ class CollectShardsOperator(RunOperator):
                                "retry resumes what was copied):\n" + "\n".join(f"  - {p}" for p in problems))
         return {"node": name, "copied": copied}
 
+    def _handed_over_to(self, ctx, shard: int) -> str | None:
+        """The node this node handed the shard over to (its mark, read on this node), or None."""
+        from eagleflow.watchdog.reconcile import hand_over_mark
+        text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, self.phase)))
+        if text is None:
+            return None
+        try:
+            return str(json.loads(text).get("to"))
+        except (ValueError, AttributeError):
+            return "(unreadable mark)"   # a mark we cannot read still means: not this node's any more
+
 
 class ShardStates(BaseModel):
     """What ``eagleflow reconcile states`` prints: ``ShardState`` fields per shard."""
@@ -199,64 +219,83 @@ class HandOverAnswer(BaseModel):
 
 
 class TakeOverShardsOperator(RunOperator):
-    """The shards other nodes left incomplete, handed over to the training node where proven free (the input
-    of the mapped ``take_over_shard``); the others wait for their node."""
+    """The shards of one phase (extract, generate) other nodes left incomplete, handed over to the training
+    node where proven free (the input of the mapped ``take_over_shard`` / ``take_over_generated_shard``); the
+    others wait for their node."""
+
+    def __init__(self, *, phase: str = "extract", **kw):
+        super().__init__(**kw)
+        if phase not in _PHASES:
+            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
+        self.phase = phase
 
     def run(self, ctx, context):
         cfg = ctx.cfg
         training = cfg.fleet.training_node or cfg.node.name
+        if self.phase == "generate" and not cfg.generate.enabled:
+            self.log.info("generate.enabled is off: no generation shard to take over")
+            return []
+        unit = "records" if self.phase == "generate" else "samples"
         todo = []
         for node in cfg.nodes_in_use():
-            shards = shards_of(cfg, node.name)
+            shards = shards_of(cfg, node.name, self.phase)
             if node.name == training or not shards:
                 continue
             here = {st["shard"]: st for st in ctx.node.run_json(
-                ctx.eagleflow_argv("reconcile", "states", "--shards", ",".join(map(str, shards))),
+                ctx.eagleflow_argv("reconcile", "states", "--phase", self.phase,
+                                   "--shards", ",".join(map(str, shards))),
                 ShardStates, timeout=300).shards}
-            missing = [s for s in shards if here[s]["stored"] < here[s]["expected"]]
+            # a generation shard also counts as missing until its final heartbeat says complete
+            missing = [s for s in shards if here[s]["stored"] < here[s]["expected"] or not here[s]["finished"]]
             if not missing:
-                self.log.info("node %s: its shards %s are all on the training node", node.name, shards)
+                self.log.info("node %s: its %s shards %s are all on the training node", node.name, self.phase,
+                              shards)
                 continue
             if not cfg.fleet.take_over:
-                self.log.warning("node %s left shards %s incomplete here; fleet.take_over is off: they wait for it",
-                                 node.name, missing)
+                self.log.warning("node %s left %s shards %s incomplete here; fleet.take_over is off: they wait "
+                                 "for it", node.name, self.phase, missing)
                 continue
             other = ctx.for_node(node.name)
             try:
-                answer = other.node.run_json(other.eagleflow_argv("reconcile", "hand-over", "--shards",
-                                                                  ",".join(map(str, missing)), "--to", training),
+                answer = other.node.run_json(other.eagleflow_argv("reconcile", "hand-over", "--phase", self.phase,
+                                                                  "--shards", ",".join(map(str, missing)),
+                                                                  "--to", training),
                                              HandOverAnswer, timeout=120)
             except NodeError as e:   # not proven free: never a second worker on a shard that may still run
-                self.log.warning("node %s could not prove its shards %s free of our workers (%s): they wait for "
-                                 "it; clear its group once it is back", node.name, missing, e)
+                self.log.warning("node %s could not prove its %s shards %s free of our workers (%s): they wait "
+                                 "for it; clear its group once it is back", node.name, self.phase, missing, e)
                 continue
             finally:
                 other.close()
             for shard, why in sorted(answer.kept.items()):
-                self.log.warning("node %s keeps shard %s: %s", node.name, shard, why)
+                self.log.warning("node %s keeps %s shard %s: %s", node.name, self.phase, shard, why)
             for shard in answer.handed_over:
                 st = here[shard]
-                self.log.info("node %s handed shard %d over to %s (%d/%d samples here)", node.name, shard,
-                              training, st["stored"], st["expected"])
-                todo.append({"run_id": ctx.layout.run_id, "phase": "extract", "shard": shard,
+                self.log.info("node %s handed %s shard %d over to %s (%d/%d %s here)", node.name, self.phase,
+                              shard, training, st["stored"], st["expected"], unit)
+                todo.append({"run_id": ctx.layout.run_id, "phase": self.phase, "shard": shard,
                              "run_config": ctx.run_config_path, "stored": st["stored"], "expected": st["expected"],
                              "taken_from": node.name})
-        self.log.info("%d shard(s) to take over on %s", len(todo), training)
+        self.log.info("%d %s shard(s) to take over on %s", len(todo), self.phase, training)
         return todo
 
 
 class ReleaseTakeoverServerOperator(RunOperator):
-    """After the taken-over shards, whatever they did: stop the capture server their claims started."""
+    """After the taken-over shards, whatever they did: stop the server their claims started (the capture
+    server, or the generation server for generation shards)."""
 
-    def __init__(self, *, takeover_task_id: str = "take_over_shards", **kw):
+    def __init__(self, *, takeover_task_id: str = "take_over_shards", phase: str = "extract", **kw):
         super().__init__(**kw)
-        self.takeover_task_id = takeover_task_id
+        if phase not in _PHASES:
+            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
+        self.takeover_task_id, self.phase = takeover_task_id, phase
 
     def run(self, ctx, context):
         if not context["ti"].xcom_pull(task_ids=self.takeover_task_id):
             raise AirflowSkipException("no shard was taken over: no server to release")
         from eagleflow.airflow.reconcile_operators import ClaimAnswer
-        released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", "extract"), ClaimAnswer,
-                                     timeout=300)
-        self.log.info("capture server of the takeover: %s (%s)", released.action, released.reason)
+        released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", self.phase),
+                                     ClaimAnswer, timeout=300)
+        server = "generation server" if self.phase == "generate" else "capture server"
+        self.log.info("%s of the takeover: %s (%s)", server, released.action, released.reason)
         return {"action": released.action, "reason": released.reason}

@@ -8,7 +8,6 @@ from pathlib import PurePosixPath
 from eagleflow.cliargs import add_run_args, run_from_args
 
 EXIT_ALREADY_RUNNING = 4  # `capture run`: another live worker holds the shard's lock
-EXIT_HANDED_OVER = 5      # `capture run`: the shard was handed over to another fleet node (reconcile hand-over)
 
 
 def register(sub) -> None:
@@ -141,13 +140,10 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
         return 2
     from .lifecycle import worker_role
     if role == worker_role(shard):
-        # checked holding the lock a hand-over takes to leave its mark: it is either here now or never comes
-        from eagleflow.watchdog.reconcile import handed_over_to
-        mark = handed_over_to(layout, shard)
-        if mark is not None:
-            print(f"{prog}: shard {shard} of run {layout.run_id} was handed over to fleet node {mark.get('to')}; "
-                  "it is extracted there, not here", file=sys.stderr, flush=True)
-            return EXIT_HANDED_OVER
+        from eagleflow.watchdog.reconcile import EXTRACT, refuse_if_handed_over
+        refused = refuse_if_handed_over(layout, shard, EXTRACT, prog)
+        if refused is not None:
+            return refused
     url = args.url
     if not url:
         try:

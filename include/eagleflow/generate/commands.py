@@ -9,7 +9,7 @@ from eagleflow.cliargs import add_run_args, run_from_args
 
 EXIT_ALREADY_RUNNING = 4   # `generate run`: another live worker holds the shard's lock
 EXIT_FAILED = 3
-EXIT_INCOMPLETE = 5
+EXIT_INCOMPLETE = 5         # `generate stats`; `generate run` exits 5 for a shard handed over (reconcile's EXIT_HANDED_OVER)
 
 
 def register(sub) -> None:
@@ -105,6 +105,10 @@ def _run(args) -> int:
     except UnsafeFile as e:
         print(f"eagleflow generate run: {e}", file=sys.stderr, flush=True)
         return 2
+    from eagleflow.watchdog.reconcile import GENERATE, refuse_if_handed_over
+    refused = refuse_if_handed_over(layout, args.shard, GENERATE, "eagleflow generate run")
+    if refused is not None:   # a fleet node took it (reconcile hand-over): it is generated there
+        return refused
     url = args.url
     if not url:
         try:

@@ -63,27 +63,31 @@ def register(sub) -> None:
     cl = csub.add_parser("claim", help="under a node lock: start the shard's worker (and the server) if still needed")
     add_run_args(cl)
     cl.add_argument("--shard", type=int, required=True)
-    cl.add_argument("--phase", choices=["extract", "generate"], default="extract",
-                    help="which phase's shard: extraction (capture server) or generation (generation server)")
-    cl.add_argument("--taken-from", help="a fleet node that handed this extraction shard over to this one "
+    _phase_arg(cl, "which phase's shard: extraction (capture server) or generation (generation server)")
+    cl.add_argument("--taken-from", help="a fleet node that handed this shard over to this one "
                                          "(`reconcile hand-over` there): recorded, then claimed as this node's")
     cl.set_defaults(func=_reconcile_claim)
     ho = csub.add_parser("hand-over", help="on a fleet node: hand shards proven free of our workers (lock free, "
                                            "no live worker) over to another node; their workers here refuse them")
     add_run_args(ho)
-    ho.add_argument("--shards", type=_shard_list, required=True, help="comma-separated extraction shards")
+    ho.add_argument("--shards", type=_shard_list, required=True, help="comma-separated shards of the phase")
     ho.add_argument("--to", required=True, help="the fleet node that takes them")
+    _phase_arg(ho, "whose shards: extraction or generation")
     ho.set_defaults(func=_reconcile_hand_over)
-    st = csub.add_parser("states", help="stored / expected samples of the given extraction shards in this node's "
+    st = csub.add_parser("states", help="stored / expected units of the given shards of a phase in this node's "
                                         "run dir, whoever owns them, as JSON")
     add_run_args(st)
-    st.add_argument("--shards", type=_shard_list, required=True, help="comma-separated extraction shards")
+    st.add_argument("--shards", type=_shard_list, required=True, help="comma-separated shards of the phase")
+    _phase_arg(st, "whose shards: extraction (samples) or generation (records)")
     st.set_defaults(func=_reconcile_states)
     rl = csub.add_parser("release", help="stop the run's server of a phase if reconcile started it and it is unused")
     add_run_args(rl)
-    rl.add_argument("--phase", choices=["extract", "generate"], default="extract",
-                    help="extract: the capture server; generate: the generation server")
+    _phase_arg(rl, "extract: the capture server; generate: the generation server")
     rl.set_defaults(func=_reconcile_release)
+
+
+def _phase_arg(parser, help_text: str) -> None:
+    parser.add_argument("--phase", choices=["extract", "generate"], default="extract", help=help_text)
 
 
 def _watch(args) -> int:
@@ -210,13 +214,27 @@ def _shard_list(text: str) -> list[int]:
     return out
 
 
+def _shards_of_run(args, cfg, prog: str) -> bool:
+    """Whether every --shards value is a shard of the phase in this run's config (else said on stderr)."""
+    from .reconcile import kind_of
+    n = kind_of(args.phase).num_shards(cfg)
+    bad = [k for k in args.shards if k >= n]
+    if bad:
+        field = "capture.shards" if args.phase == "extract" else "generate.shards"
+        print(f"eagleflow reconcile {prog}: --shards {bad} outside 0..{n - 1} ({field} = {n} in {args.config}); "
+              "pass shards of this run's phase", file=sys.stderr)
+    return not bad
+
+
 def _reconcile_hand_over(args) -> int:
     from eagleflow.capture.lifecycle import LocalRun
     from .reconcile import hand_over
 
     cfg, layout = run_from_args(args)
-    print(json.dumps(hand_over(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shards, args.to)),
-          flush=True)
+    if not _shards_of_run(args, cfg, "hand-over"):
+        return 2
+    print(json.dumps(hand_over(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shards, args.to,
+                               phase=args.phase)), flush=True)
     return 0
 
 
@@ -227,9 +245,11 @@ def _reconcile_states(args) -> int:
     from .reconcile import shard_state
 
     cfg, layout = run_from_args(args)
+    if not _shards_of_run(args, cfg, "states"):
+        return 2
     run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
     print(json.dumps({"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}
-                                 for st in (shard_state(run, s) for s in args.shards)]}), flush=True)
+                                 for st in (shard_state(run, s, args.phase) for s in args.shards)]}), flush=True)
     return 0
 
 

@@ -23,20 +23,23 @@ complete, ``eagleflow.generate.phase.phase_finished``):
   live worker: no double work.
 - release: stop a server that reconcile started, once no worker of that
   phase of the run is alive.
-- hand-over (a fleet, on the node that owns the shards): prove each shard
-  free of our workers (its job lock taken, no live pid record) and, holding
-  that lock, leave a hand-over mark: the shard's worker checks for it once it
-  holds the lock and refuses to extract, so the owner never works on a shard
-  another node took (never two workers on one shard). A held lock or a live
-  worker keeps the shard where it is.
+- hand-over (a fleet, on the node that owns the shards; either phase): prove
+  each shard free of our workers (its job lock taken, no live pid record)
+  and, holding that lock, leave a hand-over mark: the shard's worker checks
+  for it once it holds the lock and refuses the shard
+  (``refuse_if_handed_over``), so the owner never works on a shard another
+  node took (never two workers on one shard). A held lock or a live worker
+  keeps the shard where it is.
 - states / claim --taken-from (on the taking node): how much of the shards it
   holds, and a claim of a shard handed over to it, recorded in its run dir
-  (``takeover.json``) so that a later scan and claim there count it as its own.
+  (``takeover.json``, per phase) so that a later scan and claim there count
+  it as its own.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -192,30 +195,32 @@ def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
 
 
 def own_shards(run: LocalRun, phase: str) -> list[int]:
-    """The shards of ``phase`` this node may work on: in a fleet, only those assigned to it and the extraction
-    shards handed over to it (another node's shard has its worker and lock there, out of sight: never a
-    second worker)."""
+    """The shards of ``phase`` this node may work on: in a fleet, only those assigned to it and those handed
+    over to it (another node's shard has its worker and lock there, out of sight: never a second worker)."""
     if not run.cfg.is_fleet:
         return list(range(kind_of(phase).num_shards(run.cfg)))
     from eagleflow.fleet.assign import shards_of
     shards = shards_of(run.cfg, run.cfg.node.name, phase)
-    return sorted(set(shards) | set(taken_over(run))) if phase == EXTRACT else shards
+    return sorted(set(shards) | set(taken_over(run, phase)))
 
 
 # ----------------------------------------------------------------------------- a fleet's hand-over
 TAKEOVER_FILE = "takeover.json"
+EXIT_HANDED_OVER = 5   # `capture run` / `generate run`: the shard was handed over to another fleet node
+# takeover.json: per phase, shard -> the node it came from ("shards": extraction, as before generation could move)
+_TAKEOVER_KEYS = {EXTRACT: "shards", GENERATE: "generate_shards"}
 
 
-def hand_over_mark(layout: RunLayout, shard: int) -> Path:
-    """Beside the shard's job lock on its owning node: present = handed over, never extracted here again."""
-    return Path(str(layout.lock_file(capture.worker_role(shard)))).with_suffix(".handed-over")
+def hand_over_mark(layout: RunLayout, shard: int, phase: str = EXTRACT) -> Path:
+    """Beside the shard's job lock on its owning node: present = handed over, never worked on here again."""
+    return Path(str(layout.lock_file(kind_of(phase).worker_role(shard)))).with_suffix(".handed-over")
 
 
-def handed_over_to(layout: RunLayout, shard: int) -> dict | None:
+def handed_over_to(layout: RunLayout, shard: int, phase: str = EXTRACT) -> dict | None:
     """The hand-over mark of ``shard`` ({"to", "at"}), or None while the shard is this node's."""
     from eagleflow.durable import read_owned
     try:
-        doc = json.loads(read_owned(hand_over_mark(layout, shard), limit=1 << 16))
+        doc = json.loads(read_owned(hand_over_mark(layout, shard, phase), limit=1 << 16))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -223,15 +228,28 @@ def handed_over_to(layout: RunLayout, shard: int) -> dict | None:
     return doc if isinstance(doc, dict) else {"to": "(unreadable mark)", "at": None}
 
 
-def hand_over(run: LocalRun, shards: list[int], to_node: str) -> dict:
-    """On the shards' owning node: hand each shard that is proven free of our workers over to ``to_node``."""
+def refuse_if_handed_over(layout: RunLayout, shard: int, phase: str, prog: str) -> int | None:
+    """For a worker holding its shard's job lock (the lock a hand-over takes to leave its mark, so the mark is
+    either here now or never comes): EXIT_HANDED_OVER, said on stderr, if the shard went to another node."""
+    mark = handed_over_to(layout, shard, phase)
+    if mark is None:
+        return None
+    print(f"{prog}: {kind_of(phase).label} {shard} of run {layout.run_id} was handed over to fleet node "
+          f"{mark.get('to')}; it is worked on there, not here", file=sys.stderr, flush=True)
+    return EXIT_HANDED_OVER
+
+
+def hand_over(run: LocalRun, shards: list[int], to_node: str, phase: str = EXTRACT) -> dict:
+    """On the shards' owning node: hand each shard of ``phase`` that is proven free of our workers over to
+    ``to_node``."""
     from eagleflow.durable import atomic_write
     from eagleflow.nodes.locks import JobLockHeld, lock_exclusive
+    kind = kind_of(phase)
     lay = run.layout
     handed, kept = [], {}
     for shard in shards:
-        role = capture.worker_role(shard)
-        mark = handed_over_to(lay, shard)
+        role = kind.worker_role(shard)
+        mark = handed_over_to(lay, shard, phase)
         if mark is not None:   # asked again (a retried task): the same answer
             if mark.get("to") == to_node:
                 handed.append(shard)
@@ -239,7 +257,7 @@ def hand_over(run: LocalRun, shards: list[int], to_node: str) -> dict:
                 kept[shard] = f"already handed over to {mark.get('to')}"
             continue
         try:
-            fd = lock_exclusive(str(lay.lock_file(role)), purpose=f"hand-over of extract shard {shard} of run "
+            fd = lock_exclusive(str(lay.lock_file(role)), purpose=f"hand-over of {kind.label} {shard} of run "
                                                                   f"{lay.run_id} to {to_node}")
         except JobLockHeld as e:
             kept[shard] = f"its worker lock is held: {e}"
@@ -249,21 +267,21 @@ def hand_over(run: LocalRun, shards: list[int], to_node: str) -> dict:
             if live is not None:   # a worker that lost its lock file but lives: never taken from it
                 kept[shard] = f"a worker of it is alive (pid {live.pid})"
                 continue
-            st = shard_state(run, shard)
+            st = shard_state(run, shard, phase)
             if st.expected > 0 and not st.incomplete:   # no corpus here yet (expected 0): never started here
-                kept[shard] = (f"complete here ({st.stored}/{st.expected} samples): its copy to {to_node} is what "
-                               f"is missing; clear {run.cfg.node.name}.collect_shards")
+                collect = "collect_shards" if phase == EXTRACT else "collect_generated"
+                kept[shard] = (f"complete here ({st.stored}/{st.expected} {kind.unit}): its copy to {to_node} is "
+                               f"what is missing; clear {run.cfg.node.name}.{collect}")
                 continue
-            atomic_write(hand_over_mark(lay, shard), json.dumps({"to": to_node, "at": time.time()}))
+            atomic_write(hand_over_mark(lay, shard, phase), json.dumps({"to": to_node, "at": time.time()}))
             handed.append(shard)
         finally:
             os.close(fd)
     return {"handed_over": handed, "kept": {str(k): v for k, v in kept.items()}, "node": run.cfg.node.name}
 
 
-def taken_over(run: LocalRun) -> dict[int, str]:
-    """Shards handed over to this node in this run: shard -> the node it came from."""
-    path = Path(str(run.layout.run_dir)) / TAKEOVER_FILE
+def _takeover_record(run_dir) -> dict:
+    path = Path(str(run_dir)) / TAKEOVER_FILE
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -271,17 +289,34 @@ def taken_over(run: LocalRun) -> dict[int, str]:
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: unreadable takeover record ({e}); it lists the shards other nodes handed "
                          "over to this one: restore it or remove it and clear the take_over_shards task") from None
-    return {int(k): str(v) for k, v in doc.get("shards", {}).items()}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: the takeover record is not a JSON object: restore it or remove it and clear "
+                         "the take_over_shards task")
+    return doc
 
 
-def record_taken_over(run: LocalRun, shard: int, from_node: str) -> None:
+def taken_over_in(run_dir, phase: str = EXTRACT) -> dict[int, str]:
+    """Shards of ``phase`` handed over to the node whose run dir this is: shard -> the node it came from."""
+    return {int(k): str(v) for k, v in _takeover_record(run_dir).get(_TAKEOVER_KEYS[kind_of(phase).phase],
+                                                                     {}).items()}
+
+
+def taken_over(run: LocalRun, phase: str = EXTRACT) -> dict[int, str]:
+    """Shards of ``phase`` handed over to this node in this run: shard -> the node it came from."""
+    return taken_over_in(run.layout.run_dir, phase)
+
+
+def record_taken_over(run: LocalRun, shard: int, from_node: str, phase: str = EXTRACT) -> None:
     from eagleflow.durable import atomic_write
     from eagleflow.nodes.locks import NodeLock
     path = Path(str(run.layout.run_dir)) / TAKEOVER_FILE
+    key = _TAKEOVER_KEYS[kind_of(phase).phase]
     with NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.takeover.lock",
                   purpose=f"takeover record of run {run.layout.run_id}"):
-        shards = {**taken_over(run), shard: from_node}
-        atomic_write(path, json.dumps({"shards": {str(k): v for k, v in sorted(shards.items())}}))
+        doc = _takeover_record(run.layout.run_dir)
+        shards = {**taken_over(run, phase), shard: from_node}
+        doc[key] = {str(k): v for k, v in sorted(shards.items())}
+        atomic_write(path, json.dumps(doc))
 
 
 def _marker(run: LocalRun, kind: ShardKind) -> Path:
@@ -296,10 +331,10 @@ def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT, taken_from
     lock = NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.reconcile.{role}.lock",
                     purpose=f"reconcile {kind.label} {shard} of run {run.layout.run_id}")
     if taken_from is not None:
-        if phase != EXTRACT or not run.cfg.is_fleet or taken_from not in run.cfg.fleet_node_names():
-            raise ValueError(f"claim --taken-from {taken_from!r}: only an extraction shard of a fleet run can be "
-                             f"taken from one of its nodes ({', '.join(run.cfg.fleet_node_names())})")
-        record_taken_over(run, shard, taken_from)
+        if not run.cfg.is_fleet or taken_from not in run.cfg.fleet_node_names():
+            raise ValueError(f"claim --taken-from {taken_from!r}: only a shard of a fleet run can be taken from "
+                             f"one of its nodes ({', '.join(run.cfg.fleet_node_names())})")
+        record_taken_over(run, shard, taken_from, phase)
     if shard not in own_shards(run, phase):
         return {"action": "skipped", "reason": f"{kind.label} {shard} of run {run.layout.run_id} belongs to "
                 f"another fleet node than {run.cfg.node.name}; it is rerun there"}
@@ -358,4 +393,5 @@ def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
 
 
 __all__ = ["EXTRACT", "GENERATE", "KINDS", "ShardKind", "ShardState", "scan", "phases_to_scan", "claim", "release",
-           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE", "hand_over", "handed_over_to", "taken_over"]
+           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE", "hand_over", "handed_over_to", "taken_over",
+           "taken_over_in", "refuse_if_handed_over", "EXIT_HANDED_OVER"]
