@@ -14,6 +14,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable
 from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
+from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
                                          stop_capture_server, worker_role_pattern)
@@ -120,6 +121,7 @@ class ExtractShardOperator(RunOperator):
 
     def run(self, ctx, context):
         shard = int(self.shard)
+        skip_if_handed_over(ctx, shard, "extract")   # a fleet node's group cleared after its hand-over
         ti = context.get("ti")
         if ti is not None and (ti.try_number or 1) > 1:
             self._look_before_retry(ctx, shard, ti.try_number)

@@ -59,6 +59,31 @@ def _copy_dir():
     return copy_dir
 
 
+def handed_over_on_node(ctx, shard: int, phase: str) -> str | None:
+    """The fleet node this run's node handed ``shard`` of ``phase`` over to (its mark, read on the node), or
+    None while the shard is this node's (always outside a fleet: nothing is handed over there)."""
+    if not ctx.cfg.is_fleet:
+        return None
+    from eagleflow.watchdog.reconcile import hand_over_mark
+    text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, phase)))
+    if text is None:
+        return None
+    try:
+        return str(json.loads(text).get("to"))
+    except (ValueError, AttributeError):
+        return "(unreadable mark)"   # a mark we cannot read still means: not this node's any more
+
+
+def skip_if_handed_over(ctx, shard: int, phase: str) -> None:
+    """A shard task of a node's group run again after its node handed the shard over: it skips, saying where
+    the shard went (its worker would refuse it anyway: ``reconcile.refuse_if_handed_over``)."""
+    taken_by = handed_over_on_node(ctx, shard, phase)
+    if taken_by is not None:
+        raise AirflowSkipException(f"{phase} shard {shard} of run {ctx.layout.run_id}: node {ctx.cfg.node.name} "
+                                   f"handed it over to {taken_by}, which works on it (see take_over_"
+                                   f"{'generated' if phase == 'generate' else 'shards'}); nothing to do here")
+
+
 def node_in_use(cfg, name: str) -> bool:
     return name in [n.name for n in cfg.nodes_in_use()]
 
@@ -174,7 +199,7 @@ class CollectShardsOperator(RunOperator):
         copied, problems = {}, []
         try:
             for shard in ready.get(key) or []:
-                taken_by = self._handed_over_to(ctx, shard)
+                taken_by = handed_over_on_node(ctx, shard, self.phase)
                 if taken_by is not None:   # the taking node works on it in its own run dir: this copy is stale
                     self.log.warning("%s shard %d: node %s handed it over to %s; not copied (its copy here would "
                                      "overwrite the shard %s completes)", self.phase, shard, name, taken_by, taken_by)
@@ -193,17 +218,6 @@ class CollectShardsOperator(RunOperator):
             raise RuntimeError(f"node {name}: {len(problems)} shard(s) not collected on the training node (a "
                                "retry resumes what was copied):\n" + "\n".join(f"  - {p}" for p in problems))
         return {"node": name, "copied": copied}
-
-    def _handed_over_to(self, ctx, shard: int) -> str | None:
-        """The node this node handed the shard over to (its mark, read on this node), or None."""
-        from eagleflow.watchdog.reconcile import hand_over_mark
-        text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, self.phase)))
-        if text is None:
-            return None
-        try:
-            return str(json.loads(text).get("to"))
-        except (ValueError, AttributeError):
-            return "(unreadable mark)"   # a mark we cannot read still means: not this node's any more
 
 
 class ShardStates(BaseModel):

@@ -19,6 +19,7 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, default_deferrable
+from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.capture.lifecycle import CaptureServerNotReady
@@ -95,6 +96,7 @@ class GenerateShardOperator(RunOperator):
             self.log.info("%s", OFF)
             return None
         shard = int(self.shard)
+        skip_if_handed_over(ctx, shard, "generate")   # a fleet node's group cleared after its hand-over
         stop_after_server_stall(ctx, shard, log=self.log.warning)   # restarts it once if it is the stalled one
         state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
         if state != "ready":   # dead: put it back (this run's, recorded); loading: attach, never run ahead of it
