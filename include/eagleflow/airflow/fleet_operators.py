@@ -32,7 +32,6 @@ completes it in its own run dir, and the node's partial copy would overwrite it.
 """
 from __future__ import annotations
 
-import json
 import secrets
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
@@ -64,14 +63,9 @@ def handed_over_on_node(ctx, shard: int, phase: str) -> str | None:
     None while the shard is this node's (always outside a fleet: nothing is handed over there)."""
     if not ctx.cfg.is_fleet:
         return None
-    from eagleflow.watchdog.reconcile import hand_over_mark
+    from eagleflow.watchdog.reconcile import hand_over_mark, mark_of
     text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, phase)))
-    if text is None:
-        return None
-    try:
-        return str(json.loads(text).get("to"))
-    except (ValueError, AttributeError):
-        return "(unreadable mark)"   # a mark we cannot read still means: not this node's any more
+    return None if text is None else str(mark_of(text).get("to"))
 
 
 def skip_if_handed_over(ctx, shard: int, phase: str) -> None:
@@ -177,15 +171,19 @@ _PHASES = {"extract": ("shards", RunLayout.shard_dir, {}),
                         {"last": ("manifest.jsonl", "heartbeat.json"), "skip": (SERVER_STALL,)})}
 
 
+def _phase(phase: str) -> str:
+    if phase not in _PHASES:
+        raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
+    return phase
+
+
 class CollectShardsOperator(RunOperator):
     """Copies the node's shard folders of one phase (extract: hidden states; generate: generated records) to
     the training node (nothing on shared storage); resumable."""
 
     def __init__(self, *, prepare_task_id: str = PREPARE_TASK, phase: str = "extract", **kw):
         super().__init__(**kw)
-        if phase not in _PHASES:
-            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
-        self.prepare_task_id, self.phase = prepare_task_id, phase
+        self.prepare_task_id, self.phase = prepare_task_id, _phase(phase)
 
     def run(self, ctx, context):
         name = ctx.cfg.node.name
@@ -239,9 +237,7 @@ class TakeOverShardsOperator(RunOperator):
 
     def __init__(self, *, phase: str = "extract", **kw):
         super().__init__(**kw)
-        if phase not in _PHASES:
-            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
-        self.phase = phase
+        self.phase = _phase(phase)
 
     def run(self, ctx, context):
         cfg = ctx.cfg
@@ -249,7 +245,8 @@ class TakeOverShardsOperator(RunOperator):
         if self.phase == "generate" and not cfg.generate.enabled:
             self.log.info("generate.enabled is off: no generation shard to take over")
             return []
-        unit = "records" if self.phase == "generate" else "samples"
+        from eagleflow.watchdog.reconcile import kind_of
+        unit = kind_of(self.phase).unit
         todo = []
         for node in cfg.nodes_in_use():
             shards = shards_of(cfg, node.name, self.phase)
@@ -300,9 +297,7 @@ class ReleaseTakeoverServerOperator(RunOperator):
 
     def __init__(self, *, takeover_task_id: str = "take_over_shards", phase: str = "extract", **kw):
         super().__init__(**kw)
-        if phase not in _PHASES:
-            raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
-        self.takeover_task_id, self.phase = takeover_task_id, phase
+        self.takeover_task_id, self.phase = takeover_task_id, _phase(phase)
 
     def run(self, ctx, context):
         if not context["ti"].xcom_pull(task_ids=self.takeover_task_id):
@@ -310,6 +305,6 @@ class ReleaseTakeoverServerOperator(RunOperator):
         from eagleflow.airflow.reconcile_operators import ClaimAnswer
         released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", self.phase),
                                      ClaimAnswer, timeout=300)
-        server = "generation server" if self.phase == "generate" else "capture server"
-        self.log.info("%s of the takeover: %s (%s)", server, released.action, released.reason)
+        from eagleflow.watchdog.reconcile import kind_of
+        self.log.info("%s of the takeover: %s (%s)", kind_of(self.phase).server, released.action, released.reason)
         return {"action": released.action, "reason": released.reason}

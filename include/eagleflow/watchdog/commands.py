@@ -217,12 +217,12 @@ def _shard_list(text: str) -> list[int]:
 def _shards_of_run(args, cfg, prog: str) -> bool:
     """Whether every --shards value is a shard of the phase in this run's config (else said on stderr)."""
     from .reconcile import kind_of
-    n = kind_of(args.phase).num_shards(cfg)
+    kind = kind_of(args.phase)
+    n = kind.num_shards(cfg)
     bad = [k for k in args.shards if k >= n]
     if bad:
-        field = "capture.shards" if args.phase == "extract" else "generate.shards"
-        print(f"eagleflow reconcile {prog}: --shards {bad} outside 0..{n - 1} ({field} = {n} in {args.config}); "
-              "pass shards of this run's phase", file=sys.stderr)
+        print(f"eagleflow reconcile {prog}: --shards {bad} outside 0..{n - 1} ({kind.shards_field} = {n} in "
+              f"{args.config}); pass shards of this run's phase", file=sys.stderr)
     return not bad
 
 

@@ -70,6 +70,7 @@ class ShardKind:
     started_dir: str                            # a run dir holding this means the phase started
     worker_role: Callable[[int], str]
     num_shards: Callable[[PipelineConfig], int]
+    shards_field: str                           # the config field num_shards reads, for messages
     shard_dir: Callable[[RunLayout, int], object]
     start_server: Callable
     wait_server_ready: Callable
@@ -81,13 +82,13 @@ KINDS = {
     EXTRACT: ShardKind(
         phase=EXTRACT, unit="samples", label="extract shard", server="capture server", server_role=capture.SERVER_ROLE,
         marker="reconcile-started-server", started_dir="hidden_states", worker_role=capture.worker_role,
-        num_shards=lambda cfg: cfg.capture.shards, shard_dir=lambda lay, s: lay.shard_dir(s),
+        num_shards=lambda cfg: cfg.capture.shards, shards_field="capture.shards", shard_dir=lambda lay, s: lay.shard_dir(s),
         start_server=capture.start_capture_server, wait_server_ready=capture.wait_capture_server_ready,
         stop_server=capture.stop_capture_server, start_worker=capture.start_or_attach_worker),
     GENERATE: ShardKind(
         phase=GENERATE, unit="records", label="generate shard", server="generation server",
         server_role=generate.SERVER_ROLE, marker="reconcile-started-generate_server", started_dir="generated",
-        worker_role=generate.worker_role, num_shards=lambda cfg: cfg.generate.shards,
+        worker_role=generate.worker_role, num_shards=lambda cfg: cfg.generate.shards, shards_field="generate.shards",
         shard_dir=lambda lay, s: lay.generate_shard_dir(s),
         start_server=generate.start_generate_server, wait_server_ready=generate.wait_generate_server_ready,
         stop_server=generate.stop_generate_server, start_worker=generate.start_or_attach_generate_worker),
@@ -220,11 +221,19 @@ def handed_over_to(layout: RunLayout, shard: int, phase: str = EXTRACT) -> dict 
     """The hand-over mark of ``shard`` ({"to", "at"}), or None while the shard is this node's."""
     from eagleflow.durable import read_owned
     try:
-        doc = json.loads(read_owned(hand_over_mark(layout, shard, phase), limit=1 << 16))
+        return mark_of(read_owned(hand_over_mark(layout, shard, phase), limit=1 << 16))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        return {"to": "(unreadable mark)", "at": None}   # a mark we cannot read still means: not ours
+    except OSError:
+        return mark_of(None)
+
+
+def mark_of(text: str | bytes | None) -> dict:
+    """A hand-over mark's text as {"to", "at"}; one we cannot read still means: not this node's any more."""
+    try:
+        doc = json.loads(text) if text is not None else None
+    except ValueError:
+        doc = None
     return doc if isinstance(doc, dict) else {"to": "(unreadable mark)", "at": None}
 
 
@@ -394,4 +403,4 @@ def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
 
 __all__ = ["EXTRACT", "GENERATE", "KINDS", "ShardKind", "ShardState", "scan", "phases_to_scan", "claim", "release",
            "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE", "hand_over", "handed_over_to", "taken_over",
-           "taken_over_in", "refuse_if_handed_over", "EXIT_HANDED_OVER"]
+           "taken_over_in", "refuse_if_handed_over", "EXIT_HANDED_OVER", "mark_of"]
