@@ -20,6 +20,7 @@ from eagleflow.watchdog.sentinel import (SILENT_POLLS, Sentinel, alarm_path, las
                                         sentinel_role)
 from eagleflow.watchdog.signals import WatchedJob
 from tests.fixtures.processes import alive
+from tests.fixtures.waiting import wait_until
 from tests.fixtures.watchdog_jobs import kill_group, spawn_sleeper, wait_gone, watch_config
 
 JOB = WatchedJob(shard=1, num_shards=4)
@@ -209,6 +210,8 @@ def test_detached_sentinel_mails_from_the_node_and_exits_with_the_job(tmp_path):
             assert "shard 1/2 of run r1 on test-node" in msg["Subject"] and "last look at" in msg.get_content()
             # 3 intervals of 1 s, but never under one interval plus the longest look (0.5 s health + 2 x 2 s)
             assert waited <= 1 + 4.5 + 2.5, waited
+            # the alarm is written once the mail's outcome is known (it records "mailed"): just after the mail
+            wait_until(lambda: Path(alarm_path(run.layout, job)).is_file(), 5, what="the sentinel's alarm file")
             assert json.loads(Path(alarm_path(run.layout, job)).read_text())["state"] == "raised"
             time.sleep(2)
             assert len([m for m in smtp.messages if "WATCH SILENT" in m["Subject"]]) == 1   # once
