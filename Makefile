@@ -30,8 +30,9 @@ demo: venv
 system-deps:
 	@bash .ci/system-deps
 
+# --durations: every run (and so every CI log) ends with the 40 slowest tests, so nobody has to guess where time goes.
 test: system-deps venv
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node --durations=40 --durations-min=2 $(PYTEST_ARGS)
 
 # The fast loop: unit tests only, none that starts Airflow's DB, a server or a model family (those are marked
 # `slow` and run in `make test`); under 2 minutes on 2 cores.
@@ -55,7 +56,7 @@ $(NODE_STAMP): requirements-node.txt requirements-node-test.txt pyproject.toml
 	@rm -f $(NODE_VENV)/.installed-*; touch $@
 
 test-node: venv-node
-	$(NODE_BIN)/python -m pytest tests/node -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(NODE_BIN)/python -m pytest tests/node -q -p no:cacheprovider --durations=15 --durations-min=2 $(PYTEST_ARGS)
 
 # The demo's inputs (sources, tokenizer, tiny Llama; built locally once), so `make airflow` works before `make demo`.
 demo-inputs: venv

@@ -158,6 +158,9 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
     try:
         info = standalone.start(home, port, wait_s=300, extra_env=env)
         up_at = time.time()
+        # the deployment a user starts with `make airflow` (this test is also the standalone test)
+        assert info["password"], "standalone did not generate an admin password"
+        assert os.stat(home / "standalone.json").st_mode & 0o077 == 0, "standalone.json (the password) is not 0600"
         base = f"http://127.0.0.1:{port}"
         with pytest.raises(urllib.error.HTTPError) as e:  # no login, no GPU data
             rest(base, "/eagleflow-gpu/api/status")
@@ -178,7 +181,11 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
             base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}", token)["state"]) in ("success", "failed") and s,
             900, 5)
         tis = rest(base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}/taskInstances", token)["task_instances"]
-        assert state == "success", {(t["task_id"], t.get("map_index")): t["state"] for t in tis}
+        summary = {(t["task_id"], t.get("map_index")): t["state"] for t in tis}
+        assert state == "success", summary
+        # both shards of the short config extracted, each once (what the REST-only standalone test checked)
+        assert summary[("extract_shard", 0)] == summary[("extract_shard", 1)] == "success", summary
+        assert ("extract_shard", 2) not in summary, summary
         chromium.get(f"{base}/dags/eagle3_pipeline/runs/{run_id}")
         wait_for("the UI shows the run succeeded", lambda: "success" in chromium.find_element(By.TAG_NAME, "body")
                  .text.lower(), 90)

@@ -115,6 +115,15 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
             continue   # skipped by the scheduler without running (take_over_shard mapped over no shard)
         assert t["hostname"] == f"airflow-worker-fleet-{node}", summary
     assert by_state(tis, "take_over_shards") == ["success"], summary   # it looked, and found nothing to take
+    # each node's GPU work held its node's pool (what the single-node scale-out test checked): one slot, deferred
+    # waits included, so n1's two shards ran one after the other while n2's ran beside them
+    pools = {(t["task_id"], t["map_index"]): t["pool"] for t in tis}
+    for node in ("n1", "n2"):
+        for task in ("gpus_idle", "start_capture_server", "extract_shard"):
+            assert {p for (tid, _), p in pools.items() if tid == f"{node}.{task}"} == {f"fleet-{node}"}, pools
+    assert pools[("train_draft", -1)] == "fleet-n1", pools
+    n1_shards = sorted((t for t in tis if t["task_id"] == "n1.extract_shard"), key=lambda t: when(t["start_date"]))
+    assert len(n1_shards) == 2 and when(n1_shards[1]["start_date"]) >= when(n1_shards[0]["end_date"]) - 1, n1_shards
     # n1 was not held up: it stored on at its own pace while n2 could not be seen
     assert cut["n1_stored_at_restore"] >= cut["n1_stored"] + 10, cut
     by_key = {(t["task_id"], t["map_index"]): t for t in tis}
