@@ -151,15 +151,17 @@ def test_children_without_the_token_are_still_stopped_when_the_leader_exits_firs
             leader.kill()
 
 
-def test_a_leader_whose_proc_title_overwrote_its_environ_is_still_ours(tmp_path):
-    """Airflow's api-server and Celery workers set a process title, which blanks /proc/<pid>/environ: their own
-    records must still stop them (they used to be 'not ours' and outlived every test that started them)."""
+def test_a_leader_that_sets_a_proc_title_is_still_ours(tmp_path):
+    """Airflow's api-server and Celery workers set a process title, which blanks /proc/<pid>/environ unless
+    SPT_NOENV is set: detach sets it, so the token stays there and their own records still stop them (they used
+    to be 'not ours' and outlived every test that started them). See tests/security for a title that ignores it."""
     node = LocalNode()
     code = "import setproctitle, time; setproctitle.setproctitle('airflow api_server -- test'); time.sleep(300)"
     rec = node.spawn_detached([sys.executable, "-c", code], role="api_server",
                               pid_file=str(tmp_path / "pids" / "r.api_server.json"), log_file=str(tmp_path / "log"))
     try:
-        assert _wait(lambda: b"=" not in open(f"/proc/{rec.pid}/environ", "rb").read())   # the title is set
+        assert _wait(lambda: open(f"/proc/{rec.pid}/cmdline", "rb").read().startswith(b"airflow api_server"))
+        assert f"{pr.TOKEN_ENV}={rec.token}".encode() in open(f"/proc/{rec.pid}/environ", "rb").read().split(b"\0")
         res = pr.stop(pr.load_record(rec.pid_file), grace_s=5, kill_wait_s=5)
         assert res.outcome == "terminated", res.detail
         assert _wait(lambda: not alive(rec.pid))

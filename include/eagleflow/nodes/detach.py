@@ -3,8 +3,9 @@
 Run on the node as ``python -m eagleflow.nodes.detach --role R --pid-file F
 --log-file L [--lock K] -- argv...``. The child gets its own session (so it
 survives the SSH channel or Airflow task that started it, and can be
-signalled as a group) and a random token in its environment (the proof that
-a process of its group is ours, see ``process_record``); the pid record is
+signalled as a group) and a random token, in its environment and in an
+inherited descriptor (``process_record.StartProof``: the proof that a process
+of its group is ours, even one whose process title overwrote its environ); the pid record is
 on disk before this prints it: nothing we start is ever unrecorded.
 
 With ``--lock K`` the start is exclusive (one worker per shard): detach takes
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -29,7 +29,7 @@ from eagleflow.durable import UnsafeFile, open_owned
 
 from .locks import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
-from .process_record import TOKEN_ENV, ProcessRecord, write_record
+from .process_record import ProcessRecord, StartProof, write_record
 
 EXIT_LOCKED = 75  # = eagleflow.nodes.base.EXIT_LOCKED
 
@@ -51,17 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     for kv in a.env:
         k, _, v = kv.partition("=")
         env[k] = v
-    token = secrets.token_hex(16)
-    env[TOKEN_ENV] = token   # in the leader's own environment from exec: what process_record checks before a signal
+    # the token in the leader's own environment and descriptors from exec: what process_record checks before a signal
     try:
-        return _start(a, cmd, env, token)
+        with StartProof() as proof:
+            return _start(a, cmd, env, proof)
     except UnsafeFile as e:   # a planted link or someone else's file at the lock or log path
         print(f"eagleflow.nodes.detach: {a.role} not started: {e}", file=sys.stderr, flush=True)
         return 2
 
 
-def _start(a, cmd: list[str], env: dict[str, str], token: str) -> int:
-    pass_fds: tuple[int, ...] = ()
+def _start(a, cmd: list[str], env: dict[str, str], proof: StartProof) -> int:
+    pass_fds: tuple[int, ...] = proof.pass_fds
     lock_fd = None
     if a.lock:
         try:
@@ -71,17 +71,17 @@ def _start(a, cmd: list[str], env: dict[str, str], token: str) -> int:
                               "detail": str(e)}), flush=True)
             return EXIT_LOCKED
         env[LOCK_FD_ENV] = f"{lock_fd}:{os.path.abspath(a.lock)}"
-        pass_fds = (lock_fd,)
+        pass_fds += (lock_fd,)
     os.makedirs(os.path.dirname(os.path.abspath(a.log_file)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.pid_file)), exist_ok=True)
     with os.fdopen(open_owned(a.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, narrow=True), "ab", buffering=0) as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=a.cwd, env=env, start_new_session=True, pass_fds=pass_fds)
+                                cwd=a.cwd, env=proof.env(env), start_new_session=True, pass_fds=pass_fds)
     if lock_fd is not None:
         write_holder(lock_fd, proc.pid, a.role)  # the holder a refused start names is the child, not us
     rec = ProcessRecord(pid=proc.pid, pgid=proc.pid, start_ticks=read_start_ticks(proc.pid) or 0, role=a.role,
                         pid_file=os.path.abspath(a.pid_file), log_file=os.path.abspath(a.log_file),
-                        argv=tuple(cmd), started_at=time.time(), user=_user(), token=token)
+                        argv=tuple(cmd), started_at=time.time(), user=_user(), token=proof.token)
     write_record(rec)
     print(json.dumps({"started": True, "record": rec.to_dict(), "lock_file": a.lock or "",
                       "detail": f"{a.role} started: pid {proc.pid}"}), flush=True)

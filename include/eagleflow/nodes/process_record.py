@@ -3,23 +3,32 @@
 A record (``<state_dir>/pids/<run_id>.<role>.json``, written by
 ``eagleflow.nodes.detach`` before the start is reported) holds the leader's
 pid, its process group, its start time (field 22 of ``/proc/<pid>/stat``)
-and a random token that detach puts into the environment of the process, so
-every descendant inherits it.
+and a random token. Every process we start carries that token from exec
+(``StartProof``), in two places:
+- its environment (``EAGLEFLOW_PROC_TOKEN``), inherited by every descendant;
+  ``SPT_NOENV=1`` beside it keeps Python's setproctitle (Airflow, Celery,
+  sglang, vLLM) from writing its title over ``/proc/<pid>/environ``;
+- an open descriptor, a memfd named ``eagleflow-proof-<token>``, which
+  survives what rewrites the environ area anyway (redis-server's title, an
+  ``env -i`` exec) and is inherited by forked children.
+Both are readable by the process's owner only (``/proc/<pid>/environ``,
+``/proc/<pid>/fd``); pid and start time are public.
 
 Proof of "ours", checked on the node each time before a signal:
 - the record file: a regular file owned by this user, not writable by group
   or others, opened without following a symlink (``durable.open_owned``);
   anyone else able to write it could name any process;
-- the leader: alive (not a zombie) with the recorded start time AND the
-  record's token in its own ``/proc/<pid>/environ`` (set at exec by detach;
-  pid and start time are public in ``/proc/<pid>/stat``, the environment is
-  readable by its owner only). While it lives the group id cannot name anyone
-  else's group, so the group is signalled as one (``killpg``);
+- the leader: alive (not a zombie) with the recorded start time AND carrying
+  the record's token (environ or descriptor). While it lives the group id
+  cannot name anyone else's group, so the group is signalled as one
+  (``killpg``): only processes of its session can join it;
 - with the leader gone: each member of the recorded group that carries the
-  record's token in ``/proc/<pid>/environ`` is signalled by PID, one by one.
-  A group id whose number is now used by someone else (the old group died
-  out, the PID was reused) has no such member: nothing is signalled, the
-  record is reported as stale and left for a person.
+  record's token is signalled by PID, one by one.
+Nothing else proves anything: a process whose environ shows no ``VAR=value``
+(a process title overwrote it) and that holds no descriptor of ours is not
+ours, whoever owns it. A group id whose number is now used by someone else
+(the old group died out, the PID was reused) has no provable member: nothing
+is signalled, the record is reported as stale and left for a person.
 
 ``stop`` (TERM, CONT so a stopped process acts on it, grace, KILL) is the
 only way eagleflow stops a process. It runs on the node: in this process for
@@ -33,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import sys
 import time
@@ -43,6 +53,7 @@ from eagleflow.durable import UnsafeFile, atomic_write, read_owned
 from eagleflow.nodes.proc import ProcState, read_proc_state, read_stat
 
 TOKEN_ENV = "EAGLEFLOW_PROC_TOKEN"
+PROOF_FD_PREFIX = "eagleflow-proof-"   # the memfd's name: /proc/<pid>/fd/N -> "/memfd:eagleflow-proof-<token> (deleted)"
 RECORD_SUFFIX = ".json"
 
 
@@ -178,22 +189,78 @@ def scan_records(pids_dir: str | os.PathLike, run_id: str | None = None,
 
 
 # ----------------------------------------------------------------------------- proof of ownership
-def _carries_token(pid: int, token: str) -> bool:
-    if not token:
-        return False
+class StartProof:
+    """The token a process we start carries from exec, so that a later stop can prove it ours (module doc).
+
+    ``with StartProof() as proof: Popen(argv, env=proof.env(env), pass_fds=proof.pass_fds, ...)``, then record
+    ``proof.token``. The child holds its own copy of the descriptor; ours is closed on leaving the block.
+    """
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        try:
+            self.fd: int | None = os.memfd_create(PROOF_FD_PREFIX + self.token, os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            self.fd = None   # no memfd here (not Linux >= 3.17): the environment is then the only proof
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        return () if self.fd is None else (self.fd,)
+
+    def env(self, base) -> dict[str, str]:
+        # SPT_NOENV: setproctitle writes its title over argv only, so /proc/<pid>/environ keeps the token
+        return {**base, TOKEN_ENV: self.token, "SPT_NOENV": "1"}
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "StartProof":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _environ_entries(pid: int) -> list[bytes] | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-        owner = os.stat(f"/proc/{pid}").st_uid
+            return f.read().split(b"\0")
     except OSError:
-        return False  # not readable: not provably ours
-    entries = env.split(b"\0")
-    if f"{TOKEN_ENV}={token}".encode() in entries:
+        return None   # gone, or not ours to read
+
+
+def _holds_proof_fd(pid: int, token: str) -> bool:
+    want = f"/memfd:{PROOF_FD_PREFIX}{token} (deleted)"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _carries_token(pid: int, token: str) -> bool:
+    """The record's token in the process's own environ or an inherited descriptor named with it: nothing else.
+    A blank environ (a process title overwrote it) proves nothing: anyone's process can look like that."""
+    if not token:
+        return False
+    env = _environ_entries(pid)
+    if env is not None and f"{TOKEN_ENV}={token}".encode() in env:
         return True
-    # A process title (setproctitle: Airflow's parts, Celery, sglang's schedulers) overwrites the memory
-    # /proc/<pid>/environ shows, leaving no VAR=value at all: then a process of this user running with the
-    # recorded start time (checked by the callers) in a record file only this user can write is the proof.
-    return owner == os.geteuid() and not any(b"=" in e for e in entries)
+    return _holds_proof_fd(pid, token)
+
+
+def _blank_environ(pid: int) -> bool:
+    """/proc/<pid>/environ readable and holding no VAR=value at all (a process title overwrote it, or env -i)."""
+    env = _environ_entries(pid)
+    return env is not None and not any(b"=" in e for e in env)
 
 
 def _runs_with_recorded_start(rec: ProcessRecord) -> bool:
@@ -202,8 +269,8 @@ def _runs_with_recorded_start(rec: ProcessRecord) -> bool:
 
 
 def leader_is_ours(rec: ProcessRecord) -> bool:
-    """The recorded PID runs (not a zombie), started when the record says, and carries the record's token in its
-    own environment: it is the process we started. Pid and start time alone are public (/proc/<pid>/stat)."""
+    """The recorded PID runs (not a zombie), started when the record says, and carries the record's token
+    (environ or descriptor): it is the process we started. Pid and start time alone are public."""
     return _runs_with_recorded_start(rec) and _carries_token(rec.pid, rec.token)
 
 
@@ -239,7 +306,8 @@ def members(rec: ProcessRecord) -> list[int]:
 
     While our leader lives, the whole group: only processes of its session (ours: detach started it
     with setsid) can join it, even a child that cleared its environment. Once the leader is gone, its
-    number may be reused by anyone, so then only members carrying the record's token count.
+    number may be reused by anyone, so then only members carrying the record's token count (a blank
+    environ is no proof: such a member is reported, never signalled).
     """
     if _leads_its_group(rec):
         return group_pids(rec.pgid)
@@ -270,7 +338,8 @@ def status(pid_file: str | os.PathLike) -> RecordStatus:
     if alive:
         detail = f"{rec.role} pid {rec.pid} running"
     elif _runs_with_recorded_start(rec):
-        detail = f"not ours: {rec.role} pid {rec.pid} runs but does not carry the record's token (token mismatch)"
+        detail = (f"not ours: {rec.role} pid {rec.pid} runs but does not carry the record's token (token mismatch"
+                  f"{_blank_note(rec.pid)})")
     elif st is not None and st.alive:
         detail = f"{rec.role} pid {rec.pid} gone; the PID now belongs to another process (start time differs)"
     else:
@@ -369,10 +438,11 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
         if _runs_with_recorded_start(rec):
             # pid, group and start time match but the environment does not: a forged or foreign record
             res.outcome = "not_ours"
-            res.detail = (f"not ours: pid {rec.pid} (group {rec.pgid}) has the recorded start time but its "
-                          f"/proc/{rec.pid}/environ does not carry record {rec.pid_file}'s token (token mismatch"
-                          f"{'' if rec.token else ': the record has none'}); not signalled. The record is kept "
-                          "for a person to look at: eagleflow did not write it for that process")
+            res.detail = (f"not ours: pid {rec.pid} (group {rec.pgid}) has the recorded start time but neither its "
+                          f"/proc/{rec.pid}/environ nor its open descriptors carry record {rec.pid_file}'s token "
+                          f"(token mismatch{'' if rec.token else ': the record has none'}{_blank_note(rec.pid)}); "
+                          "not signalled. The record is kept for a person to look at: check that process "
+                          f"(ps -o pid,user,lstart,args -p {rec.pid}) and stop it by hand if it is the run's")
             return res
         if st is not None and st.alive:
             res.outcome = "stale_record"
@@ -380,8 +450,12 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
                           f"{st.start_ticks}, recorded {rec.start_ticks}); not signalled")
         elif foreign:
             res.outcome = "stale_record"
+            blank = [p for p in foreign if _blank_environ(p)]
             res.detail = (f"record {rec.pid_file}: {rec.role} pid {rec.pid} is gone and process group {rec.pgid} now "
-                          f"holds {len(foreign)} process(es) it did not start ({_pids(foreign)}); not signalled")
+                          f"holds {len(foreign)} process(es) that carry no proof of being ours ({_pids(foreign)}: "
+                          "neither the record's token in their environ nor a descriptor of ours"
+                          + (f"; {_pids(blank)} show a blank environ, which proves nothing" if blank else "")
+                          + "); not signalled")
         else:
             res.detail = f"{rec.role} pid {rec.pid} not running"
         if remove_record:
@@ -451,6 +525,13 @@ def _remove(rec: ProcessRecord) -> None:
             os.unlink(rec.pid_file)
         except FileNotFoundError:
             pass
+
+
+def _blank_note(pid: int) -> str:
+    if not _blank_environ(pid):
+        return ""
+    return (f": /proc/{pid}/environ shows no VAR=value at all (a process title overwrote it, or env -i), which "
+            "proves nothing")
 
 
 def _pids(pids: list[int]) -> str:

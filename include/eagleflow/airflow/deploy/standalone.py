@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -69,12 +68,13 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
             raise RuntimeError(f"Airflow standalone already runs from {home} (process group {old['pgid']}, "
                                f"port {old['port']}); stop it with `make airflow-stop`")
     log = open(home / "standalone.log", "ab")
-    token = secrets.token_hex(16)
-    # our supervisor in place of `airflow standalone`, which neither restarts a dead part nor frees its log port
-    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.airflow.deploy.standalone", "supervise"],
-                            env={**env, process_record.TOKEN_ENV: token},
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": token,
+    # our supervisor in place of `airflow standalone`, which neither restarts a dead part nor frees its log port;
+    # the token it carries (environ and descriptor) is what proves its group ours to `make airflow-stop`
+    with process_record.StartProof() as proof:
+        proc = subprocess.Popen([sys.executable, "-m", "eagleflow.airflow.deploy.standalone", "supervise"],
+                                env=proof.env(env), pass_fds=proof.pass_fds, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": proof.token,
             "port": port, "url": f"http://localhost:{port}", "log": str(home / "standalone.log"), "home": str(home)}
     _write_state(sf, info)
     deadline = time.time() + wait_s
