@@ -55,7 +55,7 @@ def test_two_shards_recover_one_frozen_server_with_one_restart(demo_assets, tmp_
         assert capture_server_healthy(server_info(run)["url"], 10)
         restarted = next(r for r in results if r["action"] == "restarted")
         # a stopped server is provably stuck: restarted without waiting for a health timeout first
-        assert "is stopped (state T; no health re-check needed)" in restarted["summary"], restarted
+        assert "is stopped (state T: SIGSTOP'd)" in restarted["summary"], restarted
     finally:
         rec = run.node.process_status(pid_file).record
         if rec:

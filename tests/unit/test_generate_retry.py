@@ -162,3 +162,51 @@ def test_a_reconcile_rerun_that_stalled_on_the_generation_server_restarts_it_on_
         assert not (ctx.layout.generate_shard_dir(1) / generate.SERVER_STALL).exists()
     finally:
         _stop_all(ctx)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigstopped_server_is_stuck_not_loading_and_a_shard_restarts_it_at_once(tmp_path):
+    """The drill that turned a run red: a shard that started while its generation server was SIGSTOP'd took it
+    for one still loading and waited out ready_timeout_s. Now the look says "stuck" from the /proc state, the
+    wait raises at once, and the shard's try stops that server and starts a fresh one."""
+    import os
+    import signal
+
+    from airflow.sdk.exceptions import AirflowException
+    from eagleflow.airflow.generate_operators import GenerateShardOperator
+    from eagleflow.capture.lifecycle import ServerStuck
+    ctx = _ctx(tmp_path, ready_timeout_s=30.0)
+    server_pid = str(ctx.layout.pid_file(generate.SERVER_ROLE))
+    try:
+        frozen, _ = generate.start_generate_server(ctx)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while ctx.node.process_status(server_pid).state != "T" and time.time() < deadline:
+            time.sleep(0.05)
+        state, _, detail = generate.check_ready(ctx)
+        assert state == "stuck" and f"pid {frozen.pid} is stopped (state T" in detail, (state, detail)
+        t0 = time.monotonic()
+        with pytest.raises(ServerStuck):
+            generate.wait_generate_server_ready(ctx)
+        assert time.monotonic() - t0 < 5, "the wait took a stopped server for a loading one"
+
+        said = []
+        op = GenerateShardOperator(task_id="generate_responses", shard=0, deferrable=True)
+        op.log.warning = lambda msg, *a: said.append(msg % a if a else msg)
+        ctx.cfg.capture.ready_timeout_s = 2.0   # the fresh stand-in never answers: its wait ends the try
+        t0 = time.monotonic()
+        with pytest.raises(AirflowException):
+            op.run(ctx, {})
+        assert time.monotonic() - t0 < 20
+        fresh = ctx.node.live_record(server_pid)
+        assert fresh is not None and fresh.pid != frozen.pid, "the stopped server was kept"
+        assert not Path(f"/proc/{frozen.pid}").exists() or \
+            Path(f"/proc/{frozen.pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        assert any("stopped (state T" in m for m in said), said
+        assert not (ctx.layout.generate_shard_dir(0) / generate.SERVER_STALL).exists()
+    finally:
+        try:
+            os.kill(frozen.pid, signal.SIGCONT)
+        except (ProcessLookupError, NameError):
+            pass
+        _stop_all(ctx)

@@ -77,7 +77,7 @@ class CaptureServerReadySensor(RunSensor):
 
     def _look(self, ctx: RunContext) -> PokeReturnValue:
         state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state == "dead":
+        if state in ("dead", "stuck"):   # gone, or ours but SIGSTOP'd/zombie: waiting cannot help
             raise AirflowFailException(detail)
         if state == "ready":
             self._log_ready(info)

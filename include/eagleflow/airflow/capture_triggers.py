@@ -4,8 +4,8 @@ Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id),
 deadline ``end_at`` (epoch seconds, so a triggerer restart neither extends nor resets it) and the
 sensor's poll interval. The config itself is read from the node's frozen run-config.json.
 
-One event: {"status": "ready", "info": {...}} | {"status": "dead", "detail": str}
-| {"status": "timeout", "detail": str}. Each poll is one ``check_ready`` (pid
+One event: {"status": "ready", "info": {...}} | {"status": "dead" | "stuck", "detail": str}
+| {"status": "timeout", "detail": str} ("stuck": ours but SIGSTOP'd or a zombie, told at once). Each poll is one ``check_ready`` (pid
 record + info file + one real generation), run off the event loop.
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ class CaptureServerReadyTrigger(BaseTrigger):
                 if state == "ready":
                     yield TriggerEvent({"status": "ready", "info": info})
                     return
-                if state == "dead":
-                    yield TriggerEvent({"status": "dead", "detail": detail})
+                if state in ("dead", "stuck"):
+                    yield TriggerEvent({"status": state, "detail": detail})
                     return
                 if time.time() >= self.end_at:
                     yield TriggerEvent({"status": "timeout", "detail": (

@@ -22,7 +22,7 @@ from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
-from eagleflow.capture.lifecycle import CaptureServerNotReady
+from eagleflow.capture.lifecycle import CaptureServerNotReady, ServerStuck
 from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check_ready, record_server_stall,
                                           start_generate_server, start_or_attach_generate_worker, stop_after_server_stall,
                                           stop_generate_server, wait_generate_server_ready)
@@ -99,13 +99,19 @@ class GenerateShardOperator(RunOperator):
         skip_if_handed_over(ctx, shard, "generate")   # a fleet node's group cleared after its hand-over
         stop_after_server_stall(ctx, shard, log=self.log.warning)   # restarts it once if it is the stalled one
         state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
+        if state == "stuck":   # ours but SIGSTOP'd or a zombie: it never answers, so restart it now, never wait
+            self.log.warning("generate shard %d: %s; stopping it and starting a fresh one", shard, detail)
+            record_server_stall(ctx, shard, {"status": "stalled", "cause": "capture_server", "subject": detail})
+            stop_after_server_stall(ctx, shard, log=self.log.warning)
+            state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
         if state != "ready":   # dead: put it back (this run's, recorded); loading: attach, never run ahead of it
             self.log.warning("generate shard %d: %s; starting (or attaching to) the generation server", shard, detail)
             start_generate_server(ctx, log=self.log.info)
             try:
                 wait_generate_server_ready(ctx, log=self.log.info)
-            except GenerateServerDied as e:   # e.g. another shard's retry restarted it: the next try starts it
-                raise AirflowException(f"generate shard {shard}: the generation server died while this try "
+            except (GenerateServerDied, ServerStuck) as e:   # e.g. another shard's retry restarted it, or it was
+                # stopped while this try waited: the retry starts (or restarts) it
+                raise AirflowException(f"generate shard {shard}: the generation server failed while this try "
                                        f"waited for it ({e}); the retry starts it again") from None
             except CaptureServerNotReady as e:
                 raise AirflowFailException(str(e)) from None

@@ -127,50 +127,84 @@ def capture_server_healthy(url: str, timeout_s: float) -> bool:
         return False
 
 
-def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:
-    """One cheap look: ("ready" | "loading" | "dead", server info, detail).
+class ServerStuck(CaptureServerNotReady):
+    """The recorded server is ours and alive but stopped (state T/t) or a zombie: it can never answer, so
+    nobody waits for it to load; it must be stopped and started again."""
 
-    Over SSH the health request runs on the node (the server binds the node's
-    loopback), through ``eagleflow capture health``.
+
+# /proc states in which a live recorded server cannot answer however long one waits
+STUCK_STATES = {"T": "stopped (state T: SIGSTOP'd)", "t": "stopped by a tracer (state t)", "Z": "a zombie (state Z)"}
+
+
+def check_server_ready(ctx: RunLike, role: str, info_file: str, health_cmd: str, what: str,
+                       health_timeout_s: float) -> tuple[str, dict | None, str]:
+    """One cheap look at a recorded server (capture or generation): ("ready" | "loading" | "stuck" | "dead",
+    its info, detail). "stuck" is read off the leader's /proc state, with no health request: a SIGSTOP'd
+    server must not be taken for one still loading (the generation drill that waited out ready_timeout_s).
+
+    Over SSH the health request runs on the node (the server binds the node's loopback), through
+    ``eagleflow <health_cmd> health``.
     """
-    st = ctx.node.process_status(str(ctx.layout.pid_file(SERVER_ROLE)))
+    pid_file = ctx.layout.pid_file(role)
+    st = ctx.node.process_status(str(pid_file))
     if not st.alive:
-        tail = log_tail(ctx, SERVER_ROLE)
-        return "dead", None, (f"the capture server is not running (pid record "
-                              f"{ctx.layout.pid_file(SERVER_ROLE)}: {'absent' if not st.recorded else st.detail}); "
-                              f"last lines of {ctx.layout.log_file(SERVER_ROLE)}:\n{tail}")
-    info = server_info(ctx)
-    if not info or not info.get("url"):
-        return "loading", None, "loading: capture_server.json not written yet"
+        return "dead", None, (f"the {what} is not running (pid record {pid_file}: "
+                              f"{'absent' if not st.recorded else st.detail}); last lines of "
+                              f"{ctx.layout.log_file(role)}:\n{log_tail(ctx, role)}")
+    if st.state in STUCK_STATES:
+        pid = st.record.pid if st.record else "?"
+        return "stuck", None, (f"the {what} pid {pid} is {STUCK_STATES[st.state]}: it cannot answer until it is "
+                               "stopped and started again")
+    text = ctx.node.read_text(info_file)
+    try:
+        info = json.loads(text) if text else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict) or not info.get("url"):
+        return "loading", None, f"loading: {info_file} not written yet"
     if isinstance(ctx.node, LocalNode):
         ok = capture_server_healthy(info["url"], health_timeout_s)
     else:
-        res = ctx.node.run(ctx.eagleflow_argv("capture", "health", "--timeout", str(health_timeout_s)),
-                           timeout=health_timeout_s + 60)
-        ok = res.ok
-    return ("ready" if ok else "loading"), info, ("ready" if ok else f"{info['url']}/health_generate not answering yet")
+        ok = ctx.node.run(ctx.eagleflow_argv(health_cmd, "health", "--timeout", str(health_timeout_s)),
+                          timeout=health_timeout_s + 60).ok
+    return ("ready" if ok else "loading"), info, ("ready" if ok else f"{info['url']} not answering yet")
+
+
+def wait_server_ready(ctx: RunLike, look, what: str, role: str, timeout_s: float, poll_s: float = 1.0,
+                      died: type[CaptureServerNotReady] = CaptureServerNotReady) -> dict:
+    """Poll ``look()`` (a ``check_server_ready``) until "ready"; ``died`` when the server is gone, ServerStuck at
+    once when it can never answer, CaptureServerNotReady when ``timeout_s`` ran out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state, info, detail = look()
+        if state == "ready":
+            return info
+        if state == "dead":
+            raise died(detail)
+        if state == "stuck":
+            raise ServerStuck(detail)
+        if time.monotonic() >= deadline:
+            raise CaptureServerNotReady(f"the {what} did not become ready within {timeout_s:.0f} s "
+                                        f"({detail}); raise capture.ready_timeout_s if the model loads slowly, "
+                                        f"or read {ctx.layout.log_file(role)}")
+        time.sleep(poll_s)
+
+
+def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:
+    """The capture server's ``check_server_ready``."""
+    return check_server_ready(ctx, SERVER_ROLE, str(ctx.layout.server_info_file), "capture", "capture server",
+                              health_timeout_s)
 
 
 def wait_capture_server_ready(ctx: RunLike, timeout_s: float | None = None, poll_s: float = 1.0,
                               log=None) -> dict:
-    """Block until /health_generate answers; raise CaptureServerNotReady when it died or the grace ran out."""
-    timeout_s = timeout_s if timeout_s is not None else ctx.cfg.capture.ready_timeout_s
-    deadline = time.monotonic() + timeout_s
-    detail = ""
-    while True:
-        state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state == "ready":
-            if log:
-                log(f"capture server ready at {info['url']}: model {info.get('model')}, "
-                    f"aux layers {info.get('aux_layers')}")
-            return info
-        if state == "dead":
-            raise CaptureServerNotReady(detail)
-        if time.monotonic() >= deadline:
-            raise CaptureServerNotReady(f"the capture server did not become ready within {timeout_s:.0f} s "
-                                        f"({detail}); raise capture.ready_timeout_s if the model loads slowly, "
-                                        f"or read {ctx.layout.log_file(SERVER_ROLE)}")
-        time.sleep(poll_s)
+    """Block until /health_generate answers; raise CaptureServerNotReady when it died, is stuck or the grace
+    ran out."""
+    info = wait_server_ready(ctx, lambda: check_ready(ctx, ctx.cfg.watchdog.health_timeout_s), "capture server",
+                             SERVER_ROLE, ctx.cfg.capture.ready_timeout_s if timeout_s is None else timeout_s, poll_s)
+    if log:
+        log(f"capture server ready at {info['url']}: model {info.get('model')}, aux layers {info.get('aux_layers')}")
+    return info
 
 
 def log_tail(ctx: RunLike, role: str, lines: int = 20) -> str:

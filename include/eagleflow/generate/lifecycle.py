@@ -14,8 +14,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from eagleflow.capture.lifecycle import (CaptureServerNotReady, capture_server_healthy, log_tail,
-                                         start_or_attach_server)
+from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_ready, start_or_attach_server,
+                                         wait_server_ready)
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
 
@@ -46,38 +46,18 @@ def start_generate_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
 
 
 def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:
-    st = ctx.node.process_status(str(ctx.layout.pid_file(SERVER_ROLE)))
-    if not st.alive:
-        return "dead", None, (f"the generation server is not running (pid record {ctx.layout.pid_file(SERVER_ROLE)}: "
-                              f"{'absent' if not st.recorded else st.detail}); last lines of "
-                              f"{ctx.layout.log_file(SERVER_ROLE)}:\n{log_tail(ctx, SERVER_ROLE)}")
-    info = server_info(ctx)
-    if not info or not info.get("url"):
-        return "loading", None, "loading: generate_server.json not written yet"
-    if isinstance(ctx.node, LocalNode):
-        ok = capture_server_healthy(info["url"], health_timeout_s)
-    else:
-        ok = ctx.node.run(ctx.eagleflow_argv("generate", "health", "--timeout", str(health_timeout_s)),
-                          timeout=health_timeout_s + 60).ok
-    return ("ready" if ok else "loading"), info, ("ready" if ok else f"{info['url']} not answering yet")
+    """The generation server's ``check_server_ready`` (a SIGSTOP'd server is "stuck", never "loading")."""
+    return check_server_ready(ctx, SERVER_ROLE, str(ctx.layout.generate_server_info_file), "generate",
+                              "generation server", health_timeout_s)
 
 
 def wait_generate_server_ready(ctx: RunLike, timeout_s: float | None = None, poll_s: float = 1.0, log=None) -> dict:
-    timeout_s = timeout_s if timeout_s is not None else ctx.cfg.capture.ready_timeout_s
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state == "ready":
-            if log:
-                log(f"generation server ready at {info['url']}: model {info.get('model')}")
-            return info
-        if state == "dead":
-            raise GenerateServerDied(detail)
-        if time.monotonic() >= deadline:
-            raise CaptureServerNotReady(f"the generation server did not become ready within {timeout_s:.0f} s "
-                                        f"({detail}); raise capture.ready_timeout_s if the model loads slowly, "
-                                        f"or read {ctx.layout.log_file(SERVER_ROLE)}")
-        time.sleep(poll_s)
+    info = wait_server_ready(ctx, lambda: check_ready(ctx, ctx.cfg.watchdog.health_timeout_s), "generation server",
+                             SERVER_ROLE, ctx.cfg.capture.ready_timeout_s if timeout_s is None else timeout_s, poll_s,
+                             died=GenerateServerDied)
+    if log:
+        log(f"generation server ready at {info['url']}: model {info.get('model')}")
+    return info
 
 
 def stop_generate_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict:

@@ -102,11 +102,8 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         if waited:
             log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
         stopped_worker = _stop_stuck_worker(run, shard, log)
-        stuck = _server_provably_stuck(run)
-        if stuck:   # stopped (T) or a zombie: no health check can succeed, so none is waited for
-            state, info, detail = "stuck", None, stuck
-        else:
-            state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
+        # stopped (T) or a zombie comes back "stuck" with no health request: none can succeed, none is waited for
+        state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready":
             last = read_restarts(run)[-1:] or [None]
             by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last[0]['at']))} for shard "
@@ -137,21 +134,6 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         return {"ok": False, "action": "failed", "summary": summary}
     finally:
         lock.release()
-
-
-def _server_provably_stuck(run: RunLike) -> str:
-    """'' unless the recorded server is ours and stopped (state T) or a zombie: then why, with no health check."""
-    rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
-    if rec is None:
-        return ""
-    st = leader_state(rec)
-    if st is None:
-        return ""   # gone: check_ready says "dead" at once, without a health request
-    if st.stopped:
-        return f"capture server pid {rec.pid} is stopped (state T; no health re-check needed)"
-    if st.zombie:
-        return f"capture server pid {rec.pid} is a zombie (no health re-check needed)"
-    return ""
 
 
 def open_incident(run: RunLike, shard: int, cause: str, summary: str) -> dict[str, Any]:
