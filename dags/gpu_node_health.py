@@ -4,7 +4,9 @@ Finds a GPU holding memory at 0 % utilisation for longer than a window while no
 eagleflow job is registered on it (the seeds' silent stall), a rising
 uncorrected ECC count, a node that stays unreachable, a config that cannot be
 read. Each finding is an incident: one mail when it opens, reminders that back
-off, one "resolved" mail; the task is red while one is open. Every check is
+off, one "resolved" mail; the task is red while one is open. A config_paths
+entry that is missing or refused is no finding but a task error naming it (not
+mailed when a trigger chose it). Every check is
 stored in Airflow's metadata DB with the last hour of readings: the GPU view
 (Browse -> GPU nodes) and /eagleflow-gpu/metrics read it. Unpaused on
 creation: the view must never wait for someone to switch it on.

@@ -83,6 +83,15 @@ class NodeConfig(_Section):
                              description="Airflow pool whose slots limit concurrent GPU work on this node; "
                                          "null = default_pool")
 
+    @field_validator("name")
+    @classmethod
+    def _one_line_name(cls, v: str) -> str:
+        # the name goes into mail subjects, incident ids and logs: a line break there would write headers
+        if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029" for c in v):
+            raise ValueError("node.name holds a line break or another control character (it goes into mail "
+                             "subjects and logs); use a plain name such as gpu-node-1")
+        return v
+
 
 class FleetNodeConfig(NodeConfig):
     """One GPU node of a fleet: how to reach it (the NodeConfig fields) and what of it a run uses.
@@ -240,6 +249,10 @@ class TrainConfig(_Section):
     verify_sha256: bool = Field(default=False, description="hash every stored sample against its manifest at start")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the exported weights; auto = the target's")
+    export_formats: list[Literal["sglang", "speculators"]] = Field(
+        default_factory=lambda: ["sglang", "speculators"], min_length=1,
+        description="draft formats `eagleflow export` writes: sglang (the export folder SGLang serves) and "
+                    "speculators (its speculators/ subfolder, which vLLM serves with --speculative-config)")
     eval_every: int = Field(default=50, ge=0, description="evaluate the draft on the held-out hidden states every "
                             "this many steps and at the last (loss, top-1 agreement, simulated acceptance in "
                             "metrics.jsonl and curves.png, so overfitting shows); 0 = never")
@@ -298,8 +311,13 @@ class EvalConfig(_Section):
                                                                SpecConfig(steps=7, draft_tokens=8)])
     min_accept_length: float = Field(default=1.5, ge=1.0, description="the new draft must reach this mean "
                                      "acceptance length (tokens per verify pass) on the held-out prompts")
-    baseline_draft: str | None = Field(default=None, description="the draft in service (an export directory); "
-                                       "the new one must not be worse than it beyond tolerance")
+    baseline_draft: str | None = Field(default=None, description="the draft the new one must not be worse than "
+                                       "beyond tolerance, on the same prompts: null = the draft in service "
+                                       "(<run_root>/promoted.json, when a draft was promoted), an export directory "
+                                       "= that draft, 'none' = no comparison")
+    promoted_draft_roots: list[str] = Field(default_factory=list, description="directories besides run_root "
+                                            "where the draft promoted.json names may live (it is refused "
+                                            "elsewhere)")
     tolerance: float = Field(default=0.05, ge=0.0, description="acceptance length the new draft may lose "
                              "against baseline_draft")
     max_new_tokens: int = Field(default=64, ge=1, le=8192)
@@ -485,6 +503,10 @@ def check_run_name(value: str, field: str) -> str:
         raise ConfigError(f"{field} = {value!r}: not allowed; the run directory must stay inside run_root, so "
                           "the name cannot be '.', '..', an absolute path or contain '/' or '\\'; use a plain "
                           "name such as exp-01 (letters, digits, '_', '-', '.')")
+    if value.startswith("-"):
+        # the name is an argument of node commands (--run-id NAME): a leading '-' reads as an option there
+        raise ConfigError(f"{field} = {value!r}: a run name may not start with '-' (node commands would read it "
+                          "as an option); use a plain name such as exp-01 (letters, digits, '_', '-', '.')")
     return value
 
 
@@ -497,19 +519,18 @@ def _format_errors(err: ValidationError, where: str) -> str:
     lines = [f"invalid eagleflow config {where}:"]
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        value = e.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "{...}"
-        if len(shown) > 120:
-            shown = shown[:117] + "..."
-        msg = e["msg"]
         if e["type"] == "extra_forbidden":
             # the key only: an unknown key's value may be anything the file holds (a password, a token)
             lines.append(f"  - {field}: unknown field; remove it or check its spelling")
-            continue
         elif e["type"] == "missing":
-            msg = "required field is missing; add it"
-            shown = "(absent)"
-        lines.append(f"  - {field} = {shown}: {msg}")
+            lines.append(f"  - {field} = (absent): required field is missing; add it")
+        elif e["type"].startswith(("value_error", "assertion_error")):
+            # our own validators' words: each says itself what it may show
+            lines.append(f"  - {field}: {e['msg']}")
+        else:
+            # key and what it expects only (pydantic's msg never holds the input): a wrongly typed or
+            # misplaced value may be a secret (docs/safety.md: values are never echoed)
+            lines.append(f"  - {field}: {e['msg']} (got a value of type {type(e.get('input')).__name__}, not shown)")
     return "\n".join(lines)
 
 
@@ -564,30 +585,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return cfg
 
 
-def _home_folders() -> set[Path]:
-    import pwd
-    homes = {Path(os.path.expanduser("~"))}
-    try:
-        homes |= {Path(e.pw_dir) for e in pwd.getpwall() if e.pw_dir}
-    except OSError:
-        pass
-    return {Path(os.path.normpath(h)) for h in homes if str(h) not in ("", "/")}
-
-
 def deletion_root_problem(cfg: "PipelineConfig") -> str | None:
     """Why ``disk.cache_root`` must not be the root deletions are confined to: ``/``, a home folder or a
-    folder holding one, or a folder above ``run_root`` (None: acceptable, or no cache_root)."""
+    folder holding one, or a folder above ``run_root``, compared by real path and identity (so ``//``,
+    ``/proc/self/root`` or a link to ``/`` are ``/``; see eagleflow.deletion_roots). None: acceptable, or no
+    cache_root. Checked again before every deletion: the folder may be created or swapped later."""
     if not cfg.disk.cache_root:
         return None
-    root = cfg.resolve(cfg.disk.cache_root)
-    if root == Path("/"):
-        return "it is the file system's root"
-    for home in sorted(_home_folders()):
-        if home == root:
-            return f"it is the home folder {home}"
-        if home.is_relative_to(root):
-            return f"it holds the home folder {home}"
-    run_root = cfg.resolve(cfg.run_root)
-    if run_root != root and run_root.is_relative_to(root):
-        return f"it lies above run_root {run_root} (the runs themselves would be deletable)"
-    return None
+    from eagleflow.deletion_roots import deletion_root_problem as by_identity
+    return by_identity(str(cfg.resolve(cfg.disk.cache_root)), str(cfg.resolve(cfg.run_root)))

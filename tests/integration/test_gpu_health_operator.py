@@ -187,11 +187,12 @@ def test_an_smtp_outage_fails_the_check_loudly_naming_the_connection(monkeypatch
     from eagleflow.airflow.health_operators import GpuNodeHealthOperator
     dead = SmtpSink()   # a free port nobody listens on
     monkeypatch.setenv("AIRFLOW_CONN_SMTP_DEAD", dead.airflow_conn_env("smtp_dead")["AIRFLOW_CONN_SMTP_DEAD"])
-    params = {"config_paths": [str(_local_cpu_config(tmp_path, "smtp_dead")), str(tmp_path / "missing.yaml")],
-              **PARAMS}
+    broken = tmp_path / "broken.yaml"   # a config that exists but cannot be read: an incident to mail
+    broken.write_text("node: {name: gpu-node-7\n")
+    params = {"config_paths": [str(_local_cpu_config(tmp_path, "smtp_dead")), str(broken)], **PARAMS}
     op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
     with pytest.raises(RuntimeError, match=r"could not send:\n- opened mail of incident [0-9a-f]{12} \(node config "
-                                           r".*missing.yaml cannot be read\).*ConnectionRefused(?s:.*)watchdog.smtp_conn_id"):
+                                           r".*broken.yaml cannot be read\).*ConnectionRefused(?s:.*)watchdog.smtp_conn_id"):
         op.execute(_context(params))
 
 

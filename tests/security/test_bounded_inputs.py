@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,8 @@ def test_a_deep_json_source_document_is_refused_naming_the_file(tmp_path, demo_a
 
 
 def _event(**kw) -> str:
-    return json.dumps({"event": "opened", "node": "n", "cause": "stall", "opened_at": 1e12, **kw})
+    # a time a node may write: finite and before 2100 (1e999 or 1e12 are refused lines, issue 38)
+    return json.dumps({"event": "opened", "node": "n", "cause": "stall", "opened_at": time.time(), **kw})
 
 
 def test_malformed_incident_and_heartbeat_lines_are_skipped_and_named_not_a_dead_node(tmp_path):

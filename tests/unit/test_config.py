@@ -33,12 +33,13 @@ def test_unknown_field_is_named():
 
 def test_bad_enum_names_field_value_and_choices():
     msg = _err({"capture": {"backend": "vllm"}})
-    assert "capture.backend" in msg and "'vllm'" in msg and "'hf'" in msg and "'sglang'" in msg
+    assert "capture.backend" in msg and "'hf'" in msg and "'sglang'" in msg
+    assert "vllm" not in msg   # the wrong value itself is never echoed (docs/safety.md)
 
 
 def test_bound_violation_names_field_and_bound():
     msg = _err({"capture": {"shards": 0}})
-    assert "capture.shards = 0" in msg and "greater than or equal to 1" in msg
+    assert "capture.shards:" in msg and "greater than or equal to 1" in msg
 
 
 def test_missing_required_field():
@@ -48,7 +49,7 @@ def test_missing_required_field():
 
 def test_wrong_type():
     msg = _err({"watchdog": {"poll_interval_s": "soon"}})
-    assert "watchdog.poll_interval_s = 'soon'" in msg
+    assert "watchdog.poll_interval_s:" in msg and "valid number" in msg and "soon" not in msg
 
 
 def test_duplicate_source_names():
@@ -64,7 +65,7 @@ def test_sglang_on_cpu_node_refused():
 def test_dotted_override_applies_and_validates():
     cfg = load_config(data=dict(BASE), overrides={"capture.shards": 4, "gpu.force_free": True})
     assert cfg.capture.shards == 4 and cfg.gpu.force_free
-    assert "capture.shards = -1" in _err(**{"capture.shards": -1})
+    assert "capture.shards:" in _err(**{"capture.shards": -1})
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -1,4 +1,4 @@
-"""docker-compose.yaml mirrors the scale-out deployment that tests/integration/test_celery_scaleout.py runs.
+"""docker-compose.yaml mirrors the scale-out deployment that tests/integration/test_fleet_celery.py runs.
 
 Both come from eagleflow.airflow.deploy.scaleout: the same parts with the same `airflow` commands, the same
 CeleryExecutor/Postgres/Redis settings, a worker bound to the queue the example GPU node's config names
@@ -8,6 +8,7 @@ where a client exists (no engine needed; .ci/run installs Debian's docker-compos
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -25,8 +26,20 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"
 
 
+# what a filled-in .env holds (the file itself names only the variables: docker-compose.yaml holds no secret)
+SECRETS = {"AIRFLOW_JWT_SECRET": "x" * 32, "POSTGRES_PASSWORD": "pg" * 16, "REDIS_PASSWORD": "rd" * 16}
+
+
 def _doc() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+def _interpolated(value: str) -> str:
+    """``${VAR:?why}`` / ``${VAR:-default}`` / ``${VAR}`` as compose fills them from SECRETS."""
+    def one(m: re.Match) -> str:
+        name, op, rest = m.group(1), m.group(2), m.group(3)
+        return SECRETS.get(name) or (rest if op == ":-" else "")
+    return re.sub(r"\$\{(\w+)(?:(:[?-])([^}]*))?\}", one, value)
 
 
 def _example_nodes() -> list[GpuNodeRoute]:
@@ -56,11 +69,12 @@ def test_compose_runs_exactly_the_scaleout_parts():
 
 def test_compose_settings_are_the_scaleout_settings():
     env = _doc()["x-airflow-common"]["environment"]
-    want = celery_env(sql_alchemy_conn="postgresql+psycopg2://airflow:airflow@postgres/airflow",
-                      broker_url="redis://redis:6379/0",
-                      result_backend="db+postgresql+psycopg2://airflow:airflow@postgres/airflow",
+    pg, rd = SECRETS["POSTGRES_PASSWORD"], SECRETS["REDIS_PASSWORD"]
+    want = celery_env(sql_alchemy_conn=f"postgresql+psycopg2://airflow:{pg}@postgres/airflow",
+                      broker_url=f"redis://:{rd}@redis:6379/0",
+                      result_backend=f"db+postgresql+psycopg2://airflow:{pg}@postgres/airflow",
                       execution_api_url="http://airflow-apiserver:8080/execution/")
-    assert {k: env.get(k) for k in want} == want
+    assert {k: _interpolated(str(env.get(k))) for k in want} == want
     assert "AIRFLOW__API_AUTH__JWT_SECRET" in env   # every part must sign and check the same task tokens
     services = _doc()["services"]
     assert services["postgres"]["image"].startswith("postgres:") and services["redis"]["image"].startswith("redis:")
@@ -92,9 +106,12 @@ def _compose_cmd() -> list[str] | None:
 def test_docker_compose_config_validates(tmp_path):
     cmd = _compose_cmd()
     assert cmd is not None, "no docker compose client: apt-get install docker-compose (.ci/run does)"
-    env = dict(os.environ, AIRFLOW_JWT_SECRET="x" * 32)
-    res = subprocess.run([*cmd, "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=REPO,
-                         timeout=60, env=env)
+    # an empty env file: a developer's own .env beside the compose file must not fill in what is asked here
+    no_env_file = tmp_path / "empty.env"
+    no_env_file.write_text("")
+    env = dict(os.environ, **SECRETS)
+    res = subprocess.run([*cmd, "--env-file", str(no_env_file), "-f", str(COMPOSE), "config"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     resolved = yaml.safe_load(res.stdout)
     nodes = _example_nodes()
@@ -103,7 +120,8 @@ def test_docker_compose_config_validates(tmp_path):
         worker = resolved["services"][f"airflow-worker-{node.queue}"]
         assert worker["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
     # without the shared secret the deployment is refused, not started with a guessable one
-    bare = {k: v for k, v in os.environ.items() if k != "AIRFLOW_JWT_SECRET"}
-    res = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
-                         cwd=REPO, timeout=60, env=bare)
-    assert res.returncode != 0 and "AIRFLOW_JWT_SECRET" in res.stderr
+    for secret in SECRETS:
+        bare = {k: v for k, v in env.items() if k != secret}
+        res = subprocess.run([*cmd, "--env-file", str(no_env_file), "-f", str(COMPOSE), "config", "--quiet"],
+                             capture_output=True, text=True, cwd=REPO, timeout=60, env=bare)
+        assert res.returncode != 0 and secret in res.stderr, (secret, res.stderr)

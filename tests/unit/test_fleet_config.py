@@ -185,7 +185,8 @@ def test_a_run_whose_fleet_differs_from_the_parsed_dag_is_refused():
 def test_reconcile_on_a_fleet_node_looks_only_at_its_own_shards(tmp_path):
     from types import SimpleNamespace
 
-    from eagleflow.watchdog.reconcile import EXTRACT, claim, own_shards
+    from eagleflow.phases import EXTRACT
+    from eagleflow.watchdog.reconcile import claim, own_shards
     cfg = fleet_cfg()   # a: shards 0-3, b: 4-5
     run = SimpleNamespace(cfg=cfg, layout=RunLayout.for_run(cfg, "r1"))
     assert own_shards(run, EXTRACT) == [0, 1, 2, 3]

@@ -11,6 +11,7 @@ from pathlib import Path
 from eagleflow.capture.lifecycle import LocalRun, worker_role
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
+from eagleflow.fleet import takeover
 from eagleflow.watchdog import reconcile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def test_a_free_shard_is_handed_over_once_and_its_worker_refuses_it(tmp_path):
     b = node_run(tmp_path, "b")
     answer = reconcile.hand_over(b, [2, 3], "a")
     assert answer == {"handed_over": [2, 3], "kept": {}, "node": "b"}
-    assert reconcile.handed_over_to(b.layout, 2)["to"] == "a"
+    assert takeover.handed_over_to(b.layout, 2)["to"] == "a"
     assert reconcile.hand_over(b, [2], "a")["handed_over"] == [2]             # a retried task: the same answer
     assert reconcile.hand_over(b, [2], "c")["kept"] == {"2": "already handed over to a"}
     # the worker on b, started as the pipeline starts it, takes its lock, sees the mark and extracts nothing
@@ -66,7 +67,7 @@ def test_a_shard_whose_worker_lock_is_held_stays_with_its_node(tmp_path):
         answer = reconcile.hand_over(b, [2, 3], "a")
         assert answer["handed_over"] == [2]
         assert "its worker lock is held" in answer["kept"]["3"] and f"pid {holder.pid}" in answer["kept"]["3"]
-        assert reconcile.handed_over_to(b.layout, 3) is None
+        assert takeover.handed_over_to(b.layout, 3) is None
     finally:
         holder.kill()
         holder.wait()
@@ -78,14 +79,14 @@ def test_the_taking_node_counts_a_handed_over_shard_as_its_own(tmp_path):
     a = node_run(tmp_path, "a")
     assert reconcile.own_shards(a, "extract") == [0, 1]
     assert reconcile.claim(a, 2, log=lambda m: None)["action"] == "skipped"   # b's, not handed over
-    reconcile.record_taken_over(a, 2, "b")
-    assert reconcile.taken_over(a) == {2: "b"}
+    takeover.record_taken_over(a, 2, "b")
+    assert takeover.taken_over(a) == {2: "b"}
     assert reconcile.own_shards(a, "extract") == [0, 1, 2]
-    (Path(str(a.layout.run_dir)) / reconcile.TAKEOVER_FILE).write_text("{not json")
+    (Path(str(a.layout.run_dir)) / takeover.TAKEOVER_FILE).write_text("{not json")
     try:
         reconcile.own_shards(a, "extract")
     except ValueError as e:
-        assert reconcile.TAKEOVER_FILE in str(e) and "take_over_shards" in str(e)
+        assert takeover.TAKEOVER_FILE in str(e) and "take_over_shards" in str(e)
     else:
         raise AssertionError("a corrupt takeover record was read as empty")
 
@@ -109,11 +110,11 @@ def test_a_free_generation_shard_is_handed_over_and_its_generation_worker_refuse
     assert json.loads(res.stdout) == {"handed_over": [1], "kept": {}, "node": "b"}
     mark = tmp_path / "state-b" / "locks" / "r.generate_shard_00001.handed-over"
     assert json.loads(mark.read_text())["to"] == "a"
-    assert reconcile.handed_over_to(b.layout, 1, "generate")["to"] == "a"
-    assert reconcile.handed_over_to(b.layout, 1) is None              # extraction shard 1: another shard
+    assert takeover.handed_over_to(b.layout, 1, "generate")["to"] == "a"
+    assert takeover.handed_over_to(b.layout, 1) is None              # extraction shard 1: another shard
     res = cli("generate", "run", "--config", b.config_path, "--run-id", "r", "--shard", "1", "--url",
               "http://127.0.0.1:9")
-    assert res.returncode == reconcile.EXIT_HANDED_OVER, res.stderr
+    assert res.returncode == takeover.EXIT_HANDED_OVER, res.stderr
     assert "generate shard 1 of run r was handed over to fleet node a" in res.stderr
     assert not Path(str(b.layout.generate_shard_dir(1))).exists()
     # a shard outside the phase is named, not looked at
@@ -126,12 +127,12 @@ def test_the_taking_node_counts_a_handed_over_generation_shard_as_its_own_and_ap
     a = node_run(tmp_path, "a")
     assert reconcile.own_shards(a, "generate") == [0]
     assert reconcile.claim(a, 1, log=lambda m: None, phase="generate")["action"] == "skipped"   # b's
-    reconcile.record_taken_over(a, 2, "b")
-    reconcile.record_taken_over(a, 1, "b", "generate")
-    assert reconcile.taken_over(a, "generate") == {1: "b"} and reconcile.taken_over(a) == {2: "b"}
+    takeover.record_taken_over(a, 2, "b")
+    takeover.record_taken_over(a, 1, "b", "generate")
+    assert takeover.taken_over(a, "generate") == {1: "b"} and takeover.taken_over(a) == {2: "b"}
     assert reconcile.own_shards(a, "generate") == [0, 1] and reconcile.own_shards(a, "extract") == [0, 1, 2]
     # the record as written: extraction under "shards", as before generation shards could move
-    assert json.loads((Path(str(a.layout.run_dir)) / reconcile.TAKEOVER_FILE).read_text()) == \
+    assert json.loads((Path(str(a.layout.run_dir)) / takeover.TAKEOVER_FILE).read_text()) == \
         {"shards": {"2": "b"}, "generate_shards": {"1": "b"}}
     try:
         reconcile.claim(a, 0, log=lambda m: None, phase="generate", taken_from="c")

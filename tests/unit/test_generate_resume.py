@@ -155,7 +155,7 @@ def test_an_incomplete_fleet_generation_names_each_shards_node(tmp_path):
     assert "shard 1 (node n2): 0/? records, state never started" in str(e.value)
     assert "shard 0" not in str(e.value) and "clear that node's generate_responses" in str(e.value)
     # once the training node took it over (reconcile claim --taken-from), the shard is named as its
-    from eagleflow.watchdog.reconcile import TAKEOVER_FILE
+    from eagleflow.fleet.takeover import TAKEOVER_FILE
     (tmp_path / TAKEOVER_FILE).write_text(json.dumps({"generate_shards": {"1": "n2"}}))
     with pytest.raises(GenerationIncomplete, match=r"shard 1 \(node n1, taken over from n2\): 0/\? records"):
         collect(cfg, layout)

@@ -23,6 +23,7 @@ Recipients and the SMTP connection come from the run's frozen config
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ from airflow.providers.smtp.notifications.smtp import SmtpNotifier
 from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagleflow.mail_header import header_text
 from eagleflow.watchdog.diagnosis import StallDetected
+from eagleflow.watchdog.incidents import INCIDENT_ID
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class Mail:
 
     def as_context(self) -> dict[str, Any]:
         return {"to": list(self.recipients.to), "smtp_conn_id": self.recipients.smtp_conn_id,
-                "subject": " ".join(self.subject.split()), "headline": self.headline or self.subject,
+                "subject": header_text(self.subject), "headline": self.headline or self.subject,
                 "where": self.where, "next_step": self.next_step, "evidence": self.evidence,
                 "links": [{"label": label, "url": url} for label, url in self.links]}
 
@@ -144,6 +147,11 @@ class ConsequentialFailure(AirflowFailException):
 
 class AlreadyMailed(AirflowFailException):
     """A failure whose mail its task already sent (an incident's): the callbacks add none."""
+
+
+class NotMailed(AirflowFailException):
+    """A failure whose words came from whoever triggered the run (a refused Param): shown in the task's log and
+    state only, never mailed, so a trigger cannot send words of its choosing to the deployment's recipients."""
 
 
 class EagleflowNotifier(SmtpNotifier):
@@ -177,7 +185,8 @@ class EagleflowNotifier(SmtpNotifier):
                      "alert_emails Param): %s", mail.subject)
             return
         one = copy.copy(self)   # rendering replaces the templates: keep ours for the next mail
-        one.custom_headers = {**(self.custom_headers or {}), **mail.headers}
+        # every header value through one helper: a node's text with CR/LF must not write headers or the body
+        one.custom_headers = {k: header_text(v) for k, v in {**(self.custom_headers or {}), **mail.headers}.items()}
         BaseNotifier.__call__(one, {**context, "mail": mail.as_context()})
         log.info("eagleflow mail sent to %s: %s", ", ".join(mail.recipients.to), mail.subject)
 
@@ -196,7 +205,7 @@ def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
     """The mail for a failed or retried task, in words right for that task; None when none is due."""
     ti = context["ti"]
     exc = context.get("exception")
-    if isinstance(exc, (ConsequentialFailure, AlreadyMailed)):
+    if isinstance(exc, (ConsequentialFailure, AlreadyMailed, NotMailed)):
         log.info("eagleflow %s mail for %s not sent: %s", kind, ti.task_id, exc)
         return None
     try:
@@ -227,8 +236,14 @@ def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
 
 
 def incident_thread(incident_id: str) -> str:
-    """The Message-ID of an incident's first mail; its later mails answer it, so a mail client shows one thread."""
-    return f"<eagleflow-incident-{incident_id}@eagleflow>"
+    """The Message-ID of an incident's first mail; its later mails answer it, so a mail client shows one thread.
+
+    Ids are checked where a node's answer is parsed (``watchdog.incidents.incident_id``); one that is not a plain
+    token anyway (a mail kept from before that check) is threaded by its digest, never written into the header."""
+    token = str(incident_id)
+    if not INCIDENT_ID.fullmatch(token):
+        token = "h" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"<eagleflow-incident-{token}@eagleflow>"
 
 
 def stall_subject(event: dict[str, Any]) -> str:

@@ -36,14 +36,13 @@ import secrets
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from pydantic import BaseModel
-
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
 from eagleflow.generate.lifecycle import SERVER_STALL
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.base import NodeError
+from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 
 PREPARE_TASK = "prepare_node"
 
@@ -63,14 +62,14 @@ def handed_over_on_node(ctx, shard: int, phase: str) -> str | None:
     None while the shard is this node's (always outside a fleet: nothing is handed over there)."""
     if not ctx.cfg.is_fleet:
         return None
-    from eagleflow.watchdog.reconcile import hand_over_mark, mark_of
+    from eagleflow.fleet.takeover import hand_over_mark, mark_of
     text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, phase)))
-    return None if text is None else str(mark_of(text).get("to"))
+    return None if text is None else one_line(str(mark_of(text).get("to")))   # the node's text: logs, messages
 
 
 def skip_if_handed_over(ctx, shard: int, phase: str) -> None:
     """A shard task of a node's group run again after its node handed the shard over: it skips, saying where
-    the shard went (its worker would refuse it anyway: ``reconcile.refuse_if_handed_over``)."""
+    the shard went (its worker would refuse it anyway: ``fleet.takeover.refuse_if_handed_over``)."""
     taken_by = handed_over_on_node(ctx, shard, phase)
     if taken_by is not None:
         raise AirflowSkipException(f"{phase} shard {shard} of run {ctx.layout.run_id}: node {ctx.cfg.node.name} "
@@ -218,18 +217,6 @@ class CollectShardsOperator(RunOperator):
         return {"node": name, "copied": copied}
 
 
-class ShardStates(BaseModel):
-    """What ``eagleflow reconcile states`` prints: ``ShardState`` fields per shard."""
-    shards: list[dict]
-
-
-class HandOverAnswer(BaseModel):
-    """What ``eagleflow reconcile hand-over`` prints (``eagleflow.watchdog.reconcile.hand_over``)."""
-    handed_over: list[int]
-    kept: dict[str, str]
-    node: str
-
-
 class TakeOverShardsOperator(RunOperator):
     """The shards of one phase (extract, generate) other nodes left incomplete, handed over to the training
     node where proven free (the input of the mapped ``take_over_shard`` / ``take_over_generated_shard``); the
@@ -245,17 +232,16 @@ class TakeOverShardsOperator(RunOperator):
         if self.phase == "generate" and not cfg.generate.enabled:
             self.log.info("generate.enabled is off: no generation shard to take over")
             return []
-        from eagleflow.watchdog.reconcile import kind_of
+        from eagleflow.phases import kind_of
         unit = kind_of(self.phase).unit
         todo = []
         for node in cfg.nodes_in_use():
             shards = shards_of(cfg, node.name, self.phase)
             if node.name == training or not shards:
                 continue
-            here = {st["shard"]: st for st in ctx.node.run_json(
-                ctx.eagleflow_argv("reconcile", "states", "--phase", self.phase,
-                                   "--shards", ",".join(map(str, shards))),
-                ShardStates, timeout=300).shards}
+            here = self._states_here(ctx, node.name, shards)
+            if here is None:
+                continue
             # a generation shard also counts as missing until its final heartbeat says complete
             missing = [s for s in shards if here[s]["stored"] < here[s]["expected"] or not here[s]["finished"]]
             if not missing:
@@ -278,9 +264,19 @@ class TakeOverShardsOperator(RunOperator):
                 continue
             finally:
                 other.close()
+            if answer.node != node.name:   # the answer of another node's config: not proof about this one
+                self.log.warning("node %s answered the hand-over of %s shards %s as node %r: refused, they wait for "
+                                 "it (is its run config this run's?)", node.name, self.phase, missing, answer.node)
+                continue
+            stray = sorted({s for s in answer.handed_over if s not in missing}
+                           | {int(k) for k in answer.kept if int(k) not in missing})
+            if stray:   # only what was asked is handed over: never a shard another node or nobody was asked for
+                self.log.warning("node %s answered the hand-over of %s shards %s with shard(s) %s it was not asked "
+                                 "about: those are ignored", node.name, self.phase, missing, stray)
             for shard, why in sorted(answer.kept.items()):
-                self.log.warning("node %s keeps %s shard %s: %s", node.name, self.phase, shard, why)
-            for shard in answer.handed_over:
+                if int(shard) in missing:
+                    self.log.warning("node %s keeps %s shard %s: %s", node.name, self.phase, shard, why)
+            for shard in sorted(set(answer.handed_over) & set(missing)):
                 st = here[shard]
                 self.log.info("node %s handed %s shard %d over to %s (%d/%d %s here)", node.name, self.phase,
                               shard, training, st["stored"], st["expected"], unit)
@@ -289,6 +285,20 @@ class TakeOverShardsOperator(RunOperator):
                              "taken_from": node.name})
         self.log.info("%d %s shard(s) to take over on %s", len(todo), self.phase, training)
         return todo
+
+    def _states_here(self, ctx, name: str, shards: list[int]) -> dict[int, dict] | None:
+        """Shard -> its state on the training node, for exactly the node's ``shards``; None (warned) when the
+        answer is not about exactly those: that node's shards wait, the other nodes go on."""
+        answer = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "states", "--phase", self.phase,
+                                                      "--shards", ",".join(map(str, shards))),
+                                   ShardStates, timeout=300)
+        here = {st.shard: st.model_dump() for st in answer.shards}
+        if sorted(here) != sorted(shards) or len(answer.shards) != len(shards):
+            self.log.warning("node %s: the training node %s answered the states of %s shards %s for %s shards "
+                             "%s: refused, they wait for it", name, ctx.node.name, self.phase,
+                             [st.shard for st in answer.shards], self.phase, shards)
+            return None
+        return here
 
 
 class ReleaseTakeoverServerOperator(RunOperator):
@@ -302,9 +312,8 @@ class ReleaseTakeoverServerOperator(RunOperator):
     def run(self, ctx, context):
         if not context["ti"].xcom_pull(task_ids=self.takeover_task_id):
             raise AirflowSkipException("no shard was taken over: no server to release")
-        from eagleflow.airflow.reconcile_operators import ClaimAnswer
         released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", self.phase),
                                      ClaimAnswer, timeout=300)
-        from eagleflow.watchdog.reconcile import kind_of
+        from eagleflow.phases import kind_of
         self.log.info("%s of the takeover: %s (%s)", kind_of(self.phase).server, released.action, released.reason)
         return {"action": released.action, "reason": released.reason}

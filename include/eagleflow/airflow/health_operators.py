@@ -5,7 +5,10 @@ Each check stores every node's status in Airflow's metadata DB (the GPU view and
 (eagleflow.health.incidents): one mail when one opens, reminders that back
 off, one mail when a check no longer finds it. The task fails (red in the grid,
 no retry, no extra mail) while an incident is open; the check itself failing
-(not a finding) goes to the DAG's failure mail.
+(not a finding) goes to the DAG's failure mail. A ``config_paths`` entry that is
+missing or refused is a task error naming it, never an incident: one a trigger
+chose is not mailed at all (HealthConfigPathRefused), one the deployment names
+itself is the check failing (HealthConfigMissing, the failure mail).
 """
 from __future__ import annotations
 
@@ -16,13 +19,50 @@ from datetime import datetime, timezone
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, Recipients, airflow_base_url,
+from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, NotMailed, Recipients, airflow_base_url,
                                       incident_thread, send_mail, task_log_url)
-from eagleflow.airflow.runtime import checked_config_path
+from eagleflow.airflow.runtime import checked_config_path, deployment_config_files, resolve_config_path
+
+CONFIG_PATHS_FIELD = "gpu_node_health Param config_paths"
 
 
 class HealthIncidentsOpen(AlreadyMailed):
     """gpu_node_health found something a person must look at; each incident was mailed when it opened."""
+
+
+class HealthConfigMissing(AirflowFailException):
+    """A config the deployment names itself ($EAGLEFLOW_HEALTH_CONFIGS / $EAGLEFLOW_CONFIG) is missing or
+    refused: the check itself is broken (its words are the deployment's own), mailed by the failure callback."""
+
+
+class HealthConfigPathRefused(NotMailed):
+    """A config_paths entry a trigger chose is missing or refused: the run's own error, never an incident or a
+    mail (whoever may trigger must not make the deployment mail words of their choosing)."""
+
+
+def usable_config_path(path: str):
+    """The config file a ``config_paths`` entry names, checked before it is read: inside the deployment's config
+    folders (or named by the deployment), an existing file this worker may read; else ConfigError naming it."""
+    from eagleflow.config import ConfigError
+    full = checked_config_path(path, CONFIG_PATHS_FIELD)
+    if not full.is_file():
+        raise ConfigError(f"{CONFIG_PATHS_FIELD} entry {str(path)!r}: no config file at {full}; name an existing "
+                          "config in the deployment's config folders (see configs/), or remove the entry")
+    try:
+        with open(full, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{CONFIG_PATHS_FIELD} entry {str(path)!r}: {full} cannot be opened "
+                          f"({e.strerror or type(e).__name__}); make it readable by the Airflow worker's user") from None
+    return full
+
+
+def named_by_deployment(path: str) -> bool:
+    try:
+        real = resolve_config_path(path).resolve()
+        return real in {f.resolve() for f in deployment_config_files()}
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def health_rules(params: dict):
@@ -50,7 +90,8 @@ class GpuNodeHealthOperator(BaseOperator):
     for longer than ``window_s`` while no eagleflow job is registered on it (one
     incident per node); its uncorrected ECC count rose since the last check (a
     notice per rise); a node unreachable for ``unreachable_after_s``; a config
-    that cannot be read. Reminders after ``remind_after_s``, then doubling.
+    that exists but cannot be used (a missing or refused path is a task error instead, after the other nodes
+    are checked). Reminders after ``remind_after_s``, then doubling.
     """
 
     ui_color = "#fff3e0"
@@ -135,11 +176,18 @@ class GpuNodeHealthOperator(BaseOperator):
         recipients: dict[str, Recipients] = {}
         checked = 0
         names: set[str] = set()
+        refused: list[tuple[str, str]] = []   # (entry, why): a task error once the other nodes are checked
         for path in paths:
-            observed.add(f"config:{path}")
             try:
                 # relative: against the project root; only the deployment's config folders (the Param is a form field)
-                whole = load_config(checked_config_path(path, "gpu_node_health Param config_paths"))
+                full = usable_config_path(path)
+            except Exception as e:   # missing or refused: never an incident (no scheduled check would end it)
+                self.log.error("%s entry %r refused: %s", CONFIG_PATHS_FIELD, path, e)
+                refused.append((path, str(e)))
+                continue
+            observed.add(f"config:{path}")
+            try:
+                whole = load_config(full)
                 # a fleet config names several nodes: each is checked in its own view (connection, state dir, GPUs)
                 views = [whole.node_view(n) for n in whole.fleet_node_names()]
             except Exception as e:   # one bad config must not blind the check to the other nodes
@@ -180,6 +228,8 @@ class GpuNodeHealthOperator(BaseOperator):
                                  "in the GPU view.")
         found = {f.key for f in findings}
         open_now = [r for r in book.values() if r["state"] == "open" or (r["state"] == "notice" and r["key"] in found)]
+        if refused:
+            raise _refused_error(refused, len(open_now))
         if open_now:
             raise HealthIncidentsOpen("GPU node health check found:\n" + "\n".join(
                 f"- {r['subject']} (incident {r['id']}, open {duration(time.time() - r['opened_at'])})"
@@ -208,6 +258,21 @@ class GpuNodeHealthOperator(BaseOperator):
 
 
 AIRFLOW_HEALTH_KEY = "eagleflow.airflow_health"
+
+
+def _refused_error(refused: list[tuple[str, str]], open_count: int) -> AirflowFailException:
+    """The task error for config_paths entries that are missing or refused. Entries a trigger chose make it
+    unmailed (HealthConfigPathRefused); only the deployment's own named configs are mailed, as the check failing."""
+    ours = all(named_by_deployment(p) for p, _ in refused)
+    fix = ("Fix the deployment's $EAGLEFLOW_HEALTH_CONFIGS / $EAGLEFLOW_CONFIG (the configs a scheduled check "
+           "reads)" if ours else "Trigger gpu_node_health again with config_paths naming existing configs in the "
+           "deployment's config folders (the scheduled check reads the deployment's own)")
+    also = (f" {open_count} incident(s) are open as well (each was mailed when it opened; see the GPU view)."
+            if open_count else "")
+    text = (f"gpu_node_health: {len(refused)} config_paths entr{'y' if len(refused) == 1 else 'ies'} missing or "
+            "refused; the other configs' nodes were checked:\n" + "\n".join(f"- {why}" for _, why in refused)
+            + f"\n{fix}.{also}")
+    return (HealthConfigMissing if ours else HealthConfigPathRefused)(text)
 
 
 def _everyone(rs) -> Recipients | None:

@@ -12,13 +12,13 @@ import json
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext, apply_control_plane, control_plane_settings
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
-from eagleflow.nodes import NodeError
+from eagleflow.nodes import NodeAnswerError, NodeError
+from eagleflow.protocol import ClaimAnswer, ShardStates
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -26,23 +26,14 @@ def _reconcile_config_path(ctx: RunContext) -> str:
     return str(ctx.layout.state_dir / "reconcile" / "config.json")
 
 
-class ScanAnswer(BaseModel):
-    """What ``eagleflow reconcile scan`` prints: one entry per shard (``ShardState`` + needs_rerun, line)."""
-    shards: list[dict[str, Any]]
-
-
-class ClaimAnswer(BaseModel):
-    """What ``eagleflow reconcile claim`` prints (``eagleflow.watchdog.reconcile.claim``)."""
-    model_config = ConfigDict(extra="allow")
-    action: str
-    reason: str
-
-
 def _scan(ctx: RunContext, latest: int) -> list[dict]:
+    """The node's scan, each shard's state checked for shape (``eagleflow.protocol.ShardStates``: a run name
+    that is one path component, counts, an absolute config path), as plain values for XCom."""
     path = _reconcile_config_path(ctx)
     ctx.node.write_text(path, json.dumps(ctx.cfg.model_dump(mode="json")))
-    return ctx.node.run_json(ctx.node.eagleflow_argv("reconcile", "scan", "--config", path, "--latest", str(latest)),
-                             ScanAnswer, timeout=300).shards
+    answer = ctx.node.run_json(ctx.node.eagleflow_argv("reconcile", "scan", "--config", path, "--latest",
+                                                       str(latest)), ShardStates, timeout=300)
+    return [st.model_dump() for st in answer.shards]
 
 
 class FindIncompleteShardsOperator(RunOperator):
@@ -114,6 +105,14 @@ class RerunShardOperator(BaseOperator):
                                                       *taken),
                                    ClaimAnswer, timeout=ctx.cfg.capture.ready_timeout_s + 300,
                                    log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
+        # an answer about another shard or run proves nothing about this one
+        other = ({"shard": result.shard} if result.shard not in (None, shard) else {}) | (
+            {"run_id": result.run_id} if result.run_id not in (None, ctx.layout.run_id) else {})
+        if other:
+            raise NodeAnswerError(f"on node {ctx.node.name}: the claim of {phase} shard {shard} of run "
+                                  f"{ctx.layout.run_id} answered about "
+                                  + ", ".join(f"{k} {v!r} (field '{k}')" for k, v in other.items())
+                                  + "; nothing is watched. Check eagleflow on that node, then clear this task")
         self.log.info("run %s %s shard %d: %s (%s)", ctx.layout.run_id, phase, shard, result.action, result.reason)
         if result.action == "skipped":
             ctx.close()
@@ -155,7 +154,7 @@ class ReconcileSummaryOperator(RunOperator):
         if not todo:
             self.log.info("nothing was rerun: every shard of the latest runs is complete or has a live worker")
             return {"rerun": 0, "summary": "nothing to rerun"}
-        from eagleflow.watchdog.reconcile import kind_of
+        from eagleflow.phases import kind_of
         # a generation phase that finished since is not scanned again: its shards read as complete below
         after = {(s["run_id"], s.get("phase", "extract"), s["shard"]): s for s in _scan(ctx, 1000)}
         lines = []

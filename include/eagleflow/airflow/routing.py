@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from eagleflow.airflow.project import resolve_config_path
 from eagleflow.config import PipelineConfig, load_config
 
 DEFAULT_POOL = "default_pool"
@@ -37,7 +38,6 @@ def default_config_path() -> str:
 
 def node_routing(config_path: str | None = None) -> NodeRouting:
     """Queue and pool of the node named by ``config_path`` (default: ``default_config_path()``), at parse time."""
-    from eagleflow.airflow.runtime import resolve_config_path
     return NodeRouting.for_config(load_config(resolve_config_path(config_path or default_config_path())))
 
 
@@ -53,7 +53,6 @@ class FleetNodeRoute:
 def fleet_routing(config_path: str | None = None) -> list[FleetNodeRoute]:
     """Every node of the fleet named by ``config_path`` (default ``default_config_path()``), at parse time;
     a config without a fleet is one training node."""
-    from eagleflow.airflow.runtime import resolve_config_path
     cfg = load_config(resolve_config_path(config_path or default_config_path()))
     out = []
     for name in cfg.fleet_node_names():

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from eagleflow.airflow.project import PROJECT_ROOT_ENV, project_root, resolve_config_path
+from eagleflow.airflow.routing import task_node_name
 from eagleflow.config import ConfigError, PipelineConfig, load_config, safe_run_id
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node, node_from_config
@@ -58,23 +60,8 @@ CONFIG_DIRS_ENV = "EAGLEFLOW_CONFIG_DIRS"
 NODE_CONN_IDS_ENV = "EAGLEFLOW_NODE_CONN_IDS"
 ALERT_DOMAINS_ENV = "EAGLEFLOW_ALERT_DOMAINS"
 ALLOW_FORCE_FREE_ENV = "EAGLEFLOW_ALLOW_FORCE_FREE"
-PROJECT_ROOT_ENV = "EAGLEFLOW_HOME"
 RUN_CONFIG_XCOM_KEY = "eagleflow_run_config"
 RUN_CONFIG_FILE = "run-config.json"
-
-
-def project_root() -> Path:
-    """Where relative config paths live: $EAGLEFLOW_HOME, else the parent of Airflow's DAG folder."""
-    home = os.environ.get(PROJECT_ROOT_ENV)
-    if home:
-        return Path(home).expanduser().absolute()
-    from airflow.providers.common.compat.sdk import conf
-    return Path(conf.get("core", "dags_folder")).expanduser().absolute().parent
-
-
-def resolve_config_path(path: str | os.PathLike) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else project_root() / p
 
 
 def allowed_config_dirs() -> list[Path]:
@@ -306,7 +293,6 @@ class RunRef:
 
 def task_fleet_node(context, cfg: PipelineConfig | None = None) -> str | None:
     """The fleet node the context's task talks to (routing.task_node_name); None: the run's training node."""
-    from eagleflow.airflow.routing import task_node_name
     names = cfg.fleet_node_names() if cfg is not None and cfg.is_fleet else []
     return task_node_name(context.get("task"), names, getattr(context.get("ti"), "task_id", None))
 

@@ -63,6 +63,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.nodes import NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
+from eagleflow.protocol import one_line
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, WatchEvent, WatchState, clock as _clock,
                                          parse_event, unreachable_event)
@@ -388,8 +389,16 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
             # no incident book: the task fails with the stall and Airflow's retry recovers it
             self.log.warning("shard %d: could not open an incident on node %s: %s", self.shard, ctx.node.name, e)
             return event
-        self.log.info("shard %d: %s", self.shard, inc.get("summary"))
-        return Recovering.from_dict({**event.to_dict(), "incident": inc, "recoveries_left": self.recoveries_left})
+        try:
+            recovering = Recovering.from_dict({**event.to_dict(), "incident": inc,
+                                               "recoveries_left": self.recoveries_left})
+        except (ValueError, TypeError) as e:   # the node's answer is untrusted: an id unfit for a mail header
+            self.log.warning("shard %d: node %s answered an incident that is refused (%s); no in-watch recovery, "
+                             "the task fails with the stall and Airflow's retry recovers it", self.shard,
+                             ctx.node.name, e)
+            return event
+        self.log.info("shard %d: %s", self.shard, one_line(str(inc.get("summary"))))
+        return recovering
 
     def _state(self) -> WatchState:
         return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails),

@@ -140,7 +140,8 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
         return 2
     from .lifecycle import worker_role
     if role == worker_role(shard):
-        from eagleflow.watchdog.reconcile import EXTRACT, refuse_if_handed_over
+        from eagleflow.fleet.takeover import refuse_if_handed_over
+        from eagleflow.phases import EXTRACT
         refused = refuse_if_handed_over(layout, shard, EXTRACT, prog)
         if refused is not None:
             return refused

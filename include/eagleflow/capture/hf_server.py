@@ -28,7 +28,7 @@ from pathlib import Path
 from eagleflow.durable import atomic_write
 
 from .aux_layers import resolve_aux_layers
-from .protocol import PROTOCOL_VERSION, check_rid, load_dump_key, private_dump_dir, write_dump
+from .protocol import PROTOCOL_VERSION, check_rid, load_dump_key, loopback_host, private_dump_dir, write_dump
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
@@ -289,6 +289,7 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
           threads: int | None = None, device: str = "cpu", key_file: str | None = None,
           mode: str = "capture") -> None:
+    loopback_host(host)   # before the model loads: no credential is asked, so never on a network address
     model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads,
                          device=device)
     capture = mode == "capture"
@@ -325,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.mode == "capture" and not a.dump_dir:
         ap.error("--dump-dir is required in capture mode")
+    try:
+        loopback_host(a.host, "--host")
+    except ValueError as e:   # ConfigError
+        ap.error(str(e))
     serve(a.model, mode=a.mode, host=a.host, port=a.port, dump_dir=a.dump_dir, info_file=a.info_file, key_file=a.key_file,
           aux_layers=a.aux_layers or None, dtype=a.dtype, model_name=a.model_name, threads=a.threads,
           device=a.device)

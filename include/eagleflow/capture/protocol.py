@@ -19,12 +19,21 @@ per state folder rather than per run, since one server may serve several runs'
 workers), which the worker checks before a dump's hidden states are stored: a
 dump replaced by anyone without the key is refused. Both backends write
 through ``write_dump``.
+
+Trust boundary of the servers (capture and generation, hf and sglang; docs/safety.md): they listen on a
+loopback address only (``loopback_host``; their only clients are the node's own workers and commands) and
+take no credential (sglang can only be given one on its command line, which every local user reads in
+/proc). Any local user may therefore send them requests; what such a request can do is bounded: it spends
+GPU time and may leave a dump in this user's 0700 folder, which it cannot read; a dump under a worker's
+request id with other tokens is refused by that worker (MAC, rid, then its own token ids), so nothing but
+the hidden states of the worker's own sample is ever stored.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import re
@@ -34,6 +43,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow.config import ConfigError
 from eagleflow.durable import TEMP_PREFIX, atomic_replace, read_owned
 from eagleflow.safetensors_format import RawTensor, as_raw, read_raw
 
@@ -72,6 +82,21 @@ def check_rid(rid: object) -> str:
             or rid.startswith("."):
         raise ValueError(f"rid {rid!r} must be 1-200 characters of [A-Za-z0-9_.-], not starting with '.'")
     return rid
+
+
+def loopback_host(host: str, field: str = "capture.host") -> str:
+    """``host`` when it is a loopback address (127.0.0.0/8, ::1, localhost): the address every capture and
+    generation server binds. Anything else (0.0.0.0, a LAN address, a name) would let other machines send
+    unauthenticated requests, so it is refused naming ``field`` (a ConfigError)."""
+    try:
+        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{field} = {host!r}: the capture and generation servers answer without "
+                          "authentication, so they listen on a loopback address only (their clients are the "
+                          "node's own workers); set it to 127.0.0.1 (or ::1, localhost)")
+    return host
 
 
 UID_PLACEHOLDER = "{uid}"            # in capture.dump_dir: this node user's uid, so each user has a folder

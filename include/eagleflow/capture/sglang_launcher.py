@@ -199,7 +199,9 @@ def self_check(url: str, dump_dir: str, timeout_s: float = 120, key: bytes | Non
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     from .hf_server import write_info_file
     from .lifecycle import dump_dir as _dump_dir
+    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, loopback_host, private_dump_dir
 
+    loopback_host(cfg.capture.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:
         version = check_supported_version(installed_sglang_version())
         model_path = str(cfg.resolve(cfg.target_model))
@@ -214,7 +216,6 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
         return 2
     port = cfg.capture.port or free_port(cfg.capture.host)
     url = f"http://{cfg.capture.host}:{port}"
-    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, private_dump_dir
     try:
         dumps = str(private_dump_dir(_dump_dir(cfg)))                 # this user's 0700 folder
         dump_key = load_dump_key(layout.dump_key_file, create=True)   # this user's secret: each dump's MAC

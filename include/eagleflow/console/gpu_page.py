@@ -17,6 +17,7 @@ from typing import Any
 from eagleflow.health import airflow_health
 from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
 from eagleflow.health.status_doc import is_held_idle
+from eagleflow.watchdog.incidents import MAX_NODE_TIME
 
 HEALTH_DAG_ID = "gpu_node_health"
 
@@ -29,15 +30,29 @@ def _cell(v: Any, unit: str = "") -> str:
     return "n/a" if v is None else _e(f"{v}{unit}")
 
 
+def _time(ts: Any) -> float | None:
+    """``ts`` as seconds when it is a finite time before 2100; else None (a document may hold what a node wrote,
+    and one bad value must not take the page down for every node)."""
+    try:
+        t = float(ts)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return t if 0 <= t < MAX_NODE_TIME else None
+
+
 def _utc(ts: float) -> str:
-    return time.strftime("%H:%M UTC", time.gmtime(ts))
+    t = _time(ts)
+    return time.strftime("%H:%M UTC", time.gmtime(t)) if t is not None else "an unknown time"
 
 
 def ago(ts: float | None, now: float) -> str:
     """A span that says how long ago ``ts`` was and keeps counting in the browser."""
     if not ts:
         return "<span>never</span>"
-    return f"<span class='ago' data-ts='{float(ts):.0f}'>{duration(now - float(ts))} ago</span>"
+    t = _time(ts)
+    if t is None:
+        return "<span>at an unknown time</span>"
+    return f"<span class='ago' data-ts='{t:.0f}'>{duration(now - t)} ago</span>"
 
 
 def airflow_line(doc: dict[str, Any] | None, now: float) -> str:

@@ -2,8 +2,11 @@
 
 Runs on the node (``eagleflow corpus delete-caches``). A path is deleted only
 when ``disk.delete_old_caches`` is true and its real location (symlinks
-resolved) lies strictly inside the real ``disk.cache_root``. Every deletion is
-logged with its path and the bytes it freed.
+resolved) lies strictly inside the real ``disk.cache_root``, compared by identity
+(``eagleflow.deletion_roots``: the root is not ``/``, a home folder or above
+``run_root``; a cache is none of those nor ``run_root``). Both are checked for
+every path before anything is deleted, and again just before each deletion.
+Every deletion is logged with its path and the bytes it freed.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eagleflow.config import PipelineConfig
+from eagleflow.deletion_roots import deletion_root_problem, deletion_target_problem
 
 
 class CacheDeletionRefused(ValueError):
@@ -45,25 +49,31 @@ def allocated_bytes(path: str) -> int:
     return total
 
 
-def checked_cache_path(path: str, cache_root: str | None) -> str:
-    """The real path to delete; raises when it is not strictly inside the real cache root."""
+def checked_cache_path(path: str, cache_root: str | None, run_root: str | None = None) -> str:
+    """The real path to delete; raises when the root may not hold deletions or the path is not strictly inside
+    it (by real path and identity), or is a protected folder (``eagleflow.deletion_roots``)."""
     if not cache_root:
         raise CacheDeletionRefused(f"refusing to delete {path}: disk.cache_root is not set; set it to the folder "
                                    "that holds the old caches (nothing outside it is ever deleted)")
-    root = os.path.realpath(cache_root)
-    real = os.path.realpath(path)
-    if real == root or os.path.commonpath([root, real]) != root:
+    problem = deletion_root_problem(cache_root, run_root)
+    if problem:
+        raise CacheDeletionRefused(f"refusing to delete anything: disk.cache_root = {cache_root!r}: {problem}; set "
+                                   "it to a folder that holds only hidden-state caches, e.g. /data/eagleflow/caches")
+    problem = deletion_target_problem(path, cache_root, run_root)
+    if problem:
+        real = os.path.realpath(path)
         shown = real if real != os.path.abspath(path) else path
-        raise CacheDeletionRefused(f"refusing to delete {path} (really {shown}): it is not inside "
-                                   f"disk.cache_root {root}; remove it from disk.old_caches or fix the root")
-    return real
+        raise CacheDeletionRefused(f"refusing to delete {path} (really {shown}): {problem}; remove it from "
+                                   "disk.old_caches or fix disk.cache_root")
+    return os.path.realpath(path)
 
 
 def delete_old_caches(cfg: PipelineConfig, *, log: Callable[[str], None] = print) -> CacheDeletion:
     paths = [str(cfg.resolve(p)) for p in cfg.disk.old_caches]
     root = str(cfg.resolve(cfg.disk.cache_root)) if cfg.disk.cache_root else None
+    run_root = str(cfg.resolve(cfg.run_root))
     # Check every path first: one bad entry means nothing is deleted.
-    checked = [(p, checked_cache_path(p, root)) for p in paths]
+    checked = [(p, checked_cache_path(p, root, run_root)) for p in paths]
     result = CacheDeletion(enabled=cfg.disk.delete_old_caches)
     for listed, real in checked:
         if not os.path.lexists(real):
@@ -74,6 +84,10 @@ def delete_old_caches(cfg: PipelineConfig, *, log: Callable[[str], None] = print
         if not result.enabled:
             result.would_delete[listed] = size
             continue
+        # again, right before deleting: the root or the path may have been swapped (a link to /) since
+        if checked_cache_path(listed, root, run_root) != real:
+            raise CacheDeletionRefused(f"refusing to delete {listed}: it now resolves to "
+                                       f"{os.path.realpath(listed)}, not {real} as checked; nothing more is deleted")
         if os.path.isdir(real) and not os.path.islink(real):
             shutil.rmtree(real)  # removes symlinks inside without following them
         else:

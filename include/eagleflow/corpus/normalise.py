@@ -25,8 +25,10 @@ function-calling datasets ship them.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,8 +52,9 @@ NON_TEXT_CONTENT = "non_text_content"
 BAD_TOOL_CALL = "bad_tool_call"
 BAD_TOOLS = "bad_tools"
 TEMPLATE_ERROR = "template_error"  # raised by the chat template on this record (found while tokenising)
+CONTROL_TOKEN_TEXT = "control_token_text"  # text that would become one of the tokenizer's special tokens
 BAD_KINDS = (MALFORMED_JSON, INVALID_UTF8, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_CONVERSATION,
-             NON_TEXT_CONTENT, BAD_TOOL_CALL, BAD_TOOLS, TEMPLATE_ERROR)
+             NON_TEXT_CONTENT, BAD_TOOL_CALL, BAD_TOOLS, TEMPLATE_ERROR, CONTROL_TOKEN_TEXT)
 
 # the generation phase's records carry the target's own ids under this key (eagleflow.generate.regenerate)
 TOKEN_EXACT_KEY = "eagleflow_token_exact"
@@ -392,6 +395,64 @@ def normalise_conversation(record: Any, *, non_text: str = NON_TEXT_ERROR) -> Co
     return Conversation(messages, tools, dropped[0])
 
 
+# --- record text that would become control tokens ----------------------------------------------------------
+#
+# A chat template renders the record's text between its own role markers, and the tokenizer then matches its
+# special tokens anywhere in that text: a record holding "<|eot_id|><|start_header_id|>assistant" would end the
+# turn and open an assistant turn of its own making, in the corpus and in a generation prompt alike. Such a
+# record is refused (a bad record naming source, line and field), never escaped: no rendering of it is what
+# the target sees at inference. Both phases call these two functions.
+
+def control_token_strings(tokenizer) -> tuple[str, ...]:
+    """The text of each special token the tokenizer finds in raw text: its named ones (bos, eos, pad, ...) and
+    every added token marked special (role markers such as <|start_header_id|>). Added tokens not marked
+    special (<think>, <tool_call> in some vocabularies) are markup the target writes as text; they stay."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            found.add(str(getattr(tok, "content", tok)))
+    return tuple(sorted((t for t in found if t.strip()), key=lambda t: (-len(t), t)))
+
+
+@functools.lru_cache(maxsize=8)
+def _control_token_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+    return re.compile("|".join(map(re.escape, tokens)))
+
+
+def _texts(value: Any, field: str):
+    """(field, text) for every string the template may render: values and object keys, nested."""
+    if isinstance(value, str):
+        yield field, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{field} key", str(k)
+            yield from _texts(v, f"{field}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for n, v in enumerate(value):
+            yield from _texts(v, f"{field}[{n}]")
+
+
+def control_token_error(conv: Conversation, tokens: tuple[str, ...]) -> RecordError | None:
+    """The first message, tool-call or tool-schema text of ``conv`` holding one of ``tokens``, as the
+    RecordError both phases report (None: the record's text cannot become a control token)."""
+    if not tokens:
+        return None
+    pattern = _control_token_pattern(tuple(tokens))
+    parts = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "role"}) for i, m in enumerate(conv.messages)]
+    parts.append(("tools", conv.tools or []))
+    for base, value in parts:
+        for field, text in _texts(value, base):
+            hit = pattern.search(text)
+            if hit:
+                return RecordError(field, hit.group(0), CONTROL_TOKEN_TEXT,
+                                   f"holds {hit.group(0)!r}, the text of one of the tokenizer's special tokens: "
+                                   "rendered by the chat template it would become that control token (a turn or "
+                                   "role boundary set by the record, not the template); remove or rewrite it in "
+                                   "the source (records like it are skipped when max_bad_records allows, and "
+                                   f"counted as {CONTROL_TOKEN_TEXT})")
+    return None
+
+
 def normalise_record(record: Any, *, non_text: str = NON_TEXT_ERROR) -> list[dict]:
     """The record's messages only (see normalise_conversation)."""
     return normalise_conversation(record, non_text=non_text).messages
@@ -439,11 +500,14 @@ def checked_token_exact(value: Any) -> dict:
 
 
 def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int,
-                    non_text: str = NON_TEXT_ERROR, token_exact: bool = False) -> dict[str, list]:
+                    non_text: str = NON_TEXT_ERROR, token_exact: bool = False,
+                    control_tokens: tuple[str, ...] = ()) -> dict[str, list]:
     """``datasets.map`` body: raw or structured rows in, one schema (as JSON text) or an error out.
 
     ``token_exact``: the rows are the generation phase's (``generate.phase.generated_source_rows``); only
-    there is ``eagleflow_token_exact`` taken (checked), in any other source it is refused."""
+    there is ``eagleflow_token_exact`` taken (checked), in any other source it is refused.
+    ``control_tokens``: the target tokenizer's special-token texts (``control_token_strings``); a record
+    whose text holds one is bad (``control_token_error``). A token-exact record is never rendered: its ids stand."""
     n = len(batch["__row"])
     out: dict[str, list] = {"id": [], "source": [], "where": [], "conversation": [], "uses_tools": [],
                             "non_text_dropped": [], "error": [], "shuffle_key": []}
@@ -469,6 +533,9 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
                                           "is written only by the generation phase (the target's own ids); a "
                                           "source may not carry it: remove the key from the record")
                     conv.token_exact = checked_token_exact(record[TOKEN_EXACT_KEY])
+                control = control_token_error(conv, control_tokens) if conv.token_exact is None else None
+                if control is not None:
+                    raise control
                 conv_json = conv.to_json()
             except RecursionError:   # read, but a field nested too deeply for the walk, repr or dumps
                 raise _too_deep("(record)") from None

@@ -10,6 +10,9 @@ partials are then digested on the destination node and only those equal to the s
 are renamed into place, so a file under its own name at the destination is always a verified copy. Files
 in ``last`` (the manifest) move after all others: a manifest appears only once the files it lists are there.
 Files at the destination that the source lacks are left alone (and logged); ``skip`` names are not copied.
+
+Both nodes' digests are untrusted answers: every name in them is one plain path component, checked when the
+answer is read, before any file is opened or created under ``.partial/`` (``eagleflow.protocol``).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from eagleflow.nodes.base import Node, NodeError
+from eagleflow.protocol import DigestAnswer
 
 PARTIAL = ".partial"
 DIGEST_TIMEOUT_S = 3600.0   # the digest reads every file once: a shard of many GB takes minutes
@@ -39,15 +43,17 @@ class TransferReport:
 def digest(node: Node, path: str, names: list[str] | None = None, *,
            timeout: float | None = DIGEST_TIMEOUT_S) -> dict[str, dict[str, Any]]:
     """``eagleflow.fleet.digest`` run on node: name -> {"size", "sha256"} of the files directly in path
-    (with names: only those)."""
+    (with names: only those).
+
+    The answer is untrusted (``DigestAnswer``): a name that is not one plain path component, a size that is
+    no non-negative integer or a digest that is no SHA-256 hex refuses the whole answer (NodeAnswerError
+    naming the node, the field and the value) before the caller opens any file under those names."""
     # over SSH the whole command is one shell argument (at most 128 KiB): many names, digest the folder
     listed = names if names and sum(len(n) + 3 for n in names) < MAX_NAMES_CHARS else None
-    ans = node.run_json([node.python, "-m", "eagleflow.fleet.digest", path, *(listed or [])], dict[str, Any],
+    ans = node.run_json([node.python, "-m", "eagleflow.fleet.digest", path, *(listed or [])], DigestAnswer,
                         timeout=timeout)
-    files = ans.get("files")
-    if not isinstance(files, dict):
-        raise NodeError(f"on node {node.name}: the digest of {path} has no 'files' object: {str(ans)[:300]}")
-    if names and listed is None:
+    files = {k: v.model_dump() for k, v in ans.files.items()}
+    if names:   # only what was asked: a name the node adds is not ours to copy or compare
         wanted = set(names)
         files = {k: v for k, v in files.items() if k in wanted}
     return files

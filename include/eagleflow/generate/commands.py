@@ -67,6 +67,8 @@ def _serve(args) -> int:
               dtype=cfg.capture.dtype, model_name=model, device=cfg.capture.device, mode="generate")
         return 0
     # sglang in serving mode: its own launch_server, radix cache and CUDA graphs on, no capture hook
+    from eagleflow.capture.protocol import loopback_host
+    loopback_host(cfg.capture.host)   # it takes no credential: loopback only
     if not port:
         from eagleflow.capture.sglang_launcher import free_port
         port = free_port(cfg.capture.host)
@@ -105,7 +107,8 @@ def _run(args) -> int:
     except UnsafeFile as e:
         print(f"eagleflow generate run: {e}", file=sys.stderr, flush=True)
         return 2
-    from eagleflow.watchdog.reconcile import GENERATE, refuse_if_handed_over
+    from eagleflow.fleet.takeover import refuse_if_handed_over
+    from eagleflow.phases import GENERATE
     refused = refuse_if_handed_over(layout, args.shard, GENERATE, "eagleflow generate run")
     if refused is not None:   # a fleet node took it (reconcile hand-over): it is generated there
         return refused

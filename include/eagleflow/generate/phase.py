@@ -105,7 +105,8 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
     owners = {}
     if cfg.is_fleet:   # which node generates it: the one to bring back (the training node for one it took over)
         from eagleflow.fleet.assign import run_assignment
-        from eagleflow.watchdog.reconcile import GENERATE, taken_over_in
+        from eagleflow.fleet.takeover import taken_over_in
+        from eagleflow.phases import GENERATE
         owners = {s: f" (node {node})" for node, shards in run_assignment(cfg, "generate").items() for s in shards}
         owners.update({s: f" (node {cfg.node.name}, taken over from {src})"
                        for s, src in taken_over_in(layout.run_dir, GENERATE).items()})

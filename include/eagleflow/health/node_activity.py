@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
-from eagleflow.watchdog.incidents import history
+from eagleflow.watchdog.incidents import history, incident_id, node_time
 
 _SHARD_ROLE = re.compile(r"worker_shard_(\d{5})")
 INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
@@ -79,11 +79,39 @@ class NodeActivity:
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeActivity":
-        return cls(processes=[OurProcess(**p) for p in d.get("processes") or []],
-                   shards={r: [ShardProgress(**s) for s in v] for r, v in (d.get("shards") or {}).items()},
-                   incidents=list(d.get("incidents") or []), read_at=float(d.get("read_at") or 0.0),
-                   skipped=[str(s) for s in d.get("skipped") or []],
+        """The node's answer, read as untrusted input: an incident without a plain id or with a time that is not
+        finite and before 2100 (``"opened_at": 1e999``), a shard or process with such a time, is left out and
+        named in ``skipped`` (gpu_node_health logs it), never handed to the GPU view or a mail."""
+        skipped = [str(s) for s in d.get("skipped") or []]
+        processes = [OurProcess(**p) for p in d.get("processes") or []
+                     if _times_ok(p, ("started_at",), f"process {p.get('pid')}", skipped)]
+        shards = {r: [ShardProgress(**s) for s in v
+                      if _times_ok(s, ("last_progress_at", "written_at"), f"run {r} shard {s.get('shard')}", skipped)]
+                  for r, v in (d.get("shards") or {}).items()}
+        incidents = []
+        for n, inc in enumerate(d.get("incidents") or [], start=1):
+            try:
+                if not isinstance(inc, dict):
+                    raise ValueError("not an object")
+                incident_id(inc.get("id"))
+            except ValueError as e:
+                skipped.append(f"node answer: incident {n}: {e}; left out")
+                continue
+            if _times_ok(inc, ("opened_at", "ended_at"), f"incident {inc['id']}", skipped):
+                incidents.append(inc)
+        read_at = node_time(d.get("read_at"), "read_at") or 0.0
+        return cls(processes=processes, shards=shards, incidents=incidents, read_at=read_at, skipped=skipped,
                    watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)])
+
+
+def _times_ok(entry: dict, keys: tuple[str, ...], what: str, skipped: list[str]) -> bool:
+    try:
+        for k in keys:
+            node_time(entry.get(k), k)
+    except ValueError as e:
+        skipped.append(f"node answer: {what}: {e}; left out")
+        return False
+    return True
 
 
 def _run_dir(log_file: str) -> Path | None:
@@ -177,9 +205,11 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
 
 
 def read_node_activity(node, state_dir: str) -> NodeActivity:
-    """``collect`` run on the node: one command, its answer validated (``Node.run_json``)."""
-    return node.run_json([node.python, "-m", "eagleflow.health.node_activity", "--state-dir", state_dir],
-                         NodeActivity, timeout=60)
+    """``collect`` run on the node: one command, its answer's shape validated (``Node.run_json``), then its
+    values (``NodeActivity.from_dict``: ids and times a node may not make up)."""
+    act = node.run_json([node.python, "-m", "eagleflow.health.node_activity", "--state-dir", state_dir],
+                        NodeActivity, timeout=60)
+    return NodeActivity.from_dict(act.to_dict())
 
 
 def main(argv: list[str] | None = None) -> int:

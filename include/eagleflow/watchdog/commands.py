@@ -216,7 +216,7 @@ def _shard_list(text: str) -> list[int]:
 
 def _shards_of_run(args, cfg, prog: str) -> bool:
     """Whether every --shards value is a shard of the phase in this run's config (else said on stderr)."""
-    from .reconcile import kind_of
+    from eagleflow.phases import kind_of
     kind = kind_of(args.phase)
     n = kind.num_shards(cfg)
     bad = [k for k in args.shards if k >= n]

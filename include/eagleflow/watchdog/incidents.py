@@ -25,6 +25,37 @@ from eagleflow.durable import atomic_write, open_owned
 from eagleflow.nodes.locks import NodeLock
 
 
+# An incident id is what a node answers and what goes into a mail's Message-ID: a plain token, bounded
+# ("<node>-<cause>-<UTC time>-<hex>", the node name made safe). Anything else from a node is refused at parse.
+INCIDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,159}")
+# A time a node writes (opened_at, at): seconds since the epoch, finite, before 2100; 1e999 is no time.
+MAX_NODE_TIME = 4_102_444_800.0
+
+
+def incident_id(value: Any) -> str:
+    """``value`` when it is an incident id (a plain token of letters, digits, '_', '.', '-', at most 160);
+    else ValueError saying why, showing the value escaped and cut."""
+    if isinstance(value, str) and INCIDENT_ID.fullmatch(value):
+        return value
+    raise ValueError(f"incident id {str(value)[:80]!r} is not an incident id (letters, digits, '_', '.', '-', "
+                     "at most 160, as the node's incident book writes them)")
+
+
+def node_time(value: Any, what: str) -> float | None:
+    """A time from a node's file or answer: None when absent, else finite seconds in [0, 2100); ValueError if not."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"its {what} is not a time in seconds (a {type(value).__name__})")
+    if not 0 <= value < MAX_NODE_TIME:   # False for inf and nan too
+        raise ValueError(f"its {what} {str(value)[:40]} is not a time between 1970 and 2100")
+    return float(value)
+
+
+def _safe_token(text: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:limit]
+
+
 def incidents_dir(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / "incidents"
 
@@ -70,7 +101,8 @@ def open_or_join(state_dir: str | os.PathLike, *, node: str, cause: str, run_id:
             cur["shards"].setdefault(shard_key, {"at": now, "run_id": run_id, "summary": summary[:2000]})
             atomic_write(path, json.dumps(cur))
             return cur, False
-        inc = {"id": f"{node}-{cause}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}",
+        inc = {"id": incident_id(f"{_safe_token(node, 64)}-{_safe_token(cause, 40)}-"
+                                 f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:6]}"),
                "node": node, "cause": cause, "opened_at": now, "ended_at": None, "recovery": None,
                "shards": {shard_key: {"at": now, "run_id": run_id, "summary": summary[:2000]}}}
         atomic_write(path, json.dumps(inc))
@@ -115,12 +147,15 @@ def history(state_dir: str | os.PathLike, skipped: list[str] | None = None) -> l
             e = json.loads(line)
             if not isinstance(e, dict) or not isinstance(e.get("id"), str):
                 raise ValueError("not an incident event (a JSON object with event and id)")
+            incident_id(e["id"])
             if not isinstance(e.get("shards") or {}, dict):
                 raise ValueError("its shards are not an object")
-            if not all(isinstance(e.get(k) or 0, (int, float)) for k in ("opened_at", "at")):
-                raise ValueError("its opened_at/at is not a time in seconds")
+            for k in ("opened_at", "at", "ended_at"):
+                node_time(e.get(k), k)
             out.append(e)
         except (ValueError, RecursionError) as err:
-            if skipped is not None and n < len(lines):   # the last one may be an append in progress
+            # only a last line that is not JSON yet may be an append in progress; anything else is named
+            in_progress = n == len(lines) and isinstance(err, json.JSONDecodeError)
+            if skipped is not None and not in_progress:
                 skipped.append(f"{path} line {n}: {str(err)[:200]}; left out")
     return out

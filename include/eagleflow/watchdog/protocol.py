@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from .incidents import incident_id
+
 Step = Literal["done", "recover", "watch", "fail"]
 
 
@@ -74,8 +76,10 @@ class OpenIncident:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OpenIncident":
+        """Read from the node's answer: an id that is not a plain token (it goes into a mail's Message-ID) is
+        refused here with ValueError (``incidents.incident_id``)."""
         d = _known(cls, data)
-        d["incident"], d["opened"] = str(d.get("incident")), bool(d.get("opened"))
+        d["incident"], d["opened"] = incident_id(d.get("incident")), bool(d.get("opened"))
         d["incident_shards"] = tuple(str(s) for s in d.get("incident_shards") or ())
         d["shards"] = dict(d.get("shards") or {})
         return cls(**d)

@@ -39,67 +39,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from eagleflow.capture import lifecycle as capture
 from eagleflow.capture.lifecycle import SERVER_ROLE, LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
-from eagleflow.generate import lifecycle as generate
+from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import NodeLock
+from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind, kind_of
 
 RUN_CONFIG = "run-config.json"
-EXTRACT, GENERATE = "extract", "generate"
-
-
-@dataclass(frozen=True)
-class ShardKind:
-    """One sharded phase as reconcile sees it: its workers, its server and where its shards write."""
-    phase: str
-    unit: str                                   # what the manifest counts
-    label: str                                  # how a shard is named in lines and mails
-    server: str                                 # how its server is named
-    server_role: str
-    marker: str                                 # <run>.<marker>: reconcile started this phase's server
-    started_dir: str                            # a run dir holding this means the phase started
-    worker_role: Callable[[int], str]
-    num_shards: Callable[[PipelineConfig], int]
-    shards_field: str                           # the config field num_shards reads, for messages
-    shard_dir: Callable[[RunLayout, int], object]
-    start_server: Callable
-    wait_server_ready: Callable
-    stop_server: Callable
-    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
-
-
-KINDS = {
-    EXTRACT: ShardKind(
-        phase=EXTRACT, unit="samples", label="extract shard", server="capture server", server_role=capture.SERVER_ROLE,
-        marker="reconcile-started-server", started_dir="hidden_states", worker_role=capture.worker_role,
-        num_shards=lambda cfg: cfg.capture.shards, shards_field="capture.shards", shard_dir=lambda lay, s: lay.shard_dir(s),
-        start_server=capture.start_capture_server, wait_server_ready=capture.wait_capture_server_ready,
-        stop_server=capture.stop_capture_server, start_worker=capture.start_or_attach_worker),
-    GENERATE: ShardKind(
-        phase=GENERATE, unit="records", label="generate shard", server="generation server",
-        server_role=generate.SERVER_ROLE, marker="reconcile-started-generate_server", started_dir="generated",
-        worker_role=generate.worker_role, num_shards=lambda cfg: cfg.generate.shards, shards_field="generate.shards",
-        shard_dir=lambda lay, s: lay.generate_shard_dir(s),
-        start_server=generate.start_generate_server, wait_server_ready=generate.wait_generate_server_ready,
-        stop_server=generate.stop_generate_server, start_worker=generate.start_or_attach_generate_worker),
-}
-
-
-def kind_of(phase: str) -> ShardKind:
-    try:
-        return KINDS[phase]
-    except KeyError:
-        raise ValueError(f"reconcile: phase {phase!r} is not one of {sorted(KINDS)}") from None
 
 
 @dataclass
@@ -206,48 +159,6 @@ def own_shards(run: LocalRun, phase: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- a fleet's hand-over
-TAKEOVER_FILE = "takeover.json"
-EXIT_HANDED_OVER = 5   # `capture run` / `generate run`: the shard was handed over to another fleet node
-# takeover.json: per phase, shard -> the node it came from ("shards": extraction, as before generation could move)
-_TAKEOVER_KEYS = {EXTRACT: "shards", GENERATE: "generate_shards"}
-
-
-def hand_over_mark(layout: RunLayout, shard: int, phase: str = EXTRACT) -> Path:
-    """Beside the shard's job lock on its owning node: present = handed over, never worked on here again."""
-    return Path(str(layout.lock_file(kind_of(phase).worker_role(shard)))).with_suffix(".handed-over")
-
-
-def handed_over_to(layout: RunLayout, shard: int, phase: str = EXTRACT) -> dict | None:
-    """The hand-over mark of ``shard`` ({"to", "at"}), or None while the shard is this node's."""
-    from eagleflow.durable import read_owned
-    try:
-        return mark_of(read_owned(hand_over_mark(layout, shard, phase), limit=1 << 16))
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return mark_of(None)
-
-
-def mark_of(text: str | bytes | None) -> dict:
-    """A hand-over mark's text as {"to", "at"}; one we cannot read still means: not this node's any more."""
-    try:
-        doc = json.loads(text) if text is not None else None
-    except ValueError:
-        doc = None
-    return doc if isinstance(doc, dict) else {"to": "(unreadable mark)", "at": None}
-
-
-def refuse_if_handed_over(layout: RunLayout, shard: int, phase: str, prog: str) -> int | None:
-    """For a worker holding its shard's job lock (the lock a hand-over takes to leave its mark, so the mark is
-    either here now or never comes): EXIT_HANDED_OVER, said on stderr, if the shard went to another node."""
-    mark = handed_over_to(layout, shard, phase)
-    if mark is None:
-        return None
-    print(f"{prog}: {kind_of(phase).label} {shard} of run {layout.run_id} was handed over to fleet node "
-          f"{mark.get('to')}; it is worked on there, not here", file=sys.stderr, flush=True)
-    return EXIT_HANDED_OVER
-
-
 def hand_over(run: LocalRun, shards: list[int], to_node: str, phase: str = EXTRACT) -> dict:
     """On the shards' owning node: hand each shard of ``phase`` that is proven free of our workers over to
     ``to_node``."""
@@ -278,54 +189,14 @@ def hand_over(run: LocalRun, shards: list[int], to_node: str, phase: str = EXTRA
                 continue
             st = shard_state(run, shard, phase)
             if st.expected > 0 and not st.incomplete:   # no corpus here yet (expected 0): never started here
-                collect = "collect_shards" if phase == EXTRACT else "collect_generated"
                 kept[shard] = (f"complete here ({st.stored}/{st.expected} {kind.unit}): its copy to {to_node} is "
-                               f"what is missing; clear {run.cfg.node.name}.{collect}")
+                               f"what is missing; clear {run.cfg.node.name}.{kind.collect_task}")
                 continue
             atomic_write(hand_over_mark(lay, shard, phase), json.dumps({"to": to_node, "at": time.time()}))
             handed.append(shard)
         finally:
             os.close(fd)
     return {"handed_over": handed, "kept": {str(k): v for k, v in kept.items()}, "node": run.cfg.node.name}
-
-
-def _takeover_record(run_dir) -> dict:
-    path = Path(str(run_dir)) / TAKEOVER_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable takeover record ({e}); it lists the shards other nodes handed "
-                         "over to this one: restore it or remove it and clear the take_over_shards task") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: the takeover record is not a JSON object: restore it or remove it and clear "
-                         "the take_over_shards task")
-    return doc
-
-
-def taken_over_in(run_dir, phase: str = EXTRACT) -> dict[int, str]:
-    """Shards of ``phase`` handed over to the node whose run dir this is: shard -> the node it came from."""
-    return {int(k): str(v) for k, v in _takeover_record(run_dir).get(_TAKEOVER_KEYS[kind_of(phase).phase],
-                                                                     {}).items()}
-
-
-def taken_over(run: LocalRun, phase: str = EXTRACT) -> dict[int, str]:
-    """Shards of ``phase`` handed over to this node in this run: shard -> the node it came from."""
-    return taken_over_in(run.layout.run_dir, phase)
-
-
-def record_taken_over(run: LocalRun, shard: int, from_node: str, phase: str = EXTRACT) -> None:
-    from eagleflow.durable import atomic_write
-    from eagleflow.nodes.locks import NodeLock
-    path = Path(str(run.layout.run_dir)) / TAKEOVER_FILE
-    key = _TAKEOVER_KEYS[kind_of(phase).phase]
-    with NodeLock(Path(str(run.layout.locks_dir)) / f"{run.layout.run_id}.takeover.lock",
-                  purpose=f"takeover record of run {run.layout.run_id}"):
-        doc = _takeover_record(run.layout.run_dir)
-        shards = {**taken_over(run, phase), shard: from_node}
-        doc[key] = {str(k): v for k, v in sorted(shards.items())}
-        atomic_write(path, json.dumps(doc))
 
 
 def _marker(run: LocalRun, kind: ShardKind) -> Path:
@@ -401,6 +272,5 @@ def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
     return Path(str(cfg.resolve(cfg.run_root))) / safe_run_id(run_id)
 
 
-__all__ = ["EXTRACT", "GENERATE", "KINDS", "ShardKind", "ShardState", "scan", "phases_to_scan", "claim", "release",
-           "run_local", "latest_runs", "run_dir_for", "SERVER_ROLE", "hand_over", "handed_over_to", "taken_over",
-           "taken_over_in", "refuse_if_handed_over", "EXIT_HANDED_OVER", "mark_of"]
+__all__ = ["ShardState", "scan", "phases_to_scan", "claim", "release", "run_local", "latest_runs", "run_dir_for",
+           "SERVER_ROLE", "hand_over", "own_shards", "shard_state"]

@@ -40,12 +40,14 @@ import os
 import smtplib
 import sys
 import time
+from email.errors import MessageError
 from email.message import EmailMessage
 from typing import Callable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write, open_owned
 from eagleflow.layout import RunLayout
+from eagleflow.mail_header import header_text
 
 from .signals import WatchedJob, memory_path
 
@@ -183,14 +185,15 @@ def node_mail(cfg: PipelineConfig, subject: str, body: str, timeout_s: float = 2
     if not relay or not cfg.watchdog.alert_emails:
         return "no mail from the node (watchdog.node_smtp or watchdog.alert_emails empty)"
     host, _, port = relay.rpartition(":")
-    msg = EmailMessage()
-    msg["Subject"], msg["From"] = subject, cfg.watchdog.node_mail_from
-    msg["To"] = ", ".join(cfg.watchdog.alert_emails)
-    msg.set_content(body)
-    try:
+    try:   # building the mail too: whatever is wrong with it is a reason returned, never raised
+        msg = EmailMessage()
+        # the subject names the node and the job: one line through the one header helper, whatever they hold
+        msg["Subject"], msg["From"] = header_text(subject), cfg.watchdog.node_mail_from
+        msg["To"] = ", ".join(cfg.watchdog.alert_emails)
+        msg.set_content(body)
         with smtplib.SMTP(host or relay, int(port or 25), timeout=timeout_s) as s:
             s.send_message(msg)
-    except (OSError, smtplib.SMTPException, ValueError) as e:
+    except (OSError, smtplib.SMTPException, ValueError, MessageError) as e:
         return f"mail through {relay} (watchdog.node_smtp) failed: {type(e).__name__}: {e}"
     return ""
 
