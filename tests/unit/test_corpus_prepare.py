@@ -149,7 +149,7 @@ def test_empty_sources_and_nothing_to_train_on(tmp_path, demo_assets):
                                         "records_with_tool_calls": 0, "tool_calls": 0, "tool_messages": 0,
                                         "tokens": 0, "masked_tokens": 0, "cut_at_message": 0, "truncated": 0,
                                         "reasoning_not_rendered": 0, "non_text_parts_dropped": 0,
-                                        "train_records": 0, "eval_records": 0}
+                                        "train_records": 0, "eval_records": 0, "duplicates_of_held_out": 0}
     assert stats["records"] == 6 and any("no records in" in line for line in logs)
     with pytest.raises(BadRecordsError, match=r"no record left to train on: 1 read \(e 0, u 1\), 0 bad, 1 dropped "
                                               r"\(no_assistant_tokens 1\)"):
@@ -214,3 +214,33 @@ def test_held_out_split_is_stable_and_apart_from_training(tmp_path, demo_assets)
     # cap
     _, lay4, s4, _ = _prepare(tmp_path, demo_assets, srcs, run_id="d", eval_fraction=0.5, eval_max_records=3)
     assert s4["eval_records"] == 3 and s4["records"] == total - 3
+
+
+def test_identical_conversations_land_on_one_side_of_the_split(tmp_path, demo_assets):
+    """A source listed twice (as real corpora overlap): no held-out conversation has a copy in training, a
+    held-out conversation appears once, and the stats count what was found."""
+    from eagleflow.corpus.prepare import EVAL_FILE
+    srcs = demo_assets["sources"]
+    twice = srcs + [{**srcs[0], "name": srcs[0]["name"] + "_again"}]
+    _, lay, s, logs = _prepare(tmp_path, demo_assets, twice, run_id="dup", eval_fraction=0.05,
+                               eval_min_records=12)
+    ev = pq.read_table(str(lay.corpus_dir / EVAL_FILE)).to_pylist()
+    train = [tuple(x) for x in _table(lay)["input_ids"].to_pylist()]
+    twinned = [r for r in ev if r["source"] in (srcs[0]["name"], srcs[0]["name"] + "_again")]
+    assert twinned, "no held-out record of the doubled source: the test proves nothing"
+    assert not {tuple(r["input_ids"]) for r in ev} & set(train)        # no held-out conversation trained on
+    from eagleflow.corpus.prepare import content_key
+    keys = [content_key(r["conversation"]) for r in ev]
+    assert len(keys) == len(set(keys))                                 # each held out once
+    d = s["duplicates"]
+    assert d["records_with_an_identical_earlier_one"] >= 24            # the doubled source at least
+    assert d["held_out_twins_dropped_from_training"] + d["held_out_copies_dropped"] >= len(twinned)
+    assert s["records"] + s["eval_records"] + d["held_out_twins_dropped_from_training"] + \
+        d["held_out_copies_dropped"] == 4 * 24
+    assert sum(s["splits"]["train"].values()) == s["records"]
+    assert any("copies of held-out ones left out of training" in line for line in logs)
+    # the key is the normalised content: ids, sources and whitespace runs aside
+    a = json.dumps({"messages": [{"role": "user", "content": "hi  there "}], "tools": None})
+    b = json.dumps({"messages": [{"role": "user", "content": "hi there"}], "tools": None, "token_exact": [1]})
+    c = json.dumps({"messages": [{"role": "user", "content": "hi where"}], "tools": None})
+    assert content_key(a) == content_key(b) != content_key(c)

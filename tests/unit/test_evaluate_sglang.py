@@ -88,11 +88,15 @@ def test_a_never_accepted_draft_and_a_lossy_server_are_refused(tmp_path):
     [row] = rows
     d = row["draft"]
     assert d["accept_length"] == 1.0 and not d["lossless"]
-    assert d["mismatches"][0]["position"] == 4 and d["mismatches"][0]["top2_logit_gap"] == 8.9
+    # the emitted token is the target's second choice, 8.9 below its top: far beyond the bf16 tie tolerance
+    # (4 ulps at a top logit of 32 = 1.0)
+    m = d["mismatches"][0]
+    assert m["position"] == 4 and m["emitted_rank"] == 2 and m["emitted_logit_gap"] == 8.9
+    assert m["tie_tolerance"] == 1.0 and not m["near_tie"]
     why = gate(rows, cfg, baseline=False)
     assert why[0] == ("configuration 3/1/4 on held_out (2 prompts): acceptance length 1.000 is below "
                       "eval.min_accept_length 1.500")
-    assert "position 4 (target top-2 logit gap 8.9)" in why[1]
+    assert "position 4 (emitted token " in why[1] and "ranked 2 in the target's distribution, 8.9 below" in why[1]
 
 
 def test_a_server_that_dies_while_loading_is_named_with_its_log(tmp_path):
@@ -124,3 +128,25 @@ def test_the_operator_gives_the_node_command_every_servers_load_time(tmp_path):
     assert op._timeout(SimpleNamespace(cfg=cfg)) == 5 * (1000 + 100)
     hf = load_config(data={"target_model": "t"})
     assert op._timeout(SimpleNamespace(cfg=hf)) == op.timeout_s == 3600.0
+
+
+def test_the_lossless_rule_is_the_hf_backends_on_the_emitted_tokens_log_probability():
+    from eagleflow.evaluate.lossless import tie_tolerance
+    th = sb.near_tie_threshold("bfloat16", None)
+    assert th == tie_tolerance("bfloat16", 32.0) == 1.0          # 4 ulps at a top logit of 32 (was 4.0)
+    assert sb.near_tie_threshold("float32", None) < 1e-4 and sb.near_tie_threshold("bfloat16", 0.5) == 0.5
+
+    def alone(second_gap):   # the reference: token 7 best, token 8 `second_gap` below, token 9 far below
+        return {"p": {"tokens": [7, 7], "completion_tokens": 2,
+                      "candidates": [[(7, -0.1), (8, -0.1 - second_gap), (9, -12.0)]] * 2}}
+
+    def answer(tok):
+        return {"p": {"tokens": [tok, 7], "completion_tokens": 2, "verify_passes": 1, "correct_drafts": 0,
+                      "histogram": [1], "spec_accept_length": 2.0}}
+    tie = sb.measure(answer(8), alone(0.5), 1.0, 1.0, 3, th)      # the second choice, 0.5 below: a tie
+    assert tie["lossless"] and tie["near_ties"] == 1 and tie["mismatches"][0]["emitted_rank"] == 2
+    far = sb.measure(answer(9), alone(0.5), 1.0, 1.0, 3, th)      # a token 11.9 below the top
+    assert not far["lossless"] and far["mismatches"][0]["emitted_logit_gap"] == 11.9
+    # the old top-2 rule excused this one: the target's own top-2 gap (0.5) is small, the emitted token is not
+    unknown = sb.measure(answer(11), alone(0.5), 1.0, 1.0, 3, th)  # below every candidate answered
+    assert not unknown["lossless"] and unknown["mismatches"][0]["emitted_rank"] == ">3"

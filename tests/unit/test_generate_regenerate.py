@@ -127,6 +127,34 @@ def test_the_first_diverging_call_ends_the_record_with_the_targets_own_call(tok)
     assert res2.status == CUT_AT_DIVERGING_CALL and [m["role"] for m in res2.messages] == ["user", "assistant"]
 
 
+def test_a_call_written_with_parameters_is_read_as_sglang_reads_it(tok):
+    # {"name", "parameters"} is the same call as {"name", "arguments"} (SGLang's parse_base_json): the original
+    # tool result is kept; read as add({}) it would differ and cut the record
+    target = Scripted(tok, ['<tool_call>{"name": "lookup", "parameters": {"n": 2, "q": "kilo"}}</tool_call>',
+                            "lima it is"])
+    res = _builder(tok, target).regenerate(_tool_conv(), record_id="t:p", source="t", file="f", where="line 1")
+    assert res.status == REGENERATED and res.turns_regenerated == 2
+    assert res.messages[1]["tool_calls"][0]["function"]["arguments"] == {"n": 2, "q": "kilo"}
+    assert res.messages[2]["content"] == "RESULT-lima-42"
+    _assert_token_exact(res, target)
+    assert parse_turn('<tool_call>{"name":"add","parameters":{"a":1,"b":2}}</tool_call>')["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "lookup", "parameters": {"q": "kilo", "n": 2}, "arguments": {"q": "kilo", "n": 2}}',  # both keys
+    '{"name": "lookup", "arguments": [["q", "kilo"], ["n", 2]]}',                                   # not an object
+    '{"name": "lookup", "arguments": "q=kilo n=2"}',                                               # not JSON
+    '{"name": "lookup", "args": {"q": "kilo", "n": 2}}',                                          # unknown key
+])
+def test_a_call_of_unknown_shape_is_a_different_call(tok, call):
+    res = _builder(tok, Scripted(tok, [f"<tool_call>{call}</tool_call>"])).regenerate(
+        _tool_conv(), record_id="t:u", source="t", file="f", where="line 1")
+    assert res.status == CUT_AT_DIVERGING_CALL and res.cut_turn == 1
+    assert "RESULT-lima-42" not in tok.decode(res.input_ids)
+    assert parse_turn(f"<tool_call>{call}</tool_call>")["malformed_calls"] == 1
+
+
 def test_calls_compare_by_function_and_normalised_arguments():
     a = [{"function": {"name": "f", "arguments": {"x": [1, 2], "y": "z"}}}]
     assert calls_identical(a, [{"function": {"name": "f", "arguments": '{"y":"z","x":[1,2]}'}}])

@@ -141,7 +141,8 @@ class EvaluateDraftOperator(RunOperator):
         ec = ctx.cfg.eval
         if ec.backend != "sglang":
             return self.timeout_s
-        servers = 1 + len(ec.configs) * (2 if ec.baseline_draft else 1)
+        # a baseline (the draft in service by default) is served beside the new draft per configuration
+        servers = 1 + len(ec.configs) * (1 if ec.baseline_draft == "none" else 2)
         return max(self.timeout_s, servers * (ec.ready_timeout_s + ec.request_timeout_s * (1 + len(ec.prompt_sets))))
 
     def run(self, ctx: RunContext, context):

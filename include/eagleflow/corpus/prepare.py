@@ -37,7 +37,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_replace, atomic_write
 from eagleflow.layout import RunLayout
 
-from .normalise import BAD_KINDS, TEMPLATE_ERROR, BadRecord, normalise_batch, short_repr
+from .normalise import BAD_KINDS, TEMPLATE_ERROR, BadRecord, control_token_strings, normalise_batch, short_repr
 from .sources import SourceError, load_source
 from .tokenize import (DROP_REASONS, TemplateError, load_tokenizer, mask_method_for, template_label,
                        tokenize_batch)
@@ -101,6 +101,63 @@ def _held_out_rows(ids_col, kept_rows, cc) -> list[int]:
                     heapq.heapreplace(lowest, item)
     pool = sorted(cands + [(-k, sid, r) for k, sid, r in lowest])
     return [r for _, _, r in pool[:held_out_count(len(cands), len(rows), cc)]]
+
+
+def content_key(conversation_json: str) -> bytes:
+    """What makes two records the same conversation: their normalised messages and tools (ids, sources and
+    token-exact ids aside), every text with its whitespace runs collapsed and its ends stripped."""
+    d = json.loads(conversation_json)
+
+    def canon(v):
+        if isinstance(v, str):
+            return " ".join(v.split())
+        if isinstance(v, list):
+            return [canon(x) for x in v]
+        if isinstance(v, dict):
+            return {k: canon(x) for k, x in v.items()}
+        return v
+    text = json.dumps(canon({"messages": d.get("messages"), "tools": d.get("tools")}), sort_keys=True,
+                      ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+def _deduplicated_split(conversations, kept_rows, eval_rows: list[int]) -> tuple[list[int], list[int], dict]:
+    """Identical conversations on one side only: (held-out rows, rows dropped, counts).
+
+    ``conversations``: the normalised records' dataset (arrow format, row positions as ``kept_rows``).
+
+    The held-out split keeps the first of identical held-out records (in held-out order); every copy of a
+    held-out conversation elsewhere (training or held out again) leaves the corpus, so no training record
+    repeats a held-out one. Copies within training stay (counted)."""
+    first: dict[bytes, int] = {}
+    key_of: dict[int, bytes] = {}
+    copies = 0
+    rows = kept_rows.to_pylist()
+    for s in range(0, len(rows), 4096):   # conversations in batches: memory stays flat (16 bytes a record)
+        part = rows[s:s + 4096]
+        for row, conv in zip(part, conversations[part]["conversation"].to_pylist()):
+            k = content_key(conv)
+            key_of[row] = k
+            if k in first:
+                copies += 1
+            else:
+                first[k] = row
+    held: dict[bytes, int] = {}
+    kept_eval, dropped = [], []
+    for row in eval_rows:
+        k = key_of[row]
+        if k in held:
+            dropped.append(row)            # a second held-out copy: the figures would count it twice
+        else:
+            held[k] = row
+            kept_eval.append(row)
+    eval_set = set(eval_rows)
+    twins = [row for row in rows if row not in eval_set and key_of[row] in held]
+    return kept_eval, sorted(twins + dropped), {
+        "records_with_an_identical_earlier_one": copies,
+        "held_out_twins_dropped_from_training": len(twins),
+        "held_out_copies_dropped": len(dropped),
+        "key": "sha256 of the normalised messages and tools, whitespace collapsed"}
 
 
 def eval_prompt_ids(tokenizer, conv, max_length: int) -> list[int]:
@@ -268,6 +325,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     log(f"corpus: {len(cc.sources)} source(s), tokenizer {model_path}, loss mask by {method}, "
         f"max_length {cc.max_length} ({cc.over_max_length} when over), seed {cc.seed}, {procs} process(es)")
     norm_features, tok_features = _features()
+    control_tokens = control_token_strings(tokenizer)   # record text holding one is a bad record (normalise)
     files = {s.name: str(cfg.resolve(s.path)) for s in cc.sources}
     ledger = _BadRecordLedger(out_dir / BAD_RECORDS_FILE, cc.max_bad_records, log)
     work = tempfile.mkdtemp(dir=out_dir, prefix=".work-")
@@ -292,7 +350,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
             norm = raw.map(normalise_batch, batched=True, batch_size=batch, num_proc=nproc,
                            remove_columns=raw.column_names, features=norm_features,
                            fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed,
-                                      "non_text": cc.non_text_parts, "token_exact": src.name in regenerated},
+                                      "non_text": cc.non_text_parts, "token_exact": src.name in regenerated,
+                                      "control_tokens": control_tokens},
                            cache_file_name=os.path.join(work, f"norm-{src.name}.arrow"),
                            load_from_cache_file=False, desc=f"normalise {src.name}")
             normalised.append(norm)
@@ -351,18 +410,25 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         order_rows = order["row"].to_numpy()
         import numpy as np
         eval_rows = _held_out_rows(meta["id"], kept_rows, cc)
-        if eval_rows:
-            order_rows = order_rows[~np.isin(order_rows, np.asarray(eval_rows, dtype=order_rows.dtype))]
+        # identical conversations land on one side only: a held-out one's copies leave training
+        eval_rows, dup_rows, duplicates = _deduplicated_split(
+            good.select_columns(["conversation"]).with_format("arrow"), kept_rows, eval_rows)
+        if eval_rows or dup_rows:
+            out_rows = np.asarray(eval_rows + dup_rows, dtype=order_rows.dtype)
+            order_rows = order_rows[~np.isin(order_rows, out_rows)]
 
         per_source: dict[str, dict] = {s.name: _source_stats(read_per_source[s.name]) for s in cc.sources}
         _count_per_source(per_source, meta, kept_mask, ledger)
         eval_sources = Counter(meta["source"].take(eval_rows).to_pylist()) if eval_rows else Counter()
-        eval_masked = sum(meta["masked_tokens"].take(eval_rows).to_pylist()) if eval_rows else 0
-        eval_calls = meta["tool_calls"].take(eval_rows).to_pylist() if eval_rows else []
-        eval_tool_messages = sum(meta["tool_messages"].take(eval_rows).to_pylist()) if eval_rows else 0
+        dup_sources = Counter(meta["source"].take(dup_rows).to_pylist()) if dup_rows else Counter()
+        not_trained = eval_rows + dup_rows   # the training split's figures leave out both
+        eval_masked = sum(meta["masked_tokens"].take(not_trained).to_pylist()) if not_trained else 0
+        eval_calls = meta["tool_calls"].take(not_trained).to_pylist() if not_trained else []
+        eval_tool_messages = sum(meta["tool_messages"].take(not_trained).to_pylist()) if not_trained else 0
         for name, ps in per_source.items():   # records = training records; the held-out ones apart
             ps["eval_records"] = eval_sources.get(name, 0)
-            ps["train_records"] = ps["records"] - ps["eval_records"]
+            ps["duplicates_of_held_out"] = dup_sources.get(name, 0)
+            ps["train_records"] = ps["records"] - ps["eval_records"] - ps["duplicates_of_held_out"]
 
         # Stream to Parquet in shuffled order, reading the rows by position (flat memory).
         schema = corpus_schema()
@@ -405,6 +471,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "splits": {"train": {n: ps["train_records"] for n, ps in per_source.items()},
                    "eval": {n: ps["eval_records"] for n, ps in per_source.items()}},
         "eval_records": len(eval_rows),
+        "duplicates": duplicates,
         "eval_tokens": eval_tokens,
         "eval_file": str(out_dir / EVAL_FILE),
         "eval_split": {"fraction": cc.eval_fraction, "min_records": cc.eval_min_records,
@@ -439,7 +506,10 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         f"dropped {sum(dropped.values())} ({', '.join(f'{k} {v}' for k, v in sorted(dropped.items())) or 'none'}), "
         f"{n_bad} bad; {elapsed:.1f} s -> {out_dir / CORPUS_FILE}")
     log(f"corpus: {len(eval_rows)} record(s) held out of training ("
-        + ", ".join(f"{n} {ps['eval_records']}" for n, ps in per_source.items()) + f") -> {out_dir / EVAL_FILE}")
+        + ", ".join(f"{n} {ps['eval_records']}" for n, ps in per_source.items()) + f") -> {out_dir / EVAL_FILE}; "
+        f"{duplicates['records_with_an_identical_earlier_one']} record(s) repeat an earlier conversation, "
+        f"{duplicates['held_out_twins_dropped_from_training']} copies of held-out ones left out of training, "
+        f"{duplicates['held_out_copies_dropped']} repeated held-out ones dropped")
     return stats
 
 

@@ -27,15 +27,12 @@ from pathlib import Path
 
 import torch
 
-# relative float resolution per dtype: a lossless mismatch at a top-2 gap below
-# NEAR_TIE_EPS_FACTOR x eps x max(1, |top logit|) is a near-tie of the arithmetic, not a bug
-NEAR_TIE_EPS_FACTOR = 16
+from .lossless import TOP_CANDIDATES, tie_tolerance
 
 
 def near_tie_threshold(dtype: torch.dtype, top_logit: float, absolute: float | None = None) -> float:
-    if absolute is not None:
-        return absolute
-    return NEAR_TIE_EPS_FACTOR * torch.finfo(dtype).eps * max(1.0, abs(top_logit))
+    """How far below the top logit an emitted token may be and still be a tie (:mod:`.lossless`'s rule)."""
+    return tie_tolerance(dtype, top_logit, absolute)
 
 
 class Target:
@@ -81,17 +78,17 @@ class Decoded:
     seconds: float
     verify_passes: int = 0
     accepted: list[int] = field(default_factory=list)   # drafted tokens kept, per verify pass
-    top2_gaps: list[float] = field(default_factory=list)    # target alone: top-1 minus top-2 logit per token
-    top_logits: list[float] = field(default_factory=list)
+    # target alone: its best (token, logit) pairs per generated position, best first (the lossless check)
+    candidates: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def verify_tokens(self) -> int:
         return sum(a + 1 for a in self.accepted)
 
 
-def _top2(logits: torch.Tensor) -> tuple[int, float, float]:
-    v, i = logits.topk(2)
-    return int(i[0]), float(v[0] - v[1]), float(v[0])
+def _candidates(logits: torch.Tensor) -> list[tuple[int, float]]:
+    v, i = logits.topk(min(TOP_CANDIDATES, logits.shape[-1]))
+    return list(zip(i.tolist(), v.tolist()))
 
 
 def _finish(tokens: list[int], new: list[int], max_new: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -107,23 +104,25 @@ def _finish(tokens: list[int], new: list[int], max_new: int, eos: set[int]) -> t
 
 
 @torch.no_grad()
-def greedy(target: Target, prompt: list[int], max_new: int) -> Decoded:
-    """The target alone, one token a forward (its KV cache kept): the reference and the speed baseline."""
+def greedy(target: Target, prompt: list[int], max_new: int, candidates: bool = True) -> Decoded:
+    """The target alone, one token a forward (its KV cache kept): the reference and the speed baseline.
+
+    ``candidates``: keep each position's best tokens and logits (the reference); off when only timed."""
     t0 = time.perf_counter()
     cache = target.new_cache()
     logits, _ = target.forward(prompt, cache)
     out: list[int] = []
-    gaps, tops = [], []
+    cands = []
     while True:
-        tok, gap, top = _top2(logits[-1])
-        gaps.append(gap)
-        tops.append(top)
+        tok = int(logits[-1].argmax())
+        if candidates:
+            cands.append(_candidates(logits[-1]))
         kept, done = _finish(out, [tok], max_new, target.eos_ids)
         out += kept
         if done:
             break
         logits, _ = target.forward([tok], cache)
-    return Decoded(out, time.perf_counter() - t0, top2_gaps=gaps, top_logits=tops)
+    return Decoded(out, time.perf_counter() - t0, candidates=cands)
 
 
 class DraftProposer:

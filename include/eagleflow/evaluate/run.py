@@ -1,13 +1,16 @@
 """The evaluate_draft phase: held-out speculative decoding per configuration, the promotion gate, eval.json.
 
-For each configuration of ``eval.configs`` the exported draft (and
-``eval.baseline_draft``, when set, on the same prompts) decodes every held-out
-prompt greedily with the target verifying; the target alone decodes them too
-(the reference for the lossless check and the speed baseline). The gate: each
+For each configuration of ``eval.configs`` the exported draft (and a baseline
+draft on the same prompts: by default the draft in service, the one
+``<run_root>/promoted.json`` names; ``eval.baseline_draft`` names another or
+``none``) decodes every held-out prompt greedily with the target verifying; the
+target alone decodes them too (the reference for the lossless check, and,
+timed in pairs with each configuration, the speed baseline). The gate: each
 configuration's acceptance length >= its minimum, not below the baseline's by
-more than ``eval.tolerance``, and every output equal to the target's alone
-(a near-tie of the top-2 logits excepted). A passing draft becomes
-``<run_root>/promoted.json``; the export stays either way.
+more than ``eval.tolerance``, and every output equal to the target's alone (a
+numerical tie excepted: the emitted token's own logit within a few ulps of the
+top one, :mod:`.lossless`). A passing draft becomes ``<run_root>/promoted.json``;
+the export stays either way.
 """
 from __future__ import annotations
 
@@ -39,49 +42,56 @@ def prompts_from_corpus(layout: RunLayout, max_prompts: int) -> list[dict]:
 
 
 def _mismatch(ref, got, threshold) -> dict | None:
-    """First position where the output with the draft leaves the target's own, with the target's top-2 gap."""
-    for i, (a, b) in enumerate(zip(ref.tokens, got.tokens)):
-        if a != b:
-            gap = ref.top2_gaps[i]
-            return {"position": i, "target": a, "with_draft": b, "top2_logit_gap": round(gap, 6),
-                    "near_tie": gap <= threshold(ref.top_logits[i])}
-    if len(ref.tokens) != len(got.tokens):
-        i = min(len(ref.tokens), len(got.tokens))
-        return {"position": i, "target": ref.tokens[i] if i < len(ref.tokens) else None,
-                "with_draft": got.tokens[i] if i < len(got.tokens) else None, "top2_logit_gap": None,
-                "near_tie": False}
-    return None
+    """First position where the output with the draft leaves the target's own, judged on the emitted token."""
+    from .lossless import first_difference
+    return first_difference(ref.tokens, got.tokens, lambda i: ref.candidates[i] if i < len(ref.candidates) else [],
+                            threshold)
 
 
 def measure(target, proposer, prompts: list[dict], references: dict, steps: int, max_new: int, threshold,
             verify=None) -> dict:
-    """One draft, one configuration, one prompt set: acceptance, per-position acceptance, speed, lossless."""
-    from .decoder import speculative
+    """One draft, one configuration, one prompt set: acceptance, per-position acceptance, speed, lossless.
+
+    Speed: after an untimed warm-up of both, each prompt is decoded by the target alone and with the draft
+    back to back (which goes first alternates), so both see the same machine state; the speed-up is the
+    median of the per-prompt ratios (:mod:`.speed`)."""
+    from .decoder import greedy, speculative
+    from .speed import speed_figures
     passes = tokens = 0
     at = [0] * steps
-    secs = ref_secs = 0.0
+    secs, ref_secs = [], []
     mismatches = []
-    for p in prompts:
-        got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
+    if prompts:   # first calls allocate (caches, thread pools): neither side's timing pays for it
+        w = prompts[0]["prompt_ids"]
+        greedy(target, w, min(4, max_new), candidates=False)
+        speculative(target, proposer, w, min(4, max_new), steps, verify=verify)
+    for n, p in enumerate(prompts):
+        if n % 2:
+            got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
+            alone = greedy(target, p["prompt_ids"], max_new, candidates=False)
+        else:
+            alone = greedy(target, p["prompt_ids"], max_new, candidates=False)
+            got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
         ref = references[p["id"]]
         passes += got.verify_passes
         tokens += got.verify_tokens
         for a in got.accepted:
             for j in range(min(a, steps)):
                 at[j] += 1
-        secs += got.seconds
-        ref_secs += ref.seconds
+        secs.append(got.seconds)
+        ref_secs.append(alone.seconds)
         mm = _mismatch(ref, got, threshold)
         if mm:
             mismatches.append({"prompt": p["id"], **mm})
-    generated = sum(len(references[p["id"]].tokens) for p in prompts)
-    tps, ref_tps = generated / secs if secs else 0.0, generated / ref_secs if ref_secs else 0.0
-    return {"accept_length": round(tokens / passes, 4) if passes else 1.0,
+    accept_length = round(tokens / passes, 4) if passes else 1.0
+    speed = speed_figures([len(references[p["id"]].tokens) for p in prompts], ref_secs, secs, accept_length,
+                          "paired: target alone and with the draft back to back per prompt, after a warm-up; "
+                          "median of the per-prompt ratios")
+    return {"accept_length": accept_length,
             "sglang_accept_length": round((tokens + len(prompts)) / passes, 4) if passes else None,
             "verify_passes": passes, "verify_tokens": tokens,
             "accepted_at_position": [round(x / passes, 4) if passes else 0.0 for x in at],
-            "tokens_per_s": round(tps, 2), "target_tokens_per_s": round(ref_tps, 2),
-            "speedup": round(tps / ref_tps, 3) if ref_tps else None,
+            **speed,
             "lossless": not [m for m in mismatches if not m["near_tie"]],
             "near_ties": sum(m["near_tie"] for m in mismatches),
             # at most 20 kept, real differences first (the gate names the first one)
@@ -105,8 +115,9 @@ def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
         if not new["lossless"]:
             m = next(m for m in new["mismatches"] if not m["near_tie"])
             why.append(f"{where}: output with the draft differs from the target alone at prompt {m['prompt']} "
-                       f"position {m['position']} (target top-2 logit gap {m['top2_logit_gap']}): the "
-                       "speculative decoder is not lossless")
+                       f"position {m['position']} (emitted token {m['with_draft']} ranked {m['emitted_rank']} in "
+                       f"the target's distribution, {m['emitted_logit_gap']} below its top, tie tolerance "
+                       f"{m['tie_tolerance']}): the speculative decoder is not lossless")
     return why
 
 
@@ -206,11 +217,13 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
     target_dir = str(cfg.resolve(cfg.target_model))
     prompt_sets = load_prompt_sets(cfg, layout, target_dir)
     drafts = {"draft": draft_dir}
-    if ec.baseline_draft:
-        drafts["baseline"] = cfg.resolve(ec.baseline_draft)
+    baseline, baseline_source = baseline_draft(cfg)
+    if baseline is not None:
+        drafts["baseline"] = baseline
     log(f"evaluate ({ec.backend}): " + ", ".join(f"{len(p)} prompt(s) of {n}" for n, p in prompt_sets.items())
         + f", up to {ec.max_new_tokens} new tokens each, target {target_dir}, draft {draft_dir}"
-        + (f", baseline {drafts['baseline']}" if "baseline" in drafts else ""))
+        + (f", baseline {drafts['baseline']} ({baseline_source})" if "baseline" in drafts else
+           f", no baseline ({baseline_source})"))
     if ec.backend == "sglang":
         from .sglang_backend import SglangEvalError, results as sglang_results
         try:
@@ -227,9 +240,12 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
             f"position {', '.join(f'{x:.2f}' for x in d['accepted_at_position'])}), {d['tokens_per_s']:.1f} tok/s "
             f"vs {d['target_tokens_per_s']:.1f} alone (x{d['speedup']}), lossless {'yes' if d['lossless'] else 'NO'}"
             + (f"; baseline {row['baseline']['accept_length']:.3f}" if "baseline" in row else ""))
+        if d.get("speedup_note"):
+            log(f"evaluate: {row['config']} on {row['prompt_set']}: {d['speedup_note']}")
     refused = gate(results, cfg, "baseline" in drafts)
     summary = {"run_id": layout.run_id, "backend": ec.backend, "draft": str(draft_dir),
                "baseline_draft": str(drafts["baseline"]) if "baseline" in drafts else None,
+               "baseline_source": baseline_source,
                "target": target_dir, **about, "max_new_tokens": ec.max_new_tokens, "tolerance": ec.tolerance,
                "prompt_sets": {n: len(p) for n, p in prompt_sets.items()},
                "results": results, "passed": not refused, "refused": refused,
@@ -244,6 +260,59 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
     log("evaluate: PASSED, promoted " + str(draft_dir) if not refused else
         "evaluate: REFUSED: " + "; ".join(refused))
     return summary
+
+
+NO_BASELINE = "none"
+
+
+def baseline_draft(cfg: PipelineConfig) -> tuple[Path | None, str]:
+    """(the draft the new one is compared with, where that came from): eval.baseline_draft when it names one,
+    none when it says 'none', else the draft in service (promoted.json), else none (nothing promoted yet)."""
+    ec = cfg.eval
+    if ec.baseline_draft == NO_BASELINE:
+        return None, "eval.baseline_draft: none"
+    if ec.baseline_draft:
+        return cfg.resolve(ec.baseline_draft), "eval.baseline_draft"
+    served = draft_in_service(cfg)
+    if served is None:
+        return None, f"no {PROMOTED_FILE} in run_root: nothing promoted yet"
+    return served, f"the draft in service, {Path(str(cfg.resolve(cfg.run_root))) / PROMOTED_FILE}"
+
+
+def draft_in_service(cfg: PipelineConfig) -> Path | None:
+    """The export directory ``<run_root>/promoted.json`` names, read as untrusted input; None when absent.
+
+    A file that cannot be read, or a draft that is gone or lives outside run_root (and
+    eval.promoted_draft_roots), is an error: skipping the comparison would let a worse draft through."""
+    run_root = Path(str(cfg.resolve(cfg.run_root)))
+    path = run_root / PROMOTED_FILE
+    if not path.exists():
+        return None
+    fix = ("fix or remove it, set eval.baseline_draft to the draft in service, or set eval.baseline_draft: none "
+           "to promote without a comparison")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} (the draft in service) cannot be read ({e}); {fix}") from None
+    draft = data.get("draft") if isinstance(data, dict) else None
+    if not isinstance(draft, str) or not draft or "\x00" in draft or not Path(draft).is_absolute():
+        raise ValueError(f"{path}: field draft {draft!r} is not an absolute path to an export directory; {fix}")
+    if not isinstance(data.get("run_id"), str) or not isinstance(data.get("accept_length"), dict):
+        raise ValueError(f"{path}: fields run_id / accept_length missing or of the wrong type (not written by "
+                         f"`eagleflow evaluate`?); {fix}")
+    real = Path(draft).resolve()
+    roots = [run_root.resolve()] + [Path(str(cfg.resolve(r))).resolve() for r in cfg.eval.promoted_draft_roots]
+    if not any(real.is_relative_to(r) for r in roots):
+        raise ValueError(f"{path}: field draft {draft} is outside run_root {run_root}"
+                         + (f" and eval.promoted_draft_roots {cfg.eval.promoted_draft_roots}"
+                            if cfg.eval.promoted_draft_roots else "")
+                         + f"; add its folder to eval.promoted_draft_roots if it is really the draft in service, "
+                           f"or {fix}")
+    for name in ("config.json", "model.safetensors"):
+        if not (real / name).is_file():
+            raise ValueError(f"{path}: the draft in service {draft} has no {name} (moved or deleted?); restore it, "
+                             f"or {fix}")
+    return real
 
 
 def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
@@ -266,6 +335,7 @@ def acceptance_table(results: list[dict]) -> list[dict]:
     """One line per configuration x prompt set: what a deployment reads from promoted.json or the Asset event."""
     return [{"config": r["config"], "prompt_set": r["prompt_set"], "prompts": r["prompts"],
              "accept_length": r["draft"]["accept_length"], "speedup": r["draft"]["speedup"],
+             "speedup_spread": r["draft"].get("speedup_spread"), "speedup_note": r["draft"].get("speedup_note"),
              "baseline_accept_length": r["baseline"]["accept_length"] if r.get("baseline") else None}
             for r in results]
 
@@ -282,7 +352,11 @@ def table_lines(summary: dict) -> list[str]:
         lossless = "yes" if d["lossless"] else "NO"
         if d["lossless"] and d["near_ties"]:
             lossless = f"yes ({d['near_ties']} tie)"
+        # a speed-up above the acceptance length is marked: its note (below the table) says why
+        speed = f"{(d['speedup'] or 0):.2f}" + ("*" if d.get("speedup_note") else "")
         lines.append(f"{r['config']:<8} {r['prompt_set'] + ' x' + str(r['prompts']):<14} {d['accept_length']:>10.3f} "
                      f"{pos[:36]:<36} {d['tokens_per_s']:>8.1f} {d['target_tokens_per_s']:>8.1f} "
-                     f"{(d['speedup'] or 0):>8.2f} {lossless:>8} {base:>8}")
+                     f"{speed:>8} {lossless:>8} {base:>8}")
+    lines += [f"* {r['config']} on {r['prompt_set']}: {r['draft']['speedup_note']}" for r in summary["results"]
+              if r["draft"].get("speedup_note")]
     return lines

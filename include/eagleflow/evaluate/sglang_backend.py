@@ -6,8 +6,12 @@ started detached and recorded like every process eagleflow starts
 (``Node.spawn_detached``: a pid record under the run's state, stopped through
 ``Node.stop_recorded``), and once more without a draft (the target alone: the
 speed and lossless reference). Each prompt set is sent to ``/generate``
-concurrently, greedy, ``return_logprob`` with the top 2 on the target alone
-(the gap of a lossless mismatch).
+concurrently, greedy, ``return_logprob`` with the top ``TOP_CANDIDATES`` on the
+target alone (where a lossless mismatch's emitted token is judged, :mod:`.lossless`).
+Every server answers one untimed warm-up request before it is timed; the
+servers cannot run side by side on one GPU set, so the speed-up here is one
+pair per prompt set (alone, then with the draft), not the hf backend's
+per-prompt pairs.
 
 What is read, as sglang 0.5.23 writes it (``TokenizerManager._handle_batch_output``
 and ``_calculate_spec_decoding_metrics`` in ``srt/managers/tokenizer_manager.py``;
@@ -39,10 +43,6 @@ from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.layout import RunLayout
 
 TARGET_ALONE = "target"
-# A bf16 top-2 logit gap this small is within the arithmetic's reach (16 x eps x a logit of 32, the hf
-# backend's rule at a typical top logit): sglang answers log-probabilities, whose gap is the logits' gap,
-# not the top logit itself.
-_TYPICAL_TOP_LOGIT = 32.0
 
 
 class SglangEvalError(RuntimeError):
@@ -75,10 +75,12 @@ def role(draft_role: str, sc: SpecConfig | None) -> str:
 # --- one request, one prompt set ------------------------------------------------------------------------------
 
 def generate_body(prompt_ids: list[int], max_new: int, rid: str, top2: bool) -> dict:
+    """``top2``: ask for each position's best TOP_CANDIDATES log-probabilities (the reference's candidates)."""
+    from .lossless import TOP_CANDIDATES
     body = {"input_ids": list(prompt_ids), "rid": rid,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
     if top2:
-        body.update({"return_logprob": True, "top_logprobs_num": 2})
+        body.update({"return_logprob": True, "top_logprobs_num": TOP_CANDIDATES})
     return body
 
 
@@ -94,7 +96,7 @@ def read_answer(ans: dict, where: str, speculative: bool) -> dict:
     top = meta.get("output_top_logprobs")
     if top:
         # each position: [[logprob, token_id, text], ...] best first (detokenize_logprob_tokens)
-        got["top2_gaps"] = [float(p[0][0]) - float(p[1][0]) if p and len(p) > 1 else float("inf") for p in top]
+        got["candidates"] = [[(int(c[1]), float(c[0])) for c in p] if p else [] for p in top]
     if speculative:
         verify = int(meta.get("spec_verify_ct", 0))
         if verify == 0 and completion > 1:
@@ -128,11 +130,10 @@ def send_all(url: str, prompts: list[dict], max_new: int, *, tag: str, top2: boo
 
 
 def near_tie_threshold(dtype: str, absolute: float | None) -> float:
-    import torch
-
-    from .decoder import near_tie_threshold as by_dtype
-    t = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype, torch.bfloat16)
-    return by_dtype(t, _TYPICAL_TOP_LOGIT, absolute)
+    """The lossless rule's tolerance for log-probabilities: the top logit's magnitude is not answered, so
+    :data:`.lossless.SERVER_TOP_LOGIT` stands for it ('auto' reads as bfloat16, the widest)."""
+    from .lossless import SERVER_TOP_LOGIT, tie_tolerance
+    return tie_tolerance(dtype, SERVER_TOP_LOGIT, absolute)
 
 
 def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone_secs: float, steps: int,
@@ -146,31 +147,24 @@ def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone
         for accepted, count in enumerate(a["histogram"]):
             for j in range(min(accepted, steps)):
                 at[j] += count
+    from .lossless import first_difference
+    from .speed import speed_figures
     mismatches = []
     for pid, a in answers.items():
-        ref = alone[pid]
-        for i, (x, y) in enumerate(zip(ref["tokens"], a["tokens"])):
-            if x != y:
-                gap = ref.get("top2_gaps", [])[i] if i < len(ref.get("top2_gaps", [])) else None
-                mismatches.append({"prompt": pid, "position": i, "target": x, "with_draft": y,
-                                   "top2_logit_gap": round(gap, 6) if gap is not None else None,
-                                   "near_tie": gap is not None and gap <= threshold})
-                break
-        else:
-            if len(ref["tokens"]) != len(a["tokens"]):
-                i = min(len(ref["tokens"]), len(a["tokens"]))
-                mismatches.append({"prompt": pid, "position": i, "target": ref["tokens"][i] if i < len(ref["tokens"])
-                                   else None, "with_draft": a["tokens"][i] if i < len(a["tokens"]) else None,
-                                   "top2_logit_gap": None, "near_tie": False})
+        cands = alone[pid].get("candidates", [])
+        mm = first_difference(alone[pid]["tokens"], a["tokens"], lambda i: cands[i] if i < len(cands) else [],
+                              lambda top: threshold)
+        if mm:
+            mismatches.append({"prompt": pid, **mm})
     generated = sum(len(alone[pid]["tokens"]) for pid in answers)
-    tps = generated / secs if secs else 0.0
-    ref_tps = generated / alone_secs if alone_secs else 0.0
-    return {"accept_length": round((correct + passes) / passes, 4) if passes else 1.0,
+    accept_length = round((correct + passes) / passes, 4) if passes else 1.0
+    speed = speed_figures([generated], [alone_secs], [secs], accept_length,
+                          "one pair per prompt set: the target alone, then with the draft, each server warmed up")
+    return {"accept_length": accept_length,
             "sglang_accept_length": round(completion / passes, 4) if passes else None,
             "verify_passes": passes, "verify_tokens": correct + passes, "correct_drafts": correct,
             "accepted_at_position": [round(x / passes, 4) if passes else 0.0 for x in at],
-            "tokens_per_s": round(tps, 2), "target_tokens_per_s": round(ref_tps, 2),
-            "speedup": round(tps / ref_tps, 3) if ref_tps else None,
+            **speed,
             "lossless": not [m for m in mismatches if not m["near_tie"]],
             "near_ties": sum(m["near_tie"] for m in mismatches),
             "mismatches": sorted(mismatches, key=lambda m: m["near_tie"])[:20]}
@@ -241,7 +235,8 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
     else:
         version = None
     node = node or LocalNode(name=cfg.node.name)
-    host = cfg.capture.host
+    from eagleflow.capture.protocol import loopback_host
+    host = loopback_host(cfg.capture.host)   # its servers take no credential: loopback only
     threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
 
     def serve(draft_role, draft_dir, sc):
@@ -249,8 +244,16 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
         argv = command(cfg, model_path=target_dir, host=host, port=port, draft_dir=draft_dir, sc=sc)
         return Server(cfg, layout, node, argv, role(draft_role, sc), f"http://{host}:{port}", log)
 
+    first = next((ps[0] for ps in prompt_sets.values() if ps), None)
+
+    def warm_up(srv, speculative):   # first requests pay for allocations and graph capture: untimed
+        if first is not None:
+            send_all(srv.url, [first], min(4, ec.max_new_tokens), tag="warm-up", top2=False, concurrency=1,
+                     timeout_s=ec.request_timeout_s, speculative=speculative)
+
     alone, alone_secs = {}, {}
     with serve(TARGET_ALONE, None, None) as srv:
+        warm_up(srv, False)
         for name, prompts in prompt_sets.items():
             alone[name], alone_secs[name] = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"alone-{name}",
                                                      top2=True, concurrency=ec.concurrency,
@@ -262,6 +265,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
     for sc in ec.configs:
         for draft_role, d in drafts.items():
             with serve(draft_role, d, sc) as srv:
+                warm_up(srv, True)
                 for name, prompts in prompt_sets.items():
                     answers, secs = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"{draft_role}-{name}",
                                              top2=False, concurrency=ec.concurrency,

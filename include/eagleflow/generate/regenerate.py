@@ -39,7 +39,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from eagleflow.corpus.normalise import BadRecord, Conversation, short_repr
+from eagleflow.corpus.normalise import (BadRecord, Conversation, control_token_error, control_token_strings,
+                                        short_repr)
 
 # record outcomes
 REGENERATED = "regenerated"                  # every assistant turn regenerated
@@ -159,13 +160,8 @@ def parse_turn(text: str, tool_call_format: str = "hermes") -> dict:
             d = json.loads(m.group(1))
         except ValueError:
             d = None
-        if isinstance(d, dict) and isinstance(d.get("name"), str):
-            args = d.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    pass
+        args = _call_arguments(d)
+        if args is not None:
             calls.append({"type": "function", "function": {"name": d["name"], "arguments": args}})
         else:   # a malformed call is still a call (it differs from any original one), kept as text
             msg["malformed_calls"] = msg.get("malformed_calls", 0) + 1
@@ -175,12 +171,34 @@ def parse_turn(text: str, tool_call_format: str = "hermes") -> dict:
     return msg
 
 
+_CALL_KEYS = {"name", "arguments", "parameters"}
+
+
+def _call_arguments(d) -> dict | None:
+    """The arguments of one hermes call object, read as SGLang reads them; None for a shape we do not know.
+
+    SGLang (``BaseFormatDetector.parse_base_json``) takes ``parameters`` or else ``arguments`` and refuses a
+    call that has both while streaming; so here: either key (not both), an object or a JSON string of one,
+    no other key. Anything else is a malformed call, which differs from every original call."""
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or set(d) - _CALL_KEYS:
+        return None
+    if "arguments" in d and "parameters" in d:
+        return None
+    args = d.get("parameters", d.get("arguments", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return args if isinstance(args, dict) else None
+
+
 def _parses(text: str) -> bool:
     try:
         d = json.loads(text)
     except ValueError:
         return False
-    return isinstance(d, dict) and isinstance(d.get("name"), str)
+    return _call_arguments(d) is not None
 
 
 def check_record(conv: Conversation) -> tuple[str, str, str] | None:
@@ -222,6 +240,7 @@ class RecordBuilder:
         self.tool_call_format = tool_call_format
         self.stop_ids = list(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer))
         self.template_kwargs = {"enable_thinking": sampling.reasoning}
+        self.control_tokens = control_token_strings(tokenizer)   # record text may never become one
 
     def render(self, messages: list[dict], tools, generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -247,6 +266,9 @@ class RecordBuilder:
         problem = check_record(conv)
         if problem:
             return self._bad(res, file, *problem, value=short_repr(conv.messages[0] if conv.messages else None))
+        control = control_token_error(conv, self.control_tokens)   # before any prompt is rendered
+        if control is not None:
+            return self._bad(res, file, control.kind, control.field, control.problem, value=short_repr(control.value))
         msgs = conv.messages
         j = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         hist = [dict(m) for m in msgs[:j]]
