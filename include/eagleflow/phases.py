@@ -1,61 +1,94 @@
-"""The sharded phases as core descriptors: one ``ShardKind`` per phase (extraction, generation) owning its role
-names, unit words, shard-count field, folders, server lifecycle, takeover key and collect task.
+"""The sharded phases as core descriptors: one ``ShardKind`` per phase (extraction, generation), owning its names
+(role, label, unit, server), its folders and files on the run layout, its shard-count field, its takeover key
+and the DAG tasks that collect it.
 
-Reconcile, the fleet's hand-over and the operators read these instead of branching on the phase's name; a new
-sharded phase is a descriptor here plus its worker, its CLI registration and its DAG wiring. (Issue 39: the
-watch's ``WatchedJob`` and the fleet operators' tables still keep their own words; they move here next.)
+Static data only (it imports nothing but config and layout), so every layer can read it: the watch
+(``watchdog.signals.WatchedJob``), reconcile and the fleet's hand-over, the lifecycles, the operators. What a
+phase *does* (start its server, its workers) stays in its own package (``capture.lifecycle``,
+``generate.lifecycle``). A new sharded phase is a descriptor here plus its worker, its CLI registration, its
+lifecycle and its DAG wiring.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Callable
 
-from eagleflow.capture import lifecycle as capture
 from eagleflow.config import PipelineConfig
-from eagleflow.generate import lifecycle as generate
 from eagleflow.layout import RunLayout
 
 EXTRACT, GENERATE = "extract", "generate"
+# in a generation shard's dir: its last try ended on a stall blamed on the server (generate.lifecycle)
+SERVER_STALL = "server_stall.json"
 
 
 @dataclass(frozen=True)
 class ShardKind:
-    """One sharded phase as reconcile sees it: its workers, its server and where its shards write."""
+    """One sharded phase: its workers, its server and where its shards write."""
     phase: str
     unit: str                                   # what the manifest counts
-    label: str                                  # how a shard is named in lines and mails
+    label: str                                  # how reconcile and the fleet name a shard in lines
+    watch_name: str                             # how the watch and its mails name a shard ("<name> 3/8")
     server: str                                 # how its server is named
     server_role: str
+    worker_prefix: str                          # worker role = prefix + 5-digit shard
     marker: str                                 # <run>.<marker>: reconcile started this phase's server
     started_dir: str                            # a run dir holding this means the phase started
-    worker_role: Callable[[int], str]
-    num_shards: Callable[[PipelineConfig], int]
-    shards_field: str                           # the config field num_shards reads, for messages
-    shard_dir: Callable[[RunLayout, int], object]
-    start_server: Callable
-    wait_server_ready: Callable
-    stop_server: Callable
-    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
+    shards_field: str                           # the config field that says how many shards
+    enabled_field: str | None                   # the config switch that turns the phase on (None: always on)
+    shard_dir: Callable[[RunLayout, int], PurePosixPath]
+    server_info_file: Callable[[RunLayout], PurePosixPath]
     takeover_key: str                           # its map in a run's takeover.json (fleet.takeover)
+    prepared_key: str                           # its list in prepare_node's answer (the shards a node holds)
     collect_task: str                           # the DAG task that copies a node's shards to the training node
+    copy_last: tuple[str, ...]                  # a shard's files copied last (their presence says "complete")
+    copy_skip: tuple[str, ...]                  # a shard's files never copied (node-local state)
+
+    def worker_role(self, shard: int) -> str:
+        return f"{self.worker_prefix}{shard:05d}"
+
+    def worker_role_pattern(self) -> str:
+        """A regular expression matching every ``worker_role`` whole."""
+        return re.escape(self.worker_prefix) + r"\d{5}"
+
+    def num_shards(self, cfg: PipelineConfig) -> int:
+        return int(_field(cfg, self.shards_field))
+
+    def enabled(self, cfg: PipelineConfig) -> bool:
+        return self.enabled_field is None or bool(_field(cfg, self.enabled_field))
+
+    def shards_to_run(self, cfg: PipelineConfig) -> int:
+        """The shards this run has of the phase: none while it is switched off."""
+        return self.num_shards(cfg) if self.enabled(cfg) else 0
+
+    def heartbeat_file(self, layout: RunLayout, shard: int) -> PurePosixPath:
+        return self.shard_dir(layout, shard) / "heartbeat.json"
+
+
+def _field(cfg: PipelineConfig, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 KINDS = {
     EXTRACT: ShardKind(
-        phase=EXTRACT, unit="samples", label="extract shard", server="capture server", server_role=capture.SERVER_ROLE,
-        marker="reconcile-started-server", started_dir="hidden_states", worker_role=capture.worker_role,
-        num_shards=lambda cfg: cfg.capture.shards, shards_field="capture.shards", shard_dir=lambda lay, s: lay.shard_dir(s),
-        start_server=capture.start_capture_server, wait_server_ready=capture.wait_capture_server_ready,
-        stop_server=capture.stop_capture_server, start_worker=capture.start_or_attach_worker,
-        takeover_key="shards", collect_task="collect_shards"),
+        phase=EXTRACT, unit="samples", label="extract shard", watch_name="shard", server="capture server",
+        server_role="capture_server", worker_prefix="worker_shard_", marker="reconcile-started-server",
+        started_dir="hidden_states", shards_field="capture.shards", enabled_field=None, shard_dir=RunLayout.shard_dir,
+        server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
+        collect_task="collect_shards",
+        # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
+        copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",)),
     GENERATE: ShardKind(
-        phase=GENERATE, unit="records", label="generate shard", server="generation server",
-        server_role=generate.SERVER_ROLE, marker="reconcile-started-generate_server", started_dir="generated",
-        worker_role=generate.worker_role, num_shards=lambda cfg: cfg.generate.shards, shards_field="generate.shards",
-        shard_dir=lambda lay, s: lay.generate_shard_dir(s),
-        start_server=generate.start_generate_server, wait_server_ready=generate.wait_generate_server_ready,
-        stop_server=generate.stop_generate_server, start_worker=generate.start_or_attach_generate_worker,
-        takeover_key="generate_shards", collect_task="collect_generated"),
+        phase=GENERATE, unit="records", label="generate shard", watch_name="generate shard",
+        server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
+        marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards", enabled_field="generate.enabled",
+        shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
+        takeover_key="generate_shards", prepared_key="generate_shards", collect_task="collect_generated",
+        # the manifest and final heartbeat last (the phase's stats accept a shard once its heartbeat says
+        # complete, and it is final once the worker ended); the stall marker is the node's own note
+        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,)),
 }
 
 

@@ -39,9 +39,8 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
-from eagleflow.generate.lifecycle import SERVER_STALL
-from eagleflow.layout import RunLayout
 from eagleflow.nodes.base import NodeError
+from eagleflow.phases import kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 
 PREPARE_TASK = "prepare_node"
@@ -162,18 +161,8 @@ class ReceiveCorpusOperator(RunOperator):
         return {"node": name, "copied": report.files_copied}
 
 
-# per phase: prepare_node's key for the node's shards, a shard's folder, how copy_dir moves it. A generation
-# shard's heartbeat goes too, after its manifest: the phase's stats on the training node accept a shard once
-# its heartbeat says complete, and it is final here (the shard's worker has ended)
-_PHASES = {"extract": ("shards", RunLayout.shard_dir, {}),
-           "generate": ("generate_shards", RunLayout.generate_shard_dir,
-                        {"last": ("manifest.jsonl", "heartbeat.json"), "skip": (SERVER_STALL,)})}
-
-
 def _phase(phase: str) -> str:
-    if phase not in _PHASES:
-        raise ValueError(f"phase {phase!r}: must be one of {sorted(_PHASES)}")
-    return phase
+    return kind_of(phase).phase   # refuses an unknown phase, naming the known ones
 
 
 class CollectShardsOperator(RunOperator):
@@ -190,20 +179,21 @@ class CollectShardsOperator(RunOperator):
         if ready.get("shared"):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
-        key, folder, how = _PHASES[self.phase]
+        kind = kind_of(self.phase)
         copy_dir = _copy_dir()
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:
-            for shard in ready.get(key) or []:
+            for shard in ready.get(kind.prepared_key) or []:
                 taken_by = handed_over_on_node(ctx, shard, self.phase)
                 if taken_by is not None:   # the taking node works on it in its own run dir: this copy is stale
                     self.log.warning("%s shard %d: node %s handed it over to %s; not copied (its copy here would "
                                      "overwrite the shard %s completes)", self.phase, shard, name, taken_by, taken_by)
                     continue
                 try:
-                    rep = copy_dir(ctx.node, str(folder(ctx.layout, shard)), home.node, str(folder(home.layout, shard)),
-                                   log=self.log.info, **how)
+                    rep = copy_dir(ctx.node, str(kind.shard_dir(ctx.layout, shard)), home.node,
+                                   str(kind.shard_dir(home.layout, shard)), log=self.log.info, last=kind.copy_last,
+                                   skip=kind.copy_skip)
                 except (NodeError, RuntimeError) as e:   # the others still move; the task fails at the end
                     problems.append(f"{self.phase} shard {shard}: {e}")
                     continue
@@ -229,11 +219,11 @@ class TakeOverShardsOperator(RunOperator):
     def run(self, ctx, context):
         cfg = ctx.cfg
         training = cfg.fleet.training_node or cfg.node.name
-        if self.phase == "generate" and not cfg.generate.enabled:
-            self.log.info("generate.enabled is off: no generation shard to take over")
+        kind = kind_of(self.phase)
+        if not kind.enabled(cfg):
+            self.log.info("%s is off: no %s to take over", kind.enabled_field, kind.label)
             return []
-        from eagleflow.phases import kind_of
-        unit = kind_of(self.phase).unit
+        unit = kind.unit
         todo = []
         for node in cfg.nodes_in_use():
             shards = shards_of(cfg, node.name, self.phase)
@@ -314,6 +304,5 @@ class ReleaseTakeoverServerOperator(RunOperator):
             raise AirflowSkipException("no shard was taken over: no server to release")
         released = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "release", "--phase", self.phase),
                                      ClaimAnswer, timeout=300)
-        from eagleflow.phases import kind_of
         self.log.info("%s of the takeover: %s (%s)", kind_of(self.phase).server, released.action, released.reason)
         return {"action": released.action, "reason": released.reason}

@@ -28,6 +28,7 @@ from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check
                                           stop_generate_server, wait_generate_server_ready)
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.process_record import RecordList
+from eagleflow.phases import GENERATE, KINDS
 
 OFF = "generate.enabled is off: the sources are tokenised as they are"
 
@@ -157,7 +158,7 @@ class StopGenerateServerOperator(RunOperator):
     def run(self, ctx, context):
         records = ctx.node.run_json(ctx.node.process_record_argv(
             "list", "--pids-dir", str(ctx.layout.pids_dir), "--run-id", ctx.layout.run_id,
-            "--role-pattern", r"generate_shard_\d{5}"), RecordList, timeout=60)
+            "--role-pattern", KINDS[GENERATE].worker_role_pattern()), RecordList, timeout=60)
         for st in records.records:
             if st.record is not None:
                 stopped = ctx.node.stop_recorded(st.record.pid_file, grace_s=self.grace_s)

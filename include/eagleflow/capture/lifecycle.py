@@ -23,10 +23,11 @@ from pydantic import BaseModel
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout, RunLike
 from eagleflow.nodes import JobAlreadyRunning, LocalNode, Node, ProcessRecord
+from eagleflow.phases import EXTRACT, KINDS
 
 from .client import CaptureServerError, health_generate
 
-SERVER_ROLE = "capture_server"
+SERVER_ROLE = KINDS[EXTRACT].server_role
 
 
 class CaptureServerNotReady(RuntimeError):
@@ -52,12 +53,12 @@ class LocalRun:
 
 
 def worker_role(shard: int) -> str:
-    return f"worker_shard_{shard:05d}"
+    return KINDS[EXTRACT].worker_role(shard)
 
 
 def worker_role_pattern() -> str:
     """A regular expression matching every ``worker_role`` whole."""
-    return r"worker_shard_\d{5}"
+    return KINDS[EXTRACT].worker_role_pattern()
 
 
 def dump_dir(cfg: PipelineConfig) -> str:

@@ -8,6 +8,7 @@ worker per shard: no shard is ever planned on two nodes).
 from __future__ import annotations
 
 from eagleflow.config import PipelineConfig
+from eagleflow.phases import kind_of
 
 
 def assign_shards(n_shards: int, slots: dict[str, int]) -> dict[str, list[int]]:
@@ -38,10 +39,7 @@ def assign_shards(n_shards: int, slots: dict[str, int]) -> dict[str, list[int]]:
 def run_assignment(cfg: PipelineConfig, phase: str = "extract") -> dict[str, list[int]]:
     """The run's whole assignment of one phase's shards over the nodes it uses: capture.shards (extract) or,
     when generation is on, generate.shards (generate; none when it is off)."""
-    if phase not in ("extract", "generate"):
-        raise ValueError(f"phase {phase!r}: must be 'extract' or 'generate'")
-    n = cfg.capture.shards if phase == "extract" else (cfg.generate.shards if cfg.generate.enabled else 0)
-    return assign_shards(n, {node.name: node.gpu_slots for node in cfg.nodes_in_use()})
+    return assign_shards(kind_of(phase).shards_to_run(cfg), {node.name: node.gpu_slots for node in cfg.nodes_in_use()})
 
 
 def shards_of(cfg: PipelineConfig, node: str, phase: str = "extract") -> list[int]:

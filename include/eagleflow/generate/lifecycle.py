@@ -18,8 +18,9 @@ from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_rea
                                          wait_server_ready)
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
+from eagleflow.phases import GENERATE, KINDS, SERVER_STALL
 
-SERVER_ROLE = "generate_server"
+SERVER_ROLE = KINDS[GENERATE].server_role
 
 
 class GenerateServerDied(CaptureServerNotReady):
@@ -27,7 +28,7 @@ class GenerateServerDied(CaptureServerNotReady):
 
 
 def worker_role(shard: int) -> str:
-    return f"generate_shard_{shard:05d}"
+    return KINDS[GENERATE].worker_role(shard)
 
 
 def server_info(ctx: RunLike) -> dict | None:
@@ -84,7 +85,6 @@ def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple
     return rec, not started
 
 
-SERVER_STALL = "server_stall.json"   # in the shard dir: the last try ended on a stall blamed on the server
 
 
 def _server_identity(ctx: RunLike) -> dict | None:

@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
+from eagleflow.phases import EXTRACT, KINDS
 from eagleflow.watchdog.incidents import history, incident_id, node_time
 
-_SHARD_ROLE = re.compile(r"worker_shard_(\d{5})")
+_SHARD_ROLE = re.compile(re.escape(KINDS[EXTRACT].worker_prefix) + r"(\d{5})")   # an extraction worker
 INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
 
 

@@ -42,15 +42,35 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
+from eagleflow.capture import lifecycle as capture
 from eagleflow.capture.lifecycle import SERVER_ROLE, LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
+from eagleflow.generate import lifecycle as generate
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind, kind_of
+
+
+@dataclass(frozen=True)
+class PhaseLifecycle:
+    """What claim and release do to a phase's server and workers: its own lifecycle module's functions."""
+    start_server: Callable
+    wait_server_ready: Callable
+    stop_server: Callable
+    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
+
+
+LIFECYCLES = {
+    EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
+                            capture.stop_capture_server, capture.start_or_attach_worker),
+    GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
+                             generate.stop_generate_server, generate.start_or_attach_generate_worker),
+}
 
 RUN_CONFIG = "run-config.json"
 
@@ -230,13 +250,13 @@ def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT, taken_from
         from eagleflow.watchdog.recovery import lock_path
         with NodeLock(lock_path(run, kind.server_role),
                       purpose=f"reconcile start of the {kind.server} for run {run.layout.run_id}"):
-            started, server_started = kind.start_server(run, log=log)
+            started, server_started = LIFECYCLES[phase].start_server(run, log=log)
             if server_started:
                 _marker(run, kind).parent.mkdir(parents=True, exist_ok=True)
                 _marker(run, kind).write_text(json.dumps({"pid": started.pid, "at": time.time()}))
-            kind.wait_server_ready(run, log=log)
+            LIFECYCLES[phase].wait_server_ready(run, log=log)
         try:
-            rec, attached = kind.start_worker(run, shard, log=log)
+            rec, attached = LIFECYCLES[phase].start_worker(run, shard, log=log)
         except JobAlreadyRunning as e:  # a worker not recorded by us (started by hand) holds the shard
             return {"action": "skipped", "reason": str(e), **asdict(st)}
         return {"action": "attached" if attached else "started", "reason": st.line(), "worker_pid": rec.pid,
@@ -262,7 +282,7 @@ def release(run: LocalRun, log=print, phase: str = EXTRACT, exit_grace_s: float 
         alive = live()
     if alive:
         return {"action": "kept", "reason": f"workers of {kind.label}s {alive} still run"}
-    result = kind.stop_server(run, log=log)
+    result = LIFECYCLES[phase].stop_server(run, log=log)
     marker.unlink(missing_ok=True)
     return {"action": "stopped", "reason": f"server {result['server']}",
             **({"dumps_removed": result["dumps_removed"]} if "dumps_removed" in result else {})}

@@ -40,32 +40,34 @@ from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import state_phrase, thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
+from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 
 
 # --------------------------------------------------------------------------- which job
 @dataclass(frozen=True)
 class WatchedJob:
-    """An extraction shard (``shard`` set), a generation shard (``phase`` "generate": its worker writes the
-    same heartbeat and manifest, so the same signals and verdicts apply) or the trainer (``shard`` None)."""
+    """A shard of a sharded phase (``phase``: extraction or generation, whose workers write the same heartbeat
+    and manifest, so the same signals and verdicts apply; names and paths from its ``phases.ShardKind``), or the
+    trainer (``shard`` None)."""
     shard: int | None
     num_shards: int = 1
-    phase: str = "extract"
+    phase: str = EXTRACT
+
+    @property
+    def kind(self) -> ShardKind:
+        return kind_of(self.phase)
 
     @property
     def generating(self) -> bool:
-        return self.phase == "generate" and self.shard is not None
+        return self.phase == GENERATE and self.shard is not None
 
     @property
     def role(self) -> str:
-        if self.shard is None:
-            return "trainer"
-        return f"generate_shard_{self.shard:05d}" if self.generating else f"worker_shard_{self.shard:05d}"
+        return "trainer" if self.shard is None else self.kind.worker_role(self.shard)
 
     @property
     def name(self) -> str:
-        if self.shard is None:
-            return "training"
-        return f"{'generate shard' if self.generating else 'shard'} {self.shard}/{self.num_shards}"
+        return "training" if self.shard is None else f"{self.kind.watch_name} {self.shard}/{self.num_shards}"
 
     @property
     def uses_server(self) -> bool:
@@ -73,20 +75,18 @@ class WatchedJob:
 
     @property
     def server_role(self) -> str:
-        return "generate_server" if self.generating else "capture_server"
+        return self.kind.server_role
 
     def server_info_path(self, layout: RunLayout) -> str:
-        return str(layout.generate_server_info_file if self.generating else layout.server_info_file)
+        return str(self.kind.server_info_file(layout))
 
     def heartbeat_path(self, layout: RunLayout) -> str:
-        if self.generating:
-            return str(layout.generate_shard_dir(self.shard) / "heartbeat.json")
-        return str(layout.train_heartbeat_file if self.shard is None else layout.heartbeat_file(self.shard))
+        if self.shard is None:
+            return str(layout.train_heartbeat_file)
+        return str(self.kind.heartbeat_file(layout, self.shard))
 
     def work_dir(self, layout: RunLayout) -> str:
-        if self.generating:
-            return str(layout.generate_shard_dir(self.shard))
-        return str(layout.draft_dir if self.shard is None else layout.shard_dir(self.shard))
+        return str(layout.draft_dir if self.shard is None else self.kind.shard_dir(layout, self.shard))
 
 
 # --------------------------------------------------------------------------- signals
@@ -594,8 +594,7 @@ def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
 def stored_samples(layout: RunLayout, shard: int, job: WatchedJob | None = None) -> int:
     """Distinct samples (records, for a generation shard) in the shard's manifest (a partial last line is not one)."""
     from eagleflow.capture.manifest import read_manifest
-    path = (Path(job.work_dir(layout)) / "manifest.jsonl") if job is not None and job.generating \
-        else layout.manifest_file(shard)
+    path = (job or WatchedJob(shard=shard)).kind.shard_dir(layout, shard) / "manifest.jsonl"
     try:
         return len(read_manifest(path).entries)
     except OSError:
