@@ -1,14 +1,21 @@
 """Where a run's files live, on the node. One place, so every phase agrees.
 
     <run_root>/<run_id>/
+        run-config.json         the run's frozen config (run-config.<node>.json on another fleet node)
+        generated/shard_00001/  the target's own records (generation), manifest.jsonl, heartbeat.json; stats.json
         corpus/                 corpus.parquet, stats.json
         hidden_states/shard_00003/   <sample>.safetensors, manifest.jsonl, heartbeat.json
         hidden_states_held_out/shard_00000/   the same for the held-out records trained models are scored on
-        logs/                   one log per detached process
-        draft/                  checkpoints/, export/, metrics.jsonl, curves.png
+        capture_server.json, generate_server.json   a live server's url and identity (tagged per fleet node)
+        takeover.json           a fleet's shards handed over to this node (eagleflow.fleet.takeover)
+        logs/                   one log per detached process (logs/<node>/ on another fleet node)
+        draft/                  checkpoints/, export/, metrics.jsonl, curves.png, heartbeat.json
     <state_dir>/                node-wide, across runs
         pids/<run_id>.<role>.json    every process we started (see nodes.detach)
-        locks/                  e.g. the capture-server restart lock
+        locks/                  job locks (<run_id>.<role>.lock), hand-over marks, restart locks
+        keys/capture_dump.key   the dump MAC key
+        watch/, incidents/      the watch's looks and alarms, the node's incident book (eagleflow.watchdog)
+        reconcile/config.json   the config the hourly reconcile scans with
 """
 from __future__ import annotations
 
