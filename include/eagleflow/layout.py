@@ -109,6 +109,11 @@ class RunLayout:
         """The lock a job of ``role`` holds for its lifetime (one worker per shard); an exact name per run."""
         return self.locks_dir / f"{self.run_id}.{role}.lock"
 
+    def restart_lock_file(self, server_role: str) -> PurePosixPath:
+        """Held while a server of the run is (re)started by a recovery: not the server's own life lock
+        (``lock_file(role)``, taken by detach at its start), which would make the start it guards refuse itself."""
+        return self.locks_dir / f"{self.run_id}.{server_role}.restart.lock"
+
     def log_file(self, role: str) -> PurePosixPath:
         return self.logs_dir / f"{role}.log"
 

@@ -97,3 +97,11 @@ def kind_of(phase: str) -> ShardKind:
         return KINDS[phase]
     except KeyError:
         raise ValueError(f"phase {phase!r} is not one of {sorted(KINDS)}") from None
+
+
+def unit_of_job(job_name: str, default: str = "samples") -> str:
+    """What a watched job's manifest counts, from the name the watch gives it ("generate shard 3/8": records)."""
+    for kind in sorted(KINDS.values(), key=lambda k: -len(k.watch_name)):
+        if job_name.startswith(kind.watch_name + " "):
+            return kind.unit
+    return default

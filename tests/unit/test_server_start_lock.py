@@ -27,6 +27,9 @@ class _Layout:
     def lock_file(self, role):
         return self.root / "locks" / f"r.{role}.lock"
 
+    def restart_lock_file(self, role):
+        return self.root / "locks" / f"r.{role}.restart.lock"
+
     def log_file(self, role):
         return self.root / "logs" / f"r.{role}.log"
 

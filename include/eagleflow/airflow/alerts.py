@@ -319,14 +319,15 @@ def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: di
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.health.durations import duration
+    from eagleflow.phases import unit_of_job
     took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
     job, node = event.get("job") or "the job", event.get("node") or "its node"
     if close.get("kind") == "outage":
         subject = f"[eagleflow] REACHABLE again: {job} on {node}, {took} after it stopped answering"
         next_step = "The outage is over; the watch goes on with the progress made meanwhile."
     else:
-        subject = (f"[eagleflow] RECOVERED {job} on {node}: samples stored again ({event.get('done')}/"
-                   f"{event.get('total')}), {took} after the stall was detected")
+        subject = (f"[eagleflow] RECOVERED {job} on {node}: {unit_of_job(str(job))} stored again "
+                   f"({event.get('done')}/{event.get('total')}), {took} after the stall was detected")
         next_step = "The incident is over; the watch goes on."
     ti = context["ti"]
     thread = incident_thread(str(close.get("id")))

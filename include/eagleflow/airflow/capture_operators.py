@@ -19,6 +19,7 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
                                          stop_capture_server, worker_role_pattern)
 from eagleflow.nodes.process_record import RecordList
+from eagleflow.phases import EXTRACT
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes import NodeError, NodeUnreachable
 
@@ -165,42 +166,12 @@ class ExtractShardOperator(RunOperator):
 
     def _watch(self, ctx: RunContext, context, start):
         """The watch (deferred or here) until its final event, each event through the one handler."""
-        from eagleflow.airflow.watch_handler import follow_event, watch_to_the_end
+        from eagleflow.airflow.watch_handler import follow_event, mail_and_recover, watch_to_the_end
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
             ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch,
-            recover=lambda raw, pending: self._recover(ctx, context, raw, pending)))
+            recover=lambda raw, pending: mail_and_recover(ctx, context, raw, pending, shard=int(self.shard),
+                                                          phase=EXTRACT, log=self.log)))
         return self._finish(ctx, final)
-
-    def _last_mails(self, context, event: dict[str, Any]) -> None:
-        """The task ends: one last try of the mails still waiting; those the server never took are logged."""
-        from eagleflow.airflow.alerts import log_unsent, send_pending
-        if event.get("pending_mails"):
-            log_unsent(send_pending(context, list(event["pending_mails"]), force=True))
-
-    def _recover(self, ctx: RunContext, context, event: dict[str, Any],
-                 pending: list[dict]) -> tuple[int, dict | None, list[dict]]:
-        """Mail (the shard that opened the incident), then restart what the cause names.
-
-        Returns the recoveries left, for the shard that mailed what its next watch needs to mail the end, and
-        the mails still pending (a mail that could not be sent never stops the recovery).
-        """
-        from eagleflow.watchdog.diagnosis import StallDetected
-        from eagleflow.watchdog.recovery import recover_after_stall
-        inc = event.get("incident") or {}
-        self.log.warning("shard %s stalled (%s, incident %s, %s it): %s", self.shard, event.get("cause"),
-                         inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
-        close = None
-        if inc.get("opened"):
-            from eagleflow.airflow.alerts import close_of_stall, mail_or_keep
-            pending = mail_or_keep(context, pending, "stall", event)
-            close = close_of_stall(event)
-        try:
-            recover_after_stall(ctx, int(self.shard), event, self.log)
-        except (RuntimeError, NodeError) as e:
-            self._last_mails(context, {"pending_mails": pending})
-            raise StallDetected(event.get("subject") or f"shard {self.shard} stalled",
-                                f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
-        return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 
     def _finish(self, ctx: RunContext, final):
         """The watch's final event (its mails already tried): the shard's result, or the task fails."""

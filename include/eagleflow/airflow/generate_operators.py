@@ -5,12 +5,15 @@ the DAG's wiring stays one shape and the corpus phase after it runs as before.
 A generation shard is watched by the extraction's own watch
 (``ShardWatchTrigger``, node-side ``eagleflow watch --shard I --generate``):
 the worker writes the same heartbeat and manifest, so the verdicts (stalled,
-dead, failed) and their evidence are the same. A stall is not recovered in the
-watch (recovery restarts the capture server, not this one): the task fails
-with the diagnosis, its failure mail goes out, and the retry resumes the shard
-from its manifest, restarting the server when it is gone, or, when the stall
-was blamed on the server (hung but alive), after stopping it and the shard's
-worker by their records.
+dead, failed) and their evidence are the same, and so is the recovery: a stall
+blamed on the generation server or the worker is recovered in the watch
+(``watchdog.recovery.recover_in_watch`` with phase generate: the incident
+opened and mailed, the server restarted once per incident, the worker started
+again from its manifest, RECOVERED mailed when the shard stores again). Only
+when that fails, or the watch's recoveries are spent, does the task fail with
+the diagnosis; the retry then resumes the shard from its manifest, restarting
+the server when it is gone, or, when the stall was blamed on the server (hung
+but alive), after stopping it and the shard's worker by their records.
 """
 from __future__ import annotations
 
@@ -34,15 +37,14 @@ OFF = "generate.enabled is off: the sources are tokenised as they are"
 
 
 class GenerateShardWatchTrigger(ShardWatchTrigger):
-    """The extraction watch over a generation shard (no in-watch recovery: see the module doc)."""
+    """The extraction's watch over a generation shard, its recovery included (``phase`` generate)."""
+
+    phase = GENERATE
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagleflow.airflow.generate_operators.GenerateShardWatchTrigger", self._serialize_common(
             {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-             "recoveries_left": 0})
-
-    def _recoverable(self, diag) -> bool:
-        return False
+             "recoveries_left": self.recoveries_left})
 
     def _watch_args(self) -> list[str]:
         return ["--shard", str(self.shard), "--generate"]
@@ -117,7 +119,8 @@ class GenerateShardOperator(RunOperator):
             except CaptureServerNotReady as e:
                 raise AirflowFailException(str(e)) from None
         start_or_attach_generate_worker(ctx, shard, log=self.log.info)
-        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref()))
+        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref(),
+                                                       recoveries_left=ctx.cfg.watchdog.recoveries_in_watch))
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)
@@ -130,12 +133,14 @@ class GenerateShardOperator(RunOperator):
         return GenerateShardWatchTrigger(shard=int(self.shard), **kw)
 
     def _watch(self, ctx, context, start):
-        """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
-        recovery: see the module doc)."""
-        from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
+        """The watch (deferred or here) until its final event, each event through the one handler, a stall
+        recovered in the watch as an extraction shard's is (the one ``mail_and_recover``)."""
+        from eagleflow.airflow.watch_handler import fail_with, follow_event, mail_and_recover, watch_to_the_end
         from eagleflow.watchdog.protocol import Complete
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
-            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch))
+            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch,
+            recover=lambda raw, pending: mail_and_recover(ctx, context, raw, pending, shard=int(self.shard),
+                                                          phase=GENERATE, log=self.log)))
         shard = int(self.shard)
         text = ctx.node.read_text(str(ctx.layout.generate_shard_dir(shard) / "heartbeat.json"))
         if text:

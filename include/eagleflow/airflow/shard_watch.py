@@ -63,6 +63,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.nodes import NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
+from eagleflow.phases import EXTRACT
 from eagleflow.protocol import one_line
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, WatchEvent, WatchState, clock as _clock,
@@ -356,11 +357,14 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
 
 class ShardWatchTrigger(_NodeJobWatchTrigger):
-    """Watch extraction shard ``shard`` of a run until it completes, stalls, dies or fails.
+    """Watch shard ``shard`` of a sharded phase (``phase``: extraction here) until it completes, stalls, dies or
+    fails.
 
-    With ``recoveries_left`` > 0 a stall blamed on the capture server or the worker is recovered here,
+    With ``recoveries_left`` > 0 a stall blamed on the phase's server or the worker is recovered here,
     at once (see the module docstring); a failure the job reported itself (a full disk) is not.
     """
+
+    phase = EXTRACT
 
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
@@ -382,7 +386,7 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
     def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:
         """One quick node command: open or join the incident of (node, cause); the operator mails and recovers."""
         argv = ctx.eagleflow_argv("recover", "--shard", str(self.shard), "--json", "--cause", diag.cause,
-                                  "--incident-only", "--summary", diag.summary[:1500])
+                                  "--incident-only", "--summary", diag.summary[:1500], "--phase", self.phase)
         try:
             inc = ctx.node.run_json(argv, dict, timeout=60)
         except NodeError as e:

@@ -24,6 +24,37 @@ Rewatch = Callable[..., Any]
 Recover = Callable[[dict[str, Any], list[dict[str, Any]]], tuple[int, "dict[str, Any] | None", list[dict[str, Any]]]]
 
 
+def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: list[dict[str, Any]], *,
+                     shard: int, phase: str, log: logging.Logger | Any
+                     ) -> tuple[int, "dict[str, Any] | None", list[dict[str, Any]]]:
+    """The one in-watch recovery step of a shard's task, whatever its phase (a ``Recover``): mail (when this shard
+    opened the incident), then restart what the cause names on the node (``recovery.recover_after_stall``).
+
+    Returns the recoveries left, for the shard that mailed what its next watch needs to mail the end, and the
+    mails still pending (a mail that could not be sent never stops the recovery). A failed recovery fails the
+    task with the stall (``StallDetected``), after one last try of the pending mails: Airflow's retry is the
+    fallback."""
+    from eagleflow.airflow.alerts import close_of_stall, log_unsent, mail_or_keep, send_pending
+    from eagleflow.nodes import NodeError
+    from eagleflow.watchdog.diagnosis import StallDetected
+    from eagleflow.watchdog.recovery import recover_after_stall
+    inc = event.get("incident") or {}
+    log.warning("%s shard %s stalled (%s, incident %s, %s it): %s", phase, shard, event.get("cause"),
+                inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
+    close = None
+    if inc.get("opened"):
+        pending = mail_or_keep(context, pending, "stall", event)
+        close = close_of_stall(event)
+    try:
+        recover_after_stall(ctx, shard, event, log, phase=phase)
+    except (RuntimeError, NodeError) as e:
+        if pending:
+            log_unsent(send_pending(context, list(pending), force=True))
+        raise StallDetected(event.get("subject") or f"{phase} shard {shard} stalled",
+                            f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
+    return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
+
+
 def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callable[[], RunContext], context,
                  log: logging.Logger | Any, rewatch: Rewatch, recover: Recover | None = None) -> Any:
     """The next watch to go on with (mails sent or kept, a recovery done), or the final ``WatchEvent``.

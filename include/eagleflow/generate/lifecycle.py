@@ -119,8 +119,7 @@ def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log
     if not ctx.node.read_text(marker):
         return False
     from eagleflow.nodes.locks import NodeLock
-    from eagleflow.watchdog.recovery import lock_path
-    with NodeLock(lock_path(ctx, SERVER_ROLE),
+    with NodeLock(str(ctx.layout.restart_lock_file(SERVER_ROLE)),
                   purpose=f"generation server restart after a stall, shard {shard} of run {ctx.layout.run_id}"):
         text = ctx.node.read_text(marker)
         if not text:

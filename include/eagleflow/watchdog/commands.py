@@ -15,6 +15,7 @@ import sys
 import time
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.phases import EXTRACT, KINDS, kind_of
 
 
 def register(sub) -> None:
@@ -42,6 +43,7 @@ def register(sub) -> None:
     r.add_argument("--incident-only", action="store_true",
                    help="with --cause: only open or join the incident (quick; the caller mails, then recovers)")
     r.add_argument("--incident", help="with --cause: the incident id --incident-only returned")
+    _phase_arg(r, "with --cause: the sharded phase of --shard (its server and worker are recovered)")
     r.set_defaults(func=_recover)
 
     s = sub.add_parser("sentinel", help="(started detached beside each worker) alarm when nothing looked at the "
@@ -87,7 +89,7 @@ def register(sub) -> None:
 
 
 def _phase_arg(parser, help_text: str) -> None:
-    parser.add_argument("--phase", choices=["extract", "generate"], default="extract", help=help_text)
+    parser.add_argument("--phase", choices=sorted(KINDS), default=EXTRACT, help=help_text)
 
 
 def _watch(args) -> int:
@@ -139,17 +141,18 @@ def _recover(args) -> int:
         from .recovery import recovery_budget_s
         from .sentinel import looks_path, record_look
         from .signals import WatchedJob
-        job = WatchedJob(shard=args.shard, num_shards=cfg.capture.shards)
+        job = WatchedJob(shard=args.shard, num_shards=kind_of(args.phase).num_shards(cfg), phase=args.phase)
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
                                               "until": time.time() + recovery_budget_s(cfg),
                                               "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
         from .recovery import open_incident
-        result = open_incident(run, args.shard, args.cause, args.summary)
+        result = open_incident(run, args.shard, args.cause, args.summary, args.phase)
         result["summary"] = f"incident {result['incident']} {'opened' if result['opened'] else 'joined'}"
     elif args.cause:
         from .recovery import recover_in_watch
-        result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident)
+        result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident,
+                                  phase=args.phase)
     else:
         result = recover_capture_server(run, args.shard, log=log)
     if args.cause and not args.incident_only:
@@ -216,7 +219,6 @@ def _shard_list(text: str) -> list[int]:
 
 def _shards_of_run(args, cfg, prog: str) -> bool:
     """Whether every --shards value is a shard of the phase in this run's config (else said on stderr)."""
-    from eagleflow.phases import kind_of
     kind = kind_of(args.phase)
     n = kind.num_shards(cfg)
     bad = [k for k in args.shards if k >= n]

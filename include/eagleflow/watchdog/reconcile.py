@@ -42,35 +42,17 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from eagleflow.capture import lifecycle as capture
 from eagleflow.capture.lifecycle import SERVER_ROLE, LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
-from eagleflow.generate import lifecycle as generate
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind, kind_of
+from eagleflow.watchdog.recovery import LIFECYCLES, lock_path
 
-
-@dataclass(frozen=True)
-class PhaseLifecycle:
-    """What claim and release do to a phase's server and workers: its own lifecycle module's functions."""
-    start_server: Callable
-    wait_server_ready: Callable
-    stop_server: Callable
-    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
-
-
-LIFECYCLES = {
-    EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
-                            capture.stop_capture_server, capture.start_or_attach_worker),
-    GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
-                             generate.stop_generate_server, generate.start_or_attach_generate_worker),
-}
 
 RUN_CONFIG = "run-config.json"
 
@@ -247,7 +229,6 @@ def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT, taken_from
         if not st.incomplete:
             return {"action": "skipped", "reason": f"already complete ({st.line()})", **asdict(st)}
         # the phase's server lock (the watchdog recovery's for capture): one start of a server at a time
-        from eagleflow.watchdog.recovery import lock_path
         with NodeLock(lock_path(run, kind.server_role),
                       purpose=f"reconcile start of the {kind.server} for run {run.layout.run_id}"):
             started, server_started = LIFECYCLES[phase].start_server(run, log=log)

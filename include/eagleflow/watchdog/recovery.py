@@ -23,19 +23,40 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from eagleflow.capture import lifecycle as capture
+from eagleflow.capture.lifecycle import SERVER_ROLE, RunLike, check_ready, wait_capture_server_ready
 from eagleflow.durable import open_owned
-from eagleflow.capture.lifecycle import (SERVER_ROLE, RunLike, check_ready, start_capture_server,
-                                         stop_capture_server, wait_capture_server_ready, worker_role)
+from eagleflow.generate import lifecycle as generate
 from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
 from eagleflow.nodes.process_record import leader_state
+from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PhaseLifecycle:
+    """What a recovery (and reconcile's claim and release) does to a sharded phase's server and workers: its own
+    lifecycle module's functions, one shape for both phases."""
+    start_server: Callable
+    wait_server_ready: Callable                 # (run, timeout_s=None, poll_s=1.0, log=None) -> info
+    stop_server: Callable
+    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
+
+
+LIFECYCLES = {
+    EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
+                            capture.stop_capture_server, capture.start_or_attach_worker),
+    GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
+                             generate.stop_generate_server, generate.start_or_attach_generate_worker),
+}
 
 
 def server_restart_s(cfg) -> float:
@@ -64,30 +85,27 @@ class RecoveryResult(BaseModel):
 
 
 def lock_path(run: RunLike, server_role: str = SERVER_ROLE) -> str:
-    """The node lock held while a server of the run is (re)started: the capture server's, or another role's.
-
-    Not the server's own life lock (``layout.lock_file(role)``, taken by detach at its start): holding that one
-    here would make the start it guards refuse itself."""
-    return str(run.layout.locks_dir / f"{run.layout.run_id}.{server_role}.restart.lock")
+    """The node lock held while a server of the run is (re)started (``layout.restart_lock_file``)."""
+    return str(run.layout.restart_lock_file(server_role))
 
 
-def restarts_path(run: RunLike) -> str:
-    """The run's capture-server restart log: one JSON line per restart a recovery made."""
-    return str(run.layout.locks_dir / f"{run.layout.run_id}.{SERVER_ROLE}.restarts.jsonl")
+def restarts_path(run: RunLike, phase: str = EXTRACT) -> str:
+    """The run's restart log of ``phase``'s server: one JSON line per restart a recovery made."""
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{kind_of(phase).server_role}.restarts.jsonl")
 
 
-def read_restarts(run: RunLike) -> list[dict]:
+def read_restarts(run: RunLike, phase: str = EXTRACT) -> list[dict]:
     try:
-        with os.fdopen(open_owned(restarts_path(run), os.O_RDONLY, narrow=True)) as f:
+        with os.fdopen(open_owned(restarts_path(run, phase), os.O_RDONLY, narrow=True)) as f:
             return [json.loads(line) for line in f if line.strip().endswith("}")]
     except (OSError, ValueError):
         return []
 
 
-def _log_restart(run: RunLike, entry: dict) -> None:
+def _log_restart(run: RunLike, entry: dict, phase: str = EXTRACT) -> None:
     # appended to, never replaced: not through a link planted at its name (durable.open_owned)
-    with os.fdopen(open_owned(restarts_path(run), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, narrow=True),
-                   "a") as f:
+    with os.fdopen(open_owned(restarts_path(run, phase), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644,
+                              narrow=True), "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
@@ -101,7 +119,7 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
     try:
         if waited:
             log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
-        stopped_worker = _stop_stuck_worker(run, shard, log)
+        stopped_worker = _stop_stuck_worker(run, shard, log, kind_of(EXTRACT))
         # stopped (T) or a zombie comes back "stuck" with no health request: none can succeed, none is waited for
         state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready":
@@ -136,7 +154,7 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         lock.release()
 
 
-def open_incident(run: RunLike, shard: int, cause: str, summary: str) -> dict[str, Any]:
+def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str = EXTRACT) -> dict[str, Any]:
     """On the node, the moment a shard's watch finds a stall: open or join the incident of (node, cause).
 
     Quick (no restart here): the caller mails when it opened the incident, then calls
@@ -147,53 +165,56 @@ def open_incident(run: RunLike, shard: int, cause: str, summary: str) -> dict[st
                                     run_id=run.layout.run_id, shard=shard, summary=summary,
                                     join_window_s=run.cfg.watchdog.detection_bound_s)
     return {"ok": True, "incident": incident["id"], "opened": opened, "cause": cause,
-            "incident_shards": sorted(incident.get("shards", {})), "shards": shard_counts(run)}
+            "incident_shards": sorted(incident.get("shards", {})), "shards": shard_counts(run, phase)}
 
 
 def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Log = print,
-                     incident_id: str | None = None) -> dict[str, Any]:
-    """On the node, right after the shard's watch found a stall (no Airflow retry in between).
+                     incident_id: str | None = None, phase: str = EXTRACT) -> dict[str, Any]:
+    """On the node, right after the shard's watch found a stall (no Airflow retry in between); one recovery for
+    every sharded phase (``phase``: its server and workers, ``LIFECYCLES``).
 
     Stops the shard's stuck worker; for a server cause, restarts the server at most once per incident,
     without a health re-check when it is provably dead or stopped (gone, zombie, state T) and even when
     /health_generate answers (the watch saw /generate hang); then starts the shard's worker again,
     which resumes from its manifest. Opens or joins the incident first unless ``incident_id`` is given.
     """
-    from eagleflow.capture.lifecycle import start_or_attach_worker
     from .incidents import current, record_recovery
     cfg = run.cfg
+    kind, lifecycle = kind_of(phase), LIFECYCLES[phase]
     t0 = time.time()
     incident = current(run.layout.state_dir, cfg.node.name, cause)
     if incident_id is None or incident is None or incident.get("id") != incident_id:
-        opened = open_incident(run, shard, cause, summary)
+        opened = open_incident(run, shard, cause, summary, phase)
         incident = current(run.layout.state_dir, cfg.node.name, cause)
     else:
         opened = {"opened": False}
     result: dict[str, Any] = {"ok": False, "action": "none", "incident": incident["id"],
                               "opened": opened["opened"], "cause": cause}
     try:
-        if cause == SERVER_ROLE:
-            lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
+        if cause == SERVER_ROLE:   # the watch's name for "the job's server", whichever phase's it is
+            lock = NodeLock(lock_path(run, kind.server_role),
+                            purpose=f"{kind.server} recovery for run {run.layout.run_id}")
             lock.acquire(timeout_s=server_restart_s(cfg))
             try:
-                result["worker"] = _stop_stuck_worker(run, shard, log)
-                result.update(_restart_server_once(run, shard, incident, log))
+                result["worker"] = _stop_stuck_worker(run, shard, log, kind)
+                result.update(_restart_server_once(run, shard, incident, log, phase))
             finally:
                 lock.release()
         else:
-            result["worker"] = _stop_stuck_worker(run, shard, log)
+            result["worker"] = _stop_stuck_worker(run, shard, log, kind)
             result["action"] = "worker restarted"
-        rec, attached = start_or_attach_worker(run, shard, log=log)
+        rec, attached = lifecycle.start_worker(run, shard, log=log)
         result["new_worker_pid"] = rec.pid
         result["ok"] = True
-        result["summary"] = (f"{result.get('server_summary', 'capture server left running')}; shard {shard}'s "
+        result["summary"] = (f"{result.get('server_summary', f'{kind.server} left running')}; {kind.watch_name} "
+                             f"{shard}'s "
                              f"worker {result['worker']}, {'attached to' if attached else 'restarted as'} pid "
                              f"{rec.pid}, {time.time() - t0:.1f} s after the recovery began")
     except Exception as e:  # the watch must say what went wrong, never hang on it
         result["summary"] = f"in-watch recovery of shard {shard} failed: {type(e).__name__}: {e}"
     log(f"shard {shard}: {result['summary']}")
     result["recovered_at"] = time.time()
-    result["shards"] = shard_counts(run)
+    result["shards"] = shard_counts(run, phase)
     stored = record_recovery(run.layout.state_dir, incident,
                              {k: result[k] for k in ("ok", "action", "summary", "recovered_at")}
                              | {"shard": shard})
@@ -201,16 +222,17 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     return result
 
 
-def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> dict[str, Any]:
+def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log, phase: str = EXTRACT) -> dict[str, Any]:
     cfg = run.cfg
-    status = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE)))
+    kind = kind_of(phase)
+    status = run.node.process_status(str(run.layout.pid_file(kind.server_role)))
     rec = status.record
     st = read_stat(rec.pid) if status.alive else None
     alive = st is not None
-    restarted_in_incident = [i for i in read_restarts(run)
+    restarted_in_incident = [i for i in read_restarts(run, phase)
                              if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
     if restarted_in_incident and alive and st.alive and not st.stopped:
-        return {"action": "none", "server_summary": f"capture server already restarted in this incident "
+        return {"action": "none", "server_summary": f"{kind.server} already restarted in this incident "
                                                     f"(now pid {rec.pid}): no second restart"}
     if not alive:
         reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
@@ -220,54 +242,57 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log) -> 
         reason = f"pid {rec.pid} is a zombie (no health re-check needed)"
     else:
         reason = f"pid {rec.pid} is alive but the watch found it stuck ({incident['shards'].get(str(shard), {}).get('summary', '')[:300]})"
-    log(f"shard {shard}: capture server {reason}; restarting it")
+    log(f"{kind.watch_name} {shard}: {kind.server} {reason}; restarting it")
     t0 = time.time()
     # the watch saw the stall a moment ago: a shorter grace and a finer readiness poll than a retry's
     entry = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 10.0), poll_s=0.25,
-                            incident_id=incident["id"])
+                            incident_id=incident["id"], phase=phase)
     return {"action": "restarted", "restart": entry,
-            "server_summary": f"capture server restarted: was pid {entry['old_pid']} ({reason}); now pid "
+            "server_summary": f"{kind.server} restarted: was pid {entry['old_pid']} ({reason}); now pid "
                               f"{entry['new_pid']} at {entry['url']}, ready {time.time() - t0:.1f} s later; "
                               f"GPUs: {entry['gpus']}"}
 
 
 def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason: str, log: Log, *, grace_s: float,
-                    poll_s: float | None = None, incident_id: str | None = None) -> dict[str, Any]:
+                    poll_s: float | None = None, incident_id: str | None = None,
+                    phase: str = EXTRACT) -> dict[str, Any]:
     """The one server restart, under the caller's recovery lock: stop it (pid record; the stop sends CONT after
     TERM, so a SIGSTOPped server acts on it), wait until the GPUs read idle, start it, wait until it answers,
     and log the restart (the entry, returned). ``incident_id``: the incident book's incident it belongs to."""
+    lifecycle = LIFECYCLES[phase]
     old_pid = rec.pid if rec else None
-    stop_capture_server(run, grace_s=grace_s, log=log)
-    gpus = _free_and_verify_gpus(run, log)
-    proc, _ = start_capture_server(run, log=log)
-    info = (wait_capture_server_ready(run, log=log) if poll_s is None
-            else wait_capture_server_ready(run, poll_s=poll_s, log=log))
+    lifecycle.stop_server(run, grace_s=grace_s, log=log)
+    gpus = _free_and_verify_gpus(run, log, kind_of(phase).server)
+    proc, _ = lifecycle.start_server(run, log=log)
+    info = (lifecycle.wait_server_ready(run, log=log) if poll_s is None
+            else lifecycle.wait_server_ready(run, poll_s=poll_s, log=log))
     entry = {"at": time.time(), "shard": shard, "reason": reason[:500], "old_pid": old_pid, "new_pid": proc.pid,
              "url": info.get("url"), "gpus": gpus}
     if incident_id is not None:
         entry["incident"] = incident_id
-    _log_restart(run, entry)
+    _log_restart(run, entry, phase)
     return entry
 
 
-def shard_counts(run: RunLike) -> dict[str, str]:
-    """Every shard's stored samples (from its manifest) out of its total (from its heartbeat)."""
+def shard_counts(run: RunLike, phase: str = EXTRACT) -> dict[str, str]:
+    """Every shard's stored units (from its manifest) out of its total (from its heartbeat), of ``phase``."""
     from eagleflow.heartbeat import Heartbeat
-    from .signals import stored_samples
+    from .signals import WatchedJob, stored_samples
+    kind = kind_of(phase)
     out = {}
-    for i in range(run.cfg.capture.shards):
+    for i in range(kind.num_shards(run.cfg)):
         try:
-            hb = Heartbeat.read(str(run.layout.heartbeat_file(i)))
+            hb = Heartbeat.read(str(kind.heartbeat_file(run.layout, i)))
         except (ValueError, TypeError, KeyError):
             hb = None
         total = f"/{hb.total:,}" if hb and hb.total else ""
-        out[str(i)] = f"{stored_samples(run.layout, i):,}{total}"
+        out[str(i)] = f"{stored_samples(run.layout, i, WatchedJob(shard=i, phase=phase)):,}{total}"
     return out
 
 
-def _stop_stuck_worker(run: RunLike, shard: int, log: Log) -> str:
+def _stop_stuck_worker(run: RunLike, shard: int, log: Log, kind: ShardKind) -> str:
     """The diagnosed worker may still be alive (blocked on a frozen server): never let two run one shard."""
-    res = run.node.stop_recorded(str(run.layout.pid_file(worker_role(shard))), grace_s=10.0)
+    res = run.node.stop_recorded(str(run.layout.pid_file(kind.worker_role(shard))), grace_s=10.0)
     if res.outcome in ("already_gone", "not_recorded"):
         return "not running"
     log(res.detail)
@@ -285,7 +310,7 @@ def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within
     return st is not None and st.alive and not st.stopped and time.time() - rec.started_at < within_s
 
 
-def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
+def _free_and_verify_gpus(run: RunLike, log: Log, server: str = "capture server") -> str:
     """After the server's process group stopped: wait until the selected GPUs read idle (baseline + margin)."""
     cfg = run.cfg
     if not cfg.node.has_gpu:
@@ -304,14 +329,14 @@ def _free_and_verify_gpus(run: RunLike, log: Log) -> str:
         if report.all_idle:
             return "idle (" + ", ".join(f"GPU {v.snapshot.index}" for v in report.verdicts) + ")"
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"GPUs not idle {cfg.gpu.idle_timeout_s:.0f} s after stopping the capture server: "
+            raise RuntimeError(f"GPUs not idle {cfg.gpu.idle_timeout_s:.0f} s after stopping the {server}: "
                                f"{report.message()}")
         time.sleep(cfg.gpu.poll_interval_s)
 
 
 # ----------------------------------------------------------------------------- control plane side
 def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident: str | None = None,
-                    summary: str = "") -> dict[str, Any]:
+                    summary: str = "", phase: str = EXTRACT) -> dict[str, Any]:
     """The one control-plane call of a recovery, for every cause: ``eagleflow recover --shard I --json`` (with
     ``--cause``/``--incident``/``--summary`` after a watch's stall), given ``recovery_budget_s`` plus
     ``RECOVERY_COMMAND_SLACK_S``. ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
@@ -319,7 +344,7 @@ def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident:
     say = log.info if hasattr(log, "info") else log
     argv = ["recover", "--shard", str(shard), "--json"]
     if cause is not None:
-        argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500]]
+        argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500], "--phase", phase]
     try:
         # exit 1 still carries the result: a recovery that failed says why
         result = ctx.node.run_json(ctx.eagleflow_argv(*argv), RecoveryResult,
@@ -339,9 +364,9 @@ def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
     return recover_on_node(ctx, shard, log)
 
 
-def recover_after_stall(ctx, shard: int, event: dict[str, Any], log) -> dict[str, Any]:
+def recover_after_stall(ctx, shard: int, event: dict[str, Any], log, phase: str = EXTRACT) -> dict[str, Any]:
     """Control plane, right after the watch's stall event (and its mail): the recovery of the event's cause in
     the event's incident; Airflow's retry (``recover_before_retry``) is the fallback when it fails."""
     inc = event.get("incident") or {}
     return recover_on_node(ctx, shard, log, cause=str(event.get("cause")), incident=str(inc.get("incident")),
-                           summary=next(iter((event.get("diagnosis") or "").splitlines()), ""))
+                           summary=next(iter((event.get("diagnosis") or "").splitlines()), ""), phase=phase)
