@@ -1,0 +1,140 @@
+"""The pipeline's and the reconcile DAG's wiring, edge by edge, from one DagBag parse of each file per module
+(about 0.3 s each; no Airflow DB, no task run).
+
+test_dag_integrity checks that the phases come in order (transitively) and a few trigger rules; this file holds
+every direct edge of the one-node pipeline, so a gate that is bypassed (a server started straight after the
+cleanup, the corpus built before the generation's teardown) or an edge added around verification fails here.
+The fleet's task groups are checked by test_fleet_config (parsed with the two-node example).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
+
+REPO = Path(__file__).resolve().parents[2]
+
+# task -> its direct upstream tasks, phase by phase (the one-node DAG parsed with the demo config)
+PIPELINE_UPSTREAM = {
+    "write_run_config": set(),
+    # generation: GPU gates, the server as a setup/teardown pair, the mapped shards
+    "free_gpus_before_generation": {"write_run_config"},
+    "gpus_idle_before_generation": {"free_gpus_before_generation"},
+    "start_generate_server": {"gpus_idle_before_generation"},
+    "plan_generate_shards": {"start_generate_server"},
+    "generate_responses": {"plan_generate_shards"},
+    "stop_generate_server": {"generate_responses", "start_generate_server"},
+    "free_gpus_after_generation": {"stop_generate_server", "start_generate_server"},
+    # corpus and disk: after the generation and its GPU cleanup
+    "prepare_corpus": {"generate_responses", "free_gpus_after_generation"},
+    "delete_old_caches": {"prepare_corpus"},
+    "check_disk": {"delete_old_caches"},
+    # capture: GPU gates, the capture server as a setup/teardown pair, the mapped shards, the held-out records
+    "free_gpus": {"check_disk"},
+    "gpus_idle": {"free_gpus"},
+    "start_capture_server": {"gpus_idle"},
+    "capture_server_ready": {"start_capture_server"},
+    "plan_shards": {"capture_server_ready"},
+    "extract_shard": {"plan_shards"},
+    "capture_held_out": {"extract_shard"},
+    "stop_capture_server": {"capture_held_out", "start_capture_server"},
+    "free_gpus_after_capture": {"stop_capture_server", "start_capture_server"},
+    # verification gates training; training on idle GPUs; export
+    "verify_hidden_states": {"extract_shard"},
+    "gpus_idle_after_capture": {"verify_hidden_states", "free_gpus_after_capture", "capture_held_out"},
+    "train_draft": {"gpus_idle_after_capture"},
+    "export_draft": {"train_draft"},
+    # evaluation: GPU gates, its servers freed however it ends
+    "free_gpus_before_evaluation": {"export_draft"},
+    "gpus_idle_before_evaluation": {"free_gpus_before_evaluation"},
+    "evaluate_draft": {"gpus_idle_before_evaluation"},
+    "free_gpus_after_evaluation": {"evaluate_draft", "gpus_idle_before_evaluation"},
+    # the report, however the run went
+    "run_report": {"evaluate_draft", "write_run_config"},
+}
+
+
+def _parse(name: str, folder: Path = REPO / "dags"):
+    from airflow.dag_processing.dagbag import DagBag
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("EAGLEFLOW_CONFIG", raising=False)   # the demo's one node, whatever this shell points at
+        bag = DagBag(dag_folder=str(folder / f"{name}.py"))  # include_examples raises TypeError in 3.3.x
+    assert bag.import_errors == {}
+    return bag.dags[name]
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return _parse("eagle3_pipeline")
+
+
+@pytest.fixture(scope="module")
+def reconcile():
+    return _parse("eagle3_shard_reconcile")
+
+
+def test_every_direct_edge_of_the_one_node_pipeline(pipeline):
+    actual = {t.task_id: set(t.upstream_task_ids) for t in pipeline.tasks}
+    assert actual.keys() == PIPELINE_UPSTREAM.keys()
+    wrong = {t: (sorted(actual[t]), sorted(up)) for t, up in PIPELINE_UPSTREAM.items() if actual[t] != up}
+    assert wrong == {}, "task: (upstream in the DAG, upstream expected)"
+
+
+def test_every_server_and_the_evaluation_start_right_behind_a_free_then_idle_gate(pipeline):
+    for task_id, generation in (("start_generate_server", True), ("start_capture_server", False),
+                                ("evaluate_draft", False)):
+        (idle,) = pipeline.get_task(task_id).upstream_list
+        (free,) = idle.upstream_list
+        assert isinstance(idle, GpuIdleSensor) and isinstance(free, FreeGpusOperator), task_id
+        assert idle.generation is generation and free.generation is generation, task_id
+        assert idle.deferrable, f"{idle.task_id} would hold a worker slot while it waits"
+    # training waits for idle GPUs too (the capture server's memory freed)
+    assert isinstance(pipeline.get_task("gpus_idle_after_capture"), GpuIdleSensor)
+
+
+@pytest.mark.parametrize("setup, teardowns", [
+    ("start_generate_server", ("stop_generate_server", "free_gpus_after_generation")),
+    ("start_capture_server", ("stop_capture_server", "free_gpus_after_capture")),
+    ("gpus_idle_before_evaluation", ("free_gpus_after_evaluation",)),
+    ("write_run_config", ("run_report",)),
+])
+def test_what_a_phase_starts_is_stopped_however_the_phase_ends(pipeline, setup, teardowns):
+    assert pipeline.get_task(setup).is_setup
+    for task_id in teardowns:
+        t = pipeline.get_task(task_id)
+        assert t.is_teardown and setup in t.upstream_task_ids, task_id
+        assert t.trigger_rule == "all_done_setup_success", task_id
+
+
+@pytest.mark.parametrize("task_id, plan", [("extract_shard", "plan_shards"),
+                                           ("generate_responses", "plan_generate_shards")])
+def test_the_shards_are_mapped_over_their_plan_with_retries(pipeline, task_id, plan):
+    t = pipeline.get_task(task_id)
+    arg = t.expand_input.value["shard"]
+    assert arg.operator.task_id == plan and arg.key == "return_value"
+    assert t.partial_kwargs["retries"] == 2
+
+
+def test_verification_runs_after_failed_shards_and_only_its_success_lets_training_start(pipeline):
+    assert pipeline.get_task("verify_hidden_states").trigger_rule == "all_done"
+    downstream_of_verify = pipeline.get_task("verify_hidden_states").get_flat_relative_ids(upstream=False)
+    for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
+        assert t in downstream_of_verify and pipeline.get_task(t).trigger_rule == "all_success", t
+    # nothing of the training phase hangs off the shards without passing verification
+    assert not ({"train_draft", "export_draft"} & set(pipeline.get_task("extract_shard").downstream_task_ids))
+
+
+def test_the_run_config_is_frozen_by_the_first_task_only(pipeline):
+    assert [t.task_id for t in pipeline.tasks if getattr(t, "freezes_run_config", False)] == ["write_run_config"]
+
+
+def test_the_reconcile_dag_reruns_each_shard_its_scan_found_then_mails_whatever_they_did(reconcile):
+    find, rerun, summary = (reconcile.get_task(t) for t in ("find_incomplete_shards", "rerun_shard", "mail_summary"))
+    assert find.freezes_run_config and find.upstream_task_ids == set()
+    arg = rerun.expand_input.value["target"]
+    assert arg.operator.task_id == "find_incomplete_shards" and arg.key == "return_value"
+    assert rerun.upstream_task_ids == {"find_incomplete_shards"}
+    assert summary.upstream_task_ids == {"rerun_shard"} and summary.trigger_rule == "all_done"
+    assert find.latest_runs == "{{ params.latest_runs }}"
