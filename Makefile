@@ -10,7 +10,7 @@ export AIRFLOW_HOME := $(CURDIR)/airflow_home
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 AIRFLOW_PORT ?= 8080
 
-.PHONY: venv venv-node demo demo-inputs system-deps test test-node test-fast airflow airflow-stop bench clean-runs
+.PHONY: venv venv-node venv-node-vllm demo demo-inputs system-deps test test-node test-node-vllm test-fast airflow airflow-stop bench clean-runs
 
 venv: $(STAMP)
 
@@ -32,7 +32,7 @@ system-deps:
 
 # --durations: every run (and so every CI log) ends with the 40 slowest tests, so nobody has to guess where time goes.
 test: system-deps venv
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node --durations=40 --durations-min=2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node --ignore=tests/node_vllm --durations=40 --durations-min=2 $(PYTEST_ARGS)
 
 # The fast loop: unit tests only, none that starts Airflow's DB, a server or a model family (those are marked
 # `slow` and run in `make test`); under 2 minutes on 2 cores.
@@ -57,6 +57,27 @@ $(NODE_STAMP): requirements-node.txt requirements-node-test.txt pyproject.toml
 
 test-node: venv-node
 	$(NODE_BIN)/python -m pytest tests/node -q -p no:cacheprovider --durations=15 --durations-min=2 $(PYTEST_ARGS)
+
+# The vLLM node's environment (real vllm 0.33.0 and speculators 0.9.0 with vLLM's CUDA torch 2.14.0, ~10 GB, once):
+# its own venv, since vLLM and sglang pin different torch and transformers. tests/node_vllm/ checks the
+# speculators-format export against speculators' Eagle3Speculator and vLLM's config parsing and loader on the CPU.
+NODE_VLLM_VENV := .venv-node-vllm
+NODE_VLLM_BIN := $(NODE_VLLM_VENV)/bin
+NODE_VLLM_REQ_HASH := $(shell cat requirements-node-vllm.txt requirements-node-vllm-test.txt pyproject.toml | sha1sum | cut -c1-12)
+NODE_VLLM_STAMP := $(NODE_VLLM_VENV)/.installed-$(NODE_VLLM_REQ_HASH)
+
+venv-node-vllm: $(NODE_VLLM_STAMP)
+
+$(NODE_VLLM_STAMP): requirements-node-vllm.txt requirements-node-vllm-test.txt pyproject.toml
+	@test -x $(NODE_VLLM_BIN)/python || $(PY) -m venv $(NODE_VLLM_VENV) || python3 -m venv $(NODE_VLLM_VENV)
+	$(NODE_VLLM_BIN)/pip install -q --upgrade "pip>=24"
+	$(NODE_VLLM_BIN)/pip install -q -r requirements-node-vllm-test.txt
+	$(NODE_VLLM_BIN)/pip install -q --no-deps -e .
+	$(NODE_VLLM_BIN)/pip check
+	@rm -f $(NODE_VLLM_VENV)/.installed-*; touch $@
+
+test-node-vllm: venv-node-vllm
+	$(NODE_VLLM_BIN)/python -m pytest tests/node_vllm -q -p no:cacheprovider --durations=15 --durations-min=2 $(PYTEST_ARGS)
 
 # The demo's inputs (sources, tokenizer, tiny Llama; built locally once), so `make airflow` works before `make demo`.
 demo-inputs: venv

@@ -11,7 +11,9 @@ Then, through the real code:
 3. those ids, put through sglang 0.5.23's own ``set_eagle3_layers_to_capture`` rule for
    the family (transcribed below with file and lines; the node tier runs the real
    methods), give ``layers_to_capture``; sglang captures the residual stream ENTERING
-   those layers, emulated here with forward pre-hooks: the rows must equal the dump's.
+   those layers, emulated here with forward pre-hooks: the rows must equal the dump's;
+4. the speculators export's ids (vLLM's numbering: the stream entering layer ``c``, no
+   shift; tests/node_vllm runs vLLM's own models) hold the same rows.
 """
 from __future__ import annotations
 
@@ -163,6 +165,13 @@ def test_hf_twin_sglang_and_export_name_the_same_layers(targets, tmp_path, famil
     sglang_rows = _captured_by_hooks(target, INPUT_IDS, inputs_of=layers_to_capture)
     torch.testing.assert_close(sglang_rows, dump.aux_hidden_states.to_torch(), rtol=0, atol=1e-6)
     assert layer_outputs_from_sglang_ids(ids, archs, n) == intended
+    # 4. the speculators export names them in vLLM 0.33's numbering: id c = the residual stream ENTERING layer c,
+    # for every family, no shift (EagleModelMixin._maybe_add_hidden_state; tests/node_vllm runs vLLM's own)
+    spec = json.loads((tmp_path / "draft" / "export" / "speculators" / "config.json").read_text())
+    vllm_ids = spec["eagle_aux_hidden_state_layer_ids"]
+    assert vllm_ids == [j + 1 for j in intended]
+    vllm_rows = _captured_by_hooks(target, INPUT_IDS, inputs_of=vllm_ids)
+    torch.testing.assert_close(vllm_rows, dump.aux_hidden_states.to_torch(), rtol=0, atol=1e-6)
 
 
 def test_family_numbering_differs_where_sglang_differs():

@@ -53,3 +53,18 @@ def test_report_shows_the_held_out_figures_of_training_beside_the_training_curve
     (draft / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval_")})
                                                  + "\n" for r in rows))
     assert "Held-out (" not in write_report(cfg, layout).read_text()
+
+
+def test_report_shows_the_paired_speedup_spread_and_its_note(tmp_path):
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/t"})
+    layout = RunLayout.for_run(cfg, "r2")
+    run_dir = tmp_path / "runs" / "r2"
+    run_dir.mkdir(parents=True)
+    row = _row("3/1/4", 1.0)
+    row["draft"].update({"speedup": 1.08, "speedup_spread": [0.91, 1.2],
+                         "speedup_note": "speed-up 1.08 is above the acceptance length 1.000 <noise>"})
+    (run_dir / "eval.json").write_text(json.dumps({"results": [row], "passed": True, "promoted": "p",
+                                                   "eval_file": str(run_dir / "eval.json")}))
+    html = write_report(cfg, layout).read_text()
+    assert "<td>1.08x (0.91-1.20) <b title='speed-up 1.08 is above the acceptance length 1.000 &lt;noise&gt;'>*</b>" \
+        in html

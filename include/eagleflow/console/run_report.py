@@ -5,7 +5,7 @@ stats per source, each shard's progress over time (the stored files' times,
 so a stall shows as a flat line) with the watchdog's incidents marked, the GPU
 memory/utilisation during capture (the health checks' history, handed in by
 the control plane), the training curves and acceptance, and the export with the
-exact SGLang command that serves it. It is written on success and on failure
+exact SGLang and vLLM commands that serve it. It is written on success and on failure
 alike; a missing phase says why it is missing. Self-contained (inline SVG), every
 value escaped.
 """
@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.durable import atomic_write
+from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
 
 REPORT_FILE = "report.html"
 _COLORS = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#4e342e")
+
+
+def _speed_spread(d: dict) -> str:
+    """The paired speed-up's spread, and a mark (with its note) where it is above the acceptance length."""
+    spread = d.get("speedup_spread")
+    out = f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else ""
+    return out + (f" <b title='{_e(d['speedup_note'])}'>*</b> {_e(d['speedup_note'])}" if d.get("speedup_note") else "")
 
 
 def _e(v: Any) -> str:
@@ -91,6 +99,7 @@ def gather(cfg, layout, state_dir: str | os.PathLike) -> dict[str, Any]:
         "export_dir": str(export) if (export / "config.json").is_file() else None,
         "export_files": sorted(p.name for p in export.iterdir()) if export.is_dir() else [],
         "serve_command": serve_command(cfg, str(export)),
+        "vllm_serve_command": vllm_serve_command(cfg, str(export / SPECULATORS_DIR)),
         "evaluation": _read_json(run_dir / "eval.json"),
     }
 
@@ -101,6 +110,17 @@ def serve_command(cfg, export_dir: str) -> str:
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", export_dir,
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
             "--tp-size", str(cfg.capture.tp)]  # --tp is only an argparse abbreviation
+    if cfg.capture.dtype != "auto":
+        argv += ["--dtype", cfg.capture.dtype]
+    return shlex.join(argv)
+
+
+def vllm_serve_command(cfg, speculators_dir: str) -> str:
+    """The vLLM command that serves the target with the speculators-format draft: the same chain as
+    :func:`serve_command` (3 draft tokens per round), the same TP and dtype."""
+    spec = {"method": "eagle3", "model": speculators_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
+    argv = ["vllm", "serve", str(cfg.target_model), "--speculative-config", json.dumps(spec),
+            "--tensor-parallel-size", str(cfg.capture.tp)]
     if cfg.capture.dtype != "auto":
         argv += ["--dtype", cfg.capture.dtype]
     return shlex.join(argv)
@@ -271,8 +291,11 @@ def _training(metrics: list[dict]) -> str:
 def _export(data: dict) -> str:
     if not data.get("export_dir"):
         return "<p class='missing'>No export: export_draft did not finish.</p>"
+    vllm = (f"<p>Serve it with vLLM (the speculators format in <code>{SPECULATORS_DIR}/</code>):</p>"
+            f"<pre class='cmd'>{_e(data['vllm_serve_command'])}</pre>" if SPECULATORS_DIR in data["export_files"]
+            else "<p class='missing'>No speculators-format export for vLLM (train.export_formats).</p>")
     return (f"<p>Exported draft: <code>{_e(data['export_dir'])}</code> ({_e(', '.join(data['export_files']))})</p>"
-            f"<p>Serve it with SGLang:</p><pre class='cmd'>{_e(data['serve_command'])}</pre>")
+            f"<p>Serve it with SGLang:</p><pre class='cmd'>{_e(data['serve_command'])}</pre>" + vllm)
 
 
 def _evaluation(ev: dict | None) -> str:
@@ -290,7 +313,8 @@ def _evaluation(ev: dict | None) -> str:
         per_pos = " ".join(f"{x:.2f}" for x in d["accepted_at_position"])
         rows += (f"<tr><td>{_e(r['config'])}</td><td>{_e(r['prompt_set'])} ({_e(r['prompts'])})</td>"
                  f"<td>{d['accept_length']:.3f}</td><td>{_e(per_pos)}</td><td>{d['tokens_per_s']:.1f}</td>"
-                 f"<td>{d['target_tokens_per_s']:.1f}</td><td>{(d['speedup'] or 0):.2f}x</td><td>{lossless}</td>"
+                 f"<td>{d['target_tokens_per_s']:.1f}</td><td>{(d['speedup'] or 0):.2f}x{_speed_spread(d)}</td>"
+                 f"<td>{lossless}</td>"
                  f"<td>{r['min_accept_length']:.2f}</td><td>{base}</td></tr>")
     verdict = (f"<p class='ok'>Passed the promotion gate; promoted: <code>{_e(ev.get('promoted'))}</code></p>"
                if ev.get("passed") else "<p class='failed'>Refused by the promotion gate (the export is kept): "

@@ -19,12 +19,15 @@ def register(sub) -> None:
     t.set_defaults(func=_train)
 
     e = sub.add_parser("export", help="write the latest checkpoint as a draft SGLang serves "
-                                      "(--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR)")
+                                      "(--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR) and, "
+                                      "in DIR/speculators, one vLLM serves (--speculative-config)")
     add_run_args(e)
     e.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
     e.add_argument("--out", default=None, help="output directory (default: <run_dir>/draft/export)")
     e.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
                    help="weight dtype (default: train.export_dtype)")
+    e.add_argument("--format", dest="formats", action="append", default=None, choices=["sglang", "speculators"],
+                   help="a format to write; repeat for several (default: train.export_formats, both)")
     e.add_argument("--json", action="store_true",
                    help='answer {"export_dir": ..., "files": [...]} as the last stdout line (for the control plane)')
     e.set_defaults(func=_export)
@@ -58,12 +61,13 @@ def _export(args) -> int:
 
     cfg, layout = run_from_args(args)
     dtype = args.dtype or cfg.train.export_dtype
+    formats = args.formats or cfg.train.export_formats
     draft_dir = Path(layout.draft_dir)
     try:
         if args.checkpoint:
-            out = export_draft(args.checkpoint, args.out or draft_dir / "export", dtype)
+            out = export_draft(args.checkpoint, args.out or draft_dir / "export", dtype, formats)
         else:
-            out = export_latest(draft_dir, args.out, dtype)
+            out = export_latest(draft_dir, args.out, dtype, formats)
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"eagleflow export: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
-"""Export a trained draft as the directory SGLang serves.
+"""Export a trained draft as the directory SGLang serves, and in the speculators format vLLM serves.
 
     sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \
         --speculative-draft-model-path <draft_dir>/export
+    vllm serve TARGET --speculative-config \
+        '{"method": "eagle3", "model": "<draft_dir>/export/speculators", "num_speculative_tokens": 3}'
 
 - ``config.json``: ``LlamaForCausalLMEagle3``, the draft's dims, one hidden
   layer, the target's ``vocab_size`` and ``draft_vocab_size``, untied
@@ -13,6 +15,19 @@
   draft was trained on).
 - ``model.safetensors``: exactly the names ``LlamaForCausalLMEagle3.load_weights``
   knows (it drops unknown names silently): see ``SGLANG_WEIGHT_NAMES``.
+
+``speculators/`` (``SPECULATORS_DIR``, written in the same atomic step, so both formats are always the
+same checkpoint): the format of vllm-project/speculators 0.9.0 (``Eagle3SpeculatorConfig``), which
+vLLM 0.33.0 reads itself (``transformers_utils/configs/speculators``):
+
+- ``config.json``: ``Eagle3Speculator``, ``speculators_config`` (algorithm, a greedy proposal of
+  ``speculative_tokens``, the verifier = the target), ``transformer_layer_config`` (the draft layer
+  as a Llama config, ``vocab_size`` the target's), ``draft_vocab_size``, ``target_hidden_size``,
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering (``aux_layers.vllm_aux_layer_ids``: the
+  layers the draft was trained on; never null, which would make vLLM feed its default layers), and
+  the four architecture flags set to what ``model.Eagle3Draft`` computes: ``SPECULATORS_FLAGS``.
+  Each is written even where it equals a default: vLLM defaults ``norm_before_residual`` to true.
+- ``model.safetensors``: ``midlayer.*`` as ``layers.0.*``, the rest (``d2t``, ``t2d`` included) as named.
 """
 from __future__ import annotations
 
@@ -22,10 +37,11 @@ from typing import Any
 
 import torch
 
-from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers
+from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers, vllm_aux_layer_ids
 from eagleflow.durable import atomic_dir
 
 from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
+from .export_formats import EXPORT_FORMATS, SPECULATIVE_TOKENS, SPECULATORS_DIR
 from .model import DraftConfig, Eagle3Draft
 
 # The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):
@@ -37,6 +53,13 @@ SGLANG_WEIGHT_NAMES = (
     "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+SPECULATORS_VERSION = "0.9.0"          # the speculators release this format is proven against (tests/node_vllm)
+# What model.Eagle3Draft computes, in speculators' (and vLLM's Eagle3LlamaForCausalLM's) terms:
+#   norm_before_residual: residual = hidden_norm(hidden)? No: the residual is the raw hidden (DraftDecoderLayer).
+#   norm_before_fc / fc_norm: an RMSNorm over the concatenated / each aux state before fc? No: fc(aux) as is.
+#   norm_output: feed norm(out) to the next step? No: the pre-norm output; norm only before lm_head.
+SPECULATORS_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 def target_dtype_name(target_dir: str | Path) -> str:
@@ -53,6 +76,24 @@ def eagle_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
         return sglang_aux_layer_ids(aux_layers, archs, num_layers)
     except ValueError as e:
         raise ValueError(f"exporting for target {path}: {e}") from None
+
+
+def vllm_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering for the samples' layer outputs ``aux_layers``."""
+    path = Path(target_dir) / "config.json"
+    archs, num_layers = target_architectures_and_layers(json.loads(path.read_text()))
+    try:
+        return vllm_aux_layer_ids(aux_layers, archs, num_layers)
+    except ValueError as e:
+        raise ValueError(f"exporting the speculators format for target {path}: {e}") from None
+
+
+def check_formats(formats: Any) -> tuple[str, ...]:
+    fmts = tuple(formats)
+    bad = [f for f in fmts if f not in EXPORT_FORMATS]
+    if not fmts or bad:
+        raise ValueError(f"export formats {list(fmts)}: use one or more of {', '.join(EXPORT_FORMATS)}")
+    return fmts
 
 
 def export_config(dcfg: DraftConfig, sglang_layer_ids: list[int], dtype: str) -> dict[str, Any]:
@@ -90,8 +131,47 @@ def export_config(dcfg: DraftConfig, sglang_layer_ids: list[int], dtype: str) ->
     return cfg
 
 
-def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
-    """Write ``out_dir`` (config.json + model.safetensors) from a training checkpoint, atomically."""
+def speculators_config(dcfg: DraftConfig, vllm_ids: list[int], dtype: str, target_model: str | Path,
+                       speculative_tokens: int = SPECULATIVE_TOKENS) -> dict[str, Any]:
+    """config.json of the speculators format; ``vllm_ids`` from :func:`vllm_layer_ids` (vLLM's numbering)."""
+    if not vllm_ids:   # speculators and vLLM read null/[] as "use vLLM's default layers": never that
+        raise ValueError("speculators export: the draft's aux layer ids are empty; the checkpoint must name the "
+                         "layers it was trained on")
+    tconf = json.loads((Path(target_model) / "config.json").read_text())
+    archs, _ = target_architectures_and_layers(tconf)
+    layer = export_config(dcfg, [], dtype)
+    for k in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "torch_dtype"):
+        layer.pop(k, None)
+    layer["dtype"] = dtype
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target_model), "architectures": list(archs)},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "target_hidden_size": dcfg.target_hidden_size or dcfg.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(vllm_ids),
+        **SPECULATORS_FLAGS,
+        "dtype": dtype,
+    }
+
+
+def speculators_weight_name(name: str) -> str:
+    """Our (SGLang's) tensor name as the speculators format has it: the one decoder layer is ``layers.0``."""
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto",
+                 formats: Any = EXPORT_FORMATS) -> Path:
+    """Write ``out_dir`` from a training checkpoint, atomically: config.json + model.safetensors for SGLang
+    (``"sglang"`` in ``formats``) and ``out_dir/speculators/`` (``"speculators"``), from the same tensors."""
+    fmts = check_formats(formats)
     from safetensors.torch import load_file, save_file
     ckpt = Path(checkpoint)
     # a damaged checkpoint is refused by name (never a raw SafetensorError, never an older one silently)
@@ -104,26 +184,43 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
     name = target_dtype_name(state["target_model"]) if dtype == "auto" else dtype
     if name not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
-    layer_ids = eagle_layer_ids(state["target_model"], state["aux_layers"])   # fails before anything is written
+    # all fail before anything is written
+    if not state.get("aux_layers"):   # never let a format fall back to default layers the draft never saw
+        raise ValueError(f"checkpoint {ckpt} names no aux_layers (the target layers its hidden states came from); "
+                         "it was not written by `eagleflow train`")
+    layer_ids = eagle_layer_ids(state["target_model"], state["aux_layers"]) if "sglang" in fmts else []
+    vllm_ids = vllm_layer_ids(state["target_model"], state["aux_layers"]) if "speculators" in fmts else []
     out: dict[str, torch.Tensor] = {}
     for n in SGLANG_WEIGHT_NAMES:
         t = weights[n]
         out[n] = t.contiguous() if n in ("d2t", "t2d") else t.to(_DTYPES[name]).contiguous()
     out_dir = Path(out_dir)
+    meta = {"format": "pt", "source_checkpoint": str(ckpt)}
     with atomic_dir(out_dir) as tmp:   # a server never loads half an export
-        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source_checkpoint": str(ckpt)})
-        (tmp / "config.json").write_text(json.dumps(export_config(dcfg, layer_ids, name), indent=2) + "\n")
+        if "sglang" in fmts:
+            save_file(out, str(tmp / "model.safetensors"), metadata=meta)
+            (tmp / "config.json").write_text(json.dumps(export_config(dcfg, layer_ids, name), indent=2) + "\n")
+        if "speculators" in fmts:
+            spec = tmp / SPECULATORS_DIR
+            spec.mkdir()
+            save_file({speculators_weight_name(n): t for n, t in out.items()}, str(spec / "model.safetensors"),
+                      metadata=meta)
+            (spec / "config.json").write_text(json.dumps(
+                speculators_config(dcfg, vllm_ids, name, state["target_model"]), indent=2) + "\n")
         (tmp / "eagleflow_export.json").write_text(json.dumps(
             {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
-             "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"]}, indent=2) + "\n")
+             "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"],
+             "formats": {f: (str(out_dir) if f == "sglang" else str(out_dir / SPECULATORS_DIR)) for f in fmts}},
+            indent=2) + "\n")
     return out_dir
 
 
-def export_latest(draft_dir: str | Path, out_dir: str | Path | None = None, dtype: str = "auto") -> Path:
+def export_latest(draft_dir: str | Path, out_dir: str | Path | None = None, dtype: str = "auto",
+                  formats: Any = EXPORT_FORMATS) -> Path:
     ckpt = latest_checkpoint(Path(draft_dir) / "checkpoints")
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint under {Path(draft_dir) / 'checkpoints'}; run `eagleflow train` first")
-    return export_draft(ckpt, out_dir or Path(draft_dir) / "export", dtype)
+    return export_draft(ckpt, out_dir or Path(draft_dir) / "export", dtype, formats)
 
 
 def load_exported(export_dir: str | Path, target_dir: str | Path) -> Eagle3Draft:
