@@ -86,7 +86,8 @@ class ExportAnswer(BaseModel):
 
 
 class ExportDraftOperator(RunOperator):
-    """`eagleflow export` on the node: the newest checkpoint as a draft directory SGLang serves."""
+    """`eagleflow export` on the node: the newest checkpoint as a draft directory SGLang serves, with the
+    speculators-format copy vLLM serves in its ``speculators/`` folder (``train.export_formats``)."""
 
     ui_color = "#f3e8fb"
 
@@ -98,8 +99,10 @@ class ExportDraftOperator(RunOperator):
         answer = ctx.node.run_json(ctx.eagleflow_argv("export", "--json"), ExportAnswer, timeout=self.timeout_s,
                                    log=self.log.info)
         out_dir = answer.export_dir
-        self.log.info("draft exported to %s on node %s; serve it with --speculative-algorithm EAGLE3 "
-                      "--speculative-draft-model-path %s", out_dir, ctx.node.name, out_dir)
+        self.log.info("draft exported to %s on node %s; serve it with SGLang (--speculative-algorithm EAGLE3 "
+                      "--speculative-draft-model-path %s) or, from its speculators/ folder when exported, with "
+                      "vLLM (--speculative-config; the run report prints both commands)", out_dir, ctx.node.name,
+                      out_dir)
         return {"export_dir": out_dir, "curves": str(ctx.layout.draft_dir / "curves.png"),
                 "metrics": str(ctx.layout.draft_dir / "metrics.jsonl")}
 
