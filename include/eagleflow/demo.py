@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("corpus", "corpus/corpus.parquet"),
                        ("corpus stats", "corpus/stats.json"), ("hidden states", "hidden_states"),
                        ("training metrics", "draft/metrics.jsonl"), ("training curves", "draft/curves.png"),
-                       ("exported draft (SGLang EAGLE3)", "draft/export"), ("held-out corpus", "corpus/eval.parquet"),
+                       ("exported draft (SGLang EAGLE3)", "draft/export"),
+                       ("exported draft (vLLM, speculators)", "draft/export/speculators"),
+                       ("held-out corpus", "corpus/eval.parquet"),
                        ("held-out evaluation", "eval.json"), ("run report (HTML)", "report.html"),
                        ("logs", "logs")]:
         p = run_dir / rel
