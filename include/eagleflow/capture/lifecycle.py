@@ -67,14 +67,18 @@ def dump_dir(cfg: PipelineConfig) -> str:
 
 # --- the capture server -------------------------------------------------------------
 
-def server_info(ctx: RunLike) -> dict | None:
-    text = ctx.node.read_text(str(ctx.layout.server_info_file))
-    if not text:
-        return None
+def read_server_info(ctx: RunLike, info_file: str) -> dict | None:
+    """A server's info file (url, pid, model, ...) as written once it listens; None while absent or unreadable."""
+    text = ctx.node.read_text(info_file)
     try:
-        return json.loads(text)
+        info = json.loads(text) if text else None
     except ValueError:
         return None
+    return info if isinstance(info, dict) else None
+
+
+def server_info(ctx: RunLike) -> dict | None:
+    return read_server_info(ctx, str(ctx.layout.server_info_file))
 
 
 def start_capture_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
@@ -156,12 +160,8 @@ def check_server_ready(ctx: RunLike, role: str, info_file: str, health_cmd: str,
         pid = st.record.pid if st.record else "?"
         return "stuck", None, (f"the {what} pid {pid} is {STUCK_STATES[st.state]}: it cannot answer until it is "
                                "stopped and started again")
-    text = ctx.node.read_text(info_file)
-    try:
-        info = json.loads(text) if text else None
-    except ValueError:
-        info = None
-    if not isinstance(info, dict) or not info.get("url"):
+    info = read_server_info(ctx, info_file)
+    if not info or not info.get("url"):
         return "loading", None, f"loading: {info_file} not written yet"
     if isinstance(ctx.node, LocalNode):
         ok = capture_server_healthy(info["url"], health_timeout_s)

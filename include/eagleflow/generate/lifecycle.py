@@ -14,8 +14,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_ready, start_or_attach_server,
-                                         wait_server_ready)
+from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_ready, read_server_info,
+                                         start_or_attach_server, wait_server_ready)
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
 from eagleflow.phases import GENERATE, KINDS, SERVER_STALL
@@ -32,11 +32,7 @@ def worker_role(shard: int) -> str:
 
 
 def server_info(ctx: RunLike) -> dict | None:
-    text = ctx.node.read_text(str(ctx.layout.generate_server_info_file))
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
+    return read_server_info(ctx, str(ctx.layout.generate_server_info_file))
 
 
 def start_generate_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:

@@ -68,24 +68,24 @@ def target_dtype_name(target_dir: str | Path) -> str:
     return name if name in _DTYPES else "bfloat16"
 
 
-def eagle_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
-    """``eagle_aux_hidden_state_layer_ids`` for the samples' layer outputs ``aux_layers`` on this target."""
+def _layer_ids(target_dir: str | Path, aux_layers: list[int], numbering, what: str) -> list[int]:
+    """The target's layer ids for the samples' layer outputs ``aux_layers`` in one engine's ``numbering``."""
     path = Path(target_dir) / "config.json"
     archs, num_layers = target_architectures_and_layers(json.loads(path.read_text()))
     try:
-        return sglang_aux_layer_ids(aux_layers, archs, num_layers)
+        return numbering(aux_layers, archs, num_layers)
     except ValueError as e:
-        raise ValueError(f"exporting for target {path}: {e}") from None
+        raise ValueError(f"exporting {what}for target {path}: {e}") from None
+
+
+def eagle_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` for the samples' layer outputs ``aux_layers`` on this target."""
+    return _layer_ids(target_dir, aux_layers, sglang_aux_layer_ids, "")
 
 
 def vllm_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
     """``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering for the samples' layer outputs ``aux_layers``."""
-    path = Path(target_dir) / "config.json"
-    archs, num_layers = target_architectures_and_layers(json.loads(path.read_text()))
-    try:
-        return vllm_aux_layer_ids(aux_layers, archs, num_layers)
-    except ValueError as e:
-        raise ValueError(f"exporting the speculators format for target {path}: {e}") from None
+    return _layer_ids(target_dir, aux_layers, vllm_aux_layer_ids, "the speculators format ")
 
 
 def check_formats(formats: Any) -> tuple[str, ...]:
