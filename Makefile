@@ -31,13 +31,18 @@ system-deps:
 	@bash .ci/system-deps
 
 # --durations: every run (and so every CI log) ends with the 40 slowest tests, so nobody has to guess where time goes.
+# -n: pytest-xdist workers. Half of a serial run's wall time is waiting on servers, SSH and Airflow's parts, so
+# two workers on 2 cores nearly halve it; every test uses free ports, its own temp dirs and process groups.
+# `make test TEST_WORKERS=0` runs serially (in one process, as a debugger wants).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist worksteal)
 test: system-deps venv
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/node --ignore=tests/node_vllm --durations=40 --durations-min=2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider $(XDIST) --ignore=tests/node --ignore=tests/node_vllm --durations=40 --durations-min=2 $(PYTEST_ARGS)
 
 # The fast loop: unit tests only, none that starts Airflow's DB, a server or a model family (those are marked
 # `slow` and run in `make test`); under 2 minutes on 2 cores.
 test-fast: venv
-	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # The GPU node's environment (real sglang 0.5.23 with its CUDA torch, ~11 GB, ~5 min once):
 # tests/node/ checks the capture hook, launcher flags and export against sglang's own classes on the CPU.

@@ -5,6 +5,7 @@ at import time, before any test module imports airflow.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -64,5 +65,9 @@ def demo_assets(tmp_path_factory) -> dict:
     The target keeps its random weights here (the demo fits it to its rules): tests that
     check learning build their own learnable data."""
     from eagleflow.demo_assets import ensure_demo_assets
-    cache = os.environ.get("EAGLEFLOW_TEST_ASSETS") or str(REPO / ".cache" / "test-assets")
-    return ensure_demo_assets(cache, n_per_source=24, fit_target=False)
+    cache = Path(os.environ.get("EAGLEFLOW_TEST_ASSETS") or REPO / ".cache" / "test-assets")
+    cache.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist's workers share this cache: the first builds it, the others wait on the lock and read it
+    with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_demo_assets(cache, n_per_source=24, fit_target=False)
