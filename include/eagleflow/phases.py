@@ -27,6 +27,7 @@ SERVER_STALL = "server_stall.json"
 class ShardKind:
     """One sharded phase: its workers, its server and where its shards write."""
     phase: str
+    noun: str                                   # the phase in a sentence ("reran 2 generation shards")
     unit: str                                   # what the manifest counts
     label: str                                  # how reconcile and the fleet name a shard in lines
     watch_name: str                             # how the watch and its mails name a shard ("<name> 3/8")
@@ -42,8 +43,11 @@ class ShardKind:
     takeover_key: str                           # its map in a run's takeover.json (fleet.takeover)
     prepared_key: str                           # its list in prepare_node's answer (the shards a node holds)
     collect_task: str                           # the DAG task that copies a node's shards to the training node
+    takeover_task: str                          # the DAG task that finds a fleet node's shards to take over
     copy_last: tuple[str, ...]                  # a shard's files copied last (their presence says "complete")
     copy_skip: tuple[str, ...]                  # a shard's files never copied (node-local state)
+    # reconcile no longer scans the phase once its stats say every shard is complete (generate.phase)
+    done_when_stats_complete: bool = False
 
     def worker_role(self, shard: int) -> str:
         return f"{self.worker_prefix}{shard:05d}"
@@ -73,22 +77,24 @@ def _field(cfg: PipelineConfig, dotted: str):
 
 KINDS = {
     EXTRACT: ShardKind(
-        phase=EXTRACT, unit="samples", label="extract shard", watch_name="shard", server="capture server",
+        phase=EXTRACT, noun="extraction", unit="samples", label="extract shard", watch_name="shard",
+        server="capture server",
         server_role="capture_server", worker_prefix="worker_shard_", marker="reconcile-started-server",
         started_dir="hidden_states", shards_field="capture.shards", enabled_field=None, shard_dir=RunLayout.shard_dir,
         server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
-        collect_task="collect_shards",
+        collect_task="collect_shards", takeover_task="take_over_shards",
         # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
         copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",)),
     GENERATE: ShardKind(
-        phase=GENERATE, unit="records", label="generate shard", watch_name="generate shard",
+        phase=GENERATE, noun="generation", unit="records", label="generate shard", watch_name="generate shard",
         server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
         marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards", enabled_field="generate.enabled",
         shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
         takeover_key="generate_shards", prepared_key="generate_shards", collect_task="collect_generated",
+        takeover_task="take_over_generated",
         # the manifest and final heartbeat last (the phase's stats accept a shard once its heartbeat says
         # complete, and it is final once the worker ended); the stall marker is the node's own note
-        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,)),
+        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,), done_when_stats_complete=True),
 }
 
 

@@ -7,7 +7,6 @@ import json
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from eagleflow.airflow.generate_operators import GenerateShardWatchTrigger
 from eagleflow.airflow.reconcile_operators import FindIncompleteShardsOperator, RerunShardOperator
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
@@ -109,7 +108,7 @@ def test_a_generation_shard_is_watched_by_the_generation_watch_and_a_taken_over_
                             deferrable=True)
     with pytest.raises(TaskDeferred) as d:
         op.execute(task_context(ctx, op))
-    assert isinstance(d.value.trigger, GenerateShardWatchTrigger)
+    assert isinstance(d.value.trigger, ShardWatchTrigger) and d.value.trigger.phase == "generate"
     (claim,) = node.commands(("reconcile", "claim"))
     assert claim.option("--phase") == "generate" and claim.option("--taken-from") == "b"
 

@@ -64,7 +64,7 @@ def test_a_complete_shard_yields_complete_from_one_look(run):
     ev = first_event(ShardWatchTrigger(ctx.serialize(), 3))
     assert ev["status"] == "complete" and ev["summary"].startswith("COMPLETE shard 3/4 on gpu-node-1: 25/25")
     (look,) = node.commands("watch")
-    assert look.argv[3:] == ("watch", "--shard", "3", "--json", "--config", ctx.run_config_path,
+    assert look.argv[3:] == ("watch", "--shard", "3", "--phase", "extract", "--json", "--config", ctx.run_config_path,
                              "--run-id", ctx.layout.run_id)
     assert look.timeout == 1 + 60                      # the health timeout plus the command's own
 

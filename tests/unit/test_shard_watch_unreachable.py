@@ -95,7 +95,6 @@ def test_a_watch_started_while_its_node_is_unreachable_reports_by_the_same_bound
     import time
 
     from eagleflow.airflow.deploy.standalone import free_port
-    from eagleflow.airflow.generate_operators import GenerateShardWatchTrigger
     from eagleflow.airflow.runtime import RunContext
     from eagleflow.airflow.shard_watch import _OUTAGES, EARLY_UNREACHABLE_S
     from eagleflow.layout import RunLayout
@@ -127,7 +126,9 @@ def test_a_watch_started_while_its_node_is_unreachable_reports_by_the_same_bound
     assert 4.0 <= took < 4.0 + 2.0, took
     # a generation shard's watch names its job by the generation count; a payload from before the hints
     # were carried keeps the old bound and says only what it knows
-    assert GenerateShardWatchTrigger(payload, 2)._job_name() == "generate shard 2/1"
+    assert ShardWatchTrigger(payload, 2, phase="generate")._job_name() == "generate shard 2/1"
+    again = ShardWatchTrigger(**ShardWatchTrigger(payload, 2, phase="generate").serialize()[1])
+    assert again.phase == "generate" and again._watch_args() == ["--shard", "2", "--phase", "generate"]
     old = {k: v for k, v in payload.items() if k != "watch"}
     assert ShardWatchTrigger(old, 1)._early_bound_s() == EARLY_UNREACHABLE_S
     assert ShardWatchTrigger(old, 1)._job_name() == "shard 1"

@@ -244,9 +244,9 @@ def test_detached_sentinel_is_stopped_like_the_worker_and_signals_nothing_itself
 
 def test_each_watched_job_names_its_sentinel_as_the_watch_names_the_job():
     from eagleflow.watchdog.sentinel import sentinel_args
-    assert sentinel_args(WatchedJob(shard=3, num_shards=4)) == ["sentinel", "--shard", "3"]
+    assert sentinel_args(WatchedJob(shard=3, num_shards=4)) == ["sentinel", "--shard", "3", "--phase", "extract"]
     assert sentinel_args(WatchedJob(shard=3, num_shards=4, phase="generate")) == ["sentinel", "--shard", "3",
-                                                                                  "--generate"]
+                                                                                  "--phase", "generate"]
     assert sentinel_args(WatchedJob(shard=None)) == ["sentinel", "--train"]
     assert sentinel_role(WatchedJob(shard=None)) == "sentinel_trainer"
     assert sentinel_role(WatchedJob(shard=2, num_shards=4, phase="generate")) == "sentinel_generate_shard_00002"

@@ -40,7 +40,7 @@ from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
-from eagleflow.phases import kind_of
+from eagleflow.phases import EXTRACT, kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 
 PREPARE_TASK = "prepare_node"
@@ -72,8 +72,8 @@ def skip_if_handed_over(ctx, shard: int, phase: str) -> None:
     taken_by = handed_over_on_node(ctx, shard, phase)
     if taken_by is not None:
         raise AirflowSkipException(f"{phase} shard {shard} of run {ctx.layout.run_id}: node {ctx.cfg.node.name} "
-                                   f"handed it over to {taken_by}, which works on it (see take_over_"
-                                   f"{'generated' if phase == 'generate' else 'shards'}); nothing to do here")
+                                   f"handed it over to {taken_by}, which works on it (see "
+                                   f"{kind_of(phase).takeover_task}); nothing to do here")
 
 
 def node_in_use(cfg, name: str) -> bool:
@@ -295,9 +295,10 @@ class ReleaseTakeoverServerOperator(RunOperator):
     """After the taken-over shards, whatever they did: stop the server their claims started (the capture
     server, or the generation server for generation shards)."""
 
-    def __init__(self, *, takeover_task_id: str = "take_over_shards", phase: str = "extract", **kw):
+    def __init__(self, *, takeover_task_id: str | None = None, phase: str = EXTRACT, **kw):
         super().__init__(**kw)
-        self.takeover_task_id, self.phase = takeover_task_id, _phase(phase)
+        self.phase = _phase(phase)
+        self.takeover_task_id = takeover_task_id or kind_of(self.phase).takeover_task
 
     def run(self, ctx, context):
         if not context["ti"].xcom_pull(task_ids=self.takeover_task_id):

@@ -3,7 +3,7 @@
 Every operator is a logged no-op success when ``generate.enabled`` is off, so
 the DAG's wiring stays one shape and the corpus phase after it runs as before.
 A generation shard is watched by the extraction's own watch
-(``ShardWatchTrigger``, node-side ``eagleflow watch --shard I --generate``):
+(``ShardWatchTrigger`` with phase generate, node-side ``eagleflow watch --shard I --phase generate``):
 the worker writes the same heartbeat and manifest, so the verdicts (stalled,
 dead, failed) and their evidence are the same, and so is the recovery: a stall
 blamed on the generation server or the worker is recovered in the watch
@@ -34,24 +34,6 @@ from eagleflow.nodes.process_record import RecordList
 from eagleflow.phases import GENERATE, KINDS
 
 OFF = "generate.enabled is off: the sources are tokenised as they are"
-
-
-class GenerateShardWatchTrigger(ShardWatchTrigger):
-    """The extraction's watch over a generation shard, its recovery included (``phase`` generate)."""
-
-    phase = GENERATE
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return "eagleflow.airflow.generate_operators.GenerateShardWatchTrigger", self._serialize_common(
-            {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-             "recoveries_left": self.recoveries_left})
-
-    def _watch_args(self) -> list[str]:
-        return ["--shard", str(self.shard), "--generate"]
-
-    def _job_name(self, ctx: RunContext | None = None) -> str:
-        total = ctx.cfg.generate.shards if ctx is not None else self.ref.hint("generate.shards")
-        return f"generate shard {self.shard}" + (f"/{total}" if total is not None else "")
 
 
 class StartGenerateServerOperator(RunOperator):
@@ -130,7 +112,7 @@ class GenerateShardOperator(RunOperator):
             ctx.close()
 
     def _rewatch(self, **kw):
-        return GenerateShardWatchTrigger(shard=int(self.shard), **kw)
+        return ShardWatchTrigger(shard=int(self.shard), phase=GENERATE, **kw)
 
     def _watch(self, ctx, context, start):
         """The watch (deferred or here) until its final event, each event through the one handler, a stall

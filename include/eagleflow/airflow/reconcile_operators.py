@@ -3,8 +3,7 @@
 The decisions are made on the node by ``eagleflow reconcile scan|claim|release``
 (eagleflow.watchdog.reconcile), for extraction and generation shards alike;
 these operators only run those commands and watch the restarted workers with
-the same trigger as the pipeline (ShardWatchTrigger for an extraction shard,
-GenerateShardWatchTrigger for a generation shard).
+the same trigger as the pipeline (ShardWatchTrigger, with the shard's phase).
 """
 from __future__ import annotations
 
@@ -18,7 +17,9 @@ from eagleflow.airflow.runtime import RunContext, apply_control_plane, control_p
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeAnswerError, NodeError
+from eagleflow.phases import EXTRACT, KINDS, kind_of
 from eagleflow.protocol import ClaimAnswer, ShardStates
+from eagleflow.watchdog.recovery import LIFECYCLES
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -88,18 +89,13 @@ class RerunShardOperator(BaseOperator):
     def execute(self, context):
         ctx = self._run_context(context)
         shard = int(self.target["shard"])
-        phase = self.target.get("phase", "extract")
+        phase = kind_of(self.target.get("phase", EXTRACT)).phase
         ti = context.get("ti")
-        if phase == "extract" and ti is not None and (ti.try_number or 1) > 1:
-            # the rerun itself stalled: same recovery as the pipeline's retry (stuck worker, frozen server).
-            # A generation shard's retry does what the pipeline's does: the claim restarts a dead generation
-            # server through the generate lifecycle (this recovery would restart the capture server)
-            from eagleflow.watchdog.recovery import recover_before_retry
-            recover_before_retry(ctx, shard, self.log)
-        if phase == "generate" and ti is not None and (ti.try_number or 1) > 1:
-            # the rerun stalled on a hung generation server: stop it once (if still that one) before the claim
-            from eagleflow.generate.lifecycle import stop_after_server_stall
-            stop_after_server_stall(ctx, shard, log=self.log.warning)
+        if ti is not None and (ti.try_number or 1) > 1:
+            # the rerun itself stalled: what the pipeline's retry of that phase does first (extraction: the
+            # stuck worker and an unhealthy capture server; generation: a hung server stopped once), then the
+            # claim restarts what is gone through the phase's lifecycle
+            LIFECYCLES[phase].before_retry(ctx, shard, self.log)
         taken = ["--taken-from", str(self.target["taken_from"])] if self.target.get("taken_from") else []
         result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase,
                                                       *taken),
@@ -117,11 +113,8 @@ class RerunShardOperator(BaseOperator):
         if result.action == "skipped":
             ctx.close()
             return {**self.target, "outcome": "skipped", "reason": result.reason}
-        if phase == "generate":
-            from eagleflow.airflow.generate_operators import GenerateShardWatchTrigger as Watch
-        else:
-            from eagleflow.airflow.shard_watch import ShardWatchTrigger as Watch
-        trigger = Watch(run=ctx.serialize(), shard=shard)
+        from eagleflow.airflow.shard_watch import ShardWatchTrigger
+        trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard, phase=phase)
         ctx.close()
         if not self.deferrable:
             return self.execute_complete(context, run_trigger_here(trigger))
@@ -132,14 +125,13 @@ class RerunShardOperator(BaseOperator):
             self.log.info("run %s shard %s rerun complete: %s", self.target["run_id"], self.target["shard"],
                           event.get("summary"))
             return {**self.target, "outcome": "complete", "reason": event.get("summary", "")}
-        if self.target.get("phase", "extract") == "generate":   # as the pipeline's generate_responses does
-            from eagleflow.generate.lifecycle import record_server_stall
-            ctx = self._run_context(context)
-            try:
-                if record_server_stall(ctx, int(self.target["shard"]), event):
-                    self.log.warning("the stall is blamed on the generation server: the retry stops and restarts it")
-            finally:
-                ctx.close()
+        ctx = self._run_context(context)
+        try:   # what the phase's retry needs, as the pipeline's task of that phase keeps it
+            if LIFECYCLES[kind_of(self.target.get("phase", EXTRACT)).phase].after_failed_watch(
+                    ctx, int(self.target["shard"]), event):
+                self.log.warning("the stall is blamed on the phase's server: the retry stops and restarts it")
+        finally:
+            ctx.close()
         from eagleflow.watchdog.diagnosis import StallDetected
         raise StallDetected(event.get("subject") or f"rerun of shard {self.target['shard']} {event.get('status')}",
                             event.get("diagnosis") or str(event))
@@ -154,14 +146,13 @@ class ReconcileSummaryOperator(RunOperator):
         if not todo:
             self.log.info("nothing was rerun: every shard of the latest runs is complete or has a live worker")
             return {"rerun": 0, "summary": "nothing to rerun"}
-        from eagleflow.phases import kind_of
-        # a generation phase that finished since is not scanned again: its shards read as complete below
+        # a phase that finished since (its stats complete) is not scanned again: its shards read as complete below
         after = {(s["run_id"], s.get("phase", "extract"), s["shard"]): s for s in _scan(ctx, 1000)}
         lines = []
         for t in todo:
             kind = kind_of(t.get("phase", "extract"))
             now = after.get((t["run_id"], kind.phase, t["shard"]))
-            finished_phase = now is None and kind.phase == "generate"   # its stats say every shard is complete
+            finished_phase = now is None and kind.done_when_stats_complete   # its stats say every shard is complete
             stored = now["stored"] if now else (t["expected"] if finished_phase else "?")
             state = ("complete" if finished_phase or (now and now["stored"] >= now["expected"]
                                                       and now.get("finished", True))
@@ -185,8 +176,7 @@ class ReconcileSummaryOperator(RunOperator):
         for t in todo:
             per_phase[t.get("phase", "extract")] = per_phase.get(t.get("phase", "extract"), 0) + 1
         subject = (f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s) ("
-                   + ", ".join(f"{n} {'generation' if p == 'generate' else 'extraction'}"
-                               for p, n in sorted(per_phase.items())) + ")")
+                   + ", ".join(f"{n} {KINDS[p].noun}" for p, n in sorted(per_phase.items())) + ")")
         from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url
         recipients = Recipients.of_config(ctx.cfg)
         send_mail(context, Mail(recipients, subject, summary,

@@ -63,7 +63,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from eagleflow.airflow.runtime import RunContext, RunRef
 from eagleflow.nodes import NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
-from eagleflow.phases import EXTRACT
+from eagleflow.phases import EXTRACT, kind_of
 from eagleflow.protocol import one_line
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, WatchEvent, WatchState, clock as _clock,
@@ -357,27 +357,28 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
 
 class ShardWatchTrigger(_NodeJobWatchTrigger):
-    """Watch shard ``shard`` of a sharded phase (``phase``: extraction here) until it completes, stalls, dies or
-    fails.
+    """Watch shard ``shard`` of a sharded phase (``phase``, a ``phases.KINDS`` key: its names and shard count
+    from its descriptor) until it completes, stalls, dies or fails.
 
     With ``recoveries_left`` > 0 a stall blamed on the phase's server or the worker is recovered here,
     at once (see the module docstring); a failure the job reported itself (a full disk) is not.
     """
 
-    phase = EXTRACT
-
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
                  close_incidents: list[dict[str, Any]] | None = None,
-                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None):
+                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None,
+                 phase: str = EXTRACT):
         super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails, clocks)
         self.shard = shard
         self.recoveries_left = recoveries_left
+        self.kind = kind_of(phase)
+        self.phase = self.kind.phase
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagleflow.airflow.shard_watch.ShardWatchTrigger", self._serialize_common(
             {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-             "recoveries_left": self.recoveries_left})
+             "recoveries_left": self.recoveries_left, "phase": self.phase})
 
     def _recoverable(self, diag: StallDiagnosis) -> bool:
         return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
@@ -409,11 +410,11 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
                           recoveries_left=self.recoveries_left)
 
     def _watch_args(self) -> list[str]:
-        return ["--shard", str(self.shard)]
+        return ["--shard", str(self.shard), "--phase", self.phase]
 
     def _job_name(self, ctx: RunContext | None = None) -> str:
-        total = ctx.cfg.capture.shards if ctx is not None else self.ref.hint("capture.shards")
-        return f"shard {self.shard}" + (f"/{total}" if total is not None else "")
+        total = self.kind.num_shards(ctx.cfg) if ctx is not None else self.ref.hint(self.kind.shards_field)
+        return f"{self.kind.watch_name} {self.shard}" + (f"/{total}" if total is not None else "")
 
 
 class TrainWatchTrigger(_NodeJobWatchTrigger):

@@ -19,13 +19,13 @@ from eagleflow.phases import EXTRACT, KINDS, kind_of
 
 
 def register(sub) -> None:
-    w = sub.add_parser("watch", help="diagnose an extraction shard or the trainer: healthy, slow, stalled, dead",
-                       description=__doc__)
+    w = sub.add_parser("watch", help="diagnose a shard of a sharded phase or the trainer: healthy, slow, stalled, "
+                                     "dead", description=__doc__)
     add_run_args(w)
     which = w.add_mutually_exclusive_group(required=True)
-    which.add_argument("--shard", type=int, help="the extraction shard to watch")
+    which.add_argument("--shard", type=int, help="the shard to watch (of --phase)")
     which.add_argument("--train", action="store_true", help="watch the draft training job")
-    w.add_argument("--generate", action="store_true", help="with --shard: a generation shard (eagleflow generate)")
+    _phase_arg(w, "with --shard: the sharded phase of the shard")
     w.add_argument("--json", action="store_true", help="print the diagnosis as one JSON line")
     w.add_argument("--follow", action="store_true",
                    help="look again every watchdog.poll_interval_s until the job completes, stalls or dies")
@@ -50,9 +50,9 @@ def register(sub) -> None:
                                         "job for 3 poll intervals while it runs; exits when it ends")
     add_run_args(s)
     sjob = s.add_mutually_exclusive_group(required=True)
-    sjob.add_argument("--shard", type=int, help="an extraction shard (with --generate: a generation shard)")
+    sjob.add_argument("--shard", type=int, help="a shard (of --phase)")
     sjob.add_argument("--train", action="store_true", help="the draft training job")
-    s.add_argument("--generate", action="store_true", help="with --shard: a generation shard")
+    _phase_arg(s, "with --shard: the sharded phase of the shard")
     s.set_defaults(func=_sentinel)
 
     c = sub.add_parser("reconcile", help="find extraction and generation shards left incomplete with no worker, "
@@ -98,14 +98,13 @@ def _watch(args) -> int:
     from .sentinel import looks_path, record_look
 
     cfg, layout = run_from_args(args)
-    gen = bool(getattr(args, "generate", False)) and args.shard is not None
-    shards, field = (cfg.generate.shards, "generate.shards") if gen else (cfg.capture.shards, "capture.shards")
+    kind = kind_of(args.phase)
+    shards, field = kind.num_shards(cfg), kind.shards_field
     if args.shard is not None and not 0 <= args.shard < shards:
         print(f"eagleflow watch: --shard {args.shard} is outside 0..{shards - 1} "
               f"({field} = {shards})", file=sys.stderr)
         return 2
-    job = WatchedJob(shard=None if args.train else args.shard, num_shards=shards,
-                     phase="generate" if gen else "extract")
+    job = WatchedJob(shard=None if args.train else args.shard, num_shards=shards, phase=kind.phase)
     mpath = memory_path(layout, job)
     while True:
         started = time.monotonic()
@@ -170,14 +169,14 @@ def _sentinel(args) -> int:
     from .signals import WatchedJob
 
     cfg, layout = run_from_args(args)
-    gen = bool(args.generate) and args.shard is not None
-    shards, field = (cfg.generate.shards, "generate.shards") if gen else (cfg.capture.shards, "capture.shards")
+    kind = kind_of(args.phase)
+    shards, field = kind.num_shards(cfg), kind.shards_field
     if args.shard is not None and not 0 <= args.shard < shards:
         print(f"eagleflow sentinel: --shard {args.shard} is outside 0..{shards - 1} ({field} = {shards})",
               file=sys.stderr)
         return 2
     return run_sentinel(cfg, layout, WatchedJob(shard=None if args.train else args.shard, num_shards=shards,
-                                                phase="generate" if gen else "extract"))
+                                                phase=kind.phase))
 
 
 def _reconcile_scan(args) -> int:

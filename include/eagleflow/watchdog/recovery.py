@@ -49,13 +49,34 @@ class PhaseLifecycle:
     wait_server_ready: Callable                 # (run, timeout_s=None, poll_s=1.0, log=None) -> info
     stop_server: Callable
     start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
+    # control plane, a retry of a shard whose last watch failed: (ctx, shard, log) -> anything
+    before_retry: Callable
+    # control plane, a watch that ended failed: keep what the retry needs; (ctx, shard, event) -> True if kept
+    after_failed_watch: Callable
+
+
+def _recover_capture_before_retry(ctx, shard: int, log) -> Any:
+    # the capture server and the worker, restarted when unhealthy (``recover_capture_server`` on the node)
+    return recover_on_node(ctx, shard, log)
+
+
+def _stop_generate_server_before_retry(ctx, shard: int, log) -> Any:
+    # a hung generation server still answers /health_generate: stopped once (if still the one that stalled)
+    return generate.stop_after_server_stall(ctx, shard, log=log.warning if hasattr(log, "warning") else log)
+
+
+def _nothing_to_keep(ctx, shard: int, event: dict[str, Any]) -> bool:
+    return False   # an extraction retry looks at the shard itself first (ExtractShardOperator)
 
 
 LIFECYCLES = {
     EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
-                            capture.stop_capture_server, capture.start_or_attach_worker),
+                            capture.stop_capture_server, capture.start_or_attach_worker,
+                            before_retry=_recover_capture_before_retry, after_failed_watch=_nothing_to_keep),
     GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
-                             generate.stop_generate_server, generate.start_or_attach_generate_worker),
+                             generate.stop_generate_server, generate.start_or_attach_generate_worker,
+                             before_retry=_stop_generate_server_before_retry,
+                             after_failed_watch=generate.record_server_stall),
 }
 
 

@@ -76,7 +76,7 @@ def sentinel_args(job: WatchedJob) -> list[str]:
     """The `eagleflow sentinel` arguments that name ``job`` (as `eagleflow watch` names it)."""
     if job.shard is None:
         return ["sentinel", "--train"]
-    return ["sentinel", "--shard", str(job.shard)] + (["--generate"] if job.generating else [])
+    return ["sentinel", "--shard", str(job.shard), "--phase", job.phase]
 
 
 def ensure_sentinel(ctx, job: WatchedJob, log: Callable[[str], None] | None = None):

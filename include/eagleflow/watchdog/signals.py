@@ -58,10 +58,6 @@ class WatchedJob:
         return kind_of(self.phase)
 
     @property
-    def generating(self) -> bool:
-        return self.phase == GENERATE and self.shard is not None
-
-    @property
     def role(self) -> str:
         return "trainer" if self.shard is None else self.kind.worker_role(self.shard)
 
