@@ -32,6 +32,10 @@ from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
 from eagleflow.airflow.runtime import allowed_node_conn_ids
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
+from eagleflow.engines import names_for
+from eagleflow.phases import EXTRACT, GENERATE, KINDS
+
+EXT, GEN = KINDS[EXTRACT], KINDS[GENERATE]   # task ids of each sharded phase, from its descriptor
 
 DOC = __doc__ + """
 
@@ -85,7 +89,7 @@ def generation_on(node: FleetNodeRoute, prefix: str):
         return free, [shards, free_after]
     # whatever the node's generation did (all_done), as collect_shards: the corpus then refuses an incomplete
     # generation naming the shards and their node, and a node the run leaves out skips without holding it up
-    collect = CollectShardsOperator(task_id="collect_generated", phase="generate", trigger_rule="all_done",
+    collect = CollectShardsOperator(task_id=GEN.collect_task, phase=GEN.phase, trigger_rule="all_done",
                                     prepare_task_id=prefix + PREPARE_TASK, retries=2)
     [shards, free_after] >> collect
     return free, [collect]
@@ -131,7 +135,7 @@ def node_tasks(node: FleetNodeRoute):
         stop_server >> free_after.as_teardown(setups=start_server)
         collect = None
         if GROUPED and not node.training:
-            collect = CollectShardsOperator(task_id="collect_shards", trigger_rule="all_done",
+            collect = CollectShardsOperator(task_id=EXT.collect_task, phase=EXT.phase, trigger_rule="all_done",
                                             prepare_task_id=prefix + PREPARE_TASK, retries=2)
             extract >> collect
     return {"first": prepare or gen_first, "generated": gen_done, "capture_first": receive or free_before,
@@ -169,7 +173,7 @@ with DAG(
                               title="GPU node SSH connection",
                               description="Airflow SSH connection id of the GPU node, one of those the deployment "
                                           "allows ($EAGLEFLOW_NODE_CONN_IDS); empty = the config's node."),
-        "capture_backend": Param(None, type=["null", "string"], enum=[None, "hf", "sglang"],
+        "capture_backend": Param(None, type=["null", "string"], enum=[None, *names_for("capture_server")],
                                  title="Capture backend",
                                  description="sglang on a GPU node; hf (transformers) on CPU or for tiny models."),
         "shards": Param(None, type=["null", "integer"], minimum=1, maximum=1024, title="Extraction shards",
@@ -235,13 +239,13 @@ with DAG(
         # generation shards another node left incomplete (its gate refused, its server failed), taken over by
         # the training node once that node proves them free of our workers, before the corpus needs them all;
         # a logged no-op when generate.enabled is off or nothing is missing
-        take_gen = TakeOverShardsOperator(task_id="take_over_generated", phase="generate", trigger_rule="all_done")
+        take_gen = TakeOverShardsOperator(task_id=GEN.takeover_task, phase=GEN.phase, trigger_rule="all_done")
         take_gen_idle = GpuIdleSensor(task_id="gpus_idle_before_generation_takeover", pool=NODE.pool,
-                                      generation=True, guards="take_over_generated")
+                                      generation=True, guards=GEN.takeover_task)
         taken_gen = RerunShardOperator.partial(task_id="take_over_generated_shard", retries=2,
                                                pool=NODE.pool).expand(target=take_gen.output)
-        release_gen = ReleaseTakeoverServerOperator(task_id="release_generation_takeover_server", phase="generate",
-                                                    takeover_task_id="take_over_generated", trigger_rule="all_done")
+        release_gen = ReleaseTakeoverServerOperator(task_id="release_generation_takeover_server", phase=GEN.phase,
+                                                    trigger_rule="all_done")
         for tasks in nodes.values():
             tasks["generated"] >> take_gen
         # the corpus checks itself that every generation shard is complete, naming any that is not
@@ -255,14 +259,15 @@ with DAG(
     if GROUPED:
         # the shards another node left incomplete, taken over by the training node once that node proves
         # them free of our workers (fleet.take_over); the rest wait for their node
-        take_over = TakeOverShardsOperator(task_id="take_over_shards", trigger_rule="all_done")
+        take_over = TakeOverShardsOperator(task_id=EXT.takeover_task, phase=EXT.phase, trigger_rule="all_done")
         # the training node's GPUs checked idle again before the takeover's server (they were freed after
         # its own shards, and a shared node's GPUs may have been taken since)
         take_over_idle = GpuIdleSensor(task_id="gpus_idle_before_takeover", pool=NODE.pool,
-                                       guards="take_over_shards")
+                                       guards=EXT.takeover_task)
         taken = RerunShardOperator.partial(task_id="take_over_shard", retries=2,
                                            pool=NODE.pool).expand(target=take_over.output)
-        release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", trigger_rule="all_done")
+        release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", phase=EXT.phase,
+                                                trigger_rule="all_done")
         for cap in nodes.values():
             [cap["extract"], cap["free_after"]] >> take_over
             if cap["collect"] is not None:

@@ -12,10 +12,28 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from eagleflow.engines import ROLES, UnknownEngine, engine, generation_backend, names_for
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names file, field, value and fix."""
+
+
+def check_engine(name: str, role: str, field: str) -> str:
+    """A config's engine name, checked against the registry (eagleflow.engines) for the server role it fills."""
+    try:
+        eng = engine(name, field)
+    except UnknownEngine:
+        # pydantic's own shape ("Input should be ..."): load_config then adds "(got a value of type str, not
+        # shown)", because a config's errors never echo a value (docs/safety.md: it may be a pasted secret)
+        raise PydanticCustomError("unknown_engine", "Input should be {choices}: the engines eagleflow.engines "
+                                  "registers for the {what}", {"choices": " or ".join(map(repr, names_for(role))),
+                                                               "what": ROLES[role]}) from None
+    if getattr(eng, role) is None:   # a registered name is no secret: say what it lacks
+        raise eng.unsupported(role)
+    return name
 
 
 def check_unique_names(what: str, names: list[str]) -> None:
@@ -147,7 +165,8 @@ class GpuConfig(_Section):
 
 
 class CaptureConfig(_Section):
-    backend: Literal["hf", "sglang"] = "hf"
+    backend: str = Field(default="hf", description="the capture server's engine (eagleflow.engines): hf = our "
+                         "transformers server (CPU or GPU), sglang = SGLang with our capture hook (GPU node)")
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")
     dump_dir: str = Field(default="/dev/shm/eagleflow_hs-{uid}",
@@ -168,6 +187,11 @@ class CaptureConfig(_Section):
     ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     extra_server_args: list[str] = Field(default_factory=list)
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str) -> str:
+        return check_engine(v, "capture_server", "capture.backend")
 
 
 class WatchdogConfig(_Section):
@@ -303,9 +327,9 @@ class PromptSet(_Section):
 
 
 class EvalConfig(_Section):
-    backend: Literal["hf", "sglang"] = Field(default="hf", description="hf = our speculative decoder over "
-                                             "transformers (CPU or GPU); sglang = the target served by SGLang "
-                                             "with the draft (GPU node), its own acceptance counters")
+    backend: str = Field(default="hf", description="the evaluation's engine (eagleflow.engines): hf = our "
+                         "speculative decoder over transformers (CPU or GPU); sglang = the target served by "
+                         "SGLang with the draft (GPU node), its own acceptance counters")
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     configs: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig(steps=3, draft_tokens=4),
                                                                SpecConfig(steps=7, draft_tokens=8)])
@@ -333,12 +357,18 @@ class EvalConfig(_Section):
     extra_server_args: list[str] = Field(default_factory=list, description="sglang backend: appended to each "
                                          "launch_server command (e.g. --mem-fraction-static 0.8)")
 
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str) -> str:
+        return check_engine(v, "evaluator", "eval.backend")
+
     @model_validator(mode="after")
     def _backend_fits(self) -> "EvalConfig":
         trees = [c.label for c in self.configs if c.topk > 1]
-        if self.backend == "hf" and trees:
-            raise ValueError(f"eval.configs {', '.join(trees)}: the hf evaluator drafts chains only (topk 1); "
-                             "use eval.backend sglang for top-k > 1")
+        if trees and not engine(self.backend, "eval.backend").eval_trees:
+            tree_engines = [n for n in names_for("evaluator") if engine(n).eval_trees]
+            raise ValueError(f"eval.configs {', '.join(trees)}: the {self.backend} evaluator drafts chains only "
+                             f"(topk 1); use eval.backend {' or '.join(tree_engines)} for top-k > 1")
         names = [p.name for p in self.prompt_sets]
         if "held_out" in names or len(set(names)) != len(names):
             raise ValueError(f"eval.prompt_sets names {names}: each must be unique and not 'held_out' (the "
@@ -367,6 +397,13 @@ class GenerateConfig(_Section):
     request_timeout_base_s: float = Field(default=120.0, gt=0)
     request_timeout_per_token_s: float = Field(default=0.1, ge=0, description="per new token allowed")
     port: int = Field(default=0, ge=0, le=65535, description="the generation server's port; 0 = a free one")
+    backend: str | None = Field(default=None, description="the generation server's engine (eagleflow.engines: "
+                                "hf or sglang); default: capture.backend")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str | None) -> str | None:
+        return v if v is None else check_engine(v, "generate_server", "generate.backend")
 
 
 class PipelineConfig(_Section):
@@ -386,11 +423,20 @@ class PipelineConfig(_Section):
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)
 
+    def _gpu_engines(self) -> list[tuple[str, str]]:
+        """(field, engine) of each server this config runs on its nodes whose engine needs a GPU node."""
+        picks = {self.capture.backend: "capture.backend"}
+        name, field = generation_backend(self)
+        picks.setdefault(name, field)   # the same engine as capture's: one complaint, about capture.backend
+        return [(f, n) for n, f in picks.items() if engine(n, f).needs_gpu]
+
     @model_validator(mode="after")
     def _capture_matches_node(self) -> "PipelineConfig":
-        if self.capture.backend == "sglang" and not self.node.has_gpu:
-            raise ValueError("capture.backend 'sglang' needs a GPU node, but node.has_gpu is false; "
-                             "use backend 'hf' on a CPU node")
+        cpu_ok = " or ".join(repr(n) for n in names_for("capture_server") if not engine(n).needs_gpu)
+        for field, name in self._gpu_engines():
+            if not self.node.has_gpu:
+                raise ValueError(f"{field} {name!r} needs a GPU node, but node.has_gpu is false; "
+                                 f"use backend {cpu_ok} on a CPU node")
         return self
 
     @model_validator(mode="after")
@@ -420,8 +466,10 @@ class PipelineConfig(_Section):
             n.dump_dir = n.dump_dir or self.capture.dump_dir
             n.gpus = list(self.gpu.select) if n.gpus is None else n.gpus
             n.state_dir = n.state_dir or f"{n.run_root.rstrip('/')}/.node-state/{n.name}"
-            if self.capture.backend == "sglang" and not n.has_gpu:
-                raise ValueError(f"fleet node {n.name!r} has has_gpu false, but capture.backend is 'sglang'")
+            for field, name in self._gpu_engines():
+                if not n.has_gpu:
+                    raise ValueError(f"fleet node {n.name!r} has has_gpu false, but {field} is {name!r}, "
+                                     "which needs a GPU node")
         if fleet.use is not None:
             unknown = [u for u in fleet.use if u not in names]
             if unknown:

@@ -44,7 +44,7 @@ def _ctx(tmp_path, argv=SLEEP, **cfg):
     for s in (0, 1):
         layout.generate_shard_dir(s).mkdir(parents=True, exist_ok=True)
     conf = SimpleNamespace(capture=SimpleNamespace(backend="hf", ready_timeout_s=cfg.get("ready_timeout_s", 2.0)),
-                           generate=SimpleNamespace(enabled=True, shards=2),
+                           generate=SimpleNamespace(enabled=True, shards=2, backend=None),
                            watchdog=SimpleNamespace(health_timeout_s=1.0), is_fleet=False)
     return SimpleNamespace(node=LocalNode(name="t"), layout=layout, cfg=conf, eagleflow_argv=lambda *a: argv,
                            trigger_ref=lambda: {})

@@ -34,12 +34,16 @@ class _Layout:
         return self.root / "logs" / f"r.{role}.log"
 
 
+def _cfg():   # what the starts read of a config: the engines of capture and generation
+    return SimpleNamespace(capture=SimpleNamespace(backend="hf"), generate=SimpleNamespace(backend=None))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start,role", [(generate.start_generate_server, generate.SERVER_ROLE),
                                         (capture.start_capture_server, capture.SERVER_ROLE)])
 def test_a_second_start_that_raced_the_first_attaches_instead_of_spawning(tmp_path, start, role):
     node = LocalNode(name="t")
-    ctx = SimpleNamespace(node=node, layout=_Layout(tmp_path), cfg=SimpleNamespace(capture=SimpleNamespace(backend="hf")),
+    ctx = SimpleNamespace(node=node, layout=_Layout(tmp_path), cfg=_cfg(),
                           eagleflow_argv=lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
     first, started = start(ctx)
     assert started
@@ -68,7 +72,7 @@ def test_a_retry_after_a_stall_blamed_on_the_server_stops_the_recorded_worker_an
     layout.generate_shard_dir(0).mkdir(parents=True)
     node = LocalNode(name="t")
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    ctx = SimpleNamespace(node=node, layout=layout, cfg=SimpleNamespace(capture=SimpleNamespace(backend="hf")),
+    ctx = SimpleNamespace(node=node, layout=layout, cfg=_cfg(),
                           eagleflow_argv=lambda *a: sleep)
     server, _ = generate.start_generate_server(ctx)
     role = generate.worker_role(0)

@@ -54,8 +54,8 @@ def test_new_payloads_carry_only_what_finds_the_run(tmp_path):
                  ShardWatchTrigger(run=run, shard=2), TrainWatchTrigger(run=run)):
         _, kwargs = trig.serialize()
         assert kwargs["run"] == run
-        # the watch's own counter (recoveries_left) is state, not config
-        assert set(kwargs) <= {"run", "shard", "end_at", "poll_interval_s", "recoveries_left"}, kwargs
+        # the watch's own counter (recoveries_left) is state, not config; phase names the shard's kind
+        assert set(kwargs) <= {"run", "shard", "end_at", "poll_interval_s", "recoveries_left", "phase"}, kwargs
         assert len(json.dumps(kwargs)) < 300
 
 

@@ -41,7 +41,8 @@ def test_serialize_round_trips_every_argument(run):
     assert path == "eagleflow.airflow.shard_watch.ShardWatchTrigger"
     again = ShardWatchTrigger(**kwargs)
     assert again.serialize() == (path, kwargs) and kwargs == {"run": ctx.serialize(), "shard": 3,
-                                                              "poll_interval_s": 2.5, "recoveries_left": 0}
+                                                              "poll_interval_s": 2.5, "recoveries_left": 0,
+                                                              "phase": "extract"}
     tpath, tkw = TrainWatchTrigger(ctx.serialize()).serialize()
     assert tpath.endswith("TrainWatchTrigger") and TrainWatchTrigger(**tkw).serialize() == (tpath, tkw)
 

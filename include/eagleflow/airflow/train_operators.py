@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 
 
@@ -139,10 +140,11 @@ class EvaluateDraftOperator(RunOperator):
         self.timeout_s = timeout_s
 
     def _timeout(self, ctx: RunContext) -> float:
-        """eval.backend sglang loads the target once per server (alone + each configuration x draft): the
-        node command may take each load's grace plus its requests, not one fixed hour."""
+        """An engine that serves the target to evaluate (eval.backend sglang) loads it once per server (alone
+        + each configuration x draft): the node command may take each load's grace plus its requests, not one
+        fixed hour."""
         ec = ctx.cfg.eval
-        if ec.backend != "sglang":
+        if not eval_engine(ctx.cfg).eval_server_per_config:
             return self.timeout_s
         # a baseline (the draft in service by default) is served beside the new draft per configuration
         servers = 1 + len(ec.configs) * (1 if ec.baseline_draft == "none" else 2)

@@ -6,6 +6,7 @@ import sys
 from pathlib import PurePosixPath
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.engines import engine_for, names_for
 
 EXIT_ALREADY_RUNNING = 4  # `capture run`: another live worker holds the shard's lock
 
@@ -16,7 +17,7 @@ def register(sub) -> None:
 
     s = csub.add_parser("serve", help="run the capture server in the foreground (hf or sglang backend)")
     add_run_args(s)
-    s.add_argument("--backend", choices=["hf", "sglang"], help="override capture.backend")
+    s.add_argument("--backend", choices=names_for("capture_server"), help="override capture.backend")
     s.set_defaults(func=_serve)
 
     r = csub.add_parser("run", help="extract one shard of the corpus through the capture server")
@@ -61,17 +62,9 @@ def _local_run(args):
 
 def _serve(args) -> int:
     cfg, layout = run_from_args(args)
-    backend = args.backend or cfg.capture.backend
-    from .lifecycle import dump_dir
-    if backend == "hf":
-        from .hf_server import serve
-        serve(str(cfg.resolve(cfg.target_model)), host=cfg.capture.host, port=cfg.capture.port,
-              dump_dir=dump_dir(cfg), info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers,
-              dtype=cfg.capture.dtype, model_name=str(cfg.resolve(cfg.target_model)), device=cfg.capture.device,
-              key_file=str(layout.dump_key_file))
-        return 0
-    from .sglang_launcher import launch
-    return launch(cfg, layout)
+    engine = engine_for(args.backend or cfg.capture.backend, "capture_server",
+                        "--backend" if args.backend else "capture.backend")
+    return engine.serve_capture(cfg, layout)
 
 
 def _run(args) -> int:

@@ -56,7 +56,8 @@ class CaptureModel:
             raise RuntimeError("capture.device is 'cuda' but torch sees no CUDA GPU here; set capture.device: cpu "
                                "(or auto) or install a CUDA build of torch")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to()'s self as its 1st arg
         cfg = self.model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)
@@ -161,17 +162,19 @@ class CaptureServer(ThreadingHTTPServer):
 
     def __init__(self, addr, model: CaptureModel, dump_dir: str | None, dump_key: bytes | None = None,
                  mode: str = "capture"):
+        if mode == "capture" and dump_dir is None:   # before the port is bound
+            raise ValueError("a capture server needs its dump folder: set capture.dump_dir")
         super().__init__(addr, CaptureHandler)
         self.capture = model
         self.mode = mode                                  # "capture" (prefill + dump) | "generate" (serving)
         # serving mode writes no dumps: no dump folder is made
-        self.dump_dir = str(private_dump_dir(dump_dir)) if mode == "capture" else ""
+        self.dump_dir = str(private_dump_dir(dump_dir)) if dump_dir is not None and mode == "capture" else ""
         self.dump_key = dump_key                          # the node user's dump key: each dump's MAC (protocol.write_dump)
         self.started_at = time.time()
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]   # what server_address holds, as str (AF_INET)
         return f"http://{host}:{port}"
 
     def server_info(self) -> dict:
@@ -306,6 +309,25 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
         server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
+
+
+def serve_capture(cfg, layout) -> int:
+    """The hf engine's capture server for a run (eagleflow.engines; `eagleflow capture serve`), foreground."""
+    from .lifecycle import dump_dir   # lifecycle reaches the node layer: only when serving
+    model = str(cfg.resolve(cfg.target_model))
+    serve(model, host=cfg.capture.host, port=cfg.capture.port, dump_dir=dump_dir(cfg),
+          info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers, dtype=cfg.capture.dtype,
+          model_name=model, device=cfg.capture.device, key_file=str(layout.dump_key_file))
+    return 0
+
+
+def serve_generation(cfg, layout) -> int:
+    """The hf engine's generation server (serving mode, no dumps) for a run (`eagleflow generate serve`)."""
+    model = str(cfg.resolve(cfg.target_model))
+    serve(model, host=cfg.capture.host, port=cfg.generate.port, dump_dir="",
+          info_file=str(layout.generate_server_info_file), dtype=cfg.capture.dtype, model_name=model,
+          device=cfg.capture.device, mode="generate")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -120,11 +121,11 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 
 
 def capture_env(*, dump_dir: str, aux_layers: list[int], model: str,
-                environ: dict[str, str] | None = None) -> dict[str, str]:
+                environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The env sglang gets: our plugin named in SGLANG_PLUGINS (sglang 0.5.23 reads it as comma-separated
     entry-point names and loads only those), plugins the caller already named kept, and the settings."""
-    environ = os.environ if environ is None else environ
-    named = [n.strip() for n in environ.get("SGLANG_PLUGINS", "").split(",") if n.strip()]
+    env = os.environ if environ is None else environ
+    named = [n.strip() for n in env.get("SGLANG_PLUGINS", "").split(",") if n.strip()]
     plugins = ",".join(named + [PLUGIN_NAME] if PLUGIN_NAME not in named else named)
     return {"SGLANG_PLUGINS": plugins, ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers),
             ENV_MODEL: model}
@@ -194,6 +195,25 @@ def self_check(url: str, dump_dir: str, timeout_s: float = 120, key: bytes | Non
         raise SglangLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
     p.unlink()
     return p
+
+
+def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
+    """`eagleflow generate serve` with sglang: its own launch_server in serving mode (radix cache and CUDA
+    graphs on, no capture hook), exec'd so that the recorded pid stays the server's."""
+    from eagleflow.durable import atomic_write
+
+    from .protocol import loopback_host
+    loopback_host(cfg.capture.host)   # it takes no credential: loopback only
+    model = str(cfg.resolve(cfg.target_model))
+    port = cfg.generate.port or free_port(cfg.capture.host)
+    atomic_write(str(layout.generate_server_info_file),
+                 json.dumps({"backend": "sglang", "mode": "generate", "model": model,
+                             "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}))
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", cfg.capture.host,
+            "--port", str(port), "--tp-size", str(cfg.capture.tp), "--random-seed", str(cfg.generate.seed),
+            "--skip-tokenizer-init", *cfg.capture.extra_server_args]
+    os.execv(sys.executable, argv)
+    return 0
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.durable import atomic_write
-from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
+from eagleflow.engines import serving_engines
+from eagleflow.train.export_formats import SPECULATIVE_TOKENS, format_dir
 
 REPORT_FILE = "report.html"
 _COLORS = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#4e342e")
@@ -98,10 +99,21 @@ def gather(cfg, layout, state_dir: str | os.PathLike) -> dict[str, Any]:
         "metrics": _jsonl(draft / "metrics.jsonl"),
         "export_dir": str(export) if (export / "config.json").is_file() else None,
         "export_files": sorted(p.name for p in export.iterdir()) if export.is_dir() else [],
-        "serve_command": serve_command(cfg, str(export)),
-        "vllm_serve_command": vllm_serve_command(cfg, str(export / SPECULATORS_DIR)),
+        "serve_commands": serve_commands(cfg, export),
         "evaluation": _read_json(run_dir / "eval.json"),
     }
+
+
+def serve_commands(cfg, export: Path) -> list[dict[str, Any]]:
+    """Per engine that serves an exported draft (eagleflow.engines): its format, where that format lies, whether
+    it was exported, and the command that serves the target with it."""
+    out = []
+    for e in serving_engines():
+        d = format_dir(export, str(e.draft_format))
+        out.append({"engine": e.label, "format": e.draft_format, "dir": str(d),
+                    "subdir": d.relative_to(export).as_posix() if d != export else "",
+                    "exported": (d / "config.json").is_file(), "command": e.serve_command_for(cfg, str(d))})
+    return out
 
 
 def serve_command(cfg, export_dir: str) -> str:
@@ -291,11 +303,14 @@ def _training(metrics: list[dict]) -> str:
 def _export(data: dict) -> str:
     if not data.get("export_dir"):
         return "<p class='missing'>No export: export_draft did not finish.</p>"
-    vllm = (f"<p>Serve it with vLLM (the speculators format in <code>{SPECULATORS_DIR}/</code>):</p>"
-            f"<pre class='cmd'>{_e(data['vllm_serve_command'])}</pre>" if SPECULATORS_DIR in data["export_files"]
-            else "<p class='missing'>No speculators-format export for vLLM (train.export_formats).</p>")
+    serve = ""
+    for s in data["serve_commands"]:
+        where = f" (the {_e(s['format'])} format in <code>{_e(s['subdir'])}/</code>)" if s["subdir"] else ""
+        serve += (f"<p>Serve it with {_e(s['engine'])}{where}:</p><pre class='cmd'>{_e(s['command'])}</pre>"
+                  if s["exported"] else f"<p class='missing'>No {_e(s['format'])}-format export for "
+                  f"{_e(s['engine'])} (train.export_formats).</p>")
     return (f"<p>Exported draft: <code>{_e(data['export_dir'])}</code> ({_e(', '.join(data['export_files']))})</p>"
-            f"<p>Serve it with SGLang:</p><pre class='cmd'>{_e(data['serve_command'])}</pre>" + vllm)
+            + serve)
 
 
 def _evaluation(ev: dict | None) -> str:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
+from eagleflow.engines import EngineError, eval_engine
 from eagleflow.layout import RunLayout
 
 EVAL_FILE = "eval.json"
@@ -175,8 +176,9 @@ def prompts_from_file(path, tokenizer, max_prompts: int, field: str) -> list[dic
     return out
 
 
-def _hf_results(cfg: PipelineConfig, target_dir: str, drafts: dict, prompt_sets: dict[str, list[dict]], log,
-                verify) -> tuple[list[dict], dict]:
+def hf_results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict,
+               prompt_sets: dict[str, list[dict]], log, verify=None) -> tuple[list[dict], dict]:
+    """The hf engine's evaluation (eagleflow.engines): our speculative decoder over transformers, in process."""
     import torch
 
     from .decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold
@@ -207,9 +209,12 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
                  log: Callable[[str], None] = print, verify=None, node=None, sglang_command=None) -> dict:
     """Evaluate the run's exported draft, write eval.json (and promoted.json when it passes); the summary."""
     ec = cfg.eval
-    if ec.backend == "sglang" and verify is not None:
-        raise EvalBackendError("a replaced verify step is an hf-backend test hook; eval.backend sglang verifies "
-                               "inside SGLang")
+    engine = eval_engine(cfg)
+    hooks = {k: v for k, v in {"verify": verify, "node": node, "command": sglang_command}.items() if v is not None}
+    foreign = sorted(set(hooks) - engine.eval_hooks)
+    if foreign:   # e.g. a replaced verify step: only our own decoder has one; SGLang verifies inside itself
+        raise EvalBackendError(f"{', '.join(foreign)}: a test hook eval.backend {ec.backend} does not take "
+                               f"(it takes {', '.join(sorted(engine.eval_hooks)) or 'none'})")
     started = time.monotonic()
     draft_dir = Path(draft_dir) if draft_dir else Path(str(layout.draft_dir)) / "export"
     if not (draft_dir / "config.json").is_file():
@@ -224,16 +229,11 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
         + f", up to {ec.max_new_tokens} new tokens each, target {target_dir}, draft {draft_dir}"
         + (f", baseline {drafts['baseline']} ({baseline_source})" if "baseline" in drafts else
            f", no baseline ({baseline_source})"))
-    if ec.backend == "sglang":
-        from .sglang_backend import SglangEvalError, results as sglang_results
-        try:
-            results, about = sglang_results(cfg, layout, target_dir=target_dir, drafts=drafts,
-                                            prompt_sets=prompt_sets, log=log, node=node,
-                                            command=sglang_command)
-        except SglangEvalError as e:
-            raise EvalBackendError(f"eval.backend sglang: {e}") from None
-    else:
-        results, about = _hf_results(cfg, target_dir, drafts, prompt_sets, log, verify)
+    try:
+        results, about = engine.evaluate(cfg, layout, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets,
+                                         log=log, **hooks)
+    except EngineError as e:
+        raise EvalBackendError(f"eval.backend {ec.backend}: {e}") from None
     for row in results:
         d = row["draft"]
         log(f"evaluate: {row['config']} on {row['prompt_set']}: acceptance length {d['accept_length']:.3f} (per "

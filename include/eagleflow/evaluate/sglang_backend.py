@@ -40,12 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagleflow.config import PipelineConfig, SpecConfig
+from eagleflow.engines import EngineError
 from eagleflow.layout import RunLayout
 
 TARGET_ALONE = "target"
 
 
-class SglangEvalError(RuntimeError):
+class SglangEvalError(EngineError):
     """The evaluation server could not be started or answered something we cannot read; the message says what."""
 
 

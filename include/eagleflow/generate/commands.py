@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.engines import generation_engine
 
 EXIT_ALREADY_RUNNING = 4   # `generate run`: another live worker holds the shard's lock
 EXIT_FAILED = 3
@@ -15,7 +15,8 @@ EXIT_INCOMPLETE = 5         # `generate stats`; `generate run` exits 5 for a sha
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generation phase: the target regenerates the assistant turns")
     gsub = p.add_subparsers(dest="generate_command", metavar="ACTION", required=True)
-    s = gsub.add_parser("serve", help="run the target in serving mode in the foreground (hf or sglang)")
+    s = gsub.add_parser("serve", help="run the target in serving mode in the foreground (generate.backend's "
+                        "engine, default capture.backend's)")
     add_run_args(s)
     s.set_defaults(func=_serve)
     r = gsub.add_parser("run", help="regenerate one shard of the chosen sources through the generation server")
@@ -59,28 +60,7 @@ def _local(args):
 
 def _serve(args) -> int:
     cfg, layout = run_from_args(args)
-    model = str(cfg.resolve(cfg.target_model))
-    port = cfg.generate.port
-    if cfg.capture.backend == "hf":
-        from eagleflow.capture.hf_server import serve
-        serve(model, host=cfg.capture.host, port=port, dump_dir="", info_file=str(layout.generate_server_info_file),
-              dtype=cfg.capture.dtype, model_name=model, device=cfg.capture.device, mode="generate")
-        return 0
-    # sglang in serving mode: its own launch_server, radix cache and CUDA graphs on, no capture hook
-    from eagleflow.capture.protocol import loopback_host
-    loopback_host(cfg.capture.host)   # it takes no credential: loopback only
-    if not port:
-        from eagleflow.capture.sglang_launcher import free_port
-        port = free_port(cfg.capture.host)
-    from eagleflow.durable import atomic_write
-    atomic_write(str(layout.generate_server_info_file),
-                 json.dumps({"backend": "sglang", "mode": "generate", "model": model,
-                             "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}))
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", cfg.capture.host,
-            "--port", str(port), "--tp-size", str(cfg.capture.tp), "--random-seed", str(cfg.generate.seed),
-            "--skip-tokenizer-init", *cfg.capture.extra_server_args]
-    os.execv(sys.executable, argv)   # the recorded pid stays the server's
-    return 0
+    return generation_engine(cfg).serve_generation(cfg, layout)
 
 
 def _run(args) -> int:

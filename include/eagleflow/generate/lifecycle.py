@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_ready, read_server_info,
                                          start_or_attach_server, wait_server_ready)
+from eagleflow.engines import generation_engine
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
 from eagleflow.phases import GENERATE, KINDS, SERVER_STALL
@@ -39,7 +40,7 @@ def start_generate_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
     """``eagleflow generate serve`` detached; a live recorded one is kept. (record, started now)."""
     return start_or_attach_server(ctx, SERVER_ROLE, ctx.eagleflow_argv("generate", "serve"),
                                   str(ctx.layout.generate_server_info_file),
-                                  f"generation server ({ctx.cfg.capture.backend}, serving mode)", log)
+                                  f"generation server ({generation_engine(ctx.cfg).name}, serving mode)", log)
 
 
 def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from eagleflow.capture.aux_layers import sglang_aux_layer_ids, target_architectures_and_layers, vllm_aux_layer_ids
+from eagleflow.capture.aux_layers import target_architectures_and_layers
 from eagleflow.durable import atomic_dir
+from eagleflow.engines import engine_serving_format
 
 from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
-from .export_formats import EXPORT_FORMATS, SPECULATIVE_TOKENS, SPECULATORS_DIR
+from .export_formats import EXPORT_FORMATS, SPECULATIVE_TOKENS, SPECULATORS_DIR, format_dir
 from .model import DraftConfig, Eagle3Draft
 
 # The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):
@@ -68,24 +69,25 @@ def target_dtype_name(target_dir: str | Path) -> str:
     return name if name in _DTYPES else "bfloat16"
 
 
-def _layer_ids(target_dir: str | Path, aux_layers: list[int], numbering, what: str) -> list[int]:
-    """The target's layer ids for the samples' layer outputs ``aux_layers`` in one engine's ``numbering``."""
+def _layer_ids(target_dir: str | Path, aux_layers: list[int], fmt: str, what: str) -> list[int]:
+    """The target's layer ids for the samples' layer outputs ``aux_layers`` in the numbering of the engine that
+    serves export format ``fmt`` (eagleflow.engines)."""
     path = Path(target_dir) / "config.json"
     archs, num_layers = target_architectures_and_layers(json.loads(path.read_text()))
     try:
-        return numbering(aux_layers, archs, num_layers)
+        return engine_serving_format(fmt).layer_ids(aux_layers, archs, num_layers)
     except ValueError as e:
         raise ValueError(f"exporting {what}for target {path}: {e}") from None
 
 
 def eagle_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
     """``eagle_aux_hidden_state_layer_ids`` for the samples' layer outputs ``aux_layers`` on this target."""
-    return _layer_ids(target_dir, aux_layers, sglang_aux_layer_ids, "")
+    return _layer_ids(target_dir, aux_layers, "sglang", "")
 
 
 def vllm_layer_ids(target_dir: str | Path, aux_layers: list[int]) -> list[int]:
     """``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering for the samples' layer outputs ``aux_layers``."""
-    return _layer_ids(target_dir, aux_layers, vllm_aux_layer_ids, "the speculators format ")
+    return _layer_ids(target_dir, aux_layers, "speculators", "the speculators format ")
 
 
 def check_formats(formats: Any) -> tuple[str, ...]:
@@ -210,7 +212,7 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
         (tmp / "eagleflow_export.json").write_text(json.dumps(
             {"checkpoint": str(ckpt), "step": state["step"], "metrics": state.get("metrics", {}),
              "target_model": state["target_model"], "aux_layer_outputs": state["aux_layers"],
-             "formats": {f: (str(out_dir) if f == "sglang" else str(out_dir / SPECULATORS_DIR)) for f in fmts}},
+             "formats": {f: str(format_dir(out_dir, f)) for f in fmts}},
             indent=2) + "\n")
     return out_dir
 

@@ -8,8 +8,17 @@ run report can name them without the node's libraries.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 EXPORT_FORMATS = ("sglang", "speculators")
 SPECULATORS_DIR = "speculators"
+# each format's folder inside the export (eagleflow.engines names the engine that serves each)
+FORMAT_DIRS = {"sglang": "", "speculators": SPECULATORS_DIR}
 # The chain both serve commands in the run report draft: 3 tokens per round (SGLang: 3 steps, topk 1,
 # 4 draft tokens; vLLM: num_speculative_tokens 3), and the speculators config's greedy proposal.
 SPECULATIVE_TOKENS = 3
+
+
+def format_dir(export_dir: str | Path, fmt: str) -> Path:
+    """Where export format ``fmt`` lies in the export folder ``export_dir``."""
+    return Path(export_dir) / FORMAT_DIRS[fmt]

@@ -1,0 +1,263 @@
+"""The engine registry (issue 39, item 2): every choice of serving engine asks ``eagleflow.engines``.
+
+The registry refuses names it does not know, naming the field; the config validates capture.backend,
+generate.backend and eval.backend against it; generation picks its own engine (``generate.backend``); a new
+engine is one registered entry (a fake one is served through the real CLI here); and no module outside the
+registry branches on an engine's name again.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagleflow import engines
+from eagleflow.config import ConfigError, load_config
+from eagleflow.engines import (ENGINES, Engine, EngineUnsupported, UnknownEngine, engine, engine_for,
+                               engine_serving_format, generation_engine, names_for)
+from eagleflow.layout import RunLayout
+from tests.fixtures.pipeline_config import write_short_config
+
+PKG = Path(__file__).resolve().parents[2] / "include" / "eagleflow"
+BASE = {"target_model": "/models/t"}
+
+
+def _err(data: dict) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(data={**BASE, **data})
+    return str(e.value)
+
+
+# --- the registry --------------------------------------------------------------------------------------
+
+def test_the_registry_refuses_an_unknown_name_naming_the_field_the_value_and_the_engines():
+    with pytest.raises(UnknownEngine) as e:
+        engine("sglangg", field="capture.backend")
+    msg = str(e.value)
+    assert "capture.backend = 'sglangg'" in msg and "registered: hf, sglang, vllm" in msg, msg
+    assert engine("sglang").name == "sglang" and engine("hf").needs_gpu is False and engine("sglang").needs_gpu
+
+
+def test_an_engine_without_a_role_is_refused_for_it_by_name():
+    with pytest.raises(EngineUnsupported, match=r"generate\.backend = 'vllm': vllm has no generation server in "
+                                                r"eagleflow yet; .*use 'hf' or 'sglang'"):
+        engine_for("vllm", "generate_server")
+    assert names_for("capture_server") == names_for("generate_server") == names_for("evaluator") == ["hf", "sglang"]
+    # vLLM is there for what eagleflow does with it: the export's layer numbering and the report's command
+    assert engine_serving_format("speculators").name == "vllm" and engine_serving_format("sglang").name == "sglang"
+
+
+def test_every_reference_in_the_registry_names_a_function_that_exists():
+    # a typo in a "module:function" string would only show on the node, at the first call
+    for e in ENGINES.values():
+        for role in engines.ROLES:
+            ref = getattr(e, role)
+            if ref is not None:
+                assert callable(e._function(role)), (e.name, role, ref)
+
+
+def test_the_layer_numbering_is_each_engines_own():
+    # output of layer j: SGLang id j for Llama, vLLM id j + 1 (docs/engines.md)
+    assert engine("sglang").layer_ids([1, 3, 4], ["LlamaForCausalLM"], 8) == [1, 3, 4]
+    assert engine("vllm").layer_ids([1, 3, 4], ["LlamaForCausalLM"], 8) == [2, 4, 5]
+    with pytest.raises(EngineUnsupported, match="hf has no layer numbering"):
+        engine("hf").layer_ids([1], ["LlamaForCausalLM"], 8)
+
+
+# --- the config against the registry -------------------------------------------------------------------
+
+@pytest.mark.parametrize("section,role", [("capture", "capture server"), ("generate", "generation server"),
+                                          ("eval", "evaluation")])
+def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(section, role):
+    msg = _err({section: {"backend": "nope-Secret1"}})
+    assert f"{section}.backend: Input should be 'hf' or 'sglang': the engines eagleflow.engines registers for " \
+           f"the {role} (got a value of type str, not shown)" in msg, msg
+    assert "nope-Secret1" not in msg   # a config's values are never echoed (docs/safety.md)
+
+
+@pytest.mark.parametrize("section,what", [("capture", "capture server"), ("generate", "generation server"),
+                                          ("eval", "evaluation")])
+def test_the_config_refuses_vllm_where_eagleflow_has_no_vllm_server(section, what):
+    msg = _err({"node": {"has_gpu": True}, section: {"backend": "vllm"}})
+    assert f"{section}.backend: Value error, vllm has no {what} in eagleflow yet" in msg, msg
+    assert "use 'hf' or 'sglang'" in msg, msg
+
+
+def test_existing_configs_load_unchanged_and_generation_follows_capture_by_default():
+    repo = PKG.parents[1]
+    for name in ("local-demo.yaml", "gpu-node.example.yaml", "fleet.example.yaml"):
+        cfg = load_config(repo / "configs" / name)
+        assert cfg.generate.backend is None
+        assert generation_engine(cfg).name == cfg.capture.backend, name
+    cfg = load_config(data={**BASE, "capture": {"backend": "sglang"}, "generate": {"backend": "hf"}})
+    assert (cfg.capture.backend, generation_engine(cfg).name) == ("sglang", "hf")
+
+
+def test_the_gpu_node_checks_ask_each_servers_engine():
+    msg = _err({"node": {"has_gpu": False}, "generate": {"backend": "sglang"}})
+    assert "generate.backend 'sglang' needs a GPU node, but node.has_gpu is false; use backend 'hf'" in msg, msg
+    msg = _err({"node": {"has_gpu": False}, "capture": {"backend": "sglang"}})
+    assert "capture.backend 'sglang' needs a GPU node" in msg and "generate.backend" not in msg, msg
+    load_config(data={**BASE, "node": {"has_gpu": False}, "capture": {"backend": "hf"}, "generate": {"backend": "hf"}})
+    fleet = {"nodes": [{"name": "a", "conn_id": "a"}, {"name": "b", "conn_id": "b", "has_gpu": False}]}
+    msg = _err({"fleet": fleet, "generate": {"backend": "sglang"}})
+    assert "fleet node 'b' has has_gpu false, but generate.backend is 'sglang', which needs a GPU node" in msg, msg
+
+
+def test_trees_are_evaluated_by_the_engines_that_draft_them():
+    tree = [{"steps": 3, "topk": 2, "draft_tokens": 6}]
+    msg = _err({"eval": {"backend": "hf", "configs": tree}})
+    assert "the hf evaluator drafts chains only (topk 1); use eval.backend sglang for top-k > 1" in msg, msg
+    assert load_config(data={**BASE, "eval": {"backend": "sglang", "configs": tree}}).eval.backend == "sglang"
+
+
+def test_capture_serve_offers_the_registered_capture_engines(capsys):
+    from eagleflow.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "serve", "--config", "x.yaml", "--backend", "vllm"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'vllm'" in err and "'hf', 'sglang'" in err, err
+
+
+# --- a new engine is one registered entry ------------------------------------------------------------------
+
+def _fake_serve(cfg, layout) -> int:
+    """A registered engine's capture and generation server: leaves a mark naming what it served."""
+    Path(str(layout.run_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(str(layout.run_dir)) / "served.json").write_text(json.dumps({"backend": cfg.capture.backend,
+                                                                       "generate": cfg.generate.backend}))
+    return 7
+
+
+def test_a_registered_engine_serves_through_the_real_cli_without_touching_another_module(tmp_path, monkeypatch):
+    fake = Engine(name="fake", label="Fake", needs_gpu=False, capture_server=f"{__name__}:_fake_serve",
+                  generate_server=f"{__name__}:_fake_serve")
+    monkeypatch.setitem(ENGINES, "fake", fake)
+    # an "else: sglang" would exec sglang's launch_server in place of this test process
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd {a[1][:3]} instead of the registered engine"))
+    cfgp = tmp_path / "c.yaml"
+    cfgp.write_text(yaml.safe_dump({"run_root": str(tmp_path / "runs"), "target_model": "/models/t",
+                                    "node": {"has_gpu": False, "state_dir": str(tmp_path / "state")},
+                                    "capture": {"backend": "fake"}}))
+    from eagleflow.cli import main
+    for phase in ("capture", "generate"):
+        assert main([phase, "serve", "--config", str(cfgp), "--run-id", phase]) == 7
+        cfg = load_config(cfgp)
+        served = json.loads((Path(str(RunLayout.for_run(cfg, phase).run_dir)) / "served.json").read_text())
+        assert served == {"backend": "fake", "generate": None}
+
+
+def _fake_command(cfg, draft_dir: str) -> str:
+    return f"fake-serve {cfg.target_model} --draft {draft_dir}"
+
+
+def test_the_run_report_prints_each_registered_serving_engines_command(tmp_path, monkeypatch):
+    from eagleflow.console.run_report import write_report
+    from tests.unit.test_run_report import _complete_run, _config
+    monkeypatch.setitem(ENGINES, "fake", Engine(name="fake", label="FakeServe", needs_gpu=True, draft_format="sglang",
+                                                serve_command=f"{__name__}:_fake_command"))
+    cfg, layout = _config(tmp_path)
+    _complete_run(cfg, layout, 1.7e9)
+    html = write_report(cfg, layout).read_text()
+    export = Path(str(layout.draft_dir)) / "export"
+    assert "Serve it with SGLang:" in html and "No speculators-format export for vLLM" in html
+    assert f"Serve it with FakeServe:</p><pre class='cmd'>fake-serve {cfg.target_model} --draft {export}</pre>" in html
+
+
+# --- generation picks its own engine -----------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_generate_serve_runs_generate_backend_hf_beside_capture_backend_sglang(tmp_path, demo_assets):
+    """On a GPU node whose capture is sglang, generate.backend hf serves generation with our hf server (this
+    venv has no sglang: the old choice, capture.backend's engine, could not start at all)."""
+    from eagleflow.capture.client import generate_tokens, health_generate
+    cfgp = write_short_config(tmp_path, demo_assets, node={"has_gpu": True},
+                              capture={"backend": "sglang", "port": 0}, generate={"backend": "hf", "port": 0})
+    cfg = load_config(cfgp)
+    assert (cfg.capture.backend, generation_engine(cfg).name) == ("sglang", "hf")
+    layout = RunLayout.for_run(cfg, "gen-hf")
+    info_file = Path(str(layout.generate_server_info_file))
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.cli", "generate", "serve", "--config", str(cfgp),
+                             "--run-id", "gen-hf"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not info_file.exists():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no generation server info within 150 s"
+            time.sleep(0.2)
+        info = json.loads(info_file.read_text())
+        assert (info["backend"], info["mode"], info["pid"]) == ("hf", "generate", proc.pid), info
+        health_generate(info["url"], 30)
+        ids, finish = generate_tokens(info["url"], [1, 2, 3, 4], "engines-0", max_new_tokens=3, temperature=0.0,
+                                      top_p=1.0, seed=0, stop_token_ids=[], timeout_s=60)
+        assert len(ids) == 3 and finish == "length"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)   # ours, by pid
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
+
+
+# --- no engine branch outside the registry -------------------------------------------------------------------
+
+# the export *formats* are named "sglang" and "speculators": a different idea, allowed to branch on its names
+FORMAT_MODULES = {"train/export.py", "train/export_formats.py", "train/commands.py"}
+
+
+def engine_branches(source: str, filename: str = "<src>") -> list[int]:
+    """Lines comparing something with an engine's name (``x == "sglang"``, ``"hf" != y``, ``x in ("hf", ...)``)."""
+    names = set(ENGINES) | {"hf", "sglang", "vllm"}
+
+    def is_name(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_name(e) for e in node.elts)
+
+    lines = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for op, (a, b) in zip(node.ops, zip(sides, sides[1:])):
+                eq = isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot))
+                member = isinstance(op, (ast.In, ast.NotIn)) and isinstance(b, (ast.Tuple, ast.List, ast.Set))
+                if (eq and (is_name(a) or is_name(b))) or (member and is_name(b)):
+                    lines.append(node.lineno)
+        elif isinstance(node, ast.match_case) and is_name(getattr(node.pattern, "value", None)):
+            lines.append(node.pattern.lineno)
+    return sorted(set(lines))
+
+
+def test_no_module_outside_the_registry_branches_on_an_engines_name():
+    found = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG).as_posix()
+        if rel == "engines.py" or rel in FORMAT_MODULES:
+            continue
+        found += [f"{rel}:{line}" for line in engine_branches(p.read_text(), str(p))]
+    assert not found, ("engine branches outside eagleflow/engines.py (give the Engine a field instead): "
+                       + ", ".join(found))
+
+
+def test_the_branch_check_sees_the_shapes_it_guards_against():
+    # the check passing means nothing if it cannot see a branch
+    src = ('if cfg.capture.backend == "hf":\n    pass\n'
+           'if "sglang" != backend:\n    pass\n'
+           "ok = backend in ('hf', 'sglang')\n"
+           'match backend:\n    case "vllm":\n        pass\n'
+           'fmt_ok = "sglang" in fmts\n'            # a membership test on a format list: not an engine branch
+           'name = "sglang"\n')
+    assert engine_branches(src) == [1, 3, 5, 7]
