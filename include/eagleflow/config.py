@@ -50,16 +50,20 @@ class SourceConfig(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="short id used in sample ids (source:row)")
     path: str = Field(min_length=1, description="JSONL, JSON, Parquet file or a datasets save_to_disk directory")
-    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = "auto"
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = Field(
+        default="auto", description="how to read path; auto = by its suffix (a directory: a datasets save_to_disk)")
     limit: int | None = Field(default=None, ge=1, description="keep at most this many records")
 
 
 class CorpusConfig(_Section):
     sources: list[SourceConfig] = Field(default_factory=list)
-    seed: int = 42
-    max_length: int = Field(default=8192, ge=16, le=1_048_576)
-    max_bad_records: int = Field(default=0, ge=0)
-    num_proc: int = Field(default=1, ge=1, le=256)
+    seed: int = Field(default=42, description="the merged corpus's shuffle seed")
+    max_length: int = Field(default=8192, ge=16, le=1_048_576, description="tokens per record at most (see "
+                            "over_max_length)")
+    max_bad_records: int = Field(default=0, ge=0, description="malformed records allowed (each named in the "
+                                 "corpus's bad-records file) before the phase fails")
+    num_proc: int = Field(default=1, ge=1, le=256, description="processes that tokenise the corpus (datasets' "
+                          "map); `eagleflow corpus prepare --num-proc` overrides it")
     over_max_length: Literal["cut_at_message", "drop", "truncate"] = Field(
         default="cut_at_message", description="a record over max_length: cut after the last assistant message "
         "that fits, drop it (counted), or truncate at the token")
@@ -83,7 +87,8 @@ class CorpusConfig(_Section):
 class DiskConfig(_Section):
     cache_root: str | None = Field(default=None, description="only paths under this root may be deleted")
     old_caches: list[str] = Field(default_factory=list, description="old hidden-state caches that may be deleted")
-    delete_old_caches: bool = False
+    delete_old_caches: bool = Field(default=False, description="allow `eagleflow corpus delete-caches` (and the "
+                                    "DAG's delete_old_caches) to delete old_caches; false = only report them")
     headroom_fraction: float = Field(default=0.05, ge=0.0, le=1.0,
                                      description="extra space kept free beyond the estimate")
 
@@ -155,38 +160,48 @@ class FleetConfig(_Section):
 
 class GpuConfig(_Section):
     select: list[str] = Field(default_factory=list, description="GPU UUIDs or indices; empty = all")
-    probe: Literal["auto", "nvml", "smi"] = "auto"
+    probe: Literal["auto", "nvml", "smi"] = Field(default="auto", description="how GPUs are read: NVML, "
+                                                 "nvidia-smi, or auto = NVML when it loads, else nvidia-smi")
     idle_threshold_mib: int = Field(default=16, ge=0, description="idle when used <= baseline + this margin")
     baseline_file: str | None = Field(default=None, description="per-UUID idle baselines from `eagleflow gpu baseline`")
-    poll_interval_s: float = Field(default=5.0, gt=0)
-    idle_timeout_s: float = Field(default=300.0, gt=0)
+    poll_interval_s: float = Field(default=5.0, gt=0, description="the GPU gate's time between two readings")
+    idle_timeout_s: float = Field(default=300.0, gt=0, description="the GPU gate fails when the GPUs are not idle "
+                                  "within this long")
     force_free: bool = Field(default=False, description="also kill foreign processes holding the selected GPUs")
-    kill_grace_s: float = Field(default=15.0, ge=0)
+    kill_grace_s: float = Field(default=15.0, ge=0, description="after SIGTERM, how long a process we stop may "
+                                "take before SIGKILL")
 
 
 class CaptureConfig(_Section):
     backend: str = Field(default="hf", description="the capture server's engine (eagleflow.engines): hf = our "
-                         "transformers server (CPU or GPU), sglang = SGLang with our capture hook (GPU node)")
-    host: str = "127.0.0.1"
+                         "transformers server (CPU or GPU), sglang = SGLang with our capture hook, vllm = vLLM with our "
+                         "KV connector (GPU node each)")
+    host: str = Field(default="127.0.0.1", description="the servers' listening address on the node (loopback: "
+                      "they take no credential)")
     port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")
     dump_dir: str = Field(default="/dev/shm/eagleflow_hs-{uid}",
                           description="where servers leave dumps for the workers; {uid} = the node user's id "
                                       "(one 0700 folder per user, checked on the node)")
     aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
-    tp: int = Field(default=1, ge=1, le=64)
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel GPUs of the server (sglang --tp-size)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="the target's "
+                                                                     "compute dtype; auto = its config's")
     store_dtype: Literal["auto", "fp8_e4m3"] = Field(default="auto", description="how the hidden states are "
                                                      "stored: auto = the target's dtype; fp8_e4m3 = half the "
                                                      "disk (per-token scales; docs/benchmarks.md has its error)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend runs the "
                                                    "model (auto = cuda when torch sees a GPU); sglang ignores it")
-    shards: int = Field(default=1, ge=1, le=1024)
+    shards: int = Field(default=1, ge=1, le=1024, description="extraction shards (one worker and one Airflow "
+                        "task each; reruns and takeovers are per shard)")
     in_flight: int = Field(default=4, ge=1, le=256, description="requests in flight per worker, so the model never waits on the disk")
-    request_timeout_base_s: float = Field(default=60.0, gt=0)
-    request_timeout_per_token_s: float = Field(default=0.05, ge=0)
+    request_timeout_base_s: float = Field(default=60.0, gt=0, description="one capture request may take this "
+                                          "long plus request_timeout_per_token_s per prompt token")
+    request_timeout_per_token_s: float = Field(default=0.05, ge=0, description="see request_timeout_base_s")
     ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")
-    heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    extra_server_args: list[str] = Field(default_factory=list)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0, description="how often a worker rewrites its "
+                                        "heartbeat (the watch reads it)")
+    extra_server_args: list[str] = Field(default_factory=list, description="appended to the serving engine's "
+                                         "command line (sglang: launch_server flags)")
 
     @field_validator("backend")
     @classmethod
@@ -210,8 +225,10 @@ class WatchdogConfig(_Section):
     recoveries_in_watch: int = Field(default=3, ge=0, description="stalls the shard's watch recovers by itself "
                                      "(restart server/worker, one mail per incident) before failing the task; "
                                      "0 = fail the task and let Airflow's retry recover")
-    alert_emails: list[str] = Field(default_factory=list)
-    smtp_conn_id: str = "smtp_default"
+    alert_emails: list[str] = Field(default_factory=list, description="who is mailed a stall, a failure, a "
+                                    "recovery; empty = nobody (the task log only)")
+    smtp_conn_id: str = Field(default="smtp_default", description="the Airflow SMTP connection the control plane "
+                              "mails through")
     node_smtp: str = Field(default="", pattern=r"^([A-Za-z0-9_.\[\]:-]+:\d{1,5})?$",
                            description="host:port of a plain SMTP relay the node itself reaches (its local MTA): "
                            "the sentinel mails from there when the watch goes silent; empty = only "
@@ -239,11 +256,12 @@ class WatchdogConfig(_Section):
 
 
 class TrainConfig(_Section):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    nproc_per_node: int = Field(default=1, ge=1, le=64)
-    max_steps: int = Field(default=200, ge=1)
-    batch_size: int = Field(default=4, ge=1)
-    grad_accum: int = Field(default=1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the draft trains; auto = "
+                                                   "cuda when torch sees a GPU")
+    nproc_per_node: int = Field(default=1, ge=1, le=64, description="training processes (torchrun, one per GPU)")
+    max_steps: int = Field(default=200, ge=1, description="optimizer steps")
+    batch_size: int = Field(default=4, ge=1, description="samples per process and micro-step")
+    grad_accum: int = Field(default=1, ge=1, description="micro-steps per optimizer step")
     # Optimisation defaults follow SpecForge, the reference EAGLE-3 trainer (specforge 0.2.0:
     # config/schema.py TrainingConfig learning_rate 1e-4, warmup_ratio 0.015, max_grad_norm 0.5,
     # ttt_length 7; optimizer.py BF16Optimizer: AdamW with torch's default betas, weight decay 0,
@@ -261,11 +279,14 @@ class TrainConfig(_Section):
     loss_mask_alignment: Literal["specforge", "predicted_token"] = Field(
         default="specforge", description="which loss-mask entry lets target_j count: j-1 as SpecForge's "
         "_compute_target_p, or j+1 (the token target_j predicts); see eagleflow.train.loss")
-    ttt_length: int = Field(default=7, ge=1, le=32)
-    draft_vocab_size: int = Field(default=32000, ge=2)
-    checkpoint_every: int = Field(default=50, ge=1)
-    seed: int = 0
-    log_every: int = Field(default=10, ge=1)
+    ttt_length: int = Field(default=7, ge=1, le=32, description="training-time test steps the draft unrolls "
+                            "(SpecForge: 7)")
+    draft_vocab_size: int = Field(default=32000, ge=2, description="the draft's own vocabulary (the most "
+                                  "frequent target tokens; d2t/t2d map it)")
+    checkpoint_every: int = Field(default=50, ge=1, description="steps between checkpoints (a retry resumes "
+                                  "from the newest)")
+    seed: int = Field(default=0, description="the draft's initialisation and the data order")
+    log_every: int = Field(default=10, ge=1, description="steps between loss lines in the log")
     max_grad_norm: float = Field(default=0.5, gt=0, description="gradient clipping norm")
     keep_checkpoints: int = Field(default=2, ge=1, description="newest checkpoints kept on disk")
     on_bad_sample: Literal["raise", "skip"] = Field(
@@ -330,7 +351,8 @@ class EvalConfig(_Section):
     backend: str = Field(default="hf", description="the evaluation's engine (eagleflow.engines): hf = our "
                          "speculative decoder over transformers (CPU or GPU); sglang = the target served by "
                          "SGLang with the draft (GPU node), its own acceptance counters")
-    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend decodes; "
+                                                   "auto = cuda when torch sees a GPU")
     configs: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig(steps=3, draft_tokens=4),
                                                                SpecConfig(steps=7, draft_tokens=8)])
     min_accept_length: float = Field(default=1.5, ge=1.0, description="the new draft must reach this mean "
@@ -344,8 +366,8 @@ class EvalConfig(_Section):
                                             "elsewhere)")
     tolerance: float = Field(default=0.05, ge=0.0, description="acceptance length the new draft may lose "
                              "against baseline_draft")
-    max_new_tokens: int = Field(default=64, ge=1, le=8192)
-    max_prompts: int = Field(default=32, ge=1)
+    max_new_tokens: int = Field(default=64, ge=1, le=8192, description="tokens decoded per held-out prompt")
+    max_prompts: int = Field(default=32, ge=1, description="held-out prompts evaluated at most (per prompt set)")
     near_tie_logit_gap: float | None = Field(default=None, ge=0.0, description="a lossless mismatch whose "
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
     prompt_sets: list[PromptSet] = Field(default_factory=list, description="evaluated besides the corpus's "
@@ -382,19 +404,21 @@ class GenerateConfig(_Section):
     sources: list[str] | None = Field(default=None, description="corpus source names to regenerate; null = all "
                                       "(e.g. keep a source that is already the target's own output as it is)")
     temperature: float = Field(default=0.7, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 = off")
     max_new_tokens: int = Field(default=2048, ge=1, le=131072, description="per assistant turn")
     seed: int = Field(default=0, ge=0, description="each turn's seed is derived from it, the record id and the turn")
     reasoning: bool = Field(default=True, description="thinking on or off (chat_template_kwargs enable_thinking)")
     concurrency: int = Field(default=8, ge=1, le=1024, description="records in flight per shard worker")
-    shards: int = Field(default=1, ge=1, le=1024)
+    shards: int = Field(default=1, ge=1, le=1024, description="generation shards (one worker and one Airflow "
+                        "task each)")
     keep_truncated: bool = Field(default=True, description="a turn that hits max_new_tokens: keep it as the "
                                  "record's last turn (true) or drop the record (false)")
     max_bad_records: int = Field(default=0, ge=0, description="records that cannot be regenerated (named in "
                                  "generated/bad_records.jsonl) allowed before the phase fails")
     tool_call_format: Literal["hermes"] = Field(default="hermes", description="how the target writes a tool "
                                                 "call: hermes = <tool_call>{\"name\", \"arguments\"}</tool_call>")
-    request_timeout_base_s: float = Field(default=120.0, gt=0)
+    request_timeout_base_s: float = Field(default=120.0, gt=0, description="one generation request may take "
+                                          "this long plus request_timeout_per_token_s per new token")
     request_timeout_per_token_s: float = Field(default=0.1, ge=0, description="per new token allowed")
     port: int = Field(default=0, ge=0, le=65535, description="the generation server's port; 0 = a free one")
     backend: str | None = Field(default=None, description="the generation server's engine (eagleflow.engines: "
