@@ -174,8 +174,8 @@ class GpuConfig(_Section):
 
 class CaptureConfig(_Section):
     backend: str = Field(default="hf", description="the capture server's engine (eagleflow.engines): hf = our "
-                         "transformers server (CPU or GPU), sglang = SGLang with our capture hook, vllm = vLLM with our "
-                         "KV connector (GPU node each)")
+                         "transformers server (CPU or GPU), sglang = SGLang with our capture hook, vllm = vLLM "
+                         "with our KV connector (a GPU node each)")
     host: str = Field(default="127.0.0.1", description="the servers' listening address on the node (loopback: "
                       "they take no credential)")
     port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")

@@ -38,7 +38,7 @@ def test_pipeline_params_render_a_trigger_form(dagbag):
                  "max_train_steps", "alert_emails", "run_name"):
         p = params.get_param(name)
         assert p.schema.get("title") and p.description, f"Param {name} lacks title/description"
-    assert params.get_param("capture_backend").schema["enum"] == [None, "hf", "sglang"]
+    assert params.get_param("capture_backend").schema["enum"] == [None, "hf", "sglang", "vllm"]
     assert params.get_param("shards").schema["minimum"] == 1
 
 

@@ -50,7 +50,8 @@ def test_an_engine_without_a_role_is_refused_for_it_by_name():
     with pytest.raises(EngineUnsupported, match=r"generate\.backend = 'vllm': vllm has no generation server in "
                                                 r"eagleflow yet; .*use 'hf' or 'sglang'"):
         engine_for("vllm", "generate_server")
-    assert names_for("capture_server") == names_for("generate_server") == names_for("evaluator") == ["hf", "sglang"]
+    assert names_for("generate_server") == names_for("evaluator") == ["hf", "sglang"]
+    assert names_for("capture_server") == ["hf", "sglang", "vllm"]   # vllm captures (issue 40 item 2)
     # vLLM is there for what eagleflow does with it: the export's layer numbering and the report's command
     assert engine_serving_format("speculators").name == "vllm" and engine_serving_format("sglang").name == "sglang"
 
@@ -74,17 +75,17 @@ def test_the_layer_numbering_is_each_engines_own():
 
 # --- the config against the registry -------------------------------------------------------------------
 
-@pytest.mark.parametrize("section,role", [("capture", "capture server"), ("generate", "generation server"),
-                                          ("eval", "evaluation")])
-def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(section, role):
+@pytest.mark.parametrize("section,role,names", [("capture", "capture server", "'hf' or 'sglang' or 'vllm'"),
+                                                ("generate", "generation server", "'hf' or 'sglang'"),
+                                                ("eval", "evaluation", "'hf' or 'sglang'")])
+def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(section, role, names):
     msg = _err({section: {"backend": "nope-Secret1"}})
-    assert f"{section}.backend: Input should be 'hf' or 'sglang': the engines eagleflow.engines registers for " \
+    assert f"{section}.backend: Input should be {names}: the engines eagleflow.engines registers for " \
            f"the {role} (got a value of type str, not shown)" in msg, msg
     assert "nope-Secret1" not in msg   # a config's values are never echoed (docs/safety.md)
 
 
-@pytest.mark.parametrize("section,what", [("capture", "capture server"), ("generate", "generation server"),
-                                          ("eval", "evaluation")])
+@pytest.mark.parametrize("section,what", [("generate", "generation server"), ("eval", "evaluation")])
 def test_the_config_refuses_vllm_where_eagleflow_has_no_vllm_server(section, what):
     msg = _err({"node": {"has_gpu": True}, section: {"backend": "vllm"}})
     assert f"{section}.backend: Value error, vllm has no {what} in eagleflow yet" in msg, msg
@@ -122,9 +123,9 @@ def test_trees_are_evaluated_by_the_engines_that_draft_them():
 def test_capture_serve_offers_the_registered_capture_engines(capsys):
     from eagleflow.cli import main
     with pytest.raises(SystemExit) as e:
-        main(["capture", "serve", "--config", "x.yaml", "--backend", "vllm"])
+        main(["capture", "serve", "--config", "x.yaml", "--backend", "vllmm"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "invalid choice: 'vllm'" in err and "'hf', 'sglang'" in err, err
+    assert e.value.code == 2 and "invalid choice: 'vllmm'" in err and "'hf', 'sglang', 'vllm'" in err, err
 
 
 # --- a new engine is one registered entry ------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""The project's capture API (``protocol``'s docstring) on vLLM's own server, as an ASGI middleware of ours.
+
+The extraction worker, the readiness check and the watchdog speak one API to every capture server:
+``POST /generate`` {"input_ids", "rid", "sampling_params"}, ``GET /health_generate`` (a real one-token
+generation), ``GET /get_server_info``. ``vllm serve`` speaks OpenAI's; ``--middleware
+eagleflow.capture.vllm_api.CaptureApi`` (vLLM's own option: ``add_middleware`` of an import path) answers
+these three paths by calling vLLM's own ``/v1/completions`` in-process, and passes everything else through:
+
+- ``/generate``: a completion of the token ids (``max_new_tokens`` tokens, greedy unless told otherwise),
+  the rid in its ``kv_transfer_params`` so our connector (``vllm_connector``) writes that request's dump
+  before vLLM answers; the answer is ``{"output_ids", "meta_info": {"id", "finish_reason"}}`` as sglang's;
+- ``/health_generate``: a one-token completion without a rid (no dump), 200 when it ran;
+- ``/get_server_info``: what the launcher handed the connector (model, aux layers), backend vllm.
+
+Import-light (json, os): vLLM imports it in its API process; nothing here needs vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Awaitable, Callable
+
+from .protocol import PROTOCOL_VERSION
+from .sglang_plugin import ENV_AUX_LAYERS, ENV_MODEL
+from .vllm_connector import KV_PARAM_RID
+
+MIDDLEWARE = f"{__name__}.CaptureApi"     # what the launcher passes to vLLM's --middleware
+COMPLETIONS = "/v1/completions"
+HEALTH_PROMPT = [0]                        # any id is inside any vocabulary; no rid: no dump
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def completion_body(req: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """``POST /generate``'s body as a vLLM completion request (token ids in, token ids out)."""
+    ids, rid = req.get("input_ids"), req.get("rid")
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError("input_ids must be a non-empty list of token ids")
+    sp = req.get("sampling_params") or {}
+    body: dict[str, Any] = {"prompt": ids, "max_tokens": int(sp.get("max_new_tokens", 1)),
+                            "temperature": float(sp.get("temperature", 0.0)), "return_token_ids": True}
+    if model:
+        body["model"] = model
+    for ours, theirs in (("top_p", "top_p"), ("sampling_seed", "seed"), ("stop_token_ids", "stop_token_ids"),
+                         ("skip_special_tokens", "skip_special_tokens")):
+        if ours in sp:
+            body[theirs] = sp[ours]
+    if rid is not None:
+        body["kv_transfer_params"] = {KV_PARAM_RID: rid}
+    return body
+
+
+def generate_answer(completion: dict[str, Any], rid: str | None) -> dict[str, Any]:
+    """vLLM's completion answer in sglang's ``/generate`` shape (what ``client.generate_tokens`` reads)."""
+    choice = (completion.get("choices") or [{}])[0]
+    finish = choice.get("finish_reason")
+    return {"text": choice.get("text", ""), "output_ids": list(choice.get("token_ids") or []),
+            "meta_info": {"id": rid, "finish_reason": {"type": finish} if finish else None,
+                          "kv_transfer_params": choice.get("kv_transfer_params")
+                          or completion.get("kv_transfer_params")}}
+
+
+def server_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    src = os.environ if env is None else env
+    try:
+        aux = json.loads(src.get(ENV_AUX_LAYERS, "null"))
+    except ValueError:
+        aux = None
+    return {"backend": "vllm", "model": src.get(ENV_MODEL, ""), "aux_layers": aux, "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid()}
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class CaptureApi:
+    """ASGI middleware: the three capture paths answered through vLLM's ``/v1/completions``, the rest untouched."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
+        self.app = app
+        self.model = os.environ.get(ENV_MODEL) or None   # vLLM's served name: the model path the launcher gave
+
+    async def _complete(self, scope: Scope, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode()
+        inner = {**scope, "method": "POST", "path": COMPLETIONS, "raw_path": COMPLETIONS.encode(), "query_string": b"",
+                 "headers": [(k, v) for k, v in scope.get("headers", [])
+                             if k.lower() not in (b"content-length", b"content-type")]
+                 + [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]}
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        status, chunks = 500, []
+
+        async def send(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            elif msg["type"] == "http.response.body":
+                chunks.append(msg.get("body", b""))
+        await self.app(inner, receive, send)
+        raw = b"".join(chunks)
+        try:
+            payload = json.loads(raw) if raw else {}
+        except ValueError:
+            payload = {"error": raw[:500].decode(errors="replace")}
+        return status, payload if isinstance(payload, dict) else {"value": payload}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = (scope.get("method"), scope.get("path")) if scope["type"] == "http" else None
+        if route == ("POST", "/generate"):
+            try:
+                req = json.loads(await _body(receive) or b"{}")
+                body = completion_body(req, self.model)
+            except (ValueError, TypeError, AttributeError) as e:
+                return await _json(send, 400, {"error": f"POST /generate: {e}"})
+            status, out = await self._complete(scope, body)
+            if status != 200:
+                return await _json(send, status, {"error": out.get("error") or out.get("message") or out})
+            return await _json(send, 200, generate_answer(out, req.get("rid")))
+        if route == ("GET", "/health_generate"):
+            status, out = await self._complete(scope, {"prompt": HEALTH_PROMPT, "max_tokens": 1, "temperature": 0.0,
+                                                       **({"model": self.model} if self.model else {})})
+            return await _json(send, status, {} if status == 200 else {"error": out})
+        if route == ("GET", "/get_server_info"):
+            return await _json(send, 200, server_info())
+        await self.app(scope, receive, send)

@@ -1,0 +1,213 @@
+"""`eagleflow capture serve` with capture.backend vllm: vLLM's own `vllm serve`, capturing through our connector.
+
+Checks first (each failure names what to do): the installed vLLM is the version requirements-node-vllm.txt
+pins; the target is a family whose vLLM numbering of the capture layers we know
+(``aux_layers.vllm_aux_layer_ids``); the dump folder is this user's and the dump key exists. Then it starts
+``python -m vllm.entrypoints.cli.main serve`` (the ``vllm serve`` command) in this process group with
+
+- ``--speculative-config`` method ``extract_hidden_states`` (one speculative token, the only count it takes),
+  the aux layers in vLLM's numbering plus the last layer (``vllm_connector.vllm_capture_ids``);
+- ``--kv-transfer-config`` naming ``EagleflowCaptureConnector`` through ``kv_connector_module_path``;
+- ``--no-enable-prefix-caching``: a prefix-cache hit would compute only the suffix (the connector refuses
+  such a request rather than write a short dump); chunked prefill may stay on: the connector follows a
+  request's blocks until its whole prompt is in the cache;
+- host (loopback only), port, TP and dtype from the config, then ``capture.extra_server_args``;
+
+- ``--middleware eagleflow.capture.vllm_api.CaptureApi``: the project's capture API (``POST /generate``,
+  ``GET /health_generate``, ``GET /get_server_info``) answered through vLLM's own ``/v1/completions``, so
+  the extraction worker, the readiness check and the watchdog are unchanged;
+
+and the connector's settings in its environment (the sglang plugin's variables and the dump key).
+
+Once ``/health_generate`` answers, a self-check request sent as the worker sends it must leave a dump that verifies under the key with
+the prompt's ids: only then is ``<run_dir>/capture_server.json`` written (``"ready"`` means "captures"), its
+``pid`` the server's own (a child of this process, in its process group: SIGTERM to the group stops both).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagleflow.config import PipelineConfig
+from eagleflow.layout import RunLayout
+
+from .aux_layers import resolve_aux_layers, target_architectures_and_layers, vllm_aux_layer_ids
+from .sglang_launcher import SglangLaunchError, _text_config, free_port, model_config
+from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
+from .vllm_api import MIDDLEWARE
+from .vllm_connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
+                             vllm_capture_ids)
+
+# The vLLM versions whose classes the connector and the flags are proven against (tests/node_vllm); the
+# pin of requirements-node-vllm.txt (a unit test holds them equal).
+SUPPORTED_VERSIONS = ("0.33.0",)
+REQUIREMENTS_FILE = "requirements-node-vllm.txt"
+
+
+class VllmLaunchError(RuntimeError):
+    pass
+
+
+def installed_vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        raise VllmLaunchError(f"vLLM is not installed in this interpreter ({sys.executable}): capture.backend "
+                              f"vllm runs `eagleflow capture serve` in the node's vLLM venv; {INSTALL_HINT}") from None
+
+
+def check_supported_version(version: str) -> str:
+    if version not in SUPPORTED_VERSIONS:
+        raise VllmLaunchError(f"vLLM {version} is not a version eagleflow's capture supports "
+                              f"({', '.join(SUPPORTED_VERSIONS)}); install {REQUIREMENTS_FILE} (it pins "
+                              f"{SUPPORTED_VERSIONS[-1]}) or use capture.backend hf")
+    return version
+
+
+def speculative_config(capture_ids: list[int]) -> dict:
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}}}
+
+
+def kv_transfer_config() -> dict:
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": MODULE_PATH, "kv_role": "kv_producer"}
+
+
+def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int, capture_ids: list[int],
+                  python: str = sys.executable) -> list[str]:
+    """vLLM 0.33's argv for extraction; ``capture_ids`` in vLLM's numbering (aux ids and the last layer).
+    Proven against vLLM's own ``serve`` parser and config builders in tests/node_vllm/test_vllm_capture.py."""
+    cap = cfg.capture
+    argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
+            "--tensor-parallel-size", str(cap.tp), "--dtype", cap.dtype,
+            # a prefix-cache hit computes only the suffix: its dump would be short (the connector refuses it)
+            "--no-enable-prefix-caching",
+            "--speculative-config", json.dumps(speculative_config(capture_ids), separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(), separators=(",", ":")),
+            # the project's capture API (/generate, /health_generate, /get_server_info) on vLLM's server
+            "--middleware", MIDDLEWARE]
+    return argv + list(cap.extra_server_args)
+
+
+def capture_env(*, dump_dir: str, aux_layers: list[int], model: str) -> dict[str, str]:
+    """The connector's settings: the sglang plugin's variables (engine-neutral names)."""
+    return {ENV_DUMP_DIR: dump_dir, ENV_AUX_LAYERS: json.dumps(aux_layers), ENV_MODEL: model}
+
+
+def check_connector(env: dict[str, str]) -> None:
+    """What the connector checks when vLLM builds it, proven here first (before the model loads): the module
+    vLLM's factory will import is this interpreter's, and the settings parse."""
+    import importlib.util
+    if importlib.util.find_spec(MODULE_PATH) is None:
+        raise VllmLaunchError(f"{MODULE_PATH} cannot be imported by {sys.executable}: vLLM would fail to load the "
+                              "capture connector; install eagleflow into this venv (`pip install --no-deps -e .`)")
+    try:
+        capture_settings(env)
+    except VllmCaptureError as e:
+        raise VllmLaunchError(str(e)) from None
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    from .client import CaptureServerError, health_generate
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise VllmLaunchError(f"vLLM exited with code {proc.returncode} while loading; its output is above in "
+                                  "this log")
+        try:
+            health_generate(url, 20)     # through our middleware: a real one-token completion
+            return
+        except CaptureServerError:
+            time.sleep(2)
+    raise VllmLaunchError(f"vLLM did not answer {url}/health_generate within {timeout_s:.0f} s")
+
+
+def self_check(url: str, dump_dir: str, key: bytes, timeout_s: float = 120) -> Path:
+    """One capture request the way the extraction worker sends it (``client.generate``, through our middleware
+    and vLLM's completions); its dump must be there when vLLM answers, verify under ``key``, hold the ids."""
+    from .client import generate
+    from .protocol import SELFCHECK_PREFIX, DumpTrustError, dump_path, read_dump, verify_dump
+    rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    answer = generate(url, ids, rid, timeout_s)
+    p = dump_path(dump_dir, rid)
+    if not p.exists():
+        raise VllmLaunchError(f"vLLM answered the self-check request {rid} but no dump is at {p} (its "
+                              f"kv_transfer_params: {(answer.get('meta_info') or {}).get('kv_transfer_params')}): "
+                              "the capture connector did not write it; read its lines above in this log")
+    try:
+        d = read_dump(p)
+        verify_dump(d, key, p, rid)
+    except DumpTrustError as e:
+        raise VllmLaunchError(f"self-check: {e}") from None
+    if d.input_ids.tolist() != ids or d.hidden_states.shape[0] != len(ids):
+        raise VllmLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
+    p.unlink()
+    return p
+
+
+def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
+    from .hf_server import write_info_file
+    from .lifecycle import dump_dir as _dump_dir
+    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, loopback_host, private_dump_dir
+
+    loopback_host(cfg.capture.host)   # first: vLLM's server takes no credential here, loopback only
+    try:
+        version = check_supported_version(installed_vllm_version())
+        model_path = str(cfg.resolve(cfg.target_model))
+        mcfg = model_config(model_path)
+        tcfg = _text_config(mcfg)
+        archs, num_layers = target_architectures_and_layers(mcfg)
+        aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
+        capture_ids = vllm_capture_ids(vllm_aux_layer_ids(aux, archs, num_layers), num_layers)
+    except (VllmLaunchError, SglangLaunchError, ValueError) as e:   # model_config's error is the sglang one
+        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
+        return 2
+    port = cfg.capture.port or free_port(cfg.capture.host)
+    url = f"http://{cfg.capture.host}:{port}"
+    try:
+        dumps = str(private_dump_dir(_dump_dir(cfg)))                 # this user's 0700 folder
+        dump_key = load_dump_key(layout.dump_key_file, create=True)   # this user's secret: each dump's MAC
+    except DumpTrustError as e:
+        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
+        return 2
+    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, capture_ids=capture_ids)
+    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
+    env[ENV_DUMP_KEY] = dump_key.hex()   # to vLLM's workers through their environment (owner-readable only)
+    try:
+        check_connector(env)
+    except VllmLaunchError as e:
+        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"eagleflow capture serve: vLLM {version}, outputs of layers {aux} (vLLM ids {capture_ids}, the last "
+          f"for the final norm): {' '.join(argv)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
+
+    def _forward(signum, _frame):
+        proc.send_signal(signum)
+    signal.signal(signal.SIGTERM, _forward)
+    signal.signal(signal.SIGINT, _forward)
+    try:
+        _wait_healthy(url, proc, cfg.capture.ready_timeout_s)
+        self_check(url, dumps, dump_key)
+    except Exception as e:
+        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 4
+    dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
+    write_info_file(str(layout.server_info_file), {
+        "url": url, "pid": proc.pid, "backend": "vllm", "model": model_path, "aux_layers": aux,
+        "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
+        "version": version, "vllm_layer_ids": capture_ids, "dump_dir": dumps, "started_at": time.time()})
+    print(f"eagleflow capture serve: vLLM ready and capturing at {url}", file=sys.stderr, flush=True)
+    return proc.wait()
