@@ -350,7 +350,8 @@ class PromptSet(_Section):
 class EvalConfig(_Section):
     backend: str = Field(default="hf", description="the evaluation's engine (eagleflow.engines): hf = our "
                          "speculative decoder over transformers (CPU or GPU); sglang = the target served by "
-                         "SGLang with the draft (GPU node), its own acceptance counters")
+                         "SGLang with the draft (GPU node), its own acceptance counters; vllm = the same on vLLM "
+                         "(chains only), acceptance from its spec-decode metrics")
     device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend decodes; "
                                                    "auto = cuda when torch sees a GPU")
     configs: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig(steps=3, draft_tokens=4),
@@ -372,12 +373,13 @@ class EvalConfig(_Section):
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
     prompt_sets: list[PromptSet] = Field(default_factory=list, description="evaluated besides the corpus's "
                                          "held-out split ('held_out'), each reported on its own")
-    concurrency: int = Field(default=8, ge=1, le=1024, description="sglang backend: requests in flight at once")
-    ready_timeout_s: float = Field(default=1800.0, gt=0, description="sglang backend: how long a server may "
-                                   "take to load before /health_generate answers")
-    request_timeout_s: float = Field(default=600.0, gt=0, description="sglang backend: one /generate request")
-    extra_server_args: list[str] = Field(default_factory=list, description="sglang backend: appended to each "
-                                         "launch_server command (e.g. --mem-fraction-static 0.8)")
+    concurrency: int = Field(default=8, ge=1, le=1024, description="server backends (sglang, vllm): "
+                             "requests in flight at once")
+    ready_timeout_s: float = Field(default=1800.0, gt=0, description="server backends: how long a server "
+                                   "may take to load before it answers")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="server backends: one request")
+    extra_server_args: list[str] = Field(default_factory=list, description="server backends: appended to each "
+                                         "server command (e.g. sglang's --mem-fraction-static 0.8)")
 
     @field_validator("backend")
     @classmethod
@@ -422,7 +424,7 @@ class GenerateConfig(_Section):
     request_timeout_per_token_s: float = Field(default=0.1, ge=0, description="per new token allowed")
     port: int = Field(default=0, ge=0, le=65535, description="the generation server's port; 0 = a free one")
     backend: str | None = Field(default=None, description="the generation server's engine (eagleflow.engines: "
-                                "hf or sglang); default: capture.backend")
+                                "hf, sglang or vllm); default: capture.backend")
 
     @field_validator("backend")
     @classmethod

@@ -107,14 +107,19 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            eval_trees=True, eval_server_per_config=True,
            layer_numbering="eagleflow.capture.aux_layers:sglang_aux_layer_ids",
            serve_command="eagleflow.console.run_report:serve_command", draft_format="sglang"),
-    # vLLM serves the exported draft (the speculators format) and captures (`vllm serve` with its
-    # extract_hidden_states method and our KV connector); generation and evaluation through vLLM are not
-    # built, so the config refuses it for those fields by name
+    # vLLM serves the exported draft (the speculators format), captures (`vllm serve` with its
+    # extract_hidden_states method and our KV connector), generates (`vllm serve` in serving mode) and evaluates
+    # (`vllm serve` with the draft, acceptance from its own spec-decode counters; vLLM's EAGLE-3 drafts chains
+    # only, so eval_trees stays false and the config refuses a top-k > 1 configuration by name)
     Engine(name="vllm", label="vLLM", needs_gpu=True,
            capture_server="eagleflow.capture.vllm_launcher:launch",
+           generate_server="eagleflow.generate.vllm_server:launch_generate",
+           evaluator="eagleflow.evaluate.vllm_backend:results", eval_hooks=frozenset({"node", "command"}),
+           eval_server_per_config=True,
            layer_numbering="eagleflow.capture.aux_layers:vllm_aux_layer_ids",
            serve_command="eagleflow.console.run_report:vllm_serve_command", draft_format="speculators",
-           not_built="it captures and serves the exported draft (train.export_formats speculators) only"),
+           not_built="it captures, generates, evaluates and serves the exported draft (train.export_formats "
+                     "speculators) only"),
 )}
 
 

@@ -77,7 +77,7 @@ def test_the_serve_commands_refuse_a_config_whose_capture_host_is_not_loopback(t
 
 
 def test_the_sglang_launcher_refuses_before_starting_sglang(tmp_path, demo_assets, monkeypatch):
-    from eagleflow.capture import sglang_launcher
+    from eagleflow.capture import server_launch, sglang_launcher
     cfgp = write_run_config(tmp_path, demo_assets["target_model"])
     data = yaml.safe_load(cfgp.read_text())
     data["capture"].update(backend="sglang", host="0.0.0.0")
@@ -85,7 +85,7 @@ def test_the_sglang_launcher_refuses_before_starting_sglang(tmp_path, demo_asset
     cfgp.write_text(yaml.safe_dump(data))
     cfg = load_config(cfgp)
     started = []
-    monkeypatch.setattr(sglang_launcher.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(server_launch.subprocess, "Popen", lambda *a, **k: started.append(a))
     monkeypatch.setattr(sglang_launcher.os, "execv", lambda *a: started.append(a))
     with pytest.raises(ConfigError, match=r"capture\.host = '0\.0\.0\.0'"):
         sglang_launcher.launch(cfg, RunLayout.for_run(cfg, "trust"))

@@ -35,9 +35,8 @@ def test_bad_enum_names_field_value_and_choices():
     msg = _err({"capture": {"backend": "vllmm"}})
     assert "capture.backend" in msg and "'hf'" in msg and "'sglang'" in msg
     assert "vllmm" not in msg   # the wrong value itself is never echoed (docs/safety.md)
-    # vllm is a registered engine without a generation server: named, with what it lacks
-    msg = _err({"generate": {"backend": "vllm"}})
-    assert "generate.backend" in msg and "vllm has no generation server" in msg and "'hf' or 'sglang'" in msg
+    # every registered engine is offered (vllm captures, generates and evaluates: issue 40)
+    assert "'hf' or 'sglang' or 'vllm'" in msg
 
 
 def test_bound_violation_names_field_and_bound():

@@ -46,11 +46,17 @@ def test_the_registry_refuses_an_unknown_name_naming_the_field_the_value_and_the
     assert engine("sglang").name == "sglang" and engine("hf").needs_gpu is False and engine("sglang").needs_gpu
 
 
-def test_an_engine_without_a_role_is_refused_for_it_by_name():
-    with pytest.raises(EngineUnsupported, match=r"generate\.backend = 'vllm': vllm has no generation server in "
-                                                r"eagleflow yet; .*use 'hf' or 'sglang'"):
-        engine_for("vllm", "generate_server")
-    assert names_for("generate_server") == names_for("evaluator") == ["hf", "sglang"]
+def test_an_engine_without_a_role_is_refused_for_it_by_name(monkeypatch):
+    # every registered engine fills every server role now (vllm: issue 40), so the refusal is shown on one
+    # registered for capture only
+    monkeypatch.setitem(ENGINES, "capture-only", Engine(name="capture-only", label="C", needs_gpu=False,
+                                                        capture_server=f"{__name__}:_fake_serve"))
+    with pytest.raises(EngineUnsupported, match=r"eval\.backend = 'capture-only': capture-only has no evaluation "
+                                                r"in eagleflow yet; .*use 'hf' or 'sglang' or 'vllm'"):
+        engine_for("capture-only", "evaluator")
+    monkeypatch.delitem(ENGINES, "capture-only")
+    assert names_for("evaluator") == ["hf", "sglang", "vllm"]         # vllm evaluates (issue 40 item 4)
+    assert names_for("generate_server") == ["hf", "sglang", "vllm"]   # vllm generates (issue 40 item 3)
     assert names_for("capture_server") == ["hf", "sglang", "vllm"]   # vllm captures (issue 40 item 2)
     # vLLM is there for what eagleflow does with it: the export's layer numbering and the report's command
     assert engine_serving_format("speculators").name == "vllm" and engine_serving_format("sglang").name == "sglang"
@@ -76,8 +82,8 @@ def test_the_layer_numbering_is_each_engines_own():
 # --- the config against the registry -------------------------------------------------------------------
 
 @pytest.mark.parametrize("section,role,names", [("capture", "capture server", "'hf' or 'sglang' or 'vllm'"),
-                                                ("generate", "generation server", "'hf' or 'sglang'"),
-                                                ("eval", "evaluation", "'hf' or 'sglang'")])
+                                                ("generate", "generation server", "'hf' or 'sglang' or 'vllm'"),
+                                                ("eval", "evaluation", "'hf' or 'sglang' or 'vllm'")])
 def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(section, role, names):
     msg = _err({section: {"backend": "nope-Secret1"}})
     assert f"{section}.backend: Input should be {names}: the engines eagleflow.engines registers for " \
@@ -86,10 +92,12 @@ def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(s
 
 
 @pytest.mark.parametrize("section,what", [("generate", "generation server"), ("eval", "evaluation")])
-def test_the_config_refuses_vllm_where_eagleflow_has_no_vllm_server(section, what):
-    msg = _err({"node": {"has_gpu": True}, section: {"backend": "vllm"}})
-    assert f"{section}.backend: Value error, vllm has no {what} in eagleflow yet" in msg, msg
-    assert "use 'hf' or 'sglang'" in msg, msg
+def test_the_config_refuses_an_engine_where_it_has_no_server(section, what, monkeypatch):
+    monkeypatch.setitem(ENGINES, "capture-only", Engine(name="capture-only", label="C", needs_gpu=False,
+                                                        capture_server=f"{__name__}:_fake_serve"))
+    msg = _err({"node": {"has_gpu": True}, section: {"backend": "capture-only"}})
+    assert f"{section}.backend: Value error, capture-only has no {what} in eagleflow yet" in msg, msg
+    assert "use 'hf' or 'sglang' or 'vllm'" in msg, msg
 
 
 def test_existing_configs_load_unchanged_and_generation_follows_capture_by_default():

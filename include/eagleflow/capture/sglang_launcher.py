@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -34,7 +32,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
 from .aux_layers import resolve_aux_layers, sglang_aux_layer_ids, target_architectures_and_layers
-from .protocol import SELFCHECK_PREFIX, dump_path
+from .server_launch import LaunchError, prepare_dumps, run_capture_server
 from .sglang_plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
                             check_sglang_contract)
 
@@ -43,7 +41,7 @@ PLUGIN_NAME = "eagleflow_capture"
 SUPPORTED_VERSIONS = ("0.5.23",)
 
 
-class SglangLaunchError(RuntimeError):
+class SglangLaunchError(LaunchError):
     pass
 
 
@@ -155,48 +153,6 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    from .client import CaptureServerError, health_generate
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SglangLaunchError(f"sglang exited with code {proc.returncode} while loading; its output is above "
-                                    "in this log")
-        try:
-            health_generate(url, 20)
-            return
-        except CaptureServerError:
-            time.sleep(2)
-    raise SglangLaunchError(f"sglang did not answer {url}/health_generate within {timeout_s:.0f} s")
-
-
-def self_check(url: str, dump_dir: str, timeout_s: float = 120, key: bytes | None = None) -> Path:
-    """One capture request; its dump must appear, whole, with the sample's rows (and its MAC under ``key``)."""
-    from .client import generate
-    from .protocol import DumpTrustError, read_dump, verify_dump
-    rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
-    ids = [1, 2, 3, 4, 5, 6, 7, 8]
-    generate(url, ids, rid, timeout_s)
-    p = dump_path(dump_dir, rid)
-    deadline = time.monotonic() + 10
-    while not p.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not p.exists():
-        raise SglangLaunchError(f"sglang answered the self-check request {rid} but no dump appeared at {p}: the "
-                                "capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
-                                "venv with its entry point, `pip install -e .`?)")
-    d = read_dump(p)
-    if key is not None:
-        try:
-            verify_dump(d, key, p, rid)
-        except DumpTrustError as e:
-            raise SglangLaunchError(f"self-check: {e}") from None
-    if d.input_ids.tolist() != ids or d.hidden_states.shape[0] != len(ids):
-        raise SglangLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
-    p.unlink()
-    return p
-
-
 def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     """`eagleflow generate serve` with sglang: its own launch_server in serving mode (radix cache and CUDA
     graphs on, no capture hook), exec'd so that the recorded pid stays the server's."""
@@ -217,9 +173,7 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .hf_server import write_info_file
-    from .lifecycle import dump_dir as _dump_dir
-    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, loopback_host, private_dump_dir
+    from .protocol import ENV_DUMP_KEY, DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:
@@ -237,8 +191,7 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     port = cfg.capture.port or free_port(cfg.capture.host)
     url = f"http://{cfg.capture.host}:{port}"
     try:
-        dumps = str(private_dump_dir(_dump_dir(cfg)))                 # this user's 0700 folder
-        dump_key = load_dump_key(layout.dump_key_file, create=True)   # this user's secret: each dump's MAC
+        dumps, dump_key = prepare_dumps(cfg, layout)
     except DumpTrustError as e:
         print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
         return 2
@@ -252,27 +205,13 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
         return 2
     print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {aux} (sglang ids "
           f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
-
-    def _forward(signum, _frame):
-        proc.send_signal(signum)
-    signal.signal(signal.SIGTERM, _forward)
-    signal.signal(signal.SIGINT, _forward)
-    try:
-        _wait_healthy(url, proc, cfg.capture.ready_timeout_s)
-        self_check(url, dumps, key=dump_key)
-    except Exception as e:
-        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        return 4
     dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
-    write_info_file(str(layout.server_info_file), {
-        "url": url, "pid": proc.pid, "backend": "sglang", "model": model_path, "aux_layers": aux,
-        "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
-        "version": version, "sglang_layer_ids": sglang_ids, "dump_dir": dumps, "started_at": time.time()})
-    print(f"eagleflow capture serve: sglang ready and capturing at {url}", file=sys.stderr, flush=True)
-    return proc.wait()
+    return run_capture_server(
+        argv, env, engine="sglang", url=url, ready_timeout_s=cfg.capture.ready_timeout_s, dump_dir=dumps,
+        dump_key=dump_key, appear_within_s=10.0,   # the plugin writes after the forward, beside the answer
+        missing_dump_hint="the capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
+                          "venv with its entry point, `pip install -e .`?)",
+        info_file=str(layout.server_info_file),
+        info={"backend": "sglang", "model": model_path, "aux_layers": aux, "hidden_size": int(tcfg["hidden_size"]),
+              "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype, "version": version,
+              "sglang_layer_ids": sglang_ids})

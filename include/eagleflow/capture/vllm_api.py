@@ -12,6 +12,12 @@ these three paths by calling vLLM's own ``/v1/completions`` in-process, and pass
 - ``/health_generate``: a one-token completion without a rid (no dump), 200 when it ran;
 - ``/get_server_info``: what the launcher handed the connector (model, aux layers), backend vllm.
 
+``GenerateApi`` is the same API for the generation server (``generate/vllm_server.py``: ``vllm serve`` in
+serving mode, no connector): no rid goes to a connector, and ``/get_server_info`` says mode generate. Both
+answer exactly the token ids vLLM sampled (``return_token_ids``; no detokenise/retokenise) and vLLM's finish
+reason, and both set every sampling knob the worker does not choose to its neutral value, so the model's
+``generation_config.json`` (which ``vllm serve`` applies as its defaults) never changes what was asked.
+
 Import-light (json, os): vLLM imports it in its API process; nothing here needs vLLM.
 """
 from __future__ import annotations
@@ -35,43 +41,57 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def completion_body(req: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """``POST /generate``'s body as a vLLM completion request (token ids in, token ids out)."""
+# vLLM's server defaults come from the model's generation_config.json (top_k, min_p, repetition_penalty...):
+# set explicitly, they cannot change the sampling the config asked for (temperature, top_p, seed)
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+
+
+def completion_body(req: dict[str, Any], model: str | None, *, capture: bool = True) -> dict[str, Any]:
+    """``POST /generate``'s body as a vLLM completion request (token ids in, token ids out). ``capture``: the
+    rid goes to our connector in ``kv_transfer_params``; a generation server (no connector) sends none."""
     ids, rid = req.get("input_ids"), req.get("rid")
     if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise ValueError("input_ids must be a non-empty list of token ids")
     sp = req.get("sampling_params") or {}
     body: dict[str, Any] = {"prompt": ids, "max_tokens": int(sp.get("max_new_tokens", 1)),
-                            "temperature": float(sp.get("temperature", 0.0)), "return_token_ids": True}
+                            "temperature": float(sp.get("temperature", 0.0)), "return_token_ids": True,
+                            **NEUTRAL_SAMPLING}
     if model:
         body["model"] = model
     for ours, theirs in (("top_p", "top_p"), ("sampling_seed", "seed"), ("stop_token_ids", "stop_token_ids"),
                          ("skip_special_tokens", "skip_special_tokens")):
         if ours in sp:
             body[theirs] = sp[ours]
-    if rid is not None:
+    if rid is not None and capture:
         body["kv_transfer_params"] = {KV_PARAM_RID: rid}
     return body
 
 
 def generate_answer(completion: dict[str, Any], rid: str | None) -> dict[str, Any]:
-    """vLLM's completion answer in sglang's ``/generate`` shape (what ``client.generate_tokens`` reads)."""
+    """vLLM's completion answer in sglang's ``/generate`` shape (what ``client.generate_tokens`` reads): the
+    token ids vLLM sampled, as it sampled them. An answer without them is refused (ValueError), never read as
+    an empty generation."""
     choice = (completion.get("choices") or [{}])[0]
     finish = choice.get("finish_reason")
-    return {"text": choice.get("text", ""), "output_ids": list(choice.get("token_ids") or []),
+    ids = choice.get("token_ids")
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError(f"vLLM's {COMPLETIONS} answer has no token_ids list (got {str(ids)[:80]}): it was asked "
+                         "with return_token_ids; is this vLLM the version requirements-node-vllm.txt pins?")
+    return {"text": choice.get("text", ""), "output_ids": list(ids),
             "meta_info": {"id": rid, "finish_reason": {"type": finish} if finish else None,
                           "kv_transfer_params": choice.get("kv_transfer_params")
                           or completion.get("kv_transfer_params")}}
 
 
-def server_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def server_info(env: Mapping[str, str] | None = None, mode: str = "capture") -> dict[str, Any]:
     src = os.environ if env is None else env
     try:
         aux = json.loads(src.get(ENV_AUX_LAYERS, "null"))
     except ValueError:
         aux = None
-    return {"backend": "vllm", "model": src.get(ENV_MODEL, ""), "aux_layers": aux, "protocol": PROTOCOL_VERSION,
-            "pid": os.getpid()}
+    return {"backend": "vllm", "mode": mode, "model": src.get(ENV_MODEL, ""), "aux_layers": aux,
+            "protocol": PROTOCOL_VERSION, "pid": os.getpid()}
 
 
 async def _body(receive: Receive) -> bytes:
@@ -94,6 +114,7 @@ async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
 
 class CaptureApi:
     """ASGI middleware: the three capture paths answered through vLLM's ``/v1/completions``, the rest untouched."""
+    capture = True     # each /generate's rid goes to our connector (the capture server)
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
         self.app = app
@@ -134,17 +155,30 @@ class CaptureApi:
         if route == ("POST", "/generate"):
             try:
                 req = json.loads(await _body(receive) or b"{}")
-                body = completion_body(req, self.model)
+                body = completion_body(req, self.model, capture=self.capture)
             except (ValueError, TypeError, AttributeError) as e:
                 return await _json(send, 400, {"error": f"POST /generate: {e}"})
             status, out = await self._complete(scope, body)
             if status != 200:
                 return await _json(send, status, {"error": out.get("error") or out.get("message") or out})
-            return await _json(send, 200, generate_answer(out, req.get("rid")))
+            try:
+                answer = generate_answer(out, req.get("rid"))
+            except ValueError as e:
+                return await _json(send, 502, {"error": f"POST /generate: {e}"})
+            return await _json(send, 200, answer)
         if route == ("GET", "/health_generate"):
             status, out = await self._complete(scope, {"prompt": HEALTH_PROMPT, "max_tokens": 1, "temperature": 0.0,
                                                        **({"model": self.model} if self.model else {})})
             return await _json(send, status, {} if status == 200 else {"error": out})
         if route == ("GET", "/get_server_info"):
-            return await _json(send, 200, server_info())
+            return await _json(send, 200, server_info(mode="capture" if self.capture else "generate"))
         await self.app(scope, receive, send)
+
+
+class GenerateApi(CaptureApi):
+    """The same API on the generation server (``vllm serve`` in serving mode, no connector loaded): the
+    worker's ``/generate`` (``client.generate_tokens``) sampled by vLLM, no rid handed to a connector."""
+    capture = False
+
+
+GENERATE_MIDDLEWARE = f"{__name__}.GenerateApi"   # what the generation launcher passes to --middleware

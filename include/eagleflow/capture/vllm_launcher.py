@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
 from .aux_layers import resolve_aux_layers, target_architectures_and_layers, vllm_aux_layer_ids
 from .sglang_launcher import SglangLaunchError, _text_config, free_port, model_config
+from .server_launch import LaunchError, prepare_dumps, run_capture_server
 from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
 from .vllm_api import MIDDLEWARE
 from .vllm_connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
@@ -49,7 +46,7 @@ SUPPORTED_VERSIONS = ("0.33.0",)
 REQUIREMENTS_FILE = "requirements-node-vllm.txt"
 
 
-class VllmLaunchError(RuntimeError):
+class VllmLaunchError(LaunchError):
     pass
 
 
@@ -113,49 +110,8 @@ def check_connector(env: dict[str, str]) -> None:
         raise VllmLaunchError(str(e)) from None
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    from .client import CaptureServerError, health_generate
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise VllmLaunchError(f"vLLM exited with code {proc.returncode} while loading; its output is above in "
-                                  "this log")
-        try:
-            health_generate(url, 20)     # through our middleware: a real one-token completion
-            return
-        except CaptureServerError:
-            time.sleep(2)
-    raise VllmLaunchError(f"vLLM did not answer {url}/health_generate within {timeout_s:.0f} s")
-
-
-def self_check(url: str, dump_dir: str, key: bytes, timeout_s: float = 120) -> Path:
-    """One capture request the way the extraction worker sends it (``client.generate``, through our middleware
-    and vLLM's completions); its dump must be there when vLLM answers, verify under ``key``, hold the ids."""
-    from .client import generate
-    from .protocol import SELFCHECK_PREFIX, DumpTrustError, dump_path, read_dump, verify_dump
-    rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
-    ids = [1, 2, 3, 4, 5, 6, 7, 8]
-    answer = generate(url, ids, rid, timeout_s)
-    p = dump_path(dump_dir, rid)
-    if not p.exists():
-        raise VllmLaunchError(f"vLLM answered the self-check request {rid} but no dump is at {p} (its "
-                              f"kv_transfer_params: {(answer.get('meta_info') or {}).get('kv_transfer_params')}): "
-                              "the capture connector did not write it; read its lines above in this log")
-    try:
-        d = read_dump(p)
-        verify_dump(d, key, p, rid)
-    except DumpTrustError as e:
-        raise VllmLaunchError(f"self-check: {e}") from None
-    if d.input_ids.tolist() != ids or d.hidden_states.shape[0] != len(ids):
-        raise VllmLaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(ids)} tokens")
-    p.unlink()
-    return p
-
-
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .hf_server import write_info_file
-    from .lifecycle import dump_dir as _dump_dir
-    from .protocol import ENV_DUMP_KEY, DumpTrustError, load_dump_key, loopback_host, private_dump_dir
+    from .protocol import ENV_DUMP_KEY, DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: vLLM's server takes no credential here, loopback only
     try:
@@ -172,8 +128,7 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     port = cfg.capture.port or free_port(cfg.capture.host)
     url = f"http://{cfg.capture.host}:{port}"
     try:
-        dumps = str(private_dump_dir(_dump_dir(cfg)))                 # this user's 0700 folder
-        dump_key = load_dump_key(layout.dump_key_file, create=True)   # this user's secret: each dump's MAC
+        dumps, dump_key = prepare_dumps(cfg, layout)
     except DumpTrustError as e:
         print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
         return 2
@@ -187,27 +142,12 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
         return 2
     print(f"eagleflow capture serve: vLLM {version}, outputs of layers {aux} (vLLM ids {capture_ids}, the last "
           f"for the final norm): {' '.join(argv)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(argv, env=env)   # same process group: a group signal stops both
-
-    def _forward(signum, _frame):
-        proc.send_signal(signum)
-    signal.signal(signal.SIGTERM, _forward)
-    signal.signal(signal.SIGINT, _forward)
-    try:
-        _wait_healthy(url, proc, cfg.capture.ready_timeout_s)
-        self_check(url, dumps, dump_key)
-    except Exception as e:
-        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        return 4
     dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
-    write_info_file(str(layout.server_info_file), {
-        "url": url, "pid": proc.pid, "backend": "vllm", "model": model_path, "aux_layers": aux,
-        "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
-        "version": version, "vllm_layer_ids": capture_ids, "dump_dir": dumps, "started_at": time.time()})
-    print(f"eagleflow capture serve: vLLM ready and capturing at {url}", file=sys.stderr, flush=True)
-    return proc.wait()
+    return run_capture_server(
+        argv, env, engine="vLLM", url=url, ready_timeout_s=cfg.capture.ready_timeout_s, dump_dir=dumps,
+        dump_key=dump_key, appear_within_s=0.0,   # the connector writes before vLLM answers: no wait
+        missing_dump_hint="the capture connector did not write it; read its lines above in this log",
+        info_file=str(layout.server_info_file),
+        info={"backend": "vllm", "model": model_path, "aux_layers": aux, "hidden_size": int(tcfg["hidden_size"]),
+              "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype, "version": version,
+              "vllm_layer_ids": capture_ids})

@@ -43,7 +43,9 @@ from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.engines import EngineError
 from eagleflow.layout import RunLayout
 
-TARGET_ALONE = "target"
+from .served import ServedEngine, lossless_and_speed, near_tie_threshold, serve_and_measure
+
+__all__ = ["SglangEvalError", "build_command", "measure", "near_tie_threshold", "read_answer", "results"]
 
 
 class SglangEvalError(EngineError):
@@ -67,10 +69,6 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     if sc is not None:
         argv += speculative_args(str(draft_dir), sc)
     return argv + list(cfg.eval.extra_server_args)
-
-
-def role(draft_role: str, sc: SpecConfig | None) -> str:
-    return f"eval_sglang_{draft_role}" + (f"_{sc.steps}_{sc.topk}_{sc.draft_tokens}" if sc else "")
 
 
 # --- one request, one prompt set ------------------------------------------------------------------------------
@@ -130,13 +128,6 @@ def send_all(url: str, prompts: list[dict], max_new: int, *, tag: str, top2: boo
     return out, time.monotonic() - started
 
 
-def near_tie_threshold(dtype: str, absolute: float | None) -> float:
-    """The lossless rule's tolerance for log-probabilities: the top logit's magnitude is not answered, so
-    :data:`.lossless.SERVER_TOP_LOGIT` stands for it ('auto' reads as bfloat16, the widest)."""
-    from .lossless import SERVER_TOP_LOGIT, tie_tolerance
-    return tie_tolerance(dtype, SERVER_TOP_LOGIT, absolute)
-
-
 def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone_secs: float, steps: int,
             threshold: float) -> dict:
     """One draft, one configuration, one prompt set: the hf backend's figures from SGLang's counters."""
@@ -148,74 +139,15 @@ def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone
         for accepted, count in enumerate(a["histogram"]):
             for j in range(min(accepted, steps)):
                 at[j] += count
-    from .lossless import first_difference
-    from .speed import speed_figures
-    mismatches = []
-    for pid, a in answers.items():
-        cands = alone[pid].get("candidates", [])
-        mm = first_difference(alone[pid]["tokens"], a["tokens"], lambda i: cands[i] if i < len(cands) else [],
-                              lambda top: threshold)
-        if mm:
-            mismatches.append({"prompt": pid, **mm})
-    generated = sum(len(alone[pid]["tokens"]) for pid in answers)
     accept_length = round((correct + passes) / passes, 4) if passes else 1.0
-    speed = speed_figures([generated], [alone_secs], [secs], accept_length,
-                          "one pair per prompt set: the target alone, then with the draft, each server warmed up")
     return {"accept_length": accept_length,
             "sglang_accept_length": round(completion / passes, 4) if passes else None,
             "verify_passes": passes, "verify_tokens": correct + passes, "correct_drafts": correct,
             "accepted_at_position": [round(x / passes, 4) if passes else 0.0 for x in at],
-            **speed,
-            "lossless": not [m for m in mismatches if not m["near_tie"]],
-            "near_ties": sum(m["near_tie"] for m in mismatches),
-            "mismatches": sorted(mismatches, key=lambda m: m["near_tie"])[:20]}
+            **lossless_and_speed(answers, alone, secs, alone_secs, accept_length, threshold)}
 
 
-# --- the servers ----------------------------------------------------------------------------------------------
-
-class Server:
-    """One recorded sglang server for the evaluation: started detached, stopped by its record on exit."""
-
-    def __init__(self, cfg: PipelineConfig, layout: RunLayout, node, argv: list[str], role_name: str, url: str,
-                 log):
-        self.cfg, self.layout, self.node, self.argv, self.role, self.url, self.log = (
-            cfg, layout, node, argv, role_name, url, log)
-        self.pid_file = str(layout.pid_file(role_name))
-        self.log_file = str(layout.log_file(role_name))
-
-    def __enter__(self) -> "Server":
-        Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
-        if self.node.live_record(self.pid_file) is not None:
-            # an earlier try's server (a retry after the task was killed): stop it, its port and flags may differ
-            self.node.stop_recorded(self.pid_file, grace_s=30)
-        rec = self.node.spawn_detached(self.argv, role=self.role, pid_file=self.pid_file, log_file=self.log_file)
-        self.log(f"evaluate (sglang): {self.role} pid {rec.pid}, log {self.log_file}: {' '.join(self.argv)}")
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _wait_healthy(self) -> None:
-        from eagleflow.capture.client import CaptureServerError, health_generate
-        deadline = time.monotonic() + self.cfg.eval.ready_timeout_s
-        while time.monotonic() < deadline:
-            if not self.node.process_status(self.pid_file).alive:
-                raise SglangEvalError(f"sglang ({self.role}) exited while loading; read {self.log_file}")
-            try:
-                health_generate(self.url, 20)
-                return
-            except CaptureServerError:
-                time.sleep(2)
-        raise SglangEvalError(f"sglang ({self.role}) did not answer {self.url}/health_generate within "
-                              f"{self.cfg.eval.ready_timeout_s:.0f} s; raise eval.ready_timeout_s or read "
-                              f"{self.log_file}")
-
-    def __exit__(self, *exc) -> None:
-        res = self.node.stop_recorded(self.pid_file, grace_s=30)
-        self.log(f"evaluate (sglang): {res.detail}")
-
+# --- the run (the servers, their order and the rows: .served) --------------------------------------------
 
 def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict[str, Path],
             prompt_sets: dict[str, list[dict]], log, node=None, command=None) -> tuple[list[dict], dict]:
@@ -223,9 +155,8 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
     ``command`` (build_command's signature) replaces sglang's argv: the control-plane tests start a server
     that answers as sglang does, through the same records, readiness and stop."""
-    from eagleflow.capture.sglang_launcher import (SglangLaunchError, check_supported_version, free_port,
-                                                   installed_sglang_version)
-    from eagleflow.nodes import LocalNode
+    from eagleflow.capture.client import health_generate
+    from eagleflow.capture.sglang_launcher import SglangLaunchError, check_supported_version, installed_sglang_version
     ec = cfg.eval
     if command is None:
         try:
@@ -235,44 +166,26 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
         command = build_command
     else:
         version = None
-    node = node or LocalNode(name=cfg.node.name)
-    from eagleflow.capture.protocol import loopback_host
-    host = loopback_host(cfg.capture.host)   # its servers take no credential: loopback only
     threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
-
-    def serve(draft_role, draft_dir, sc):
-        port = free_port(host)
-        argv = command(cfg, model_path=target_dir, host=host, port=port, draft_dir=draft_dir, sc=sc)
-        return Server(cfg, layout, node, argv, role(draft_role, sc), f"http://{host}:{port}", log)
-
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
 
-    def warm_up(srv, speculative):   # first requests pay for allocations and graph capture: untimed
+    def send(url, prompts, max_new, tag, *, top2, speculative):
+        return send_all(url, prompts, max_new, tag=tag, top2=top2, concurrency=ec.concurrency,
+                        timeout_s=ec.request_timeout_s, speculative=speculative)
+
+    def warm_up(url, speculative):   # first requests pay for allocations and graph capture: untimed
         if first is not None:
-            send_all(srv.url, [first], min(4, ec.max_new_tokens), tag="warm-up", top2=False, concurrency=1,
-                     timeout_s=ec.request_timeout_s, speculative=speculative)
+            send(url, [first], min(4, ec.max_new_tokens), "warm-up", top2=False, speculative=speculative)
 
-    alone, alone_secs = {}, {}
-    with serve(TARGET_ALONE, None, None) as srv:
-        warm_up(srv, False)
-        for name, prompts in prompt_sets.items():
-            alone[name], alone_secs[name] = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"alone-{name}",
-                                                     top2=True, concurrency=ec.concurrency,
-                                                     timeout_s=ec.request_timeout_s, speculative=False)
-    rows = {(sc.label, name): {"config": sc.label, "steps": sc.steps, "topk": sc.topk,
-                               "draft_tokens": sc.draft_tokens, "prompt_set": name, "prompts": len(prompts),
-                               "min_accept_length": sc.min_accept_length or ec.min_accept_length}
-            for sc in ec.configs for name, prompts in prompt_sets.items()}
-    for sc in ec.configs:
-        for draft_role, d in drafts.items():
-            with serve(draft_role, d, sc) as srv:
-                warm_up(srv, True)
-                for name, prompts in prompt_sets.items():
-                    answers, secs = send_all(srv.url, prompts, ec.max_new_tokens, tag=f"{draft_role}-{name}",
-                                             top2=False, concurrency=ec.concurrency,
-                                             timeout_s=ec.request_timeout_s, speculative=True)
-                    rows[(sc.label, name)][draft_role] = measure(answers, alone[name], secs, alone_secs[name],
-                                                                 sc.steps, threshold)
-    return list(rows.values()), {"sglang_version": version, "concurrency": ec.concurrency,
-                                 "target_dtype": cfg.capture.dtype, "device": "sglang"}
+    def with_draft(url, prompts, tag, sc, alone, alone_secs):
+        answers, secs = send(url, prompts, ec.max_new_tokens, tag, top2=False, speculative=True)
+        return measure(answers, alone, secs, alone_secs, sc.steps, threshold)
 
+    engine = ServedEngine(
+        label="sglang", error=SglangEvalError, command=command, ready=lambda url: health_generate(url, 20),
+        reference=lambda url, prompts, tag: send(url, prompts, ec.max_new_tokens, tag, top2=True, speculative=False),
+        with_draft=with_draft, warm_up=warm_up)
+    rows = serve_and_measure(cfg, layout, engine, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets,
+                             log=log, node=node)
+    return rows, {"sglang_version": version, "concurrency": ec.concurrency, "target_dtype": cfg.capture.dtype,
+                  "device": "sglang"}

@@ -1,0 +1,107 @@
+"""What every capture server's launcher does once it has built its engine's command (sglang, vLLM).
+
+The engine runs as our child in the same process group (a group signal stops both; TERM and INT are
+forwarded), we wait until ``/health_generate`` answers, send one capture request the way the extraction
+worker does and require its dump to verify under the run's key with the request's rows (the self-check),
+and only then write the server info file the workers and the watch read. Anything failing on the way
+stops the child and exits 4, the reason on stderr. Each engine's launcher keeps only what is its own:
+the version it supports, its flags, its layer numbering and how it receives the capture settings.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from eagleflow.config import PipelineConfig
+from eagleflow.layout import RunLayout
+
+SELF_CHECK_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+EXIT_NOT_READY = 4
+
+
+class LaunchError(RuntimeError):
+    """A capture server that cannot start or failed its checks; the message says what to do."""
+
+
+def prepare_dumps(cfg: PipelineConfig, layout: RunLayout) -> tuple[str, bytes]:
+    """(this user's private 0700 dump folder, the run's dump MAC key), created when missing.
+    Raises ``protocol.DumpTrustError`` naming the folder or key that is not ours alone."""
+    from .lifecycle import dump_dir
+    from .protocol import load_dump_key, private_dump_dir
+    return str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file, create=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, engine: str) -> None:
+    from .client import CaptureServerError, health_generate
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"{engine} exited with code {proc.returncode} while loading; its output is above "
+                              "in this log")
+        try:
+            health_generate(url, 20)
+            return
+        except CaptureServerError:
+            time.sleep(2)
+    raise LaunchError(f"{engine} did not answer {url}/health_generate within {timeout_s:.0f} s")
+
+
+def self_check(url: str, dump_dir: str, key: bytes, *, engine: str, missing_hint: str,
+               appear_within_s: float = 10.0, timeout_s: float = 120) -> Path:
+    """One capture request; its dump must appear (within ``appear_within_s`` of the answer), verify under
+    ``key`` and hold the request's ids and rows. ``missing_hint``: what an absent dump means for the engine."""
+    from .client import generate
+    from .protocol import SELFCHECK_PREFIX, DumpTrustError, dump_path, read_dump, verify_dump
+    rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
+    generate(url, SELF_CHECK_IDS, rid, timeout_s)
+    p = dump_path(dump_dir, rid)
+    deadline = time.monotonic() + appear_within_s
+    while not p.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not p.exists():
+        raise LaunchError(f"{engine} answered the self-check request {rid} but no dump is at {p}: {missing_hint}")
+    try:
+        d = read_dump(p)
+        verify_dump(d, key, p, rid)
+    except DumpTrustError as e:
+        raise LaunchError(f"self-check: {e}") from None
+    if d.input_ids.tolist() != SELF_CHECK_IDS or d.hidden_states.shape[0] != len(SELF_CHECK_IDS):
+        raise LaunchError(f"self-check dump {p} has {d.hidden_states.shape[0]} rows for {len(SELF_CHECK_IDS)} "
+                          "tokens")
+    p.unlink()
+    return p
+
+
+def run_capture_server(argv: list[str], env: Mapping[str, str], *, engine: str, url: str, ready_timeout_s: float,
+                       dump_dir: str, dump_key: bytes, missing_dump_hint: str, appear_within_s: float,
+                       info_file: str, info: dict[str, Any]) -> int:
+    """Start ``argv`` as our child, wait until it is healthy and passes the self-check, write ``info`` (with
+    the child's pid and the start time) to ``info_file``, then wait for the child: its exit code, or 4 when
+    it never became ready (the child stopped: TERM, 60 s, KILL)."""
+    from .hf_server import write_info_file
+    proc = subprocess.Popen(argv, env=dict(env))   # same process group: a group signal stops both
+
+    def _forward(signum, _frame):
+        proc.send_signal(signum)
+    signal.signal(signal.SIGTERM, _forward)
+    signal.signal(signal.SIGINT, _forward)
+    try:
+        wait_healthy(url, proc, ready_timeout_s, engine)
+        self_check(url, dump_dir, dump_key, engine=engine, missing_hint=missing_dump_hint,
+                   appear_within_s=appear_within_s)
+    except Exception as e:   # noqa: BLE001 - whatever stopped it, the child must not outlive the launch
+        print(f"eagleflow capture serve ({engine}): {e}", file=sys.stderr, flush=True)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return EXIT_NOT_READY
+    write_info_file(info_file, {**info, "url": url, "pid": proc.pid, "dump_dir": dump_dir, "started_at": time.time()})
+    print(f"eagleflow capture serve: {engine} ready and capturing at {url}", file=sys.stderr, flush=True)
+    return proc.wait()
