@@ -294,3 +294,28 @@ def _fake_vllm() -> int:
 
 if __name__ == "__main__":
     sys.exit(_fake_vllm())
+
+
+def test_the_draft_check_looks_for_the_format_the_evaluation_engine_serves(tmp_path):
+    """vLLM serves the speculators folder: a speculators-only export (train.export_formats [speculators]) is
+    evaluated, an SGLang-only one is refused naming speculators/config.json; our hf decoder the reverse."""
+    import pytest as _pytest
+
+    from eagleflow.evaluate.run import evaluate_run
+    from eagleflow.layout import RunLayout
+    spec_only, sglang_only = tmp_path / "spec-only", tmp_path / "sglang-only"
+    (spec_only / "speculators").mkdir(parents=True)
+    (spec_only / "speculators" / "config.json").write_text("{}")
+    sglang_only.mkdir()
+    (sglang_only / "config.json").write_text("{}")
+    base = {"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "no-target"),
+            "node": {"has_gpu": True, "state_dir": str(tmp_path / "node-state")}}
+    vllm = load_config(data={**base, "eval": {"backend": "vllm", "baseline_draft": "none"}})
+    hf = load_config(data={**base, "eval": {"backend": "hf", "baseline_draft": "none"}})
+    with _pytest.raises(FileNotFoundError, match=r"has no speculators/config\.json .*eval\.backend vllm"):
+        evaluate_run(vllm, RunLayout.for_run(vllm, "r"), draft_dir=sglang_only, log=lambda _: None)
+    with _pytest.raises(FileNotFoundError, match=r"has no config\.json .*eval\.backend hf"):
+        evaluate_run(hf, RunLayout.for_run(hf, "r"), draft_dir=spec_only, log=lambda _: None)
+    # past the draft check: what stops the speculators-only export now is the run's missing held-out split
+    with _pytest.raises(FileNotFoundError, match="no held-out split"):
+        evaluate_run(vllm, RunLayout.for_run(vllm, "r"), draft_dir=spec_only, log=lambda _: None)

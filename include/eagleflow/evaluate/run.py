@@ -23,6 +23,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.engines import EngineError, eval_engine
 from eagleflow.layout import RunLayout
+from eagleflow.train.export_formats import format_dir
 
 EVAL_FILE = "eval.json"
 PROMOTED_FILE = "promoted.json"
@@ -144,7 +145,7 @@ def prompts_from_file(path, tokenizer, max_prompts: int, field: str) -> list[dic
     if not path.is_file():
         raise FileNotFoundError(f"{field}: {path} is not a file; point path at a JSONL file of prompts "
                                 '({"messages": [...]} or {"prompt": "..."} per line)')
-    out = []
+    out: list[dict] = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if len(out) >= max_prompts:
@@ -205,6 +206,12 @@ def hf_results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, draft
     return rows, {"target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device)}
 
 
+def evaluated_format_dir(cfg: PipelineConfig, export_dir: Path) -> Path:
+    """Where, in an export folder, the files the evaluation's engine loads lie: the format it serves (vLLM:
+    speculators/); our own decoder (hf) reads the SGLang-format files at the export's top."""
+    return format_dir(export_dir, eval_engine(cfg).draft_format or "sglang")
+
+
 def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Path | None = None,
                  log: Callable[[str], None] = print, verify=None, node=None, sglang_command=None) -> dict:
     """Evaluate the run's exported draft, write eval.json (and promoted.json when it passes); the summary."""
@@ -217,8 +224,11 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
                                f"(it takes {', '.join(sorted(engine.eval_hooks)) or 'none'})")
     started = time.monotonic()
     draft_dir = Path(draft_dir) if draft_dir else Path(str(layout.draft_dir)) / "export"
-    if not (draft_dir / "config.json").is_file():
-        raise FileNotFoundError(f"draft {draft_dir} has no config.json; run export_draft first or pass --draft")
+    served = evaluated_format_dir(cfg, draft_dir)
+    if not (served / "config.json").is_file():
+        raise FileNotFoundError(f"draft {draft_dir} has no {served.relative_to(draft_dir) / 'config.json'} (the "
+                                f"export format eval.backend {ec.backend} reads); run export_draft first with it in "
+                                "train.export_formats, or pass --draft")
     target_dir = str(cfg.resolve(cfg.target_model))
     prompt_sets = load_prompt_sets(cfg, layout, target_dir)
     drafts = {"draft": draft_dir}
@@ -309,7 +319,7 @@ def draft_in_service(cfg: PipelineConfig) -> Path | None:
                          + f"; add its folder to eval.promoted_draft_roots if it is really the draft in service, "
                            f"or {fix}")
     for name in ("config.json", "model.safetensors"):
-        if not (real / name).is_file():
+        if not (evaluated_format_dir(cfg, real) / name).is_file():
             raise ValueError(f"{path}: the draft in service {draft} has no {name} (moved or deleted?); restore it, "
                              f"or {fix}")
     return real
