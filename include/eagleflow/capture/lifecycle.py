@@ -13,6 +13,7 @@ reused PID or a foreign process group is never signalled.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from dataclasses import dataclass
@@ -288,3 +289,17 @@ def stop_worker(ctx: RunLike, shard: int, grace_s: float = 15.0, log=None) -> st
     if log and res.outcome != "not_recorded":
         log(res.detail)
     return res.outcome
+
+
+def shard_expectation(run, shard: int) -> tuple[int, bool]:
+    """(samples shard ``shard`` extracts, True): its share of the corpus; an extraction shard is finished
+    when its manifest holds them all (0 before the corpus exists)."""
+    from .worker import shard_indexes
+    corpus = str(run.layout.corpus_dir / "corpus.parquet")
+    return (len(shard_indexes(corpus, shard, run.cfg.capture.shards)) if os.path.exists(corpus) else 0), True
+
+
+def can_be_judged(run) -> bool:
+    """Reconcile judges the extraction shards of a run whose corpus exists (nothing to compare them with before)."""
+    return os.path.exists(str(run.layout.corpus_dir / "corpus.parquet"))
+

@@ -101,25 +101,11 @@ def run_local(run_dir: Path) -> LocalRun:
     return LocalRun(cfg=cfg, layout=layout, config_path=str(run_dir / RUN_CONFIG))
 
 
-def _counts(run: LocalRun, kind: ShardKind, shard: int) -> tuple[int, bool]:
-    """(expected units, the worker marked the shard finished) for one shard of ``kind``."""
-    lay = run.layout
-    if kind.phase == EXTRACT:
-        from eagleflow.capture.worker import shard_indexes
-        corpus = str(lay.corpus_dir / "corpus.parquet")
-        return (len(shard_indexes(corpus, shard, kind.num_shards(run.cfg))) if os.path.exists(corpus) else 0), True
-    from eagleflow.generate.phase import shard_record_count
-    from eagleflow.heartbeat import Heartbeat
-    hb = Heartbeat.read(str(Path(str(kind.shard_dir(lay, shard))) / "heartbeat.json"))
-    # the phase's stats (generate.phase.collect) accept a shard only once its heartbeat says complete
-    return shard_record_count(run.cfg, lay, shard), hb is not None and hb.state == "complete"
-
-
 def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
     kind = kind_of(phase)
     lay = run.layout
     shard_dir = str(kind.shard_dir(lay, shard))
-    expected, finished = _counts(run, kind, shard)
+    expected, finished = LIFECYCLES[kind.phase].shard_expectation(run, shard)
     # both phases write capture's manifest: entries whose file is intact are the stored units
     done = completed_indexes(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
     alive = run.node.live_record(str(lay.pid_file(kind.worker_role(shard)))) is not None
@@ -129,15 +115,8 @@ def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
 
 
 def phases_to_scan(run: LocalRun) -> list[str]:
-    """The sharded phases of a run whose shards can be judged now."""
-    out = []
-    if run.cfg.generate.enabled and Path(str(run.layout.generated_dir)).is_dir():
-        from eagleflow.generate.phase import phase_finished
-        if not phase_finished(run.layout):
-            out.append(GENERATE)   # a finished phase (its stats say complete) is never rerun
-    if (Path(str(run.layout.corpus_dir)) / "corpus.parquet").exists():
-        out.append(EXTRACT)        # no corpus: nothing to compare the extraction shards against
-    return out
+    """The sharded phases of a run whose shards can be judged now (each phase's own rule), in run order."""
+    return [phase for phase in (GENERATE, EXTRACT) if LIFECYCLES[phase].can_be_judged(run)]
 
 
 def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
