@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -255,6 +255,10 @@ class WatchdogConfig(_Section):
                 + self.health_timeout_s)
 
 
+def _every_export_format() -> list[Literal["sglang", "speculators"]]:
+    return ["sglang", "speculators"]
+
+
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the draft trains; auto = "
                                                    "cuda when torch sees a GPU")
@@ -295,7 +299,7 @@ class TrainConfig(_Section):
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the exported weights; auto = the target's")
     export_formats: list[Literal["sglang", "speculators"]] = Field(
-        default_factory=lambda: ["sglang", "speculators"], min_length=1,
+        default_factory=_every_export_format, min_length=1,
         description="draft formats `eagleflow export` writes: sglang (the export folder SGLang serves) and "
                     "speculators (its speculators/ subfolder, which vLLM serves with --speculative-config)")
     eval_every: int = Field(default=50, ge=0, description="evaluate the draft on the held-out hidden states every "
@@ -521,6 +525,9 @@ class PipelineConfig(_Section):
         # straight into __dict__: an assignment would validate the whole config again, and with it this
         self.__dict__["node"] = NodeConfig(**{k: getattr(entry, k) for k in NodeConfig.model_fields})
         self.__dict__["run_root"] = entry.run_root
+        if entry.dump_dir is None or entry.gpus is None:   # the fleet validator filled both in
+            raise ConfigError(f"fleet node {name}: dump_dir or gpus is unset; build the config with "
+                              "load_config, whose validation fills them from capture.dump_dir and gpu.select")
         self.capture.dump_dir = entry.dump_dir
         self.gpu.select = list(entry.gpus)
 
@@ -541,6 +548,13 @@ class PipelineConfig(_Section):
         view = self.model_copy(deep=True)
         view._apply_node(name)
         return view
+
+    @overload
+    def resolve(self, path: str) -> Path: ...
+    @overload
+    def resolve(self, path: None) -> None: ...
+    @overload
+    def resolve(self, path: str | None) -> Path | None: ...
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the config, made absolute against the config file's folder."""

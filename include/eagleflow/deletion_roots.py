@@ -40,7 +40,8 @@ class Place:
         return any(self.same(a) for a in other.ancestors())
 
     def ancestors(self) -> list["Place"]:
-        out, cur = [], self.real
+        out: list[Place] = []
+        cur = self.real
         while True:
             parent = os.path.dirname(cur)
             if parent == cur:

@@ -19,6 +19,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagleflow.corpus.normalise import Conversation
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -140,7 +144,15 @@ def write_demo_sources(out: Path, n_per_source: int = 48, seed: int = 7) -> list
             {"name": "parquet", "path": str(parquet)}]
 
 
-def _records(source_dir: Path) -> list:
+def _chat_ids(tok: Any, conv: Conversation) -> list[int]:
+    """``conv``'s token ids as the chat template renders it. ``tok``: a transformers tokenizer, whose
+    apply_chat_template is annotated without return_dict (with it, the answer is a BatchEncoding)."""
+    ids: list[int] = tok.apply_chat_template(conv.messages, tools=conv.tools, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    return ids
+
+
+def _records(source_dir: Path) -> list[Conversation]:
     """The demo's JSONL records, normalised (messages and tools as the chat template gets them)."""
     from eagleflow.corpus.normalise import normalise_conversation
     return [normalise_conversation(json.loads(line)) for p in sorted(source_dir.glob("*.jsonl"))
@@ -184,7 +196,7 @@ def build_tiny_llama(out: Path, vocab_size: int, hidden_size: int = 64, layers: 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32",
+                      max_position_embeddings=4096, tie_word_embeddings=False, dtype="float32",
                       bos_token_id=0, eos_token_id=4, pad_token_id=5)
     model = LlamaForCausalLM(cfg)
     if fit_on:
@@ -248,8 +260,7 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     build_tokenizer(src_dir, model_dir)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    conversations = [tok.apply_chat_template(c.messages, tools=c.tools, tokenize=True, return_dict=True)["input_ids"]
-                     for c in _records(src_dir)]
+    conversations = [_chat_ids(tok, c) for c in _records(src_dir)]
     build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
     info = {"version": ASSETS_VERSION, "fitted": fit_target, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))

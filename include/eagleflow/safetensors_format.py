@@ -62,11 +62,11 @@ def read_header(f, file_size: int) -> Header:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("__metadata__ is not a map of strings")
     entries = {}
-    for name, e in header.items():
+    for name, entry in header.items():
         try:
-            code, shape, (start, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            code, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise ValueError(f"{name}: entry {e!r} lacks dtype, shape or two data_offsets") from None
+            raise ValueError(f"{name}: entry {entry!r} lacks dtype, shape or two data_offsets") from None
         if code not in DTYPES:
             raise ValueError(f"{name}: dtype {code!r} is not one of {', '.join(DTYPES)}")
         if not all(type(d) is int and d >= 0 for d in shape) or not all(type(x) is int for x in (start, end)):
@@ -117,7 +117,7 @@ class RawTensor:
             return self
         import numpy as np
         values = np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).astype(_NUMPY[code])
-        return RawTensor(code, self.shape, memoryview(values).cast("B"))
+        return RawTensor(code, self.shape, values.data.cast("B"))
 
     def to_torch(self):
         """A torch tensor over these bytes (shared, not copied, when they are writable)."""

@@ -130,3 +130,13 @@ def test_a_full_copy_both_ways_and_sftp_errors(conn, tmp_path):
         assert (tmp_path / "bfile").read_text() == "x" and remote._sftp is sftp   # one SFTP client reused
         assert remote.connects == 1
     assert remote._sftp is None   # closed with the connection
+
+
+def test_reading_a_file_opened_for_writing_says_so(conn, tmp_path):
+    """Only an "rb" file has the size seen at open (found by mypy: it was None, and read() a TypeError)."""
+    with SSHNode(conn, name="remote", python=sys.executable) as remote:
+        with remote.open_file(str(tmp_path / "out"), "wb") as f:
+            f.write(b"abc")
+            with pytest.raises(NodeError, match=f"on node remote: {tmp_path}/out is open for 'wb', not for reading"):
+                f.read()
+    assert (tmp_path / "out").read_bytes() == b"abc"

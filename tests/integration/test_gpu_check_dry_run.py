@@ -14,14 +14,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ["env", "gpu", "train", "train_fp8", "hf_capture", "hf_generate", "specdec", "sglang_capture",
-          "sglang_eagle3"]
+          "sglang_eagle3", "vllm_capture", "vllm_eagle3"]
+ENGINE_STAGES = ["sglang_capture", "sglang_eagle3", "vllm_capture", "vllm_eagle3"]
+NEEDS_GPU = "is installed, but its stages need a CUDA GPU (dry run or none seen)"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _run(tmp_path: Path, *args: str, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    e = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(tmp_path / "work"), "PYTHON": sys.executable, **env}
+    python = env.get("PYTHON", sys.executable)
+    # the vLLM stages' interpreter is this one too (else .venv-node-vllm, where present, decides what is seen)
+    e = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(tmp_path / "work"), "PYTHON": python,
+         "VLLM_PYTHON": python, **env}
     p = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), *args], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=tmp_path)
     return p, out
@@ -62,8 +67,14 @@ def test_dry_run_walks_every_stage_and_writes_the_out_layout(tmp_path):
         assert rehearsal["same_as_greedy"] == rehearsal["prompts"] and rehearsal["accept_length"] >= 1.0
     else:
         assert verdicts["specdec"]["reason"] == "evaluation phase not built"
-    sglang_absent = verdicts["sglang_capture"]["reason"] == "sglang not importable on this machine"
-    assert sglang_absent or "need a CUDA GPU" in verdicts["sglang_capture"]["reason"]
+    sglang_absent = verdicts["sglang_capture"]["reason"].startswith("sglang not importable on this machine by ")
+    assert sglang_absent or NEEDS_GPU in verdicts["sglang_capture"]["reason"]
+    # this venv has no vLLM: both vLLM stages say so, naming the interpreter and the variable that picks another
+    for name in ("vllm_capture", "vllm_eagle3"):
+        assert verdicts[name]["reason"] == (f"vllm not importable on this machine by {sys.executable} (set "
+                                            "VLLM_PYTHON to the python of the venv that has it)"), verdicts[name]
+    # deciding to skip an engine's stages costs no engine import
+    assert all(verdicts[n]["seconds"] < 1.0 for n in ENGINE_STAGES), [verdicts[n] for n in ENGINE_STAGES]
     with tarfile.open(out / "results.tar.gz") as t:
         names = set(t.getnames())
     assert {f"results/{s}.json" for s in STAGES} <= names, names
@@ -99,6 +110,35 @@ def test_a_stage_that_dies_without_a_verdict_is_recorded_failed(tmp_path):
     assert list(verdicts) == STAGES and summary["status"] == "fail"
     assert verdicts["env"]["status"] == "fail" and verdicts["env"]["reason"].startswith("exited 1 without")
     assert verdicts["env"]["exit_code"] == 1
-    assert verdicts["sglang_capture"]["reason"] == "sglang not importable on this machine"
+    assert verdicts["sglang_capture"]["reason"].startswith("sglang not importable on this machine by /bin/false")
+    assert verdicts["vllm_capture"]["reason"].startswith("vllm not importable on this machine by /bin/false")
     files, depth = _layout(out)
     assert len(files) <= 8 and depth <= 2 and (out / "results.tar.gz").is_file()
+
+
+# an engine package whose import takes seconds and leaves a mark, as torch-heavy sglang and vLLM do (the mark)
+SLOW_ENGINE = """import os, pathlib, time
+pathlib.Path(os.path.dirname(__file__), "imported").write_text(str(os.getpid()))
+time.sleep(3)
+"""
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "no-gpu"])
+def test_installed_engines_without_a_gpu_are_skipped_in_under_a_second_without_an_import(tmp_path, dry):
+    site = tmp_path / "site"
+    for name in ("sglang", "vllm"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(SLOW_ENGINE)
+    # a 1 s deadline: every other stage is skipped for time at once, the engines' decision still runs
+    p, out = _run(tmp_path, *(["--dry-run"] if dry else []), timeout=120, GPU_CHECK_DEADLINE_S="1",
+                  PYTHONPATH=str(site))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    verdicts = {v["stage"]: v for v in json.loads((out / "summary.json").read_text())["stages"]}
+    assert list(verdicts) == STAGES
+    for name in ENGINE_STAGES:
+        v = verdicts[name]
+        assert v["status"] == "skipped" and v["reason"] == name.split("_")[0] + " " + NEEDS_GPU, v
+        assert v["dry_run"] is dry and v["seconds"] < 1.0, v
+    assert not [f for f in site.rglob("imported")], "the check imported an engine to learn it is installed"
+    log = (out / "log").read_text()
+    assert "== vllm_capture, vllm_eagle3: skipped, decided in " in log

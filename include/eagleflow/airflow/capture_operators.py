@@ -80,7 +80,7 @@ class CaptureServerReadySensor(RunSensor):
         state, info, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
         if state in ("dead", "stuck"):   # gone, or ours but SIGSTOP'd/zombie: waiting cannot help
             raise AirflowFailException(detail)
-        if state == "ready":
+        if state == "ready" and info is not None:   # a ready server has answered its info
             self._log_ready(info)
             return PokeReturnValue(is_done=True, xcom_value=info)
         self.log.info("capture server not ready yet: %s", detail)

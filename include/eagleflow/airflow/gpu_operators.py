@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -16,6 +17,9 @@ from eagleflow.airflow.base import RunOperator, RunSensor
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
+
+if TYPE_CHECKING:   # imported where used: the DAG's parse does not load the GPU probes
+    from eagleflow.gpu.idle_gate import IdleGate
 
 
 class GpusNotIdle(Exception):
@@ -114,7 +118,7 @@ class GpuIdleSensor(RunSensor):
         super().__init__(poke_interval=poke_interval, **kw)
         self.gate_timeout_s = gate_timeout_s
         self.generation, self.guards = generation, guards
-        self._gate = None
+        self._gate: tuple[RunContext, IdleGate] | None = None
 
     def _gate_timeout(self, ctx: RunContext) -> float:
         return float(self.gate_timeout_s if self.gate_timeout_s is not None else ctx.cfg.gpu.idle_timeout_s)

@@ -258,7 +258,7 @@ class RunRef:
     watch: dict[str, Any] | None = None    # WATCH_HINT_FIELDS (None in a payload from before they were carried)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
+        d: dict[str, Any] = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
         if self.control is not None:
             d["control"] = dict(self.control)
         if self.watch is not None:

@@ -56,7 +56,7 @@ import asyncio
 import random
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -190,7 +190,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
             if self._anode is not None:
                 self._anode.close()
 
-    async def _watch(self) -> AsyncIterator[TriggerEvent]:
+    async def _watch(self) -> AsyncGenerator[TriggerEvent, None]:
         ctx = await self._load_context()
         if isinstance(ctx, WatchEvent):
             yield TriggerEvent(ctx.to_dict())
@@ -349,7 +349,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
         payload's hints, so the mail reads as one from a watch that had read it (none in an older payload)."""
         return unreachable_event(job=self._job_name(), since=since, error=error, state=self._state(),
                                  node=self.ref.hint("node.name"), conn_id=self.ref.conn_id, run_id=self.ref.run_id,
-                                 mail=_claim_outage(self.ref.conn_id, since))
+                                 mail=_claim_outage(self.ref.conn_id or str(self.ref.hint("node.name") or "local"),
+                                                    since))
 
     def _unreachable(self, ctx: RunContext, since: float, error: str, **kw) -> WatchEvent:
         return unreachable_event(job=self._job_name(ctx), since=since, error=error, state=self._state(),

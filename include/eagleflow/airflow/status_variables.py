@@ -10,6 +10,7 @@ and a node not checked for a while is deleted (StatusStore.forget_unchecked).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from eagleflow.health.status_store import KEY_PREFIX, StatusStore
 
@@ -24,10 +25,11 @@ class VariableKV:
         if in_task:
             from airflow.sdk import Variable
             self._get = lambda k: Variable.get(k, default=None)
+            self._var: Any = Variable   # either class: both have the set and delete used here
         else:
-            from airflow.models.variable import Variable
-            self._get = lambda k: Variable.get(k, default_var=None)
-        self._var = Variable
+            from airflow.models.variable import Variable as DbVariable
+            self._get = lambda k: DbVariable.get(k, default_var=None)
+            self._var = DbVariable
 
     def get(self, key: str) -> str | None:
         return self._get(key)

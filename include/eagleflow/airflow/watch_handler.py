@@ -68,13 +68,13 @@ def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callab
     closes = list(ev.state.close_incidents)    # incidents this task mailed, not over yet
     left = {} if ev.state.recoveries_left is None else {"recoveries_left": ev.state.recoveries_left}
     step = next_step(ev, can_recover=recover is not None)
-    if step in ("recover", "watch") and callable(ctx):
-        ctx = ctx()
+    if step in ("recover", "watch"):
+        run = ctx() if callable(ctx) else ctx
     if step == "recover":
         # the watch found a stall it can recover: mail once per incident, recover now, watch again
-        assert isinstance(ev, Recovering)
+        assert isinstance(ev, Recovering) and recover is not None   # next_step recovers only with a recover
         n_left, stall, pending = recover(raw, pending)
-        return rewatch(run=ctx.trigger_ref(), recoveries_left=n_left,
+        return rewatch(run=run.trigger_ref(), recoveries_left=n_left,
                        close_incidents=closes + ([stall] if stall else []), pending_mails=pending)
     if step == "watch":
         if isinstance(ev, Unreachable):
@@ -83,15 +83,15 @@ def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callab
             if ev.mail:   # the first watch to find this node unreachable mails for the outage
                 pending = mail_or_keep(context, pending, "unreachable", raw)
             outage = close_of_outage(raw)
-            return rewatch(run=ctx.serialize(), unreachable_since=ev.since,
+            return rewatch(run=run.serialize(), unreachable_since=ev.since,
                            close_incidents=closes + ([outage] if outage else []), pending_mails=pending, **left)
         if isinstance(ev, Resumed):   # incidents this task mailed are over: say so, watch on with the rest
             for close in ev.closed:
                 pending = mail_or_keep(context, pending, "over", raw, dict(close))
-            return rewatch(run=ctx.trigger_ref(), close_incidents=[dict(c) for c in ev.still_open],
+            return rewatch(run=run.trigger_ref(), close_incidents=[dict(c) for c in ev.still_open],
                            pending_mails=pending, **left)
         if isinstance(ev, MailDue):   # a mail the SMTP server refused earlier: try again, watch on as before
-            return rewatch(run=ctx.trigger_ref(), close_incidents=closes, unreachable_since=ev.unreachable_since,
+            return rewatch(run=run.trigger_ref(), close_incidents=closes, unreachable_since=ev.unreachable_since,
                            clocks=dict(ev.clocks), pending_mails=send_pending(context, pending), **left)
     if pending:   # the task ends: one last try; what the server never took is logged
         log_unsent(send_pending(context, pending, force=True))

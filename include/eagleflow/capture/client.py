@@ -29,6 +29,9 @@ class CaptureTimeout(CaptureServerError):
 
 def _request(url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
     u = urlsplit(url)
+    if not u.hostname:
+        raise CaptureServerError(f"the server URL {url!r} names no host; expected http://<host>:<port> (the "
+                                 "server's info file gives it)")
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
     try:
         data = json.dumps(body).encode() if body is not None else None

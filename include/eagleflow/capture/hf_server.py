@@ -57,7 +57,7 @@ class CaptureModel:
                                "(or auto) or install a CUDA build of torch")
         self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to()'s self as its 1st arg
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mis-annotates .to()
         cfg = self.model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)

@@ -40,8 +40,10 @@ import re
 import secrets
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagleflow.config import ConfigError
 from eagleflow.durable import TEMP_PREFIX, atomic_replace, read_owned
@@ -49,6 +51,9 @@ from eagleflow.safetensors_format import RawTensor, as_raw, read_raw
 
 # The capture layers live in aux_layers (one place for the per-family sglang numbering too).
 from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
+
+if TYPE_CHECKING:  # torch only where a server writes a dump; the worker reads them without it
+    import torch
 
 PROTOCOL_VERSION = "eagleflow-capture/1"
 DUMP_SUFFIX = ".safetensors"
@@ -109,7 +114,7 @@ class DumpTrustError(RuntimeError):
     """The dump folder, the dump key or a dump cannot be trusted; the message names the path and what to do."""
 
 
-def expand_dump_dir(dump_dir: str | os.PathLike) -> Path:
+def expand_dump_dir(dump_dir: str | os.PathLike[str]) -> Path:
     """``capture.dump_dir`` on this node: ``{uid}`` is this user's id (the default ``/dev/shm/eagleflow_hs-{uid}``)."""
     return Path(os.fspath(dump_dir).replace(UID_PLACEHOLDER, str(os.geteuid())))
 
@@ -117,7 +122,7 @@ def expand_dump_dir(dump_dir: str | os.PathLike) -> Path:
 _private_dirs: dict[str, tuple[int, int]] = {}   # folder -> (device, inode) proven ours: one lstat a dump after
 
 
-def private_dump_dir(dump_dir: str | os.PathLike) -> Path:
+def private_dump_dir(dump_dir: str | os.PathLike[str]) -> Path:
     """This user's dump folder, created 0700 if missing; DumpTrustError when it is a symlink or not ours.
 
     Opened with O_NOFOLLOW | O_DIRECTORY and checked with fstat (lstat's answer, without the race): a folder
@@ -141,8 +146,8 @@ def private_dump_dir(dump_dir: str | os.PathLike) -> Path:
     try:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        st = os.lstat(d) if os.path.lexists(d) else None
-        what = ("is a symbolic link" if st is not None and stat.S_ISLNK(st.st_mode)
+        lst = os.lstat(d) if os.path.lexists(d) else None
+        what = ("is a symbolic link" if lst is not None and stat.S_ISLNK(lst.st_mode)
                 else "is not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})")
         raise DumpTrustError(f"capture.dump_dir {d} {what}; eagleflow keeps dumps only in a folder of its own "
                              "user: remove it or point capture.dump_dir elsewhere") from None
@@ -160,7 +165,7 @@ def private_dump_dir(dump_dir: str | os.PathLike) -> Path:
     return d
 
 
-def load_dump_key(path: str | os.PathLike, *, create: bool = False) -> bytes:
+def load_dump_key(path: str | os.PathLike[str], *, create: bool = False) -> bytes:
     """The dump key; with ``create``, made first (random, 0600, published whole by a hard link) if absent.
 
     The capture server creates it at start; the worker only reads it. Read with ``durable.read_owned``: a key
@@ -214,7 +219,7 @@ def dump_key_from_env(env: dict[str, str] | None = None) -> bytes | None:
     return key or None
 
 
-def dump_mac(key: bytes, metadata: dict[str, str], tensors: dict) -> str:
+def dump_mac(key: bytes, metadata: dict[str, str], tensors: Mapping[str, RawTensor | torch.Tensor]) -> str:
     """HMAC-SHA256 over the metadata (sorted JSON, ``mac`` left out) and each tensor's name, dtype (torch's
     name), shape and bytes; tensors as RawTensor or torch tensors, the same MAC either way."""
     h = hmac.new(key, digestmod=hashlib.sha256)
@@ -227,7 +232,7 @@ def dump_mac(key: bytes, metadata: dict[str, str], tensors: dict) -> str:
     return h.hexdigest()
 
 
-def dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
+def dump_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
     return Path(dump_dir) / f"{check_rid(rid)}{DUMP_SUFFIX}"
 
 
@@ -244,7 +249,7 @@ def dump_rid(name: str) -> str | None:
     return name[:-len(DUMP_SUFFIX)] if name.endswith(DUMP_SUFFIX) else None
 
 
-def remove_dumps(dump_dir: str | os.PathLike, run_id: str, shard: int | None = None) -> int:
+def remove_dumps(dump_dir: str | os.PathLike[str], run_id: str, shard: int | None = None) -> int:
     """Delete the dumps of exactly this run (and shard), never another run's whose id merely starts the same.
 
     The dump dir is shared by every run on the node (default /dev/shm/eagleflow_hs-{uid}, per user):
@@ -276,11 +281,12 @@ class Dump:
     hidden_states: RawTensor      # [L, H]
     aux_layers: list[int]
     model: str
-    metadata: dict | None = None  # as stored, the MAC included (what verify_dump checks)
+    metadata: dict[str, str] | None = None  # as stored, the MAC included (what verify_dump checks)
 
 
-def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_states, hidden_states,
-               aux_layers: list[int], model: str, key: bytes | None = None) -> Path:
+def write_dump(dump_dir: str | os.PathLike[str], rid: str, *, input_ids: torch.Tensor,
+               aux_hidden_states: torch.Tensor, hidden_states: torch.Tensor, aux_layers: list[int], model: str,
+               key: bytes | None = None) -> Path:
     """Write one request's dump atomically (temp name in the same dir, then rename), 0600 in this user's
     folder (``private_dump_dir``), with its MAC under ``key`` (the dump key; without one the worker
     refuses the dump).
@@ -303,7 +309,7 @@ def write_dump(dump_dir: str | os.PathLike, rid: str, *, input_ids, aux_hidden_s
     return final
 
 
-def read_dump(path: str | os.PathLike) -> Dump:
+def read_dump(path: str | os.PathLike[str]) -> Dump:
     """The dump at ``path``, its tensors as raw bytes (no torch: the worker moves them unchanged); a dump
     that is no readable safetensors file with the three keys is a DumpTrustError naming it."""
     try:
@@ -321,7 +327,7 @@ def read_dump(path: str | os.PathLike) -> Dump:
                 model=meta.get("model", ""), metadata=dict(meta))
 
 
-def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike, rid: str) -> None:
+def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike[str], rid: str) -> None:
     """DumpTrustError unless the dump is the one our server wrote for ``rid`` (its MAC under ``key``)."""
     if not key:
         raise DumpTrustError(f"no capture dump key to check the dump {path} with: the worker was started without "

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -92,11 +93,10 @@ class CaptureSettings:
         return cls(dump_dir=env[ENV_DUMP_DIR], aux_layers=layers, model=env.get(ENV_MODEL, ""))
 
 
-def capture_requested(env: dict[str, str] | None = None) -> bool:
+def capture_requested(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process was started for capture: any EAGLEFLOW_CAPTURE_* setting present (the dump
     key, protocol.ENV_DUMP_KEY, counts too)."""
-    env = os.environ if env is None else env
-    return any(k.startswith(CAPTURE_ENV_PREFIX) for k in env)
+    return any(k.startswith(CAPTURE_ENV_PREFIX) for k in (os.environ if env is None else env))
 
 
 # --- the contract with the installed sglang ------------------------------------------------

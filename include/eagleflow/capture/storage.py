@@ -102,7 +102,11 @@ class SampleWriter:
         size = sum(len(p) for p in parts)
         # Hash while the bytes go to disk: hashlib and write/fsync both release the GIL.
         hasher = hashlib.sha256()
-        hashing = threading.Thread(target=lambda: [hasher.update(p) for p in parts], name="sample-sha256")
+
+        def hash_parts() -> None:
+            for part in parts:
+                hasher.update(part)
+        hashing = threading.Thread(target=hash_parts, name="sample-sha256")
         hashing.start()
         final = self.shard_dir / sample_file_name(index)
         with atomic_replace(final, fsync=self.fsync) as tmp:

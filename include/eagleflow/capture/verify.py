@@ -87,27 +87,27 @@ def verify_shard(shard_dir: str | os.PathLike, shard: int, expected: list[int], 
                       + [f"id {sid}" for sid in sorted(set(scan.duplicate_ids))])
     on_disk = {p.name for p in d.glob(f"*{SAMPLE_SUFFIX}") if not p.name.startswith(TMP_PREFIX)} if d.is_dir() else set()
     rep.temp_files = sorted(p.name for p in d.glob(f"{TMP_PREFIX}*")) if d.is_dir() else []
-    recorded = set()
+    recorded: set[str] = set()
     for idx in sorted(expected):
-        e = scan.entries.get(idx)
-        if e is None:
+        entry = scan.entries.get(idx)
+        if entry is None:
             rep.missing.append(idx)
             continue
-        recorded.add(e.file)
-        sd = e.store_dtype or "auto"
+        recorded.add(entry.file)
+        sd = entry.store_dtype or "auto"
         rep.store_dtypes[sd] = rep.store_dtypes.get(sd, 0) + 1
-        p = d / e.file
-        if e.file != sample_file_name(idx) or e.file not in on_disk:
+        p = d / entry.file
+        if entry.file != sample_file_name(idx) or entry.file not in on_disk:
             rep.missing.append(idx)
             continue
         st = p.stat()
         size = st.st_size
         rep.newest_mtime_ns = max(rep.newest_mtime_ns, st.st_mtime_ns)
-        if size != e.bytes:
-            rep.truncated.append(e.file)
+        if size != entry.bytes:
+            rep.truncated.append(entry.file)
             continue
-        if check_digest and file_sha256(p) != e.sha256:
-            rep.mismatched.append(e.file)
+        if check_digest and file_sha256(p) != entry.sha256:
+            rep.mismatched.append(entry.file)
             continue
         rep.stored += 1
     wanted = set(expected)
@@ -143,10 +143,10 @@ def quantisation_stats(hidden_states_dir: str | os.PathLike, sample: int = 32) -
         dtypes[sd] = dtypes.get(sd, 0) + 1
         errors = json.loads(meta["quant_error"]) if "quant_error" in meta else {
             k: {"max_rel": 0.0, "mean_rel": 0.0} for k in ("aux_hidden_states", "hidden_states")}
-        for k, e in errors.items():
+        for k, err in errors.items():
             t = tensors.setdefault(k, {"max_rel": 0.0, "sum_mean": 0.0, "files": 0})
-            t["max_rel"] = max(t["max_rel"], float(e["max_rel"]))
-            t["sum_mean"] += float(e["mean_rel"])
+            t["max_rel"] = max(t["max_rel"], float(err["max_rel"]))
+            t["sum_mean"] += float(err["mean_rel"])
             t["files"] += 1
     return {"files": len(picked), "of": len(paths), "store_dtypes": dtypes,
             "tensors": {k: {"max_rel": t["max_rel"], "mean_rel": t["sum_mean"] / t["files"], "files": t["files"]}

@@ -241,7 +241,7 @@ class ShardWorker:
                     f"{len(scan.duplicates) + len(scan.duplicate_ids)} repeated line(s)" if not scan.clean else ""))
         if not todo:
             return
-        work: queue.Queue[Sample | None] = queue.Queue()
+        work: queue.Queue[Sample] = queue.Queue()
         for smp in todo:
             work.put(smp)
         writer = SampleWriter(shard_dir, fsync=s.fsync, store_dtype=s.store_dtype)
@@ -274,7 +274,7 @@ class ShardWorker:
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
 
-    def _loop(self, work: "queue.Queue[Sample | None]", writer: SampleWriter, manifest: ManifestWriter,
+    def _loop(self, work: "queue.Queue[Sample]", writer: SampleWriter, manifest: ManifestWriter,
               hbw: HeartbeatWriter) -> None:
         while not self._stop.is_set():
             try:

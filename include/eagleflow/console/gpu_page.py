@@ -80,7 +80,8 @@ def sparkline(ts: list[float], values: list[float | None], *, top: float, now: f
     """An SVG polyline over the last ``span_s``; gaps where a reading was unknown (never drawn as 0)."""
     if not top or top <= 0:
         return "<span class='nospark'>no history</span>"
-    segs, cur = [], []
+    segs: list[list[str]] = []
+    cur: list[str] = []
     for t, v in zip(ts, values):
         if t < now - span_s:
             continue
@@ -122,7 +123,7 @@ def _gpu_row(g: dict[str, Any], doc: dict[str, Any], now: float) -> str:
     util_spark = sparkline(hist.get("t") or [], series.get("util") or [], top=100, now=now, span_s=span,
                            label=f"GPU {g['index']} utilisation over the last {duration(span)}")
     held_txt = (f"<div class='heldtxt'>holds memory at 0 % since {_utc(held_since)} "
-                f"(held since {ago(held_since, now)})</div>" if held else "")
+                f"(held since {ago(held_since, now)})</div>" if held and held_since is not None else "")
     procs = "".join(_process(p) for p in g.get("processes") or []) or "<li class='none'>no compute process</li>"
     return (f"<tr class='gpu{' held' if held else ''}' data-uuid='{_e(g['uuid'])}'>"
             f"<td>{_cell(g.get('index'))}</td><td>{_cell(g.get('name'))}<div class='uuid'>{_e(g['uuid'])}</div>{held_txt}</td>"

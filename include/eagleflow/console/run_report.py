@@ -17,7 +17,7 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from eagleflow.durable import atomic_write
 from eagleflow.engines import serving_engines
@@ -148,7 +148,7 @@ def thin(points: list, limit: int = 500) -> list:
 
 
 def line_chart(series: list[tuple[str, list[tuple[float, float | None]]]], *, title: str, y_label: str,
-               x_is_time: bool = True, markers: list[tuple[float, str]] = (), width: int = 720,
+               x_is_time: bool = True, markers: Sequence[tuple[float, str]] = (), width: int = 720,
                height: int = 220, y_max: float | None = None) -> str:
     pts = [(x, y) for _, s in series for x, y in s if y is not None]
     if not pts:

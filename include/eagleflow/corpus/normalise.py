@@ -125,7 +125,7 @@ class Conversation:
         return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
 
     def to_json(self) -> str:
-        d = {"messages": self.messages, "tools": self.tools}
+        d: dict[str, Any] = {"messages": self.messages, "tools": self.tools}
         if self.token_exact is not None:
             d["token_exact"] = self.token_exact
         return json.dumps(d, ensure_ascii=False)
@@ -438,7 +438,8 @@ def control_token_error(conv: Conversation, tokens: tuple[str, ...]) -> RecordEr
     if not tokens:
         return None
     pattern = _control_token_pattern(tuple(tokens))
-    parts = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "role"}) for i, m in enumerate(conv.messages)]
+    parts: list[tuple[str, Any]] = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "role"})
+                                    for i, m in enumerate(conv.messages)]
     parts.append(("tools", conv.tools or []))
     for base, value in parts:
         for field, text in _texts(value, base):

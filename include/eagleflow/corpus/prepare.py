@@ -286,8 +286,8 @@ def _check_template(tokenizer, label: str, good, files: dict[str, str], *, max_l
     from .normalise import Conversation
     from .tokenize import tokenise_record
     first_tools = _first_true(_column(good, "uses_tools"))
-    for i in sorted({0, first_tools} - {None}):
-        row = good[int(i)]
+    for i in sorted({0} if first_tools is None else {0, first_tools}):
+        row = good[i]
         rec = tokenise_record(tokenizer, Conversation.from_json(row["conversation"]), max_length=max_length,
                               method=method, over_max_length=policy)
         if rec.content_dropped:
@@ -456,7 +456,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
     elapsed = time.monotonic() - started
     total_tokens = sum(lengths)
     n_bad = ledger.count
-    status = Counter()
+    status: Counter[str] = Counter()
     for ps in per_source.values():
         status.update({"cut": ps["cut_at_message"], "truncated": ps["truncated"]})
     stats = {
@@ -543,21 +543,22 @@ def _write_eval(path: Path, tokenised, good, eval_rows: list[int], tokenizer, ma
 
     from .normalise import Conversation
     rows = tokenised.select_columns(["id", "source", "input_ids", "loss_mask", "num_tokens"]).with_format("arrow")
-    batch = rows[eval_rows] if eval_rows else None
     convs = [good[int(r)]["conversation"] for r in eval_rows]   # tokenise's map keeps good's rows 1:1
     prompts = [eval_prompt_ids(tokenizer, Conversation.from_json(c), max_length) for c in convs]
     n = len(eval_rows)
-    empty = pa.array([], pa.string())
-    table = pa.table({"index": pa.array(range(n), pa.int64()),
-                      "id": batch["id"] if n else empty, "source": batch["source"] if n else empty,
-                      "input_ids": batch["input_ids"] if n else pa.array([], pa.list_(pa.int32())),
-                      "loss_mask": batch["loss_mask"] if n else pa.array([], pa.list_(pa.int8())),
-                      "num_tokens": batch["num_tokens"] if n else pa.array([], pa.int32()),
+    if n:
+        batch = rows[eval_rows]
+        cols = {k: batch[k] for k in ("id", "source", "input_ids", "loss_mask", "num_tokens")}
+    else:
+        empty = pa.array([], pa.string())
+        cols = {"id": empty, "source": empty, "input_ids": pa.array([], pa.list_(pa.int32())),
+                "loss_mask": pa.array([], pa.list_(pa.int8())), "num_tokens": pa.array([], pa.int32())}
+    table = pa.table({"index": pa.array(range(n), pa.int64()), **cols,
                       "conversation": pa.array(convs, pa.string()),
                       "prompt_ids": pa.array(prompts, pa.list_(pa.int32()))}, schema=eval_schema())
     with atomic_replace(path) as tmp:
         pq.write_table(table, str(tmp))
-    return sum(batch["num_tokens"].to_pylist()) if n else 0
+    return sum(cols["num_tokens"].to_pylist())
 
 
 def read_eval_records(corpus_dir: Path) -> list[dict]:

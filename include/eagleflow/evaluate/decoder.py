@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -47,7 +48,8 @@ class Target:
         torch_dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
                        "float32": torch.float32}[dtype]
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mis-annotates .to()
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.dtype = next(self.model.parameters()).dtype
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -63,7 +65,8 @@ class Target:
         from eagleflow.capture.aux_layers import resolve_aux_layers
         return resolve_aux_layers(configured, self.num_layers)
 
-    def forward(self, ids: list[int], cache, aux_layers: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, ids: list[int], cache,
+                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [T, V] float32, aux [T, 3H] or None) of ``ids`` appended after what ``cache`` holds."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=bool(aux_layers))
@@ -93,7 +96,7 @@ def _candidates(logits: torch.Tensor) -> list[tuple[int, float]]:
 
 def _finish(tokens: list[int], new: list[int], max_new: int, eos: set[int]) -> tuple[list[int], bool]:
     """``tokens`` plus ``new`` up to max_new and the first end-of-sequence token; (kept new, done)."""
-    kept = []
+    kept: list[int] = []
     for t in new:
         if len(tokens) + len(kept) >= max_new:
             return kept, True
@@ -171,14 +174,21 @@ def speculative(target: Target, proposer: DraftProposer, prompt: list[int], max_
     verify = verify or verify_greedy
     t0 = time.perf_counter()
     cache = target.new_cache()
-    logits, aux = target.forward(prompt, cache, proposer.aux_layers)
+
+    def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, aux = target.forward(ids, cache, proposer.aux_layers)
+        if aux is None:   # the target answers aux states only for the layers asked
+            raise ValueError("speculative decoding needs the draft's aux layers; this draft names none")
+        return logits, aux
+
+    logits, aux = forward(prompt)
     first = int(logits[-1].argmax())
     tokens = list(prompt) + [first]
     out, done = _finish([], [first], max_new, target.eos_ids)
     accepted: list[int] = []
     while not done:
         drafts = proposer.propose(tokens, aux, steps)
-        vlogits, vaux = target.forward([tokens[-1]] + drafts, cache, proposer.aux_layers)
+        vlogits, vaux = forward([tokens[-1]] + drafts)
         m, bonus = verify(vlogits, drafts)
         extra = cache.get_seq_length() - (len(tokens) + m)   # keep x_{L-1} and the accepted drafts
         if extra > 0:

@@ -76,8 +76,8 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 def generate_body(prompt_ids: list[int], max_new: int, rid: str, top2: bool) -> dict:
     """``top2``: ask for each position's best TOP_CANDIDATES log-probabilities (the reference's candidates)."""
     from .lossless import TOP_CANDIDATES
-    body = {"input_ids": list(prompt_ids), "rid": rid,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
+    body: dict[str, object] = {"input_ids": list(prompt_ids), "rid": rid,
+                               "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
     if top2:
         body.update({"return_logprob": True, "top_logprobs_num": TOP_CANDIDATES})
     return body

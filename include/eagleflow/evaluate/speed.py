@@ -10,6 +10,7 @@ measured and carries a note that says so.
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 
 def speed_figures(tokens: list[int], alone_s: list[float], draft_s: list[float], accept_length: float,
@@ -17,14 +18,15 @@ def speed_figures(tokens: list[int], alone_s: list[float], draft_s: list[float],
     """``tokens[i]`` decoded in ``alone_s[i]`` by the target alone and ``draft_s[i]`` with the draft (pair i)."""
     total = sum(tokens)
     ratios = sorted(a / d for a, d in zip(alone_s, draft_s) if a > 0 and d > 0)
-    out = {"tokens_per_s": round(total / sum(draft_s), 2) if sum(draft_s) else 0.0,
-           "target_tokens_per_s": round(total / sum(alone_s), 2) if sum(alone_s) else 0.0,
-           "speedup": round(statistics.median(ratios), 3) if ratios else None,
-           "speedup_spread": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
-           "speedup_pairs": len(ratios), "speedup_method": method, "speedup_note": None}
-    if out["speedup"] is not None and out["speedup"] > accept_length:
+    speedup = round(statistics.median(ratios), 3) if ratios else None
+    out: dict[str, Any] = {"tokens_per_s": round(total / sum(draft_s), 2) if sum(draft_s) else 0.0,
+                          "target_tokens_per_s": round(total / sum(alone_s), 2) if sum(alone_s) else 0.0,
+                          "speedup": speedup,
+                          "speedup_spread": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
+                          "speedup_pairs": len(ratios), "speedup_method": method, "speedup_note": None}
+    if speedup is not None and speedup > accept_length:
         out["speedup_note"] = (
-            f"speed-up {out['speedup']:.2f} is above the acceptance length {accept_length:.3f}, which bounds it "
+            f"speed-up {speedup:.2f} is above the acceptance length {accept_length:.3f}, which bounds it "
             f"(a verify pass costs at least one target forward, the target alone one forward a token): timing "
             f"noise over {len(ratios)} pair(s) (spread {ratios[0]:.2f}-{ratios[-1]:.2f}); more prompts or "
             "eval.max_new_tokens narrow it")

@@ -134,7 +134,7 @@ def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log
         # a marker without "server" predates the identity: the recorded server is taken to be the stalled one
         stalled = seen.get("server", now)
         server_stopped = now is not None and now == stalled
-        if server_stopped:
+        if now is not None and server_stopped:
             if log:
                 log(f"generate shard {shard}: the generation server pid {now['pid']} is the one that stalled; "
                     "stopping it and starting a fresh one (other shards' workers on it fail and resume on their "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from eagleflow.config import ConfigError, PipelineConfig
 from eagleflow.durable import atomic_write
@@ -123,7 +124,7 @@ def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = 
         for r in results:
             ps = per.setdefault(r.source, _source_stats())
             _count(ps, r)
-            if r.status == BAD:
+            if r.status == BAD and r.bad is not None:   # a bad result always carries its reason
                 bad.append(r.bad)
     if incomplete and require_complete:
         where = ("run the unfinished shards on their node (clear that node's generate_responses and "
@@ -186,7 +187,7 @@ def _count(ps: dict, r: RecordResult) -> None:
 def generated_source_rows(cfg: PipelineConfig, layout: RunLayout, source: str) -> list[dict]:
     """The corpus phase's rows for a regenerated source: kept records by original row, as load_source rows
     (``__row`` the original row, so the record keeps its corpus id and shuffle key)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     where: dict[str, list[int]] = {}   # id -> the shards that hold it: one record is generated once
     for shard in range(cfg.generate.shards):
         for r in read_results(layout.generate_shard_dir(shard), shard, cfg.generate.shards):
@@ -203,4 +204,18 @@ def generated_source_rows(cfg: PipelineConfig, layout: RunLayout, source: str) -
                                    "generation phase again")
     rows.sort(key=lambda d: d["__row"])
     return rows
+
+
+def shard_expectation(run, shard: int) -> tuple[int, bool]:
+    """(records shard ``shard`` regenerates, its worker marked it finished): what reconcile compares its
+    stored records with; the phase's stats (``collect``) accept a shard only once its heartbeat says complete."""
+    from eagleflow.heartbeat import Heartbeat
+    hb = Heartbeat.read(str(Path(str(run.layout.generate_shard_dir(shard))) / "heartbeat.json"))
+    return shard_record_count(run.cfg, run.layout, shard), hb is not None and hb.state == "complete"
+
+
+def can_be_judged(run) -> bool:
+    """Reconcile judges the generation shards of a run whose phase started and has not finished (a finished
+    phase, its stats complete, is never rerun)."""
+    return run.cfg.generate.enabled and Path(str(run.layout.generated_dir)).is_dir() and not phase_finished(run.layout)
 

@@ -258,14 +258,14 @@ class GenerateWorker:
         if redo:
             self.log(f"generate shard {s.shard}: {len(redo)} stored result(s) are of another record and are redone: "
                      + "; ".join(redo[:5]))
-        keep = {r.index for r in inputs} - {r.index for r in todo}
-        for i in sorted(keep):   # bad records already recorded count against max_bad_records too
+        kept = {r.index for r in inputs} - {r.index for r in todo}
+        for i in sorted(kept):   # bad records already recorded count against max_bad_records too
             try:
-                r = RecordResult.from_json((shard_dir / scan.entries[i].file).read_text())
+                stored = RecordResult.from_json((shard_dir / scan.entries[i].file).read_text())
             except (OSError, ValueError, TypeError):
                 continue
-            if r.status == BAD:
-                self.bad.append(r.bad)
+            if stored.status == BAD and stored.bad is not None:
+                self.bad.append(stored.bad)
         if self._tok is None:
             from eagleflow.corpus.tokenize import load_tokenizer
             self._tok = load_tokenizer(s.model_path)
@@ -318,10 +318,11 @@ class GenerateWorker:
                 return
             try:
                 fl_ref: list = []
+                target = self._target(fl_ref, hbw, f"{s.run_id}-g{s.shard:05d}-{rec.index:08d}")
                 if builder is None:
-                    builder = RecordBuilder(self._tok, None, s.sampling, max_length=s.max_length,
+                    builder = RecordBuilder(self._tok, target, s.sampling, max_length=s.max_length,
                                             keep_truncated=s.keep_truncated, tool_call_format=s.tool_call_format)
-                builder.target = self._target(fl_ref, hbw, f"{s.run_id}-g{s.shard:05d}-{rec.index:08d}")
+                builder.target = target
                 self._one(rec, builder, manifest, hbw)
             except BaseException as e:
                 with self._lock:
@@ -334,6 +335,9 @@ class GenerateWorker:
         s = self.s
         started = time.time()
         if rec.conversation is None:
+            if rec.error is None:   # read_inputs gives a refused record its reason
+                raise GenerationError(f"generate shard {s.shard}: record {rec.id} ({rec.file} {rec.where}) has "
+                                      "neither a conversation nor the reason it was refused")
             res = RecordResult(id=rec.id, source=rec.source, where=rec.where, status=BAD,
                                bad=BadRecord.from_json(rec.error).__dict__)
         else:
@@ -352,7 +356,7 @@ class GenerateWorker:
                                       f"source {rec.source} out of generate.sources") from None
         if self._stop.is_set() and self._error is not None:
             return
-        if res.status == BAD:
+        if res.status == BAD and res.bad is not None:   # _bad sets both
             with self._lock:
                 self.bad.append(res.bad)
                 self._check_bad()

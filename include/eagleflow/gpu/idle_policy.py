@@ -68,7 +68,7 @@ def select_gpus(snaps: list[GpuSnapshot], select: list[str], node: str = "?") ->
     """The GPUs named by UUID or index in ``gpu.select``; all when empty. Unknown names are an error."""
     if not select:
         return list(snaps)
-    out = []
+    out: list[GpuSnapshot] = []
     for item in select:
         key = str(item).strip()
         match = [s for s in snaps if s.uuid == key or (key.isdigit() and s.index == int(key))]

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 from .errors import GpuProbeError, NoGpuError
 from .process_info import describe_pid
@@ -31,8 +32,8 @@ def _run(argv: list[str]) -> dict:
 
 
 def smi_report(nvidia_smi: str) -> dict:
-    rep = {"probe": "smi", "nvidia_smi": nvidia_smi, "taken_at": time.time(),
-           "gpu": _run(gpu_query_argv(nvidia_smi))}
+    rep: dict[str, Any] = {"probe": "smi", "nvidia_smi": nvidia_smi, "taken_at": time.time(),
+                           "gpu": _run(gpu_query_argv(nvidia_smi))}
     rep["apps"] = _run(apps_query_argv(nvidia_smi)) if rep["gpu"]["rc"] == 0 else {"rc": 0, "out": "", "err": ""}
     procs = {}
     if rep["apps"]["rc"] == 0:

@@ -34,7 +34,7 @@ class NvmlProbe:
 
     def __init__(self, node_name: str = "local"):
         self.node_name = node_name
-        self._nv = None
+        self._nv: Any = None  # the pynvml module once initialised (it ships no types)
 
     def _init(self):
         if self._nv is not None:

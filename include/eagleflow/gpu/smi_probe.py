@@ -136,7 +136,7 @@ def build_snapshots(gpu_text: str, apps_text: str, procs: dict[str, dict] | None
         by_uuid.setdefault(a["gpu_uuid"], []).append(GpuProcess(
             pid=a["pid"], name=a["name"], used_mib=a["used_mib"], user=info.get("user"),
             state=info.get("state"), pgid=info.get("pgid"), wchan=info.get("wchan")))
-    extra = {}
+    extra: dict[str, Any] = {}
     if taken_at is not None:
         extra["taken_at"] = taken_at
     return [GpuSnapshot(**g, processes=tuple(by_uuid[g["uuid"]]), source="smi", **extra) for g in gpus]

@@ -10,7 +10,7 @@ keeps that state and the node's status document (the GPU view reads it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import AbstractSet, Any
 
 from eagleflow.gpu.snapshot import GpuSnapshot
 
@@ -30,7 +30,7 @@ class HealthRules:
     window_s: float = 600.0
 
 
-def registered_on(snap: GpuSnapshot, job_pids: set[int], any_job_alive: bool) -> bool:
+def registered_on(snap: GpuSnapshot, job_pids: AbstractSet[int], any_job_alive: bool) -> bool:
     """A registered eagleflow job holds this GPU: one of its processes is ours (pid or process group).
 
     With no process visible (PID namespaces), any live registered job on the node counts: better a
@@ -42,7 +42,8 @@ def registered_on(snap: GpuSnapshot, job_pids: set[int], any_job_alive: bool) ->
 
 
 def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, Any], *, now: float, rules: HealthRules,
-           job_pids: set[int] = frozenset(), any_job_alive: bool = False) -> tuple[list[HealthAlert], dict[str, Any]]:
+           job_pids: AbstractSet[int] = frozenset(),
+           any_job_alive: bool = False) -> tuple[list[HealthAlert], dict[str, Any]]:
     alerts: list[HealthAlert] = []
     new_state: dict[str, Any] = {}
     for s in snaps:

@@ -87,7 +87,7 @@ class StatusStore:
              *, now: float | None = None, **kw) -> dict[str, Any]:
         """One check's result merged into the node's document; ``kw``: see ``status_doc.next_status``."""
         from dataclasses import asdict, is_dataclass
-        alert_dicts = [asdict(a) if is_dataclass(a) else dict(a) for a in alerts or ()]
+        alert_dicts = [asdict(a) if is_dataclass(a) and not isinstance(a, type) else dict(a) for a in alerts or ()]
         doc = next_status(self.load(node), node=node, now=time.time() if now is None else now, snaps=snaps,
                           state=state, alerts=alert_dicts, error=error, **kw)
         self.kv.set(node_key(node), json.dumps(doc, separators=(",", ":")))

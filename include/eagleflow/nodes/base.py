@@ -95,7 +95,8 @@ def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, mode
         raise NodeAnswerError(f"on node {node}: `{cmd}` (exit {exit_code}) printed no answer; "
                               f"stderr: {stderr.strip()[-1500:]}")
     try:
-        return _adapter(model).validate_python(json.loads(lines[-1]))
+        # a class is hashable (type.__hash__); mypy does not see it on type[T] against lru_cache's Hashable
+        return _adapter(model).validate_python(json.loads(lines[-1]))  # type: ignore[arg-type]  # a class is Hashable
     except ValueError as e:  # JSONDecodeError and ValidationError
         name = getattr(model, "__name__", model)
         what = f"does not fit {name}" if isinstance(e, ValidationError) else "is not JSON"

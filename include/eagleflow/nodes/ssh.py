@@ -276,7 +276,7 @@ class SSHNode(Node):
         chan = self._open_channel()
         # past the deadline, wait for the node to end the command (TERM, then KILL) before reporting it
         deadline = None if timeout is None else time.monotonic() + timeout
-        give_up = None if timeout is None else deadline + 2 * KILL_AFTER_S + 10.0
+        give_up = None if deadline is None else deadline + 2 * KILL_AFTER_S + 10.0
         out, err = bytearray(), bytearray()
         try:
             chan.settimeout(0.2)
@@ -337,8 +337,15 @@ class _SFTPFile:
     def _fail(self, what: str, e: BaseException) -> NodeError:
         return self._node._file_error(f"{what} {self.path}", e)
 
+    def _read_size(self) -> int:
+        """The size seen at open; only a file opened "rb" has one (open_file stats only those)."""
+        if self._size is None:
+            raise NodeError(f"on node {self._node.name}: {self.path} is open for {self.mode!r}, not for reading; "
+                            "open it with mode 'rb' to read or seek from its end")
+        return self._size
+
     def read(self, n: int = -1) -> bytes:
-        left = self._size - self._pos
+        left = self._read_size() - self._pos
         n = left if n is None or n < 0 else min(n, left)
         if n <= 0:   # readv past the end would fail: the size is the one seen at open
             return b""
@@ -359,7 +366,7 @@ class _SFTPFile:
     def seek(self, offset: int, whence: int = 0) -> int:
         try:
             if self.mode == "rb":
-                self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
+                self._pos = {0: 0, 1: self._pos, 2: self._read_size()}[whence] + offset
             else:
                 self._f.seek(offset, whence)
         except Exception as e:

@@ -154,7 +154,8 @@ class AsyncSSHNode:
 
 async def _bounded(stream, name: str, node: str, cmd: str) -> str:
     """One output stream of a command, read to its end; NodeOutputTooLarge past ``ssh.MAX_OUTPUT_BYTES``."""
-    parts, size = [], 0
+    parts: list[str] = []
+    size = 0
     while True:
         chunk = await stream.read(65536)
         if not chunk:

@@ -68,7 +68,7 @@ class MixedStoreError(ValueError):
     """Shards of one run stored with different capture.store_dtype: one draft trains on one format."""
 
 
-def scan_samples(hidden_states_dir: str | Path, *, on_bad: Literal["raise", "skip"] = "raise",
+def scan_samples(hidden_states_dir: str | os.PathLike[str], *, on_bad: Literal["raise", "skip"] = "raise",
                  verify_sha256: bool = False, log: Callable[[str], None] = print,
                  verified: "VerificationRecord | None" = None) -> list[SampleRef]:
     """Every sample the manifests record, checked against its file; ordered by sample index."""
@@ -236,7 +236,7 @@ def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = No
         tensors = _carve(buffer, [(shape, dt) for _k, _s, _n, shape, dt in found])
         out: dict[str, torch.Tensor] = {}
         for (k, start, nbytes, _shape, _dt), t in zip(found, tensors):
-            view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if nbytes else memoryview(b"")
+            view = t.view(torch.uint8).reshape(-1).numpy().data if nbytes else memoryview(b"")
             f.seek(base + start)
             got = 0
             while got < nbytes:
@@ -330,9 +330,10 @@ def collate(samples: Iterable[dict[str, torch.Tensor]], max_length: int | None =
     b = len(lengths)
     s = next(it)
     if b == 1 and lengths[0] == t:   # nothing to pad: the read buffers are the batch (no 470 MB copy)
-        one = lambda k: s[k].unsqueeze(0) if k in s else None  # noqa: E731
+        one = lambda k: s[k].unsqueeze(0) if k in s else None  # noqa: E731  (the scales: fp8 stores only)
         return Batch(s["input_ids"].to(torch.int64).unsqueeze(0), s["loss_mask"].bool().unsqueeze(0),
-                     torch.ones(1, t, dtype=torch.bool), one("aux_hidden_states"), one("hidden_states"),
+                     torch.ones(1, t, dtype=torch.bool), s["aux_hidden_states"].unsqueeze(0),
+                     s["hidden_states"].unsqueeze(0),
                      one("aux_hidden_states" + SCALE_SUFFIX), one("hidden_states" + SCALE_SUFFIX))
     aux_w = s["aux_hidden_states"].shape[1]
     h = s["hidden_states"].shape[1]
@@ -361,7 +362,7 @@ def collate(samples: Iterable[dict[str, torch.Tensor]], max_length: int | None =
         hid[i, n:].zero_()
         for k, x in scales.items():
             x[i, :n] = s[k + SCALE_SUFFIX][:n]
-        s = None                          # let its buffer go before the next sample is read
+        del s                             # let its buffer go before the next sample is read
     return Batch(ids, lm, am, aux, hid, scales.get("aux_hidden_states"), scales.get("hidden_states"))
 
 

@@ -14,6 +14,7 @@ enough to run while training.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,7 +28,8 @@ from .loss import TargetHead, TrainingTimeTest, summarize, target_batch
 VERIFY_HINT = "`eagleflow capture held-out --config <run config> --run-id <run>`"
 
 
-def held_out_refs(held_out_dir: str | Path, *, eval_every: int, log: Callable[[str], None]) -> list[SampleRef]:
+def held_out_refs(held_out_dir: str | os.PathLike[str], *, eval_every: int,
+                  log: Callable[[str], None]) -> list[SampleRef]:
     """The verified held-out samples, or [] (with the reason logged) when there is nothing to score on.
 
     A store that exists but has not passed verification is refused like the training store: scores from
@@ -68,5 +70,8 @@ def evaluate_held_out(ttt: TrainingTimeTest, head: TargetHead, refs: Sequence[Sa
                 batches += 1
     finally:
         ttt.train(was_training)
+    if total is None:
+        raise ValueError("evaluate_held_out needs at least one held-out sample; call it only when "
+                         "held_out_refs found some")
     sm = summarize(total, ttt.ttt_length, batches)
     return {f"eval_{k}": v for k, v in sm.as_dict().items()} | {"eval_samples": len(refs)}

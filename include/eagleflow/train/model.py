@@ -269,6 +269,11 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+    # the buffers registered above, typed (nn.Module's __getattr__ answers Tensor | Module)
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    inv_freq: torch.Tensor
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embedding (reloaded from the target)."""
         return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}

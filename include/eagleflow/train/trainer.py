@@ -187,7 +187,7 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     ttt = TrainingTimeTest(model, tc.ttt_length, tc.loss_normalization).to(d.device)
     params = [p for p in ttt.parameters() if p.requires_grad]
     # SpecForge (optimizer.py BF16Optimizer): AdamW, weight decay 0, betas from the config (torch's defaults)
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tc.adam_betas, weight_decay=0.0)
 
     start_step, position = 0, DataPosition()
     if ck is not None:
@@ -206,9 +206,10 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     if d.is_main:
         truncate_metrics(paths["metrics"], start_step)
     module: torch.nn.Module = ttt
+    ddp = None
     if d.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        module = DDP(ttt, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        module = ddp = DDP(ttt, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     on_gpu = d.device.type == "cuda"
     data_dtype = torch.bfloat16 if on_gpu else torch.float32
     head_t = TargetHead(head, vocab.draft_ids, vocab.t2d).to(d.device, data_dtype)
@@ -222,8 +223,10 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
         f"steps {start_step}->{tc.max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
         f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}")
     if hb is not None:
-        hb.update(lambda h: (setattr(h, "state", "running"), setattr(h, "done", start_step),
-                             setattr(h, "resumed", start_step), h.extra.update(aux_layers=aux_layers)))
+        def running(h: Heartbeat) -> None:
+            h.state, h.done, h.resumed = "running", start_step, start_step
+            h.extra.update(aux_layers=aux_layers)
+        hb.update(running)
 
     last_metrics: dict[str, Any] = {}
     last_ckpt: Path | None = ckpt_path
@@ -242,13 +245,16 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             for m in range(micro):
                 batch = loader.next_batch().to(d.device, data_dtype)
                 tb = target_batch(head_t, batch, tc.loss_mask_alignment)
-                sync = contextlib.nullcontext() if (m == micro - 1 or d.world_size == 1) else module.no_sync()
+                # DDP's all-reduce only on the last micro-batch
+                sync = ddp.no_sync() if ddp is not None and m != micro - 1 else contextlib.nullcontext()
                 with sync:
                     with autocast():
                         loss, stats = module(batch.input_ids, batch.aux_hidden_states, tb.probs, tb.top, tb.valid)
                     (loss / micro).backward()
                 stats_sum = stats if stats_sum is None else stats_sum + stats
                 tokens += batch.num_tokens
+            if stats_sum is None:
+                raise ValueError(f"train.grad_accum is {micro}: a step needs at least one micro-batch")
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -96,8 +96,7 @@ def open_or_join(state_dir: str | os.PathLike, *, node: str, cause: str, run_id:
                                         or cur.get("ended_at") is not None and now - cur["ended_at"] <= join_window_s)
         shard_key = "trainer" if shard is None else str(shard)
         # a shard already in the incident stalling again is a new fault, not the same one seen twice
-        joinable = joinable and shard_key not in cur["shards"]
-        if joinable:
+        if cur is not None and joinable and shard_key not in cur["shards"]:
             cur["shards"].setdefault(shard_key, {"at": now, "run_id": run_id, "summary": summary[:2000]})
             atomic_write(path, json.dumps(cur))
             return cur, False

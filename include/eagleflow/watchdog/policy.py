@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 
 from eagleflow.config import PipelineConfig
-from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis
+from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
 
@@ -70,7 +70,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     counts_u = (f"{done:,}/{total:,} {unit} done" if total else f"{done:,} {unit} done")
     last_txt = f"last at {_clock(p_at)}" if p_at else "never"
 
-    def diag(verdict: str, headline: str, evidence: list[str] | None = None, with_log: bool = False,
+    def diag(verdict: Verdict, headline: str, evidence: list[str] | None = None, with_log: bool = False,
              cause: str = "") -> StallDiagnosis:
         recheck = None
         if verdict in ("starting", "healthy") and p_age is not None and p_age < stale_after:
@@ -87,7 +87,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if hb is not None and hb.state == "failed":
         ev = [f"the job reported: {hb.error or 'no error text'}"]
         server_ev = _server_process_evidence(obs)
-        if obs.server_restarted_under_worker and not server_ev:
+        if obs.server_restarted_under_worker and obs.server is not None and not server_ev:
             server_ev = [f"the capture server (pid {obs.server.pid}) was restarted at "
                          f"{_clock(obs.server.started_at)}, after this worker started"]
         ev += server_ev + _disk_evidence(obs)

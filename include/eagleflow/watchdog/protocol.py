@@ -29,7 +29,7 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _known(cls, data: dict[str, Any]) -> dict[str, Any]:
+def _known(cls: type[Any], data: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names}
 

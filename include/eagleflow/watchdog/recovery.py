@@ -32,6 +32,7 @@ from eagleflow.capture import lifecycle as capture
 from eagleflow.capture.lifecycle import SERVER_ROLE, RunLike, check_ready, wait_capture_server_ready
 from eagleflow.durable import open_owned
 from eagleflow.generate import lifecycle as generate
+from eagleflow.generate import phase as generate_phase
 from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
@@ -53,6 +54,10 @@ class PhaseLifecycle:
     before_retry: Callable
     # control plane, a watch that ended failed: keep what the retry needs; (ctx, shard, event) -> True if kept
     after_failed_watch: Callable
+    # on the node, reconcile: (run, shard) -> (units the shard must store, its worker marked it finished)
+    shard_expectation: Callable
+    # on the node, reconcile: (run) -> whether the phase's shards can be judged (and rerun) now
+    can_be_judged: Callable
 
 
 def _recover_capture_before_retry(ctx, shard: int, log) -> Any:
@@ -72,11 +77,14 @@ def _nothing_to_keep(ctx, shard: int, event: dict[str, Any]) -> bool:
 LIFECYCLES = {
     EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
                             capture.stop_capture_server, capture.start_or_attach_worker,
-                            before_retry=_recover_capture_before_retry, after_failed_watch=_nothing_to_keep),
+                            before_retry=_recover_capture_before_retry, after_failed_watch=_nothing_to_keep,
+                            shard_expectation=capture.shard_expectation, can_be_judged=capture.can_be_judged),
     GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
                              generate.stop_generate_server, generate.start_or_attach_generate_worker,
                              before_retry=_stop_generate_server_before_retry,
-                             after_failed_watch=generate.record_server_stall),
+                             after_failed_watch=generate.record_server_stall,
+                             shard_expectation=generate_phase.shard_expectation,
+                             can_be_judged=generate_phase.can_be_judged),
 }
 
 
@@ -143,15 +151,17 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         stopped_worker = _stop_stuck_worker(run, shard, log, kind_of(EXTRACT))
         # stopped (T) or a zombie comes back "stuck" with no health request: none can succeed, none is waited for
         state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
-        if state == "ready":
-            last = read_restarts(run)[-1:] or [None]
-            by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last[0]['at']))} for shard "
-                  f"{last[0]['shard']})") if last[0] and time.time() - last[0]["at"] < 3600 else ""
+        if state == "ready" and info is not None:   # a ready server has answered its info
+            restarts = read_restarts(run)
+            last = restarts[-1] if restarts else None
+            by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last['at']))} for shard "
+                  f"{last['shard']})") if last and time.time() - last["at"] < 3600 else ""
             summary = f"capture server healthy at {info['url']}{by}: nothing to restart"
             log(f"shard {shard}: {summary}")
             return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
         rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
-        if state == "loading" and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s):
+        if (state == "loading" and rec is not None
+                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s)):
             log(f"shard {shard}: capture server pid {rec.pid} was restarted by a recovery "
                 f"{time.time() - rec.started_at:.0f} s ago and is loading ({detail}); waiting for it")
             info = wait_capture_server_ready(run, log=log)
@@ -207,6 +217,9 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     if incident_id is None or incident is None or incident.get("id") != incident_id:
         opened = open_incident(run, shard, cause, summary, phase)
         incident = current(run.layout.state_dir, cfg.node.name, cause)
+        if incident is None:   # open_incident has just written it; only someone deleting the book loses it
+            raise RuntimeError(f"the incident of {cause} on node {cfg.node.name} opened for shard {shard} is gone "
+                               f"from {run.layout.state_dir}/incidents; check what removes files there")
     else:
         opened = {"opened": False}
     result: dict[str, Any] = {"ok": False, "action": "none", "incident": incident["id"],
@@ -248,15 +261,14 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log, pha
     kind = kind_of(phase)
     status = run.node.process_status(str(run.layout.pid_file(kind.server_role)))
     rec = status.record
-    st = read_stat(rec.pid) if status.alive else None
-    alive = st is not None
+    st = read_stat(rec.pid) if status.alive and rec is not None else None
     restarted_in_incident = [i for i in read_restarts(run, phase)
                              if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
-    if restarted_in_incident and alive and st.alive and not st.stopped:
+    if rec is None or st is None:
+        reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
+    elif restarted_in_incident and st.alive and not st.stopped:
         return {"action": "none", "server_summary": f"{kind.server} already restarted in this incident "
                                                     f"(now pid {rec.pid}): no second restart"}
-    if not alive:
-        reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
     elif st.stopped:
         reason = f"pid {rec.pid} is stopped (state T; no health re-check needed)"
     elif st.zombie:

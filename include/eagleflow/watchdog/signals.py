@@ -329,7 +329,7 @@ def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory,
     utils = [r.utilization_pct for look in looks for r in look if r.utilization_pct is not None]
     busy = any(u > 0 for u in utils) if utils else None
     all_held = all(r.held for r in last)
-    this_max = {}
+    this_max: dict[int, float] = {}
     for look in looks:
         for r in look:
             if r.utilization_pct is not None:
@@ -507,12 +507,12 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     server = read_process(layout, job.server_role, mem, t0) if job.uses_server else None
     pace = pace_of(hb, cfg)
     stale_after = pace.stale_after_s if health_when_stale_after_s is None else health_when_stale_after_s
-    running = hb is not None and hb.state not in ("complete", "failed")
-    stale = running and t0 - _progress_at(hb, worker) >= stale_after
+    stale = (hb is not None and hb.state not in ("complete", "failed")
+             and t0 - _progress_at(hb, worker) >= stale_after)
     health = HealthSignal()
     progressed: float | None = None
     skip = _provably_stuck(worker, server) if stale and job.uses_server else ""
-    if stale and job.uses_server and not skip:
+    if stale and hb is not None and job.uses_server and not skip:   # stale: a heartbeat was read
         # GPUs sampled for the whole check (>= GPU_SPAN_WHEN_STALE_S), so a bursty GPU is seen busy
         until = threading.Event()
         box: dict = {}

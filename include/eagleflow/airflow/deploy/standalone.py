@@ -195,7 +195,7 @@ class _Part:
 
     def __init__(self, name: str, log):
         self.name, self.log = name, log
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.start_ticks = 0
         self.started_at = 0.0
         self.restarts = 0
@@ -203,11 +203,12 @@ class _Part:
         self.next_start_at = 0.0
         self.log_server: tuple[int, int] | None = None   # (pid, start_ticks) of its own serve-logs child
 
-    def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([airflow_bin(), self.name], env=env, stdin=subprocess.DEVNULL)
-        self.start_ticks = read_start_ticks(self.proc.pid) or 0
+    def start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        self.proc = proc = subprocess.Popen([airflow_bin(), self.name], env=env, stdin=subprocess.DEVNULL)
+        self.start_ticks = read_start_ticks(proc.pid) or 0
         self.started_at = time.time()
         self.log_server = None
+        return proc
 
     def find_log_server(self) -> None:
         if self.log_server is None and self.proc is not None:
@@ -274,17 +275,17 @@ def supervise(home: Path, *, poll_s: float = 1.0) -> int:
         return 0
     parts = {n: _Part(n, log) for n in PARTS}
     for p in parts.values():
-        p.start(env)
-        log(f"{p.name} started: pid {p.proc.pid}")
+        log(f"{p.name} started: pid {p.start(env).pid}")
     written = None
     while not stopping.is_set():
         now = time.time()
         for p in parts.values():
-            rc = p.proc.poll() if p.proc is not None else 0
-            if p.proc is not None and rc is None:
-                p.find_log_server()
-                continue
-            if p.proc is not None:   # it just died
+            if p.proc is not None:
+                rc = p.proc.poll()
+                if rc is None:
+                    p.find_log_server()
+                    continue
+                # it just died
                 ran = now - p.started_at
                 p.fails = 0 if ran >= STEADY_AFTER_S else p.fails + 1
                 delay = 0.0 if p.fails == 0 else min(RESTART_MAX_DELAY_S, 2.0 ** (p.fails - 1))
@@ -293,9 +294,9 @@ def supervise(home: Path, *, poll_s: float = 1.0) -> int:
                 p.free_log_server()
                 p.proc, p.next_start_at = None, now + delay
             if now >= p.next_start_at and not stopping.is_set():
-                p.start(env)
+                proc = p.start(env)
                 p.restarts += 1
-                log(f"{p.name} restarted: pid {p.proc.pid} (restart {p.restarts})")
+                log(f"{p.name} restarted: pid {proc.pid} (restart {p.restarts})")
         state = {n: p.state() for n, p in parts.items()}
         if state != written:
             _write_state(parts_file(home), {"supervisor_pid": os.getpid(), "parts": state})
