@@ -1,8 +1,8 @@
-"""Trigger payloads are small and stable: a payload stored by the previous release still deserialises.
+"""Trigger payloads are small: what finds the run (connection, run-config.json, run id), an absolute deadline,
+the watch's hints and its own state; nothing else.
 
-tests/fixtures/trigger_payloads/v0.1.0.json holds what eagleflow 0.1.0's triggers returned from
-serialize() (the whole resolved PipelineConfig inside): a triggerer upgraded mid-run must rebuild
-those triggers, and they must then find the run through its frozen run-config.json.
+tests/fixtures/trigger_payloads/v0.1.0.json holds what the pre-release build's triggers returned from
+serialize() (the whole resolved PipelineConfig inside): such a payload is refused by name, not rebuilt.
 """
 from __future__ import annotations
 
@@ -29,20 +29,17 @@ def _payloads():
 
 @pytest.mark.parametrize("label,payload", _payloads(), ids=lambda v: v if isinstance(v, str) else
                          v["classpath"].rsplit(".", 1)[1])
-def test_a_previous_release_payload_deserialises_into_the_small_shape(label, payload):
-    from eagleflow.config import safe_run_id
+def test_a_payload_of_another_build_is_refused_naming_what_it_lacks(label, payload):
+    """Payloads of the pre-release build (the whole config inside, relative timeouts) are not rebuilt: the
+    package is still at 0.1.0, so there is no release to stay compatible with. A triggerer that finds one
+    refuses it naming the missing field and what to do, never a trigger half-built from an old config."""
+    from eagleflow.config import ConfigError
     legacy = payload["kwargs"]
     assert "config" in legacy["run"]  # really the old shape: the whole config
-    trig = _load(payload["classpath"])(**legacy)
-    classpath, kwargs = trig.serialize()
-    assert classpath == payload["classpath"]
-    config = legacy["run"]["config"]
-    assert kwargs["run"] == {"conn_id": config["node"]["conn_id"], "run_id": legacy["run"]["run_id"],
-                             "run_config": f"{config['run_root']}/{safe_run_id(legacy['run']['run_id'])}/run-config.json"}
-    assert not any(isinstance(v, dict) for v in kwargs["run"].values())  # no config blob any more
-    assert _load(classpath)(**kwargs).serialize() == (classpath, kwargs)  # and the new shape round-trips
-    if "timeout_s" in legacy:  # 0.1.0's relative timeout becomes an absolute wall-clock deadline
-        assert abs(kwargs["end_at"] - (time.time() + legacy["timeout_s"])) < 5
+    with pytest.raises((ConfigError, TypeError)) as e:
+        _load(payload["classpath"])(**legacy)
+    if isinstance(e.value, ConfigError):
+        assert "lacks 'run_config'" in str(e.value) and "clear the task so it defers anew" in str(e.value)
 
 
 def test_new_payloads_carry_only_what_finds_the_run(tmp_path):
@@ -57,30 +54,6 @@ def test_new_payloads_carry_only_what_finds_the_run(tmp_path):
         # the watch's own counter (recoveries_left) is state, not config; phase names the shard's kind
         assert set(kwargs) <= {"run", "shard", "end_at", "poll_interval_s", "recoveries_left", "phase"}, kwargs
         assert len(json.dumps(kwargs)) < 300
-
-
-@pytest.mark.timeout(60)
-def test_a_previous_release_trigger_runs_against_the_runs_frozen_config(tmp_path, demo_assets):
-    """The 0.1.0 CaptureServerReadyTrigger of a run rebuilt after an upgrade: it reads run-config.json on
-    the node (not its stale inline config) and reports the server that is not running."""
-    from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
-    from eagleflow.airflow.runtime import RunContext
-    from tests.fixtures.pipeline_config import write_short_config
-
-    ctx = RunContext.from_params({"config_path": str(write_short_config(tmp_path, demo_assets))}, "legacy")
-    ctx.write_run_config()
-    legacy = next(p for label, p in _payloads() if label == "local" and p["classpath"].endswith("ReadyTrigger"))
-    kwargs = json.loads(json.dumps(legacy["kwargs"]))
-    kwargs["run"]["config"]["run_root"] = ctx.cfg.run_root        # this machine's run instead of the stored one
-    kwargs["run"]["config"]["capture"]["no_such_field_any_more"] = 1  # a field a later release dropped
-    kwargs["run"]["run_id"] = "legacy"
-    trig = CaptureServerReadyTrigger(**kwargs)
-
-    async def first():
-        async for ev in trig.run():
-            return ev.payload
-    ev = asyncio.run(first())
-    assert ev["status"] == "dead" and "capture server is not running" in ev["detail"], ev
 
 
 @pytest.mark.timeout(60)

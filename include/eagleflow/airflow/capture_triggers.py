@@ -23,14 +23,9 @@ from eagleflow.nodes import NodeError
 
 
 class CaptureServerReadyTrigger(BaseTrigger):
-    def __init__(self, run: dict[str, Any], end_at: float | None = None, poll_interval_s: float = 2.0,
-                 timeout_s: float | None = None):
+    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 2.0):
         super().__init__()
         self.run_ref = RunRef.from_dict(run)
-        if end_at is None:  # an eagleflow 0.1.0 payload: a relative timeout, counted from now
-            if timeout_s is None:
-                raise ValueError("CaptureServerReadyTrigger needs end_at (epoch seconds)")
-            end_at = time.time() + float(timeout_s)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
 

@@ -25,14 +25,12 @@ from eagleflow.config import ConfigError
 class GpuIdleTrigger(BaseTrigger):
     MAX_FAILURES = 5  # GPU readings failing in a row before the trigger gives up
 
-    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 5.0,
-                 max_failures: int | None = None):
+    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 5.0):
         super().__init__()
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
-        # max_failures: accepted from eagleflow 0.1.0 payloads, which carried it; no longer serialized
-        self.max_failures = int(max_failures) if max_failures is not None else self.MAX_FAILURES
+        self.max_failures = self.MAX_FAILURES
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",

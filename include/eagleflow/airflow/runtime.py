@@ -26,12 +26,12 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from eagleflow.airflow.project import PROJECT_ROOT_ENV, project_root, resolve_config_path
 from eagleflow.airflow.routing import task_node_name
-from eagleflow.config import ConfigError, PipelineConfig, load_config, safe_run_id
+from eagleflow.config import ConfigError, PipelineConfig, load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node, node_from_config
 
@@ -271,14 +271,6 @@ class RunRef:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunRef":
-        if "config" in data:  # eagleflow 0.1.0 carried the whole resolved config: take only what finds the run
-            config, run_id = data["config"], str(data["run_id"])
-            run_root = PurePosixPath(config.get("run_root") or "")
-            if not run_root.is_absolute():
-                raise ConfigError(f"a trigger payload of eagleflow 0.1.0 has a relative run_root {str(run_root)!r}; "
-                                  "it cannot be found again: clear the task so it defers anew")
-            return cls(conn_id=(config.get("node") or {}).get("conn_id"),
-                       run_config=str(run_root / safe_run_id(run_id) / RUN_CONFIG_FILE), run_id=run_id)
         try:
             control, watch = data.get("control"), data.get("watch")
             return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]),
@@ -288,7 +280,8 @@ class RunRef:
                        if isinstance(watch, dict) else None)
         except KeyError as e:
             raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
-                              "run_id") from None
+                              "run_id (a payload of another eagleflow build: clear the task so it defers anew)"
+                              ) from None
 
 
 def task_fleet_node(context, cfg: PipelineConfig | None = None) -> str | None:

@@ -123,7 +123,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
         self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
         # mails of this task its SMTP server did not take yet (eagleflow.airflow.alerts.send_pending)
         self.pending_mails = list(pending_mails or [])
-        self.ref = RunRef.from_dict(run)          # parsed once; 0.1.0 payloads carried the whole config
+        self.ref = RunRef.from_dict(run)          # parsed once
         self.run_data = self.ref.to_dict()
         self.poll_interval_s = poll_interval_s
         # set when an earlier watch of this job already reported the node unreachable (unix time): this one
