@@ -21,8 +21,17 @@
 #   specdec        speculative decoding with the evaluation phase's decoder (eagleflow.evaluate) on the GPU: a
 #                  draft trained on hf_capture's states, acceptance length on the GPU vs the CPU (float32 target,
 #                  same draft and prompts, within 5 %), outputs equal to greedy; skipped while the phase is not built
-#   sglang_capture, sglang_eagle3   only where sglang imports (bench/gpu_check_capture.py, gpu_check_eagle3.py);
-#                  skipped in well under a second elsewhere
+#   sglang_capture, sglang_eagle3   only where sglang imports (bench/gpu_check_capture.py, gpu_check_eagle3.py
+#                  --engine sglang, in SGLANG_PYTHON, default PYTHON's): the live capture server, a shard extracted,
+#                  verified and compared with a transformers forward; a draft trained on it served as EAGLE-3 by the
+#                  run report's serve command, greedy output equal to the target alone's, drafts accepted
+#   vllm_capture, vllm_eagle3       the same through vLLM (--engine vllm, in VLLM_PYTHON, default .venv-node-vllm,
+#                  else PYTHON's): capture.backend vllm (`vllm serve` with extract_hidden_states and our connector);
+#                  vllm_eagle3 serves the draft the sglang stage exported when there is one (one draft proven on
+#                  both engines), else one trained on vllm_capture's states, with the run report's `vllm serve
+#                  --speculative-config` command, acceptance from vLLM's own spec-decode counters
+#                  Each engine's pair is decided by find_spec (no import): where the engine does not import, or in a
+#                  dry run / without a CUDA GPU, both are recorded skipped with the reason in well under a second
 # Without a GPU (--dry-run, or torch sees none) the GPU stages rehearse their code path on the CPU at toy size
 # and are recorded as skipped; a rehearsal that breaks is a failure.
 #
@@ -32,8 +41,10 @@
 # removed at the end unless GPU_CHECK_KEEP=1.
 # GPU_CHECK_DEADLINE_S (default 330; 990 in a dry run, whose stage limits are 3x) bounds the whole check; a stage
 # gets min(its limit, what is left).
-# On a node with sglang give it more (its two stages alone may take 10 minutes): GPU_CHECK_DEADLINE_S=1200.
-# PYTHON picks the interpreter (default .venv-node, then .venv, then python3).
+# On a node with sglang or vLLM give it more (each engine's two stages alone may take 10 minutes):
+# GPU_CHECK_DEADLINE_S=1200 for one engine, 2000 for both.
+# PYTHON picks the interpreter (default .venv-node, then .venv, then python3); SGLANG_PYTHON and VLLM_PYTHON the
+# engines' (each engine pins its own torch, so each lives in its own venv).
 # Exit code: 0 when no stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +61,7 @@ T0=$SECONDS
 # the limits are sized for the GPU machine; a dry run on a slow shared CPU gets 3x the time (same mechanism)
 if [ "$DRY" = 1 ]; then SCALE=${GPU_CHECK_LIMIT_SCALE:-3}; else SCALE=${GPU_CHECK_LIMIT_SCALE:-1}; fi
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((330 * SCALE))}
-STAGES=(env gpu train train_fp8 hf_capture hf_generate specdec sglang_capture sglang_eagle3)
+STAGES=(env gpu train train_fp8 hf_capture hf_generate specdec sglang_capture sglang_eagle3 vllm_capture vllm_eagle3)
 
 if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
 mkdir -p "$OUT" || { echo "bench/gpu_check.sh: cannot create OUT=$OUT" >&2; exit 2; }
@@ -73,6 +84,11 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv-node/bin/python ]; then PY=.venv-node/bin/python
   elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+SGLANG_PY=${SGLANG_PYTHON:-$PY}
+VLLM_PY=${VLLM_PYTHON:-}
+if [ -z "$VLLM_PY" ]; then
+  if [ -x .venv-node-vllm/bin/python ]; then VLLM_PY=.venv-node-vllm/bin/python; else VLLM_PY=$PY; fi
 fi
 # the verdict writer needs only the standard library
 VPY=$(command -v python3 || echo "$PY")
@@ -117,15 +133,18 @@ run_stage() {  # STAGE LIMIT_S COMMAND...: the verdict exists when this returns,
   pack
 }
 
-stop_hf_server() {  # by its process record: a stage killed by its limit leaves the detached server behind
-  if [ -f "$WORK/hf_capture/config.yaml" ] && [ -d "$WORK/hf_capture/state" ]; then
-    timeout -k 5 30 "$PY" -m eagleflow.cli capture stop --config "$WORK/hf_capture/config.yaml" \
+stop_capture_server() {  # DIR [PYTHON]: by its process record: a stage killed by its limit leaves the detached
+  local dir=$1 py=${2:-$PY}  # capture server (hf, sglang or vLLM) behind, holding GPU memory
+  if [ -f "$dir/config.yaml" ] && [ -d "$dir/state" ]; then
+    timeout -k 5 30 "$py" -m eagleflow.cli capture stop --config "$dir/config.yaml" \
       --run-id gpucheck --grace 5 >/dev/null 2>&1 || true
   fi
 }
 
 finish() {
-  stop_hf_server
+  stop_capture_server "$WORK/hf_capture"
+  stop_capture_server "$WORK/sglang" "$SGLANG_PY"
+  stop_capture_server "$WORK/vllm" "$VLLM_PY"
   [ "$created_work" = 1 ] && [ "${GPU_CHECK_KEEP:-0}" != 1 ] && rm -rf "$WORK"
 }
 trap finish EXIT
@@ -162,7 +181,7 @@ else   # the same code on the CPU at toy dims
     --data-samples 1 --store-dtype fp8_e4m3 --stage train_fp8
 fi
 run_stage hf_capture 120 "$PY" bench/gpu_check_stages.py hf_capture --work "$WORK" --samples 16
-stop_hf_server
+stop_capture_server "$WORK/hf_capture"
 # the generation phase's serving mode (in-process server): same seed same ids, greedy vs teacher-forced, tokens/s
 run_stage hf_generate 60 "$PY" bench/gpu_check_generate.py --work "$WORK" --prompts 16 --max-new-tokens 64
 
@@ -173,22 +192,52 @@ else   # no interpreter start just to learn that
   pack
 fi
 
-# find_spec reads the path only: no sglang (or torch) import just to learn it is absent
-if ! timeout 10 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("sglang") is None)' 2>/dev/null; then
-  verdict sglang_capture skipped "sglang not importable on this machine"
-  verdict sglang_eagle3 skipped "sglang not importable on this machine"
-elif [ "$DRY" = 1 ] || [ "$(status_of env cuda_available)" != True ]; then
-  verdict sglang_capture skipped "sglang is installed, but its stages need a CUDA GPU (dry run or none seen)"
-  verdict sglang_eagle3 skipped "sglang is installed, but its stages need a CUDA GPU (dry run or none seen)"
-else
-  run_stage sglang_capture 300 "$PY" bench/gpu_check_capture.py --keep "$WORK/sglang" --samples 64
-  if [ "$(status_of sglang_capture)" = pass ]; then
-    run_stage sglang_eagle3 420 "$PY" bench/gpu_check_eagle3.py --from "$WORK/sglang"
-  else   # a failed capture is never re-run: it would fail the same way, on the same clock
-    verdict sglang_eagle3 skipped "the sglang capture stage did not pass; not re-run"
+# microseconds, in the shell itself (no interpreter start inside what is timed); EPOCHREALTIME is bash 5's
+now_us() { if [ -n "${EPOCHREALTIME:-}" ]; then echo "${EPOCHREALTIME//[!0-9]/}"; else date +%s%6N; fi; }
+since() { local us=$(($(now_us) - $1)); printf '%d.%03d' $((us / 1000000)) $((us % 1000000 / 1000)); }
+
+engine_stages() {  # ENGINE PYTHON ENV_VAR: <engine>_capture, then <engine>_eagle3, in that engine's interpreter
+  local eng=$1 py=$2 var=$3 t0 why="" src other
+  t0=$(now_us)
+  # find_spec reads the path only: no engine (or torch) import just to learn it is absent
+  if ! timeout 10 "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' \
+      "$eng" 2>/dev/null; then
+    why="$eng not importable on this machine by $py (set $var to the python of the venv that has it)"
+  elif [ "$DRY" = 1 ] || [ "$(status_of env cuda_available)" != True ]; then
+    why="$eng is installed, but its stages need a CUDA GPU (dry run or none seen)"
   fi
-fi
-pack
+  if [ -n "$why" ]; then   # seconds: how long deciding took (the check promises well under one)
+    local took; took=$(since "$t0")
+    verdict "${eng}_capture" skipped "$why" seconds="$took"
+    verdict "${eng}_eagle3" skipped "$why" seconds="$took"
+    echo "== ${eng}_capture, ${eng}_eagle3: skipped, decided in $took s, both verdicts written in $(since "$t0") s"
+    pack; return
+  fi
+  run_stage "${eng}_capture" 300 "$py" bench/gpu_check_capture.py --engine "$eng" --keep "$WORK/$eng" --samples 64
+  stop_capture_server "$WORK/$eng" "$py"
+  src=""
+  # the draft an earlier engine's eagle3 stage exported in this run (its verdict names it): one draft proven on
+  # both engines
+  for other in "${ENGINES_RUN[@]}"; do
+    if [ -n "$(status_of "${other}_eagle3" draft)" ] && [ -f "$WORK/$other/eagle3_export.json" ]; then
+      src=$WORK/$other; break
+    fi
+  done
+  [ -z "$src" ] && [ "$(status_of "${eng}_capture")" = pass ] && src=$WORK/$eng
+  ENGINES_RUN+=("$eng")
+  if [ -n "$src" ]; then
+    run_stage "${eng}_eagle3" 420 "$py" bench/gpu_check_eagle3.py --engine "$eng" --from "$src"
+  else   # a failed capture is never re-run: it would fail the same way, on the same clock
+    verdict "${eng}_eagle3" skipped \
+      "the $eng capture stage did not pass and no other engine's stage exported a draft; not re-run"
+    pack
+  fi
+}
+
+ENGINES_RUN=()
+
+engine_stages sglang "$SGLANG_PY" SGLANG_PYTHON
+engine_stages vllm "$VLLM_PY" VLLM_PYTHON
 
 overall=$("$VPY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["status"])' "$OUT/summary.json")
 echo "== gpu_check: $overall in $((SECONDS - T0)) s; $OUT holds: $(cd "$OUT" && ls | tr '\n' ' ')"

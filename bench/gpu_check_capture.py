@@ -1,23 +1,27 @@
-"""GPU check (prepared, run on a GPU node with sglang installed): the sglang capture path end to end.
+"""GPU check (prepared, run on a GPU node with sglang or vLLM installed): an engine's capture path end to end.
 
-What it proves, on a tiny random Llama (hidden 512, 4 heads of 128, 2 KV
+What it proves, for ``--engine sglang`` (stage sglang_capture) or ``--engine vllm`` (stage vllm_capture), on a
+tiny random Llama (hidden 512, 4 heads of 128, 2 KV
 heads, 8 layers, bf16, the demo's local tokenizer; nothing is downloaded):
 
-1. `eagleflow capture serve --backend sglang` starts sglang.launch_server with
-   the capture plugin, and its self-check dump appears (else it exits 4);
+1. `eagleflow capture serve` with capture.backend sglang starts sglang.launch_server
+   with the capture plugin; with capture.backend vllm, vLLM's own `vllm serve` with
+   extract_hidden_states and our KV connector (capture/vllm_launcher.py); either
+   way the self-check dump appears (else it exits 4);
 2. `eagleflow capture run` extracts every sample of a small corpus (batched
    prefills: in_flight 4), `eagleflow capture verify` passes;
 3. every stored sample equals a transformers forward of the same model on the
    GPU (aux = outputs of layers 1, 3, 4; last = final post-norm states), within
    bf16 tolerance (per-row cosine >= 0.995 and max |diff| reported).
 
-Run it in the node's venv (requirements-node.txt, then `pip install -e . --no-deps`
-so that sglang sees our plugin entry point):
+Run it in the engine's node venv (sglang: requirements-node.txt, then `pip install -e . --no-deps`
+so that sglang sees our plugin entry point; vLLM: requirements-node-vllm.txt, the same install):
 
-    python bench/gpu_check_capture.py [--keep DIR]
+    python bench/gpu_check_capture.py [--engine sglang|vllm] [--keep DIR]
 
-Exit 0 = PASS. The hook's slicing is already proven on CPU against sglang
-0.5.23's own classes (`make test-node`); this proves the live server path.
+Exit 0 = PASS. The hook's slicing and the connector are already proven on CPU against sglang
+0.5.23's and vLLM 0.33's own classes (`make test-node`, `make test-node-vllm`); this proves the live
+server path.
 """
 from __future__ import annotations
 
@@ -36,11 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_check_common import write_verdict  # noqa: E402
-
-STAGE = "sglang_capture"
-# fast start: the capture is prefill only, so CUDA graphs would only cost start-up time (sglang 0.5.23's
-# spelling; its --disable-cuda-graph is deprecated)
-FAST_START_ARGS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+from gpu_check_engines import ENGINES, EXPORT_RECORD, CheckEngine  # noqa: E402
 
 
 def build_target(root: Path) -> Path:
@@ -64,14 +64,15 @@ def build_target(root: Path) -> Path:
     return out
 
 
-def write_config(root: Path, model: Path) -> Path:
+def write_config(root: Path, model: Path, engine: CheckEngine) -> Path:
     import yaml
     cfg = {"run_root": str(root / "runs"), "target_model": str(model),
            "node": {"name": "gpu-check", "has_gpu": True, "state_dir": str(root / "state")},
-           "capture": {"backend": "sglang", "port": 0, "dump_dir": f"/dev/shm/eagleflow-gpu-check-{os.getpid()}",
+           "capture": {"backend": engine.name, "port": 0,
+                       "dump_dir": f"/dev/shm/eagleflow-gpu-check-{engine.name}-{os.getpid()}",
                        "dtype": "bfloat16", "tp": 1, "shards": 1, "in_flight": 4, "ready_timeout_s": 240,
                        "heartbeat_interval_s": 1, "request_timeout_base_s": 60,
-                       "extra_server_args": ["--mem-fraction-static", "0.3", *FAST_START_ARGS]}}
+                       "extra_server_args": list(engine.server_args)}}
     p = root / "config.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -110,22 +111,26 @@ def compare(run_dir: Path, model: Path, corpus_rows: list[dict]) -> tuple[bool, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="sglang",
+                    help="the capture.backend whose live server this checks (stage <engine>_capture)")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--keep", help="work in this folder and keep it (default: a temp dir, removed)")
     a = ap.parse_args()
+    engine = ENGINES[a.engine]
+    stage = f"{engine.name}_capture"
     import torch
     if not torch.cuda.is_available():
         print("gpu_check_capture: torch sees no CUDA GPU here; run this on a GPU node")
-        return write_verdict(STAGE, "fail", "torch sees no CUDA GPU here")
+        return write_verdict(stage, "fail", "torch sees no CUDA GPU here")
     try:
-        from eagleflow.capture.sglang_launcher import check_supported_version, installed_sglang_version
-        version = check_supported_version(installed_sglang_version())
-        print(f"sglang {version}")
+        version = engine.check_version()
+        print(f"{engine.name} {version}")
     except Exception as e:
         print(f"gpu_check_capture: {e}")
-        return write_verdict(STAGE, "fail", str(e))
+        return write_verdict(stage, "fail", str(e))
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagleflow-gpu-check-"))
     root.mkdir(parents=True, exist_ok=True)
+    (root / EXPORT_RECORD).unlink(missing_ok=True)   # a draft trained on an earlier capture is not this one's
     from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout
@@ -133,7 +138,7 @@ def main() -> int:
 
     t0 = time.time()
     model = build_target(root)
-    cfgp = write_config(root, model)
+    cfgp = write_config(root, model, engine)
     cfg = load_config(cfgp)
     lay = RunLayout.for_run(cfg, "gpucheck")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -146,7 +151,7 @@ def main() -> int:
         except Exception as e:
             print(f"server not ready: {e}")
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return write_verdict(STAGE, "fail", f"server not ready: {e}")
+            return write_verdict(stage, "fail", f"server not ready: {e}")
         print(f"server: {json.dumps(info)}")
         w = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "run", "--config", str(cfgp),
                             "--run-id", "gpucheck", "--shard", "0"], capture_output=True, text=True, timeout=180)
@@ -156,18 +161,19 @@ def main() -> int:
         print(v.stdout[-2000:], v.stderr[-2000:])
         if w.returncode != 0 or v.returncode != 0:
             print(Path(lay.log_file("capture_server")).read_text()[-6000:])
-            return write_verdict(STAGE, "fail", f"worker exit {w.returncode}, verify exit {v.returncode}",
+            return write_verdict(stage, "fail", f"worker exit {w.returncode}, verify exit {v.returncode}",
                                  worker_stderr=w.stderr[-2000:])
     finally:
         print(stop_capture_server(ctx, grace_s=30, log=print))
     ok, lines = compare(Path(lay.run_dir), model, rows)
     print("\n".join(lines))
-    figures = {"samples": len(rows), "sglang_layer_ids": info.get("sglang_layer_ids"), "sglang": info.get("version"),
+    ids = f"{engine.name}_layer_ids"   # the launcher's info names the ids in its engine's numbering
+    figures = {"samples": len(rows), "engine": engine.name, ids: info.get(ids), engine.name: info.get("version"),
                "aux_layers": info.get("aux_layers"), "seconds": round(time.time() - t0, 1)}
     (root / "compare.txt").write_text("\n".join(lines) + "\n")
     if not a.keep:
         shutil.rmtree(root, ignore_errors=True)
-    return write_verdict(STAGE, "pass" if ok else "fail",
+    return write_verdict(stage, "pass" if ok else "fail",
                          None if ok else "stored states differ from the transformers forward (see compare lines)",
                          **figures)
 
