@@ -192,7 +192,7 @@ def test_the_watch_refuses_a_node_answered_incident_id_and_fails_the_task_with_t
                        cause="capture_server")
     diag = SimpleNamespace(cause="capture_server", summary="no sample stored for 40 s")
     trigger = ShardWatchTrigger.__new__(ShardWatchTrigger)
-    trigger.shard, trigger.recoveries_left = 0, 1
+    trigger.shard, trigger.recoveries_left, trigger.phase = 0, 1, "extract"
     for answer, expect in (({"incident": "x\r\n\r\nnode text in the body", "opened": True}, JobVerdict),
                            ({"incident": "gpu-node-1-capture_server-20261201T070000-abc123", "opened": True},
                             Recovering)):
