@@ -9,11 +9,14 @@ the version it supports, its flags, its layer numbering and how it receives the 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,6 +29,72 @@ EXIT_NOT_READY = 4
 
 class LaunchError(RuntimeError):
     """A capture server that cannot start or failed its checks; the message says what to do."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def model_config(model_path: str) -> dict[str, Any]:
+    """The target's config.json (a local model folder)."""
+    p = Path(model_path) / "config.json"
+    try:
+        return dict(json.loads(p.read_text()))
+    except FileNotFoundError:
+        raise LaunchError(f"target_model {model_path} has no config.json; point target_model at a local "
+                          "model folder") from None
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal target's text model config (its ``text_config``), else the config itself."""
+    return cfg.get("text_config") or cfg
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What every engine's capture launch settles before its own command: the target, its layers, the port,
+    this user's dump folder and the run's dump key."""
+    model_path: str
+    model_config: dict[str, Any]
+    architectures: list[str]
+    num_layers: int
+    aux_layers: list[int]
+    port: int
+    url: str
+    dump_dir: str
+    dump_key: bytes
+
+    def env(self, settings: Mapping[str, str]) -> dict[str, str]:
+        """The engine's environment: ours, its capture settings, and the dump key (hex) for the processes that
+        write dumps (an environment is readable by its owner only)."""
+        from .protocol import ENV_DUMP_KEY
+        return {**os.environ, **settings, ENV_DUMP_KEY: self.dump_key.hex()}
+
+    def info(self, cfg: PipelineConfig, backend: str, version: str, **layer_ids: list[int]) -> dict[str, Any]:
+        """The server info file's fields but the child's pid and start time (``run_capture_server`` adds them)."""
+        tcfg = text_config(self.model_config)
+        dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
+        return {"backend": backend, "model": self.model_path, "aux_layers": self.aux_layers,
+                "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
+                "version": version, **layer_ids}
+
+
+def plan_capture(cfg: PipelineConfig, layout: RunLayout) -> CapturePlan:
+    """The target read, its aux layers resolved, a port chosen, the dump folder and key made ready. Raises
+    LaunchError or ValueError (the target) or ``protocol.DumpTrustError`` (the folder or key), each naming what
+    to fix; the caller prints it and exits 2."""
+    from .aux_layers import resolve_aux_layers, target_architectures_and_layers
+    model_path = str(cfg.resolve(cfg.target_model))
+    mcfg = model_config(model_path)
+    archs, num_layers = target_architectures_and_layers(mcfg)
+    aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
+    port = cfg.capture.port or free_port(cfg.capture.host)
+    dumps, key = prepare_dumps(cfg, layout)
+    return CapturePlan(model_path=model_path, model_config=mcfg, architectures=list(archs), num_layers=num_layers,
+                       aux_layers=aux, port=port, url=f"http://{cfg.capture.host}:{port}", dump_dir=dumps,
+                       dump_key=key)
 
 
 def prepare_dumps(cfg: PipelineConfig, layout: RunLayout) -> tuple[str, bytes]:

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Callable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-from .aux_layers import resolve_aux_layers, sglang_aux_layer_ids, target_architectures_and_layers
-from .server_launch import LaunchError, prepare_dumps, run_capture_server
+from .aux_layers import sglang_aux_layer_ids
+from .server_launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
 from .sglang_plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
                             check_sglang_contract)
 
@@ -61,19 +59,6 @@ def check_supported_version(version: str) -> str:
                                 f"({', '.join(SUPPORTED_VERSIONS)}); install requirements-node.txt (it pins "
                                 f"{SUPPORTED_VERSIONS[-1]}) or use capture.backend hf")
     return version
-
-
-def model_config(model_path: str) -> dict:
-    p = Path(model_path) / "config.json"
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SglangLaunchError(f"target_model {model_path} has no config.json; point target_model at a local "
-                                "model folder") from None
-
-
-def _text_config(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
 
 
 def sglang_model_class(architectures: list[str]):
@@ -147,12 +132,6 @@ def check_capture_plugin(env: dict[str, str]) -> CaptureSettings:
     return settings
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     """`eagleflow generate serve` with sglang: its own launch_server in serving mode (radix cache and CUDA
     graphs on, no capture hook), exec'd so that the recorded pid stays the server's."""
@@ -173,45 +152,26 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .protocol import ENV_DUMP_KEY, DumpTrustError, loopback_host
+    from .protocol import DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:
         version = check_supported_version(installed_sglang_version())
-        model_path = str(cfg.resolve(cfg.target_model))
-        cls_name = check_model_supports_capture(model_path)
-        mcfg = model_config(model_path)
-        tcfg = _text_config(mcfg)
-        archs, num_layers = target_architectures_and_layers(mcfg)
-        aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
-        sglang_ids = sglang_aux_layer_ids(aux, archs, num_layers)
-    except (SglangLaunchError, ValueError) as e:
-        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
-        return 2
-    port = cfg.capture.port or free_port(cfg.capture.host)
-    url = f"http://{cfg.capture.host}:{port}"
-    try:
-        dumps, dump_key = prepare_dumps(cfg, layout)
-    except DumpTrustError as e:
-        print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
-        return 2
-    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, sglang_layer_ids=sglang_ids)
-    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
-    env[ENV_DUMP_KEY] = dump_key.hex()   # to the schedulers through their environment (owner-readable only)
-    try:
+        cls_name = check_model_supports_capture(str(cfg.resolve(cfg.target_model)))
+        plan = plan_capture(cfg, layout)
+        sglang_ids = sglang_aux_layer_ids(plan.aux_layers, plan.architectures, plan.num_layers)
+        env = plan.env(capture_env(dump_dir=plan.dump_dir, aux_layers=plan.aux_layers, model=plan.model_path))
         check_capture_plugin(env)
-    except SglangLaunchError as e:
+    except (LaunchError, ValueError, DumpTrustError) as e:
         print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
         return 2
-    print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {aux} (sglang ids "
+    argv = build_command(cfg, model_path=plan.model_path, host=cfg.capture.host, port=plan.port,
+                         sglang_layer_ids=sglang_ids)
+    print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {plan.aux_layers} (sglang ids "
           f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
-    dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
     return run_capture_server(
-        argv, env, engine="sglang", url=url, ready_timeout_s=cfg.capture.ready_timeout_s, dump_dir=dumps,
-        dump_key=dump_key, appear_within_s=10.0,   # the plugin writes after the forward, beside the answer
+        argv, env, engine="sglang", url=plan.url, ready_timeout_s=cfg.capture.ready_timeout_s,
+        dump_dir=plan.dump_dir, dump_key=plan.dump_key, appear_within_s=10.0,   # the plugin writes beside the answer
         missing_dump_hint="the capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
                           "venv with its entry point, `pip install -e .`?)",
-        info_file=str(layout.server_info_file),
-        info={"backend": "sglang", "model": model_path, "aux_layers": aux, "hidden_size": int(tcfg["hidden_size"]),
-              "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype, "version": version,
-              "sglang_layer_ids": sglang_ids})
+        info_file=str(layout.server_info_file), info=plan.info(cfg, "sglang", version, sglang_layer_ids=sglang_ids))

@@ -32,9 +32,8 @@ import sys
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-from .aux_layers import resolve_aux_layers, target_architectures_and_layers, vllm_aux_layer_ids
-from .sglang_launcher import SglangLaunchError, _text_config, free_port, model_config
-from .server_launch import LaunchError, prepare_dumps, run_capture_server
+from .aux_layers import vllm_aux_layer_ids
+from .server_launch import LaunchError, plan_capture, run_capture_server
 from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
 from .vllm_api import MIDDLEWARE
 from .vllm_connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
@@ -111,43 +110,25 @@ def check_connector(env: dict[str, str]) -> None:
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .protocol import ENV_DUMP_KEY, DumpTrustError, loopback_host
+    from .protocol import DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: vLLM's server takes no credential here, loopback only
     try:
         version = check_supported_version(installed_vllm_version())
-        model_path = str(cfg.resolve(cfg.target_model))
-        mcfg = model_config(model_path)
-        tcfg = _text_config(mcfg)
-        archs, num_layers = target_architectures_and_layers(mcfg)
-        aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
-        capture_ids = vllm_capture_ids(vllm_aux_layer_ids(aux, archs, num_layers), num_layers)
-    except (VllmLaunchError, SglangLaunchError, ValueError) as e:   # model_config's error is the sglang one
-        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
-        return 2
-    port = cfg.capture.port or free_port(cfg.capture.host)
-    url = f"http://{cfg.capture.host}:{port}"
-    try:
-        dumps, dump_key = prepare_dumps(cfg, layout)
-    except DumpTrustError as e:
-        print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
-        return 2
-    argv = build_command(cfg, model_path=model_path, host=cfg.capture.host, port=port, capture_ids=capture_ids)
-    env = {**os.environ, **capture_env(dump_dir=dumps, aux_layers=aux, model=model_path)}
-    env[ENV_DUMP_KEY] = dump_key.hex()   # to vLLM's workers through their environment (owner-readable only)
-    try:
+        plan = plan_capture(cfg, layout)
+        capture_ids = vllm_capture_ids(vllm_aux_layer_ids(plan.aux_layers, plan.architectures, plan.num_layers),
+                                       plan.num_layers)
+        env = plan.env(capture_env(dump_dir=plan.dump_dir, aux_layers=plan.aux_layers, model=plan.model_path))
         check_connector(env)
-    except VllmLaunchError as e:
+    except (LaunchError, ValueError, DumpTrustError) as e:
         print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
         return 2
-    print(f"eagleflow capture serve: vLLM {version}, outputs of layers {aux} (vLLM ids {capture_ids}, the last "
-          f"for the final norm): {' '.join(argv)}", file=sys.stderr, flush=True)
-    dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
+    argv = build_command(cfg, model_path=plan.model_path, host=cfg.capture.host, port=plan.port,
+                         capture_ids=capture_ids)
+    print(f"eagleflow capture serve: vLLM {version}, outputs of layers {plan.aux_layers} (vLLM ids {capture_ids}, the "
+          f"last for the final norm): {' '.join(argv)}", file=sys.stderr, flush=True)
     return run_capture_server(
-        argv, env, engine="vLLM", url=url, ready_timeout_s=cfg.capture.ready_timeout_s, dump_dir=dumps,
-        dump_key=dump_key, appear_within_s=0.0,   # the connector writes before vLLM answers: no wait
+        argv, env, engine="vLLM", url=plan.url, ready_timeout_s=cfg.capture.ready_timeout_s,
+        dump_dir=plan.dump_dir, dump_key=plan.dump_key, appear_within_s=0.0,   # written before vLLM answers: no wait
         missing_dump_hint="the capture connector did not write it; read its lines above in this log",
-        info_file=str(layout.server_info_file),
-        info={"backend": "vllm", "model": model_path, "aux_layers": aux, "hidden_size": int(tcfg["hidden_size"]),
-              "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype, "version": version,
-              "vllm_layer_ids": capture_ids})
+        info_file=str(layout.server_info_file), info=plan.info(cfg, "vllm", version, vllm_layer_ids=capture_ids))

@@ -130,7 +130,7 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
     """The result rows (configuration x prompt set, each draft's figures under its role), in the hf backend's
     shape so ``run.gate`` reads them unchanged."""
     from eagleflow.capture.protocol import loopback_host
-    from eagleflow.capture.sglang_launcher import free_port
+    from eagleflow.capture.server_launch import free_port
     from eagleflow.nodes import LocalNode
     ec = cfg.eval
     node = node or LocalNode(name=cfg.node.name)

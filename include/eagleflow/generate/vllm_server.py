@@ -22,7 +22,7 @@ import os
 import sys
 
 from eagleflow.capture.protocol import loopback_host
-from eagleflow.capture.sglang_launcher import free_port
+from eagleflow.capture.server_launch import free_port
 from eagleflow.capture.sglang_plugin import ENV_MODEL
 from eagleflow.capture.vllm_api import GENERATE_MIDDLEWARE
 from eagleflow.capture.vllm_launcher import REQUIREMENTS_FILE, SUPPORTED_VERSIONS
