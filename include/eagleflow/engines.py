@@ -36,7 +36,7 @@ class UnknownEngine(ValueError):
 
 
 class EngineUnsupported(ValueError):
-    """A registered engine asked for something it cannot do in eagleflow (vllm's capture server)."""
+    """A registered engine asked for a role it has no implementation of in eagleflow (e.g. hf's serve command)."""
 
 
 class EngineError(RuntimeError):
@@ -117,9 +117,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            evaluator="eagleflow.evaluate.vllm_backend:results", eval_hooks=frozenset({"node", "command"}),
            eval_server_per_config=True,
            layer_numbering="eagleflow.capture.aux_layers:vllm_aux_layer_ids",
-           serve_command="eagleflow.console.run_report:vllm_serve_command", draft_format="speculators",
-           not_built="it captures, generates, evaluates and serves the exported draft (train.export_formats "
-                     "speculators) only"),
+           serve_command="eagleflow.console.run_report:vllm_serve_command", draft_format="speculators"),
 )}
 
 
