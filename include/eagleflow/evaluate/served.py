@@ -159,3 +159,28 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
                     rows[(sc.label, name)][draft_role] = engine.with_draft(
                         srv.url, prompts, f"{draft_role}-{name}", sc, alone[name], alone_secs[name])
     return list(rows.values())
+
+
+def post_all(url: str, path: str, prompts: list[dict], *, body: Callable[[dict], dict],
+             read: Callable[[dict, str], dict], error: type[Exception], concurrency: int,
+             timeout_s: float) -> tuple[dict[str, dict], float]:
+    """Every prompt POSTed to ``url + path`` (``body(prompt)``), ``concurrency`` in flight, each answer read by
+    ``read(answer, where)``; (answers by prompt id, wall seconds). A request that fails raises ``error`` naming
+    the prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagleflow.capture.client import CaptureServerError, _request
+
+    def one(p: dict) -> tuple[str, dict]:
+        where = f"{url}{path} prompt {p['id']}"
+        try:
+            ans = _request(url, "POST", path, body(p), timeout_s)
+        except CaptureServerError as e:
+            raise error(f"{where}: {e}") from None
+        return p["id"], read(ans, where)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(concurrency, max(1, len(prompts)))) as pool:
+        out = dict(pool.map(one, prompts))
+    return out, time.monotonic() - started
+

@@ -35,15 +35,13 @@ too, 64/63 for such a draft: kept as ``sglang_accept_length``).
 from __future__ import annotations
 
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.engines import EngineError
 from eagleflow.layout import RunLayout
 
-from .served import ServedEngine, lossless_and_speed, near_tie_threshold, serve_and_measure
+from .served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
 
 __all__ = ["SglangEvalError", "build_command", "measure", "near_tie_threshold", "read_answer", "results"]
 
@@ -111,21 +109,10 @@ def read_answer(ans: dict, where: str, speculative: bool) -> dict:
 def send_all(url: str, prompts: list[dict], max_new: int, *, tag: str, top2: bool, concurrency: int,
              timeout_s: float, speculative: bool) -> tuple[dict[str, dict], float]:
     """Every prompt to /generate, ``concurrency`` in flight; (answers by prompt id, wall seconds)."""
-    from eagleflow.capture.client import CaptureServerError, _request
-
-    def one(p):
-        where = f"{url}/generate prompt {p['id']}"
-        try:
-            ans = _request(url, "POST", "/generate", generate_body(p["prompt_ids"], max_new, f"{tag}-{p['id']}", top2),
-                           timeout_s)
-        except CaptureServerError as e:
-            raise SglangEvalError(f"{where}: {e}") from None
-        return p["id"], read_answer(ans, where, speculative)
-
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=min(concurrency, max(1, len(prompts)))) as pool:
-        out = dict(pool.map(one, prompts))
-    return out, time.monotonic() - started
+    return post_all(url, "/generate", prompts,
+                    body=lambda p: generate_body(p["prompt_ids"], max_new, f"{tag}-{p['id']}", top2),
+                    read=lambda ans, where: read_answer(ans, where, speculative), error=SglangEvalError,
+                    concurrency=concurrency, timeout_s=timeout_s)
 
 
 def measure(answers: dict[str, dict], alone: dict[str, dict], secs: float, alone_secs: float, steps: int,

@@ -35,7 +35,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.engines import ENGINES, EngineError
 from eagleflow.layout import RunLayout
 
-from .served import ServedEngine, lossless_and_speed, near_tie_threshold, serve_and_measure
+from .served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
 
 # vLLM 0.33's Prometheus counters (v1/spec_decode/metrics.py, SpecDecodingProm), as families (no _total)
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -143,21 +142,10 @@ def _candidates(position: dict | None, where: str, i: int) -> list[tuple[int, fl
 def send_all(url: str, prompts: list[dict], max_new: int, *, candidates: bool, concurrency: int,
              timeout_s: float) -> tuple[dict[str, dict], float]:
     """Every prompt to /v1/completions, ``concurrency`` in flight; (answers by prompt id, wall seconds)."""
-    from eagleflow.capture.client import CaptureServerError, _request
-
-    def one(p):
-        where = f"{url}/v1/completions prompt {p['id']}"
-        try:
-            ans = _request(url, "POST", "/v1/completions", completion_request(p["prompt_ids"], max_new, candidates),
-                           timeout_s)
-        except CaptureServerError as e:
-            raise VllmEvalError(f"{where}: {e}") from None
-        return p["id"], read_completion(ans, where, candidates)
-
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=min(concurrency, max(1, len(prompts)))) as pool:
-        out = dict(pool.map(one, prompts))
-    return out, time.monotonic() - started
+    return post_all(url, "/v1/completions", prompts,
+                    body=lambda p: completion_request(p["prompt_ids"], max_new, candidates),
+                    read=lambda ans, where: read_completion(ans, where, candidates), error=VllmEvalError,
+                    concurrency=concurrency, timeout_s=timeout_s)
 
 
 # --- vLLM's spec-decode counters --------------------------------------------------------------------------------
