@@ -15,33 +15,21 @@ Prints, per store and eval configuration, the acceptance length of each seed, th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "include"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_runs import REPO, capture_store, train_export_evaluate, write_config  # noqa: E402
 
 import yaml  # noqa: E402
 
 from eagleflow.demo_assets import ensure_demo_assets  # noqa: E402
 
 STORES = {"auto": "bf16 store (auto: the target's dtype)", "fp8_e4m3": "fp8 store"}
-
-
-def _cli(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "eagleflow.cli", *args], capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO)
-    if p.returncode not in (0, 1) or (p.returncode == 1 and args[0] != "evaluate"):
-        raise SystemExit(f"eagleflow {' '.join(args)} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n"
-                         f"{p.stderr[-3000:]}")
-    return p
 
 
 def main() -> int:
@@ -85,65 +73,28 @@ def main() -> int:
     if "generate" in demo:   # the demo's regeneration phase is not what is compared: the sources as they are
         demo["generate"]["enabled"] = False
 
-    from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, stop_capture_server,
-                                             wait_capture_server_ready)
-    from eagleflow.config import load_config
-    from eagleflow.layout import RunLayout
-
     results: dict = {"seeds": a.seeds, "steps": a.steps, "stores": {}}
     corpus_digest = {}
     for store in a.stores:
-        cfgp = root / f"config-{store}.yaml"
         data = json.loads(json.dumps(demo))
         data["capture"]["store_dtype"] = store
-        cfgp.write_text(yaml.safe_dump(data))
-        run = f"cap-{store}"
-        t0 = time.time()
-        _cli("corpus", "prepare", "--config", str(cfgp), "--run-id", run)
-        cfg = load_config(cfgp)
-        lay = RunLayout.for_run(cfg, run)
-        corpus_digest[store] = hashlib.sha256((Path(lay.corpus_dir) / "corpus.parquet").read_bytes()).hexdigest()
-        ctx = LocalRun(cfg=cfg, layout=lay, config_path=str(cfgp))
-        start_capture_server(ctx)
-        try:
-            wait_capture_server_ready(ctx, timeout_s=300, poll_s=0.5)
-            for shard in range(cfg.capture.shards):
-                _cli("capture", "run", "--config", str(cfgp), "--run-id", run, "--shard", str(shard))
-        finally:
-            stop_capture_server(ctx, grace_s=10)
-        ver = _cli("capture", "verify", "--config", str(cfgp), "--run-id", run, "--stats", "--json")
-        vj = json.loads(ver.stdout.strip().splitlines()[-1])
-        stored = sum(json.loads(x)["bytes"] for m in Path(lay.hidden_states_dir).glob("shard_*/manifest.jsonl")
-                     for x in m.read_text().splitlines() if x.strip())
-        tokens = sum(json.loads(x)["tokens"] for m in Path(lay.hidden_states_dir).glob("shard_*/manifest.jsonl")
-                     for x in m.read_text().splitlines() if x.strip())
-        entry = {"samples": vj["stored"], "tokens": tokens, "stored_bytes": stored,
-                 "bytes_per_token": stored / tokens, "quantisation": vj.get("quantisation"),
-                 "capture_s": time.time() - t0, "corpus_sha256": corpus_digest[store], "runs": {}}
-        print(f"[{store}] captured {vj['stored']} samples, {tokens:,} tokens, {stored / 2**20:.1f} MiB "
-              f"({stored / tokens:,.1f} bytes/token) in {entry['capture_s']:.0f} s", flush=True)
-        def one_seed(seed: int, store=store, cfg=cfg, lay=lay, cfgp=cfgp, entry=entry) -> None:
-            rid = f"{store}-seed{seed}"
-            rdir = Path(cfg.run_dir(rid))
-            rdir.mkdir(parents=True, exist_ok=True)
-            for sub in ("corpus", "hidden_states"):   # the store's capture, shared by its seeds
-                link = rdir / sub
-                if not link.exists():
-                    os.symlink(Path(lay.run_dir) / sub, link)
-            sets = ["--config", str(cfgp), "--run-id", rid, "--set", f"train.seed={seed}"]
-            t0 = time.time()
-            tr = _cli("train", *sets)
-            _cli("export", *sets)
-            ev = _cli("evaluate", *sets, "--json")
-            summary = json.loads(ev.stdout.strip().splitlines()[-1])
-            rows = {f"{r.get('prompt_set', 'held_out')}:{r['config']}": r["draft"] for r in summary["results"]}
-            metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
+        cfgp = write_config(root / f"config-{store}.yaml", data)
+        entry = capture_store(cfgp, f"cap-{store}")
+        entry["runs"] = {}
+        corpus_digest[store] = entry["corpus_sha256"]
+        print(f"[{store}] captured {entry['samples']} samples, {entry['tokens']:,} tokens, "
+              f"{entry['stored_bytes'] / 2**20:.1f} MiB ({entry['bytes_per_token']:,.1f} bytes/token) in "
+              f"{entry['capture_s']:.0f} s", flush=True)
+
+        def one_seed(seed: int, store=store, cfgp=cfgp, entry=entry) -> None:
+            run = train_export_evaluate(cfgp, entry["run_dir"], f"{store}-seed{seed}", "--set", f"train.seed={seed}")
+            rows = run["rows"]
             entry["runs"][str(seed)] = {"accept_length": {k: r["accept_length"] for k, r in rows.items()},
-                                   "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
-                                   "seconds": time.time() - t0}
+                                        "final_loss": run["final_loss"], "final_acc_0": run["final_acc_0"],
+                                        "seconds": run["seconds"]}
             print(f"[{store}] seed {seed}: " + ", ".join(f"{k} {v['accept_length']:.3f}" for k, v in rows.items())
-                  + f"; final loss {metrics[-1]['loss']:.3f} ({time.time() - t0:.0f} s)"
-                  + ("" if "Traceback" not in tr.stderr else " (train printed a traceback)"), flush=True)
+                  + f"; final loss {run['final_loss']:.3f} ({run['seconds']:.0f} s)"
+                  + (" (train printed a traceback)" if run["train_traceback"] else ""), flush=True)
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max(1, a.parallel)) as pool:
             list(pool.map(one_seed, a.seeds))

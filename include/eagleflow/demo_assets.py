@@ -172,6 +172,11 @@ def _texts_for_tokenizer(source_dir: Path) -> list[str]:
 
 
 def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 1024) -> None:
+    train_tokenizer(_texts_for_tokenizer(source_dir), out, vocab_size)
+
+
+def train_tokenizer(texts: list[str], out: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained on ``texts``, with the chat template and special tokens, saved to out."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -180,7 +185,7 @@ def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 1024) -> None
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts_for_tokenizer(source_dir), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
                                    eos_token="<|eot_id|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE

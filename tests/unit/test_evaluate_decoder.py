@@ -159,3 +159,46 @@ def test_gate_refuses_a_random_draft_and_one_worse_than_the_baseline(target, dra
     within = gate([{**row, "draft": got, "baseline": {**got, "accept_length": got["accept_length"] + 0.04}}], cfg,
                   baseline=True)
     assert within == []
+
+
+def _drafts_recomputed(draft: Eagle3Draft, tokens: list[int], aux: torch.Tensor, steps: int) -> list[int]:
+    """The chain as training-time test computes it: every step over the whole prefix, read at its last index."""
+    n = len(tokens) - 1
+    ext = list(tokens)
+    hidden = draft.fc(aux[:n].unsqueeze(0))
+    cache: list = []
+    for k in range(steps):
+        hidden = draft.step(torch.tensor([ext[k + 1:k + 1 + n]]), hidden, k, cache)
+        d = int(draft.logits(hidden[:, -1]).argmax(-1)[0])
+        ext.append(d + int(draft.d2t[d]))
+    return ext[len(tokens):]
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_draft_kv_cache_drafts_what_the_whole_prefix_recomputed_drafts(demo_assets, rule_target, drafts, which):
+    """The proposer keeps step 0's keys across rounds and runs steps 1..k at the last index only; over a decode
+    whose rounds commit 1 to 4 tokens, every round's chain equals the one recomputed over the whole prefix
+    (on the demo's real target, whose attention is not zeroed, for the random draft)."""
+    real = Target(demo_assets["target_model"] if which == "random" else rule_target)
+    proposer = drafts[which]
+    draft = proposer.draft
+    if which == "random":
+        proposer = DraftProposer(_draft(demo_assets["target_model"]), real.aux_layers(None), real.device)
+        draft = proposer.draft
+    prompt = _prompts(1, 3)[0]["prompt_ids"]
+    seq = prompt + greedy(real, prompt, 40, candidates=False).tokens
+    with torch.no_grad():
+        out = real.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in proposer.aux_layers], -1)
+        proposer.start()
+        length, rounds, commits = len(prompt) + 1, 0, [1, 3, 2, 4]
+        while length <= len(seq):
+            for steps in (1, 3) if rounds % 2 else (3,):
+                cached = proposer.propose(seq[:length], aux[:length - 1], steps)
+                assert cached == _drafts_recomputed(draft, seq[:length], aux, steps), (which, length, steps)
+            assert proposer.cache.indices == length - 1
+            length += commits[rounds % len(commits)]
+            rounds += 1
+    assert rounds >= 10
+    with pytest.raises(ValueError, match="call start"):
+        proposer.propose(seq[:5], aux, 3)

@@ -7,9 +7,9 @@ holds positions 0..L-2; its aux states are known there):
   token x_{t+1} and ``fc(aux_t)``, step k reads x_{t+k+1} (a drafted token past
   the end) and step k-1's output, with step 0's keys causal and steps 1..k only
   on the diagonal. The chain is read at the last index, L-2: step k's argmax
-  (through ``d2t``) is draft token d_{k+1}. The draft is recomputed over the
-  whole prefix each round, through the model's own ``step`` (no draft KV cache:
-  exact by construction, O(L) draft work a round);
+  (through ``d2t``) is draft token d_{k+1}. Through the model's own ``step``, with
+  a draft KV cache (:class:`DraftKVCache`): step 0 runs only over the indices
+  committed since the last round, steps 1..k at the last index only;
 - verify: one target forward over [x_{L-1}, d_1..d_k]; the longest prefix of
   drafts equal to the target's greedy choice is kept, plus the target's token
   after it (the bonus); the target's cache is cropped to what was kept.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .lossless import TOP_CANDIDATES, tie_tolerance
 
@@ -128,8 +129,43 @@ def greedy(target: Target, prompt: list[int], max_new: int, candidates: bool = T
     return Decoded(out, time.perf_counter() - t0, candidates=cands)
 
 
+class DraftKVCache:
+    """The draft's keys and values across a decode, so a round costs O(new tokens), not O(prefix).
+
+    Step 0's key at index t depends only on the committed token x_{t+1} and the target's aux state at t, so
+    it never changes once computed: those are kept (``prefix``) and extended by the indices committed since
+    the last round; only the last index's output is read (step 1's input). Steps 1..k are needed at
+    the last index only: their query sees all of step 0's keys and the chain's own keys at that index (``chain``,
+    cleared each round), exactly the training-time-test mask (``train.model``) read at one row.
+    """
+
+    def __init__(self) -> None:
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.extending = True
+        self.last = torch.empty(0)      # step 0's output at the last index (what step 1 reads)
+
+    @property
+    def indices(self) -> int:
+        return 0 if self.prefix is None else self.prefix[0].shape[2]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.extending:
+            self.prefix = (k, v) if self.prefix is None else (torch.cat([self.prefix[0], k], dim=2),
+                                                              torch.cat([self.prefix[1], v], dim=2))
+            # no causal mask: of the new rows only the last (which sees every key) is ever read
+            keys, values = self.prefix
+        else:
+            assert self.prefix is not None, "a chain step needs step 0's keys first"
+            self.chain.append((k, v))
+            keys = torch.cat([self.prefix[0], *(c[0] for c in self.chain)], dim=2)
+            values = torch.cat([self.prefix[1], *(c[1] for c in self.chain)], dim=2)
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype))
+
+
 class DraftProposer:
-    """Chain drafting with an :class:`~eagleflow.train.model.Eagle3Draft`, exactly its training-time step."""
+    """Chain drafting with an :class:`~eagleflow.train.model.Eagle3Draft`: its training-time step, read at the
+    last index, with a :class:`DraftKVCache` per decode (:meth:`start` begins one)."""
 
     def __init__(self, draft, aux_layers: list[int], device: torch.device):
         self.aux_layers = list(aux_layers)
@@ -137,22 +173,39 @@ class DraftProposer:
         self.device = device
         self.dtype = next(draft.fc.parameters()).dtype
         self.d2t = draft.d2t.to(device)
+        self.cache = DraftKVCache()
+
+    def start(self) -> None:
+        """A new decode: the kept keys belong to the last one."""
+        self.cache = DraftKVCache()
+
+    def _token(self, hidden: torch.Tensor) -> int:
+        d = int(self.draft.logits(hidden[:, -1]).argmax(-1)[0])
+        return d + int(self.d2t[d])          # draft vocabulary -> target id
 
     @torch.no_grad()
     def propose(self, tokens: list[int], aux: torch.Tensor, steps: int) -> list[int]:
-        """``steps`` draft tokens after ``tokens`` (length L), from aux states of positions 0..L-2."""
+        """``steps`` draft tokens after ``tokens`` (length L), from aux states of positions 0..L-2.
+
+        Step 0 runs over the indices committed since the last call (index t reads x_{t+1} and fc(aux_t) at
+        position t); step k at the last index n-1 reads the k-th token past it at position n-1+k."""
         n = len(tokens) - 1                  # draft indices 0..L-2
-        ext = list(tokens)
-        hidden = self.draft.fc(aux[:n].to(self.dtype).unsqueeze(0))
-        cache: list = []
-        drafts: list[int] = []
-        for k in range(steps):
-            tok = torch.tensor([ext[k + 1:k + 1 + n]], dtype=torch.long, device=self.device)
-            hidden = self.draft.step(tok, hidden, k, cache)
-            d = int(self.draft.logits(hidden[:, -1]).argmax(-1)[0])
-            d = d + int(self.d2t[d])         # draft vocabulary -> target id
-            drafts.append(d)
-            ext.append(d)
+        cache = self.cache
+        done = cache.indices
+        if done > n or n == 0:
+            raise ValueError(f"draft cache holds {done} indices, the decode {n}: call start() per decode")
+        cache.extending, cache.chain = True, []
+        if done < n:
+            ids = torch.tensor([tokens[done + 1:n + 1]], dtype=torch.long, device=self.device)
+            step0 = self.draft.step(ids, self.draft.fc(aux[done:n].to(self.dtype).unsqueeze(0)), done, cache)
+            cache.last = step0[:, -1:]
+        hidden = cache.last
+        drafts = [self._token(hidden)]
+        cache.extending = False
+        for k in range(1, steps):
+            ids = torch.tensor([[drafts[-1]]], dtype=torch.long, device=self.device)
+            hidden = self.draft.step(ids, hidden, n - 1 + k, cache)
+            drafts.append(self._token(hidden))
         return drafts
 
 
@@ -174,6 +227,7 @@ def speculative(target: Target, proposer: DraftProposer, prompt: list[int], max_
     verify = verify or verify_greedy
     t0 = time.perf_counter()
     cache = target.new_cache()
+    proposer.start()
 
     def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, aux = target.forward(ids, cache, proposer.aux_layers)

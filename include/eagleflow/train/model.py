@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +155,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 EXPLICIT_ATTENTION_MAX_LEN = 2048
 
 
+class Attender(Protocol):
+    """Attention over keys kept elsewhere: ``attend(q, k, v)`` gets this call's queries, keys and values
+    ([B, heads, T, head_dim], rope applied, KV heads repeated) and answers the attention output of the queries."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -207,8 +214,9 @@ class DraftAttention(nn.Module):
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [B, T, 2H]; ``cache`` holds (k, v) of the earlier TTT steps and gains this step's."""
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | Attender) -> torch.Tensor:
+        """x [B, T, 2H]; ``cache``: the (k, v) of the earlier TTT steps, gaining this step's (training and the
+        reference), or an :class:`Attender` that keeps keys its own way (the decoder's draft KV cache)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -218,9 +226,11 @@ class DraftAttention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        cache.append((k, v))
-        long = t > self.explicit_max_len
-        out = self._fused(q, cache) if long else self._explicit(q, cache)
+        if isinstance(cache, list):
+            cache.append((k, v))
+            out = self._fused(q, cache) if t > self.explicit_max_len else self._explicit(q, cache)
+        else:
+            out = cache.attend(q, k, v)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)
 
@@ -248,7 +258,7 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | Attender) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = self.self_attn(x, cos, sin, cache) + hidden
         return self.mlp(self.post_attention_layernorm(h)) + h
@@ -283,7 +293,7 @@ class Eagle3Draft(nn.Module):
         return rope_cos_sin(self.inv_freq, pos, dtype)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, offset: int,
-             cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+             cache: list[tuple[torch.Tensor, torch.Tensor]] | Attender) -> torch.Tensor:
         """One draft step over a whole sequence; returns the pre-norm output fed to the next step."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(input_ids.shape[1], offset, hidden.device, hidden.dtype)

@@ -1,0 +1,218 @@
+"""Drafts for a target with something to learn: the figures the demo's toy target cannot resolve.
+
+The target is ``eagleflow.learnable_target``'s: a 12-layer Llama trained on this CPU, once and cached under
+``.cache/learnable-target``, on the Python standard library's own source and docstrings shaped as chat records
+(tool calls included). On it, through the pipeline's own phases (``bench/pipeline_runs.py``: corpus, the hf
+capture server and workers, verify, train, export, evaluate with the hf backend's speculative decoding),
+every draft scored on the same held-out prompts (the full corpus's evaluation split, never trained on):
+
+1. **the draft**: held-out acceptance length at 3/1/4 and 7/1/8 and the wall-clock speed-up, target alone and
+   with the draft timed in pairs on the same prompts after a warm-up (``evaluate.speed``), medians and spread;
+2. **the data-size trend** (the EAGLE-3 paper's): the same training steps on 25 %, 50 % and 100 % of the
+   corpus (each source's first records: ``corpus.sources[].limit``), each its own capture;
+3. **the misnumbered-layer control**: the full draft served with every aux layer numbered one lower than it was
+   trained on (what an off-by-one between capture and serving numbering does; ``capture/aux_layers.py``);
+4. **fp8 vs full width**: drafts from the target-dtype store and from an ``fp8_e4m3`` store of the same corpus,
+   per seed, the difference of means and its paired spread.
+
+    .venv/bin/python bench/learnable_target.py [--steps 1200] [--seeds 1 2 3] [--json bench/results/learnable_target.json]
+
+The target's training (about 10-15 minutes on 2 cores) is paid once; the whole benchmark takes about an hour.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_runs import (REPO, capture_store, evaluate, train_export_evaluate,  # noqa: E402
+                           write_config)
+
+from eagleflow.learnable_target import ensure_learnable_target  # noqa: E402
+
+CONFIGS = ("3/1/4", "7/1/8")
+FIXED = "held_out_fixed"
+
+
+def base_config(root: Path, info: dict, a: argparse.Namespace) -> dict:
+    return {
+        "run_root": str(root / "runs"),
+        "target_model": info["target_model"],
+        "node": {"name": "local", "has_gpu": False, "state_dir": str(root / "state")},
+        "corpus": {"sources": [dict(s) for s in info["sources"]], "seed": 42, "max_length": a.max_length,
+                   "eval_fraction": a.eval_fraction},
+        "generate": {"enabled": False},
+        "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps"), "shards": 2,
+                    "ready_timeout_s": 300},
+        "watchdog": {"poll_interval_s": 2, "stall_after_s": 60, "startup_grace_s": 60},
+        "train": {"device": "cpu", "max_steps": a.steps, "batch_size": a.batch, "lr": a.lr, "warmup_steps": 20,
+                  "draft_vocab_size": a.draft_vocab, "checkpoint_every": a.steps, "log_every": 50,
+                  "eval_every": 0},
+        # held_out (this run's own split) is read at one prompt only: every draft is judged on the fixed set
+        "eval": {"max_prompts": 1, "max_new_tokens": a.max_new, "min_accept_length": 1.0, "baseline_draft": "none",
+                 "prompt_sets": [{"name": FIXED, "path": str(root / "held_out_fixed.jsonl"),
+                                  "max_prompts": a.prompts}]},
+    }
+
+
+def write_fixed_prompts(store_run_dir: str, out: Path) -> int:
+    """The full corpus's evaluation split as a JSONL prompt set (each record prompted before its last answer)."""
+    import pyarrow.parquet as pq
+    rows = pq.read_table(Path(store_run_dir) / "corpus" / "eval.parquet", columns=["id", "conversation"]).to_pylist()
+    out.write_text("".join(json.dumps({"id": r["id"], **json.loads(r["conversation"])}) + "\n" for r in rows))
+    return len(rows)
+
+
+def _fixed(rows: dict) -> dict:
+    return {c: rows[f"{FIXED}:{c}"] for c in CONFIGS}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1200, help="train.max_steps of every draft")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds of the full-data drafts "
+                    "per store (the fp8 comparison); the first is the one reported above it")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--eval-fraction", type=float, default=0.02)
+    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    t_all = time.time()
+    info = ensure_learnable_target(REPO / ".cache" / "learnable-target")
+    tr = info["training"]
+    print(f"target: {info['target_model']}: {tr['params'] / 1e6:.1f} M parameters, {info['records']} records "
+          f"({tr['corpus_tokens']:,} tokens) from {info['functions']} standard-library functions; "
+          f"LM loss {tr['first_loss']:.2f} -> {tr['final_loss']:.2f} over {tr['tokens_trained']:,} tokens in "
+          f"{tr['seconds'] / 60:.1f} min", flush=True)
+    root = Path(a.dir or tempfile.mkdtemp(prefix="eagleflow-learnable-"))
+    base = base_config(root, info, a)
+    out: dict = {"target": info, "args": vars(a), "sizes": {}, "stores": {}}
+
+    def config(name: str, fraction: float = 1.0, store: str = "auto") -> Path:
+        data = json.loads(json.dumps(base))
+        if fraction < 1.0:
+            for s in data["corpus"]["sources"]:   # JSONL: a record a line
+                s["limit"] = max(1, round(fraction * len(Path(s["path"]).read_text().splitlines())))
+        data["capture"]["store_dtype"] = store
+        return write_config(root / f"config-{name}.yaml", data)
+
+    # captures are kept in the work dir: a rerun with the same --dir (other steps, seeds) reuses them
+    stores_file = root / "stores.json"
+    stores: dict[str, dict] = json.loads(stores_file.read_text()) if stores_file.is_file() else {}
+
+    def store_of(fraction: float, store: str = "auto") -> tuple[Path, dict]:
+        name = f"{store}-{fraction:g}"
+        cfgp = config(name, fraction, store)
+        if name not in stores:
+            entry = capture_store(cfgp, f"cap-{name}")
+            print(f"[{name}] captured {entry['samples']} samples, {entry['tokens']:,} tokens, "
+                  f"{entry['stored_bytes'] / 2**20:,.0f} MiB in {entry['capture_s']:.0f} s", flush=True)
+            stores[name] = entry
+            stores_file.write_text(json.dumps(stores, indent=2))
+        return cfgp, stores[name]
+
+    full_cfg, full = store_of(1.0)
+    n_fixed = write_fixed_prompts(full["run_dir"], root / "held_out_fixed.jsonl")
+    print(f"held-out prompts: {min(n_fixed, a.prompts)} of the full corpus's {n_fixed} (never trained on)")
+
+    def draft(fraction: float, seed: int, store: str = "auto") -> dict:
+        cfgp, entry = store_of(fraction, store)
+        run = train_export_evaluate(cfgp, entry["run_dir"], f"{store}-{fraction:g}-{a.steps}-seed{seed}",
+                                    "--set", f"train.seed={seed}")
+        rows = _fixed(run["rows"])
+        print(f"[{store} {fraction:g} seed {seed}] " + ", ".join(
+            f"{c}: accept {r['accept_length']:.3f}, speed-up {r.get('speedup')}" for c, r in rows.items())
+            + f"; loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f} ({run['seconds']:.0f} s)", flush=True)
+        return {"samples": entry["samples"], "rows": rows, "final_loss": run["final_loss"],
+                "final_acc_0": run["final_acc_0"], "run_dir": run["run_dir"]}
+
+    seed0 = a.seeds[0]
+    for fraction in sorted(a.fractions):
+        out["sizes"][f"{fraction:g}"] = draft(fraction, seed0)
+    main_draft = out["sizes"][f"{max(a.fractions):g}"]
+
+    # the control: the full draft's export with every aux layer renamed one lower than what it was trained on
+    export = Path(main_draft["run_dir"]) / "draft" / "export"
+    wrong = root / "misnumbered-export"
+    shutil.copytree(export, wrong, dirs_exist_ok=True)
+    meta = json.loads((wrong / "eagleflow_export.json").read_text())
+    trained_on = list(meta["aux_layer_outputs"])
+    meta["aux_layer_outputs"] = [x - 1 for x in trained_on]
+    (wrong / "eagleflow_export.json").write_text(json.dumps(meta, indent=2))
+    out["misnumbered"] = {"trained_on": trained_on, "served_with": meta["aux_layer_outputs"],
+                          "rows": _fixed(evaluate(full_cfg, Path(main_draft["run_dir"]).name, draft=wrong))}
+
+    for store in ("auto",) + (() if a.no_fp8 else ("fp8_e4m3",)):
+        runs = {str(seed0): main_draft} if store == "auto" else {}
+        for seed in a.seeds:
+            if str(seed) not in runs:
+                runs[str(seed)] = draft(1.0, seed, store)
+        out["stores"][store] = {"bytes_per_token": stores[f"{store}-1"]["bytes_per_token"], "runs": runs}
+    report(out)
+    out["seconds"] = time.time() - t_all
+    print(f"\n{out['seconds'] / 60:.0f} min in all; work dir {root}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    if not a.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _spread(r: dict) -> str:
+    s = r.get("speedup_spread")
+    return f"{r['speedup']:.2f}x [{s[0]:.2f}..{s[1]:.2f}]" if r.get("speedup") and s else "n/a"
+
+
+def report(out: dict) -> None:
+    main_rows = out["sizes"][max(out["sizes"], key=float)]["rows"]
+    print("\nthe draft, full data, held-out prompts (acceptance = tokens per verify pass; speed-up = median of "
+          "per-prompt pairs, target alone / with the draft [min..max]):")
+    for c in CONFIGS:
+        r = main_rows[c]
+        print(f"  {c}: acceptance {r['accept_length']:.3f}, speed-up {_spread(r)} over {r.get('speedup_pairs')} "
+              f"pairs ({r['tokens_per_s']:.0f} vs {r['target_tokens_per_s']:.0f} tokens/s), lossless "
+              f"{'yes' if r['lossless'] else 'NO'}" + (f"; {r['speedup_note']}" if r.get("speedup_note") else ""))
+    print("\ndata-size trend (same steps; acceptance at " + " / ".join(CONFIGS) + "):")
+    for f, run in sorted(out["sizes"].items(), key=lambda kv: float(kv[0])):
+        print(f"  {float(f):>5.0%} of the corpus ({run['samples']:>5} samples): "
+              + " / ".join(f"{run['rows'][c]['accept_length']:.3f}" for c in CONFIGS)
+              + f"  (final loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f})")
+    m = out["misnumbered"]
+    print(f"\nmisnumbered control: trained on layers {m['trained_on']}, served with {m['served_with']}: "
+          + " / ".join(f"{m['rows'][c]['accept_length']:.3f}" for c in CONFIGS)
+          + " vs " + " / ".join(f"{main_rows[c]['accept_length']:.3f}" for c in CONFIGS))
+    if "fp8_e4m3" in out["stores"]:
+        a16, a8 = out["stores"]["auto"], out["stores"]["fp8_e4m3"]
+        seeds = sorted(set(a16["runs"]) & set(a8["runs"]), key=int)
+        print(f"\nfp8 store vs the target-dtype store ({a8['bytes_per_token'] / a16['bytes_per_token']:.3f} of its "
+              f"bytes a token), seeds {', '.join(seeds)}:")
+        table = {}
+        for c in CONFIGS:
+            v16 = [a16["runs"][s]["rows"][c]["accept_length"] for s in seeds]
+            v8 = [a8["runs"][s]["rows"][c]["accept_length"] for s in seeds]
+            paired = [y - x for x, y in zip(v16, v8)]
+            m16, m8 = statistics.mean(v16), statistics.mean(v8)
+            sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+            table[c] = {"auto": v16, "fp8": v8, "relative": (m8 - m16) / m16, "paired": paired,
+                        "paired_std": sd(paired), "auto_std": sd(v16), "fp8_std": sd(v8)}
+            print(f"  {c}: auto {m16:.3f} +- {sd(v16):.3f}, fp8 {m8:.3f} +- {sd(v8):.3f}: {(m8 - m16) / m16:+.2%} "
+                  f"(paired {', '.join(f'{x:+.3f}' for x in paired)}; std {sd(paired):.3f} = "
+                  f"{sd(paired) / m16:.2%} of auto)")
+        out["fp8_table"] = table
+
+
+if __name__ == "__main__":
+    sys.exit(main())
