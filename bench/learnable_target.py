@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import (REPO, capture_store, evaluate, train_export_evaluate,  # noqa: E402
-                           write_config)
+from pipeline_runs import (REPO, capture_store, evaluate, evaluated_again,  # noqa: E402
+                           train_export_evaluate, write_config)
+
+from eagleflow.config import load_config  # noqa: E402
 
 from eagleflow.learnable_target import ensure_learnable_target  # noqa: E402
 
@@ -130,8 +132,12 @@ def main() -> int:
 
     def draft(fraction: float, seed: int, store: str = "auto") -> dict:
         cfgp, entry = store_of(fraction, store)
-        run = train_export_evaluate(cfgp, entry["run_dir"], f"{store}-{fraction:g}-{a.steps}-seed{seed}",
-                                    "--set", f"train.seed={seed}")
+        run_id = f"{store}-{fraction:g}-{a.steps}-seed{seed}"
+        done = Path(str(load_config(cfgp).run_dir(run_id))) / "draft" / "export" / "config.json"
+        if done.is_file():   # a rerun with the same --dir: the draft is kept, only its evaluation is redone
+            run = evaluated_again(cfgp, run_id)
+        else:
+            run = train_export_evaluate(cfgp, entry["run_dir"], run_id, "--set", f"train.seed={seed}")
         rows = _fixed(run["rows"])
         print(f"[{store} {fraction:g} seed {seed}] " + ", ".join(
             f"{c}: accept {r['accept_length']:.3f}, speed-up {r.get('speedup')}" for c, r in rows.items())

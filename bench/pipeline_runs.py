@@ -98,7 +98,18 @@ def train_export_evaluate(config: Path, store_run_dir: str | Path, run_id: str, 
     t0 = time.time()
     tr = cli("train", *args)
     cli("export", *args)
-    rows = evaluate(config, run_id, *sets)
+    return _figures(rdir, evaluate(config, run_id, *sets), t0) | {"train_traceback": "Traceback" in tr.stderr}
+
+
+def evaluated_again(config: Path, run_id: str, *sets: str) -> dict:
+    """An exported draft's run evaluated again (train_export_evaluate's answer, without training)."""
+    from eagleflow.config import load_config
+    t0 = time.time()
+    rdir = Path(load_config(config).run_dir(run_id))
+    return _figures(rdir, evaluate(config, run_id, *sets), t0) | {"train_traceback": False}
+
+
+def _figures(rdir: Path, rows: dict, t0: float) -> dict:
     metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
     return {"rows": rows, "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
-            "seconds": time.time() - t0, "run_dir": str(rdir), "train_traceback": "Traceback" in tr.stderr}
+            "seconds": time.time() - t0, "run_dir": str(rdir)}

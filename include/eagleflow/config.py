@@ -469,10 +469,54 @@ class PipelineConfig(_Section):
                                  f"use backend {cpu_ok} on a CPU node")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fleet_resolved(cls, data: Any) -> Any:
+        """The fleet as data, before validation: each node's empty fields from the top level, and the top level
+        the view of one node (the one the node section names, else the training node): its connection as the
+        node section, its run_root, capture.dump_dir and gpu.select. Nothing is changed after validation, so
+        a validated config is what was read (a node's frozen view, run-config.<node>.json, reads back as itself)."""
+        if not isinstance(data, dict) or not isinstance(data.get("fleet"), dict) or not data["fleet"].get("nodes"):
+            return data
+        data = dict(data)
+        fleet = data["fleet"] = dict(data["fleet"])
+        nodes = [n.model_dump(exclude_unset=True) if isinstance(n, BaseModel) else n for n in fleet["nodes"]]
+        if not all(isinstance(n, dict) for n in nodes):
+            return data                       # field validation names what is not a node
+        capture = _section_data(data, "capture")
+        gpu = _section_data(data, "gpu")
+        run_root = data.get("run_root", cls.model_fields["run_root"].default)
+        dump_dir = capture.get("dump_dir", CaptureConfig.model_fields["dump_dir"].default)
+        select = list(gpu.get("select") or [])
+        filled = []
+        for n in nodes:
+            n = dict(n)
+            n["run_root"] = n.get("run_root") or run_root
+            n["dump_dir"] = n.get("dump_dir") or dump_dir
+            n["gpus"] = select if n.get("gpus") is None else n["gpus"]
+            if isinstance(n.get("name"), str) and isinstance(n["run_root"], str):
+                n["state_dir"] = n.get("state_dir") or f"{n['run_root'].rstrip('/')}/.node-state/{n['name']}"
+            filled.append(n)
+        fleet["nodes"] = filled
+        names = [n.get("name") for n in filled]
+        if fleet.get("training_node") is None and names and isinstance(names[0], str):
+            fleet["training_node"] = names[0]
+        node = data.get("node")
+        name = (node.get("name", "local") if isinstance(node, dict) else getattr(node, "name", None)) \
+            if "node" in data else fleet.get("training_node")
+        entry = next((n for n in filled if n.get("name") == name), None)
+        if entry is None:
+            return data                       # the after-validator names the node that is not in the fleet
+        data["node"] = {k: entry[k] for k in NodeConfig.model_fields if k in entry}
+        data["run_root"] = entry["run_root"]
+        data["capture"] = capture | {"dump_dir": entry["dump_dir"]}
+        data["gpu"] = gpu | {"select": entry["gpus"]}
+        return data
+
     @model_validator(mode="after")
     def _fleet_is_complete(self) -> "PipelineConfig":
-        """Each fleet node complete (its empty fields from the top level), and the top level the training
-        node's view, so every task that is not a node's own talks to the training node."""
+        """The fleet checked: its training node and the nodes a run uses among its nodes, the node section one
+        of them, a GPU engine only on GPU nodes (the fleet was resolved by _fleet_resolved)."""
         fleet = self.fleet
         if not fleet.nodes:
             if fleet.use not in (None, [self.node.name]):
@@ -483,19 +527,13 @@ class PipelineConfig(_Section):
                                  "(there are none); list the nodes under fleet.nodes or remove training_node")
             return self
         names = [n.name for n in fleet.nodes]
-        if fleet.training_node is None:
-            fleet.training_node = names[0]
         if fleet.training_node not in names:
             raise ValueError(f"fleet.training_node {fleet.training_node!r} is not one of fleet.nodes "
                              f"({', '.join(names)}); name one of them")
-        if "node" in self.model_fields_set and self.node.name not in names:
+        if self.node.name not in names:
             raise ValueError(f"with fleet.nodes, the node section is set from fleet.nodes (the training node's, "
                              f"or a node's own view); node.name {self.node.name!r} is none of them: remove it")
         for n in fleet.nodes:
-            n.run_root = n.run_root or self.run_root
-            n.dump_dir = n.dump_dir or self.capture.dump_dir
-            n.gpus = list(self.gpu.select) if n.gpus is None else n.gpus
-            n.state_dir = n.state_dir or f"{n.run_root.rstrip('/')}/.node-state/{n.name}"
             for field, name in self._gpu_engines():
                 if not n.has_gpu:
                     raise ValueError(f"fleet node {n.name!r} has has_gpu false, but {field} is {name!r}, "
@@ -508,8 +546,6 @@ class PipelineConfig(_Section):
             if fleet.training_node not in fleet.use:
                 raise ValueError(f"fleet.use {fleet.use} leaves out the training node {fleet.training_node!r}, "
                                  "which prepares the corpus and trains; keep it in")
-        # a node's view (frozen as run-config.<node>.json) names its node: loading it keeps that node's view
-        self._apply_node(self.node.name if "node" in self.model_fields_set else fleet.training_node)
         return self
 
     def nodes_in_use(self) -> list[FleetNodeConfig]:
@@ -519,17 +555,6 @@ class PipelineConfig(_Section):
                                     dump_dir=self.capture.dump_dir)]
         use = self.fleet.use
         return [n for n in self.fleet.nodes if use is None or n.name in use]
-
-    def _apply_node(self, name: str) -> None:
-        entry = next(n for n in self.fleet.nodes if n.name == name)
-        # straight into __dict__: an assignment would validate the whole config again, and with it this
-        self.__dict__["node"] = NodeConfig(**{k: getattr(entry, k) for k in NodeConfig.model_fields})
-        self.__dict__["run_root"] = entry.run_root
-        if entry.dump_dir is None or entry.gpus is None:   # the fleet validator filled both in
-            raise ConfigError(f"fleet node {name}: dump_dir or gpus is unset; build the config with "
-                              "load_config, whose validation fills them from capture.dump_dir and gpu.select")
-        self.capture.dump_dir = entry.dump_dir
-        self.gpu.select = list(entry.gpus)
 
     @property
     def is_fleet(self) -> bool:
@@ -545,8 +570,8 @@ class PipelineConfig(_Section):
             return self.model_copy(deep=True)
         if name not in [n.name for n in self.fleet.nodes]:
             raise ConfigError(f"node {name!r} is not in this run's fleet ({', '.join(self.fleet_node_names())})")
-        view = self.model_copy(deep=True)
-        view._apply_node(name)
+        view = PipelineConfig.model_validate(self.model_dump() | {"node": {"name": name}})
+        view.source_path = self.source_path
         return view
 
     @overload
@@ -577,6 +602,12 @@ class PipelineConfig(_Section):
         if self.node.state_dir:
             return self.resolve(self.node.state_dir)
         return self.resolve(self.run_root) / ".node-state"
+
+
+def _section_data(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """A section of raw config data as a plain dict (it may be absent, or a validated section)."""
+    section = data.get(key) or {}
+    return section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section)
 
 
 def check_run_name(value: str, field: str) -> str:

@@ -56,6 +56,7 @@ TORCH_APIS.update({f"torch.{name}": "2.0" for name in "cumsum empty full_like in
 TORCH_APIS["torch.float8_e4m3fn"] = "2.1"   # PyTorch 2.1 release notes: float8_e4m3fn and float8_e5m2 dtypes
 TORCH_APIS["torch.from_numpy"] = "2.0"      # the training reader's reused host buffers (in torch 2.0's API reference)
 TORCH_APIS["torch.frombuffer"] = "2.0"      # a RawTensor's bytes as a tensor (in torch 2.0's API reference; since 1.10)
+TORCH_APIS["torch.randperm"] = "2.0"       # the learnable target's block order (in torch 2.0's API reference)
 
 # Measured with transformers 5.17.0 (wheel from PyPI installed beside this venv's torch 2.13.0).
 TRANSFORMERS_NAMES_5_17 = {"AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "LlamaConfig", "LlamaForCausalLM",

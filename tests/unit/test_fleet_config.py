@@ -53,6 +53,29 @@ def test_a_fleet_node_entry_is_completed_and_the_top_level_is_the_training_node(
     assert run_assignment(cfg) == {"a": [0, 1, 2, 3], "b": [4, 5]} and shards_of(view, "b") == [4, 5]
 
 
+def test_the_fleet_is_resolved_as_data_before_validation_never_written_into_a_validated_config():
+    """No validator changes a config after validation (issue 39: the old one wrote the node view into
+    ``__dict__``): the input is left as it was, each view is a config of its own that dumps and validates back to
+    itself, and asking for one view leaves the config it came from as it was."""
+    import ast
+    import copy
+    data = {"target_model": "/m", "run_root": "/ra", "capture": {"dump_dir": "/d"},
+            "fleet": {"nodes": [{"name": "a", "conn_id": "node_a"}, {"name": "b", "run_root": "/rb"}]}}
+    before = copy.deepcopy(data)
+    cfg = load_config(data=data)
+    assert data == before
+    training = cfg.model_dump()
+    view = cfg.node_view("b")
+    assert cfg.model_dump() == training and view is not cfg
+    for c in (cfg, view):
+        assert type(c).model_validate(c.model_dump()).model_dump() == c.model_dump()
+    assert (view.node.name, view.run_root, view.capture.dump_dir) == ("b", "/rb", "/d")
+    source = (REPO / "include" / "eagleflow" / "config.py").read_text()
+    writes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Subscript)
+              and isinstance(n.value, ast.Attribute) and n.value.attr == "__dict__"]
+    assert not writes, "a validator writes __dict__ again"
+
+
 def test_generation_shards_are_shared_out_by_the_same_rule_only_when_generation_is_on():
     off = fleet_cfg()
     assert run_assignment(off, "generate") == {"a": [], "b": []}
