@@ -103,7 +103,8 @@ def bench_throughput(root: Path, n: int, hidden: int, layers: int, tokens: int, 
                      rounds: int = 3, in_flight: int = 4) -> dict:
     import yaml
 
-    from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.heartbeat import Heartbeat
     from eagleflow.layout import RunLayout

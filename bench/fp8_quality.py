@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import REPO, capture_store, train_export_evaluate, write_config  # noqa: E402
+from pipeline_runs import REPO, capture_store, finish, train_export_evaluate, write_config  # noqa: E402
 
 import yaml  # noqa: E402
 
@@ -104,13 +104,7 @@ def main() -> int:
     results["corpus_sha256"] = next(iter(corpus_digest.values()))
     if len(results["stores"]) == len(STORES):
         table(results)
-    print(f"\n{time.time() - t_all:.0f} s in all; work dir {root}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
-    if not a.dir:
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return finish(results, t_all, root, a.json, keep=bool(a.dir))
 
 
 def table(results: dict) -> None:

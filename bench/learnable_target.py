@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import (REPO, capture_store, evaluate, evaluated_again,  # noqa: E402
+from pipeline_runs import (REPO, capture_store, evaluate, evaluated_again, finish,  # noqa: E402
                            train_export_evaluate, write_config)
 
 from eagleflow.config import load_config  # noqa: E402
@@ -168,13 +168,7 @@ def main() -> int:
                 runs[str(seed)] = draft(1.0, seed, store)
         out["stores"][store] = {"bytes_per_token": stores[f"{store}-1"]["bytes_per_token"], "runs": runs}
     report(out)
-    out["seconds"] = time.time() - t_all
-    print(f"\n{out['seconds'] / 60:.0f} min in all; work dir {root}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-    if not a.dir:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return finish(out, t_all, root, a.json, keep=bool(a.dir))
 
 
 def _spread(r: dict) -> str:

@@ -44,8 +44,8 @@ def _manifest_rows(hidden_states: Path) -> list[dict]:
 
 def capture_store(config: Path, run: str) -> dict:
     """Corpus, capture and verification of one run; its figures (samples, tokens, bytes, seconds, digest)."""
-    from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, stop_capture_server,
-                                             wait_capture_server_ready)
+    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout
 
@@ -113,3 +113,15 @@ def _figures(rdir: Path, rows: dict, t0: float) -> dict:
     metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
     return {"rows": rows, "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
             "seconds": time.time() - t0, "run_dir": str(rdir)}
+
+
+def finish(results: dict, started: float, root: Path, json_path: str | None, keep: bool) -> int:
+    """A benchmark's end: its wall time, its JSON (when asked) and its work dir removed unless kept (--dir)."""
+    results["seconds"] = round(time.time() - started, 1)
+    print(f"\n{results['seconds'] / 60:.0f} min in all; work dir {root}{'' if keep else ' (removed)'}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+    if not keep:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

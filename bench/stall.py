@@ -52,8 +52,9 @@ sys.path.insert(0, str(REPO))
 from eagleflow.airflow.runtime import RunContext  # noqa: E402
 from eagleflow.airflow.shard_watch import ShardWatchTrigger  # noqa: E402
 from eagleflow.capture.hf_server import DELAY_ENV, DELAY_FILE_ENV, HANG_FILE_ENV  # noqa: E402
-from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker,  # noqa: E402
-                                         stop_capture_server, stop_worker, wait_capture_server_ready)
+from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
+                                         stop_worker, wait_capture_server_ready)
+from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config  # noqa: E402
 from eagleflow.demo_assets import ensure_demo_assets  # noqa: E402
 from eagleflow.heartbeat import Heartbeat  # noqa: E402

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
+from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.worker import GIVE_UP_FACTOR, request_deadline
 from eagleflow.capture.storage import SAMPLE_SUFFIX, read_sample

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
+from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout

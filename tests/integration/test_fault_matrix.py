@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture.lifecycle import LocalRun, start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.local_run import LocalRun
 from eagleflow.capture.verify import RECORD_FILE
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout

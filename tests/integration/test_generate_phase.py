@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.capture.lifecycle import LocalRun
+from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.generate.lifecycle import start_generate_server, stop_generate_server, wait_generate_server_ready
 from eagleflow.generate.phase import regenerated_sources

@@ -15,8 +15,9 @@ import yaml
 
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
-from eagleflow.capture.lifecycle import (LocalRun, start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          wait_capture_server_ready)
+from eagleflow.local_run import LocalRun
 from eagleflow.capture.storage import FAULT_AFTER_ENV, FAULT_ENV
 from eagleflow.config import load_config
 from eagleflow.generate import lifecycle as gen

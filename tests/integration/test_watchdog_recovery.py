@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.lifecycle import (LocalRun, capture_server_healthy, server_info,
-                                         start_capture_server, stop_capture_server, wait_capture_server_ready)
+from eagleflow.capture.lifecycle import (capture_server_healthy, server_info, start_capture_server,
+                                         stop_capture_server, wait_capture_server_ready)
+from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import read_proc_state

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from eagleflow.capture.lifecycle import LocalRun
+from eagleflow.local_run import LocalRun
 from eagleflow.layout import RunLayout
 from eagleflow.watchdog.recovery import _free_and_verify_gpus
 from tests.fixtures.gpu_scenarios import fake_smi_env, gpu, write_scenario

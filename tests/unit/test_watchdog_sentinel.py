@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture.lifecycle import LocalRun, ensure_sentinel
+from eagleflow.capture.lifecycle import ensure_sentinel
+from eagleflow.local_run import LocalRun
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode
 from eagleflow.nodes.process_record import read_record

@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 
 def _local_run(args):
-    from .lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     cfg, layout = run_from_args(args)
     return LocalRun(cfg=cfg, layout=layout, config_path=args.config)
 

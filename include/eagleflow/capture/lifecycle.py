@@ -3,7 +3,7 @@
 Works through ``eagleflow.nodes.Node`` primitives only, so the same calls serve
 a LocalNode, an SSHNode, the Airflow operators and the watchdog's recovery.
 ``ctx`` is anything with ``cfg``, ``layout``, ``node`` and ``eagleflow_argv``
-(``eagleflow.airflow.runtime.RunContext`` or ``LocalRun`` below).
+(``eagleflow.airflow.runtime.RunContext`` or ``eagleflow.local_run.LocalRun``).
 
 Pid records, their proof of ownership and the one stop are
 ``eagleflow.nodes.process_record``, checked and run on the node through
@@ -16,14 +16,13 @@ import json
 import os
 import shlex
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from eagleflow.config import PipelineConfig
-from eagleflow.layout import RunLayout, RunLike
-from eagleflow.nodes import JobAlreadyRunning, LocalNode, Node, ProcessRecord
+from eagleflow.layout import RunLike
+from eagleflow.nodes import JobAlreadyRunning, LocalNode, ProcessRecord
 from eagleflow.phases import EXTRACT, KINDS
 
 from .client import CaptureServerError, health_generate
@@ -33,24 +32,6 @@ SERVER_ROLE = KINDS[EXTRACT].server_role
 
 class CaptureServerNotReady(RuntimeError):
     """The server died while loading or did not answer /health_generate in time."""
-
-
-@dataclass
-class LocalRun:
-    """A RunLike for CLI commands that run on the node itself."""
-    cfg: PipelineConfig
-    layout: RunLayout
-    config_path: str
-    _node: Node | None = None
-
-    @property
-    def node(self) -> Node:
-        if self._node is None:
-            self._node = LocalNode(name=self.cfg.node.name)
-        return self._node
-
-    def eagleflow_argv(self, *args: str) -> list[str]:
-        return self.node.eagleflow_argv(*args, "--config", self.config_path, "--run-id", self.layout.run_id)
 
 
 def worker_role(shard: int) -> str:

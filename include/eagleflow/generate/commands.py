@@ -53,7 +53,7 @@ def register(sub) -> None:
 
 
 def _local(args):
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     cfg, layout = run_from_args(args)
     return LocalRun(cfg=cfg, layout=layout, config_path=args.config)
 

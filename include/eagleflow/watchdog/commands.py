@@ -124,7 +124,7 @@ def _watch(args) -> int:
 
 
 def _recover(args) -> int:
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     from .recovery import recover_capture_server
 
     cfg, layout = run_from_args(args)
@@ -194,7 +194,7 @@ def _reconcile_scan(args) -> int:
 
 
 def _reconcile_claim(args) -> int:
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     from .reconcile import claim
 
     cfg, layout = run_from_args(args)
@@ -228,7 +228,7 @@ def _shards_of_run(args, cfg, prog: str) -> bool:
 
 
 def _reconcile_hand_over(args) -> int:
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     from .reconcile import hand_over
 
     cfg, layout = run_from_args(args)
@@ -242,7 +242,7 @@ def _reconcile_hand_over(args) -> int:
 def _reconcile_states(args) -> int:
     from dataclasses import asdict
 
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     from .reconcile import shard_state
 
     cfg, layout = run_from_args(args)
@@ -255,7 +255,7 @@ def _reconcile_states(args) -> int:
 
 
 def _reconcile_release(args) -> int:
-    from eagleflow.capture.lifecycle import LocalRun
+    from eagleflow.local_run import LocalRun
     from .reconcile import release
 
     cfg, layout = run_from_args(args)

@@ -43,7 +43,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleflow.capture.lifecycle import SERVER_ROLE, LocalRun
+from eagleflow.capture.lifecycle import SERVER_ROLE
+from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
