@@ -144,7 +144,7 @@ def write_demo_sources(out: Path, n_per_source: int = 48, seed: int = 7) -> list
             {"name": "parquet", "path": str(parquet)}]
 
 
-def _chat_ids(tok: Any, conv: Conversation) -> list[int]:
+def chat_ids(tok: Any, conv: Conversation) -> list[int]:
     """``conv``'s token ids as the chat template renders it. ``tok``: a transformers tokenizer, whose
     apply_chat_template is annotated without return_dict (with it, the answer is a BatchEncoding)."""
     ids: list[int] = tok.apply_chat_template(conv.messages, tools=conv.tools, tokenize=True,
@@ -152,23 +152,28 @@ def _chat_ids(tok: Any, conv: Conversation) -> list[int]:
     return ids
 
 
-def _records(source_dir: Path) -> list[Conversation]:
-    """The demo's JSONL records, normalised (messages and tools as the chat template gets them)."""
+def read_conversations(source_dir: Path) -> list[Conversation]:
+    """The JSONL records under ``source_dir``, normalised (messages and tools as the chat template gets them)."""
     from eagleflow.corpus.normalise import normalise_conversation
     return [normalise_conversation(json.loads(line)) for p in sorted(source_dir.glob("*.jsonl"))
             for line in p.read_text().splitlines()]
 
 
-def _texts_for_tokenizer(source_dir: Path) -> list[str]:
+def conversation_texts(conversations: list[Conversation]) -> list[str]:
+    """Every text a tokenizer should learn from the conversations: contents, reasoning, tool calls, tools."""
     texts = []
-    for conv in _records(source_dir):
+    for conv in conversations:
         texts += [json.dumps(t["function"]) for t in conv.tools or []]
         for m in conv.messages:
-            texts += [m["content"], m.get("reasoning_content", "")]
+            texts += [m.get("content") or "", m.get("reasoning_content", "")]
             texts += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
                       for c in m.get("tool_calls", [])]
-    return texts + ["system", "user", "assistant", "tool", "Tools:", "<think>", "</think>", "<tool_call>",
-                    "</tool_call>"] + WORDS
+    return texts
+
+
+def _texts_for_tokenizer(source_dir: Path) -> list[str]:
+    return conversation_texts(read_conversations(source_dir)) + [
+        "system", "user", "assistant", "tool", "Tools:", "<think>", "</think>", "<tool_call>", "</tool_call>"] + WORDS
 
 
 def build_tokenizer(source_dir: Path, out: Path, vocab_size: int = 1024) -> None:
@@ -265,7 +270,7 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     build_tokenizer(src_dir, model_dir)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    conversations = [_chat_ids(tok, c) for c in _records(src_dir)]
+    conversations = [chat_ids(tok, c) for c in read_conversations(src_dir)]
     build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
     info = {"version": ASSETS_VERSION, "fitted": fit_target, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))

@@ -162,31 +162,6 @@ def write_sources(out: Path, functions: list[Function]) -> list[dict]:
     return entries
 
 
-def _texts(sources: list[dict]) -> list[str]:
-    from eagleflow.corpus.normalise import normalise_conversation
-    texts = []
-    for s in sources:
-        for line in Path(s["path"]).read_text().splitlines():
-            conv = normalise_conversation(json.loads(line))
-            texts += [json.dumps(t["function"]) for t in conv.tools or []]
-            for m in conv.messages:
-                texts += [m.get("content") or "", m.get("reasoning_content", "")]
-                texts += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                          for c in m.get("tool_calls", [])]
-    return texts
-
-
-def _chat_ids(tok: Any, sources: list[dict]) -> list[list[int]]:
-    from eagleflow.corpus.normalise import normalise_conversation
-    out = []
-    for s in sources:
-        for line in Path(s["path"]).read_text().splitlines():
-            conv = normalise_conversation(json.loads(line))
-            out.append(tok.apply_chat_template(conv.messages, tools=conv.tools, tokenize=True,
-                                               return_dict=True)["input_ids"])
-    return out
-
-
 def train_target(model_dir: Path, sequences: list[list[int]], shape: TargetShape, vocab_size: int,
                  log: Callable[[str], None] = print) -> dict:
     """Plain causal-LM training on the sequences packed end to end into blocks; returns its figures."""
@@ -245,7 +220,7 @@ def train_target(model_dir: Path, sequences: list[list[int]], shape: TargetShape
 def ensure_learnable_target(root: str | Path, shape: TargetShape = TargetShape(),
                             log: Callable[[str], None] = print) -> dict:
     """Sources, tokenizer and trained target under ``root``; returns assets.json's content."""
-    from eagleflow.demo_assets import train_tokenizer
+    from eagleflow.demo_assets import chat_ids, conversation_texts, read_conversations, train_tokenizer
     root = Path(root).resolve()
     marker = root / "assets.json"
     if marker.is_file():
@@ -257,11 +232,12 @@ def ensure_learnable_target(root: str | Path, shape: TargetShape = TargetShape()
         raise RuntimeError(f"only {len(functions)} documented functions found under {stdlib_root()}; the "
                            "learnable target needs the interpreter's standard-library sources (Lib/*.py)")
     sources = write_sources(root / "sources", functions)
+    conversations = read_conversations(root / "sources")
     model_dir = root / "target"
-    train_tokenizer(_texts(sources), model_dir, vocab_size=shape.vocab_size)
+    train_tokenizer(conversation_texts(conversations), model_dir, vocab_size=shape.vocab_size)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    sequences = _chat_ids(tok, sources)
+    sequences = [chat_ids(tok, c) for c in conversations]
     log(f"{len(functions)} functions from {stdlib_root()}: {len(sequences)} records, "
         f"{sum(map(len, sequences)):,} tokens")
     figures = train_target(model_dir, sequences, shape, vocab_size=len(tok), log=log)
