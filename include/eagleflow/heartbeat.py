@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 from .durable import atomic_write
+from .stop_signal import start_helper_thread
 
 HeartbeatState = Literal["starting", "running", "complete", "failed"]
 
@@ -132,8 +133,7 @@ class HeartbeatWriter:
 
     def start(self) -> "HeartbeatWriter":
         self.flush()
-        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
-        self._thread.start()
+        self._thread = start_helper_thread(self._loop, name="heartbeat")
         return self
 
     def _loop(self) -> None:

@@ -73,3 +73,57 @@ def test_other_failures_keep_their_own_text_or_type():
         pass
     assert failure_text(OwnError("shard 1: disk full; free space"), OwnError) == "shard 1: disk full; free space"
     assert failure_text(KeyError("x"), OwnError) == "KeyError: 'x'"
+
+
+# A worker's shape: helper threads that keep running, a main thread waiting on one of them in a long join.
+HELPERS = r"""
+import sys, threading, time
+from eagleflow.stop_signal import start_helper_thread, stop_on_term
+
+stop_on_term("shard 3", "stored samples are kept")
+def spin():
+    while True:
+        sum(range(2000))   # runnable, so a helper is first to run when the process is continued
+try:
+    helpers = [start_helper_thread(spin, name=f"capture-{k}") for k in range(4)]
+    print("ready", flush=True)
+    helpers[0].join(60)   # a worker's join(0.2), long enough here that only an interrupted wait ends it in time
+except BaseException as e:
+    print(f"{type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+sys.exit(0)
+"""
+
+
+def test_a_stop_sent_to_a_stopped_worker_interrupts_its_main_threads_wait_at_once():
+    """The recovery's stop (SIGTERM to a frozen worker, then SIGCONT): while every thread is stopped the signal
+    waits for the process, and the first thread to run takes it. Helpers block it, so the main thread does,
+    and its wait ends at once; had a helper taken it, the main thread would learn of it only when its join
+    returned (a sample stored per helper meanwhile, the CI failure of test_capture_worker_stop)."""
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", HELPERS], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            # parked in its join first: a signal that lands as the main thread is entering its wait is seen only
+            # when the wait ends (CPython checks for handlers before a lock's wait, not in it)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGCONT)
+            t0 = time.monotonic()
+            out = proc.communicate(timeout=50)[0]
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        assert proc.returncode == 3 and "Stopped: shard 3: stopped by SIGTERM" in out, out
+        assert took < 30, f"the main thread learnt of the stop {took:.1f} s late: a helper took the signal"
+
+
+def test_a_helper_thread_blocks_the_stop_signals_and_its_creator_keeps_its_own_mask():
+    from eagleflow.stop_signal import STOP_SIGNALS, start_helper_thread
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    seen: list[set] = []
+    start_helper_thread(lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])), name="probe").join(10)
+    assert STOP_SIGNALS <= seen[0]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.stop_signal import failure_text
+from eagleflow.stop_signal import failure_text, start_helper_thread
 
 from .client import CaptureServerError, CaptureTimeout, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
@@ -246,11 +246,8 @@ class ShardWorker:
             work.put(smp)
         writer = SampleWriter(shard_dir, fsync=s.fsync, store_dtype=s.store_dtype)
         with ManifestWriter(shard_dir / "manifest.jsonl", fsync=s.fsync) as manifest:
-            threads = [threading.Thread(target=self._loop, args=(work, writer, manifest, hbw),
-                                        name=f"capture-{k}", daemon=True)
+            threads = [start_helper_thread(self._loop, work, writer, manifest, hbw, name=f"capture-{k}")
                        for k in range(min(s.in_flight, len(todo)))]
-            for t in threads:
-                t.start()
             try:
                 for t in threads:
                     while t.is_alive() and self._error is None:

@@ -32,7 +32,7 @@ from eagleflow.capture.storage import file_sha256, remove_temp_files
 from eagleflow.corpus.normalise import BadRecord, Conversation
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.stop_signal import failure_text
+from eagleflow.stop_signal import failure_text, start_helper_thread
 
 from .regenerate import BAD, Generation, RecordBuilder, RecordResult, Sampling, TemplateError
 
@@ -286,10 +286,8 @@ class GenerateWorker:
         for r in todo:
             q.put(r)
         with ManifestWriter(shard_dir / MANIFEST, fsync=s.fsync) as manifest:
-            threads = [threading.Thread(target=self._loop, args=(q, manifest, hbw), daemon=True,
-                                        name=f"generate-{k}") for k in range(min(s.concurrency, len(todo)))]
-            for t in threads:
-                t.start()
+            threads = [start_helper_thread(self._loop, q, manifest, hbw, name=f"generate-{k}")
+                       for k in range(min(s.concurrency, len(todo)))]
             try:
                 for t in threads:
                     while t.is_alive() and self._error is None:
