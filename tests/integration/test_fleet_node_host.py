@@ -115,16 +115,26 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
 OUTAGE_S = 22.0   # longer than the unreachable bound (stall_after 4 + 2 x poll 1 = 6 s) plus dead-link detection
 
 
+# paramiko's read-ahead thread dies with the connection and leaves a traceback: expected here
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path, airflow_db, demo_assets,
-                                                                         node_host_fixture, monkeypatch):  # noqa: F811
-    """n2's cable is pulled while one of its shards extracts, for longer than the unreachable bound: the watch
+def test_a_partition_mid_shard_and_a_cut_mid_transfer_lose_and_duplicate_nothing(tmp_path, airflow_db, demo_assets,
+                                                                                 node_host_fixture, monkeypatch):  # noqa: F811
+    """Two network faults of n2 in one run (n2's capture server and workers in the node host's namespace, the
+    corpus out to n2 and n2's shards back to n1 over SFTP).
+
+    n2's cable is pulled while one of its shards extracts, for longer than the unreachable bound: the watch
     mails UNREACHABLE naming the shard and n2 (never STALLED), n2's worker goes on storing, the shard completes
-    in the same try once n2 answers again (REACHABLE again), and the training node holds every sample once."""
+    in the same try once n2 answers again (REACHABLE again). Later n2's SSH connections are killed while
+    collect_shards streams the third file of shard 3 (one piece of it written): that try fails (a retry mail),
+    its retry continues the partial files instead of sending them again. The run is green, the training node
+    holds every sample once and n2's files are identical there."""
+    import hashlib
     import threading
 
     from eagleflow.capture.hf_server import DELAY_FILE_ENV
+    from eagleflow.fleet import transfer
     from tests.fixtures.processes import kill_recorded
     from tests.fixtures.smtp import SmtpSink
     host = node_host_fixture
@@ -137,6 +147,7 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     cfg_path.write_text(yaml.safe_dump(cfg))
     other = tmp_path / "runs-n2" / "fleet-part"
     cut: dict = {}
+    transfer_cut = cut_shard_transfer(monkeypatch, host, shard=3, nth_file=3)
 
     def partition():
         try:
@@ -161,6 +172,7 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
             monkeypatch.setenv(k, v)
         thread.start()
         try:
+            in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
             dr, _ = run_pipeline(cfg_path, "fleet-part")
         finally:
             done.set()
@@ -176,6 +188,9 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
     hit = tis[("n2.extract_shard", cut["shard"] - 2)]
     assert hit.try_number == 1, "a partition must not cost a task try"
     assert tis[("n1.extract_shard", 0)].state == tis[("n1.extract_shard", 1)].state == "success"
+    assert states(tis)[("n2.gpus_idle", -1)] == "success"
+    # n2's capture server and both its shard workers ran inside the node host's namespace
+    assert {"capture_server", "worker_shard_00002", "worker_shard_00003"} <= in_ns, in_ns
     subjects = [m["Subject"] for m in smtp.messages]
     assert not [s for s in subjects if "STALLED" in s or "DEAD" in s or "FAILED" in s], subjects
     assert f"[eagleflow] UNREACHABLE shard {cut['shard']}/4 on n2" in subjects, subjects
@@ -183,9 +198,65 @@ def test_a_partition_of_one_node_mid_shard_loses_and_duplicates_nothing(tmp_path
         subjects
     assert cut["stored_at_restore"] > cut["stored"], cut    # n2's worker stored on while nobody could see it
     home = tmp_path / "runs" / "fleet-part"
+    # the cut: the first try of n2's collect failed, its retry continued the partial files
+    assert transfer_cut.get("sessions"), f"the cut never happened (files of shard 3 seen: {transfer_cut['seen']})"
+    assert tis[("n2.collect_shards", -1)].try_number == 2, "the cut should have failed the first try"
+    assert "[eagleflow] RETRYING task n2.collect_shards of eagle3_pipeline" in subjects, subjects
+    assert not [k for k, t in tis.items() if k[0] == "take_over_shard" and t.state == "success"]  # nothing to take
+    assert (other / "corpus" / "corpus.parquet").is_file()            # the corpus went out to n2
+    assert not (other / "hidden_states" / "shard_00000").exists()     # n1's shards never did
+    shard3 = [rep for src_dir, rep in transfer_cut["reports"] if src_dir.endswith("shard_00003")]
+    assert len(shard3) == 1, transfer_cut["reports"]   # the first try's copy of shard 3 raised: no report
+    sizes = sum(p.stat().st_size for p in (other / "hidden_states" / "shard_00003").glob("*.safetensors"))
+    # the retry sent only what the cut try had not: the partials (two whole files and a piece) were continued
+    assert shard3[0].bytes_resumed >= transfer_cut["written"] and shard3[0].bytes_copied < sizes, (shard3, sizes)
+    assert not (home / "hidden_states" / "shard_00003" / transfer.PARTIAL).exists() or \
+        not list((home / "hidden_states" / "shard_00003" / transfer.PARTIAL).iterdir())
+    for k in (2, 3):
+        src = other / "hidden_states" / f"shard_{k:05d}"
+        for f in src.iterdir():
+            if f.is_file() and f.name != "heartbeat.json":
+                got = home / "hidden_states" / f"shard_{k:05d}" / f.name
+                assert hashlib.sha256(got.read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), got
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
+    assert (home / "draft" / "export" / "model.safetensors").is_file()
+
+
+def states(tis: dict) -> dict:
+    return {k: t.state for k, t in tis.items()}
+
+
+def cut_shard_transfer(monkeypatch, host, *, shard: int, nth_file: int) -> dict:
+    """Kill the node host's SSH connections once, while the fleet's copy streams the ``nth_file``-th file of
+    ``shard``'s folder (one piece of it written first); copies run in 8 KiB pieces so the cut lands inside a
+    file. Returns what happened: the files seen, the sessions killed, the bytes written, each copy's report."""
+    from eagleflow.fleet import transfer
+    real_copy, real_stream = transfer.copy_dir, transfer._stream
+    cut: dict = {"seen": [], "reports": []}
+    tag = f"shard_{shard:05d}"
+
+    def copy_in_small_pieces(src, src_dir, dst, dst_dir, **kw):
+        kw["chunk_bytes"] = 8 << 10   # the shard files are 20-130 KB: the cut lands inside one
+        rep = real_copy(src, src_dir, dst, dst_dir, **kw)
+        cut["reports"].append((src_dir, rep))
+        return rep
+
+    def stream_and_cut(inp, out, chunk_bytes):
+        name = str(getattr(out, "name", ""))   # n1 is local: a plain file with its path
+        if "sessions" not in cut and tag in name:
+            cut["seen"].append(name)
+            if len(cut["seen"]) == nth_file:
+                piece = inp.read(chunk_bytes)
+                out.write(piece)
+                cut.update(file=name, sessions=host.drop_connections(), written=len(piece))
+                return len(piece) + real_stream(inp, out, chunk_bytes)   # the next read meets a dead link
+        return real_stream(inp, out, chunk_bytes)
+
+    monkeypatch.setattr(transfer, "copy_dir", copy_in_small_pieces)
+    monkeypatch.setattr(transfer, "_stream", stream_and_cut)
+    return cut
 
 
 @pytest.mark.slow
@@ -204,8 +275,11 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
         assert host_a.netns != host_b.netns and host_a.node_ip != host_b.node_ip
         monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_A", host_a.airflow_conn())
         monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_B", host_b.airflow_conn())
+        regenerated = demo_assets["sources"][1]["name"]   # generation shard 0 on host A, 1 on host B
         cfg_path = write_short_config(tmp_path, demo_assets, capture={"shards": 4},
-                                      gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30})
+                                      gpu={"probe": "smi", "poll_interval_s": 0.5, "idle_timeout_s": 30},
+                                      generate={"enabled": True, "sources": [regenerated], "shards": 2,
+                                                "max_new_tokens": 4, "concurrency": 2})
         cfg = yaml.safe_load(cfg_path.read_text())
         del cfg["node"]
         cfg["fleet"] = {"training_node": "n1", "storage": "auto", "nodes": [
@@ -229,79 +303,24 @@ def test_one_run_over_two_node_hosts(tmp_path, airflow_db, demo_assets, node_hos
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
     assert sorted(manifest_ids(other, [2, 3])) == sorted(manifest_ids(home, [2, 3]))
-    assert (home / "draft" / "export" / "model.safetensors").is_file()
-
-
-# paramiko's read-ahead thread dies with the connection and leaves a traceback: expected here
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_a_shard_transfer_cut_mid_file_is_resumed_by_the_collect_retry(tmp_path, airflow_db, demo_assets,
-                                                                        node_host_fixture, monkeypatch):  # noqa: F811
-    """One run over this machine and the node host: n2's capture server and shard workers run in the node host's
-    namespace, the corpus goes out to n2 and n2's shards come back to n1 over SFTP. n2's SSH connections are
-    killed while collect_shards streams the third file of shard 3 (one piece of it written): that try fails,
-    its retry continues the partial files instead of sending them again, and the run is green with every
-    sample once and n2's files identical on n1."""
-    import hashlib
-
-    from eagleflow.fleet import transfer
-    host = node_host_fixture
-    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
-    cfg_path = fleet_config(tmp_path, demo_assets, host, monkeypatch, idle_timeout_s=30)
-    real_copy, real_stream = transfer.copy_dir, transfer._stream
-    reports: list = []
-    seen: list[str] = []
-    cut: dict = {}
-
-    def copy_in_small_pieces(src, src_dir, dst, dst_dir, **kw):
-        kw["chunk_bytes"] = 8 << 10   # the shard files are 20-130 KB: the cut lands inside one
-        rep = real_copy(src, src_dir, dst, dst_dir, **kw)
-        reports.append((src_dir, rep))
-        return rep
-
-    def stream_and_cut(inp, out, chunk_bytes):
-        name = str(getattr(out, "name", ""))   # n1 is local: a plain file with its path
-        if not cut and "shard_00003" in name:
-            seen.append(name)
-            if len(seen) == 3:
-                piece = inp.read(chunk_bytes)
-                out.write(piece)
-                cut.update(file=name, sessions=host.drop_connections(), written=len(piece))
-                return len(piece) + real_stream(inp, out, chunk_bytes)   # the next read meets a dead link
-        return real_stream(inp, out, chunk_bytes)
-
-    monkeypatch.setattr(transfer, "copy_dir", copy_in_small_pieces)
-    monkeypatch.setattr(transfer, "_stream", stream_and_cut)
-    in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
-    dr, states = run_pipeline(cfg_path, "fleet-cut")
-    tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
-    assert cut.get("sessions"), f"the cut never happened (files of shard 3 seen: {seen})"
-    assert dr.state == "success", states
-    assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
-        {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
-    assert states[("n2.gpus_idle", -1)] == "success"
-    # n2's capture server and both its shard workers ran inside the node host's namespace
-    assert {"capture_server", "worker_shard_00002", "worker_shard_00003"} <= in_ns, in_ns
-    assert tis[("n2.collect_shards", -1)].try_number == 2, "the cut should have failed the first try"
-    assert not [k for k, v in states.items() if k[0] == "take_over_shard" and v == "success"]   # nothing to take
-    home, other = tmp_path / "runs" / "fleet-cut", tmp_path / "runs-n2" / "fleet-cut"
-    assert (other / "corpus" / "corpus.parquet").is_file()            # the corpus went out to n2
-    assert not (other / "hidden_states" / "shard_00000").exists()     # n1's shards never did
-    shard3 = [rep for src_dir, rep in reports if src_dir.endswith("shard_00003")]
-    assert len(shard3) == 1, reports              # the first try's copy of shard 3 raised: no report
-    sizes = sum(p.stat().st_size for p in (other / "hidden_states" / "shard_00003").glob("*.safetensors"))
-    # the retry sent only what the cut try had not: the partials (two whole files and a piece) were continued
-    assert shard3[0].bytes_resumed >= cut["written"] and shard3[0].bytes_copied < sizes, (shard3, sizes)
-    assert not (home / "hidden_states" / "shard_00003" / transfer.PARTIAL).exists() or \
-        not list((home / "hidden_states" / "shard_00003" / transfer.PARTIAL).iterdir())
-    for k in (2, 3):
-        src = other / "hidden_states" / f"shard_{k:05d}"
-        for f in src.iterdir():
-            if f.is_file() and f.name != "heartbeat.json":
-                got = home / "hidden_states" / f"shard_{k:05d}" / f.name
-                assert hashlib.sha256(got.read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), got
-    stats = json.loads((home / "corpus" / "stats.json").read_text())
-    ids = manifest_ids(home, range(4))
-    assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
+    assert (other / "corpus" / "corpus.parquet").is_file()          # the corpus went out to host B
+    assert not (other / "hidden_states" / "shard_00000").exists()    # n1's shards never went there
+    # generation: each host its own share and server; B's shard came back to A whole, file for file
+    assert {"generate_server", "generate_shard_00000"} <= where["A"] and "generate_shard_00001" not in where["A"]
+    assert {"generate_server", "generate_shard_00001"} <= where["B"] and "generate_shard_00000" not in where["B"]
+    assert not (other / "generated" / "shard_00000").exists()
+    for f in (other / "generated" / "shard_00001").iterdir():
+        if f.is_file():
+            assert (home / "generated" / "shard_00001" / f.name).read_bytes() == f.read_bytes(), f.name
+    generated = manifest_ids(home, [0, 1], "generated")
+    assert len(generated) == len(set(generated)) > 0
+    assert json.loads((home / "generated" / "stats.json").read_text())["per_source"][regenerated]["records"] == \
+        len(generated)
+    import pyarrow.parquet as pq
+    rows = pq.read_table(home / "corpus" / "corpus.parquet", columns=["id", "source"]).to_pylist()
+    corpus_regenerated = {r["id"] for r in rows if r["source"] == regenerated}
+    # the source's rows are the target's records, from both hosts' shards
+    assert corpus_regenerated <= set(generated)
+    assert corpus_regenerated & set(manifest_ids(home, [0], "generated"))
+    assert corpus_regenerated & set(manifest_ids(other, [1], "generated"))
     assert (home / "draft" / "export" / "model.safetensors").is_file()
