@@ -21,6 +21,11 @@ Every event that is not "complete" is a false alarm; reported per hour of watche
     .venv/bin/python bench/stall.py --real-defaults --slow-s 600   # poll 20, stall_after 15, health 20
     .venv/bin/python bench/stall.py --cycles 1 --slow-s 120        # same with --poll-s ... to taste
 
+The same five faults hit a generation shard too (``--generation-faults``; the hf server in serving mode and
+the CLI generation worker, watched by the same trigger with ``phase=generate`` and recovered in the watch
+the same way): detection, mail, and recovery = the first record stored after the fault. Its source is
+written here (the demo's generator, 2,000 records) so the shard outlasts every fault.
+
 ``--node-host`` (root) runs the fault cases on a node of its own (a network namespace behind a veth
 link and a real sshd, tests/fixtures/node_host.py): the server and worker are started, watched and
 recovered over SSH (the watch on one held asyncssh connection), the faults are injected there. It
@@ -56,7 +61,10 @@ from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_w
                                          stop_worker, wait_capture_server_ready)
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config  # noqa: E402
-from eagleflow.demo_assets import ensure_demo_assets  # noqa: E402
+from eagleflow.demo_assets import ensure_demo_assets, write_demo_sources  # noqa: E402
+from eagleflow.generate.lifecycle import (start_generate_server, start_or_attach_generate_worker,  # noqa: E402
+                                          stop_generate_server, wait_generate_server_ready)
+from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind  # noqa: E402
 from eagleflow.heartbeat import Heartbeat  # noqa: E402
 from eagleflow.layout import RunLayout  # noqa: E402
 from eagleflow.watchdog.recovery import recover_after_stall  # noqa: E402
@@ -85,24 +93,46 @@ def make_run(root: Path, model: str, run_id: str, watch: dict, n: int, has_gpu: 
     return LocalRun(cfg=cfg, layout=layout, config_path=str(layout.run_dir / "run-config.json"))
 
 
-async def first_event(run: LocalRun, timeout_s: float, recoveries: int) -> dict:
+def make_generate_run(root: Path, model: str, watch: dict, n: int = 2000) -> LocalRun:
+    """A generation run of one shard over a source of ``n`` demo records (the demo's own generator, its
+    tokenizer's words), in the tiny target's serving mode: 16 new tokens a turn, two records in flight."""
+    sources = write_demo_sources(root / "generate-sources", n_per_source=n, seed=11)
+    src = next(x for x in sources if x["name"] == "openai")
+    data = {"run_root": str(root / "runs"), "target_model": model,
+            "node": {"name": "bench-node", "has_gpu": False, "state_dir": str(root / "state"), **NODE},
+            "gpu": {"probe": "smi"},
+            "corpus": {"sources": [src], "seed": 1, "max_length": 512},
+            "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / "generate"),
+                        "ready_timeout_s": 180, "heartbeat_interval_s": 2.0},
+            "generate": {"enabled": True, "shards": 1, "max_new_tokens": 16, "concurrency": 2},
+            "watchdog": watch}
+    cfgp = root / "generate.json"
+    cfgp.write_text(json.dumps(data))
+    cfg = load_config(cfgp)
+    layout = RunLayout.for_run(cfg, "generate-faults")
+    RunContext(cfg=cfg, layout=layout).write_run_config()
+    return LocalRun(cfg=cfg, layout=layout, config_path=str(layout.run_dir / "run-config.json"))
+
+
+async def first_event(run: LocalRun, timeout_s: float, recoveries: int, phase: str = EXTRACT) -> dict:
     agen = ShardWatchTrigger(RunContext(cfg=run.cfg, layout=run.layout).serialize(), 0,
-                             recoveries_left=recoveries).run()
+                             recoveries_left=recoveries, phase=phase).run()
     try:
         return (await asyncio.wait_for(agen.__anext__(), timeout_s)).payload
     finally:
         await agen.aclose()
 
 
-def heartbeat(run: LocalRun) -> Heartbeat | None:
+def heartbeat(run: LocalRun, kind: ShardKind = KINDS[EXTRACT]) -> Heartbeat | None:
     try:
-        return Heartbeat.read(str(run.layout.heartbeat_file(0)))
+        return Heartbeat.read(str(kind.heartbeat_file(run.layout, 0)))
     except (ValueError, TypeError, KeyError):
         return None
 
 
-def stored(run: LocalRun) -> int:
-    p = Path(str(run.layout.manifest_file(0)))
+def stored(run: LocalRun, kind: ShardKind = KINDS[EXTRACT]) -> int:
+    """Shard 0's manifest lines: samples stored (extraction) or records finished (generation)."""
+    p = Path(str(kind.shard_dir(run.layout, 0))) / "manifest.jsonl"
     return sum(1 for line in p.read_text().splitlines() if line.strip().endswith("}")) if p.exists() else 0
 
 
@@ -125,12 +155,23 @@ def start(run: LocalRun, env: dict[str, str]) -> None:
                 os.environ[k] = v
 
 
-def stop(run: LocalRun) -> None:
-    for role in ("worker_shard_00000", "capture_server"):
+def start_generation(run: LocalRun) -> None:
+    """The generation phase's server (serving mode) and shard 0's detached worker, as its operators start them."""
+    start_generate_server(run)
+    wait_generate_server_ready(run, timeout_s=180, poll_s=0.5)
+    start_or_attach_generate_worker(run, 0)
+
+
+def stop(run: LocalRun, kind: ShardKind = KINDS[EXTRACT]) -> None:
+    for role in (kind.worker_role(0), kind.server_role):
         try:
             os.killpg(pid_of(run, role), signal.SIGCONT)
         except (OSError, ValueError):
             pass
+    if kind.phase == GENERATE:
+        run.node.stop_recorded(str(run.layout.pid_file(kind.worker_role(0))), grace_s=3)
+        stop_generate_server(run, grace_s=3)
+        return
     stop_worker(run, 0, grace_s=3)
     stop_capture_server(run, grace_s=3)
 
@@ -144,36 +185,38 @@ def wait_for(pred, timeout_s: float, what: str) -> float:
     return time.time()
 
 
-def mail(smtp: SmtpSink, event: dict) -> None:
+def mail(smtp: SmtpSink, event: dict, task_id: str = "extract_shard") -> None:
     """The incident mail through the operator's own path (EagleflowNotifier, the SMTP provider) to real SMTP."""
     from types import SimpleNamespace
 
     from eagleflow.airflow.alerts import Recipients, send_mail, stall_mail
     os.environ.update(smtp.airflow_conn_env("smtp_bench"))
-    ti = SimpleNamespace(dag_id="bench_stall", run_id="bench", task_id="extract_shard", map_index=0, try_number=1)
+    ti = SimpleNamespace(dag_id="bench_stall", run_id="bench", task_id=task_id, map_index=0, try_number=1)
     context = {"ti": ti, "run_id": ti.run_id}
     send_mail(context, stall_mail(context, event, Recipients(("oncall@bench.test",), "smtp_bench",
                                                              "http://localhost:8080")))
 
 
-def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, bound: float) -> dict:
-    wait_for(lambda: (heartbeat(run) or Heartbeat(job="", pid=0)).state == "running" and stored(run) >= 1, 180,
-             "the worker to store a sample")
+def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, bound: float,
+                kind: ShardKind = KINDS[EXTRACT]) -> dict:
+    wait_for(lambda: (heartbeat(run, kind) or Heartbeat(job="", pid=0)).state == "running"
+             and stored(run, kind) >= 1, 180, f"the worker to store a {kind.unit[:-1]}")
     time.sleep(3)  # some pace history
-    result: dict = {"fault": fault}
+    result: dict = {"fault": fault, "phase": kind.phase}
+    server, worker = kind.server_role, kind.worker_role(0)
 
     async def cycle() -> dict:
-        watch = asyncio.create_task(first_event(run, bound * 3 + 240, recoveries=1))
+        watch = asyncio.create_task(first_event(run, bound * 3 + 240, recoveries=1, phase=kind.phase))
         await asyncio.sleep(1.0)
-        before = stored(run)
+        before = stored(run, kind)
         if fault == "frozen-server":
-            os.kill(pid_of(run, "capture_server"), signal.SIGSTOP)
+            os.kill(pid_of(run, server), signal.SIGSTOP)
         elif fault == "frozen-worker":
-            os.kill(pid_of(run, "worker_shard_00000"), signal.SIGSTOP)
+            os.kill(pid_of(run, worker), signal.SIGSTOP)
         elif fault == "killed-worker":
-            os.kill(pid_of(run, "worker_shard_00000"), signal.SIGKILL)
+            os.kill(pid_of(run, worker), signal.SIGKILL)
         elif fault == "killed-server":
-            os.kill(pid_of(run, "capture_server"), signal.SIGKILL)
+            os.kill(pid_of(run, server), signal.SIGKILL)
         elif fault == "hung-generate":
             hang_file.write_text("hang")
         result["t_fault"] = time.time()
@@ -193,13 +236,15 @@ def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, boun
         # what ExtractShardOperator does with this event: mail (this shard opened the incident), then recover
         base = ev_stored(ev)
         if (ev.get("incident") or {}).get("opened"):
-            mail(smtp, ev)
+            mail(smtp, ev, task_id="generate_responses" if kind.phase == GENERATE else "extract_shard")
             wait_for(lambda: len(smtp.messages) > n_mails, 30, "the mail")
             result["mail_s"] = smtp.received_at[-1] - t0
-        rec = recover_after_stall(RunContext(cfg=run.cfg, layout=run.layout), 0, ev, lambda m: None)
+            result["subject"] = smtp.messages[-1]["Subject"]
+        rec = recover_after_stall(RunContext(cfg=run.cfg, layout=run.layout), 0, ev, lambda m: None, phase=kind.phase)
         result["recovery"] = rec.get("summary", "")
-        # the first sample stored after the fault (by the recovered server/worker)
-        t_new = wait_for(lambda: stored(run) > max(result["stored_at_fault"], base), 240, "the first new sample")
+        # the first sample (record) stored after the fault, by the recovered server/worker
+        t_new = wait_for(lambda: stored(run, kind) > max(result["stored_at_fault"], base), 240,
+                         f"the first new {kind.unit[:-1]}")
         result["recover_s"] = t_new - t0
     return result
 
@@ -346,6 +391,8 @@ def main() -> int:
                     help="the shipped defaults: poll 20 s, stall_after 15 s, health timeout 20 s")
     ap.add_argument("--cycles", type=int, default=1, help="injections per fault case")
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--generation-faults", default=",".join(FAULTS),
+                    help="the fault cases on a generation shard ('' for none)")
     ap.add_argument("--poll-s", type=float, default=5.5)
     ap.add_argument("--stall-after-s", type=float, default=3.0)
     ap.add_argument("--health-timeout-s", type=float, default=5.0)
@@ -425,6 +472,23 @@ def main() -> int:
                 finally:
                     # HANG_FILE_ENV reached the restarted server too: recovery starts it from this environment
                     stop(a)
+            gen_faults = [f for f in args.generation_faults.split(",") if f]
+            if gen_faults:
+                g, gen = make_generate_run(root, assets["target_model"], watch), KINDS[GENERATE]
+                os.environ.update({DELAY_ENV: "0.05", HANG_FILE_ENV: str(hang_file)})
+                start_generation(g)
+                try:
+                    for fault in gen_faults:
+                        for i in range(args.cycles):
+                            r = fault_cycle(g, fault, hang_file, smtp, bound, gen)
+                            fault_results.append(r)
+                            print(f"  generate {fault:<14} #{i + 1}: {r['status']:<9} cause "
+                                  f"{r.get('cause') or '-':<15} detect {r['detect_s']:5.1f} s, mail "
+                                  f"{r.get('mail_s', float('nan')):5.1f} s, first new record "
+                                  f"{r.get('recover_s', float('nan')):5.1f} s | {r.get('subject', '')} | "
+                                  f"{r['headline'][:120]}", flush=True)
+                finally:
+                    stop(g, gen)
             if host is not None:
                 p = make_run(root, assets["target_model"], "partition", watch, n=400)
                 start(p, {})
@@ -446,14 +510,14 @@ def main() -> int:
                 stop(c.run_)
 
     print()
-    print(f"{'fault case':<16}{'caught':>8}{'detect med/max (s)':>22}{'mail med/max (s)':>20}"
-          f"{'first new sample med/max (s)':>31}{'bound':>8}")
+    print(f"{'fault case':<26}{'caught':>8}{'detect med/max (s)':>22}{'mail med/max (s)':>20}"
+          f"{'first new sample/record (s)':>31}{'bound':>8}")
     ok = True
-    for fault in dict.fromkeys(r["fault"] for r in fault_results):
-        rs = [r for r in fault_results if r["fault"] == fault]
+    for phase, fault in dict.fromkeys((r["phase"], r["fault"]) for r in fault_results):
+        rs = [r for r in fault_results if (r["phase"], r["fault"]) == (phase, fault)]
         caught = sum(1 for r in rs if r["status"] == "recovering")
         rec = [r["recover_s"] for r in rs if "recover_s" in r]
-        print(f"{fault:<16}{caught:>5}/{len(rs):<2}{dist([r['detect_s'] for r in rs]):>22}"
+        print(f"{phase + ' ' + fault:<26}{caught:>5}/{len(rs):<2}{dist([r['detect_s'] for r in rs]):>22}"
               f"{dist([r['mail_s'] for r in rs if 'mail_s' in r]):>20}{dist(rec):>31}{60.0:>8.0f}")
         ok = ok and caught == len(rs) and all(x <= 60.0 for x in rec) and len(rec) == len(rs)
     for r in partition_results:

@@ -105,9 +105,16 @@ def kind_of(phase: str) -> ShardKind:
         raise ValueError(f"phase {phase!r} is not one of {sorted(KINDS)}") from None
 
 
-def unit_of_job(job_name: str, default: str = "samples") -> str:
-    """What a watched job's manifest counts, from the name the watch gives it ("generate shard 3/8": records)."""
+def kind_of_job(job_name: str) -> ShardKind | None:
+    """The sharded phase of a watched job, from the name the watch gives it ("generate shard 3/8": generation);
+    None for a job of no sharded phase (the trainer's "training")."""
     for kind in sorted(KINDS.values(), key=lambda k: -len(k.watch_name)):
         if job_name.startswith(kind.watch_name + " "):
-            return kind.unit
-    return default
+            return kind
+    return None
+
+
+def unit_of_job(job_name: str, default: str = "samples") -> str:
+    """What a watched job's manifest counts, from the name the watch gives it ("generate shard 3/8": records)."""
+    kind = kind_of_job(job_name)
+    return kind.unit if kind else default

@@ -7,6 +7,10 @@ cable is pulled while one of its shards extracts: n1's worker, n1's shards and t
 them must go on as if nothing happened, n2's shard must complete in its first try once the cable is back,
 and the training node must hold every sample once. And n2 refusing its GPU gate: its shards are handed over
 from n2's worker and extracted by the training node's.
+
+Both runs go through one deployment (Postgres, Redis, the Airflow parts and a worker per node queue started
+once), one after the other, as a deployment serves run after run: the DAG's node groups are parsed from the
+first run's config, and each run brings its own config (same nodes, own folders) in its trigger's conf.
 """
 from __future__ import annotations
 
@@ -44,19 +48,48 @@ def _n1_stored(run_dir: Path) -> int:
     return sum(stored(run_dir / "hidden_states" / f"shard_{k:05d}") for k in (0, 1))
 
 
-@pytest.mark.timeout(1800)
-def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(tmp_path, demo_assets,
-                                                                               node_host_fixture):  # noqa: F811
+@pytest.mark.timeout(2400)
+def test_one_scaleout_deployment_survives_a_partition_then_hands_a_gated_nodes_shards_over(tmp_path, demo_assets,
+                                                                                          node_host_fixture):  # noqa: F811
     host = node_host_fixture
-    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
+    part, gate = tmp_path / "part", tmp_path / "gate"
+    part.mkdir()
+    gate.mkdir()
+    part_cfg = _partition_config(part, demo_assets)
+    gate_cfg = two_node_fleet(gate, demo_assets, "node_host_celery", idle_timeout_s=3, routed=True)
+    n1_delay = tmp_path / "n1_forward_delay_s"
+    n1_delay.write_text("")
+    try:
+        with SmtpSink() as smtp, celery_deployment(
+                tmp_path / "deploy", ROUTES, part_cfg,
+                env={"AIRFLOW_CONN_NODE_HOST_CELERY": host.airflow_conn(),
+                     **smtp.airflow_conn_env("smtp_fleet_celery")},
+                # n1's capture server starts from n1's worker and reads its pace from this file
+                worker_env={"fleet-n1": {DELAY_FILE_ENV: str(n1_delay)}}) as deploy:
+            _partition_run(deploy, part, part_cfg, host, smtp, n1_delay)
+            _gate_run(deploy, gate, gate_cfg, host)
+    finally:
+        for run in (part, gate):
+            kill_recorded(run / "state-n2")
+            kill_recorded(run / "state-n1")
+
+
+def _partition_config(tmp_path: Path, demo_assets) -> Path:
     cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_celery", idle_timeout_s=30, routed=True)
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["watchdog"] = {"poll_interval_s": 1.0, "stall_after_s": 8.0, "health_timeout_s": 2.0,
                        "startup_grace_s": 90.0, "alert_emails": ["oncall@example.test"],
                        "smtp_conn_id": "smtp_fleet_celery"}
     cfg_path.write_text(yaml.safe_dump(cfg))
+    return cfg_path
+
+
+def _partition_run(deploy, tmp_path: Path, cfg_path: Path, host, smtp, n1_delay: Path) -> None:
+    """n2's cable pulled while one of its shards extracts: n1, its shards and their watch go on as if nothing
+    happened; n2's shard completes in its first try once the cable is back; every sample once."""
+    write_scenario(host.env["FAKE_NVIDIA_SMI_SCENARIO"], {"gpus": [gpu(i, 3) for i in range(8)], "processes": []})
     home, other = tmp_path / "runs" / "celery-part", tmp_path / "runs-n2" / "celery-part"
-    n1_delay, n2_delay = tmp_path / "n1_forward_delay_s", Path(host.env[DELAY_FILE_ENV])
+    n2_delay = Path(host.env[DELAY_FILE_ENV])
     n1_delay.write_text(N1_CRAWL_S)
     n2_delay.write_text("0.7")   # n2's shard spans the outage
     cut: dict = {}
@@ -81,28 +114,20 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
 
     thread = threading.Thread(target=partition, daemon=True)
     try:
-        with SmtpSink() as smtp, celery_deployment(
-                tmp_path / "deploy", ROUTES, cfg_path,
-                env={"AIRFLOW_CONN_NODE_HOST_CELERY": host.airflow_conn(),
-                     **smtp.airflow_conn_env("smtp_fleet_celery")},
-                # n1's capture server starts from n1's worker and reads its pace from this file
-                worker_env={"fleet-n1": {DELAY_FILE_ENV: str(n1_delay)}}) as deploy:
-            thread.start()
-            run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-part"})
-            state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
-            done.set()
-            thread.join(OUTAGE_S + 10)
-            tis = deploy.task_instances("eagle3_pipeline", run_id)
-            summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
-                       for t in tis}
-            assert state == "success", f"{summary}\n" + deploy.tails()
+        thread.start()
+        run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-part"})
+        state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
+        done.set()
+        thread.join(OUTAGE_S + 10)
+        tis = deploy.task_instances("eagle3_pipeline", run_id)
+        summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
+                   for t in tis}
+        assert state == "success", f"{summary}\n" + deploy.tails()
     finally:
         done.set()
         n1_delay.write_text("")
         n2_delay.write_text("")
         host.link_up()
-        kill_recorded(tmp_path / "state-n2")
-        kill_recorded(tmp_path / "state-n1")
     assert "error" not in cut, cut
     print(f"partition of n2: {cut}")   # pytest -s: what each node stored around the outage
     assert cut.get("shard") in (2, 3), "the partition never started: n2's shards finished before 3 samples?"
@@ -149,10 +174,8 @@ def test_a_partition_of_one_node_holds_up_neither_the_other_node_nor_its_watch(t
     assert (home / "draft" / "export" / "model.safetensors").is_file()
 
 
-@pytest.mark.timeout(1800)
-def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_nodes_worker(tmp_path, demo_assets,
-                                                                                    node_host_fixture):  # noqa: F811
-    """The takeover on the scale-out deployment: a foreign process holds n2's GPU 0, so n2's gate fails naming
+def _gate_run(deploy, tmp_path: Path, cfg_path: Path, host) -> None:
+    """The takeover on the same deployment: a foreign process holds n2's GPU 0, so n2's gate fails naming
     it (never signalled); n2's own worker then proves n2's shards free (reconcile hand-over on n2) and the
     training node's worker checks its GPUs idle again and extracts them: green, every sample once, no worker of
     those shards ever started on n2, each task on its node's queue and worker."""
@@ -160,29 +183,23 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_nodes_wor
     import sys
 
     from tests.fixtures.gpu_scenarios import proc
-    host = node_host_fixture
     scenario = host.env["FAKE_NVIDIA_SMI_SCENARIO"]
-    cfg_path = two_node_fleet(tmp_path, demo_assets, "node_host_celery", idle_timeout_s=3, routed=True)
     home, other = tmp_path / "runs" / "celery-gate", tmp_path / "runs-n2" / "celery-gate"
     foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
     try:
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
                                   "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
-        with celery_deployment(tmp_path / "deploy", ROUTES, cfg_path,
-                               env={"AIRFLOW_CONN_NODE_HOST_CELERY": host.airflow_conn()}) as deploy:
-            run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-gate"})
-            state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
-            tis = deploy.task_instances("eagle3_pipeline", run_id)
-            summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
-                       for t in tis}
-            assert state == "success", f"{summary}\n" + deploy.tails()
+        run_id = deploy.trigger("eagle3_pipeline", {"config_path": str(cfg_path), "run_name": "celery-gate"})
+        state = deploy.wait("eagle3_pipeline", run_id, timeout_s=1500)
+        tis = deploy.task_instances("eagle3_pipeline", run_id)
+        summary = {(t["task_id"], t["map_index"]): (t["state"], t["try_number"], t["queue"], t["hostname"])
+                   for t in tis}
+        assert state == "success", f"{summary}\n" + deploy.tails()
         assert foreign.poll() is None   # a gate never kills, and free_gpus only kills what we recorded
     finally:
         foreign.kill()
         foreign.wait()
         write_scenario(scenario, {"gpus": [gpu(0)], "processes": []})
-        kill_recorded(tmp_path / "state-n2")
-        kill_recorded(tmp_path / "state-n1")
     by_key = {(t["task_id"], t["map_index"]): t for t in tis}
     assert "failed" in (by_key[("n2.free_gpus", -1)]["state"], by_key[("n2.gpus_idle", -1)]["state"]), summary
     assert not [k for k, t in by_key.items() if k[0] == "n2.extract_shard" and t["state"] == "success"], summary

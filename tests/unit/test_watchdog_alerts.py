@@ -184,3 +184,15 @@ def test_a_watch_mail_the_server_refuses_is_kept_backed_off_and_sent_once_in_ord
     assert subjects == ["[eagleflow] STALLED shard 3/8 on gpu-node-1 (failed: capture server)",
                         "[eagleflow] RECOVERED shard 3/8 on gpu-node-1: samples stored again (6/10), 30 s after the "
                         "stall was detected"], subjects
+
+
+def test_a_stall_subject_names_the_server_of_the_shards_phase():
+    """The server cause is one token for every phase; the subject names the phase's own server (the stall
+    bench's generation cases once mailed "(failed: capture server)" for a killed generation server)."""
+    from eagleflow.airflow.alerts import stall_subject
+    gen = {"subject": "[eagleflow] FAILED generate shard 0/2 on n1", "verdict": "failed", "cause": "capture_server",
+           "job": "generate shard 0/2"}
+    assert stall_subject(gen) == "[eagleflow] STALLED generate shard 0/2 on n1 (failed: generation server)"
+    ext = {**gen, "subject": "[eagleflow] DEAD shard 3/8 on n1", "verdict": "dead", "job": "shard 3/8"}
+    assert stall_subject(ext) == "[eagleflow] STALLED shard 3/8 on n1 (dead: capture server)"
+    assert stall_subject({**ext, "cause": "worker"}) == "[eagleflow] STALLED shard 3/8 on n1 (dead: worker)"

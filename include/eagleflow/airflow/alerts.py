@@ -37,6 +37,7 @@ from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.mail_header import header_text
+from eagleflow.phases import kind_of_job, unit_of_job
 from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.incidents import INCIDENT_ID
 
@@ -247,6 +248,15 @@ def incident_thread(incident_id: str) -> str:
     return f"<eagleflow-incident-{token}@eagleflow>"
 
 
+def _cause_words(cause: str, job: str) -> str:
+    """A cause in a subject: the server cause named as the job's phase names its server (a generation shard's
+    is the generation server, not "capture server")."""
+    kind = kind_of_job(job)
+    if cause == "capture_server" and kind is not None:
+        return kind.server
+    return cause.replace("_", " ")
+
+
 def stall_subject(event: dict[str, Any]) -> str:
     """The subject of a fault the watch is recovering from: STALLED, whatever the verdict's word.
 
@@ -258,7 +268,7 @@ def stall_subject(event: dict[str, Any]) -> str:
     verdict = str(event.get("verdict") or "stalled")
     if verdict != "stalled":
         subject = subject.replace(f"[eagleflow] {verdict.upper()} ", "[eagleflow] STALLED ", 1)
-        cause = str(event.get("cause") or "").replace("_", " ")
+        cause = _cause_words(str(event.get("cause") or ""), str(event.get("job") or ""))
         subject += f" ({verdict}{': ' + cause if cause else ''})"
     return subject
 
@@ -320,7 +330,6 @@ def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: di
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.health.durations import duration
-    from eagleflow.phases import unit_of_job
     took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
     job, node = event.get("job") or "the job", event.get("node") or "its node"
     if close.get("kind") == "outage":

@@ -88,7 +88,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         ev = [f"the job reported: {hb.error or 'no error text'}"]
         server_ev = _server_process_evidence(obs)
         if obs.server_restarted_under_worker and obs.server is not None and not server_ev:
-            server_ev = [f"the capture server (pid {obs.server.pid}) was restarted at "
+            server_ev = [f"the {obs.job.kind.server} (pid {obs.server.pid}) was restarted at "
                          f"{_clock(obs.server.started_at)}, after this worker started"]
         ev += server_ev + _disk_evidence(obs)
         low_disk = bool(_disk_evidence(obs, only_low=True))
@@ -300,7 +300,7 @@ def _server_process_evidence(obs: Observation) -> list[str]:
     s = obs.server
     if not obs.job.uses_server:
         return []
-    server = "generation server" if obs.job.server_role == "generate_server" else "capture server"
+    server = obs.job.kind.server
     if s is None:
         return [f"no {server} is recorded (no pid file)"]
     if not s.recorded:
