@@ -136,7 +136,7 @@ def test_a_watch_of_a_reported_outage_stays_silent_and_resumes_when_the_node_ans
     down = NodeUnreachable(f"node {NODE}: SSH to {NODE} failed: [Errno 113] No route to host")
     node.on("watch", down, down, down, down, down, diag("healthy", 11))
     outage = {"kind": "outage", "id": "outage-1796000000.000", "subject": "[eagleflow] UNREACHABLE shard 3/4",
-              "since": time.time() - 600}
+              "since": time.time() - 600, "done": 0}
     ev = first_event(ShardWatchTrigger(ctx.serialize(), 3, unreachable_since=time.time() - 600,
                                        close_incidents=[outage]))
     assert len(node.commands("watch")) == 6             # five silent misses, then the answer
@@ -156,9 +156,10 @@ def test_a_stall_is_over_only_once_a_sample_was_stored_since(run):
 
 def test_a_due_mail_comes_before_any_look(run):
     ctx, node = run
-    mail = {"subject": "[eagleflow] STALLED shard 3/4", "next_at": time.time() - 1}
+    mail = {"kind": "stall", "event": {"subject": "[eagleflow] STALLED shard 3/4"}, "next_at": time.time() - 1}
     ev = first_event(ShardWatchTrigger(ctx.serialize(), 3, pending_mails=[mail], recoveries_left=1))
-    assert ev["status"] == "mail_due" and ev["pending_mails"] == [mail] and ev["recoveries_left"] == 1
+    assert ev["status"] == "mail_due" and ev["recoveries_left"] == 1
+    assert ev["pending_mails"] == [{**mail, "close": None, "tries": 0, "error": ""}]   # typed, then plain again
     assert node.commands("watch") == []
 
 

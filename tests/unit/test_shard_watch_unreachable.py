@@ -71,7 +71,7 @@ def test_a_due_mail_does_not_restart_the_clock_of_an_outage_not_yet_reported(tmp
             await agen.aclose()
 
     started = time.time()
-    mail = {"subject": "[eagleflow] STALLED shard 0/4", "next_at": started + 1.5}
+    mail = {"kind": "stall", "event": {"subject": "[eagleflow] STALLED shard 0/4"}, "next_at": started + 1.5}
     due = asyncio.run(first(ShardWatchTrigger(ctx.serialize(), 0, pending_mails=[mail])))
     assert due["status"] == "mail_due" and due["unreachable_since"] is None       # not reported yet
     assert started - 0.1 <= due["clocks"]["outage_started"] <= started + 1.0

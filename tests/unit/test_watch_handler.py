@@ -8,11 +8,11 @@ import logging
 import pytest
 
 from eagleflow.airflow.watch_handler import follow_event, watch_to_the_end
-from eagleflow.watchdog.protocol import (Complete, JobVerdict, MailDue, OpenIncident, Recovering, Resumed,
-                                         Unreachable, WatchState)
+from eagleflow.watchdog.protocol import (Complete, IncidentClose, JobVerdict, MailDue, OpenIncident, Recovering,
+                                         Resumed, Unreachable, WatchState)
 
 LOG = logging.getLogger("test_watch_handler")
-CLOSE = {"kind": "stall", "id": "i1", "subject": "s", "since": 5.0, "done": 3}
+CLOSE = IncidentClose(kind="stall", id="i1", subject="s", since=5.0, done=3)
 
 
 @pytest.fixture
@@ -65,10 +65,10 @@ def test_a_recoverable_stall_recovers_then_watches_with_one_recovery_less(ctx):
 
     def recover(raw, pending):
         seen.append(raw)
-        return 0, {"kind": "stall", "id": "i2"}, pending
+        return 0, IncidentClose(kind="stall", id="i2"), pending
     _, [kw] = _follow(ctx, ev, recover=recover)
     assert seen[0]["incident"]["incident"] == "i2" and seen[0]["status"] == "recovering"
-    assert kw["recoveries_left"] == 0 and kw["close_incidents"] == [{"kind": "stall", "id": "i2"}]
+    assert kw["recoveries_left"] == 0 and kw["close_incidents"] == [IncidentClose(kind="stall", id="i2")]
     out, calls = _follow(ctx, ev)          # a job without in-watch recovery fails with the stall
     assert out == ev and calls == []
 

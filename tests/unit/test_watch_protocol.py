@@ -7,11 +7,14 @@ import json
 
 import pytest
 
-from eagleflow.watchdog.protocol import (Complete, JobVerdict, MailDue, OpenIncident, Recovering, Resumed,
-                                         Unreachable, WatchState, next_step, parse_event, unreachable_event)
+from eagleflow.watchdog.protocol import (Complete, IncidentClose, JobVerdict, MailDue, OpenIncident, PendingMail,
+                                         Recovering, Resumed, Unreachable, WatchState, next_step, parse_event,
+                                         unreachable_event)
 
-STATE = WatchState(close_incidents=({"kind": "stall", "id": "i1", "since": 5.0, "done": 3},),
-                   pending_mails=({"kind": "stall", "next_at": 9.0, "tries": 1},), recoveries_left=1)
+STALL = IncidentClose(kind="stall", id="i1", subject="[eagleflow] STALLED shard 0/2", since=5.0, done=3)
+STATE = WatchState(close_incidents=(STALL,),
+                   pending_mails=(PendingMail(kind="over", event={"job": "shard 0/2", "done": 4}, close=STALL,
+                                              next_at=9.0, tries=1, error="SMTPDataError: 451"),), recoveries_left=1)
 
 EVENTS = [
     Complete(summary="COMPLETE shard 0/2", detected_at=10.0, state=STATE),
@@ -21,7 +24,7 @@ EVENTS = [
                incident=OpenIncident(incident="n1-capture_server-x", opened=True, incident_shards=("0", "1"),
                                      shards={"0": "3/9"}), state=STATE),
     Unreachable(since=100.0, diagnosis="d", subject="s", mail=True, state=STATE),
-    Resumed(closed=({"kind": "outage", "id": "o"},), still_open=(), done=4, total=9, observed_at=11.0, job="j",
+    Resumed(closed=(IncidentClose(kind="outage", id="o", since=2.0),), still_open=(STALL,), done=4, total=9, observed_at=11.0, job="j",
             node="n1", summary="HEALTHY", state=STATE),
     MailDue(unreachable_since=None, clocks={"outage_started": 7.5}, state=STATE),
 ]
@@ -32,7 +35,8 @@ def test_each_event_round_trips_through_a_json_payload(event):
     payload = json.loads(json.dumps(event.to_dict()))    # what the triggerer stores and hands back
     assert parse_event(payload) == event
     assert payload["status"] == event.kind
-    assert payload["close_incidents"] == [dict(c) for c in STATE.close_incidents]
+    assert payload["close_incidents"] == [{"kind": "stall", "id": "i1", "subject": "[eagleflow] STALLED shard 0/2",
+                                           "since": 5.0, "done": 3}]
 
 
 def test_a_payload_of_another_release_parses():
@@ -62,7 +66,7 @@ def test_the_one_unreachable_builder():
     failing = unreachable_event(job="training", since=0.0, error="exit 127", state=STATE, node="n1", conn_id="c",
                                 command_failing_s=41.0)
     assert failing.status == "failed" and "the watch command has failed for 41 s" in failing.diagnosis
-    assert failing.to_dict()["pending_mails"] == [dict(STATE.pending_mails[0])]
+    assert failing.to_dict()["pending_mails"] == [STATE.pending_mails[0].to_dict()]
 
 
 def test_next_step_of_each_kind():
@@ -70,3 +74,14 @@ def test_next_step_of_each_kind():
     assert steps == {"Complete": "done", "JobVerdict": "fail", "Recovering": "recover", "Unreachable": "watch",
                      "Resumed": "watch", "MailDue": "watch"}
     assert next_step(EVENTS[2], can_recover=False) == "fail"
+
+
+def test_a_close_or_mail_of_no_known_kind_is_refused_naming_it():
+    """The watch's state comes back from the triggerer as plain values: an entry that is not one of ours fails
+    loudly instead of being carried as an untyped dict."""
+    with pytest.raises(ValueError, match="kind one of .'stall', 'outage'.*'kind': 'storm'"):
+        WatchState.from_dict({"close_incidents": [{"kind": "storm", "id": "x"}]})
+    with pytest.raises(ValueError, match="a pending mail must be a mapping"):
+        WatchState.from_dict({"pending_mails": [{"subject": "no kind"}]})
+    again = WatchState.from_dict(json.loads(json.dumps(STATE.to_dict())))
+    assert again == STATE and again.pending_mails[0].close == STALL

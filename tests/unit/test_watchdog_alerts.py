@@ -143,6 +143,7 @@ def test_a_watch_mail_the_server_refuses_is_kept_backed_off_and_sent_once_in_ord
     import time
 
     from eagleflow.airflow.alerts import MAIL_RETRY_FIRST_S, mail_or_keep, send_pending
+    from eagleflow.watchdog.protocol import IncidentClose
     from tests.fixtures.smtp import free_port
 
     ctx = _context(tmp_path, ["oncall@example.test"], None)
@@ -153,33 +154,33 @@ def test_a_watch_mail_the_server_refuses_is_kept_backed_off_and_sent_once_in_ord
     smtp.refusing.set()
     t0 = time.time()
     pending = mail_or_keep(ctx, [], "stall", stall)
-    assert len(pending) == 1 and pending[0]["tries"] == 1 and "SMTPDataError" in pending[0]["error"], pending
-    assert pending[0]["next_at"] >= t0 + MAIL_RETRY_FIRST_S and "pending_mails" not in pending[0]["event"]
+    assert len(pending) == 1 and pending[0].tries == 1 and "SMTPDataError" in pending[0].error, pending
+    assert pending[0].next_at >= t0 + MAIL_RETRY_FIRST_S and "pending_mails" not in pending[0].event
     refused = len(smtp.refused)
     assert refused >= 1
 
     # the incident ends while its first mail is still waiting: the end waits behind it, nothing is tried now
     over = {"status": "resumed", "job": "shard 3/8", "node": "gpu-node-1", "done": 6, "total": 10,
             "observed_at": t0 + 30, "summary": "HEALTHY shard 3/8"}
-    close = {"kind": "stall", "id": "gpu-node-1-capture_server-1", "subject": "s", "since": t0, "done": 5}
+    close = IncidentClose(kind="stall", id="gpu-node-1-capture_server-1", subject="s", since=t0, done=5)
     pending = mail_or_keep(ctx, pending, "over", over, close)
-    assert [p["kind"] for p in pending] == ["stall", "over"] and len(smtp.refused) == refused, "no flood"
+    assert [p.kind for p in pending] == ["stall", "over"] and len(smtp.refused) == refused, "no flood"
 
     # due, and now no SMTP server at all (connection refused): kept again, backed off twice as long
     dead = {"conn_type": "smtp", "host": "127.0.0.1", "port": free_port(),
             "extra": {"disable_ssl": True, "disable_tls": True, "from_email": "e@example.test", "timeout": 5,
                       "retry_limit": 0}}
     monkeypatch.setenv("AIRFLOW_CONN_SMTP_TEST", json.dumps(dead))
-    due = pending[0]["next_at"]
+    due = pending[0].next_at
     pending = send_pending(ctx, pending, now=due)
-    assert [p["kind"] for p in pending] == ["stall", "over"] and pending[0]["tries"] == 2, pending
-    assert pending[0]["next_at"] == pytest.approx(due + 2 * MAIL_RETRY_FIRST_S)
+    assert [p.kind for p in pending] == ["stall", "over"] and pending[0].tries == 2, pending
+    assert pending[0].next_at == pytest.approx(due + 2 * MAIL_RETRY_FIRST_S)
 
     # the server is back: both go, once each, in order
     for k, v in smtp.airflow_conn_env("smtp_test").items():
         monkeypatch.setenv(k, v)
     smtp.refusing.clear()
-    assert send_pending(ctx, pending, now=pending[0]["next_at"]) == []
+    assert send_pending(ctx, pending, now=pending[0].next_at) == []
     subjects = [m["Subject"] for m in smtp.messages]
     assert subjects == ["[eagleflow] STALLED shard 3/8 on gpu-node-1 (failed: capture server)",
                         "[eagleflow] RECOVERED shard 3/8 on gpu-node-1: samples stored again (6/10), 30 s after the "

@@ -26,7 +26,7 @@ import copy
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
@@ -40,6 +40,7 @@ from eagleflow.mail_header import header_text
 from eagleflow.phases import kind_of_job, unit_of_job
 from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.incidents import INCIDENT_ID
+from eagleflow.watchdog.protocol import IncidentClose, PendingMail
 
 log = logging.getLogger(__name__)
 
@@ -273,19 +274,20 @@ def stall_subject(event: dict[str, Any]) -> str:
     return subject
 
 
-def close_of_stall(event: dict[str, Any]) -> dict[str, Any]:
-    """What the next watch of the shard that mailed a stall needs to mail its end (plain values)."""
+def close_of_stall(event: dict[str, Any]) -> IncidentClose:
+    """What the next watch of the shard that mailed a stall needs to mail its end."""
     inc = event.get("incident") or {}
-    return {"kind": "stall", "id": str(inc.get("incident")), "subject": stall_subject(event),
-            "since": float(event.get("detected_at") or event.get("observed_at") or 0), "done": int(event.get("done") or 0)}
+    return IncidentClose(kind="stall", id=str(inc.get("incident")), subject=stall_subject(event),
+                         since=float(event.get("detected_at") or event.get("observed_at") or 0),
+                         done=int(event.get("done") or 0))
 
 
-def close_of_outage(event: dict[str, Any]) -> dict[str, Any] | None:
+def close_of_outage(event: dict[str, Any]) -> IncidentClose | None:
     """The same for a node outage, when this watch is the one that mailed it."""
     if not event.get("mail"):
         return None
-    return {"kind": "outage", "id": outage_id(event), "subject": event.get("subject") or "",
-            "since": float(event["since"])}
+    return IncidentClose(kind="outage", id=outage_id(event), subject=event.get("subject") or "",
+                         since=float(event["since"]))
 
 
 def outage_id(event: dict[str, Any]) -> str:
@@ -326,13 +328,13 @@ def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients:
         links=(("Task log", task_log_url(recipients.base_url, context)),))
 
 
-def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: dict[str, Any],
+def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: IncidentClose,
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.health.durations import duration
-    took = duration(float(event.get("observed_at") or 0) - float(close.get("since") or 0))
+    took = duration(float(event.get("observed_at") or 0) - close.since)
     job, node = event.get("job") or "the job", event.get("node") or "its node"
-    if close.get("kind") == "outage":
+    if close.kind == "outage":
         subject = f"[eagleflow] REACHABLE again: {job} on {node}, {took} after it stopped answering"
         next_step = "The outage is over; the watch goes on with the progress made meanwhile."
     else:
@@ -340,9 +342,9 @@ def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: di
                    f"({event.get('done')}/{event.get('total')}), {took} after the stall was detected")
         next_step = "The incident is over; the watch goes on."
     ti = context["ti"]
-    thread = incident_thread(str(close.get("id")))
+    thread = incident_thread(close.id)
     return Mail(
-        recipients, subject, f"{event.get('summary') or ''}\n\nThis closes: {close.get('subject')}",
+        recipients, subject, f"{event.get('summary') or ''}\n\nThis closes: {close.subject}",
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.", next_step=next_step,
         links=(("Task log", task_log_url(recipients.base_url, context)),),
         headers={"In-Reply-To": thread, "References": thread})
@@ -356,26 +358,27 @@ MAIL_RETRY_MAX_S = 600.0
 _NOT_KEPT = ("pending_mails", "close_incidents", "still_open", "closed")   # the watch's own state, not the mail's
 
 
-def _mail_of(context: dict[str, Any], item: dict[str, Any]) -> Mail:
+def _mail_of(context: dict[str, Any], item: PendingMail) -> Mail:
     recipients = Recipients.of_run(context)
-    if item["kind"] == "stall":
-        return stall_mail(context, item["event"], recipients)
-    if item["kind"] == "unreachable":
-        return unreachable_mail(context, item["event"], recipients)
-    return incident_over_mail(context, item["event"], item["close"], recipients)
+    if item.kind == "stall":
+        return stall_mail(context, item.event, recipients)
+    if item.kind == "unreachable":
+        return unreachable_mail(context, item.event, recipients)
+    if item.close is None:
+        raise ValueError(f"a pending 'over' mail without the incident it closes: {item!r}")
+    return incident_over_mail(context, item.event, item.close, recipients)
 
 
-def mail_or_keep(context: dict[str, Any], pending: list[dict[str, Any]], kind: str, event: dict[str, Any],
-                 close: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def mail_or_keep(context: dict[str, Any], pending: list[PendingMail], kind: str, event: dict[str, Any],
+                 close: IncidentClose | None = None) -> list[PendingMail]:
     """Send a watch's mail (kind stall, unreachable or over) now, behind any still pending; returns those
     still pending. A send that fails is logged and kept for a later look, never raised."""
-    item = {"kind": kind, "event": {k: v for k, v in event.items() if k not in _NOT_KEPT}, "close": close,
-            "tries": 0, "next_at": 0.0}
+    item = PendingMail(kind=kind, event={k: v for k, v in event.items() if k not in _NOT_KEPT}, close=close)
     return send_pending(context, [*pending, item])
 
 
-def send_pending(context: dict[str, Any], pending: list[dict[str, Any]], now: float | None = None,
-                 force: bool = False) -> list[dict[str, Any]]:
+def send_pending(context: dict[str, Any], pending: list[PendingMail], now: float | None = None,
+                 force: bool = False) -> list[PendingMail]:
     """Send the watch's pending mails in order, from the first once it is due (``force``: now, the task's last
     chance); returns those still pending. A failed send ends the round (the server is down: the rest wait
     behind it, no flood) and backs that mail off."""
@@ -383,29 +386,29 @@ def send_pending(context: dict[str, Any], pending: list[dict[str, Any]], now: fl
     left = list(pending)
     while left:
         head = left[0]
-        if not force and float(head.get("next_at") or 0) > now:
+        if not force and head.next_at > now:
             break
         try:
             send_mail(context, _mail_of(context, head))
         except Exception as e:  # SMTP refusing, connection refused, a broken connection id: the mail waits
-            tries = int(head.get("tries") or 0) + 1
+            tries = head.tries + 1
             wait = min(MAIL_RETRY_MAX_S, MAIL_RETRY_FIRST_S * 2 ** (tries - 1))
-            left[0] = {**head, "tries": tries, "next_at": now + wait, "error": f"{type(e).__name__}: {e}"[:500]}
+            left[0] = replace(head, tries=tries, next_at=now + wait, error=f"{type(e).__name__}: {e}"[:500])
             log.warning("eagleflow %s mail not sent (try %d, %d mail(s) waiting): %s: %s; the watch goes on and "
-                        "tries again in %.0f s", head["kind"], tries, len(left), type(e).__name__, e, wait)
+                        "tries again in %.0f s", head.kind, tries, len(left), type(e).__name__, e, wait)
             break
-        if head.get("tries"):
-            log.info("eagleflow %s mail sent after %d failed tries", head["kind"], head["tries"])
+        if head.tries:
+            log.info("eagleflow %s mail sent after %d failed tries", head.kind, head.tries)
         left.pop(0)
     return left
 
 
-def log_unsent(pending: list[dict[str, Any]]) -> None:
+def log_unsent(pending: list[PendingMail]) -> None:
     """The task ends with mails its SMTP server never took: say which, in the task log."""
     for item in pending:
-        subject = item["event"].get("subject") or item["kind"]
-        log.error("eagleflow %s mail never sent (%d tries, last: %s): %s", item["kind"], item.get("tries", 0),
-                  item.get("error", "not tried"), subject)
+        subject = item.event.get("subject") or item.kind
+        log.error("eagleflow %s mail never sent (%d tries, last: %s): %s", item.kind, item.tries,
+                  item.error or "not tried", subject)
 
 
 def pipeline_failure_callbacks(retry_mail: bool = True) -> dict:

@@ -66,7 +66,8 @@ from eagleflow.nodes.ssh_async import AsyncSSHNode
 from eagleflow.phases import EXTRACT, kind_of
 from eagleflow.protocol import one_line
 from eagleflow.watchdog.diagnosis import StallDiagnosis
-from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, WatchEvent, WatchState, clock as _clock,
+from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Recovering, Resumed, WatchEvent,
+                                         WatchState, clock as _clock,
                                          parse_event, unreachable_event)
 
 WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come with a diagnosis
@@ -113,16 +114,17 @@ class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
     def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
-                 unreachable_since: float | None = None, close_incidents: list[dict[str, Any]] | None = None,
-                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None):
+                 unreachable_since: float | None = None, close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
+                 pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None):
         super().__init__()
         # a re-deferral for a due mail must not restart the watch's running clocks: an outage not yet
         # reported ("outage_started") and failing looks ("failing_since"), both unix times
         self.clocks = {k: float(v) for k, v in (clocks or {}).items() if k in ("outage_started", "failing_since")
                        and v is not None}
-        self.close_incidents = list(close_incidents or [])  # see the module doc: this watch mails their end
+        # see the module doc: this watch mails their end (plain values from the triggerer, typed here)
+        self.close_incidents = [IncidentClose.from_dict(c) for c in close_incidents or []]
         # mails of this task its SMTP server did not take yet (eagleflow.airflow.alerts.send_pending)
-        self.pending_mails = list(pending_mails or [])
+        self.pending_mails = [PendingMail.from_dict(m) for m in pending_mails or []]
         self.ref = RunRef.from_dict(run)          # parsed once
         self.run_data = self.ref.to_dict()
         self.poll_interval_s = poll_interval_s
@@ -288,19 +290,19 @@ class _NodeJobWatchTrigger(BaseTrigger):
             await asyncio.to_thread(ctx.close)
 
     @staticmethod
-    def _incident_over(close: dict[str, Any], diag: StallDiagnosis) -> bool:
+    def _incident_over(close: IncidentClose, diag: StallDiagnosis) -> bool:
         """A sample stored since the stall, or (an outage) the node answers."""
-        if close.get("kind") == "outage":
+        if close.kind == "outage":
             return True
-        return diag.done > int(close.get("done", 0)) or diag.verdict == "complete"
+        return diag.done > close.done or diag.verdict == "complete"
 
     def _serialize_common(self, kw: dict[str, Any]) -> dict[str, Any]:
         if self.unreachable_since is not None:
             kw["unreachable_since"] = self.unreachable_since
-        if self.close_incidents:
-            kw["close_incidents"] = self.close_incidents
+        if self.close_incidents:   # a few plain values each, as Airflow serialises a trigger
+            kw["close_incidents"] = [c.to_dict() for c in self.close_incidents]
         if self.pending_mails:
-            kw["pending_mails"] = self.pending_mails
+            kw["pending_mails"] = [m.to_dict() for m in self.pending_mails]
         if self.clocks:
             kw["clocks"] = self.clocks
         return kw
@@ -342,7 +344,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def _mail_at(self) -> float | None:
         """When the first pending mail may be tried again (they go in order); None: no mail is waiting."""
-        return float(self.pending_mails[0].get("next_at") or 0) if self.pending_mails else None
+        return self.pending_mails[0].next_at if self.pending_mails else None
 
     def _early_unreachable_event(self, since: float, error: str) -> WatchEvent:
         """Unreachable before the run's config could even be read: the node's name and the job count from the
@@ -367,8 +369,8 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
 
     def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
-                 close_incidents: list[dict[str, Any]] | None = None,
-                 pending_mails: list[dict[str, Any]] | None = None, clocks: dict[str, float] | None = None,
+                 close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
+                 pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None,
                  phase: str = EXTRACT):
         super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails, clocks)
         self.shard = shard

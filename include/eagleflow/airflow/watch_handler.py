@@ -13,20 +13,20 @@ from typing import Any, Callable
 
 from eagleflow.airflow.base import run_trigger_here
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.watchdog.protocol import (MailDue, Recovering, Resumed, Unreachable, WatchEvent, next_step,
-                                         parse_event)
+from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Recovering, Resumed, Unreachable,
+                                         WatchEvent, next_step, parse_event)
 
 # Builds the job's next watch from the keyword arguments every watch trigger takes (run, unreachable_since,
 # close_incidents, pending_mails, clocks; recoveries_left for shards).
 Rewatch = Callable[..., Any]
 # Mails (when this shard opened the incident) and recovers; returns (recoveries left, the stall's close entry
 # for the next watch or None, the mails still pending). Raises to fail the task.
-Recover = Callable[[dict[str, Any], list[dict[str, Any]]], tuple[int, "dict[str, Any] | None", list[dict[str, Any]]]]
+Recover = Callable[[dict[str, Any], list[PendingMail]], tuple[int, "IncidentClose | None", list[PendingMail]]]
 
 
-def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: list[dict[str, Any]], *,
+def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: list[PendingMail], *,
                      shard: int, phase: str, log: logging.Logger | Any
-                     ) -> tuple[int, "dict[str, Any] | None", list[dict[str, Any]]]:
+                     ) -> tuple[int, "IncidentClose | None", list[PendingMail]]:
     """The one in-watch recovery step of a shard's task, whatever its phase (a ``Recover``): mail (when this shard
     opened the incident), then restart what the cause names on the node (``recovery.recover_after_stall``).
 
@@ -87,8 +87,8 @@ def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callab
                            close_incidents=closes + ([outage] if outage else []), pending_mails=pending, **left)
         if isinstance(ev, Resumed):   # incidents this task mailed are over: say so, watch on with the rest
             for close in ev.closed:
-                pending = mail_or_keep(context, pending, "over", raw, dict(close))
-            return rewatch(run=run.trigger_ref(), close_incidents=[dict(c) for c in ev.still_open],
+                pending = mail_or_keep(context, pending, "over", raw, close)
+            return rewatch(run=run.trigger_ref(), close_incidents=list(ev.still_open),
                            pending_mails=pending, **left)
         if isinstance(ev, MailDue):   # a mail the SMTP server refused earlier: try again, watch on as before
             return rewatch(run=run.trigger_ref(), close_incidents=closes, unreachable_since=ev.unreachable_since,

@@ -22,6 +22,8 @@ Step = Literal["done", "recover", "watch", "fail"]
 
 
 def _plain(v: Any) -> Any:
+    if hasattr(v, "to_dict"):
+        return v.to_dict()
     if isinstance(v, tuple):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
@@ -34,13 +36,69 @@ def _known(cls: type[Any], data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in names}
 
 
+CLOSE_KINDS = ("stall", "outage")
+MAIL_KINDS = ("stall", "unreachable", "over")
+
+
+@dataclass(frozen=True)
+class IncidentClose:
+    """An incident this task mailed, whose end it mails too: a stall (over once more than ``done`` are stored
+    or the job completes) or a node outage (over once the node answers). ``since``: when it began (unix
+    time); ``subject``: the mail it answers. Built by ``eagleflow.airflow.alerts.close_of_stall``/``close_of_outage``."""
+    kind: str
+    id: str
+    subject: str = ""
+    since: float = 0.0
+    done: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: "dict[str, Any] | IncidentClose") -> "IncidentClose":
+        """From a trigger's kwargs or an event's payload; a kind that is neither is refused (ValueError)."""
+        if isinstance(data, IncidentClose):
+            return data
+        if not isinstance(data, dict) or data.get("kind") not in CLOSE_KINDS:
+            raise ValueError(f"an incident to close must be a mapping with kind one of {CLOSE_KINDS}, got {data!r}")
+        return cls(kind=str(data["kind"]), id=str(data.get("id") or ""), subject=str(data.get("subject") or ""),
+                   since=float(data.get("since") or 0.0), done=int(data.get("done") or 0))
+
+
+@dataclass(frozen=True)
+class PendingMail:
+    """A watch's mail its SMTP server has not taken yet (``eagleflow.airflow.alerts.send_pending``): the kind
+    of mail, the event it is rendered from (plain values), the incident it closes (kind "over"), how often it
+    failed, when it is due again (unix time) and the last error."""
+    kind: str
+    event: dict[str, Any] = field(default_factory=dict)
+    close: IncidentClose | None = None
+    tries: int = 0
+    next_at: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "event": _plain(self.event), "close": self.close.to_dict() if self.close else None,
+                "tries": self.tries, "next_at": self.next_at, "error": self.error}
+
+    @classmethod
+    def from_dict(cls, data: "dict[str, Any] | PendingMail") -> "PendingMail":
+        if isinstance(data, PendingMail):
+            return data
+        if not isinstance(data, dict) or data.get("kind") not in MAIL_KINDS:
+            raise ValueError(f"a pending mail must be a mapping with kind one of {MAIL_KINDS}, got {data!r}")
+        close = data.get("close")
+        return cls(kind=str(data["kind"]), event=dict(data.get("event") or {}),
+                   close=None if close is None else IncidentClose.from_dict(close), tries=int(data.get("tries") or 0),
+                   next_at=float(data.get("next_at") or 0.0), error=str(data.get("error") or ""))
+
+
 @dataclass(frozen=True)
 class WatchState:
-    """What a watch hands to the next one: incidents this task mailed (each a few plain values, see
-    ``eagleflow.airflow.alerts.close_of_stall``/``close_of_outage``), the mails still pending, and (shards
+    """What a watch hands to the next one: incidents this task mailed, the mails still pending, and (shards
     only; None for the trainer) the in-watch recoveries left."""
-    close_incidents: tuple[dict[str, Any], ...] = ()
-    pending_mails: tuple[dict[str, Any], ...] = ()
+    close_incidents: tuple[IncidentClose, ...] = ()
+    pending_mails: tuple[PendingMail, ...] = ()
     recoveries_left: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,8 +111,8 @@ class WatchState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "WatchState":
         left = data.get("recoveries_left")
-        return cls(close_incidents=tuple(data.get("close_incidents") or ()),
-                   pending_mails=tuple(data.get("pending_mails") or ()),
+        return cls(close_incidents=tuple(IncidentClose.from_dict(c) for c in data.get("close_incidents") or ()),
+                   pending_mails=tuple(PendingMail.from_dict(m) for m in data.get("pending_mails") or ()),
                    recoveries_left=None if left is None else int(left))
 
 
@@ -177,14 +235,22 @@ class Unreachable(WatchEvent):
 class Resumed(WatchEvent):
     """Incidents this task mailed are over (a sample stored since the stall, or the node answers again)."""
     STATUSES: ClassVar[tuple[str, ...]] = ("resumed",)
-    closed: tuple[dict[str, Any], ...] = ()
-    still_open: tuple[dict[str, Any], ...] = ()
+    closed: tuple[IncidentClose, ...] = ()
+    still_open: tuple[IncidentClose, ...] = ()
     done: int = 0
     total: int = 0
     observed_at: float = 0.0
     job: str = ""
     node: str = ""
     summary: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Resumed":
+        d = _known(cls, data)
+        d.pop("state", None)
+        for name in ("closed", "still_open"):
+            d[name] = tuple(IncidentClose.from_dict(c) for c in d.get(name) or ())
+        return cls(**d, state=WatchState.from_dict(data))
 
 
 @dataclass(frozen=True, kw_only=True)
