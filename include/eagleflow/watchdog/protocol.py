@@ -40,6 +40,14 @@ CLOSE_KINDS = ("stall", "outage")
 MAIL_KINDS = ("stall", "unreachable", "over")
 
 
+def _of_kind(data: Any, kinds: tuple[str, ...], what: str) -> dict[str, Any]:
+    """A state entry from plain values: a mapping whose ``kind`` is one of ``kinds``; anything else is refused
+    (ValueError) naming it, never carried along untyped."""
+    if not isinstance(data, dict) or data.get("kind") not in kinds:
+        raise ValueError(f"{what} must be a mapping with kind one of {kinds}, got {data!r}")
+    return data
+
+
 @dataclass(frozen=True)
 class IncidentClose:
     """An incident this task mailed, whose end it mails too: a stall (over once more than ``done`` are stored
@@ -59,8 +67,7 @@ class IncidentClose:
         """From a trigger's kwargs or an event's payload; a kind that is neither is refused (ValueError)."""
         if isinstance(data, IncidentClose):
             return data
-        if not isinstance(data, dict) or data.get("kind") not in CLOSE_KINDS:
-            raise ValueError(f"an incident to close must be a mapping with kind one of {CLOSE_KINDS}, got {data!r}")
+        data = _of_kind(data, CLOSE_KINDS, "an incident to close")
         return cls(kind=str(data["kind"]), id=str(data.get("id") or ""), subject=str(data.get("subject") or ""),
                    since=float(data.get("since") or 0.0), done=int(data.get("done") or 0))
 
@@ -85,8 +92,7 @@ class PendingMail:
     def from_dict(cls, data: "dict[str, Any] | PendingMail") -> "PendingMail":
         if isinstance(data, PendingMail):
             return data
-        if not isinstance(data, dict) or data.get("kind") not in MAIL_KINDS:
-            raise ValueError(f"a pending mail must be a mapping with kind one of {MAIL_KINDS}, got {data!r}")
+        data = _of_kind(data, MAIL_KINDS, "a pending mail")
         close = data.get("close")
         return cls(kind=str(data["kind"]), event=dict(data.get("event") or {}),
                    close=None if close is None else IncidentClose.from_dict(close), tries=int(data.get("tries") or 0),
