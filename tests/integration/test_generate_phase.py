@@ -100,6 +100,11 @@ def test_kill_9_resume_loses_and_repeats_nothing_and_one_worker_per_shard(run):
 
 def test_stats_and_the_corpus_takes_the_targets_own_ids(run):
     ctx, _ = run
+    # on its own (pytest-xdist may run it apart from the test above): each shard generated or resumed to its end
+    for shard in (0, 1):
+        done = subprocess.run(_cli(ctx, "generate", "run", "--shard", str(shard)), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
     res = subprocess.run(_cli(ctx, "generate", "stats"), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)

@@ -56,7 +56,10 @@ def test_teardown_removes_namespace_link_and_processes(tmp_path):
         sshd_pid = h.sshd_pid
         # a process that outlives its SSH session on the node (setsid, as detached jobs are)
         h.exec_in(["sh", "-c", "setsid -f sleep 3600 </dev/null >/dev/null 2>&1"])
-        assert h.running(["sleep", "3600"])
+        deadline = time.monotonic() + 20   # setsid -f returns once it forked: the sleep is exec'd a moment later
+        while not h.running(["sleep", "3600"]):
+            assert time.monotonic() < deadline, "the detached sleep never appeared on the node"
+            time.sleep(0.05)
         ns, vh, vn, host_ip = h.netns, h.veth_host, h.veth_node, h.host_ip
         sleeper = h.running(["sleep", "3600"])
     assert ns not in _ip("netns", "list").stdout.split()

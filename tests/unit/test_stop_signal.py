@@ -127,3 +127,46 @@ def test_a_helper_thread_blocks_the_stop_signals_and_its_creator_keeps_its_own_m
     start_helper_thread(lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])), name="probe").join(10)
     assert STOP_SIGNALS <= seen[0]
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+# The main thread busy in C code that released the GIL (a worker's main thread in a long call): its handler
+# waits for that call to return; a helper must know of the stop before then.
+ARRIVAL = r"""
+import hashlib, sys, threading, time
+from eagleflow.stop_signal import Stopped, start_helper_thread, stop_arrived, stop_on_term
+
+stop_on_term("shard 5", "stored samples are kept")
+seen = {}
+def helper():
+    while not stop_arrived():
+        time.sleep(0.001)
+    seen["helper"] = time.monotonic()
+t = start_helper_thread(helper, name="capture-0")
+print("ready", flush=True)
+try:
+    hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 10_000_000)   # seconds in C, the GIL released, no signal check
+    time.sleep(5)
+except Stopped:
+    seen["handler"] = time.monotonic()
+t.join(5)
+print(seen.get("helper", 0) < seen.get("handler", 0), seen.get("handler", 0) - seen.get("helper", 0), flush=True)
+"""
+
+
+def test_a_helper_learns_of_the_stop_at_delivery_before_the_main_threads_handler_runs():
+    proc = subprocess.Popen([sys.executable, "-c", ARRIVAL], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    first, lead = out.split()
+    assert first == "True", f"the helper saw the stop {-float(lead):.2f} s after the handler ran"
+    assert float(lead) > 0.5, f"the helper knew only {float(lead):.2f} s before the handler"
+
+
+def test_without_stop_on_term_no_stop_has_arrived():
+    from eagleflow import stop_signal
+    assert stop_signal._wakeup_read_fd is None or stop_signal.stop_arrived() is False

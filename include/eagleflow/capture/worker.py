@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.stop_signal import failure_text, start_helper_thread
+from eagleflow.stop_signal import failure_text, start_helper_thread, stop_arrived
 
 from .client import CaptureServerError, CaptureTimeout, generate
 from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
@@ -346,7 +346,7 @@ class ShardWorker:
                                                  os.stat(dpath).st_size // max(smp.tokens, 1))
             except FileNotFoundError:
                 pass
-            if self._halt.is_set():
+            if self._halt.is_set() or stop_arrived():
                 return   # abandoned: its dump is an orphan the next start removes, the sample is redone then
             try:
                 stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
