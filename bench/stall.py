@@ -57,17 +57,13 @@ sys.path.insert(0, str(REPO))
 from eagleflow.airflow.runtime import RunContext  # noqa: E402
 from eagleflow.airflow.shard_watch import ShardWatchTrigger  # noqa: E402
 from eagleflow.capture.hf_server import DELAY_ENV, DELAY_FILE_ENV, HANG_FILE_ENV  # noqa: E402
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
-                                         stop_worker, wait_capture_server_ready)
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config  # noqa: E402
 from eagleflow.demo_assets import ensure_demo_assets, write_demo_sources  # noqa: E402
-from eagleflow.generate.lifecycle import (start_generate_server, start_or_attach_generate_worker,  # noqa: E402
-                                          stop_generate_server, wait_generate_server_ready)
 from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind  # noqa: E402
 from eagleflow.heartbeat import Heartbeat  # noqa: E402
 from eagleflow.layout import RunLayout  # noqa: E402
-from eagleflow.watchdog.recovery import recover_after_stall  # noqa: E402
+from eagleflow.watchdog.recovery import LIFECYCLES, recover_after_stall  # noqa: E402
 from tests.fixtures.capture_corpus import write_corpus  # noqa: E402
 from tests.fixtures.gpu_scenarios import fake_smi_env, gpu, write_scenario  # noqa: E402
 from tests.fixtures.smtp import SmtpSink  # noqa: E402
@@ -140,13 +136,16 @@ def pid_of(run: LocalRun, role: str) -> int:
     return json.loads(Path(str(run.layout.pid_file(role))).read_text())["pid"]
 
 
-def start(run: LocalRun, env: dict[str, str]) -> None:
+def start(run: LocalRun, env: dict[str, str], kind: ShardKind = KINDS[EXTRACT]) -> None:
+    """The phase's server and shard 0's detached worker, through the phase's own lifecycle (as its operators and
+    the recovery start them), with ``env`` added for them."""
+    life = LIFECYCLES[kind.phase]
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        start_capture_server(run)
-        wait_capture_server_ready(run, timeout_s=180, poll_s=0.5)
-        start_or_attach_worker(run, 0)
+        life.start_server(run)
+        life.wait_server_ready(run, timeout_s=180, poll_s=0.5)
+        life.start_worker(run, 0)
     finally:
         for k, v in old.items():
             if v is None:
@@ -155,25 +154,14 @@ def start(run: LocalRun, env: dict[str, str]) -> None:
                 os.environ[k] = v
 
 
-def start_generation(run: LocalRun) -> None:
-    """The generation phase's server (serving mode) and shard 0's detached worker, as its operators start them."""
-    start_generate_server(run)
-    wait_generate_server_ready(run, timeout_s=180, poll_s=0.5)
-    start_or_attach_generate_worker(run, 0)
-
-
 def stop(run: LocalRun, kind: ShardKind = KINDS[EXTRACT]) -> None:
     for role in (kind.worker_role(0), kind.server_role):
         try:
             os.killpg(pid_of(run, role), signal.SIGCONT)
         except (OSError, ValueError):
             pass
-    if kind.phase == GENERATE:
-        run.node.stop_recorded(str(run.layout.pid_file(kind.worker_role(0))), grace_s=3)
-        stop_generate_server(run, grace_s=3)
-        return
-    stop_worker(run, 0, grace_s=3)
-    stop_capture_server(run, grace_s=3)
+    run.node.stop_recorded(str(run.layout.pid_file(kind.worker_role(0))), grace_s=3)
+    LIFECYCLES[kind.phase].stop_server(run, grace_s=3)
 
 
 def wait_for(pred, timeout_s: float, what: str) -> float:
@@ -236,7 +224,7 @@ def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, boun
         # what ExtractShardOperator does with this event: mail (this shard opened the incident), then recover
         base = ev_stored(ev)
         if (ev.get("incident") or {}).get("opened"):
-            mail(smtp, ev, task_id="generate_responses" if kind.phase == GENERATE else "extract_shard")
+            mail(smtp, ev, task_id=kind.shard_task)
             wait_for(lambda: len(smtp.messages) > n_mails, 30, "the mail")
             result["mail_s"] = smtp.received_at[-1] - t0
             result["subject"] = smtp.messages[-1]["Subject"]
@@ -476,7 +464,7 @@ def main() -> int:
             if gen_faults:
                 g, gen = make_generate_run(root, assets["target_model"], watch), KINDS[GENERATE]
                 os.environ.update({DELAY_ENV: "0.05", HANG_FILE_ENV: str(hang_file)})
-                start_generation(g)
+                start(g, {}, gen)
                 try:
                     for fault in gen_faults:
                         for i in range(args.cycles):

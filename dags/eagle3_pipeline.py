@@ -78,7 +78,7 @@ def generation_on(node: FleetNodeRoute, prefix: str):
     idle = GpuIdleSensor(task_id="gpus_idle_before_generation", pool=node.pool, generation=True)
     start = StartGenerateServerOperator(task_id="start_generate_server", pool=node.pool)
     plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
-    shards = GenerateShardOperator.partial(task_id="generate_responses", retries=2, pool=node.pool,
+    shards = GenerateShardOperator.partial(task_id=GEN.shard_task, retries=2, pool=node.pool,
                                            fleet_node=node.name if GROUPED else None).expand(shard=plan.output)
     stop = StopGenerateServerOperator(task_id="stop_generate_server")
     free_after = FreeGpusOperator(task_id="free_gpus_after_generation", generation=True)
@@ -114,7 +114,7 @@ def node_tasks(node: FleetNodeRoute):
         server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=node.pool)
         shards = PlanShardsOperator(task_id="plan_shards")
         # named, not left to the group's default_args: a mapped task is rebuilt from its partial kwargs
-        extract = ExtractShardOperator.partial(task_id="extract_shard", retries=2, pool=node.pool,
+        extract = ExtractShardOperator.partial(task_id=EXT.shard_task, retries=2, pool=node.pool,
                                                fleet_node=node.name if GROUPED else None
                                                ).expand(shard=shards.output)
         stop_server = StopCaptureServerOperator(task_id="stop_capture_server")

@@ -42,6 +42,7 @@ class ShardKind:
     server_info_file: Callable[[RunLayout], PurePosixPath]
     takeover_key: str                           # its map in a run's takeover.json (fleet.takeover)
     prepared_key: str                           # its list in prepare_node's answer (the shards a node holds)
+    shard_task: str                             # the DAG task (mapped over shards) that runs and watches a shard
     collect_task: str                           # the DAG task that copies a node's shards to the training node
     takeover_task: str                          # the DAG task that finds a fleet node's shards to take over
     copy_last: tuple[str, ...]                  # a shard's files copied last (their presence says "complete")
@@ -82,7 +83,7 @@ KINDS = {
         server_role="capture_server", worker_prefix="worker_shard_", marker="reconcile-started-server",
         started_dir="hidden_states", shards_field="capture.shards", enabled_field=None, shard_dir=RunLayout.shard_dir,
         server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
-        collect_task="collect_shards", takeover_task="take_over_shards",
+        shard_task="extract_shard", collect_task="collect_shards", takeover_task="take_over_shards",
         # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
         copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",)),
     GENERATE: ShardKind(
@@ -90,7 +91,8 @@ KINDS = {
         server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
         marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards", enabled_field="generate.enabled",
         shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
-        takeover_key="generate_shards", prepared_key="generate_shards", collect_task="collect_generated",
+        takeover_key="generate_shards", prepared_key="generate_shards", shard_task="generate_responses",
+        collect_task="collect_generated",
         takeover_task="take_over_generated",
         # the manifest and final heartbeat last (the phase's stats accept a shard once its heartbeat says
         # complete, and it is final once the worker ended); the stall marker is the node's own note
