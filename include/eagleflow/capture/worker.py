@@ -187,8 +187,8 @@ class ShardWorker:
         hb = Heartbeat(job=f"extract shard {s.shard}/{s.num_shards}", pid=os.getpid(),
                        extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url})
         writer_hb = HeartbeatWriter(shard_dir / "heartbeat.json", hb, interval_s=s.heartbeat_interval_s)
-        writer_hb.start()
         try:
+            writer_hb.start()   # inside: a stop held back while its thread started is raised as the mask lifts
             self._run(writer_hb)
         except BaseException as e:
             writer_hb.stop(state="failed", error=failure_text(e, ExtractionError))

@@ -227,8 +227,8 @@ class GenerateWorker:
                        extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url,
                               "phase": "generate", "wall_s_before": earlier_wall_s(shard_dir / HEARTBEAT)})
         hbw = HeartbeatWriter(shard_dir / HEARTBEAT, hb, interval_s=s.heartbeat_interval_s)
-        hbw.start()
         try:
+            hbw.start()   # inside: a stop held back while its thread started is raised as the mask lifts
             self._run(hbw)
         except BaseException as e:
             hbw.stop(state="failed", error=failure_text(e, GenerationError))
