@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -39,11 +38,11 @@ from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.pipeline_run import pipeline_dag
 from tests.fixtures.processes import kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-REPO = Path(__file__).resolve().parents[2]
 N = 16
 TRAIN = {"device": "cpu", "max_steps": 8, "batch_size": 4, "ttt_length": 2, "draft_vocab_size": 128,
          "checkpoint_every": 3, "log_every": 4, "warmup_steps": 1}
@@ -102,11 +101,6 @@ def _assert_exact(run: LocalRun) -> None:
 
 
 # ------------------------------------------------------------------------------------ Airflow, dag.test()
-def _pipeline_dag():
-    from airflow.dag_processing.dagbag import DagBag
-    return DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-
-
 def _tis(dr) -> dict:
     return {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
 
@@ -121,7 +115,7 @@ def _mailing_config(tmp_path: Path, demo_assets: dict, smtp: SmtpSink, monkeypat
 
 def test_a_shard_failing_all_its_tries_fails_the_run_and_nothing_trains(tmp_path, airflow_db, demo_assets,
                                                                          monkeypatch):
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     run_dir = tmp_path / "runs" / "halfdata"
     # shard 1 cannot store anything, on every try: its directory's name is taken by a file
     (run_dir / "hidden_states").mkdir(parents=True)
@@ -161,7 +155,7 @@ def test_a_shard_failing_all_its_tries_fails_the_run_and_nothing_trains(tmp_path
 def test_prepare_corpus_failure_lets_nothing_train_and_alerts_once(tmp_path, airflow_db, demo_assets, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{not json\n')
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     with SmtpSink() as smtp:
         cfgp = _mailing_config(tmp_path, demo_assets, smtp, monkeypatch,
                                corpus={"sources": [{"name": "bad", "path": str(bad)}], "max_length": 128})
@@ -186,7 +180,7 @@ def test_prepare_corpus_failure_lets_nothing_train_and_alerts_once(tmp_path, air
                                   "missing_config"])
 def test_input_errors_fail_the_first_task_at_once_naming_the_field(case, tmp_path, airflow_db, demo_assets,
                                                                    monkeypatch, capfd):
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     with SmtpSink() as smtp:
         overrides: dict = {}
         conf_extra: dict = {}
@@ -239,7 +233,7 @@ def test_input_errors_fail_the_first_task_at_once_naming_the_field(case, tmp_pat
 def test_run_name_dot_dot_is_refused_by_the_params(tmp_path, airflow_db, demo_assets):
     from airflow.sdk.definitions.param import ParamValidationError
     cfgp = write_short_config(tmp_path, demo_assets)
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     for bad in ("..", "."):
         with pytest.raises(ParamValidationError, match="run_name"):
             dag.test(run_conf={"config_path": str(cfgp), "run_name": bad})

@@ -5,7 +5,9 @@ state dir, dump dir and fake GPUs.
 One run of eagle3_pipeline under dag.test(): storage ``auto`` finds that n2's run root is not n1's (its probe
 is not found on n1), so the corpus goes out to n2 over SFTP and n2's shards come back the same way; n2's GPU
 gates read its fake nvidia-smi, its capture server and workers run inside its namespace, and the training
-node verifies and trains on every shard of both.
+node verifies every shard of both. The GPU-gate and the partition runs end at verification
+(``THROUGH_VERIFIED``): what they prove ends there. The two-hosts run is whole: n1 trains, exports and
+evaluates on every shard of both.
 """
 from __future__ import annotations
 
@@ -22,17 +24,7 @@ from tests.fixtures.gpu_scenarios import gpu, proc, write_scenario
 from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored, wait_for_watch
 from tests.fixtures.node_host import node_host_fixture, record_spawns  # noqa: F401  (fixture)
 from tests.fixtures.pipeline_config import write_short_config
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_pipeline(cfg_path: Path, run_name: str):
-    """eagle3_pipeline under dag.test() (its task groups from $EAGLEFLOW_CONFIG): the run and its task states."""
-    from airflow.dag_processing.dagbag import DagBag
-    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": run_name})
-    return dr, {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
-
+from tests.fixtures.pipeline_run import THROUGH_VERIFIED, run_pipeline
 
 def fleet_config(tmp_path: Path, demo_assets, host, monkeypatch, idle_timeout_s: float, **sections) -> Path:
     """n1 here (training, no GPU), n2 the node host over its sshd with its own run root; 4 shards, 2 each."""
@@ -62,7 +54,7 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
         write_scenario(scenario, {"gpus": [gpu(0, 90000, util=0)] + [gpu(i, 3) for i in range(1, 8)],
                                   "processes": [proc(foreign.pid, 0, 89990, "python3 -m vllm.entrypoints", live=True)]})
         in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
-        dr, states = run_pipeline(cfg_path, "fleet-gate")
+        dr, states = run_pipeline(cfg_path, "fleet-gate", through=THROUGH_VERIFIED)
         assert foreign.poll() is None            # a gate never kills, and free_gpus only kills what we recorded
         assert dr.state == "success", states
         assert "failed" in (states.get(("n2.free_gpus", -1)), states.get(("n2.gpus_idle", -1))), states
@@ -99,7 +91,7 @@ def test_a_node_refusing_its_gpu_gate_hands_its_shards_to_the_training_node(tmp_
         corpus_regenerated = {r["id"] for r in rows if r["source"] == regenerated}
         assert corpus_regenerated <= set(generated)
         assert corpus_regenerated & set(manifest_ids(home, [1], "generated"))   # n2's share, generated on n1
-        assert (home / "draft" / "export" / "model.safetensors").is_file()
+        assert states[("verify_hidden_states", -1)] == "success" and ("train_draft", -1) not in states
         out, err = capfd.readouterr()   # dag.test() logs through structlog to stdout
         text = out + err
         assert f"pid {foreign.pid} (" in text and "python3 -m vllm.entrypoints" in text   # the gate names it
@@ -173,7 +165,7 @@ def test_a_partition_mid_shard_and_a_cut_mid_transfer_lose_and_duplicate_nothing
         thread.start()
         try:
             in_ns = record_spawns(monkeypatch, {"n2": host})["n2"]
-            dr, _ = run_pipeline(cfg_path, "fleet-part")
+            dr, _ = run_pipeline(cfg_path, "fleet-part", through=THROUGH_VERIFIED)
         finally:
             done.set()
             thread.join(OUTAGE_S + 10)
@@ -221,7 +213,7 @@ def test_a_partition_mid_shard_and_a_cut_mid_transfer_lose_and_duplicate_nothing
     stats = json.loads((home / "corpus" / "stats.json").read_text())
     ids = manifest_ids(home, range(4))
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated, on the training node
-    assert (home / "draft" / "export" / "model.safetensors").is_file()
+    assert tis[("verify_hidden_states", -1)].state == "success" and ("train_draft", -1) not in tis
 
 
 def states(tis: dict) -> dict:

@@ -1,5 +1,7 @@
 """One run of eagle3_pipeline over a fleet of two nodes: each extracts its share of the shards under its own
-task group (capture server, watch), and the training node verifies and trains on every shard of both.
+task group (capture server, watch), and the training node verifies every shard of both. The runs end at
+verification (``THROUGH_VERIFIED``): what the fleet changes ends there, and training on verified shards is
+proven by the whole runs.
 
 The two nodes are this machine seen through two node views (one shared run root, own pid records, dump dir
 and capture server): what differs between nodes in a fleet is the view, which this drives for real under
@@ -17,8 +19,7 @@ import yaml
 
 from tests.fixtures.fleet_run import manifest_ids
 from tests.fixtures.pipeline_config import write_short_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures.pipeline_run import THROUGH_VERIFIED, run_pipeline
 
 
 def fleet_config(tmp_path: Path, demo_assets, storage: str, **sections) -> Path:
@@ -41,17 +42,15 @@ def fleet_config(tmp_path: Path, demo_assets, storage: str, **sections) -> Path:
 @pytest.mark.timeout(1200)
 def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_assets, monkeypatch):
     storage = "shared"
-    from airflow.dag_processing.dagbag import DagBag
     # the target regenerates one source first: generation shard 0 on n1, 1 on n2, each with its own server
     regenerated = demo_assets["sources"][1]["name"]
     cfg_path = fleet_config(tmp_path, demo_assets, storage,
                             generate={"enabled": True, "sources": [regenerated], "shards": 2, "max_new_tokens": 4,
                                       "concurrency": 2})
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))   # the task groups are fixed when the DAG is parsed
-    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": f"fleet-{storage}"})
-    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    dr, states = run_pipeline(cfg_path, f"fleet-{storage}", through=THROUGH_VERIFIED)
     assert dr.state == "success", states
+    assert states[("verify_hidden_states", -1)] == "success" and ("train_draft", -1) not in states
     # each node extracted its half (shards 0-1 on n1, 2-3 on n2), every shard once
     assert {k for k, v in states.items() if k[0].endswith("extract_shard") and v == "success"} == \
         {("n1.extract_shard", 0), ("n1.extract_shard", 1), ("n2.extract_shard", 0), ("n2.extract_shard", 1)}
@@ -93,7 +92,6 @@ def test_one_run_spreads_its_shards_over_two_nodes(tmp_path, airflow_db, demo_as
     ids = manifest_ids(home, range(4))   # on the training node: every shard of both nodes
     assert len(ids) == len(set(ids)) == stats["records"]   # 0 lost, 0 duplicated
     assert set(manifest_ids(other, [2, 3])) <= set(ids)
-    assert (home / "draft" / "export" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -104,7 +102,6 @@ def test_a_fleet_said_to_share_storage_that_does_not_fails_that_node_and_the_run
     fails at prepare_node naming both folders; n1's shards still run, and verification fails the run
     naming n2's missing shards (nothing trains on half the data). fleet.take_over is off: n2's shards wait
     for it (with it on, the training node would take them over: test_fleet_node_host)."""
-    from airflow.dag_processing.dagbag import DagBag
     cfg_path = fleet_config(tmp_path, demo_assets, "copy")
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["fleet"]["storage"] = "shared"
@@ -112,9 +109,7 @@ def test_a_fleet_said_to_share_storage_that_does_not_fails_that_node_and_the_run
     cfg["train"]["max_steps"] = 2
     cfg_path.write_text(yaml.safe_dump(cfg))
     monkeypatch.setenv("EAGLEFLOW_CONFIG", str(cfg_path))
-    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "not-shared"})
-    states = {(ti.task_id, ti.map_index): ti.state for ti in dr.get_task_instances()}
+    dr, states = run_pipeline(cfg_path, "not-shared")
     assert dr.state == "failed", states
     assert states[("n2.prepare_node", -1)] == "failed"
     assert states[("n1.extract_shard", 0)] == states[("n1.extract_shard", 1)] == "success"

@@ -1,27 +1,24 @@
 """The run_report task under dag.test(): a run that fails early still gets its report, and stays failed."""
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
 from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.pipeline_run import run_pipeline
 
 pytestmark = [pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(600)
 def test_failed_run_gets_a_report_and_stays_failed(tmp_path, airflow_db, demo_assets):
-    from airflow.dag_processing.dagbag import DagBag
     from fastapi.testclient import TestClient
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{not json\n')
     cfg_path = write_short_config(tmp_path, demo_assets, corpus={"sources": [{"name": "bad", "path": str(bad)}]})
-    dag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-    dr = dag.test(run_conf={"config_path": str(cfg_path), "run_name": "failing"})
+    dr, _ = run_pipeline(cfg_path, "failing")
     states = {ti.task_id: ti.state for ti in dr.get_task_instances()}
     assert dr.state == "failed", states
     assert states["prepare_corpus"] == "failed" and states["run_report"] == "success", states

@@ -18,6 +18,7 @@ import yaml
 
 from tests.fixtures.dag_bundle import load_bundle_dag
 from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.pipeline_run import pipeline_dag
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -59,11 +60,6 @@ def deployment(tmp_path, monkeypatch, demo_assets):
     return {"configs": configs, "config": cfg, "secret": secret}
 
 
-def _pipeline_dag():
-    from airflow.dag_processing.dagbag import DagBag
-    return DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).dags["eagle3_pipeline"]
-
-
 def _refused(dag, conf: dict, capfd) -> str:
     """Run ``dag`` with ``conf``: its first task fails at once, nothing runs after it; its log text."""
     dr = dag.test(run_conf=conf)
@@ -83,14 +79,14 @@ def _small_dag(tmp_path, monkeypatch, cfg: Path):
 
 # ------------------------------------------------------------------------------- break 2: config_path
 def test_an_absolute_config_path_outside_the_config_folders_is_refused_unread(deployment, airflow_db, capfd):
-    log = _refused(_pipeline_dag(), {"config_path": str(deployment["secret"]), "run_name": "abs"}, capfd)
+    log = _refused(pipeline_dag(), {"config_path": str(deployment["secret"]), "run_name": "abs"}, capfd)
     assert f"config_path = {str(deployment['secret'])!r}" in log and "outside the allowed config folders" in log
     assert "EAGLEFLOW_CONFIG_DIRS" in log
     assert SECRET not in log
 
 
 def test_dot_dot_and_a_symbolic_link_out_are_refused(deployment, airflow_db, capfd, tmp_path):
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     log = _refused(dag, {"config_path": "configs/../outside/secret.json", "run_name": "dotdot"}, capfd)
     assert "'..' is not allowed" in log and SECRET not in log
     link = deployment["configs"] / "innocent.yaml"
@@ -103,7 +99,7 @@ def test_a_file_that_is_no_config_names_its_keys_not_their_values(deployment, ai
     """Even inside the config folder (someone dropped a credentials file there): keys, never values."""
     (deployment["configs"] / "creds.yaml").write_text(json.dumps({"admin": SECRET, "target_model": "/m"}))
     (deployment["configs"] / "broken.yaml").write_text(f"target_model: /m\npassword: {SECRET}: x\n")
-    dag = _pipeline_dag()
+    dag = pipeline_dag()
     log = _refused(dag, {"config_path": "configs/creds.yaml", "run_name": "creds"}, capfd)
     assert "admin: unknown field" in log and SECRET not in log
     log = _refused(dag, {"config_path": "configs/broken.yaml", "run_name": "broken"}, capfd)
@@ -133,7 +129,7 @@ def test_a_node_connection_the_deployment_does_not_list_is_refused(deployment, a
                                                                    monkeypatch):
     from airflow.sdk.definitions.param import ParamValidationError
     monkeypatch.setenv("EAGLEFLOW_NODE_CONN_IDS", "gpu_node_a,gpu_node_b")
-    dag = _pipeline_dag()   # the form offers only the listed connections
+    dag = pipeline_dag()   # the form offers only the listed connections
     assert dag.params.get_param("node_conn_id").schema["enum"] == [None, "gpu_node_a", "gpu_node_b"]
     with pytest.raises(ParamValidationError, match="node_conn_id"):
         dag.test(run_conf={"config_path": "configs/pipeline.yaml", "node_conn_id": "someone_elses_host"})
@@ -147,7 +143,7 @@ def test_a_node_connection_the_deployment_does_not_list_is_refused(deployment, a
 
 def test_force_free_from_the_form_is_refused_unless_the_deployment_allows_it(deployment, airflow_db, capfd,
                                                                             tmp_path, monkeypatch):
-    log = _refused(_pipeline_dag(), {"config_path": "configs/pipeline.yaml", "force_free_gpus": True,
+    log = _refused(pipeline_dag(), {"config_path": "configs/pipeline.yaml", "force_free_gpus": True,
                                      "run_name": "force"}, capfd)
     assert "force_free_gpus = true is refused" in log and "EAGLEFLOW_ALLOW_FORCE_FREE" in log
     assert not (Path(yaml.safe_load(deployment["config"].read_text())["run_root"]) / "force").exists()
