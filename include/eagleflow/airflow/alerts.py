@@ -26,7 +26,7 @@ import copy
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
@@ -393,7 +393,8 @@ def send_pending(context: dict[str, Any], pending: list[PendingMail], now: float
         except Exception as e:  # SMTP refusing, connection refused, a broken connection id: the mail waits
             tries = head.tries + 1
             wait = min(MAIL_RETRY_MAX_S, MAIL_RETRY_FIRST_S * 2 ** (tries - 1))
-            left[0] = replace(head, tries=tries, next_at=now + wait, error=f"{type(e).__name__}: {e}"[:500])
+            left[0] = head.model_copy(update={"tries": tries, "next_at": now + wait,
+                                               "error": f"{type(e).__name__}: {e}"[:500]})
             log.warning("eagleflow %s mail not sent (try %d, %d mail(s) waiting): %s: %s; the watch goes on and "
                         "tries again in %.0f s", head.kind, tries, len(left), type(e).__name__, e, wait)
             break

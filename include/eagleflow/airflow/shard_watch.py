@@ -66,9 +66,8 @@ from eagleflow.nodes.ssh_async import AsyncSSHNode
 from eagleflow.phases import EXTRACT, kind_of
 from eagleflow.protocol import one_line
 from eagleflow.watchdog.diagnosis import StallDiagnosis
-from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Recovering, Resumed, WatchEvent,
-                                         WatchState, clock as _clock,
-                                         parse_event, unreachable_event)
+from eagleflow.watchdog.protocol import (IncidentClose, MailDue, OpenIncident, PendingMail, Recovering, Resumed,
+                                         WatchEvent, WatchState, clock as _clock, parse_event, unreachable_event)
 
 WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come with a diagnosis
 # An unreachable node (link, sshd) says nothing about its detached jobs: the watch keeps reconnecting,
@@ -392,21 +391,16 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         argv = ctx.eagleflow_argv("recover", "--shard", str(self.shard), "--json", "--cause", diag.cause,
                                   "--incident-only", "--summary", diag.summary[:1500], "--phase", self.phase)
         try:
-            inc = ctx.node.run_json(argv, dict, timeout=60)
+            # the node's answer is untrusted: one unfit for OpenIncident (an id unfit for a mail header) is refused
+            # here, naming the node and the command (NodeAnswerError)
+            inc = ctx.node.run_json(argv, OpenIncident, timeout=60)
         except NodeError as e:
             # no incident book: the task fails with the stall and Airflow's retry recovers it
-            self.log.warning("shard %d: could not open an incident on node %s: %s", self.shard, ctx.node.name, e)
+            self.log.warning("shard %d: could not open an incident on node %s (no in-watch recovery, the task fails "
+                             "with the stall and Airflow's retry recovers it): %s", self.shard, ctx.node.name, e)
             return event
-        try:
-            recovering = Recovering.from_dict({**event.to_dict(), "incident": inc,
-                                               "recoveries_left": self.recoveries_left})
-        except (ValueError, TypeError) as e:   # the node's answer is untrusted: an id unfit for a mail header
-            self.log.warning("shard %d: node %s answered an incident that is refused (%s); no in-watch recovery, "
-                             "the task fails with the stall and Airflow's retry recovers it", self.shard,
-                             ctx.node.name, e)
-            return event
-        self.log.info("shard %d: %s", self.shard, one_line(str(inc.get("summary"))))
-        return recovering
+        self.log.info("shard %d: %s", self.shard, one_line(inc.summary))
+        return Recovering.model_validate({**event.to_dict(), "incident": inc, "recoveries_left": self.recoveries_left})
 
     def _state(self) -> WatchState:
         return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails),

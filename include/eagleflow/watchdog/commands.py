@@ -146,8 +146,7 @@ def _recover(args) -> int:
                                               "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
         from .recovery import open_incident
-        result = open_incident(run, args.shard, args.cause, args.summary, args.phase)
-        result["summary"] = f"incident {result['incident']} {'opened' if result['opened'] else 'joined'}"
+        result = open_incident(run, args.shard, args.cause, args.summary, args.phase).to_dict()
     elif args.cause:
         from .recovery import recover_in_watch
         result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident,

@@ -1,198 +1,149 @@
-"""The watch's protocol: what a node job's watch tells its operator, as small frozen types.
+"""The watch's protocol: what a node job's watch tells its operator, as small frozen pydantic models.
 
 A watch (``eagleflow.airflow.shard_watch``) yields exactly one event and ends; the operator acts on it
 (``next_step``: done, mail and recover, watch again, fail) and, unless it is final, watches again. Events
-cross Airflow's trigger-event payload, hence plain values: each type has ``to_dict()``/``from_dict()``
-(unknown keys are ignored, so a payload from a newer or older release still parses) and ``parse_event``
-picks the type by ``status``. The wire shape is the one documented in ``eagleflow.airflow.shard_watch``.
+cross Airflow's trigger-event payload, hence plain values: ``to_dict()`` is the model's JSON dump and
+``parse_event`` validates a payload into the one event type its ``status`` names (a discriminated union;
+unknown keys are ignored, so a payload from a newer or older release still parses). The wire shape is the
+one documented in ``eagleflow.airflow.shard_watch``.
 
 Every event carries the watch's own state (``WatchState``: the incidents its task mailed and must mail the
-end of, the mails its SMTP server refused, a shard's in-watch recoveries left), so a stall or an outage in
-between loses none of it. No Airflow import: the node side and the tests build and read these too.
+end of, the mails its SMTP server refused, a shard's in-watch recoveries left), flat beside its own fields, so a
+stall or an outage in between loses none of it. No Airflow import: the node side and the tests build and read
+these too.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter,
+                      ValidationError, field_validator, model_serializer, model_validator)
 
 from .incidents import incident_id
 
 Step = Literal["done", "recover", "watch", "fail"]
-
-
-def _plain(v: Any) -> Any:
-    if hasattr(v, "to_dict"):
-        return v.to_dict()
-    if isinstance(v, tuple):
-        return [_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    return v
-
-
-def _known(cls: type[Any], data: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
-
-
 CLOSE_KINDS = ("stall", "outage")
 MAIL_KINDS = ("stall", "unreachable", "over")
 
 
-def _of_kind(data: Any, kinds: tuple[str, ...], what: str) -> dict[str, Any]:
+class _Wire(BaseModel):
+    """Frozen plain values; keys this release does not know are ignored."""
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        return data if isinstance(data, cls) else cls.model_validate(data)
+
+
+def _of_kind(kinds: tuple[str, ...], what: str) -> Callable[[Any], Any]:
     """A state entry from plain values: a mapping whose ``kind`` is one of ``kinds``; anything else is refused
     (ValueError) naming it, never carried along untyped."""
-    if not isinstance(data, dict) or data.get("kind") not in kinds:
-        raise ValueError(f"{what} must be a mapping with kind one of {kinds}, got {data!r}")
-    return data
+    def check(data: Any) -> Any:
+        if isinstance(data, BaseModel):
+            return data
+        if not isinstance(data, dict) or data.get("kind") not in kinds:
+            raise ValueError(f"{what} must be a mapping with kind one of {kinds}, got {data!r}")
+        return data
+    return check
 
 
-@dataclass(frozen=True)
-class IncidentClose:
+class IncidentClose(_Wire):
     """An incident this task mailed, whose end it mails too: a stall (over once more than ``done`` are stored
     or the job completes) or a node outage (over once the node answers). ``since``: when it began (unix
     time); ``subject``: the mail it answers. Built by ``eagleflow.airflow.alerts.close_of_stall``/``close_of_outage``."""
-    kind: str
-    id: str
+    kind: Literal["stall", "outage"]
+    id: str = ""
     subject: str = ""
     since: float = 0.0
     done: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: "dict[str, Any] | IncidentClose") -> "IncidentClose":
-        """From a trigger's kwargs or an event's payload; a kind that is neither is refused (ValueError)."""
-        if isinstance(data, IncidentClose):
-            return data
-        data = _of_kind(data, CLOSE_KINDS, "an incident to close")
-        return cls(kind=str(data["kind"]), id=str(data.get("id") or ""), subject=str(data.get("subject") or ""),
-                   since=float(data.get("since") or 0.0), done=int(data.get("done") or 0))
+    _check = model_validator(mode="before")(_of_kind(CLOSE_KINDS, "an incident to close"))
 
 
-@dataclass(frozen=True)
-class PendingMail:
+class PendingMail(_Wire):
     """A watch's mail its SMTP server has not taken yet (``eagleflow.airflow.alerts.send_pending``): the kind
-    of mail, the event it is rendered from (plain values), the incident it closes (kind "over"), how often it
-    failed, when it is due again (unix time) and the last error."""
-    kind: str
-    event: dict[str, Any] = field(default_factory=dict)
+    of mail, the event it is rendered from (its plain payload, as the mail templates read it), the incident it
+    closes (kind "over"), how often it failed, when it is due again (unix time) and the last error."""
+    kind: Literal["stall", "unreachable", "over"]
+    event: dict[str, Any] = Field(default_factory=dict)
     close: IncidentClose | None = None
     tries: int = 0
     next_at: float = 0.0
     error: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "event": _plain(self.event), "close": self.close.to_dict() if self.close else None,
-                "tries": self.tries, "next_at": self.next_at, "error": self.error}
-
-    @classmethod
-    def from_dict(cls, data: "dict[str, Any] | PendingMail") -> "PendingMail":
-        if isinstance(data, PendingMail):
-            return data
-        data = _of_kind(data, MAIL_KINDS, "a pending mail")
-        close = data.get("close")
-        return cls(kind=str(data["kind"]), event=dict(data.get("event") or {}),
-                   close=None if close is None else IncidentClose.from_dict(close), tries=int(data.get("tries") or 0),
-                   next_at=float(data.get("next_at") or 0.0), error=str(data.get("error") or ""))
+    _check = model_validator(mode="before")(_of_kind(MAIL_KINDS, "a pending mail"))
 
 
-@dataclass(frozen=True)
-class WatchState:
+class WatchState(_Wire):
     """What a watch hands to the next one: incidents this task mailed, the mails still pending, and (shards
     only; None for the trainer) the in-watch recoveries left."""
     close_incidents: tuple[IncidentClose, ...] = ()
     pending_mails: tuple[PendingMail, ...] = ()
     recoveries_left: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"close_incidents": _plain(self.close_incidents),
-                             "pending_mails": _plain(self.pending_mails)}
-        if self.recoveries_left is not None:
-            d["recoveries_left"] = self.recoveries_left
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "WatchState":
-        left = data.get("recoveries_left")
-        return cls(close_incidents=tuple(IncidentClose.from_dict(c) for c in data.get("close_incidents") or ()),
-                   pending_mails=tuple(PendingMail.from_dict(m) for m in data.get("pending_mails") or ()),
-                   recoveries_left=None if left is None else int(left))
+    @model_serializer(mode="wrap")
+    def _without_unset_recoveries(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("recoveries_left") is None:
+            out.pop("recoveries_left", None)
+        return out
 
 
-@dataclass(frozen=True)
-class OpenIncident:
+STATE_KEYS = tuple(WatchState.model_fields)
+
+
+class OpenIncident(_Wire):
     """The incident of (node, cause) a stalled shard opened or joined on the node (``eagleflow recover
-    --incident-only``): its id, whether this shard opened it (then it mails), the shards in it, every
-    shard's stored/total count for the mail."""
-    incident: str
+    --incident-only`` prints it, the watch reads it with this class): its id, whether this shard opened it (then
+    it mails), the shards in it, every shard's stored/total count for the mail. An id that is not a plain token
+    (it goes into a mail's Message-ID) is refused (``incidents.incident_id``)."""
+    incident: Annotated[str, BeforeValidator(incident_id)]
     opened: bool
     cause: str = ""
     incident_shards: tuple[str, ...] = ()
-    shards: dict[str, str] = field(default_factory=dict)
+    shards: dict[str, str] = Field(default_factory=dict)
     summary: str = ""
     ok: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "OpenIncident":
-        """Read from the node's answer: an id that is not a plain token (it goes into a mail's Message-ID) is
-        refused here with ValueError (``incidents.incident_id``)."""
-        d = _known(cls, data)
-        d["incident"], d["opened"] = incident_id(d.get("incident")), bool(d.get("opened"))
-        d["incident_shards"] = tuple(str(s) for s in d.get("incident_shards") or ())
-        d["shards"] = dict(d.get("shards") or {})
-        return cls(**d)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WatchEvent:
-    """Base of the events: ``status`` names the kind on the wire, ``state`` is carried flat beside it."""
-    STATUSES: ClassVar[tuple[str, ...]] = ()
-    state: WatchState = field(default_factory=WatchState)
+class WatchEvent(_Wire):
+    """Base of the events: ``status`` names the kind on the wire, ``state`` travels flat beside the fields;
+    a field left None is not sent, unless the type keeps it (``KEEP_NONE``: None says something there)."""
+    KEEP_NONE: ClassVar[tuple[str, ...]] = ()
+    status: str
+    state: WatchState = Field(default_factory=WatchState)
 
     @property
     def kind(self) -> str:
-        return getattr(self, "status", None) or self.STATUSES[0]
+        return self.status
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.kind}
-        for f in fields(self):
-            if f.name in ("state", "status"):
-                continue
-            v = getattr(self, f.name)
-            if v is None and f.default is None and f.name not in self.KEEP_NONE:
-                continue
-            out[f.name] = v.to_dict() if hasattr(v, "to_dict") else _plain(v)
-        return {**out, **self.state.to_dict()}
-
-    KEEP_NONE: ClassVar[tuple[str, ...]] = ()
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "WatchEvent":
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in _known(cls, data).items()}
-        d.pop("state", None)
-        return cls(**d, state=WatchState.from_dict(data))
+    def _gather_state(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "state" not in data:
+            data = {**data, "state": {k: data[k] for k in STATE_KEYS if k in data}}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        state: dict[str, Any] = out.pop("state")
+        return {k: v for k, v in out.items() if v is not None or k in self.KEEP_NONE} | state
 
 
-@dataclass(frozen=True, kw_only=True)
 class Complete(WatchEvent):
     """The job finished."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("complete",)
+    status: Literal["complete"] = "complete"
     summary: str = ""
     detected_at: float | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class JobVerdict(WatchEvent):
-    """The job is stalled, dead or failed (the task fails with it; Airflow's retry resumes it), or the watch
-    itself cannot vouch for it any more (status failed, verdict unreachable)."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("stalled", "dead", "failed")
-    status: str
+class _Verdict(WatchEvent):
+    """What the watch found wrong with the job, and the mail that says so."""
     verdict: str
     diagnosis: str
     subject: str
@@ -205,29 +156,42 @@ class JobVerdict(WatchEvent):
     detected_at: float | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class Recovering(JobVerdict):
+class JobVerdict(_Verdict):
+    """The job is stalled, dead or failed (the task fails with it; Airflow's retry resumes it), or the watch
+    itself cannot vouch for it any more (status failed, verdict unreachable)."""
+    status: Literal["stalled", "dead", "failed"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verdict_is_the_status(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {"verdict": data.get("status"), "diagnosis": "", "subject": "", **data}
+        return data
+
+
+class Recovering(_Verdict):
     """A stall the watch can recover in the same task try: the incident it opened or joined on the node; the
     operator mails (the shard that opened it), recovers, watches again."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("recovering",)
-    status: str = "recovering"
+    status: Literal["recovering"] = "recovering"
     incident: OpenIncident | None = None
 
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Recovering":
-        d = {**_known(cls, data), "status": "recovering"}
-        d.pop("state", None)
-        inc = data.get("incident")
-        d["incident"] = OpenIncident.from_dict(inc) if isinstance(inc, dict) else None
-        return cls(**d, state=WatchState.from_dict(data))
+    def _of_a_verdict(cls, data: Any) -> Any:
+        # built from the stall's verdict (``{**verdict.to_dict(), "incident": ...}``): it is recovering now
+        return {**data, "status": "recovering"} if isinstance(data, dict) else data
+
+    @field_validator("incident", mode="before")
+    @classmethod
+    def _an_incident_or_none(cls, v: Any) -> Any:
+        return v if isinstance(v, (dict, OpenIncident)) else None
 
 
-@dataclass(frozen=True, kw_only=True)
 class Unreachable(WatchEvent):
     """The node (link, sshd) does not answer: no verdict on the job. ``mail``: this watch is the first to report
     this node's outage (one mail per outage); the next watch keeps reconnecting silently from ``since``."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("unreachable",)
     KEEP_NONE: ClassVar[tuple[str, ...]] = ("last_contact",)
+    status: Literal["unreachable"] = "unreachable"
     since: float
     diagnosis: str
     subject: str
@@ -237,10 +201,9 @@ class Unreachable(WatchEvent):
     mail: bool = False
 
 
-@dataclass(frozen=True, kw_only=True)
 class Resumed(WatchEvent):
     """Incidents this task mailed are over (a sample stored since the stall, or the node answers again)."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("resumed",)
+    status: Literal["resumed"] = "resumed"
     closed: tuple[IncidentClose, ...] = ()
     still_open: tuple[IncidentClose, ...] = ()
     done: int = 0
@@ -250,44 +213,45 @@ class Resumed(WatchEvent):
     node: str = ""
     summary: str = ""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Resumed":
-        d = _known(cls, data)
-        d.pop("state", None)
-        for name in ("closed", "still_open"):
-            d[name] = tuple(IncidentClose.from_dict(c) for c in d.get(name) or ())
-        return cls(**d, state=WatchState.from_dict(data))
 
-
-@dataclass(frozen=True, kw_only=True)
 class MailDue(WatchEvent):
     """A mail the SMTP server refused is due again: the operator tries it and watches on, with the outage
     already reported (``unreachable_since``) and the running clocks (``clocks``) as they were."""
-    STATUSES: ClassVar[tuple[str, ...]] = ("mail_due",)
     KEEP_NONE: ClassVar[tuple[str, ...]] = ("unreachable_since",)
+    status: Literal["mail_due"] = "mail_due"
     unreachable_since: float | None = None
-    clocks: dict[str, float] = field(default_factory=dict)
+    clocks: dict[str, float] = Field(default_factory=dict)
 
 
-EVENT_TYPES: dict[str, type[WatchEvent]] = {s: t for t in (Complete, JobVerdict, Recovering, Unreachable, Resumed,
-                                                           MailDue) for s in t.STATUSES}
+Event = Annotated[Union[Complete, JobVerdict, Recovering, Unreachable, Resumed, MailDue],
+                  Field(discriminator="status")]
+_EVENT = TypeAdapter(Event)
+EVENT_STATUSES = ("complete", "stalled", "dead", "failed", "recovering", "unreachable", "resumed", "mail_due")
 
 
 def parse_event(data: dict[str, Any] | WatchEvent | None) -> WatchEvent:
-    """The typed event of a trigger-event payload; an unknown or missing status is a failure of the watch."""
+    """The typed event of a trigger-event payload; an unknown or missing status is a failure of the watch, and so
+    is a payload that does not fit its type (the failure names what did not fit)."""
     if isinstance(data, WatchEvent):
         return data
     data = dict(data or {})
-    kind = EVENT_TYPES.get(str(data.get("status")))
-    if kind is None:
-        return JobVerdict(status="failed", verdict="failed", subject=str(data.get("subject") or ""),
-                          diagnosis=str(data.get("diagnosis") or f"the watch ended with {data!r}"),
-                          state=WatchState.from_dict(data))
-    if kind is JobVerdict:
-        data.setdefault("verdict", data.get("status"))
-        data.setdefault("diagnosis", "")
-        data.setdefault("subject", "")
-    return kind.from_dict(data)
+    if data.get("status") in EVENT_STATUSES:
+        try:
+            return _EVENT.validate_python(data)
+        except ValidationError as e:
+            why = f"the watch's {data['status']} event does not fit its type ({' '.join(str(e).split())[:500]})"
+    else:
+        why = f"the watch ended with {data!r}"
+    return JobVerdict(status="failed", verdict="failed", subject=str(data.get("subject") or ""),
+                      diagnosis=str(data.get("diagnosis") or why), state=_state_or_empty(data))
+
+
+def _state_or_empty(data: dict[str, Any]) -> WatchState:
+    """The state a broken payload carried, when that part of it is sound (its mails and incidents go on)."""
+    try:
+        return WatchState.model_validate({k: data[k] for k in STATE_KEYS if k in data})
+    except ValidationError:
+        return WatchState()
 
 
 def next_step(event: WatchEvent, can_recover: bool) -> Step:

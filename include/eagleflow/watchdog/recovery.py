@@ -39,6 +39,8 @@ from eagleflow.nodes.proc import read_stat
 from eagleflow.nodes.process_record import leader_state
 from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 
+from .protocol import OpenIncident
+
 Log = Callable[[str], None]
 
 
@@ -185,18 +187,20 @@ def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[s
         lock.release()
 
 
-def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str = EXTRACT) -> dict[str, Any]:
+def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str = EXTRACT) -> OpenIncident:
     """On the node, the moment a shard's watch finds a stall: open or join the incident of (node, cause).
 
     Quick (no restart here): the caller mails when it opened the incident, then calls
-    ``recover_in_watch`` with its id. Every shard's stored/total count comes back for the mail.
+    ``recover_in_watch`` with its id. Every shard's stored/total count comes back for the mail. The answer
+    ``eagleflow recover --incident-only`` prints, read by the watch with the same class.
     """
     from .incidents import open_or_join
     incident, opened = open_or_join(run.layout.state_dir, node=run.cfg.node.name, cause=cause,
                                     run_id=run.layout.run_id, shard=shard, summary=summary,
                                     join_window_s=run.cfg.watchdog.detection_bound_s)
-    return {"ok": True, "incident": incident["id"], "opened": opened, "cause": cause,
-            "incident_shards": sorted(incident.get("shards", {})), "shards": shard_counts(run, phase)}
+    return OpenIncident(incident=incident["id"], opened=opened, cause=cause,
+                        incident_shards=tuple(sorted(incident.get("shards", {}))), shards=shard_counts(run, phase),
+                        summary=f"incident {incident['id']} {'opened' if opened else 'joined'}")
 
 
 def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Log = print,
@@ -215,15 +219,15 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     t0 = time.time()
     incident = current(run.layout.state_dir, cfg.node.name, cause)
     if incident_id is None or incident is None or incident.get("id") != incident_id:
-        opened = open_incident(run, shard, cause, summary, phase)
+        opened = open_incident(run, shard, cause, summary, phase).opened
         incident = current(run.layout.state_dir, cfg.node.name, cause)
         if incident is None:   # open_incident has just written it; only someone deleting the book loses it
             raise RuntimeError(f"the incident of {cause} on node {cfg.node.name} opened for shard {shard} is gone "
                                f"from {run.layout.state_dir}/incidents; check what removes files there")
     else:
-        opened = {"opened": False}
+        opened = False
     result: dict[str, Any] = {"ok": False, "action": "none", "incident": incident["id"],
-                              "opened": opened["opened"], "cause": cause}
+                              "opened": opened, "cause": cause}
     try:
         if cause == SERVER_ROLE:   # the watch's name for "the job's server", whichever phase's it is
             lock = NodeLock(lock_path(run, kind.server_role),
