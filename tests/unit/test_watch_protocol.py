@@ -85,3 +85,27 @@ def test_a_close_or_mail_of_no_known_kind_is_refused_naming_it():
         WatchState.from_dict({"pending_mails": [{"subject": "no kind"}]})
     again = WatchState.from_dict(json.loads(json.dumps(STATE.to_dict())))
     assert again == STATE and again.pending_mails[0].close == STALL
+
+
+def test_a_payload_that_does_not_fit_its_type_is_a_failed_watch_naming_it_and_keeps_the_state():
+    """A known status with fields of the wrong shape (a node or a release that writes them otherwise) is not
+    guessed at: the watch failed, the diagnosis names the status and the field, and the mails and incidents
+    the payload carried go on."""
+    payload = {"status": "unreachable", "since": "yesterday", "diagnosis": "d", "subject": "s",
+               **STATE.to_dict()}
+    ev = parse_event(payload)
+    assert isinstance(ev, JobVerdict) and (ev.status, ev.verdict) == ("failed", "failed")
+    assert "unreachable event does not fit its type" in ev.diagnosis and "since" in ev.diagnosis
+    assert ev.state == STATE
+    broken_state = parse_event({"status": "resumed", "close_incidents": [{"kind": "storm"}]})
+    assert broken_state.status == "failed" and broken_state.state == WatchState()
+
+
+def test_the_union_picks_each_type_by_status_alone():
+    for event in EVENTS:
+        payload = event.to_dict()
+        assert type(parse_event(payload)) is type(event)
+        assert set(payload) >= {"status", "close_incidents", "pending_mails"} and "state" not in payload
+    assert "recoveries_left" not in WatchState().to_dict()
+    assert Unreachable(since=1.0, diagnosis="d", subject="s").to_dict()["last_contact"] is None   # kept: None says
+    assert "cause" not in JobVerdict(status="dead", verdict="dead", diagnosis="d", subject="s").to_dict()

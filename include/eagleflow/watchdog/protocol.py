@@ -235,15 +235,15 @@ def parse_event(data: dict[str, Any] | WatchEvent | None) -> WatchEvent:
     if isinstance(data, WatchEvent):
         return data
     data = dict(data or {})
+    said = str(data.get("diagnosis") or "")
     if data.get("status") in EVENT_STATUSES:
         try:
             return _EVENT.validate_python(data)
         except ValidationError as e:
             why = f"the watch's {data['status']} event does not fit its type ({' '.join(str(e).split())[:500]})"
-    else:
-        why = f"the watch ended with {data!r}"
+            said = f"{why}; it said: {said}" if said else why
     return JobVerdict(status="failed", verdict="failed", subject=str(data.get("subject") or ""),
-                      diagnosis=str(data.get("diagnosis") or why), state=_state_or_empty(data))
+                      diagnosis=said or f"the watch ended with {data!r}", state=_state_or_empty(data))
 
 
 def _state_or_empty(data: dict[str, Any]) -> WatchState:
