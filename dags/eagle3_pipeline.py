@@ -5,10 +5,9 @@ Trigger it from the Airflow UI (the form below) or the REST API with a conf.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from datetime import timedelta
 
-from airflow.sdk import DAG, Param, TaskGroup
+from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.capture_operators import (
@@ -63,14 +62,14 @@ verifies every shard of every node before it trains). Shards of either phase tha
 our workers: take_over_generated before the corpus, take_over_shards before verification.
 """
 
-# The fleet's nodes (one without a fleet), each with its Celery queue and GPU pool, from $EAGLEFLOW_CONFIG:
-# Airflow fixes them at parse time. The training node runs everything but the other nodes' capture.
+# The fleet's nodes (one without a fleet), each with its Celery queue and GPU pool and its place in the fleet,
+# from $EAGLEFLOW_CONFIG: Airflow fixes them at parse time. The training node runs everything but the other
+# nodes' capture.
 FLEET = fleet_routing()
-NODE = next(n for n in FLEET if n.training)
-GROUPED = len(FLEET) > 1
+NODE = FLEET.training
 
 
-def generation_on(node: FleetNodeRoute, prefix: str):
+def generation_on(node: FleetNodeRoute):
     """One node's generation (inside its group): GPU gates, its generation server as a setup/teardown pair, its
     share of the generation shards under the watch and, off shared storage, their copy to the training node.
     Returns the first task and those the corpus waits for; all no-ops when generate.enabled is off."""
@@ -79,18 +78,18 @@ def generation_on(node: FleetNodeRoute, prefix: str):
     start = StartGenerateServerOperator(task_id="start_generate_server", pool=node.pool)
     plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
     shards = GenerateShardOperator.partial(task_id=GEN.shard_task, retries=2, pool=node.pool,
-                                           fleet_node=node.name if GROUPED else None).expand(shard=plan.output)
+                                           fleet_node=node.fleet_node).expand(shard=plan.output)
     stop = StopGenerateServerOperator(task_id="stop_generate_server")
     free_after = FreeGpusOperator(task_id="free_gpus_after_generation", generation=True)
     free >> idle >> start >> plan >> shards
     shards >> stop.as_teardown(setups=start)
     stop >> free_after.as_teardown(setups=start)
-    if not GROUPED or node.training:
+    if not node.ships_to_training:
         return free, [shards, free_after]
     # whatever the node's generation did (all_done), as collect_shards: the corpus then refuses an incomplete
     # generation naming the shards and their node, and a node the run leaves out skips without holding it up
     collect = CollectShardsOperator(task_id=GEN.collect_task, phase=GEN.phase, trigger_rule="all_done",
-                                    prepare_task_id=prefix + PREPARE_TASK, retries=2)
+                                    prepare_task_id=node.prefix + PREPARE_TASK, retries=2)
     [shards, free_after] >> collect
     return free, [collect]
 
@@ -100,14 +99,11 @@ def node_tasks(node: FleetNodeRoute):
     GPU gates, its capture server as a setup/teardown pair, its share of the shards under the watch (the
     training node: also the held-out records) and, off shared storage, the copy of its shards to the
     training node. Returns the tasks the DAG wires."""
-    group = TaskGroup(node.name, default_args={"queue": node.queue, "fleet_node": node.name}) \
-        if GROUPED else nullcontext()
-    prefix = f"{node.name}." if GROUPED else ""
-    with group:
-        prepare = PrepareNodeOperator(task_id=PREPARE_TASK) if GROUPED else None
-        gen_first, gen_done = generation_on(node, prefix)
-        receive = ReceiveCorpusOperator(task_id="receive_corpus", prepare_task_id=prefix + PREPARE_TASK) \
-            if GROUPED and not node.training else None
+    with node.task_group():
+        prepare = PrepareNodeOperator(task_id=PREPARE_TASK) if node.grouped else None
+        gen_first, gen_done = generation_on(node)
+        receive = ReceiveCorpusOperator(task_id="receive_corpus", prepare_task_id=node.prefix + PREPARE_TASK) \
+            if node.ships_to_training else None
         free_before = FreeGpusOperator(task_id="free_gpus")
         idle_before = GpuIdleSensor(task_id="gpus_idle", pool=node.pool)
         start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=node.pool)
@@ -115,8 +111,7 @@ def node_tasks(node: FleetNodeRoute):
         shards = PlanShardsOperator(task_id="plan_shards")
         # named, not left to the group's default_args: a mapped task is rebuilt from its partial kwargs
         extract = ExtractShardOperator.partial(task_id=EXT.shard_task, retries=2, pool=node.pool,
-                                               fleet_node=node.name if GROUPED else None
-                                               ).expand(shard=shards.output)
+                                               fleet_node=node.fleet_node).expand(shard=shards.output)
         stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
         free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
         if prepare is not None:
@@ -134,13 +129,13 @@ def node_tasks(node: FleetNodeRoute):
         # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did
         stop_server >> free_after.as_teardown(setups=start_server)
         collect = None
-        if GROUPED and not node.training:
+        if node.ships_to_training:
             collect = CollectShardsOperator(task_id=EXT.collect_task, phase=EXT.phase, trigger_rule="all_done",
-                                            prepare_task_id=prefix + PREPARE_TASK, retries=2)
+                                            prepare_task_id=node.prefix + PREPARE_TASK, retries=2)
             extract >> collect
     return {"first": prepare or gen_first, "generated": gen_done, "capture_first": receive or free_before,
             "extract": extract, "held_out": last if node.training else None, "free_after": free_after,
-            "collect": collect, "plan_task_id": prefix + "plan_shards"}
+            "collect": collect, "plan_task_id": node.prefix + "plan_shards"}
 
 
 with DAG(
@@ -216,7 +211,7 @@ with DAG(
     nodes = {node.name: node_tasks(node) for node in FLEET}
     home = nodes[NODE.name]
     prepare_corpus = PrepareCorpusOperator(task_id="prepare_corpus",
-                                           trigger_rule="none_failed" if GROUPED else "all_success")
+                                           trigger_rule="none_failed" if FLEET.grouped else "all_success")
     delete_caches = DeleteOldCachesOperator(task_id="delete_old_caches")
     check_disk = CheckDiskOperator(task_id="check_disk")
     # all_done: a failed shard is reported by verification (shards, counts), which then fails the run
@@ -235,7 +230,7 @@ with DAG(
     for tasks in nodes.values():
         write_config >> tasks["first"]
         tasks["generated"] >> prepare_corpus
-    if GROUPED:
+    if FLEET.grouped:
         # generation shards another node left incomplete (its gate refused, its server failed), taken over by
         # the training node once that node proves them free of our workers, before the corpus needs them all;
         # a logged no-op when generate.enabled is off or nothing is missing
@@ -256,7 +251,7 @@ with DAG(
         cap["extract"] >> verify
         if cap["collect"] is not None:
             cap["collect"] >> verify
-    if GROUPED:
+    if FLEET.grouped:
         # the shards another node left incomplete, taken over by the training node once that node proves
         # them free of our workers (fleet.take_over); the rest wait for their node
         take_over = TakeOverShardsOperator(task_id=EXT.takeover_task, phase=EXT.phase, trigger_rule="all_done")

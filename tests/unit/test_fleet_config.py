@@ -217,3 +217,22 @@ def test_reconcile_on_a_fleet_node_looks_only_at_its_own_shards(tmp_path):
     assert own_shards(other, EXTRACT) == [4, 5]
     got = claim(run, 5, log=lambda *a: None)
     assert got["action"] == "skipped" and "belongs to another fleet node" in got["reason"]
+
+
+def test_each_nodes_route_says_what_its_place_in_the_fleet_makes_of_its_tasks():
+    """The DAG's node wiring reads these (one declared source), never the fleet's size or the config."""
+    from eagleflow.airflow.routing import fleet_routing
+    alone = fleet_routing(str(REPO / "configs" / "local-demo.yaml"))
+    (node,) = alone.nodes
+    assert not alone.grouped and alone.training is node and node.training
+    assert (node.prefix, node.fleet_node, node.ships_to_training) == ("", None, False)
+    from airflow.sdk import DAG
+    fleet = fleet_routing(str(REPO / "configs" / "fleet.example.yaml"))
+    assert fleet.grouped and len(fleet.nodes) >= 2
+    with DAG("routes"):
+        for route in fleet:
+            assert route.prefix == f"{route.name}." and route.fleet_node == route.name
+            assert route.ships_to_training is not route.training
+            with route.task_group() as group:
+                assert group.group_id == route.name and group.default_args["fleet_node"] == route.name
+    assert [r.name for r in fleet if r.training] == [fleet.training.name]

@@ -10,7 +10,11 @@ another queue or pool than the DAG routes to (such a run would talk to one node 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, Iterator
+
+from airflow.sdk import TaskGroup
 
 from eagleflow.airflow.project import resolve_config_path
 from eagleflow.config import PipelineConfig, load_config
@@ -43,22 +47,67 @@ def node_routing(config_path: str | None = None) -> NodeRouting:
 
 @dataclass(frozen=True)
 class FleetNodeRoute:
-    """One node of the fleet as the DAG is built for it: its task group, queue and pool."""
+    """One node as the DAG is built for it: its queue and pool, and what its place in the fleet makes of its
+    tasks. The DAG's node wiring reads these, never the fleet's size or the config."""
     name: str
     queue: str
     pool: str
     training: bool
+    grouped: bool = False   # one of several nodes: its tasks form a task group named after it
+
+    @property
+    def prefix(self) -> str:
+        """Its tasks' id prefix: the group's name and a dot, or nothing for a fleet of one."""
+        return f"{self.name}." if self.grouped else ""
+
+    @property
+    def fleet_node(self) -> str | None:
+        """What its operators are told (``fleet_node``): its name in a fleet, None alone (the run's node)."""
+        return self.name if self.grouped else None
+
+    @property
+    def ships_to_training(self) -> bool:
+        """Another node than the training one: it receives the corpus and its shards are collected to the
+        training node (whatever it left incomplete, the training node takes over)."""
+        return self.grouped and not self.training
+
+    def task_group(self) -> Any:
+        """Its tasks' task group (its queue and ``fleet_node`` as the group's default_args), or a no-op context."""
+        if not self.grouped:
+            return nullcontext()
+        # TaskGroup's attrs converter hides default_args' type from mypy ("_T")
+        return TaskGroup(self.name, default_args={"queue": self.queue, "fleet_node": self.name})  # type: ignore[arg-type]
 
 
-def fleet_routing(config_path: str | None = None) -> list[FleetNodeRoute]:
+@dataclass(frozen=True)
+class FleetRoutes:
+    """Every node of the run's fleet as the DAG is built for it (one declared source, from the config)."""
+    nodes: tuple[FleetNodeRoute, ...]
+
+    @property
+    def training(self) -> FleetNodeRoute:
+        return next(n for n in self.nodes if n.training)
+
+    @property
+    def grouped(self) -> bool:
+        """More than one node: a task group per node, takeovers by the training node, shards collected."""
+        return len(self.nodes) > 1
+
+    def __iter__(self) -> Iterator[FleetNodeRoute]:
+        return iter(self.nodes)
+
+
+def fleet_routing(config_path: str | None = None) -> FleetRoutes:
     """Every node of the fleet named by ``config_path`` (default ``default_config_path()``), at parse time;
     a config without a fleet is one training node."""
     cfg = load_config(resolve_config_path(config_path or default_config_path()))
+    names = cfg.fleet_node_names()
     out = []
-    for name in cfg.fleet_node_names():
+    for name in names:
         r = NodeRouting.for_config(cfg.node_view(name))
-        out.append(FleetNodeRoute(name=name, queue=r.queue, pool=r.pool, training=name == cfg.node.name))
-    return out
+        out.append(FleetNodeRoute(name=name, queue=r.queue, pool=r.pool, training=name == cfg.node.name,
+                                  grouped=len(names) > 1))
+    return FleetRoutes(tuple(out))
 
 
 def task_node_name(task, fleet_names: list[str], task_id: str | None = None) -> str | None:
