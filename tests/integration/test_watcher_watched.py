@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,10 +212,12 @@ def test_killed_triggerer_is_noticed_by_the_sentinel_and_restarted_by_the_superv
 
 # --------------------------------------------------------------------------- gpu_node_health
 class _Health(BaseHTTPRequestHandler):
-    doc: dict = {}
+    """Airflow's health endpoint as it answers: ``doc`` gives the answer at the time it is asked (the parts'
+    heartbeats are that old when they are read, however late under load the check reads them)."""
+    doc: Callable[[], dict] = dict
 
     def do_GET(self):
-        body = json.dumps(type(self).doc).encode()
+        body = json.dumps(type(self).doc()).encode()
         self.send_response(200 if self.path == "/api/v2/monitor/health" else 404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -224,7 +227,11 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
-def _health(triggerer: str, beat_ago_s: float = 2.0) -> dict:
+def _health(triggerer: str, beat_ago_s: float = 2.0) -> Callable[[], dict]:
+    return lambda: _health_now(triggerer, beat_ago_s)
+
+
+def _health_now(triggerer: str, beat_ago_s: float) -> dict:
     from datetime import datetime, timezone
     iso = datetime.fromtimestamp(time.time() - beat_ago_s, timezone.utc).isoformat()
     return {"metadatabase": {"status": "healthy"},

@@ -254,7 +254,8 @@ class GpuNodeHealthOperator(BaseOperator):
             return {"error": f"{type(e).__name__}: {e}", "url": base + HEALTH_PATH, "read_at": now}
         self.log.info("Airflow health (%s%s): %s", base, HEALTH_PATH,
                       ", ".join(f"{k}: {(v or {}).get('status')}" for k, v in doc.items() if isinstance(v, dict)))
-        return {**doc, "url": base + HEALTH_PATH, "read_at": now}
+        # the heartbeats' ages as of the answer, not the request (a slow answer does not age them)
+        return {**doc, "url": base + HEALTH_PATH, "read_at": time.time()}
 
 
 AIRFLOW_HEALTH_KEY = "eagleflow.airflow_health"
