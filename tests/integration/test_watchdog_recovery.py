@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.lifecycle import (capture_server_healthy, server_info, start_capture_server,
-                                         stop_capture_server, wait_capture_server_ready)
+from eagleflow.capture.lifecycle import (server_info, start_capture_server, stop_capture_server,
+                                         wait_capture_server_ready)
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import read_proc_state
+from eagleflow.phase_jobs import server_healthy
 from eagleflow.watchdog.recovery import read_restarts, recover_before_retry
 from tests.fixtures.capture_corpus import write_run_config
 
@@ -53,7 +54,7 @@ def test_two_shards_recover_one_frozen_server_with_one_restart(demo_assets, tmp_
         assert new.pid == incidents[0]["new_pid"] != old.pid
         st = read_proc_state(old.pid)
         assert st is None or st.state == "Z"  # the frozen server is gone
-        assert capture_server_healthy(server_info(run)["url"], 10)
+        assert server_healthy(server_info(run)["url"], 10)
         restarted = next(r for r in results if r["action"] == "restarted")
         # a stopped server is provably stuck: restarted without waiting for a health timeout first
         assert "is stopped (state T: SIGSTOP'd)" in restarted["summary"], restarted

@@ -177,7 +177,7 @@ def test_a_sigstopped_server_is_stuck_not_loading_and_a_shard_restarts_it_at_onc
 
     from airflow.sdk.exceptions import AirflowException
     from eagleflow.airflow.generate_operators import GenerateShardOperator
-    from eagleflow.capture.lifecycle import ServerStuck
+    from eagleflow.phase_jobs import ServerStuck
     ctx = _ctx(tmp_path, ready_timeout_s=30.0)
     server_pid = str(ctx.layout.pid_file(generate.SERVER_ROLE))
     try:

@@ -25,7 +25,7 @@ from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
-from eagleflow.capture.lifecycle import CaptureServerNotReady, ServerStuck
+from eagleflow.phase_jobs import ServerNotReady, ServerStuck
 from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check_ready, record_server_stall,
                                           start_generate_server, start_or_attach_generate_worker, stop_after_server_stall,
                                           stop_generate_server, wait_generate_server_ready)
@@ -48,7 +48,7 @@ class StartGenerateServerOperator(RunOperator):
         rec, _ = start_generate_server(ctx, log=self.log.info)
         try:
             info = wait_generate_server_ready(ctx, log=self.log.info)
-        except CaptureServerNotReady as e:
+        except ServerNotReady as e:
             raise AirflowFailException(str(e)) from None
         return {"pid": rec.pid, "url": info.get("url")}
 
@@ -98,7 +98,7 @@ class GenerateShardOperator(RunOperator):
                 # stopped while this try waited: the retry starts (or restarts) it
                 raise AirflowException(f"generate shard {shard}: the generation server failed while this try "
                                        f"waited for it ({e}); the retry starts it again") from None
-            except CaptureServerNotReady as e:
+            except ServerNotReady as e:
                 raise AirflowFailException(str(e)) from None
         start_or_attach_generate_worker(ctx, shard, log=self.log.info)
         return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref(),

@@ -216,12 +216,14 @@ def _stop(args) -> int:
 
 
 def _health(args) -> int:
-    from .lifecycle import capture_server_healthy, server_info
+    from eagleflow.phase_jobs import server_healthy
+
+    from .lifecycle import server_info
     ctx = _local_run(args)
     info = server_info(ctx)
     if not info or not info.get("url"):
         print(f"no capture server info at {ctx.layout.server_info_file}", file=sys.stderr)
         return 1
-    ok = capture_server_healthy(info["url"], args.timeout)
+    ok = server_healthy(info["url"], args.timeout)
     print(json.dumps({"healthy": ok, "url": info["url"]}))
     return 0 if ok else 1

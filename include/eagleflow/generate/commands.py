@@ -119,11 +119,11 @@ def _start(args) -> int:
 
 
 def _wait(args) -> int:
-    from eagleflow.capture.lifecycle import CaptureServerNotReady
+    from eagleflow.phase_jobs import ServerNotReady
     from .lifecycle import wait_generate_server_ready
     try:
         info = wait_generate_server_ready(_local(args), timeout_s=args.timeout, log=lambda m: print(m, file=sys.stderr))
-    except CaptureServerNotReady as e:
+    except ServerNotReady as e:
         print(f"eagleflow generate wait: {e}", file=sys.stderr)
         return EXIT_FAILED
     print(json.dumps(info))
@@ -145,13 +145,13 @@ def _unstall(args) -> int:
 
 
 def _health(args) -> int:
-    from eagleflow.capture.lifecycle import capture_server_healthy
+    from eagleflow.phase_jobs import server_healthy
     from .lifecycle import server_info
     info = server_info(_local(args))
     if not info or not info.get("url"):
         print("no generation server info", file=sys.stderr)
         return 1
-    ok = capture_server_healthy(info["url"], args.timeout)
+    ok = server_healthy(info["url"], args.timeout)
     print(json.dumps({"healthy": ok, "url": info["url"]}))
     return 0 if ok else 1
 

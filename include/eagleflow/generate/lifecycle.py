@@ -14,17 +14,17 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from eagleflow.capture.lifecycle import (CaptureServerNotReady, check_server_ready, read_server_info,
-                                         start_or_attach_server, wait_server_ready)
 from eagleflow.engines import generation_engine
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
+from eagleflow.phase_jobs import (ServerNotReady, check_server_ready, read_server_info, start_exclusive,
+                                  start_or_attach_server, wait_server_ready)
 from eagleflow.phases import GENERATE, KINDS, SERVER_STALL
 
 SERVER_ROLE = KINDS[GENERATE].server_role
 
 
-class GenerateServerDied(CaptureServerNotReady):
+class GenerateServerDied(ServerNotReady):
     """The generation server exited while a shard waited for it: a retry starts it again."""
 
 
@@ -68,7 +68,6 @@ def stop_generate_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict:
 
 def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
     """The detached worker of generation shard ``shard``, or the live one: never two on one shard."""
-    from eagleflow.capture.lifecycle import start_exclusive
     from eagleflow.watchdog.sentinel import ensure_sentinel
     from eagleflow.watchdog.signals import WatchedJob
     argv = ctx.eagleflow_argv("generate", "run", "--shard", str(shard), "--of", str(ctx.cfg.generate.shards))

@@ -29,10 +29,11 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from eagleflow.capture import lifecycle as capture
-from eagleflow.capture.lifecycle import SERVER_ROLE, RunLike, check_ready, wait_capture_server_ready
+from eagleflow.capture.lifecycle import SERVER_ROLE, check_ready, wait_capture_server_ready
 from eagleflow.durable import open_owned
 from eagleflow.generate import lifecycle as generate
 from eagleflow.generate import phase as generate_phase
+from eagleflow.layout import RunLike
 from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
