@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -53,7 +54,10 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "rerun")
     ctx.write_run_config()
     write_corpus(Path(ctx.layout.corpus_dir) / "corpus.parquet", 8, 300)
-    Path(ctx.layout.server_info_file).write_text(json.dumps({"url": "http://127.0.0.1:9"}))  # never answers
+    # a server that takes the connection and never answers: the worker waits on its first sample (a refused
+    # connection, as on a closed port, fails the worker at once, and then nothing is left to attach to)
+    silent = socket.create_server(("127.0.0.1", 0))
+    Path(ctx.layout.server_info_file).write_text(json.dumps({"url": f"http://127.0.0.1:{silent.getsockname()[1]}"}))
     # the dump key a started server leaves: without it the worker exits at once (it trusts no dump)
     from eagleflow.capture.protocol import load_dump_key
     load_dump_key(ctx.layout.dump_key_file, create=True)
@@ -69,6 +73,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
             pids.append(ctx.node.live_record(str(ctx.layout.pid_file(worker_role(0)))).pid)
     finally:
         stop_worker(ctx, 0, grace_s=5)
+        silent.close()
     assert pids[0] == pids[1]
 
 
