@@ -175,6 +175,12 @@ def test_d_state_member_is_reported_with_its_wchan(monkeypatch, tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
                              env={**os.environ, pr.TOKEN_ENV: token})
     try:
+        # Popen returns once exec has begun; the kernel sets the new image's environ a moment later (until then
+        # /proc/<pid>/environ reads empty, which proves nothing): wait for it, as any stop of a job long started
+        deadline = time.monotonic() + 10
+        while not pr._carries_token(child.pid, token):
+            assert time.monotonic() < deadline, "the child's environ never showed its token"
+            time.sleep(0.01)
         rec = ProcessRecord(pid=child.pid, pgid=child.pid, start_ticks=read_start_ticks(child.pid), role="trainer",
                             token=token)
         # a D-state process ignores SIGKILL; stand in for one: signals do nothing and /proc says D
