@@ -25,12 +25,12 @@ from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
-from eagleflow.phase_jobs import ServerNotReady, ServerStuck
 from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check_ready, record_server_stall,
                                           start_generate_server, start_or_attach_generate_worker, stop_after_server_stall,
                                           stop_generate_server, wait_generate_server_ready)
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.process_record import RecordList
+from eagleflow.phase_jobs import ServerNotReady, ServerStuck
 from eagleflow.phases import GENERATE, KINDS
 
 OFF = "generate.enabled is off: the sources are tokenised as they are"
