@@ -16,7 +16,7 @@ No Airflow and no other eagleflow import: the node side and every adapter can us
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -122,5 +122,11 @@ class ClaimAnswer(BaseModel):
     worker_pid: Annotated[int, Field(strict=True, gt=0)] | None = None
 
 
+def answer_line(model: type[BaseModel], data: Any) -> str:
+    """The one JSON line a node command prints as its answer: ``data`` validated into ``model``, the class the
+    control plane reads it with (``Node.run_json``), so a node never prints what its reader would refuse."""
+    return model.model_validate(data).model_dump_json()
+
+
 __all__ = ["PathComponent", "NodePath", "NodeText", "Sha256Hex", "Count", "Timestamp", "FileDigest", "DigestAnswer",
-           "ShardStateAnswer", "ShardStates", "HandOverAnswer", "ClaimAnswer", "path_component", "one_line"]
+           "ShardStateAnswer", "ShardStates", "HandOverAnswer", "ClaimAnswer", "path_component", "one_line", "answer_line"]

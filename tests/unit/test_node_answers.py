@@ -75,3 +75,20 @@ def _cmdline(p) -> bytes:
         return (p / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_node_command_prints_its_answer_through_the_class_its_reader_parses_it_with():
+    """answer_line: what `eagleflow reconcile ...` prints is validated into the model the control plane reads it
+    with, so the node refuses to print what its reader would refuse, and the line parses back to the same."""
+    import json
+
+    from pydantic import ValidationError
+
+    from eagleflow.protocol import ClaimAnswer, HandOverAnswer, answer_line
+    line = answer_line(HandOverAnswer, {"handed_over": [2, 3], "kept": {"1": "a live worker"}, "node": "n2"})
+    assert HandOverAnswer.model_validate(json.loads(line)) == \
+        HandOverAnswer(handed_over=[2, 3], kept={"1": "a live worker"}, node="n2")
+    claim = json.loads(answer_line(ClaimAnswer, {"action": "started", "reason": "r", "shard": 1, "extra": 5}))
+    assert claim["extra"] == 5 and claim["worker_pid"] is None   # what the reader keeps, it gets
+    with pytest.raises(ValidationError):
+        answer_line(HandOverAnswer, {"handed_over": [-1], "kept": {}, "node": "n2"})

@@ -16,6 +16,7 @@ import time
 
 from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.phases import EXTRACT, KINDS, kind_of
+from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, answer_line
 
 
 def register(sub) -> None:
@@ -187,8 +188,8 @@ def _reconcile_scan(args) -> int:
     for st in states:
         print(st.line(), file=sys.stderr, flush=True)
     # one JSON line: the control plane reads the last line (Node.run_json)
-    print(json.dumps({"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()} for st in states]}),
-          flush=True)
+    print(answer_line(ShardStates, {"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}
+                                                for st in states]}), flush=True)
     return 0
 
 
@@ -200,7 +201,7 @@ def _reconcile_claim(args) -> int:
     result = claim(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shard,
                    log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase,
                    taken_from=args.taken_from)
-    print(json.dumps(result), flush=True)
+    print(answer_line(ClaimAnswer, result), flush=True)
     return 0
 
 
@@ -233,8 +234,8 @@ def _reconcile_hand_over(args) -> int:
     cfg, layout = run_from_args(args)
     if not _shards_of_run(args, cfg, "hand-over"):
         return 2
-    print(json.dumps(hand_over(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shards, args.to,
-                               phase=args.phase)), flush=True)
+    print(answer_line(HandOverAnswer, hand_over(LocalRun(cfg=cfg, layout=layout, config_path=args.config),
+                                                args.shards, args.to, phase=args.phase)), flush=True)
     return 0
 
 
@@ -248,8 +249,9 @@ def _reconcile_states(args) -> int:
     if not _shards_of_run(args, cfg, "states"):
         return 2
     run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
-    print(json.dumps({"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}
-                                 for st in (shard_state(run, s, args.phase) for s in args.shards)]}), flush=True)
+    print(answer_line(ShardStates, {"shards": [{**asdict(st), "needs_rerun": st.needs_rerun, "line": st.line()}
+                                                for st in (shard_state(run, s, args.phase) for s in args.shards)]}),
+          flush=True)
     return 0
 
 
@@ -260,5 +262,5 @@ def _reconcile_release(args) -> int:
     cfg, layout = run_from_args(args)
     result = release(LocalRun(cfg=cfg, layout=layout, config_path=args.config),
                      log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase)
-    print(json.dumps(result), flush=True)
+    print(answer_line(ClaimAnswer, result), flush=True)
     return 0
