@@ -3,19 +3,16 @@ and their wiring in eagle3_pipeline."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.fixtures.corpus import write_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures.pipeline_run import pipeline_dag
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_corpus_tasks_in_a_dag(tmp_path, demo_assets, airflow_db):
-    from airflow.dag_processing.dagbag import DagBag
     from airflow.utils.state import DagRunState, TaskInstanceState
 
     from eagleflow.airflow.corpus_operators import CORPUS_ASSET
@@ -27,8 +24,7 @@ def test_corpus_tasks_in_a_dag(tmp_path, demo_assets, airflow_db):
                        disk={"cache_root": str(cache_root), "old_caches": [str(cache_root / "old_capture")]})
 
     # eagle3_pipeline's own first four tasks, as wired there (the later phases belong to other issues)
-    pipeline = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py")).get_dag("eagle3_pipeline")
-    dag = pipeline.partial_subset(task_ids=["write_run_config", "prepare_corpus", "delete_old_caches", "check_disk"],
+    dag = pipeline_dag().partial_subset(task_ids=["write_run_config", "prepare_corpus", "delete_old_caches", "check_disk"],
                                   include_downstream=False, include_upstream=False)
     # run_report is write_run_config's teardown: a subset holding the setup holds its teardown too
     assert set(dag.task_dict) == {"write_run_config", "prepare_corpus", "delete_old_caches", "check_disk",
@@ -63,13 +59,9 @@ def test_corpus_tasks_in_a_dag(tmp_path, demo_assets, airflow_db):
 
 
 def test_pipeline_wiring():
-    from airflow.dag_processing.dagbag import DagBag
-
     from eagleflow.airflow.corpus_operators import CORPUS_ASSET
 
-    bag = DagBag(dag_folder=str(REPO / "dags" / "eagle3_pipeline.py"))
-    dag = bag.get_dag("eagle3_pipeline")
-    assert dag is not None, bag.import_errors
+    dag = pipeline_dag()
     prepare, delete, check = (dag.get_task(t) for t in ("prepare_corpus", "delete_old_caches", "check_disk"))
     assert [o.uri for o in prepare.outlets] == [CORPUS_ASSET.uri]
     # delete_old_caches succeeds as a logged no-op when off, so check_disk's default rule holds
