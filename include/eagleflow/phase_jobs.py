@@ -62,7 +62,7 @@ def start_exclusive(ctx: RunLike, role: str, argv: list[str], before=None) -> tu
         return ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
                                        lock_file=str(ctx.layout.lock_file(role))), True
     except JobAlreadyRunning as e:   # a concurrent start won the lock: the process it records
-        return recorded_holder(ctx, pid_file, e), False
+        return _recorded_holder(ctx, pid_file, e), False
 
 
 def server_healthy(url: str, timeout_s: float) -> bool:
@@ -138,8 +138,9 @@ def log_tail(ctx: RunLike, role: str, lines: int = 20) -> str:
     return res.stdout if res.ok else "(no log)"
 
 
-def recorded_holder(ctx: RunLike, pid_file: str, refused: JobAlreadyRunning, wait_s: float = 10.0) -> ProcessRecord:
-    """The recorded worker that holds the lock (a concurrent start records it within moments), else the refusal.
+def _recorded_holder(ctx: RunLike, pid_file: str, refused: JobAlreadyRunning, wait_s: float = 10.0) -> ProcessRecord:
+    """The recorded job (server or worker) that holds the lock (a concurrent start records it within moments),
+    else the refusal.
 
     A live recorded worker is the holder: detach hands the lock to the worker it records, and a
     worker that finds the lock taken exits at once.
