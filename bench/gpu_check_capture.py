@@ -72,7 +72,7 @@ def write_config(root: Path, model: Path, engine: CheckEngine) -> Path:
                        "dump_dir": f"/dev/shm/eagleflow-gpu-check-{engine.name}-{os.getpid()}",
                        "dtype": "bfloat16", "tp": 1, "shards": 1, "in_flight": 4, "ready_timeout_s": 240,
                        "heartbeat_interval_s": 1, "request_timeout_base_s": 60,
-                       "extra_server_args": list(engine.server_args)}}
+                       "extra_server_args": engine.config_server_args()}}
     p = root / "config.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

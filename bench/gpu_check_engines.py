@@ -23,6 +23,22 @@ class CheckEngine:
     server_args: tuple[str, ...]   # appended to every server the stages start: memory share and a fast start
     ready_path: str          # answers once the server generates (the eagle3 stage's readiness poll)
 
+    def config_server_args(self) -> list[str]:
+        """``server_args`` for a config's ``capture.extra_server_args``: without the flags eagleflow's launchers set
+        themselves (each with its value), which the config refuses (eagleflow.server_flags); the capture launcher
+        already sets those (sglang's CUDA graphs off)."""
+        from eagleflow.server_flags import owned_flag_of
+        out: list[str] = []
+        owned_value = False
+        for arg in self.server_args:
+            if owned_value and not arg.startswith("-"):
+                owned_value = False
+                continue
+            owned_value = owned_flag_of(arg) is not None and "=" not in arg
+            if owned_flag_of(arg) is None:
+                out.append(arg)
+        return out
+
     def check_version(self) -> str:
         """The installed version if the launcher supports it; its error (naming what to install) otherwise."""
         mod = importlib.import_module(self.launcher)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from eagleflow.engines import ROLES, UnknownEngine, engine, generation_backend, names_for
+from eagleflow.server_flags import check_extra_server_args
 
 
 class ConfigError(ValueError):
@@ -208,6 +209,11 @@ class CaptureConfig(_Section):
     def _registered_backend(cls, v: str) -> str:
         return check_engine(v, "capture_server", "capture.backend")
 
+    @field_validator("extra_server_args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        return check_extra_server_args(v, "capture.extra_server_args")
+
 
 class WatchdogConfig(_Section):
     # Defaults for real runs (seeds: ~1 sample/s, samples up to 8k tokens): a stall like the seeds' is
@@ -389,6 +395,11 @@ class EvalConfig(_Section):
     @classmethod
     def _registered_backend(cls, v: str) -> str:
         return check_engine(v, "evaluator", "eval.backend")
+
+    @field_validator("extra_server_args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        return check_extra_server_args(v, "eval.extra_server_args")
 
     @model_validator(mode="after")
     def _backend_fits(self) -> "EvalConfig":

@@ -10,7 +10,7 @@ from sglang.srt.server_args import prepare_server_args
 from eagleflow.capture.aux_layers import (default_aux_layers, layer_outputs_from_sglang_ids, sglang_aux_layer_ids,
                                           target_architectures_and_layers)
 from eagleflow.capture.sglang_launcher import SglangLaunchError, build_command, check_model_supports_capture
-from eagleflow.config import load_config
+from eagleflow.config import ConfigError, load_config
 
 N_LAYERS = 8
 
@@ -73,10 +73,14 @@ def test_an_unknown_flag_is_refused_by_sglang(tmp_path, capsys):
     assert "unrecognized arguments: --no-such-sglang-flag" in capsys.readouterr().err
 
 
-def test_a_conflicting_flag_is_refused_by_sglang(tmp_path):
+def test_a_conflicting_flag_is_refused_by_the_config_and_by_sglang(tmp_path):
+    """A speculative flag is eagleflow's (eagleflow.server_flags): capture.extra_server_args may not set it; one
+    appended past the config anyway is refused by sglang's own resolution too."""
     model = _llama(tmp_path / "t")
-    argv, _, _ = _argv(model, extra=["--speculative-draft-model-path", str(model)])
-    server_args = prepare_server_args(argv)
+    with pytest.raises(ConfigError, match="capture.extra_server_args sets --speculative-draft-model-path"):
+        _argv(model, extra=["--speculative-draft-model-path", str(model)])
+    argv, _, _ = _argv(model)
+    server_args = prepare_server_args(argv + ["--speculative-draft-model-path", str(model)])
     with pytest.raises(ValueError, match="captures without a draft"):
         server_args.resolve_once()
 

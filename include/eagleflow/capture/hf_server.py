@@ -28,14 +28,14 @@ from pathlib import Path
 from eagleflow.durable import atomic_write
 
 from .aux_layers import resolve_aux_layers
-from .protocol import PROTOCOL_VERSION, check_rid, load_dump_key, loopback_host, private_dump_dir, write_dump
+from .protocol import MAX_BODY_BYTES  # noqa: F401  (the one cap of every server of ours, named here too)
+from .protocol import (PROTOCOL_VERSION, BodyTooLarge, check_body_size, check_rid, load_dump_key, loopback_host,
+                       private_dump_dir, write_dump)
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
 HANG_FILE_ENV = "EAGLEFLOW_HF_SERVER_HANG_FILE"
 HEALTH_INPUT = [1, 2, 3, 4]
-# A /generate body is a list of token ids: 64 MiB holds millions of them; more is refused, never read
-MAX_BODY_BYTES = 64 << 20
 
 
 class CaptureModel:
@@ -226,12 +226,11 @@ class CaptureHandler(BaseHTTPRequestHandler):
             self._send(404, {"error": f"no such endpoint {path}"})
             return
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > MAX_BODY_BYTES or n < 0:
+            try:
+                n = check_body_size(int(self.headers.get("Content-Length") or 0))
+            except BodyTooLarge as e:
                 self.close_connection = True   # the body is left unread
-                self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           {"error": f"request body of {n} bytes is over this server's limit of {MAX_BODY_BYTES} "
-                                     "bytes (hf_server.MAX_BODY_BYTES); send shorter samples"})
+                self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": str(e)})
                 return
             req = json.loads(self.rfile.read(n) or b"{}")
             rid = check_rid(req.get("rid"))

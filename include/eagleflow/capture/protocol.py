@@ -89,6 +89,31 @@ def check_rid(rid: object) -> str:
     return rid
 
 
+# The one cap on a request body, for every server of ours (the hf server, the vLLM middleware): a /generate body
+# is a list of token ids, and 64 MiB holds millions of them; a body announced or sent beyond it is refused (413)
+# and never read past the cap.
+MAX_BODY_BYTES = 64 << 20
+
+
+class BodyTooLarge(ValueError):
+    """A request body over ``MAX_BODY_BYTES``: the answer's error (status 413) names the size and the limit."""
+
+    status = 413
+
+    def __init__(self, size: int, limit: int = MAX_BODY_BYTES, *, so_far: bool = False):
+        self.size, self.limit = size, limit
+        super().__init__(f"request body of {'at least ' if so_far else ''}{size} bytes is over this server's limit "
+                         f"of {limit} bytes (capture.protocol.MAX_BODY_BYTES); send shorter samples")
+
+
+def check_body_size(size: int, limit: int = MAX_BODY_BYTES, *, so_far: bool = False) -> int:
+    """``size`` (a Content-Length, or with ``so_far`` the bytes received until now) when it is within the cap;
+    else BodyTooLarge."""
+    if size < 0 or size > limit:
+        raise BodyTooLarge(size, limit, so_far=so_far)
+    return size
+
+
 def loopback_host(host: str, field: str = "capture.host") -> str:
     """``host`` when it is a loopback address (127.0.0.0/8, ::1, localhost): the address every capture and
     generation server binds. Anything else (0.0.0.0, a LAN address, a name) would let other machines send

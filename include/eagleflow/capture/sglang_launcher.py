@@ -144,11 +144,16 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     atomic_write(str(layout.generate_server_info_file),
                  json.dumps({"backend": "sglang", "mode": "generate", "model": model,
                              "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}))
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", cfg.capture.host,
-            "--port", str(port), "--tp-size", str(cfg.capture.tp), "--random-seed", str(cfg.generate.seed),
-            "--skip-tokenizer-init", *cfg.capture.extra_server_args]
-    os.execv(sys.executable, argv)
+    os.execv(sys.executable, build_generate_command(cfg, model_path=model, host=cfg.capture.host, port=port))
     return 0
+
+
+def build_generate_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
+                           python: str = sys.executable) -> list[str]:
+    """sglang's argv for serving the target (generation): its own flags, then ``capture.extra_server_args``."""
+    return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(cfg.capture.tp), "--random-seed", str(cfg.generate.seed), "--skip-tokenizer-init",
+            *cfg.capture.extra_server_args]
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:

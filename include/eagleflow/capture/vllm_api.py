@@ -18,7 +18,12 @@ answer exactly the token ids vLLM sampled (``return_token_ids``; no detokenise/r
 reason, and both set every sampling knob the worker does not choose to its neutral value, so the model's
 ``generation_config.json`` (which ``vllm serve`` applies as its defaults) never changes what was asked.
 
-Import-light (json, os): vLLM imports it in its API process; nothing here needs vLLM.
+Every request body through it is capped at ``capture.protocol.MAX_BODY_BYTES``, the hf server's cap: one
+announced larger (Content-Length) is answered 413 unread, and one that streams past the cap stops being read
+there (413 on our paths; on vLLM's own, its handler fails reading the body and a 413 answers when it had not
+answered yet).
+
+Import-light (json, os, the capture protocol): vLLM imports it in its API process; nothing here needs vLLM.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable
 
-from .protocol import PROTOCOL_VERSION
+from .protocol import MAX_BODY_BYTES, PROTOCOL_VERSION, BodyTooLarge, check_body_size
 from .sglang_plugin import ENV_AUX_LAYERS, ENV_MODEL
 from .vllm_connector import KV_PARAM_RID
 
@@ -94,10 +99,38 @@ def server_info(env: Mapping[str, str] | None = None, mode: str = "capture") -> 
             "protocol": PROTOCOL_VERSION, "pid": os.getpid()}
 
 
-async def _body(receive: Receive) -> bytes:
+def declared_length(scope: Scope) -> int | None:
+    """The request's Content-Length header, when it has one that is a number."""
+    for key, value in scope.get("headers", []):
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class BoundedReceive:
+    """An ASGI ``receive`` that counts the request body's bytes and raises BodyTooLarge once they pass
+    ``limit``: nothing past the cap is handed on, whoever reads the body (our paths or vLLM's)."""
+
+    def __init__(self, receive: Receive, limit: int = MAX_BODY_BYTES):
+        self.receive, self.limit, self.size = receive, limit, 0
+
+    async def __call__(self) -> Message:
+        msg = await self.receive()
+        if msg["type"] == "http.request":
+            self.size += len(msg.get("body", b""))
+            check_body_size(self.size, self.limit, so_far=True)
+        return msg
+
+
+async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The whole request body, at most ``limit`` bytes (BodyTooLarge beyond: the rest is never read)."""
+    bounded = receive if isinstance(receive, BoundedReceive) else BoundedReceive(receive, limit)
     chunks, more = [], True
     while more:
-        msg = await receive()
+        msg = await bounded()
         if msg["type"] == "http.disconnect":
             break
         chunks.append(msg.get("body", b""))
@@ -151,11 +184,20 @@ class CaptureApi:
         return status, payload if isinstance(payload, dict) else {"value": payload}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = (scope.get("method"), scope.get("path")) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            check_body_size(declared_length(scope) or 0)
+        except BodyTooLarge as e:   # announced over the cap: answered before a byte of it is read
+            return await _json(send, e.status, {"error": f"{scope.get('method')} {scope.get('path')}: {e}"})
+        receive = BoundedReceive(receive)
+        route = (scope.get("method"), scope.get("path"))
         if route == ("POST", "/generate"):
             try:
-                req = json.loads(await _body(receive) or b"{}")
+                req = json.loads(await read_body(receive) or b"{}")
                 body = completion_body(req, self.model, capture=self.capture)
+            except BodyTooLarge as e:
+                return await _json(send, e.status, {"error": f"POST /generate: {e}"})
             except (ValueError, TypeError, AttributeError) as e:
                 return await _json(send, 400, {"error": f"POST /generate: {e}"})
             status, out = await self._complete(scope, body)
@@ -172,7 +214,23 @@ class CaptureApi:
             return await _json(send, status, {} if status == 200 else {"error": out})
         if route == ("GET", "/get_server_info"):
             return await _json(send, 200, server_info(mode="capture" if self.capture else "generate"))
-        await self.app(scope, receive, send)
+        await self._pass_on(scope, receive, send)
+
+    async def _pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's own paths, their bodies capped too: a body that streams past the cap fails its reader; 413 when
+        nothing was answered yet."""
+        started = False
+
+        async def tracked(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+        try:
+            await self.app(scope, receive, tracked)
+        except BodyTooLarge as e:
+            if started:
+                raise
+            await _json(send, e.status, {"error": f"{scope.get('method')} {scope.get('path')}: {e}"})
 
 
 class GenerateApi(CaptureApi):
