@@ -122,6 +122,27 @@ class ClaimAnswer(BaseModel):
     worker_pid: Annotated[int, Field(strict=True, gt=0)] | None = None
 
 
+class OtherRunJob(_Answer):
+    """A live job of another run that ``eagleflow gpu free`` left running: a run never stops another run's job
+    unless forced (``eagleflow.gpu.cleanup``); the GPU gate names it when it waits and when it refuses."""
+    run_id: PathComponent | None          # None: the record's file name does not end with its role (no run to name)
+    role: NodeText
+    pid: Annotated[int, Field(strict=True, gt=1)]
+    user: NodeText | None = None
+    command: NodeText = ""
+    record: NodeText                      # shown to a person (the file to stop it by), never opened here
+    on_selected_gpus: bool | None = None  # holds one of the run's selected GPUs; None: the GPUs were not read
+    gpu_mib: Count | None = None
+
+    def describe(self) -> str:
+        where = ("on the selected GPUs" + (f", {self.gpu_mib} MiB" if self.gpu_mib is not None else "")
+                 if self.on_selected_gpus else "not on the selected GPUs" if self.on_selected_gpus is False
+                 else "GPUs not read")
+        run = f"run {self.run_id}" if self.run_id else "an unnamed run"
+        return (f"{run}: {self.role} pid {self.pid} ({self.user or 'user ?'}, `{self.command}`, {where}; "
+                f"record {self.record})")
+
+
 def answer_line(model: type[BaseModel], data: Any) -> str:
     """The one JSON line a node command prints as its answer: ``data`` validated into ``model``, the class the
     control plane reads it with (``Node.run_json``), so a node never prints what its reader would refuse."""
@@ -129,4 +150,5 @@ def answer_line(model: type[BaseModel], data: Any) -> str:
 
 
 __all__ = ["PathComponent", "NodePath", "NodeText", "Sha256Hex", "Count", "Timestamp", "FileDigest", "DigestAnswer",
-           "ShardStateAnswer", "ShardStates", "HandOverAnswer", "ClaimAnswer", "path_component", "one_line", "answer_line"]
+           "ShardStateAnswer", "ShardStates", "HandOverAnswer", "ClaimAnswer", "OtherRunJob", "path_component", "one_line",
+           "answer_line"]

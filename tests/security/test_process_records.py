@@ -152,7 +152,7 @@ def test_gpu_free_reports_a_refused_record_and_signals_nothing(ours, tmp_path):
     node, rec = ours
     os.chmod(rec.pid_file, 0o666)
     lines: list[str] = []
-    (out,) = free_recorded_processes(tmp_path, grace_s=0.5, kill_wait_s=0.5, log=lines.append).outcomes
+    (out,) = free_recorded_processes(tmp_path, run_id="r", grace_s=0.5, kill_wait_s=0.5, log=lines.append).outcomes
     assert out.outcome == "refused" and out.record == rec.pid_file and "mode 666" in out.detail
     assert alive(rec.pid) and any("nothing signalled" in ln for ln in lines)
 
@@ -324,7 +324,7 @@ def test_forged_record_of_a_blank_environ_leader_is_not_ours(tmp_path, blank_vic
 def test_gpu_free_leaves_a_blank_environ_leader_named_by_a_forged_record(tmp_path, blank_victim):
     from eagleflow.gpu.cleanup import free_recorded_processes
     _forge(tmp_path / "pids", blank_victim, secrets.token_hex(16))
-    (out,) = free_recorded_processes(tmp_path, grace_s=0.5, kill_wait_s=0.5, log=lambda _: None).outcomes
+    (out,) = free_recorded_processes(tmp_path, run_id="r", grace_s=0.5, kill_wait_s=0.5, log=lambda _: None).outcomes
     assert out.outcome == "not_ours", out
     _untouched([blank_victim.pid])
 

@@ -42,7 +42,8 @@ def test_recorded_stopped_foreign_and_stale_survive(tmp_path):
          "argv": ["old"]}))
     try:
         lines = []
-        rep = free_recorded_processes(state, grace_s=1.0, gpu_processes=[GpuProcess(foreign.pid, "python3", 500, user="bob")],
+        rep = free_recorded_processes(state, run_id="run1", grace_s=1.0,
+                                      gpu_processes=[GpuProcess(foreign.pid, "python3", 500, user="bob")],
                                       log=lines.append)
         by_pid = {o.pid: o for o in rep.outcomes}
         assert by_pid[obedient.pid].outcome == "terminated"
@@ -54,7 +55,7 @@ def test_recorded_stopped_foreign_and_stale_survive(tmp_path):
         assert list((state / "pids").glob("*.json")) == []
         assert any("force" in line and str(foreign.pid) in line for line in lines)
 
-        rep = free_recorded_processes(state, grace_s=1.0, force=True,
+        rep = free_recorded_processes(state, run_id="run1", grace_s=1.0, force=True,
                                       gpu_processes=[GpuProcess(foreign.pid, "python3", 500, user="bob")], log=lines.append)
         assert [(o.pid, o.outcome) for o in rep.outcomes] == [(foreign.pid, "terminated")]
         assert foreign.wait(timeout=5) is not None
@@ -75,7 +76,7 @@ def test_d_state_process_is_reported_with_wchan_not_waited_on(monkeypatch, tmp_p
         monkeypatch.setattr(process_record, "read_proc_state",
                             lambda pid: ProcState(pid, "python3", "D", 0, (pid,), "nfs_wait"))
         t0 = time.monotonic()
-        rep = free_recorded_processes(tmp_path, grace_s=0.2, kill_wait_s=0.3, force=True,
+        rep = free_recorded_processes(tmp_path, run_id="run1", grace_s=0.2, kill_wait_s=0.3, force=True,
                                       gpu_processes=[GpuProcess(child.pid, "python3", 10)], log=lambda m: None)
         (o,) = rep.outcomes
         assert o.outcome == "unkillable" and o.wchan == "nfs_wait" and "nfs_wait" in o.describe()

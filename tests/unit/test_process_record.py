@@ -58,7 +58,7 @@ def test_stale_record_whose_group_id_now_holds_a_foreign_sleep_signals_nothing(t
     pgid, sleep_pid = foreign_group
     path = _stale_record(tmp_path, pgid)
     lines: list[str] = []
-    rep = free_recorded_processes(tmp_path, grace_s=0.5, kill_wait_s=0.5, log=lines.append)
+    rep = free_recorded_processes(tmp_path, run_id="old", grace_s=0.5, kill_wait_s=0.5, log=lines.append)
     (out,) = rep.outcomes
     assert out.outcome == "stale_record" and out.left_alone == [sleep_pid]
     assert f"process group {pgid}" in out.detail and "not signalled" in out.detail

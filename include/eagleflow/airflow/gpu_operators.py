@@ -30,6 +30,11 @@ class GpuGateError(Exception):
     """The GPUs could not be read (SSH, driver); retryable."""
 
 
+class GpusHeldByAnotherRun(GpusNotIdle):
+    """Another run's live job holds the selected GPUs past the gate's timeout; this run does not stop it unless
+    forced (retryable: the retry waits again)."""
+
+
 def gate_not_needed(task, cfg, context) -> bool:
     """A gate that guards nothing this run, as a logged no-op: one of the generation phase (``generation=True``)
     with generate.enabled off, so that a node whose GPUs are held fails at its capture gate, not before a phase
@@ -44,12 +49,15 @@ def gate_not_needed(task, cfg, context) -> bool:
 
 
 class FreeGpusOperator(RunOperator):
-    """Stop what eagleflow recorded on the node (TERM, grace, KILL), then wait for idle GPUs.
+    """Stop what this run recorded on the node (TERM, grace, KILL), then wait for idle GPUs.
 
     Runs ``eagleflow gpu free --on-node`` on the node over the run's node
-    connection. Foreign processes are killed only when the run sets
-    ``gpu.force_free`` (Param force_free_gpus), and only those on the selected
-    GPUs; otherwise they are reported and left alone.
+    connection. Another run's live jobs are never stopped: each is named (run
+    id, role, pid, command); when one holds the selected GPUs the gate waits
+    for idle GPUs up to ``gpu.idle_timeout_s`` and then refuses naming it
+    (retryable). Foreign processes, and other runs' jobs on the selected GPUs,
+    are killed only when the run sets ``gpu.force_free`` (Param
+    force_free_gpus); otherwise they are reported and left alone.
     """
 
     ui_color = "#fbe9e7"
@@ -82,9 +90,13 @@ class FreeGpusOperator(RunOperator):
                                + "\n".join("  " + o.describe() for o in report.unkillable)
                                + "\nA process in D state waits for the kernel (see wchan); it cannot be killed "
                                  "until the I/O or driver call returns. Check the device/driver on the node.")
+        for job in report.other_runs:
+            self.log.warning("node %s: left running, another run's live job: %s", node.name, job.describe())
         if not cfg.node.has_gpu:
             self.log.info(no_gpu_message(cfg))
             return report.to_dict()
+        if report.other_runs_in_the_way:
+            return self._wait_for_other_runs(ctx, report)
         if report.left_running:
             self.log.warning("node %s: %d foreign process(es) left running on the selected GPUs (not started by "
                              "eagleflow; set force_free_gpus to kill them); the idle gate will report them",
@@ -95,6 +107,28 @@ class FreeGpusOperator(RunOperator):
             raise GpusNotIdle(f"after stopping eagleflow's processes, GPUs still not idle after "
                               f"{cfg.gpu.idle_timeout_s:.0f} s (gpu.idle_timeout_s):\n{idle.message()}")
         self.log.info(idle.message())
+        return report.to_dict()
+
+    def _wait_for_other_runs(self, ctx: RunContext, report) -> dict:
+        """Another run's live jobs hold the selected GPUs: wait for idle GPUs (bounded), else refuse naming them."""
+        from eagleflow.gpu.idle_gate import IdleGate
+        cfg, node = ctx.cfg, ctx.node
+        jobs = report.other_runs_in_the_way
+        names = "\n".join("  " + j.describe() for j in jobs)
+        self.log.warning("node %s: the selected GPUs are held by %d live job(s) of other runs, which run %s does not "
+                         "stop; waiting up to %.0f s (gpu.idle_timeout_s) for them to end:\n%s", node.name, len(jobs),
+                         ctx.layout.run_id, cfg.gpu.idle_timeout_s, names)
+        idle = IdleGate(node, cfg).wait(cfg.gpu.idle_timeout_s, cfg.gpu.poll_interval_s, log=self.log.info)
+        if not idle.all_idle:
+            records = " ".join(sorted({j.record for j in jobs}))
+            raise GpusHeldByAnotherRun(
+                f"node {node.name}: the selected GPUs are held by live job(s) of another run, which run "
+                f"{ctx.layout.run_id} does not stop:\n{names}\nStill not idle after {cfg.gpu.idle_timeout_s:.0f} s "
+                f"(gpu.idle_timeout_s):\n{idle.message()}\nWait for that run to finish (the retry waits again), "
+                f"stop it on the node (python -m eagleflow.nodes.process_record stop --pid-file RECORD, for each of "
+                f"{records}), or trigger this run with force_free_gpus (where the deployment allows it) to stop "
+                "them.")
+        self.log.info("the other runs' jobs left the selected GPUs: %s", idle.message())
         return report.to_dict()
 
 

@@ -44,10 +44,12 @@ def register(subparsers) -> None:
     wi.add_argument("--json", action="store_true")
     wi.set_defaults(func=cmd_wait_idle)
 
-    fr = sub.add_parser("free", help="stop the processes eagleflow recorded on this node (TERM, grace, KILL)")
+    fr = sub.add_parser("free", help="stop the processes eagleflow recorded for this run on this node (TERM, grace, "
+                                     "KILL); another run's live jobs are named and left running")
     add_run_args(fr)
     fr.add_argument("--force", action="store_true",
-                    help="also kill processes NOT started by eagleflow that hold the selected GPUs")
+                    help="also kill processes NOT started by eagleflow, and other runs' live jobs, that hold the "
+                         "selected GPUs")
     fr.add_argument("--on-node", action="store_true",
                     help="this machine is the config's node (how FreeGpusOperator runs it over SSH)")
     fr.add_argument("--json", action="store_true")
@@ -147,20 +149,21 @@ def cmd_free(args) -> int:
     node = node_for_free(cfg, args.on_node)
     force = bool(args.force or cfg.gpu.force_free)
     log = (lambda m: print(m, file=sys.stderr, flush=True))
-    gpu_procs = []
+    gpu_procs = None   # not read: no other run's job is stopped, even with force
     note = None
     if cfg.node.has_gpu:
         try:
             snaps = IdleGate(node, cfg).check()
             gpu_procs = [p for v in snaps.verdicts for p in v.snapshot.processes]
         except NoGpuError as e:
-            note = f"no GPU readable ({e}); only recorded processes are stopped"
+            note = f"no GPU readable ({e}); only this run's recorded processes are stopped"
             log(note)
     else:
-        note = no_gpu_message(cfg).replace("the GPU gate passes", "only recorded processes are stopped")
+        note = no_gpu_message(cfg).replace("the GPU gate passes", "only this run's recorded processes are stopped")
         log(note)
-    report = free_recorded_processes(str(layout.state_dir), grace_s=cfg.gpu.kill_grace_s, force=force,
-                                     gpu_processes=gpu_procs, log=log)
+    # this run's records only (the state dir is the node's, every run's): another run's live job is named, left
+    report = free_recorded_processes(str(layout.state_dir), run_id=layout.run_id, grace_s=cfg.gpu.kill_grace_s,
+                                     force=force, gpu_processes=gpu_procs, log=log)
     out = report.to_dict() | {"node": node.name, "force": force, "note": note}
     _print(out, args.json, report.message())
     return 0

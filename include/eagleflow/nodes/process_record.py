@@ -115,6 +115,16 @@ def record_file(pids_dir: str | os.PathLike, run_id: str, role: str) -> Path:
     return Path(pids_dir) / f"{run_id}.{role}{RECORD_SUFFIX}"
 
 
+def record_run_id(rec: ProcessRecord) -> str | None:
+    """The run a record belongs to: its file name is ``<run_id>.<role>.json`` with the role it holds. None when the
+    name does not end with the record's own role (renamed or forged: it belongs to no run we can name)."""
+    name = Path(rec.pid_file).name
+    tail = f".{rec.role}{RECORD_SUFFIX}"
+    if not name.endswith(tail):
+        return None
+    return name[: -len(tail)] or None
+
+
 class RecordRefused(ValueError):
     """A pid record that cannot be trusted (a symlink, someone else's, writable by others, not a record)."""
 
@@ -371,6 +381,7 @@ class StopResult:
     detail: str = ""
     foreign: bool = False          # not started by eagleflow (a GPU holder stopped only with force)
     gpu_mib: int | None = None
+    run_id: str = ""               # the record's run, where the stop's caller tells it (``gpu free``)
 
     @property
     def stuck(self) -> bool:

@@ -359,8 +359,8 @@ def _free_and_verify_gpus(run: RunLike, log: Log, server: str = "capture server"
     if cfg.gpu.baseline_file:
         baseline = run.node.read_text(str(cfg.resolve(cfg.gpu.baseline_file)))
     policy = IdlePolicy.from_config(cfg, baseline)
-    # Not eagleflow.gpu.free_recorded_processes: it stops every recorded process of the node (other
-    # shards' workers, other runs). The server's group was stopped above; only waiting is left.
+    # Not eagleflow.gpu.free_recorded_processes: it stops every recorded process of the run (the other
+    # shards' workers). The server's group was stopped above; only waiting is left.
     deadline = time.monotonic() + cfg.gpu.idle_timeout_s
     while True:
         report = policy.evaluate(probe.snapshot(), cfg.gpu.select, node=run.node.name)
