@@ -9,7 +9,7 @@ from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat, InFlight
 from eagleflow.watchdog.diagnosis import StallDetected, StallDiagnosis
 from eagleflow.watchdog.policy import decide
-from eagleflow.watchdog.signals import (GpuReading, GpuSignal, HealthSignal, Observation, ProcessSignal,
+from eagleflow.watchdog.signals import (CpuSignal, GpuReading, GpuSignal, HealthSignal, Observation, ProcessSignal,
                                         WatchedJob)
 
 NOW = 1_800_000_000.0
@@ -125,9 +125,14 @@ def test_dead_worker_and_zombie_and_failed_and_complete():
 
 
 def test_stale_heartbeat_of_a_live_worker_and_a_stopped_server_are_named():
-    d = decide(obs(progress_ago=90, written_ago=80, health=HealthSignal(True, True, "ok", 0.2)), cfg())
+    # frozen: the heartbeat 80 s old and the worker's processes seen using no CPU for 30 s (the window is 20 s)
+    quiet = CpuSignal(read_at=NOW, first_at=NOW - 300, quiet_since=NOW - 30, members=1)
+    d = decide(obs(progress_ago=90, written_ago=80, health=HealthSignal(True, True, "ok", 0.2),
+                   worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="S",
+                                        started_at=NOW - 3600, cpu=quiet)), cfg())
     assert d.verdict == "stalled"
     assert "worker pid 4242 is alive but its heartbeat was last written 80 s before it was read" in d.summary
+    assert "used no CPU time for 30 s: frozen" in d.summary
     stopped = obs(progress_ago=40, health=HealthSignal(True, False, "timeout", 20),
                   gpu=GpuSignal(applicable=False, note="not applicable: node.has_gpu is false"),
                   server=ProcessSignal(role="capture_server", recorded=True, pid=4100, alive=True, state="T"))

@@ -13,7 +13,7 @@ import pytest
 
 from eagleflow.heartbeat import InFlight
 from eagleflow.watchdog.policy import decide
-from eagleflow.watchdog.signals import GpuSignal, HealthSignal, Pace, ProcessSignal, WatchedJob
+from eagleflow.watchdog.signals import CpuSignal, GpuSignal, HealthSignal, Pace, ProcessSignal, WatchedJob
 from tests.unit.test_watchdog_policy import NOW, busy_gpus, cfg, idle_held_gpus, obs
 
 WORKER, SERVER = "worker_shard_00003", "capture_server"
@@ -30,6 +30,24 @@ def worker(**kw) -> ProcessSignal:
 
 def server(**kw) -> ProcessSignal:
     return ProcessSignal(**{"role": SERVER, "recorded": True, "pid": 4100, "alive": True, "state": "S", **kw})
+
+
+def cpu(quiet_s: float, used_s: float | None = None, over_s: float = 5.0) -> CpuSignal:
+    """The worker's process group as the watch's CPU reads saw it: no tick gained for ``quiet_s`` (up to NOW), and
+    before that ``used_s`` seconds of CPU over the ``over_s`` between two reads (None: none seen since its first)."""
+    if used_s is None:
+        return CpuSignal(read_at=NOW, first_at=NOW - quiet_s, quiet_since=NOW - quiet_s, members=3)
+    return CpuSignal(read_at=NOW, first_at=NOW - 600, quiet_since=NOW - quiet_s, members=3, ticks=9000,
+                     last_gain_s=used_s, last_gain_over_s=over_s, last_gain_at=NOW - quiet_s)
+
+
+def late_trainer(progress_ago, started_ago=3600.0, **w):
+    """The trainer, its heartbeat last written 40 s before the look (past the 20 s heartbeat window)."""
+    o = trainer(progress_ago)
+    o.heartbeat.time = NOW - 40
+    o.heartbeat.started_at = NOW - started_ago
+    o.heartbeat.done = o.heartbeat.resumed = 0 if started_ago < 120 else o.heartbeat.done
+    return with_(o, worker=worker(role="trainer", started_at=NOW - started_ago, **w))
 
 
 def stale(**kw):
@@ -140,8 +158,25 @@ TABLE = [
     ("4-worker-short-d-state-is-no-evidence", lambda: stale(worker=worker(state="D", d_state=True,
                                                                           d_since=NOW - 5)),
      "slow", "", "server answered /health_generate"),
-    ("4-heartbeat-not-rewritten", lambda: stale(progress_ago=90, written_ago=80), "stalled", "worker",
-     "worker pid 4242 is alive but its heartbeat was last written 80 s before it was read"),
+    # a late heartbeat is judged by the CPU time the job's process group used (issue 52: a starved writer on a
+    # node at load 50 is late too): frozen only when stopped or with no CPU time over the 20 s window
+    ("4-late-heartbeat-no-cpu-for-the-window", lambda: stale(progress_ago=90, written_ago=80,
+                                                             worker=worker(cpu=cpu(quiet_s=25, used_s=3.1))),
+     "stalled", "worker", "interval 2 s), and its process group (3 processes) used no CPU time for 25 s: frozen"),
+    ("4-late-heartbeat-cpu-advancing-is-slow", lambda: stale(progress_ago=90, written_ago=80,
+                                                             worker=worker(cpu=cpu(quiet_s=0, used_s=0.42))),
+     "slow", "", "but its process group (3 processes) is using CPU (0.42 s of CPU time in the 5.0 s up to "),
+    ("4-late-heartbeat-cpu-seen-lately-is-slow", lambda: stale(progress_ago=90, written_ago=80,
+                                                               worker=worker(cpu=cpu(quiet_s=12, used_s=0.05))),
+     "slow", "", "is using CPU (0.05 s of CPU time in the 5.0 s up to "),
+    ("4-late-heartbeat-no-cpu-yet-shorter-than-the-window", lambda: stale(
+        progress_ago=90, written_ago=80, worker=worker(cpu=cpu(quiet_s=8))),
+     "slow", "", "used no CPU time in the 8 s the watch has read it (frozen only after 20 s without any)"),
+    ("4-late-heartbeat-cpu-not-read-proves-nothing", lambda: stale(progress_ago=90, written_ago=80),
+     "slow", "", "its CPU time was not read, so that proves nothing"),
+    ("4-late-heartbeat-stopped", lambda: stale(progress_ago=90, written_ago=80,
+                                               worker=worker(state="T", cpu=cpu(quiet_s=3, used_s=2.0))),
+     "stalled", "worker", "worker pid 4242 is stopped (state T"),
     ("4-no-heartbeat-ever", lambda: with_(stale(), heartbeat=None, heartbeat_error="no heartbeat file", stored=5),
      "stalled", "worker", "worker pid 4242 never wrote a heartbeat (no heartbeat file)"),
     ("4-gpus-held-at-zero", lambda: stale(health=ANSWERS, gpu=idle_held_gpus(25)), "stalled", "capture_server",
@@ -158,6 +193,20 @@ TABLE = [
     ("4-trainer-slow-within-its-step-limit", lambda: trainer(100), "slow", "", "no step completed for 100 s"),
     ("4-trainer-no-step-past-its-limit", lambda: trainer(401), "stalled", "trainer",
      "no step for 401 s, over the 400 s limit for one step"),
+    # the issue's false "STALLED training" (load 47-68 on 2 cores): a starting trainer whose heartbeat writer is
+    # starved, while the trainer works
+    ("3-trainer-late-heartbeat-cpu-advancing-inside-the-grace", lambda: late_trainer(
+        60, started_ago=60, cpu=cpu(quiet_s=1, used_s=4.0)), "starting", "", "slow, not frozen"),
+    ("3-trainer-late-heartbeat-no-cpu-inside-the-grace", lambda: late_trainer(
+        60, started_ago=60, cpu=cpu(quiet_s=30, used_s=4.0)), "stalled", "worker",
+     "inside the startup grace; worker pid 4242 is alive but its heartbeat was last written 40 s"),
+    ("3-trainer-stopped-inside-the-grace", lambda: late_trainer(60, started_ago=60, state="T",
+                                                                cpu=cpu(quiet_s=1, used_s=4.0)),
+     "stalled", "worker", "worker pid 4242 is stopped (state T"),
+    ("4-trainer-late-heartbeat-cpu-advancing", lambda: late_trainer(100, cpu=cpu(quiet_s=2, used_s=1.5)),
+     "slow", "", "no step completed for 100 s"),
+    ("4-trainer-late-heartbeat-no-cpu", lambda: late_trainer(100, cpu=cpu(quiet_s=21, used_s=1.5)),
+     "stalled", "worker", "used no CPU time for 21 s: frozen"),
 ]
 
 
@@ -178,3 +227,23 @@ def test_plenty_of_disk_is_named_only_as_context_never_as_evidence():
     d = decide(with_(obs(worker=worker(alive=False)), free_bytes=LOTS), cfg())
     assert d.verdict == "dead" and "1000.0 GB free where the job writes" in d.summary
     assert decide(with_(stale(), free_bytes=LOTS), cfg()).verdict == "slow"
+
+
+def test_a_late_heartbeat_not_yet_judged_asks_for_the_look_that_closes_its_cpu_window():
+    """8 s of the 20 s window seen without CPU: the slow verdict asks for the next look in 12 s, not a poll later."""
+    d = decide(stale(progress_ago=90, written_ago=80, worker=worker(cpu=cpu(quiet_s=8))), cfg())
+    assert d.verdict == "slow" and d.recheck_in_s == pytest.approx(12.0), d
+    assert "worker pid 4242 is alive but its heartbeat was last written 80 s before it was read" in d.summary
+
+
+def test_a_request_younger_than_its_hung_limit_asks_for_the_look_that_reaches_it():
+    """/health_generate answers, GPUs idle, the oldest request 30 s old against this run's 50 s limit: slow, and
+    the next look is asked for when the request reaches the limit (issue 52 item 9: the bound counts on it)."""
+    o = with_(stale(gpu=GpuSignal(applicable=True),
+                    in_flight=[InFlight(id="r7", since=NOW - 30, tokens=100, timeout_s=3000)]),
+              pace=Pace(samples=64, gap_p95_s=10.0, request_p95_s=16.0, stale_after_s=30.0, request_limit_s=50.0))
+    d = decide(o, cfg())
+    assert d.verdict == "slow" and d.recheck_in_s == pytest.approx(20.0, abs=0.01), d.summary
+    o.now = NOW + 21
+    o.heartbeat_read_at = NOW + 21
+    assert decide(o, cfg()).verdict == "stalled"

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger, TrainWatchTrigger
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
+from eagleflow.watchdog.policy import frozen_window_s
 from tests.fixtures.watchdog_jobs import backdate_record, kill_group, spawn_sleeper, wait_gone, watch_config, write_heartbeat
 
 
@@ -94,21 +97,33 @@ def test_stopped_worker_is_caught_within_the_bound(run):
     assert latency <= wd.detection_bound_s
 
 
-@pytest.mark.timeout(60)
-def test_live_worker_with_a_stale_heartbeat_is_stalled(run):
-    """The process runs (not stopped) but its heartbeat stopped being rewritten 30 s ago."""
+@pytest.mark.timeout(90)
+def test_live_job_with_a_stale_heartbeat_and_no_cpu_is_stalled_once_the_cpu_window_closes(run):
+    """The process runs (not stopped) but its heartbeat stopped being rewritten 30 s ago and it uses no CPU (a
+    sleeper): frozen, once the watch's CPU reads span the heartbeat window (issue 52: a late heartbeat alone is
+    what a starved writer shows too). The trainer: a shard's watch would blame its missing server first."""
     ctx, started = run
-    p = spawn_sleeper(ctx.layout, "worker_shard_00003")
+    window = frozen_window_s(ctx.cfg)
+    p = spawn_sleeper(ctx.layout, "trainer")
     started.append(p)
-    backdate_record(ctx.layout, "worker_shard_00003", 600)
-    write_heartbeat(ctx.layout, 3, pid=p.pid, done=5, total=25, progress_ago_s=40, written_ago_s=30,
-                    in_flight=[("r", 40, 600)])
-    ev = asyncio.run(_first_event(ShardWatchTrigger(ctx.serialize(), 3), 30))
-    assert ev.payload["status"] == "stalled"
-    # its age is judged when it was read: 30 s at the write plus the watch's own start-up
-    m = re.search(rf"worker pid {p.pid} is alive but its heartbeat was last written (\d+) s before it was read",
-                  ev.payload["diagnosis"])
-    assert m and 30 <= int(m.group(1)) <= 45, ev.payload["diagnosis"]
+    backdate_record(ctx.layout, "trainer", 600)
+    now = time.time()
+    Heartbeat(job="train", pid=p.pid, state="running", started_at=now - 600, done=5, total=25, unit="steps",
+              last_progress_at=now - 40).write(str(ctx.layout.train_heartbeat_file))
+    data = json.loads(Path(str(ctx.layout.train_heartbeat_file)).read_text())
+    data["time"] = now - 30
+    Path(str(ctx.layout.train_heartbeat_file)).write_text(json.dumps(data))
+    t0 = time.time()
+    ev = asyncio.run(_first_event(TrainWatchTrigger(ctx.serialize()), 60))
+    assert ev.payload["status"] == "stalled" and ev.payload["cause"] == "worker", ev.payload
+    d = ev.payload["diagnosis"]
+    # its age is judged when it was read: 30 s at the write plus the window the CPU was read over
+    m = re.search(rf"worker pid {p.pid} is alive but its heartbeat was last written (\d+) s before it was read", d)
+    assert m and 30 + window <= int(m.group(1)) <= 30 + window + 15, d
+    q = re.search(r"its process group \(1 process\) used no CPU time for (\d+) s: frozen", d)
+    assert q and window <= int(q.group(1)) <= window + 10, d
+    # the slow look before asked for the one that closes the window: not a poll interval per look
+    assert ev.payload["detected_at"] - t0 <= window + ctx.cfg.watchdog.detection_bound_s, d
 
 
 @pytest.mark.timeout(60)

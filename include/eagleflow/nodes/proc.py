@@ -2,8 +2,10 @@
 
 Everything that asks "does this PID still run, is it ours, is it stopped, a
 zombie, stuck in D, how did it end" reads it here: ``read_stat`` (one read of
-``/proc/<pid>/stat``: cheap enough to scan every PID) or ``read_proc_state``
-(that plus the D-state threads and the wchan, for a diagnosis).
+``/proc/<pid>/stat``: cheap enough to scan every PID), ``read_proc_state``
+(that plus the D-state threads and the wchan, for a diagnosis) or
+``group_cpu_ticks`` (the CPU time each member of a process group has used:
+what tells a slow process from a frozen one, judged across two reads).
 
 ``comm`` (field 2 of /proc/<pid>/stat) may hold spaces and parentheses, so the
 fields are split after the last ')'. Standard library only: it runs on the
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field, replace
 
 # /proc/<pid>/stat fields, numbered as in proc(5); the list after the state starts at field 4
 _PPID, _PGRP, _STARTTIME, _EXIT_CODE = 4, 5, 22, 52
+# CPU time in clock ticks: its own (user, system) and that of its children it has reaped (user, system)
+_UTIME, _STIME, _CUTIME, _CSTIME = 14, 15, 16, 17
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class ProcState:
     exit_code: int | None = None    # a zombie's, from field 52 (Linux >= 3.5); None while it runs
     exit_signal: int | None = None  # the signal that killed a zombie
     ppid: int = 0              # field 4: the parent
+    cpu_ticks: int = 0         # fields 14-17: CPU time used (user + system, its own and its reaped children's),
+                               # in clock ticks (``clock_ticks_per_s``); only ever grows while the process lives
 
     @property
     def alive(self) -> bool:
@@ -81,7 +87,8 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcState | None:
         with open(f"{proc_root}/{pid}/stat") as f:
             comm, state, rest = parse_stat(f.read())
         st = ProcState(pid=pid, comm=comm, state=state, start_ticks=_field(rest, _STARTTIME),
-                       pgid=_field(rest, _PGRP), ppid=_field(rest, _PPID))
+                       pgid=_field(rest, _PGRP), ppid=_field(rest, _PPID),
+                       cpu_ticks=sum(_field(rest, n) for n in (_UTIME, _STIME, _CUTIME, _CSTIME)))
     except (OSError, ValueError, IndexError):
         return None
     if st.zombie:
@@ -91,6 +98,39 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcState | None:
             return st
         return replace(st, exit_signal=status & 0x7F) if status & 0x7F else replace(st, exit_code=status >> 8)
     return st
+
+
+def clock_ticks_per_s() -> int:
+    """The unit of /proc's CPU times (USER_HZ, 100 on Linux)."""
+    try:
+        hz = os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError):
+        return 100
+    return hz if hz > 0 else 100
+
+
+GROUP_MEMBERS_MAX = 4096   # a group larger than this is read in part (its first members by PID)
+
+
+def group_cpu_ticks(pgid: int, proc_root: str = "/proc") -> dict[str, int]:
+    """The CPU ticks each live member of process group ``pgid`` has used so far, keyed "<pid>:<start_ticks>" (a
+    PID reused by a later process is another key). Zombies and vanished members are left out: whoever compares
+    two reads compares member by member, so a member that exits takes nothing away from the group's progress.
+    Empty when no member runs (or /proc cannot be read)."""
+    out: dict[str, int] = {}
+    if pgid <= 1:
+        return out
+    try:
+        names = sorted((int(n) for n in os.listdir(proc_root) if n.isdigit()))
+    except OSError:
+        return out
+    for pid in names:
+        st = read_stat(pid, proc_root)
+        if st is not None and st.pgid == pgid and st.alive:
+            out[f"{pid}:{st.start_ticks}"] = st.cpu_ticks
+            if len(out) >= GROUP_MEMBERS_MAX:
+                break
+    return out
 
 
 def read_start_ticks(pid: int, proc_root: str = "/proc") -> int | None:

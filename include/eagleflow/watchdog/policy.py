@@ -18,14 +18,20 @@ The rules, in order:
      (a hung /generate), GPUs not busy;
    - an in-flight request is older than its own timeout;
    - the worker is stopped, in D state for ``d_state_after_s``, or alive with a heartbeat not
-     rewritten for ``max(5 x interval, stall_after_s, 10 s)`` *before it was read*;
+     rewritten for ``max(5 x interval, stall_after_s, 10 s)`` *before it was read* while its process
+     group gained no CPU time over that same window (read from /proc at each look and compared with
+     the previous: a late heartbeat from a process still using CPU, e.g. starved on a loaded node, is
+     slow, not frozen);
    - the GPUs hold memory above baseline at 0 % for ``gpu_window_s``;
    - a shard worker has no request in flight at all; the disk is nearly full.
    Otherwise it is *slow*. The cause is the first process-level fact, else the first inference.
+   A slow (or starting) verdict whose evidence may turn says when (``recheck_in_s``): the oldest
+   request reaching its hung limit, the CPU window of a late heartbeat closing.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
@@ -39,6 +45,35 @@ def heartbeat_stale_after_s(cfg: PipelineConfig) -> float:
     hidden states one fsync can take seconds (seen at 4 s on a loaded CI box).
     """
     return max(5 * cfg.capture.heartbeat_interval_s, cfg.watchdog.stall_after_s, 10.0)
+
+
+def frozen_window_s(cfg: PipelineConfig) -> float:
+    """How long a live job's process group must be seen gaining no CPU time before its late heartbeat says it is
+    frozen: the window the heartbeat itself is judged over (``heartbeat_stale_after_s``)."""
+    return heartbeat_stale_after_s(cfg)
+
+
+def hung_request_limit_s(pace: Pace, in_flight: int, probe_latency_s: float, slow_factor: float) -> float:
+    """How old the oldest request may grow, while /health_generate answers in ``probe_latency_s``, before the
+    server's /generate counts as hung: this run's own request pace (``Pace.request_limit_s``: at least the
+    stale threshold), or ``slow_factor`` x the probe's latency per request queued ahead of it and the probe."""
+    return max(pace.request_limit_s, slow_factor * (in_flight + 1) * probe_latency_s)
+
+
+def hung_generate_bound_s(cfg: PipelineConfig, pace: Pace, in_flight: int) -> float:
+    """The longest from a hung request's send to the watch's verdict on it, from the configured values and this
+    run's pace: the largest limit a look can apply (a probe that answers does so within ``health_timeout_s``;
+    a slower one is a timeout, another rule) plus what ``WatchdogConfig.detection_bound_s`` adds to
+    ``stall_after_s`` (the look that sees the limit crossed starts within the recheck slack plus one command,
+    as the slow look before it asks, and lasts at most the health timeout plus one command).
+
+    It is not ``detection_bound_s`` itself: a hung /generate is judged against the request's age, not
+    stall_after_s, and that limit follows the run's pace (3 x a 2.3 s p95 gap, 6.9 s, on a loaded test
+    machine where stall_after_s was 4 s) and the probe's own latency. Counted from the hang, add the time the
+    request in progress then took to finish (the hung request is sent only after it)."""
+    wd = cfg.watchdog
+    limit = hung_request_limit_s(pace, in_flight, wd.health_timeout_s, wd.slow_factor)
+    return limit + (wd.detection_bound_s - wd.stall_after_s)
 
 
 def no_step_limit_s(cfg: PipelineConfig) -> float:
@@ -71,10 +106,12 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     last_txt = f"last at {_clock(p_at)}" if p_at else "never"
 
     def diag(verdict: Verdict, headline: str, evidence: list[str] | None = None, with_log: bool = False,
-             cause: str = "") -> StallDiagnosis:
-        recheck = None
+             cause: str = "", turns_in_s: float | None = None) -> StallDiagnosis:
+        # look again when the verdict may turn: progress turning stale, or (turns_in_s) a pending piece of evidence
+        due = [turns_in_s] if turns_in_s is not None and verdict in ("starting", "slow") else []
         if verdict in ("starting", "healthy") and p_age is not None and p_age < stale_after:
-            recheck = max(wd.RECHECK_SLACK_S, stale_after - p_age)
+            due.append(stale_after - p_age)
+        recheck = max(wd.RECHECK_SLACK_S, min(due)) if due else None
         return StallDiagnosis(
             verdict=verdict, job=obs.job.name, node=obs.node, observed_at=now, headline=headline,
             evidence=evidence or [], done=done, total=total, progress_age_s=p_age,
@@ -126,8 +163,10 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         if frozen and p_age is not None and p_age >= wd.stall_after_s:
             head = f"nothing completed {now - started:.0f} s after the start ({counts}), inside the startup grace"
             return diag("stalled", head, [t for _, t in frozen], with_log=True, cause=frozen[0][0])
+        late = _late_heartbeat(obs, cfg)   # late but not (yet) frozen: said, and looked at again when it may turn
         return diag("starting", f"{counts_u}; started {now - started:.0f} s ago, within the "
-                                f"{wd.startup_grace_s:.0f} s startup grace")
+                                f"{wd.startup_grace_s:.0f} s startup grace" + (f"; {late.text}" if late else ""),
+                    turns_in_s=late.turns_in_s if late else None)
     if p_age is not None and p_age < stale_after:
         pace_txt = "" if stale_after <= wd.stall_after_s else f"; slow run, judged against {pace.describe()}"
         return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}")
@@ -138,6 +177,7 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         head += f"; this run's usual gap is {pace.gap_p95_s:.1f} s (p95)"
     bad: list[tuple[int, str, str]] = []   # (strength: 0 = a process-level fact, 1 = an inference; cause; text)
     fine: list[str] = []
+    turns: list[float] = []   # in how many seconds a piece of evidence not yet conclusive may turn
     gpu = obs.gpu
     # busy now, or in any look since the last progress: a GPU busy in bursts (45 % duty) can read 0 % for
     # a whole look, yet it has worked since the last sample; a hang reads 0 % in every look after it
@@ -185,16 +225,20 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                 bad.append((1, _SERVER, f"request {r.id} in flight for {age:.0f} s, past its {limit:.0f} s deadline"))
             else:
                 fine.append(f"request {r.id} ({r.tokens:,} tokens) in flight for {age:.0f} s of its {limit:.0f} s deadline")
-        hung = _hung_generate(obs, pace, gpu_busy, hb_now, wd.slow_factor)
+        hung, hung_in = _hung_generate(obs, pace, gpu_busy, hb_now, cfg)
         if hung:
             bad.append((1, _SERVER, hung))
+        elif hung_in is not None:
+            turns.append(hung_in)
         if obs.job.uses_server and not hb.in_flight:
             bad.append((1, _WORKER, "the worker has no request in flight"))
-        hb_age = hb_now - hb.time
-        if hb_age > heartbeat_stale_after_s(cfg):
-            bad.append((0, _WORKER, f"worker pid {w.pid} is alive but its heartbeat was last written {hb_age:.0f} s "
-                                    f"before it was read at {_clock(hb_now)} (written at {_clock(hb.time)}; "
-                                    f"interval {cfg.capture.heartbeat_interval_s:g} s)"))
+        late = _late_heartbeat(obs, cfg)
+        if late is not None and late.frozen:
+            bad.append((0, _WORKER, late.text))
+        elif late is not None:
+            fine.append(late.text)
+            if late.turns_in_s is not None:
+                turns.append(late.turns_in_s)
     else:
         bad.append((0, _WORKER, f"worker pid {w.pid} never wrote a heartbeat "
                                 f"({obs.heartbeat_error or 'no heartbeat file'})"))
@@ -213,33 +257,38 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if bad:
         ordered = sorted(range(len(bad)), key=lambda i: (bad[i][0], i))
         return diag("stalled", head, [b[2] for b in bad], with_log=True, cause=bad[ordered[0]][1])
-    return diag("slow", head, fine or ["no signal says it is stuck"])
+    return diag("slow", head, fine or ["no signal says it is stuck"], turns_in_s=min(turns) if turns else None)
 
 
-def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float, slow_factor: float) -> str:
-    """The server answers /health_generate, yet a request is far older than this run's requests take.
+def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float,
+                   cfg: PipelineConfig) -> tuple[str, float | None]:
+    """The server answers /health_generate, yet a request is far older than this run's requests take: the
+    evidence, or ('', in how many seconds the oldest request reaches the limit) while it is younger.
 
     SGLang can answer its one-token health probe while chat requests hang (sglang 4191); the worker's
     own timeout (60 s + 0.05 s per token) would take minutes to notice. Busy GPUs exempt it: a
-    slow-but-working server is SLOW.
+    slow-but-working server is SLOW. The slow look before the limit asks for the next look when the
+    request reaches it (not a whole poll interval later): ``hung_generate_bound_s`` counts on that.
     """
     h, hb = obs.health, obs.heartbeat
     if not (obs.job.uses_server and h.checked and h.ok and hb is not None and hb.in_flight) or gpu_busy \
             or obs.progress_during_look is not None:
-        return ""
+        return "", None
     oldest = max(hb.in_flight, key=lambda r: hb_now - r.since)
     age = hb_now - oldest.since
     # the probe's own latency is one forward now: a request queued behind the others (and the probe)
-    # may take that long per request ahead of it; a hung /generate sits beside a fast probe
-    limit = max(pace.request_limit_s, slow_factor * (len(hb.in_flight) + 1) * (h.latency_s or 0.0))
+    # may take that long per request ahead of it; a hung /generate sits beside a fast probe. A probe that
+    # answered did so within the health timeout (the client's bound on connect and answer alike).
+    latency = min(h.latency_s or 0.0, cfg.watchdog.health_timeout_s)
+    limit = hung_request_limit_s(pace, len(hb.in_flight), latency, cfg.watchdog.slow_factor)
     if age < limit:
-        return ""
+        return "", limit - age
     usual = (f"; this run's requests take {pace.request_p95_s:.1f} s (p95)" if pace.request_p95_s is not None
              else "")
     return (f"server answers /health_generate ({h.latency_s:.1f} s) but its /generate does not: request "
             f"{oldest.id} in flight for {age:.0f} s with no {hb.unit[:-1] if hb.unit.endswith('s') else hb.unit} "
             f"completed (limit {limit:.0f} s"
-            f"{usual})")
+            f"{usual})"), None
 
 
 def _death_cause(obs: Observation) -> str:
@@ -279,11 +328,47 @@ def _frozen_evidence(obs: Observation, cfg: PipelineConfig) -> list[tuple[str, s
     if w.d_state and w.d_since is not None and now - w.d_since >= cfg.watchdog.d_state_after_s:
         out.append((_WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
                              + (f" (waiting in {w.wchan})" if w.wchan else "")))
-    hb_age = obs.hb_clock - hb.time if hb is not None else 0.0
-    if hb is not None and hb_age > heartbeat_stale_after_s(cfg):
-        out.append((_WORKER, f"worker pid {w.pid} is alive but its heartbeat was last written {hb_age:.0f} s "
-                             f"before it was read"))
+    late = _late_heartbeat(obs, cfg)
+    if late is not None and late.frozen:
+        out.append((_WORKER, late.text))
     return out
+
+
+@dataclass(frozen=True)
+class LateHeartbeat:
+    """A live job's heartbeat older than ``heartbeat_stale_after_s`` when read, judged by the CPU its process
+    group used: ``frozen`` (evidence of a stall) only when the process is stopped or gained no CPU time over
+    ``frozen_window_s``; otherwise it is slow (starved on a loaded node, a long fsync) and ``turns_in_s`` says
+    when the CPU window may close."""
+    frozen: bool
+    text: str
+    turns_in_s: float | None = None
+
+
+def _late_heartbeat(obs: Observation, cfg: PipelineConfig) -> LateHeartbeat | None:
+    hb, w = obs.heartbeat, obs.worker
+    if hb is None:
+        return None
+    age = obs.hb_clock - hb.time
+    if age <= heartbeat_stale_after_s(cfg):
+        return None
+    said = (f"worker pid {w.pid} is alive but its heartbeat was last written {age:.0f} s before it was read at "
+            f"{_clock(obs.hb_clock)} (written at {_clock(hb.time)}; interval {cfg.capture.heartbeat_interval_s:g} s)")
+    if w.stopped:
+        return LateHeartbeat(True, said)
+    window, c = frozen_window_s(cfg), w.cpu
+    if c is None:   # not read: a late heartbeat alone proves nothing (a starved writer is late too)
+        return LateHeartbeat(False, f"{said}; its CPU time was not read, so that proves nothing")
+    quiet = max(0.0, c.read_at - c.quiet_since)
+    group = f"its process group ({c.members} process{'es' if c.members != 1 else ''})"
+    if quiet >= window:
+        return LateHeartbeat(True, f"{said}, and {group} used no CPU time for {quiet:.0f} s: frozen")
+    if c.last_gain_at is not None and c.last_gain_s is not None and c.last_gain_over_s is not None:
+        return LateHeartbeat(False, f"{said}, but {group} is using CPU ({c.last_gain_s:.2f} s of CPU time in the "
+                                    f"{c.last_gain_over_s:.1f} s up to {_clock(c.last_gain_at)}): slow, not frozen",
+                             turns_in_s=window - quiet)
+    return LateHeartbeat(False, f"{said}; {group} used no CPU time in the {quiet:.0f} s the watch has read it "
+                                f"(frozen only after {window:.0f} s without any)", turns_in_s=window - quiet)
 
 
 def _no_record(p: ProcessSignal) -> str:

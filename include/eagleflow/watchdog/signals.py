@@ -9,7 +9,9 @@ nothing advanced; a hung kernel reads 100 %, a loading model reads 0 %):
 - server: ``GET /health_generate`` with a timeout, only asked when progress
   is already stale (a fresh sample proves the server works; no extra load);
 - processes: worker and server alive, zombie, stopped (SIGSTOP, state T),
-  in D state and since when (from /proc, remembered across looks);
+  in D state and since when (from /proc, remembered across looks); the CPU
+  time the job's process group used, compared with the previous look's (a
+  late heartbeat from a process still using CPU is slow, not frozen);
 - GPUs: memory held above the idle baseline while utilisation stays 0 over
   a window (several samples per look plus the looks before);
 - disk: free bytes where the shard writes.
@@ -34,11 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from eagleflow import bounded_json
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
-from eagleflow.nodes.proc import state_phrase, thread_wchan
+from eagleflow.nodes.proc import clock_ticks_per_s, group_cpu_ticks, state_phrase, thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
 from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 
@@ -87,6 +90,27 @@ class WatchedJob:
 
 # --------------------------------------------------------------------------- signals
 @dataclass
+class CpuSignal:
+    """The CPU time a job's process group used, judged across looks: /proc gives a cumulative count, so whether a
+    process still works is told by comparing with the previous read (kept in the node's ``WatchMemory``).
+
+    ``quiet_since`` is the earliest read since which no member gained a tick (the first read itself until one
+    does): ``read_at - quiet_since`` is how long the group is *known* to have used no CPU. The last span that
+    did gain says how much (``last_gain_s`` seconds of CPU over ``last_gain_over_s``, up to ``last_gain_at``)."""
+    read_at: float
+    first_at: float                    # the watch's first read of this process (the job's leader, by start time)
+    quiet_since: float
+    members: int = 0                   # live members of the group at this read
+    ticks: int = 0                     # ticks gained since ``first_at`` (member by member: exits take nothing away)
+    last_gain_s: float | None = None
+    last_gain_over_s: float | None = None
+    last_gain_at: float | None = None
+
+    def quiet_for(self, now: float) -> float:
+        return max(0.0, now - self.quiet_since)
+
+
+@dataclass
 class ProcessSignal:
     role: str
     recorded: bool                  # a pid file exists
@@ -103,6 +127,7 @@ class ProcessSignal:
     exit_code: int | None = None    # dead only, where the pid record kept it
     exit_signal: int | None = None
     refused: str | None = None      # a pid file exists but is not trusted (why): treated as no record
+    cpu: CpuSignal | None = None    # the job's own process (worker, trainer) while alive: its group's CPU time
 
     @property
     def zombie(self) -> bool:
@@ -237,12 +262,14 @@ class WatchMemory:
     d_since: dict[str, float] = field(default_factory=dict)       # "<pid>:<start_ticks>" -> first seen in D
     idle_held_since: float | None = None
     gpu_max_util: list[list] = field(default_factory=list)        # [[t, {index: max util}], ...]
+    # role -> the last read of its process group's CPU ticks ({"leader": "<pid>:<start_ticks>", "at", "first_at",
+    # "quiet_since", "ticks", "members": {"<pid>:<start_ticks>": ticks}, "gain_s", "gain_over_s", "gain_at"})
+    cpu: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str) -> "WatchMemory":
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = bounded_json.read(path)
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return cls()  # a lost memory only delays a D-state/GPU verdict by one window
@@ -352,7 +379,44 @@ def read_gpus(cfg: PipelineConfig, sampler: GpuSampler | None, mem: WatchMemory,
 
 
 # --------------------------------------------------------------------------- processes
-def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> ProcessSignal:
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def track_cpu(mem: WatchMemory, role: str, leader: str, sample: dict[str, int], now: float) -> CpuSignal:
+    """Compare this read of a process group's CPU ticks (``proc.group_cpu_ticks``) with the last one kept for
+    ``role`` and keep this one. A new leader (another process, or the same PID started again), a memory that
+    does not parse, or a clock that went back starts over: nothing is known about CPU before this read."""
+    hz = float(clock_ticks_per_s())
+    if not isinstance(mem.cpu, dict):   # a damaged memory file: start over
+        mem.cpu = {}
+    prev = mem.cpu.get(role)
+    members = prev.get("members") if isinstance(prev, dict) else None
+    same = (isinstance(prev, dict) and prev.get("leader") == leader and isinstance(members, dict)
+            and all(_num(prev.get(k)) for k in ("at", "first_at", "quiet_since", "ticks"))
+            and all(isinstance(k, str) and _num(v) for k, v in members.items())
+            and prev["first_at"] <= prev["quiet_since"] <= prev["at"] <= now)
+    if not same or prev is None or members is None:
+        mem.cpu[role] = {"leader": leader, "at": now, "first_at": now, "quiet_since": now, "ticks": 0,
+                         "members": dict(sample)}
+        return CpuSignal(read_at=now, first_at=now, quiet_since=now, members=len(sample))
+    # member by member: a member that exited takes nothing away; one that appeared since brings all it used
+    gained = sum(max(0, int(t) - int(members.get(k, 0))) for k, t in sample.items())
+    entry = {**prev, "at": now, "ticks": int(prev["ticks"]) + gained, "members": dict(sample)}
+    if gained > 0:
+        entry.update(quiet_since=now, gain_s=gained / hz, gain_over_s=now - float(prev["at"]), gain_at=now)
+    mem.cpu[role] = entry
+    gain_ok = all(_num(entry.get(k)) for k in ("gain_s", "gain_over_s", "gain_at"))
+    return CpuSignal(read_at=now, first_at=float(entry["first_at"]), quiet_since=float(entry["quiet_since"]),
+                     members=len(sample), ticks=int(entry["ticks"]),
+                     last_gain_s=float(entry["gain_s"]) if gain_ok else None,
+                     last_gain_over_s=float(entry["gain_over_s"]) if gain_ok else None,
+                     last_gain_at=float(entry["gain_at"]) if gain_ok else None)
+
+
+def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float, cpu: bool = False) -> ProcessSignal:
+    """The recorded process of ``role`` as /proc shows it; with ``cpu``, its process group's CPU time too, compared
+    with the previous read kept in ``mem`` (for the job whose heartbeat is judged: the worker or the trainer)."""
     try:   # eagleflow.nodes.process_record: the one record shape
         rec = load_record(str(layout.pid_file(role)))
     except FileNotFoundError:
@@ -381,6 +445,11 @@ def read_process(layout: RunLayout, role: str, mem: WatchMemory, now: float) -> 
         sig.d_since = mem.d_since[key]
     else:
         mem.d_since.pop(key, None)
+    if cpu and st.alive:
+        # the recorded group while its leader (proven by its start time) leads it: only its session can join it
+        sample = group_cpu_ticks(rec.pgid) if st.pgid == rec.pgid else {}
+        sample.setdefault(key, st.cpu_ticks)   # the leader counts even when it left the recorded group
+        sig.cpu = track_cpu(mem, role, key, sample, now)
     return sig
 
 
@@ -451,10 +520,10 @@ def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
 
 
 def server_url(layout: RunLayout, job: WatchedJob | None = None) -> str | None:
-    try:
-        with open(job.server_info_path(layout) if job else str(layout.server_info_file)) as f:
-            return json.load(f).get("url")
-    except (OSError, ValueError, AttributeError):
+    from eagleflow.phase_jobs import server_url_in
+    try:   # our own file, within bounds: one someone else wrote names no server of ours
+        return server_url_in(job.server_info_path(layout) if job else str(layout.server_info_file))
+    except (OSError, ValueError):
         return None
 
 
@@ -503,7 +572,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     t0 = clock()
     hb, hb_err = _read_heartbeat(job, layout)
     hb_read_at = t0
-    worker = read_process(layout, job.role, mem, t0)
+    worker = read_process(layout, job.role, mem, t0, cpu=True)
     server = read_process(layout, job.server_role, mem, t0) if job.uses_server else None
     pace = pace_of(hb, cfg)
     stale_after = pace.stale_after_s if health_when_stale_after_s is None else health_when_stale_after_s
@@ -530,7 +599,7 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
         before = _progress_at(hb, worker)
         hb_read_at = clock()
         hb, hb_err = _read_heartbeat(job, layout)
-        worker = read_process(layout, job.role, mem, hb_read_at)
+        worker = read_process(layout, job.role, mem, hb_read_at, cpu=True)
         server = read_process(layout, job.server_role, mem, hb_read_at)
         pace = pace_of(hb, cfg)
         if hb is not None and (hb.last_progress_at or 0.0) > before:
