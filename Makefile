@@ -91,8 +91,9 @@ demo-inputs: venv
 airflow: venv demo-inputs
 	$(BIN)/python -m eagleflow.airflow.deploy.standalone start --port $(AIRFLOW_PORT)
 
+# stops Airflow's parts, then the node jobs its runs detached on this machine; KEEP_NODE_JOBS=1 lists them instead
 airflow-stop:
-	$(BIN)/python -m eagleflow.airflow.deploy.standalone stop
+	$(BIN)/python -m eagleflow.airflow.deploy.standalone stop $(if $(KEEP_NODE_JOBS),--keep-node-jobs)
 
 bench: venv
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagleflow import bounded_json
 from eagleflow.airflow.project import PROJECT_ROOT_ENV, project_root, resolve_config_path
 from eagleflow.airflow.routing import task_node_name
 from eagleflow.config import ConfigError, PipelineConfig, load_config
@@ -410,7 +411,7 @@ class RunContext:
                               f"{node_name} (connection {ref.conn_id or 'local'}); the run's first task "
                               "(write_run_config) writes it: clear the run from there")
         try:
-            data = json.loads(text)
+            data = bounded_json.loads(text, source=f"{ref.run_config} on node {node_name}")
         except ValueError as e:
             raise ConfigError(f"run {ref.run_id}: frozen config {ref.run_config} on node {node_name} is not "
                               f"JSON ({e}); clear the run from write_run_config to write it again") from None

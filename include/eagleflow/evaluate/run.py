@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from eagleflow import bounded_json
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.engines import EngineError, eval_engine
@@ -300,9 +301,9 @@ def draft_in_service(cfg: PipelineConfig) -> Path | None:
         return None
     fix = ("fix or remove it, set eval.baseline_draft to the draft in service, or set eval.baseline_draft: none "
            "to promote without a comparison")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    try:   # bounded (size, depth): a file nested 100,000 deep is refused, not a RecursionError
+        data = bounded_json.read(path)
+    except (OSError, ValueError) as e:   # UnicodeDecodeError, JSONDecodeError, bounded_json.JsonRefused
         raise ValueError(f"{path} (the draft in service) cannot be read ({e}); {fix}") from None
     draft = data.get("draft") if isinstance(data, dict) else None
     if not isinstance(draft, str) or not draft or "\x00" in draft or not Path(draft).is_absolute():

@@ -94,7 +94,8 @@ class Server:
         if self.node.live_record(self.pid_file) is not None:
             # an earlier try's server (a retry after the task was killed): stop it, its port and flags may differ
             self.node.stop_recorded(self.pid_file, grace_s=30)
-        rec = self.node.spawn_detached(self.argv, role=self.role, pid_file=self.pid_file, log_file=self.log_file)
+        rec = self.node.spawn_detached(self.argv, role=self.role, pid_file=self.pid_file, log_file=self.log_file,
+                                       owned_roots=self.layout.owned_roots)
         self.log(f"evaluate ({self.engine.label}): {self.role} pid {rec.pid}, log {self.log_file}: "
                  f"{' '.join(self.argv)}")
         try:

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
 from eagleflow.phases import EXTRACT, KINDS
 from eagleflow.watchdog.incidents import history, incident_id, node_time
@@ -130,7 +131,7 @@ def _shards(run_dir: Path, skipped: list[str] | None = None) -> list[ShardProgre
         except (OSError, ValueError, IndexError):
             continue  # half a run dir is not an error of this probe
         try:
-            d = json.loads(text)
+            d = bounded_json.loads(text, source=str(hb))
             if not isinstance(d, dict):
                 raise TypeError(f"a JSON {type(d).__name__}, not an object")
             out.append(ShardProgress(shard=shard, done=int(d.get("done") or 0), total=int(d.get("total") or 0),
@@ -166,7 +167,7 @@ def _watch_alarms(state_dir: Path, skipped: list[str] | None = None) -> list[dic
     out = []
     for path in sorted((state_dir / "watch").glob("*.alarm.json")):
         try:
-            d = json.loads(path.read_text())
+            d = bounded_json.read(path)
         except (OSError, ValueError) as e:
             if skipped is not None:
                 skipped.append(f"{path}: not an alarm record ({type(e).__name__}); left out")

@@ -29,7 +29,7 @@ from eagleflow.durable import UnsafeFile, open_owned
 
 from .locks import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
-from .process_record import ProcessRecord, StartProof, write_record
+from .process_record import RECORD_ENV, ProcessRecord, StartProof, write_record
 
 EXIT_LOCKED = 75  # = eagleflow.nodes.base.EXIT_LOCKED
 
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     for kv in a.env:
         k, _, v = kv.partition("=")
         env[k] = v
+    # where its record is, beside its token: what `make airflow-stop` finds the jobs its runs detached by
+    env[RECORD_ENV] = os.path.abspath(a.pid_file)
     # the token in the leader's own environment and descriptors from exec: what process_record checks before a signal
     try:
         with StartProof() as proof:

@@ -53,6 +53,7 @@ from eagleflow.durable import UnsafeFile, atomic_write, read_owned
 from eagleflow.nodes.proc import ProcState, read_proc_state, read_stat
 
 TOKEN_ENV = "EAGLEFLOW_PROC_TOKEN"
+RECORD_ENV = "EAGLEFLOW_PROC_RECORD"   # the record's path, in what detach starts: where a process's own record is
 PROOF_FD_PREFIX = "eagleflow-proof-"   # the memfd's name: /proc/<pid>/fd/N -> "/memfd:eagleflow-proof-<token> (deleted)"
 RECORD_SUFFIX = ".json"
 
@@ -362,6 +363,79 @@ def status(pid_file: str | os.PathLike) -> RecordStatus:
 class RecordList:
     records: list[RecordStatus] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)   # record files not trusted (see scan_records), why each
+
+
+# ----------------------------------------------------------------------------- what a deployment started
+@dataclass
+class StartedUnder:
+    """What ``records_started_under`` found: records to stop, and processes it could not tie to a record."""
+    records: list[ProcessRecord] = field(default_factory=list)
+    unrecorded: list[str] = field(default_factory=list)   # one line each: pid, command, why no record
+
+
+def _env_value(env: list[bytes], name: str) -> str | None:
+    prefix = f"{name}=".encode()
+    for e in env:
+        if e.startswith(prefix):
+            return e[len(prefix):].decode("utf-8", "replace")
+    return None
+
+
+def records_started_under(marker: str, value: str, *, skip_token: str = "") -> StartedUnder:
+    """The records of the live processes of this user whose environ holds ``marker=value``.
+
+    A deployment puts such a marker in its own environment; every job its tasks detach on this machine inherits
+    it (``eagleflow.nodes.detach`` copies the caller's environment), next to the job's own token and the path of
+    its record (``RECORD_ENV``). A record counts only when it is one of ours (``load_record``: our file, not a
+    link) and its token is the one the process carries; a process with the marker that names no such record is
+    listed in ``unrecorded``, never signalled. ``skip_token``: processes carrying this token (the deployment's own
+    group, stopped by its own record) are not looked at. Each record once, whichever of its processes named it.
+    """
+    out = StartedUnder()
+    want = f"{marker}={value}".encode()
+    seen: set[str] = set()
+    for name in sorted(os.listdir("/proc"), key=lambda n: (len(n), n)):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        env = _environ_entries(pid)
+        st = read_stat(pid)
+        if env is None or want not in env or st is None or not st.alive:
+            continue
+        token = _env_value(env, TOKEN_ENV) or ""
+        if skip_token and token == skip_token:
+            continue
+        path = _env_value(env, RECORD_ENV)
+        cmd = _cmdline(pid)
+        if not path or not token:
+            out.unrecorded.append(f"pid {pid} (`{cmd}`): no record named in its environment (started before "
+                                  f"records were named there, or not through eagleflow.nodes.detach)")
+            continue
+        if path in seen:
+            continue
+        try:
+            rec = load_record(path)
+        except FileNotFoundError:
+            out.unrecorded.append(f"pid {pid} (`{cmd}`): its record {path} is gone")
+            continue
+        except (OSError, RecordRefused) as e:
+            out.unrecorded.append(f"pid {pid} (`{cmd}`): {e}")
+            continue
+        if rec.token != token:
+            out.unrecorded.append(f"pid {pid} (`{cmd}`): record {path} holds another token (a later start of the "
+                                  "same role); not this process's record")
+            continue
+        seen.add(path)
+        out.records.append(rec)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip()[:200]
+    except OSError:
+        return "?"
 
 
 # ----------------------------------------------------------------------------- the one stop

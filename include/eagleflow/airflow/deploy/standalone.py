@@ -11,12 +11,22 @@ that group only, through eagleflow's one stop (``eagleflow.nodes.process_record`
 <home>/standalone.json records the leader's start time and the token its
 processes carry, so a stale file whose group id now names someone else's
 processes signals nothing.
+
+The node jobs its runs started on this machine (a trainer, a capture server, workers, their sentinels) are
+detached: each in its own session, so the group's stop does not reach them. They inherit the deployment's
+environment, where ``start`` put a marker (``DEPLOYMENT_ENV``, a random id kept in standalone.json), beside their
+own token and the path of their record (``eagleflow.nodes.detach``). ``stop`` then stops each of them by its
+record, through the same one stop (sentinels first, so none alarms on its job's end), after Airflow's parts are
+gone (no watch restarts what it stops); ``--keep-node-jobs`` leaves them running and lists each with the command
+that stops it. Jobs on nodes reached over SSH do not carry the marker and are never touched from here: ``stop``
+says how to list and stop them on their node.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
@@ -53,6 +64,10 @@ def standalone_env(home: str | Path | None, port: int, extra: dict[str, str] | N
     return env
 
 
+DEPLOYMENT_ENV = "EAGLEFLOW_DEPLOYMENT"   # in everything the deployment starts, detached node jobs included
+NODE_JOB_GRACE_S = 15.0                    # a node job's TERM grace on `make airflow-stop` (a trainer saves first)
+
+
 def state_file(home: Path) -> Path:
     return home / "standalone.json"
 
@@ -68,6 +83,9 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
             raise RuntimeError(f"Airflow standalone already runs from {home} (process group {old['pgid']}, "
                                f"port {old['port']}); stop it with `make airflow-stop`")
     log = open(home / "standalone.log", "ab")
+    # the marker every node job its runs detach on this machine inherits: how `make airflow-stop` finds them
+    deployment = secrets.token_hex(16)
+    env[DEPLOYMENT_ENV] = deployment
     # our supervisor in place of `airflow standalone`, which neither restarts a dead part nor frees its log port;
     # the token it carries (environ and descriptor) is what proves its group ours to `make airflow-stop`
     with process_record.StartProof() as proof:
@@ -75,7 +93,8 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
                                 env=proof.env(env), pass_fds=proof.pass_fds, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     info = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": read_start_ticks(proc.pid) or 0, "token": proof.token,
-            "port": port, "url": f"http://localhost:{port}", "log": str(home / "standalone.log"), "home": str(home)}
+            "deployment": deployment, "port": port, "url": f"http://localhost:{port}",
+            "log": str(home / "standalone.log"), "home": str(home)}
     _write_state(sf, info)
     deadline = time.time() + wait_s
     while time.time() < deadline:
@@ -136,8 +155,10 @@ def _reap(pid: int) -> None:
         pass
 
 
-def stop(home: str | Path | None = None, *, grace_s: float = 30) -> bool:
-    """Stop the group we started; False when nothing of ours was running."""
+def stop(home: str | Path | None = None, *, grace_s: float = 30, keep_node_jobs: bool = False,
+         node_job_grace_s: float = NODE_JOB_GRACE_S, log=print) -> bool:
+    """Stop the group we started, then the node jobs its runs detached on this machine (``keep_node_jobs``: list
+    them instead); False when nothing of Airflow's group was running. Each node job is reported through ``log``."""
     home = Path(airflow_env(home)["AIRFLOW_HOME"])
     sf = state_file(home)
     if not sf.exists():
@@ -152,8 +173,46 @@ def stop(home: str | Path | None = None, *, grace_s: float = 30) -> bool:
         return False
     if res.outcome == "stale_record":
         print(f"airflow standalone: {res.detail}", file=sys.stderr)
+    if info.get("deployment"):   # Airflow's parts are gone: nothing restarts or recovers what is stopped now
+        stop_node_jobs(str(info["deployment"]), keep=keep_node_jobs, grace_s=node_job_grace_s,
+                       skip_token=str(info.get("token") or ""), log=log)
     sf.unlink(missing_ok=True)
     return res.outcome not in ("already_gone", "stale_record")
+
+
+@dataclass
+class NodeJobs:
+    """What ``stop_node_jobs`` did: each node job of the deployment stopped or kept, and what it could not tie to
+    a record (listed, never signalled)."""
+    stopped: list[process_record.StopResult] = field(default_factory=list)
+    kept: list[process_record.ProcessRecord] = field(default_factory=list)
+    unrecorded: list[str] = field(default_factory=list)
+
+
+def stop_node_jobs(deployment: str, *, keep: bool = False, grace_s: float = NODE_JOB_GRACE_S, skip_token: str = "",
+                   log=print) -> NodeJobs:
+    """The node jobs on this machine that carry the deployment's marker: each stopped by its record through the
+    one stop (sentinels first), or with ``keep`` listed with the command that stops it."""
+    found = process_record.records_started_under(DEPLOYMENT_ENV, deployment, skip_token=skip_token)
+    out = NodeJobs(unrecorded=found.unrecorded)
+    recs = sorted(found.records, key=lambda r: (not r.role.startswith("sentinel_"), r.pid_file))
+    for rec in recs:
+        run = process_record.record_run_id(rec) or "?"
+        if keep:
+            out.kept.append(rec)
+            log(f"node job left running: run {run}, {rec.role} pid {rec.pid} (`{rec.command}`); stop it with "
+                f"{sys.executable} -m eagleflow.nodes.process_record stop --pid-file {rec.pid_file}")
+            continue
+        res = process_record.stop(rec, grace_s=grace_s)
+        res.run_id = run
+        out.stopped.append(res)
+        log(f"node job of run {run} stopped: {res.describe()}")
+    for line in found.unrecorded:
+        log(f"node job left running, no record found: {line}; stop it by hand if it is the run's")
+    log("jobs on nodes reached over SSH are not stopped from here: on each node, `python -m "
+        "eagleflow.nodes.process_record list --pids-dir <node.state_dir>/pids` lists them, `... stop --pid-file "
+        "RECORD` stops one")
+    return out
 
 
 def _record(info: dict) -> process_record.ProcessRecord:
@@ -321,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--home")
     t = sub.add_parser("stop")
     t.add_argument("--home")
+    t.add_argument("--keep-node-jobs", action="store_true",
+                   help="leave the node jobs its runs started on this machine running; list each and how to stop it")
     sub.add_parser("supervise", help="(run by start) run Airflow's parts, restarting a dead one")
     a = ap.parse_args(argv)
     if a.cmd == "supervise":
@@ -331,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Airflow UI:  {info['url']}\nuser: admin\npassword: {info['password']}\n"
               f"log: {info['log']}\nstop with: make airflow-stop")
         return 0
-    print("stopped" if stop(a.home) else "nothing to stop")
+    print("stopped" if stop(a.home, keep_node_jobs=a.keep_node_jobs) else "nothing to stop")
     return 0
 
 
