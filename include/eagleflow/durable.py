@@ -76,6 +76,72 @@ def unsafe_stat(st: os.stat_result) -> str | None:
     return None
 
 
+class UnsafeFolder(UnsafeFile):
+    """A folder eagleflow keeps its state in (a run dir, the state dir, pids/, locks/, logs/) is a link, not a
+    folder, another user's, or in a parent anyone may rename it in; the message names it, its owner and mode."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def owned_dir(path: str | os.PathLike, root: str | os.PathLike | None = None, mode: int = 0o755) -> Path:
+    """Make or prove ``path`` a folder of ours, and every folder from ``root`` (default: ``path`` itself) down to it.
+
+    The run's folders (``run_dir``, ``state_dir`` and those under them) hold what proves a job ours (pid
+    records, job locks, logs, server info files): whoever may rename or replace an entry in one of them can
+    unlink a worker's lock and record and get a second worker started on its shard. So each folder, from the
+    root down, is made with ``mode`` when missing, then opened without following a link and checked with
+    ``fstat``: another user's folder (one made first in a shared run_root) is refused (UnsafeFolder naming the
+    folder, its owner, its mode and what to do); one of ours that group or others may write (made under umask
+    002) is narrowed to not writable by them. Above the root is the operator's choice (a shared run_root), with
+    one rule: a parent anyone may write without the sticky bit would let anyone rename the root away.
+    """
+    import stat as _stat
+    path = Path(os.path.abspath(path))
+    top = path if root is None else Path(os.path.abspath(root))
+    if path != top and top not in path.parents:
+        raise ValueError(f"{path} is not under {top}")
+    above = top.parent
+    above.mkdir(parents=True, exist_ok=True)
+    st = os.stat(above)
+    if st.st_mode & 0o002 and not st.st_mode & _stat.S_ISVTX:
+        raise UnsafeFolder(errno.EPERM, f"{above} (the folder {top} is made in) may be written by anyone and has no "
+                                        f"sticky bit (mode {_stat.S_IMODE(st.st_mode):o}, owner {_owner(st.st_uid)}): "
+                                        f"any user could rename {top} away and put a folder of theirs in its place. "
+                                        f"Set the sticky bit (chmod +t {above}), as /tmp has, or use a folder of "
+                                        "your own")
+    for d in [top, *[p for p in reversed(path.parents) if top in p.parents], *([path] if path != top else [])]:
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            what = ("is a symbolic link" if os.path.islink(d)
+                    else "is not a folder" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})")
+            raise UnsafeFolder(errno.EPERM, f"{d} {what}; eagleflow keeps a run's records, locks and logs only in "
+                                            "folders of its own user: remove it and retry") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise UnsafeFolder(errno.EPERM, f"folder {d} is owned by {_owner(st.st_uid)}, not by this user "
+                                                f"({_owner(os.geteuid())}), mode {_stat.S_IMODE(st.st_mode):o}: "
+                                                "someone else made it first and could remove or replace the locks, "
+                                                "pid records and logs kept in it. Have it removed (by its owner or "
+                                                "root), or set run_root / node.state_dir to a folder of your own")
+            if st.st_mode & 0o022:
+                os.fchmod(fd, _stat.S_IMODE(st.st_mode) & ~0o022)
+        finally:
+            os.close(fd)
+    return path
+
+
 def read_owned(path: str | os.PathLike, limit: int = 1 << 20) -> bytes:
     """The bytes of one of our own files (``open_owned``), at most ``limit`` of them (ValueError beyond)."""
     fd = open_owned(path)
@@ -170,9 +236,28 @@ def atomic_dir(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]
     shutil.rmtree(old, ignore_errors=True)
 
 
+EXIT_ABSENT = 3   # ``--read-owned``: no file at the path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eagleflow.durable PATH``: stdin to PATH atomically (how a Node writes a file remotely)."""
+    """``python -m eagleflow.durable PATH``: stdin to PATH atomically (how a Node writes a file remotely).
+
+    ``python -m eagleflow.durable --read-owned LIMIT PATH``: one of our own small files to stdout, read the way
+    pid records are (``read_owned``; how ``Node.read_owned_text`` reads one remotely): exit 3 when absent, 2
+    (the reason on stderr) when it is not ours, a link, writable by others or larger than LIMIT bytes.
+    """
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "--read-owned" and args[1].isdigit():
+        try:
+            data = read_owned(args[2], limit=int(args[1]))
+        except FileNotFoundError:
+            print(f"{args[2]}: No such file or directory", file=sys.stderr)
+            return EXIT_ABSENT
+        except (OSError, ValueError) as e:
+            print(f"{args[2]}: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
+            return 2
+        sys.stdout.buffer.write(data)
+        return 0
     if len(args) != 1:
         print("usage: python -m eagleflow.durable PATH  (writes stdin to PATH atomically)", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
+from . import bounded_json
 from .durable import atomic_write
 from .stop_signal import start_helper_thread
 
@@ -51,8 +52,8 @@ class Heartbeat:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Heartbeat":
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "heartbeat") -> "Heartbeat":
+        data = bounded_json.loads(text, source=source)   # JsonRefused (a ValueError) beyond the bounds
         data["in_flight"] = [InFlight(**x) for x in data.get("in_flight", [])]
         return cls(**data)
 
@@ -60,7 +61,7 @@ class Heartbeat:
     def read(cls, path: str | os.PathLike) -> "Heartbeat | None":
         try:
             with open(path) as f:
-                return cls.from_json(f.read())
+                return cls.from_json(f.read(), source=os.fspath(path))
         except FileNotFoundError:
             return None
 

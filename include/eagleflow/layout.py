@@ -95,6 +95,12 @@ class RunLayout:
         return self.run_dir / "draft"
 
     @property
+    def owned_roots(self) -> tuple[PurePosixPath, PurePosixPath]:
+        """The run's two roots (run dir, state dir): each, and every folder under them, must be this user's
+        (``durable.owned_dir``); ``spawn_detached(owned_roots=...)`` makes detach check its folders against them."""
+        return self.run_dir, self.state_dir
+
+    @property
     def pids_dir(self) -> PurePosixPath:
         return self.state_dir / "pids"
 

@@ -6,9 +6,12 @@ as the Airflow operators act through ``eagleflow.airflow.runtime.RunContext``: b
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagleflow.config import PipelineConfig
+from eagleflow.durable import owned_dir
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode, Node
 
@@ -29,3 +32,15 @@ class LocalRun:
 
     def eagleflow_argv(self, *args: str) -> list[str]:
         return self.node.eagleflow_argv(*args, "--config", self.config_path, "--run-id", self.layout.run_id)
+
+
+def own_run_folders(layout: RunLayout, *if_present: str | os.PathLike) -> None:
+    """Make or prove ours (``durable.owned_dir``) the run's folders a node job keeps its proof in (run dir, state
+    dir, pids/, locks/, logs/), and prove ours those of ``if_present`` (each under one of the two) that exist
+    (one made later is made inside folders proven ours): UnsafeFolder, naming the folder, its owner and mode,
+    when another user made one first."""
+    roots = [Path(os.path.abspath(str(r))) for r in layout.owned_roots]
+    present = [f for f in if_present if os.path.lexists(f)]
+    for folder in (*roots, layout.pids_dir, layout.locks_dir, layout.logs_dir, *present):
+        f = Path(os.path.abspath(str(folder)))
+        owned_dir(f, root=next((r for r in roots if f == r or r in f.parents), f))

@@ -9,27 +9,51 @@ jobs' roles, its server's info file and health command, and calls these.
 """
 from __future__ import annotations
 
-import json
 import shlex
 import time
 
+from eagleflow import bounded_json
 from eagleflow.capture.client import CaptureServerError, health_generate
 from eagleflow.layout import RunLike
-from eagleflow.nodes import JobAlreadyRunning, LocalNode, ProcessRecord
+from eagleflow.nodes import JobAlreadyRunning, LocalNode, NodeFileRefused, ProcessRecord
 
 
 class ServerNotReady(RuntimeError):
     """The server died while loading or did not answer /health_generate in time."""
 
 
+INFO_MAX_BYTES = 1 << 16   # a server's info file: a few fields
+
+
 def read_server_info(ctx: RunLike, info_file: str) -> dict | None:
-    """A server's info file (url, pid, model, ...) as written once it listens; None while absent or unreadable."""
-    text = ctx.node.read_text(info_file)
+    """A server's info file (url, pid, model, ...) as written once it listens; None while absent, unreadable or
+    refused (``server_info_or_why``)."""
+    return server_info_or_why(ctx, info_file)[0]
+
+
+def server_info_or_why(ctx: RunLike, info_file: str) -> tuple[dict | None, str]:
+    """(the info, "") or (None, why not): read on the node the way pid records are (``Node.read_owned_text``: our
+    own regular file that nobody else may write, no link followed) and parsed within bounds (``bounded_json``),
+    since its URL is where the workers send the corpus: one someone else wrote names no server of ours."""
     try:
-        info = json.loads(text) if text else None
-    except ValueError:
-        return None
-    return info if isinstance(info, dict) else None
+        text = ctx.node.read_owned_text(info_file, limit=INFO_MAX_BYTES)
+        if not text:
+            return None, f"{info_file} not written yet"
+        info = bounded_json.loads(text, source=f"{info_file} on node {ctx.node.name}", max_bytes=INFO_MAX_BYTES)
+    except (NodeFileRefused, ValueError) as e:
+        return None, f"{info_file} refused: {e}"
+    return (info, "") if isinstance(info, dict) else (None, f"{info_file} refused: not a JSON object")
+
+
+def server_url_in(info_file: str) -> str:
+    """On the node: the URL a server's info file names, read as one of our own files within bounds
+    (``bounded_json.read(owned=True)``); OSError (``durable.UnsafeFile`` when it is not ours) or ValueError
+    naming the file and why when there is no URL to trust."""
+    info = bounded_json.read(info_file, max_bytes=INFO_MAX_BYTES, owned=True)
+    url = info.get("url") if isinstance(info, dict) else None
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{info_file} names no server url")
+    return url
 
 
 def start_or_attach_server(ctx: RunLike, role: str, argv: list[str], info_file: str, what: str,
@@ -60,7 +84,8 @@ def start_exclusive(ctx: RunLike, role: str, argv: list[str], before=None) -> tu
         before()
     try:
         return ctx.node.spawn_detached(argv, role=role, pid_file=pid_file, log_file=str(ctx.layout.log_file(role)),
-                                       lock_file=str(ctx.layout.lock_file(role))), True
+                                       lock_file=str(ctx.layout.lock_file(role)),
+                                       owned_roots=ctx.layout.owned_roots), True
     except JobAlreadyRunning as e:   # a concurrent start won the lock: the process it records
         return _recorded_holder(ctx, pid_file, e), False
 
@@ -102,9 +127,9 @@ def check_server_ready(ctx: RunLike, role: str, info_file: str, health_cmd: str,
         pid = st.record.pid if st.record else "?"
         return "stuck", None, (f"the {what} pid {pid} is {STUCK_STATES[st.state]}: it cannot answer until it is "
                                "stopped and started again")
-    info = read_server_info(ctx, info_file)
+    info, why = server_info_or_why(ctx, info_file)
     if not info or not info.get("url"):
-        return "loading", None, f"loading: {info_file} not written yet"
+        return "loading", None, f"loading: {why or f'{info_file} names no url yet'}"
     if isinstance(ctx.node, LocalNode):
         ok = server_healthy(info["url"], health_timeout_s)
     else:

@@ -232,6 +232,23 @@ def test_a_hand_over_answer_of_another_node_or_of_the_wrong_shape_refuses_that_n
         assert len(refused) == 1, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [3000, 100_000])
+def test_a_hand_over_answer_nested_thousands_deep_refuses_that_node_only(tmp_path, capsys, depth):
+    """Issue 52, item 1: json.loads of an answer ~3,000 deep raised RecursionError, which escaped parse_answer
+    and failed the takeover whole; now node b's answer is refused (naming it) and honest node c's shards are
+    still taken over, through real `eagleflow reconcile` commands on a and c."""
+    from eagleflow.airflow.fleet_operators import TakeOverShardsOperator
+
+    ctx = _fleet(tmp_path, hostile_python(tmp_path, {"hand-over": "[" * depth + "]" * depth}))
+    todo = TakeOverShardsOperator(task_id="take_over_generated", phase="generate").run(ctx, {})
+    log = capsys.readouterr().out
+    assert sorted((t["taken_from"], t["shard"]) for t in todo) == [("c", 4), ("c", 5)], log
+    refused = [line for line in log.splitlines() if "node b could not prove" in line]
+    assert len(refused) == 1 and "on node b: the answer of `" in refused[0], log
+    assert f"JSON nested {depth} levels deep" in refused[0] and len(refused[0]) < 4000, log
+
+
 # -- the reconcile answers: scan and claim ----------------------------------------------------------------------
 
 def _one_node(tmp_path: Path, answers: dict):

@@ -238,6 +238,7 @@ def test_the_draft_in_service_is_the_default_baseline(tmp_path, corpus, demo_ass
     ({"draft": "/etc", "run_id": "x", "accept_length": {}}, "is outside run_root"),
     ({"draft": "@GONE", "run_id": "x", "accept_length": {}}, "has no config.json"),
     ({"draft": "@GOOD", "run_id": 3, "accept_length": {}}, "fields run_id / accept_length"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested 100000 levels deep"),   # issue 52: not a RecursionError
 ])
 def test_promoted_json_is_untrusted_input(tmp_path, corpus, demo_assets, doc, problem):
     cfg, layout = _run(tmp_path, corpus, demo_assets["target_model"], demo_assets)

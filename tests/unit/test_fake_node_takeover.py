@@ -237,3 +237,18 @@ def test_collect_refuses_a_digest_answer_with_a_name_that_is_a_path(fleet):
     with pytest.raises(RuntimeError, match="one plain path component"):
         _collect(b_ctx)
     assert nodes["a"].commands("open_file") == [] and nodes["b"].commands("open_file") == []
+
+
+@pytest.mark.parametrize("depth", [3000, 100000])
+def test_a_hand_over_answer_nested_thousands_deep_refuses_that_node_only(fleet, depth):
+    """Issue 52, item 1: an answer nested ~3,000 deep made json.loads raise RecursionError, which escaped
+    parse_answer as no NodeError and failed the takeover whole; now it is that node's refused answer and the
+    honest node's shards are still taken over."""
+    ctx, nodes = fleet
+    nodes["a"].on(("reconcile", "states"), _states_by_shards({2: 1, 3: 1, 4: 0, 5: 10}))
+    nodes["b"].on(("reconcile", "hand-over"), Reply("[" * depth + "]" * depth + "\n"))
+    nodes["c"].on(("reconcile", "hand-over"), HandOverAnswer(handed_over=[4], kept={}, node="c"))
+    todo, warned = _run(ctx)
+    assert [(t["taken_from"], t["shard"]) for t in todo] == [("c", 4)]
+    assert "node b could not prove its extract shards [2, 3] free of our workers" in warned
+    assert "on node b: the answer of `" in warned and f"JSON nested {depth} levels deep" in warned

@@ -20,6 +20,7 @@ class _Layout:
         self.locks_dir = root / "locks"
         self.generate_server_info_file = root / "generate_server.json"
         self.server_info_file = root / "capture_server.json"
+        self.owned_roots = (root,)   # RunLayout.owned_roots: the run's folders are made or proven ours
 
     def pid_file(self, role):
         return self.root / "pids" / f"r.{role}.json"

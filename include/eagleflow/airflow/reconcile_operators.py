@@ -12,6 +12,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from eagleflow import bounded_json
 from eagleflow.airflow.base import RunOperator, default_deferrable, run_trigger_here
 from eagleflow.airflow.runtime import RunContext, apply_control_plane, control_plane_settings
 from eagleflow.config import load_config
@@ -81,7 +82,8 @@ class RerunShardOperator(BaseOperator):
         text = node_ctx.node.read_text(self.target["run_config"])
         if text is None:
             raise FileNotFoundError(f"run config {self.target['run_config']} vanished from node {node_ctx.node.name}")
-        cfg = load_config(data=json.loads(text))
+        cfg = load_config(data=bounded_json.loads(text, source=f"{self.target['run_config']} on node "
+                                                               f"{node_ctx.node.name}"))
         # what runs on the control plane and whom to mail: the reconcile's frozen config, not the node's file
         apply_control_plane(cfg, control_plane_settings(node_ctx.cfg))
         return RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, self.target["run_id"]), _node=node_ctx.node)

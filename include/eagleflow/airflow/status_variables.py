@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from eagleflow import bounded_json
 from eagleflow.health.status_store import KEY_PREFIX, StatusStore
 
 INDEX_KEY = "eagleflow.gpu_status_index"
@@ -36,7 +37,7 @@ class VariableKV:
 
     def _index(self) -> list[str]:
         try:
-            keys = json.loads(self._get(INDEX_KEY) or "[]")
+            keys = bounded_json.loads(self._get(INDEX_KEY) or "[]", source=f"Airflow Variable {INDEX_KEY}")
         except ValueError:
             return []
         return [k for k in keys if isinstance(k, str) and k.startswith(KEY_PREFIX)]

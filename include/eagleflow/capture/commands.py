@@ -120,9 +120,12 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
     from .worker import ExtractionError, ShardWorker, WorkerSettings
 
     from eagleflow.durable import UnsafeFile
+    from eagleflow.local_run import own_run_folders
     from eagleflow.nodes.locks import JobLockHeld, hold_for_life
     shard = settings["shard"]
     try:
+        # its folders ours first (another user's locks/ or pids/ could unlink the lock and record)
+        own_run_folders(layout, settings["shard_dir"])
         # one worker per shard: held until this process exits (the kernel releases it, however it ends)
         hold_for_life(str(layout.lock_file(role)), purpose=purpose)
     except JobLockHeld as e:
@@ -140,10 +143,11 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
             return refused
     url = args.url
     if not url:
-        try:
-            url = json.loads(open(str(layout.server_info_file)).read())["url"]
-        except (OSError, ValueError, KeyError):
-            print(f"{prog}: no capture server recorded at {layout.server_info_file}; start one "
+        from eagleflow.phase_jobs import server_url_in
+        try:   # read as pid records are: a file someone else wrote names no server of ours
+            url = server_url_in(str(layout.server_info_file))
+        except (OSError, ValueError) as e:
+            print(f"{prog}: no capture server recorded at {layout.server_info_file} ({e}); start one "
                   f"(`eagleflow capture serve`) or pass --url", file=sys.stderr)
             return 3
     from .protocol import DumpTrustError, load_dump_key, private_dump_dir

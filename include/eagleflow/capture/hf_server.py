@@ -284,7 +284,7 @@ class CaptureHandler(BaseHTTPRequestHandler):
 
 def write_info_file(path: str, info: dict) -> None:
     """capture_server.json, atomically (a reader polls for it)."""
-    atomic_write(path, json.dumps(info, indent=2))
+    atomic_write(path, json.dumps(info, indent=2), mode=0o644)   # read as ours: never group-writable (umask 002)
 
 
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,

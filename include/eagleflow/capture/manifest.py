@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.durable import open_owned
 
 
@@ -82,7 +83,7 @@ def _read_manifest(path: str | os.PathLike) -> ManifestScan:
     if all(x.strip() for x in lines):
         try:
             # Fast path (37k lines in tens of ms): the whole file as one JSON array, one record per line.
-            records = json.loads(b"[" + b",".join(lines) + b"]")
+            records = bounded_json.loads(b"[" + b",".join(lines) + b"]", source=str(path), max_bytes=len(data) + 2)
             if len(records) == len(lines):
                 numbered = list(enumerate(records, start=1))
         except ValueError:
@@ -93,7 +94,7 @@ def _read_manifest(path: str | os.PathLike) -> ManifestScan:
             if not raw.strip():
                 continue
             try:
-                numbered.append((n, json.loads(raw)))
+                numbered.append((n, bounded_json.loads(raw, source=f"{path} line {n}", max_bytes=len(raw))))
             except ValueError:
                 bad.append(n)
     for n, d in numbered:

@@ -143,7 +143,8 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     port = cfg.generate.port or free_port(cfg.capture.host)
     atomic_write(str(layout.generate_server_info_file),
                  json.dumps({"backend": "sglang", "mode": "generate", "model": model,
-                             "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}))
+                             "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}),
+                 mode=0o644)   # read as ours (phase_jobs.server_url_in): never group-writable
     os.execv(sys.executable, build_generate_command(cfg, model_path=model, host=cfg.capture.host, port=port))
     return 0
 

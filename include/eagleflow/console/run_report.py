@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 from eagleflow.engines import serving_engines
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS, format_dir
@@ -40,7 +41,7 @@ def _e(v: Any) -> str:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return bounded_json.read(path, max_bytes=bounded_json.MAX_ANSWER_BYTES)
     except (OSError, ValueError):
         return None
 
@@ -53,7 +54,7 @@ def _jsonl(path: Path) -> list[dict]:
     out = []
     for line in lines:
         try:
-            e = json.loads(line)
+            e = bounded_json.loads(line, source=str(path))
         except (ValueError, RecursionError):
             continue  # a line being appended while we read, or a damaged one: the report shows the rest
         if isinstance(e, dict):

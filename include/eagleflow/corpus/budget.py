@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from eagleflow import bounded_json
 from eagleflow.capture.protocol import expand_dump_dir
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
@@ -181,7 +182,7 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     if stats_text is None:
         raise BudgetError(f"no corpus statistics at {stats_path} on node {node.name}; "
                           "run `eagleflow corpus prepare` (task prepare_corpus) for this run first")
-    stats = json.loads(stats_text)
+    stats = bounded_json.loads(stats_text, source=f"{stats_path} on node {node.name}")
     model = str(cfg.resolve(cfg.target_model))
     config_path = f"{model}/config.json"
     config_text = node.read_text(config_path)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.durable import atomic_write, read_owned
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.locks import NodeLock
@@ -39,7 +40,7 @@ def handed_over_to(layout: RunLayout, shard: int, phase: str = EXTRACT) -> dict 
 def mark_of(text: str | bytes | None) -> dict:
     """A hand-over mark's text as {"to", "at"}; one we cannot read still means: not this node's any more."""
     try:
-        doc = json.loads(text) if text is not None else None
+        doc = bounded_json.loads(text, source="hand-over mark") if text is not None else None
     except ValueError:
         doc = None
     return doc if isinstance(doc, dict) else {"to": "(unreadable mark)", "at": None}
@@ -59,7 +60,7 @@ def refuse_if_handed_over(layout: RunLayout, shard: int, phase: str, prog: str) 
 def _takeover_record(run_dir) -> dict:
     path = Path(str(run_dir)) / TAKEOVER_FILE
     try:
-        doc = json.loads(path.read_text())
+        doc = bounded_json.read(path)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:

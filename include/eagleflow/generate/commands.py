@@ -65,6 +65,7 @@ def _serve(args) -> int:
 
 def _run(args) -> int:
     from eagleflow.durable import UnsafeFile
+    from eagleflow.local_run import own_run_folders
     from eagleflow.nodes.locks import JobLockHeld, hold_for_life
 
     from .lifecycle import worker_role
@@ -79,6 +80,8 @@ def _run(args) -> int:
         print(f"eagleflow generate run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
         return 2
     try:
+        # its folders ours first (another user's locks/ or pids/ could unlink the lock and record)
+        own_run_folders(layout, str(layout.generate_shard_dir(args.shard)))
         hold_for_life(str(layout.lock_file(worker_role(args.shard))),
                       purpose=f"generation worker of shard {args.shard} of run {layout.run_id}")
     except JobLockHeld as e:
@@ -94,11 +97,12 @@ def _run(args) -> int:
         return refused
     url = args.url
     if not url:
-        try:
-            url = json.loads(open(str(layout.generate_server_info_file)).read())["url"]
-        except (OSError, ValueError, KeyError):
-            print(f"eagleflow generate run: no generation server recorded at {layout.generate_server_info_file}; "
-                  "start one (`eagleflow generate start`) or pass --url", file=sys.stderr)
+        from eagleflow.phase_jobs import server_url_in
+        try:   # read as pid records are: a file someone else wrote names no server of ours
+            url = server_url_in(str(layout.generate_server_info_file))
+        except (OSError, ValueError) as e:
+            print(f"eagleflow generate run: no generation server recorded at {layout.generate_server_info_file} "
+                  f"({e}); start one (`eagleflow generate start`) or pass --url", file=sys.stderr)
             return EXIT_FAILED
     from eagleflow.stop_signal import Stopped, stop_on_term
     stop_on_term(f"generate shard {args.shard}", "finished records are kept and a re-run resumes from the manifest")

@@ -14,6 +14,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
+from eagleflow import bounded_json
 from eagleflow.engines import generation_engine
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
@@ -121,7 +122,7 @@ def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log
         if not text:
             return False
         try:
-            seen = json.loads(text)
+            seen = bounded_json.loads(text, source=str(marker))
         except ValueError:
             seen = {}
         why = seen.get("subject") or "a stall"

@@ -88,7 +88,7 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
           + f": {' '.join(argv)}", file=sys.stderr, flush=True)
     atomic_write(str(layout.generate_server_info_file),
                  json.dumps({"backend": "vllm", "mode": "generate", "model": model, "url": url, "pid": os.getpid(),
-                             "version": version}))
+                             "version": version}), mode=0o644)   # read as ours: never group-writable
     # the middleware's served-model name: the model path, as vLLM names it
     os.environ[ENV_MODEL] = model
     os.execv(sys.executable, argv)

@@ -7,9 +7,10 @@ idle H100 shows 1 MiB.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
+
+from eagleflow import bounded_json
 
 from .snapshot import GpuSnapshot
 
@@ -120,7 +121,7 @@ def baseline_document(snaps: list[GpuSnapshot], node: str) -> dict:
 
 def parse_baselines(text: str, where: str = "baseline file") -> dict[str, int]:
     try:
-        doc = json.loads(text)
+        doc = bounded_json.loads(text, source=where)
         return {uuid: int(v["memory_used_mib"]) for uuid, v in doc["gpus"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{where} is not a baseline written by `eagleflow gpu baseline` ({e}); "

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 
 from .status_doc import next_status
@@ -78,7 +79,7 @@ class StatusStore:
     def load(self, node: str) -> dict[str, Any]:
         text = self.kv.get(node_key(node))
         try:
-            doc = json.loads(text) if text else {}
+            doc = bounded_json.loads(text, source=f"status document {node_key(node)}") if text else {}
         except ValueError:
             return {}
         return doc if isinstance(doc, dict) else {}
@@ -97,7 +98,7 @@ class StatusStore:
         """A document kept beside the nodes' (e.g. gpu_node_health's incident book); {} when absent or unreadable."""
         text = self.kv.get(key)
         try:
-            doc = json.loads(text) if text else {}
+            doc = bounded_json.loads(text, source=f"status document {key}") if text else {}
         except ValueError:
             return {}
         return doc if isinstance(doc, dict) else {}
@@ -118,7 +119,7 @@ class StatusStore:
         out = []
         for _, text in self.kv.items(KEY_PREFIX):
             try:
-                doc = json.loads(text)
+                doc = bounded_json.loads(text, source="status document")
             except ValueError:
                 continue
             if isinstance(doc, dict) and doc.get("node"):

@@ -1,11 +1,12 @@
 """Where commands run: LocalNode here, SSHNode over an Airflow SSH connection."""
-from .base import (CommandResult, DetachedProcess, JobAlreadyRunning, Node, NodeAnswerError, NodeCommandFailed,
-                   NodeCommandTimeout, NodeError, NodeUnreachable)
+from .base import (CommandResult, DetachedProcess, JobAlreadyRunning, Node, NodeAnswerError, NodeAnswerRefused,
+                   NodeCommandFailed, NodeCommandTimeout, NodeError, NodeFileRefused, NodeUnreachable)
 from .local import LocalNode
 from .process_record import ProcessRecord, RecordStatus, StopResult
 
-__all__ = ["CommandResult", "DetachedProcess", "JobAlreadyRunning", "Node", "NodeAnswerError", "NodeCommandFailed",
-           "NodeCommandTimeout", "NodeError", "NodeUnreachable", "LocalNode", "ProcessRecord", "RecordStatus", "StopResult",
+__all__ = ["CommandResult", "DetachedProcess", "JobAlreadyRunning", "Node", "NodeAnswerError", "NodeAnswerRefused",
+           "NodeCommandFailed",
+           "NodeCommandTimeout", "NodeError", "NodeFileRefused", "NodeUnreachable", "LocalNode", "ProcessRecord", "RecordStatus", "StopResult",
            "node_from_config"]
 
 

@@ -7,11 +7,13 @@ needs a shell (SSH) quotes every element itself.
 from __future__ import annotations
 
 import functools
-import json
 import shlex
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, TypeVar
+from typing import BinaryIO, Callable, Iterable, TypeVar
+
+from eagleflow import bounded_json
+from eagleflow.durable import EXIT_ABSENT
 
 from .process_record import ProcessRecord, RecordStatus, StopResult
 
@@ -45,6 +47,20 @@ class NodeCommandFailed(NodeError):
 
 class NodeAnswerError(NodeError):
     """A node command ran but its last stdout line is not the JSON answer it owes."""
+
+
+class NodeAnswerRefused(NodeAnswerError):
+    """A node's answer beyond the size or depth bound (``eagleflow.bounded_json``): refused unparsed. ``node``
+    names the node, ``refusal`` is the ``bounded_json.JsonRefused`` (a ValueError naming node and command)."""
+
+    def __init__(self, message: str, node: str, refusal: ValueError):
+        super().__init__(message)
+        self.node, self.refusal = node, refusal
+
+
+class NodeFileRefused(NodeError):
+    """A file read as one of ours (``Node.read_owned_text``) is a link, someone else's, writable by others or too
+    large: not trusted; the message names the node, the file and why."""
 
 
 class JobAlreadyRunning(NodeError):
@@ -95,8 +111,14 @@ def parse_answer(node: str, argv, exit_code: int, stdout: str, stderr: str, mode
         raise NodeAnswerError(f"on node {node}: `{cmd}` (exit {exit_code}) printed no answer; "
                               f"stderr: {stderr.strip()[-1500:]}")
     try:
+        # within bounds (eagleflow.bounded_json): an answer nested thousands deep is this node's wrong answer,
+        # never a RecursionError that fails the caller whole (a fleet's takeover of the honest nodes' shards)
+        doc = bounded_json.loads(lines[-1], source=f"on node {node}: the answer of `{cmd}`")
         # a class is hashable (type.__hash__); mypy does not see it on type[T] against lru_cache's Hashable
-        return _adapter(model).validate_python(json.loads(lines[-1]))  # type: ignore[arg-type]  # a class is Hashable
+        return _adapter(model).validate_python(doc)  # type: ignore[arg-type]  # a class is Hashable
+    except bounded_json.JsonRefused as e:
+        raise NodeAnswerRefused(f"{e}: that node's answer is refused; stderr: {stderr.strip()[-500:]}", node,
+                                e) from None
     except ValueError as e:  # JSONDecodeError and ValidationError
         name = getattr(model, "__name__", model)
         what = f"does not fit {name}" if isinstance(e, ValidationError) else "is not JSON"
@@ -165,13 +187,15 @@ class Node(ABC):
 
     def spawn_detached(self, argv: list[str], *, role: str, pid_file: str, log_file: str,
                        env: dict[str, str] | None = None, cwd: str | None = None,
-                       lock_file: str | None = None) -> ProcessRecord:
+                       lock_file: str | None = None, owned_roots: Iterable[object] = ()) -> ProcessRecord:
         """Start argv in its own session so it outlives this task; record it (``eagleflow.nodes.detach``).
 
         The record is on the node before this returns. With ``lock_file`` the
         start is exclusive: detach takes the lock, the process inherits it and
         holds it for its lifetime; when a live process already holds it this
-        raises JobAlreadyRunning naming that PID, and nothing is started.
+        raises JobAlreadyRunning naming that PID, and nothing is started. ``owned_roots`` (the run's
+        ``RunLayout.owned_roots``): the folders of the record, the log and the lock, from these down, must be
+        this user's (``durable.owned_dir``); another user's is refused (NodeCommandFailed naming it).
         """
         cmd = [self.python, "-m", "eagleflow.nodes.detach", "--role", role, "--pid-file", pid_file,
                "--log-file", log_file]
@@ -179,6 +203,8 @@ class Node(ABC):
             cmd += ["--cwd", cwd]
         if lock_file:
             cmd += ["--lock", lock_file]
+        for root in owned_roots:
+            cmd += ["--owned-root", str(root)]
         for k, v in (env or {}).items():
             cmd += ["--env", f"{k}={v}"]
         ans = self.run_json(cmd + ["--", *argv], DetachAnswer, answer_codes=(0, EXIT_LOCKED))
@@ -214,6 +240,19 @@ class Node(ABC):
         if missing_ok and "No such file" in res.stderr:
             return None
         raise NodeError(f"on node {self.name}: cannot read {path}: {res.stderr.strip()}")
+
+    def read_owned_text(self, path: str, limit: int = 1 << 20) -> str | None:
+        """One of our own small files on the node, read the way pid records are (``durable.read_owned``: a regular
+        file of this user that nobody else may write, no link followed, at most ``limit`` bytes); None when
+        absent; NodeFileRefused naming the file and why when it is not one of ours."""
+        res = self.run([self.python, "-m", "eagleflow.durable", "--read-owned", str(int(limit)), path], timeout=30)
+        if res.ok:
+            return res.stdout
+        if res.exit_code == EXIT_ABSENT:
+            return None
+        if res.exit_code == 2:
+            raise NodeFileRefused(f"on node {self.name}: {res.stderr.strip()[-1000:]}")
+        raise NodeError(f"on node {self.name}: cannot read {path}: {(res.stderr or res.stdout).strip()[-1000:]}")
 
     def write_text(self, path: str, text: str) -> None:
         """Atomic write on the node (``eagleflow.durable.atomic_write``)."""

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from eagleflow.durable import UnsafeFile, open_owned
+from eagleflow.durable import UnsafeFile, open_owned, owned_dir
 
 from .locks import LOCK_FD_ENV, JobLockHeld, lock_exclusive, write_holder
 from .proc import read_start_ticks
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pid-file", required=True)
     ap.add_argument("--log-file", required=True)
     ap.add_argument("--lock", help="hold this lock file for the child's lifetime; refuse if it is held")
+    ap.add_argument("--owned-root", action="append", default=[],
+                    help="a folder (the run dir, the state dir) that, with every folder under it down to the pid "
+                         "file's, the log's and the lock's, must be this user's (durable.owned_dir)")
     ap.add_argument("--cwd")
     ap.add_argument("--env", action="append", default=[])
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -57,13 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with StartProof() as proof:
             return _start(a, cmd, env, proof)
-    except UnsafeFile as e:   # a planted link or someone else's file at the lock or log path
+    except UnsafeFile as e:   # a planted link or someone else's file or folder at the lock, record or log path
         print(f"eagleflow.nodes.detach: {a.role} not started: {e}", file=sys.stderr, flush=True)
         return 2
 
 
+def _own_folders(a) -> None:
+    """The folders of the record, the log and the lock made or proven ours from their root down (UnsafeFolder)."""
+    roots = [os.path.abspath(r) for r in a.owned_root]
+    for f in (a.pid_file, a.log_file, a.lock):
+        folder = os.path.dirname(os.path.abspath(f)) if f else None
+        root = next((r for r in roots if folder == r or (folder or "").startswith(r.rstrip("/") + "/")), None)
+        if folder and root:
+            owned_dir(folder, root=root)
+
+
 def _start(a, cmd: list[str], env: dict[str, str], proof: StartProof) -> int:
     pass_fds: tuple[int, ...] = proof.pass_fds
+    _own_folders(a)   # before the lock is taken: a lock in another user's folder proves nothing
     lock_fd = None
     if a.lock:
         try:

@@ -6,8 +6,10 @@ import signal
 import subprocess
 import sys
 
+from eagleflow.durable import read_owned
+
 from . import process_record
-from .base import CommandResult, Node, NodeCommandTimeout, NodeError, check_file_mode
+from .base import CommandResult, Node, NodeCommandTimeout, NodeError, NodeFileRefused, check_file_mode
 
 KILL_AFTER_S = 5.0  # as SSHNode: TERM at the deadline, KILL what is left this much later
 
@@ -50,6 +52,16 @@ class LocalNode(Node):
             return open(path, mode)
         except OSError as e:
             raise NodeError(f"on node {self.name}: cannot open {path} ({mode}): {e}") from None
+
+    def read_owned_text(self, path: str, limit: int = 1 << 20) -> str | None:
+        # this machine is the node: durable.read_owned itself, as the remote command runs it
+        try:
+            return read_owned(path, limit=limit).decode("utf-8", "replace")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:   # UnsafeFile (a link, someone else's, writable by others), too large
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise NodeFileRefused(f"on node {self.name}: {why if path in why else f'{path}: {why}'}") from None
 
     def rename(self, src: str, dst: str) -> None:
         try:

@@ -28,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.durable import open_owned, read_owned
 
 LOCK_FD_ENV = "EAGLEFLOW_JOB_LOCK_FD"
@@ -40,7 +41,7 @@ def _open_lock_file(path: str | os.PathLike) -> int:
 
 def read_holder(path: str | os.PathLike) -> dict:
     try:
-        d = json.loads(read_owned(path, limit=1 << 16))
+        d = bounded_json.loads(read_owned(path, limit=1 << 16), source=os.fspath(path))
         return d if isinstance(d, dict) else {}
     except (OSError, ValueError, RecursionError):
         return {}

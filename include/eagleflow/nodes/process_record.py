@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.durable import UnsafeFile, atomic_write, read_owned
 from eagleflow.nodes.proc import ProcState, read_proc_state, read_stat
 
@@ -139,7 +140,7 @@ def load_record(pid_file: str | os.PathLike) -> ProcessRecord:
     except ValueError as e:
         raise RecordRefused(f"pid record {e}") from None
     try:
-        return ProcessRecord.from_dict(json.loads(data), str(pid_file))
+        return ProcessRecord.from_dict(bounded_json.loads(data, source=f"pid record {pid_file}"), str(pid_file))
     except ValueError as e:   # JSONDecodeError too
         raise RecordRefused(str(e) if str(e).startswith("pid record") else f"pid record {pid_file}: not JSON ({e})") \
             from None

@@ -55,7 +55,7 @@ def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = No
                       unit="steps", total=ctx.cfg.train.max_steps)
     ctx.node.write_text(str(ctx.layout.train_heartbeat_file), fresh.to_json())
     proc = ctx.node.spawn_detached(trainer_argv(ctx), role=TRAINER_ROLE, pid_file=pid_file,
-                                   log_file=str(ctx.layout.log_file(TRAINER_ROLE)))
+                                   log_file=str(ctx.layout.log_file(TRAINER_ROLE)), owned_roots=ctx.layout.owned_roots)
     if log:
         log(f"trainer started on node {ctx.node.name}: pid {proc.pid}, log {proc.log_file}")
     ensure_sentinel(ctx, WatchedJob(shard=None), log)   # it alarms when nothing looks at training while it runs

@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from eagleflow import bounded_json
+
 Verdict = Literal["starting", "healthy", "slow", "stalled", "dead", "failed", "complete"]
 
 # What the trigger yields for each verdict; None = keep watching.
@@ -136,7 +138,7 @@ class StallDiagnosis:
 
     @classmethod
     def from_json(cls, text: str) -> "StallDiagnosis":
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(bounded_json.loads(text, source="stall diagnosis"))
 
 
 def _gb(mib: float | None) -> str:

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from eagleflow import bounded_json
 from eagleflow.durable import atomic_write, open_owned
 from eagleflow.nodes.locks import NodeLock
 
@@ -79,7 +80,7 @@ def _append_log(state_dir: str | os.PathLike, entry: dict) -> None:
 
 def _read(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        return bounded_json.read(path)
     except (OSError, ValueError):
         return None
 
@@ -143,7 +144,7 @@ def history(state_dir: str | os.PathLike, skipped: list[str] | None = None) -> l
         if not line.strip():
             continue
         try:
-            e = json.loads(line)
+            e = bounded_json.loads(line, source=f"incident book line {n}")
             if not isinstance(e, dict) or not isinstance(e.get("id"), str):
                 raise ValueError("not an incident event (a JSON object with event and id)")
             incident_id(e["id"])

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from eagleflow import bounded_json
 from eagleflow.capture import lifecycle as capture
 from eagleflow.capture.lifecycle import SERVER_ROLE, check_ready, wait_capture_server_ready
 from eagleflow.durable import open_owned
@@ -129,7 +130,8 @@ def restarts_path(run: RunLike, phase: str = EXTRACT) -> str:
 def read_restarts(run: RunLike, phase: str = EXTRACT) -> list[dict]:
     try:
         with os.fdopen(open_owned(restarts_path(run, phase), os.O_RDONLY, narrow=True)) as f:
-            return [json.loads(line) for line in f if line.strip().endswith("}")]
+            return [bounded_json.loads(line, source=restarts_path(run, phase)) for line in f
+                    if line.strip().endswith("}")]
     except (OSError, ValueError):
         return []
 

@@ -44,6 +44,7 @@ from email.errors import MessageError
 from email.message import EmailMessage
 from typing import Callable
 
+from eagleflow import bounded_json
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write, open_owned
 from eagleflow.layout import RunLayout
@@ -88,7 +89,8 @@ def ensure_sentinel(ctx, job: WatchedJob, log: Callable[[str], None] | None = No
     try:
         rec = ctx.node.spawn_detached(ctx.eagleflow_argv(*sentinel_args(job)), role=role,
                                       pid_file=str(ctx.layout.pid_file(role)),
-                                      log_file=str(ctx.layout.log_file(role)), lock_file=str(ctx.layout.lock_file(role)))
+                                      log_file=str(ctx.layout.log_file(role)), lock_file=str(ctx.layout.lock_file(role)),
+                                      owned_roots=ctx.layout.owned_roots)
     except JobAlreadyRunning:
         return None   # the live sentinel of this job watches the new worker too
     except Exception as e:   # noqa: BLE001 - the job must not fail for its sentinel
@@ -134,7 +136,7 @@ def _tail(path: str, max_bytes: int = 8192) -> list[dict]:
     out = []
     for line in lines:
         try:
-            d = json.loads(line)
+            d = bounded_json.loads(line, source=path)
         except ValueError:
             continue   # a line cut by a crash mid-write (or by the tail's start)
         if isinstance(d, dict) and isinstance(d.get("at"), (int, float)):
