@@ -168,7 +168,8 @@ class GpuConfig(_Section):
     poll_interval_s: float = Field(default=5.0, gt=0, description="the GPU gate's time between two readings")
     idle_timeout_s: float = Field(default=300.0, gt=0, description="the GPU gate fails when the GPUs are not idle "
                                   "within this long")
-    force_free: bool = Field(default=False, description="also kill foreign processes holding the selected GPUs")
+    force_free: bool = Field(default=False, description="also kill foreign processes, and other runs' live jobs, "
+                             "holding the selected GPUs")
     kill_grace_s: float = Field(default=15.0, ge=0, description="after SIGTERM, how long a process we stop may "
                                 "take before SIGKILL")
 
