@@ -119,3 +119,11 @@ def test_records_read_back_nested_100000_deep_are_refused_not_a_recursion_error(
         f.write_text(deep(30_000))
         with pytest.raises(JsonRefused, match=f"^{f}: JSON nested 30000 levels deep"):
             server_url_in(str(f))
+
+
+def test_a_verification_record_nested_100000_deep_refuses_training_naming_the_file(tmp_path):
+    from eagleflow.capture.verify import RECORD_FILE, NotVerifiedError, require_verified
+    (tmp_path / RECORD_FILE).write_text(deep(100_000))
+    with pytest.raises(NotVerifiedError, match=rf"refusing to train: {tmp_path / RECORD_FILE} is not readable JSON "
+                                               r"\(.*nested 100000 levels deep"):
+        require_verified(tmp_path)

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.durable import atomic_write, discard_temp
 
 from .manifest import read_manifest
@@ -242,7 +243,7 @@ def require_verified(hidden_states_dir: str | os.PathLike, verify_hint: str = "`
     record = root / RECORD_FILE
     fix = f"run {verify_hint} on this run and fix what it reports (a shard re-run resumes and repairs)"
     try:
-        data = json.loads(record.read_text())
+        data = bounded_json.read(record, max_bytes=bounded_json.MAX_ANSWER_BYTES)   # JsonRefused beyond the bounds
     except FileNotFoundError:
         raise NotVerifiedError(f"refusing to train: the hidden states under {root} have not passed verification "
                                f"(no {RECORD_FILE}: never verified, or the last verification failed); {fix}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from eagleflow import bounded_json
 from eagleflow.cliargs import add_run_args, run_from_args
 
 
@@ -24,7 +25,7 @@ def _report(args) -> int:
     if args.extras:
         text = sys.stdin.read() if args.extras == "-" else open(args.extras).read()
         try:
-            extras = json.loads(text) if text.strip() else {}
+            extras = bounded_json.loads(text, source=f"--extras {args.extras}") if text.strip() else {}
         except ValueError as e:
             print(f"eagleflow report: --extras {args.extras}: not JSON ({e}); expected "
                   "{\"tasks\": {...}, \"gpu\": {...}}", file=sys.stderr)

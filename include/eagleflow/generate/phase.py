@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagleflow import bounded_json
 from eagleflow.config import ConfigError, PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.layout import RunLayout
@@ -64,7 +65,7 @@ def shard_settings(cfg: PipelineConfig, layout: RunLayout, shard: int, server_ur
 def phase_finished(layout: RunLayout) -> bool:
     """The phase's finished marker: ``generated/stats.json`` written by ``collect`` with every shard complete."""
     try:
-        return bool(json.loads((Path(str(layout.generated_dir)) / STATS_FILE).read_text()).get("complete"))
+        return bool(bounded_json.read(Path(str(layout.generated_dir)) / STATS_FILE).get("complete"))
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from eagleflow import bounded_json
 from eagleflow.corpus.normalise import (BadRecord, Conversation, control_token_error, control_token_strings,
                                         short_repr)
 
@@ -115,7 +116,7 @@ class RecordResult:
 
     @classmethod
     def from_json(cls, text: str) -> "RecordResult":
-        return cls(**json.loads(text))
+        return cls(**bounded_json.loads(text, source="generation result"))   # a record read back: bounded
 
     def corpus_record(self) -> dict:
         """What the corpus phase reads: the conversation plus its token-exact ids, mask and span ends."""

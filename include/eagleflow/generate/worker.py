@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagleflow import bounded_json
 from eagleflow.capture.client import CaptureServerError, CaptureTimeout, generate_tokens
 from eagleflow.capture.manifest import (ManifestEntry, ManifestWriter, compact_manifest, completed_indexes,
                                         read_manifest)
@@ -152,7 +153,7 @@ def check_identity(shard_dir: str | os.PathLike, shard: int, num_shards: int, in
     path = Path(shard_dir) / IDENTITY
     want = {"num_shards": num_shards, "shard": shard, "inputs_sha256": inputs_digest(inputs)}
     try:
-        have = json.loads(path.read_text())
+        have = bounded_json.read(path)
     except FileNotFoundError:
         atomic_write(path, json.dumps(want, sort_keys=True) + "\n", fsync=fsync)
         return
@@ -388,7 +389,7 @@ def read_results(shard_dir: str | os.PathLike, shard: int | None = None,
     d = Path(shard_dir)
     if shard is None or num_shards is None:
         try:
-            ident = json.loads((d / IDENTITY).read_text())
+            ident = bounded_json.read(d / IDENTITY)
             shard, num_shards = int(ident["shard"]), int(ident["num_shards"])
         except (OSError, ValueError, KeyError, TypeError):
             shard = num_shards = None
