@@ -4,7 +4,9 @@ The target is ``eagleflow.learnable_target``'s: a 12-layer Llama trained on this
 ``.cache/learnable-target``, on the Python standard library's own source and docstrings shaped as chat records
 (tool calls included). On it, through the pipeline's own phases (``bench/pipeline_runs.py``: corpus, the hf
 capture server and workers, verify, train, export, evaluate with the hf backend's speculative decoding),
-every draft scored on the same held-out prompts (the full corpus's evaluation split, never trained on):
+every draft scored on the same held-out prompts (the full corpus's evaluation split, never trained on; split by
+function, ``corpus.eval_group_key: function``, so no scored prompt is about a function the draft trained on under
+another record: split by record, 79 % of them were):
 
 1. **the draft**: held-out acceptance length at 3/1/4 and 7/1/8 and the wall-clock speed-up, target alone and
    with the draft timed in pairs on the same prompts after a warm-up (``evaluate.speed``), medians and spread;
@@ -18,11 +20,14 @@ every draft scored on the same held-out prompts (the full corpus's evaluation sp
     .venv/bin/python bench/learnable_target.py [--steps 1200] [--seeds 1 2 3] [--json bench/results/learnable_target.json]
 
 The target's training (about 10-15 minutes on 2 cores) is paid once; the whole benchmark takes about an hour.
+With ``--dir``, captures and drafts already evaluated there are kept: a later run with more ``--fractions`` or
+``--seeds`` (or without ``--no-fp8``) adds only the rows it lacks (``--reevaluate`` scores the kept drafts again).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import (REPO, capture_store, evaluate, evaluated_again, finish,  # noqa: E402
+from pipeline_runs import (REPO, capture_store, cli, evaluate, evaluated_again, finish,  # noqa: E402
                            train_export_evaluate, write_config)
 
 from eagleflow.config import load_config  # noqa: E402
@@ -48,7 +53,7 @@ def base_config(root: Path, info: dict, a: argparse.Namespace) -> dict:
         "target_model": info["target_model"],
         "node": {"name": "local", "has_gpu": False, "state_dir": str(root / "state")},
         "corpus": {"sources": [dict(s) for s in info["sources"]], "seed": 42, "max_length": a.max_length,
-                   "eval_fraction": a.eval_fraction},
+                   "eval_fraction": a.eval_fraction, "eval_group_key": a.group_key or None},
         "generate": {"enabled": False},
         "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps"), "shards": 2,
                     "ready_timeout_s": 300},
@@ -75,6 +80,41 @@ def _fixed(rows: dict) -> dict:
     return {c: rows[f"{FIXED}:{c}"] for c in CONFIGS}
 
 
+def source_groups(sources: list[dict], key: str) -> dict[str, str | None]:
+    """Each record id (``source:row``, as the corpus numbers JSONL records) -> the function it is about."""
+    from eagleflow.corpus.normalise import record_group
+    out: dict[str, str | None] = {}
+    for s in sources:
+        lines = [x for x in Path(s["path"]).read_text().splitlines() if x.strip()]
+        out |= {f"{s['name']}:{row}": record_group(json.loads(x), key) for row, x in enumerate(lines)}
+    return out
+
+
+def split_figures(corpus_dir: Path, groups: dict[str, str | None], prompts: int) -> dict:
+    """How far a run's held-out split is from its training split: held-out records, and the first ``prompts``
+    of them (the scored prompts), whose function has a training record."""
+    import pyarrow.parquet as pq
+    held = pq.read_table(corpus_dir / "eval.parquet", columns=["id"])["id"].to_pylist()
+    trained = {groups[i] for i in pq.read_table(corpus_dir / "corpus.parquet", columns=["id"])["id"].to_pylist()}
+    scored = held[:prompts]
+    stats = json.loads((corpus_dir / "stats.json").read_text())
+    return {"group_key": stats["eval_split"].get("group_key"), "held_out_records": len(held),
+            "held_out_functions": len({groups[i] for i in held}), "training_functions": len(trained),
+            "held_out_with_function_in_training": sum(groups[i] in trained for i in held),
+            "scored_prompts": len(scored), "scored_functions": len({groups[i] for i in scored}),
+            "scored_with_function_in_training": sum(groups[i] in trained for i in scored)}
+
+
+def _split_line(name: str, f: dict) -> str:
+    pct = lambda n, d: f"{n / d:.0%}" if d else "n/a"  # noqa: E731
+    return (f"{name}: {f['held_out_records']} records held out ({f['held_out_functions']} functions; "
+            f"{f['training_functions']} in training); {f['held_out_with_function_in_training']} of them "
+            f"({pct(f['held_out_with_function_in_training'], f['held_out_records'])}) about a function trained on "
+            f"under another record; scored prompts {f['scored_prompts']} ({f['scored_functions']} functions): "
+            f"{f['scored_with_function_in_training']} "
+            f"({pct(f['scored_with_function_in_training'], f['scored_prompts'])}) about one")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1200, help="train.max_steps of every draft")
@@ -88,6 +128,12 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--eval-fraction", type=float, default=0.02)
+    ap.add_argument("--group-key", default="function", help="corpus.eval_group_key: every record of a function "
+                    "on one side of the split; '' = split by record (as before issue 51)")
+    ap.add_argument("--no-split-compare", action="store_true", help="skip preparing the corpus split by record "
+                    "too, to count how many of its held-out prompts are about functions in training")
+    ap.add_argument("--reevaluate", action="store_true", help="with --dir: score the drafts already evaluated "
+                    "there again (by default their figures are reused)")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
     ap.add_argument("--json", default=None)
@@ -128,11 +174,37 @@ def main() -> int:
 
     full_cfg, full = store_of(1.0)
     n_fixed = write_fixed_prompts(full["run_dir"], root / "held_out_fixed.jsonl")
+    groups = source_groups(info["sources"], a.group_key or "function")
+    out["split"] = split_figures(Path(full["run_dir"]) / "corpus", groups, a.prompts)
+    print(_split_line(f"split by {a.group_key or 'record'}", out["split"]), flush=True)
+    if not a.no_split_compare and a.group_key:   # the same corpus split by record, for comparison
+        by_record = json.loads(json.dumps(base))
+        by_record["corpus"]["eval_group_key"] = None
+        cfgp = write_config(root / "config-by-record.yaml", by_record)
+        cli("corpus", "prepare", "--config", str(cfgp), "--run-id", "split-by-record")
+        out["split_by_record"] = split_figures(Path(str(load_config(cfgp).run_dir("split-by-record"))) / "corpus",
+                                               groups, a.prompts)
+        print(_split_line("split by record (before issue 51)", out["split_by_record"]), flush=True)
     print(f"held-out prompts: {min(n_fixed, a.prompts)} of the full corpus's {n_fixed} (never trained on)")
+    scored = [json.loads(x)["id"] for x in (root / "held_out_fixed.jsonl").read_text().splitlines()][:a.prompts]
+
+    def scored_seen(store_run_dir: str) -> int:
+        """Scored prompts whose function the store's corpus trains on (under any record): 0 on a split by function."""
+        import pyarrow.parquet as pq
+        ids = pq.read_table(Path(store_run_dir) / "corpus" / "corpus.parquet", columns=["id"])["id"].to_pylist()
+        trained = {groups[i] for i in ids}
+        return sum(groups[i] in trained for i in scored)
+
+    # drafts evaluated are kept in the work dir too: a rerun with the same --dir adds only the rows it lacks
+    runs_file = root / "runs.json"
+    evaluated: dict[str, dict] = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
 
     def draft(fraction: float, seed: int, store: str = "auto") -> dict:
         cfgp, entry = store_of(fraction, store)
         run_id = f"{store}-{fraction:g}-{a.steps}-seed{seed}"
+        if run_id in evaluated and not a.reevaluate:
+            print(f"[{store} {fraction:g} seed {seed}] evaluated before in {root}: reused", flush=True)
+            return evaluated[run_id]
         done = Path(str(load_config(cfgp).run_dir(run_id))) / "draft" / "export" / "config.json"
         if done.is_file():   # a rerun with the same --dir: the draft is kept, only its evaluation is redone
             run = evaluated_again(cfgp, run_id)
@@ -142,8 +214,12 @@ def main() -> int:
         print(f"[{store} {fraction:g} seed {seed}] " + ", ".join(
             f"{c}: accept {r['accept_length']:.3f}, speed-up {r.get('speedup')}" for c, r in rows.items())
             + f"; loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f} ({run['seconds']:.0f} s)", flush=True)
-        return {"samples": entry["samples"], "rows": rows, "final_loss": run["final_loss"],
-                "final_acc_0": run["final_acc_0"], "run_dir": run["run_dir"]}
+        evaluated[run_id] = {"samples": entry["samples"], "rows": rows, "final_loss": run["final_loss"],
+                             "final_acc_0": run["final_acc_0"], "run_dir": run["run_dir"],
+                             "scored_prompts_about_functions_trained_on": scored_seen(entry["run_dir"]),
+                             "load_average": os.getloadavg()}
+        runs_file.write_text(json.dumps(evaluated, indent=2))
+        return evaluated[run_id]
 
     seed0 = a.seeds[0]
     for fraction in sorted(a.fractions):
@@ -158,8 +234,13 @@ def main() -> int:
     trained_on = list(meta["aux_layer_outputs"])
     meta["aux_layer_outputs"] = [x - 1 for x in trained_on]
     (wrong / "eagleflow_export.json").write_text(json.dumps(meta, indent=2))
-    out["misnumbered"] = {"trained_on": trained_on, "served_with": meta["aux_layer_outputs"],
-                          "rows": _fixed(evaluate(full_cfg, Path(main_draft["run_dir"]).name, draft=wrong))}
+    key = f"misnumbered-{Path(main_draft['run_dir']).name}"
+    if key not in evaluated or a.reevaluate:
+        evaluated[key] = {"trained_on": trained_on, "served_with": meta["aux_layer_outputs"],
+                          "rows": _fixed(evaluate(full_cfg, Path(main_draft["run_dir"]).name, draft=wrong)),
+                          "load_average": os.getloadavg()}
+        runs_file.write_text(json.dumps(evaluated, indent=2))
+    out["misnumbered"] = evaluated[key]
 
     for store in ("auto",) + (() if a.no_fp8 else ("fp8_e4m3",)):
         runs = {str(seed0): main_draft} if store == "auto" else {}
@@ -178,6 +259,9 @@ def _spread(r: dict) -> str:
 
 def report(out: dict) -> None:
     main_rows = out["sizes"][max(out["sizes"], key=float)]["rows"]
+    print(f"\nscored prompts: {_split_line('split by ' + (out['split']['group_key'] or 'record'), out['split'])}")
+    if "split_by_record" in out:
+        print(f"  (the same corpus {_split_line('split by record', out['split_by_record'])})")
     print("\nthe draft, full data, held-out prompts (acceptance = tokens per verify pass; speed-up = median of "
           "per-prompt pairs, target alone / with the draft [min..max]):")
     for c in CONFIGS:
@@ -189,7 +273,8 @@ def report(out: dict) -> None:
     for f, run in sorted(out["sizes"].items(), key=lambda kv: float(kv[0])):
         print(f"  {float(f):>5.0%} of the corpus ({run['samples']:>5} samples): "
               + " / ".join(f"{run['rows'][c]['accept_length']:.3f}" for c in CONFIGS)
-              + f"  (final loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f})")
+              + f"  (final loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f}; scored prompts about a "
+              f"function it trained on: {run.get('scored_prompts_about_functions_trained_on', 'n/a')})")
     m = out["misnumbered"]
     print(f"\nmisnumbered control: trained on layers {m['trained_on']}, served with {m['served_with']}: "
           + " / ".join(f"{m['rows'][c]['accept_length']:.3f}" for c in CONFIGS)

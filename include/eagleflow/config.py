@@ -70,13 +70,21 @@ class CorpusConfig(_Section):
         "that fits, drop it (counted), or truncate at the token")
     non_text_parts: Literal["error", "drop"] = Field(
         default="error", description="a non-text content part (image, audio): a bad record, or dropped (counted)")
-    # Held-out split: a record is held out when sha256("eval", its id "source:row") falls in the lowest
-    # eval_fraction, so reruns, seeds and added sources never move a record between the splits.
-    eval_fraction: float = Field(default=0.03, ge=0.0, lt=1.0, description="share of records held out of "
-                                 "training for `eagleflow evaluate` (corpus/eval.parquet); 0 = none")
+    # Held-out split: a group is held out, all its records, when sha256("eval", its key) falls in the lowest
+    # eval_fraction, so reruns, seeds and added sources never move a record between the splits. The key is the
+    # record's eval_group_key field (what it is about), or its id "source:row" when that is unset.
+    eval_fraction: float = Field(default=0.03, ge=0.0, lt=1.0, description="share of records (of groups, "
+                                 "with eval_group_key) held out of training for `eagleflow evaluate` "
+                                 "(corpus/eval.parquet); 0 = none")
     eval_min_records: int = Field(default=4, ge=0, description="hold out at least this many (a small corpus "
                                   "still gets prompts to evaluate on), when eval_fraction > 0")
     eval_max_records: int = Field(default=500, ge=0, description="hold out at most this many records")
+    eval_group_key: str | None = Field(
+        default=None, min_length=1, pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$",
+        description="the field of each source record that says what it is about (a dotted path reaches into "
+        "objects; a name absent at the top level is looked up in the record's `metadata` object): records "
+        "with the same value form one group, held out or trained on whole, so no held-out record has its "
+        "subject in training under another record; every record must have it; null = each record its own group")
 
     @field_validator("sources")
     @classmethod

@@ -10,6 +10,11 @@ Python), shaped as the seeds' kind of chat records:
   (the docstring's first paragraph, JSON) -> the signature and that paragraph;
 - **docstrings**: "Write the docstring of `json.dumps(obj, *, skipkeys=False, ...)`." -> the docstring.
 
+Every record carries ``"metadata": {"function": "<module>.<qualified name>"}``, what it is about: the benchmark
+sets ``corpus.eval_group_key`` to it, so all the records of a function land on one side of the held-out split
+and the draft is scored on functions it never saw (split by record, a function's source could be trained on
+while its docstring was scored).
+
 Two OpenAI-form JSONL sources (code; tool calls and docstrings), a byte-level BPE tokenizer trained on them with
 the demo's chat template (tools, tool calls, reasoning, ``{% generation %}`` marks), and a 12-layer Llama
 (hidden 192) trained on every record, packed into 256-token blocks, with a cosine schedule. A one-layer
@@ -29,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-ASSETS_VERSION = 1
+ASSETS_VERSION = 2   # 2: every record names its function (``metadata.function``), the held-out split's group
 HELP_TOOL = {"name": "help", "description": "Show the docstring of a Python standard-library object.",
              "parameters": {"type": "object", "properties": {"symbol": {"type": "string",
                                                                          "description": "module.qualified_name"}},
@@ -130,9 +135,10 @@ def records(functions: list[Function]) -> tuple[list[dict], list[dict]]:
     code: list[dict] = []
     docs: list[dict] = []
     for i, f in enumerate(functions):
+        about = {"function": f.symbol}   # what the record is about: its held-out group (corpus.eval_group_key)
         code.append({"messages": [
             {"role": "user", "content": f"Write `{f.symbol}` from the Python standard library."},
-            {"role": "assistant", "content": f.source}]})
+            {"role": "assistant", "content": f.source}], "metadata": about})
         if i % 3 == 1:
             call_id = f"call_{i}"
             docs.append({"messages": [
@@ -142,11 +148,11 @@ def records(functions: list[Function]) -> tuple[list[dict], list[dict]]:
                                  "function": {"name": "help", "arguments": json.dumps({"symbol": f.symbol})}}]},
                 {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"doc": _first_paragraph(f.docstring)})},
                 {"role": "assistant", "content": f"`{f.symbol}{f.signature}`: {_first_paragraph(f.docstring)}"}],
-                "tools": [{"type": "function", "function": HELP_TOOL}]})
+                "tools": [{"type": "function", "function": HELP_TOOL}], "metadata": about})
         elif i % 3 == 2:
             docs.append({"messages": [
                 {"role": "user", "content": f"Write the docstring of `{f.symbol}{f.signature}`."},
-                {"role": "assistant", "content": f.docstring[:800]}]})
+                {"role": "assistant", "content": f.docstring[:800]}], "metadata": about})
     return code, docs
 
 
@@ -227,6 +233,15 @@ def ensure_learnable_target(root: str | Path, shape: TargetShape = TargetShape()
         info = json.loads(marker.read_text())
         if info.get("version") == ASSETS_VERSION and info.get("shape") == asdict(shape):
             return info
+        if info.get("version") == 1 and info.get("shape") == asdict(shape):
+            # version 1 wrote the same conversations without their metadata: the target stands, the sources
+            # are written again with it
+            functions = stdlib_functions(max_lines=shape.max_function_lines)
+            if len(functions) == info.get("functions"):
+                info |= {"version": ASSETS_VERSION, "sources": write_sources(root / "sources", functions)}
+                marker.write_text(json.dumps(info, indent=2) + "\n")
+                log(f"learnable target at {root}: sources written again with each record's function")
+                return info
     functions = stdlib_functions(max_lines=shape.max_function_lines)
     if len(functions) < 1000:
         raise RuntimeError(f"only {len(functions)} documented functions found under {stdlib_root()}; the "

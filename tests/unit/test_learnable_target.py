@@ -77,3 +77,32 @@ def test_training_lowers_the_loss_and_saves_a_model_transformers_loads(tmp_path)
     assert figures["final_loss"] < figures["first_loss"] / 3, figures
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert model.config.num_hidden_layers == 2 and figures["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_every_record_says_which_function_it_is_about(tmp_path):
+    """The held-out split's group (corpus.eval_group_key "function"): a function's records share it."""
+    from eagleflow.corpus.normalise import record_group
+    fns = stdlib_functions(_lib(tmp_path)) * 2
+    code, docs = records(fns)
+    assert [record_group(r, "function") for r in code] == [f.symbol for f in fns]
+    assert [record_group(r, "function") for r in docs] == [fns[1].symbol, fns[2].symbol]   # i % 3 == 1, 2
+
+
+def test_sources_of_a_version_1_cache_are_written_again_with_their_function(tmp_path, monkeypatch):
+    """A cache built before the records named their function keeps its trained target; its sources gain it."""
+    from dataclasses import asdict
+
+    import eagleflow.learnable_target as lt
+    (tmp_path / "lib").mkdir()
+    fns = stdlib_functions(_lib(tmp_path / "lib"))
+    monkeypatch.setattr(lt, "stdlib_functions", lambda max_lines: fns)
+    root = tmp_path / "cache"
+    root.mkdir()
+    old = {"version": 1, "shape": asdict(TargetShape()), "functions": len(fns), "target_model": "kept",
+           "sources": []}
+    (root / "assets.json").write_text(json.dumps(old))
+    info = lt.ensure_learnable_target(root, log=lambda _: None)
+    assert info["version"] == lt.ASSETS_VERSION and info["target_model"] == "kept"
+    rows = [json.loads(x) for s in info["sources"] for x in open(s["path"])]
+    assert rows and all(r["metadata"]["function"] in {f.symbol for f in fns} for r in rows)
+    assert json.loads((root / "assets.json").read_text()) == info

@@ -500,18 +500,54 @@ def checked_token_exact(value: Any) -> dict:
     return {"input_ids": ids, "loss_mask": mask, "span_ends": ends}
 
 
+def record_group(record: Any, key: str) -> str | None:
+    """What ``record`` is about, by ``corpus.eval_group_key``: the value at ``key`` (a dotted path into its
+    objects; a first name absent at the top level is looked up in its ``metadata`` object), as text (a string
+    as it is, any other value as canonical JSON); None when absent, null or empty."""
+    parts = key.split(".")
+    node: Any = record
+    if isinstance(record, dict) and parts[0] not in record and isinstance(record.get("metadata"), dict):
+        node = record["metadata"]
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    if node is None or node == "" or node == [] or node == {}:
+        return None
+    if isinstance(node, str):
+        return node
+    return json.dumps(node, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def record_groups(rows: dict[str, list], key: str) -> list[str | None]:
+    """``record_group`` of each raw or structured row of a ``load_source`` batch; None for an unreadable one."""
+    record_cols = [c for c in rows if not c.startswith("__")]
+    out: list[str | None] = []
+    for i in range(len(rows["__row"])):
+        try:
+            record = (parse_raw(rows["__raw"][i]) if "__raw" in rows
+                      else _drop_nulls({c: rows[c][i] for c in record_cols}))
+            out.append(record_group(record, key))
+        except (RecordError, RecursionError):
+            out.append(None)
+    return out
+
+
 def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int,
                     non_text: str = NON_TEXT_ERROR, token_exact: bool = False,
-                    control_tokens: tuple[str, ...] = ()) -> dict[str, list]:
+                    control_tokens: tuple[str, ...] = (), group_key: str | None = None,
+                    groups: dict[int, str | None] | None = None) -> dict[str, list]:
     """``datasets.map`` body: raw or structured rows in, one schema (as JSON text) or an error out.
 
     ``token_exact``: the rows are the generation phase's (``generate.phase.generated_source_rows``); only
     there is ``eagleflow_token_exact`` taken (checked), in any other source it is refused.
     ``control_tokens``: the target tokenizer's special-token texts (``control_token_strings``); a record
-    whose text holds one is bad (``control_token_error``). A token-exact record is never rendered: its ids stand."""
+    whose text holds one is bad (``control_token_error``). A token-exact record is never rendered: its ids stand.
+    ``group_key``: ``corpus.eval_group_key``; the ``group`` column is each record's ``record_group`` (None when
+    unset or absent), or ``groups[row]`` when given (a regenerated source: its original records' groups)."""
     n = len(batch["__row"])
     out: dict[str, list] = {"id": [], "source": [], "where": [], "conversation": [], "uses_tools": [],
-                            "non_text_dropped": [], "error": [], "shuffle_key": []}
+                            "non_text_dropped": [], "error": [], "shuffle_key": [], "group": []}
     record_cols = [c for c in batch if not c.startswith("__")]
     decode_errors = batch.get("__decode_error")
     for i in range(n):
@@ -519,6 +555,7 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
         where = batch["__where"][i] if "__where" in batch else f"row {row}"
         sample_id = f"{source}:{row}"
         conv: Conversation | None = None
+        group: str | None = groups.get(row) if groups is not None else None
         try:
             if decode_errors is not None and decode_errors[i] is not None:
                 raise RecordError("(line)", batch["__raw"][i], INVALID_UTF8, decode_errors[i])
@@ -528,6 +565,8 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
                 else:
                     record = _drop_nulls({c: batch[c][i] for c in record_cols})
                 conv = normalise_conversation(record, non_text=non_text)
+                if group_key is not None and groups is None:
+                    group = record_group(record, group_key)
                 if isinstance(record, dict) and TOKEN_EXACT_KEY in record:
                     if not token_exact:
                         raise RecordError(TOKEN_EXACT_KEY, _summary(record[TOKEN_EXACT_KEY]), WRONG_TYPE,
@@ -553,4 +592,5 @@ def normalise_batch(batch: dict[str, list], *, source: str, file: str, seed: int
         out["non_text_dropped"].append(conv.non_text_parts_dropped if conv else 0)
         out["error"].append(error)
         out["shuffle_key"].append(shuffle_key(seed, sample_id))
+        out["group"].append(group if conv is not None else None)
     return out

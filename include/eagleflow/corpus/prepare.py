@@ -12,13 +12,17 @@ hash of the sample id -> stream to Parquet, reading the rows by position.
 Output (the shared contract): ``<run_dir>/corpus/corpus.parquet`` with columns
 index, id, source, input_ids, loss_mask, num_tokens, and ``stats.json``.
 
-Held-out split: the kept records whose ``eval_key`` (sha256 of "eval" and the
-record id ``source:row``) is among the lowest ``corpus.eval_fraction`` (at least
-``eval_min_records``, at most ``eval_max_records``) go to ``eval.parquet``
-instead, normalised, rendered and masked the same way, plus the conversation
-and ``prompt_ids`` (the conversation before its last assistant turn, rendered
-with the generation prompt). Capture reads corpus.parquet only, so held-out
-records are never captured nor trained on.
+Held-out split: by groups of records. A record's group is what it is about,
+the value of its ``corpus.eval_group_key`` field (e.g. the function a record
+of the learnable target explains), or, unset, its own id ``source:row``. The
+groups whose ``eval_key`` (sha256 of "eval" and the group) is among the lowest
+``corpus.eval_fraction`` (raised by whole groups to ``eval_min_records``
+records, capped by whole groups at ``eval_max_records``) go, every record of
+them, to ``eval.parquet`` instead, normalised, rendered and masked the same
+way, plus the conversation and ``prompt_ids`` (the conversation before its
+last assistant turn, rendered with the generation prompt). Capture reads
+corpus.parquet only, so held-out records are never captured nor trained on,
+and no training record shares a held-out record's group.
 """
 from __future__ import annotations
 
@@ -55,6 +59,10 @@ class BadRecordsError(ValueError):
     """More bad records than corpus.max_bad_records allows; the message lists the first ten."""
 
 
+class GroupKeyError(ValueError):
+    """corpus.eval_group_key is set and a record lacks that field; the message names the first such record."""
+
+
 def corpus_schema():
     import pyarrow as pa
     return pa.schema([("index", pa.int64()), ("id", pa.string()), ("source", pa.string()),
@@ -68,9 +76,10 @@ def eval_schema():
                                               pa.field("prompt_ids", pa.list_(pa.int32()))])
 
 
-def eval_key(sample_id: str) -> int:
-    """Held-out rank of a record: the same for any seed, run, machine or set of other sources."""
-    return int.from_bytes(hashlib.sha256(f"eval\x00{sample_id}".encode()).digest()[:8], "big")
+def eval_key(group: str) -> int:
+    """Held-out rank of a group (a record id ``source:row`` when ungrouped): the same for any seed, run, machine
+    or set of other sources."""
+    return int.from_bytes(hashlib.sha256(f"eval\x00{group}".encode()).digest()[:8], "big")
 
 
 def held_out_count(candidates: int, total: int, cc) -> int:
@@ -80,8 +89,11 @@ def held_out_count(candidates: int, total: int, cc) -> int:
     return max(0, min(max(candidates, cc.eval_min_records), cc.eval_max_records, total - 1))
 
 
-def _held_out_rows(ids_col, kept_rows, cc) -> list[int]:
-    """Rows (positions in ``ids_col``) of the held-out records, lowest eval_key first."""
+def _held_out_rows(ids_col, kept_rows, cc, groups_col=None) -> list[int]:
+    """Rows (positions in ``ids_col``) of the held-out records, lowest eval_key first; by group when
+    ``groups_col`` (each row's ``corpus.eval_group_key`` value, aligned with ``ids_col``) is given."""
+    if groups_col is not None:
+        return _held_out_group_rows(ids_col, kept_rows, cc, groups_col)
     import heapq
     threshold = cc.eval_fraction * 2 ** 64
     cands: list[tuple[int, str, int]] = []
@@ -101,6 +113,82 @@ def _held_out_rows(ids_col, kept_rows, cc) -> list[int]:
                     heapq.heapreplace(lowest, item)
     pool = sorted(cands + [(-k, sid, r) for k, sid, r in lowest])
     return [r for _, _, r in pool[:held_out_count(len(cands), len(rows), cc)]]
+
+
+def held_out_groups(sizes: dict[str, int], cc) -> list[str]:
+    """The groups the split holds out, lowest eval_key first, given each group's record count: those of the
+    hash's share, then the next ones while fewer than eval_min_records records are held out; whole groups
+    only, never past eval_max_records records, never every group (by record, held_out_count's rule)."""
+    order = sorted(sizes, key=lambda g: (eval_key(g), g))
+    threshold = cc.eval_fraction * 2 ** 64
+    total = sum(sizes.values())
+    target = held_out_count(sum(sizes[g] for g in order if eval_key(g) < threshold), total, cc)
+    cap = min(cc.eval_max_records, total - 1)
+    held: list[str] = []
+    records = 0
+    for g in order[:len(order) - 1]:   # one group at least stays for training
+        if records >= target or records + sizes[g] > cap:
+            break
+        held.append(g)
+        records += sizes[g]
+    return held
+
+
+def _held_out_group_rows(ids_col, kept_rows, cc, groups_col) -> list[int]:
+    """Every row of the held-out groups (``held_out_groups``), by group, lowest record eval_key first within."""
+    rows = kept_rows.to_pylist()
+    sizes: Counter[str] = Counter()
+    for s in range(0, len(rows), 65536):   # groups in batches: memory grows with the groups, not the text
+        sizes.update(groups_col.take(rows[s:s + 65536]).to_pylist())
+    held = {g: i for i, g in enumerate(held_out_groups(sizes, cc))}
+    picked: list[tuple[int, int, int]] = []
+    for s in range(0, len(rows), 65536):
+        part = rows[s:s + 65536]
+        for row, sid, g in zip(part, ids_col.take(part).to_pylist(), groups_col.take(part).to_pylist()):
+            if g in held:
+                picked.append((held[g], eval_key(sid), row))
+    return [r for _, _, r in sorted(picked)]
+
+
+def _group_counts(groups_col, rows: list[int]) -> int:
+    """Distinct groups among ``rows``."""
+    seen: set[str] = set()
+    for s in range(0, len(rows), 65536):
+        seen.update(groups_col.take(rows[s:s + 65536]).to_pylist())
+    return len(seen)
+
+
+def _missing_group_key(good, key: str, files: dict[str, str]) -> GroupKeyError | None:
+    """The error naming the first record without corpus.eval_group_key's field (and how many lack it per
+    source), or None when every record has it."""
+    groups = _column(good, "group")
+    missing = groups.is_null()
+    first = _first_true(missing)
+    if first is None:
+        return None
+    row = good[first]
+    import pyarrow.compute as pc
+    per_source = Counter(_column(good, "source").filter(missing).to_pylist())
+    where = "top level" if "." in key else "top level nor in its `metadata` object"
+    return GroupKeyError(
+        f"corpus.eval_group_key is {key!r} but {_record_name(row, files)} has no such field (not at the record's "
+        f"{where}, or null or empty): {pc.sum(missing).as_py()} of {len(good)} record(s) lack it ("
+        + ", ".join(f"{n} {c}" for n, c in sorted(per_source.items())) + "). The key says what a record is "
+        f"about, so that all the records about one thing land on one side of the held-out split: add the field to "
+        f"every record of those sources, point corpus.eval_group_key at a field they all have, or unset it to "
+        f"split record by record")
+
+
+def _original_groups(src, path: Path, key: str, cache_dir: str) -> dict[int, str | None]:
+    """A regenerated source's groups, read from its original records (the generated ones keep only the
+    conversation), by row."""
+    from .normalise import record_groups
+    raw = load_source(src, path, cache_dir=cache_dir)
+    out: dict[int, str | None] = {}
+    for s in range(0, len(raw), 4096):
+        part = raw[s:s + 4096]
+        out.update(zip(part["__row"], record_groups(part, key)))
+    return out
 
 
 def content_key(conversation_json: str) -> bytes:
@@ -175,7 +263,8 @@ def _features():
     from datasets import Features, List, Value
     norm = Features({"id": Value("string"), "source": Value("string"), "where": Value("string"),
                      "conversation": Value("string"), "uses_tools": Value("bool"),
-                     "non_text_dropped": Value("int32"), "error": Value("string"), "shuffle_key": Value("int64")})
+                     "non_text_dropped": Value("int32"), "error": Value("string"), "shuffle_key": Value("int64"),
+                     "group": Value("string")})
     tok = Features({"id": Value("string"), "source": Value("string"), "where": Value("string"),
                     "uses_tools": Value("bool"), "non_text_dropped": Value("int32"), "shuffle_key": Value("int64"),
                     "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
@@ -183,7 +272,7 @@ def _features():
                     "length_status": Value("string"), "drop_reason": Value("string"), "turns": Value("int32"),
                     "tool_calls": Value("int32"), "tool_messages": Value("int32"),
                     "reasoning_not_rendered": Value("int32"), "template_error": Value("string"),
-                    "content_dropped": Value("string")})
+                    "content_dropped": Value("string"), "group": Value("string")})
     return norm, tok
 
 
@@ -335,9 +424,12 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         regenerated = _regenerated(cfg, layout, log)
         for src in cc.sources:
             path = cfg.resolve(src.path)
+            groups = None
             if src.name in regenerated:   # the target's own turns, token-exact (eagleflow.generate)
                 raw = _generated_source(cfg, layout, src.name)
                 log(f"corpus: source {src.name}: {len(raw)} record(s) as the target regenerated them")
+                if cc.eval_group_key:
+                    groups = _original_groups(src, path, cc.eval_group_key, os.path.join(work, "sources"))
             else:
                 raw = load_source(src, path, cache_dir=os.path.join(work, "sources"))
             read_per_source[src.name] = len(raw)
@@ -351,7 +443,8 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                            remove_columns=raw.column_names, features=norm_features,
                            fn_kwargs={"source": src.name, "file": str(path), "seed": cc.seed,
                                       "non_text": cc.non_text_parts, "token_exact": src.name in regenerated,
-                                      "control_tokens": control_tokens},
+                                      "control_tokens": control_tokens, "group_key": cc.eval_group_key,
+                                      "groups": groups},
                            cache_file_name=os.path.join(work, f"norm-{src.name}.arrow"),
                            load_from_cache_file=False, desc=f"normalise {src.name}")
             normalised.append(norm)
@@ -368,6 +461,10 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
                              batch_size=1000).remove_columns(["error"])
         if len(good) == 0:
             _no_records_left(read_per_source, ledger.count, Counter(), cc.max_length)
+        if cc.eval_group_key:   # before the costly tokenising: every record must say what it is about
+            missing = _missing_group_key(good, cc.eval_group_key, files)
+            if missing is not None:
+                raise missing
 
         _check_template(tokenizer, label, good, files, max_length=cc.max_length, method=method,
                         policy=cc.over_max_length, fail_on_template_error=cc.max_bad_records == 0)
@@ -384,7 +481,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         meta = tokenised.select_columns(
             ["id", "source", "where", "shuffle_key", "drop_reason", "template_error", "content_dropped",
              "uses_tools", "non_text_dropped", "length_status", "turns", "tool_calls", "tool_messages",
-             "reasoning_not_rendered", "num_tokens", "masked_tokens"]).with_format("arrow")[:]
+             "reasoning_not_rendered", "num_tokens", "masked_tokens", "group"]).with_format("arrow")[:]
 
         first_dropped = _first_true(meta["content_dropped"].is_valid())
         if first_dropped is not None:
@@ -409,7 +506,9 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         order = keys.take(pc.sort_indices(keys, sort_keys=[("shuffle_key", "ascending"), ("id", "ascending")]))
         order_rows = order["row"].to_numpy()
         import numpy as np
-        eval_rows = _held_out_rows(meta["id"], kept_rows, cc)
+        # a record's group: its eval_group_key value, else itself
+        groups_col = meta["group"] if cc.eval_group_key else None
+        eval_rows = _held_out_rows(meta["id"], kept_rows, cc, groups_col)
         # identical conversations land on one side only: a held-out one's copies leave training
         eval_rows, dup_rows, duplicates = _deduplicated_split(
             good.select_columns(["conversation"]).with_format("arrow"), kept_rows, eval_rows)
@@ -417,6 +516,9 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
             out_rows = np.asarray(eval_rows + dup_rows, dtype=order_rows.dtype)
             order_rows = order_rows[~np.isin(order_rows, out_rows)]
 
+        split_groups = ({"eval": _group_counts(groups_col, eval_rows),
+                         "train": _group_counts(groups_col, order_rows.tolist())}
+                        if groups_col is not None else {"eval": len(eval_rows), "train": len(order_rows)})
         per_source: dict[str, dict] = {s.name: _source_stats(read_per_source[s.name]) for s in cc.sources}
         _count_per_source(per_source, meta, kept_mask, ledger)
         eval_sources = Counter(meta["source"].take(eval_rows).to_pylist()) if eval_rows else Counter()
@@ -475,7 +577,10 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         "eval_tokens": eval_tokens,
         "eval_file": str(out_dir / EVAL_FILE),
         "eval_split": {"fraction": cc.eval_fraction, "min_records": cc.eval_min_records,
-                       "max_records": cc.eval_max_records, "key": "sha256('eval\\0' + source:row)"},
+                       "max_records": cc.eval_max_records, "group_key": cc.eval_group_key,
+                       "key": (f"sha256('eval\\0' + the record's {cc.eval_group_key})" if cc.eval_group_key
+                               else "sha256('eval\\0' + source:row)"),
+                       "groups": split_groups, "records": {"eval": len(eval_rows), "train": index}},
         "length": _percentiles(lengths),
         "over_max_length": cc.over_max_length,
         "cut_at_message_boundary": status["cut"],
@@ -506,7 +611,9 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         f"dropped {sum(dropped.values())} ({', '.join(f'{k} {v}' for k, v in sorted(dropped.items())) or 'none'}), "
         f"{n_bad} bad; {elapsed:.1f} s -> {out_dir / CORPUS_FILE}")
     log(f"corpus: {len(eval_rows)} record(s) held out of training ("
-        + ", ".join(f"{n} {ps['eval_records']}" for n, ps in per_source.items()) + f") -> {out_dir / EVAL_FILE}; "
+        + ", ".join(f"{n} {ps['eval_records']}" for n, ps in per_source.items()) + f") -> {out_dir / EVAL_FILE}, "
+        + (f"{split_groups['eval']} group(s) by {cc.eval_group_key} held out, {split_groups['train']} trained on; "
+           if cc.eval_group_key else "split by record; ") +
         f"{duplicates['records_with_an_identical_earlier_one']} record(s) repeat an earlier conversation, "
         f"{duplicates['held_out_twins_dropped_from_training']} copies of held-out ones left out of training, "
         f"{duplicates['held_out_copies_dropped']} repeated held-out ones dropped")
