@@ -359,11 +359,19 @@ class SpecConfig(_Section):
 
 
 class PromptSet(_Section):
-    """Extra held-out prompts: a JSONL file of chat records (the corpus schema: 'messages' or 'conversations';
-    a record ending in an assistant turn is prompted with what precedes it) or {"prompt": "text"} lines."""
+    """Extra held-out prompts (eagleflow.evaluate.prompt_sets): a JSONL file or a datasets save_to_disk folder of
+    MT-Bench questions (both turns, the second after the target's own first answer), GSM8K or HumanEval records,
+    chat records (the corpus schema: 'messages' or 'conversations'; one ending in an assistant turn is prompted
+    with what precedes it) or {"prompt": "text"} lines."""
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the set's name in the tables")
-    path: str = Field(min_length=1, description="the JSONL file (relative to the config's folder)")
-    max_prompts: int | None = Field(default=None, ge=1, description="null = eval.max_prompts")
+    path: str = Field(min_length=1, description="the JSONL file or datasets save_to_disk folder (relative to the "
+                      "config's folder)")
+    format: Literal["auto", "mt_bench", "gsm8k", "humaneval", "chat", "prompt"] = Field(
+        default="auto", description="the records' format; auto = recognised per record by its fields")
+    split: str | None = Field(default=None, min_length=1, description="a datasets folder holding several splits "
+                              "(a DatasetDict): the one to read; null = its only split, or test")
+    max_prompts: int | None = Field(default=None, ge=1, description="records read at most (an MT-Bench record "
+                                    "gives a prompt per turn); null = eval.max_prompts")
 
 
 class EvalConfig(_Section):
@@ -392,6 +400,9 @@ class EvalConfig(_Section):
                                              "top-2 logit gap is below this is a near-tie; null = by dtype")
     prompt_sets: list[PromptSet] = Field(default_factory=list, description="evaluated besides the corpus's "
                                          "held-out split ('held_out'), each reported on its own")
+    gate_sets: list[str] | None = Field(default=None, description="the prompt sets whose acceptance decides the "
+                                        "gate (min_accept_length, the baseline comparison): 'held_out' and "
+                                        "names from prompt_sets; null = every set. Every set must be lossless")
     concurrency: int = Field(default=8, ge=1, le=1024, description="server backends (sglang, vllm): "
                              "requests in flight at once")
     ready_timeout_s: float = Field(default=1800.0, gt=0, description="server backends: how long a server "
@@ -421,6 +432,12 @@ class EvalConfig(_Section):
         if "held_out" in names or len(set(names)) != len(names):
             raise ValueError(f"eval.prompt_sets names {names}: each must be unique and not 'held_out' (the "
                              "corpus's own split)")
+        if self.gate_sets is not None:
+            unknown = [g for g in self.gate_sets if g not in ["held_out", *names]]
+            if unknown or not self.gate_sets:
+                raise ValueError(f"eval.gate_sets {self.gate_sets}: name one or more of held_out"
+                                 + "".join(f", {n}" for n in names) + " (eval.prompt_sets' names), or null for "
+                                 "every set" + (f"; unknown: {unknown}" if unknown else ""))
         return self
 
 

@@ -109,10 +109,11 @@ def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
         new = r["draft"]
         need = r["min_accept_length"]
         where = f"configuration {r['config']} on {r['prompt_set']} ({r['prompts']} prompts)"
-        if new["accept_length"] < need:
+        deciding = decides(cfg, r["prompt_set"])   # a set outside eval.gate_sets is held to losslessness only
+        if deciding and new["accept_length"] < need:
             why.append(f"{where}: acceptance length {new['accept_length']:.3f} is below eval.min_accept_length "
                        f"{need:.3f}")
-        if baseline and new["accept_length"] < r["baseline"]["accept_length"] - ec.tolerance:
+        if deciding and baseline and new["accept_length"] < r["baseline"]["accept_length"] - ec.tolerance:
             why.append(f"{where}: acceptance length {new['accept_length']:.3f} is worse than the baseline draft's "
                        f"{r['baseline']['accept_length']:.3f} by more than eval.tolerance {ec.tolerance}")
         if not new["lossless"]:
@@ -124,58 +125,26 @@ def gate(results: list[dict], cfg: PipelineConfig, baseline: bool) -> list[str]:
     return why
 
 
+def decides(cfg: PipelineConfig, prompt_set: str) -> bool:
+    """Whether a prompt set's acceptance decides the gate (eval.gate_sets; null = every set)."""
+    return cfg.eval.gate_sets is None or prompt_set in cfg.eval.gate_sets
+
+
 def load_prompt_sets(cfg: PipelineConfig, layout: RunLayout, tokenizer_path: str) -> dict[str, list[dict]]:
-    """The corpus's held-out split first, then each eval.prompt_sets file: {name: [{id, prompt_ids}]}."""
+    """The corpus's held-out split first, then each eval.prompt_sets set in its own format (:mod:`.prompt_sets`):
+    {name: [{id, prompt_ids}]}; an MT-Bench record gives its first turn here, the later ones once the target has
+    answered it (:func:`.prompt_sets.expand_turns`, in each engine's reference pass)."""
     ec = cfg.eval
     sets = {HELD_OUT: prompts_from_corpus(layout, ec.max_prompts)}
     if ec.prompt_sets:
         from eagleflow.corpus.tokenize import load_tokenizer
+
+        from .prompt_sets import read_prompt_set
         tokenizer = load_tokenizer(tokenizer_path)
         for i, ps in enumerate(ec.prompt_sets):
-            sets[ps.name] = prompts_from_file(cfg.resolve(ps.path), tokenizer, ps.max_prompts or ec.max_prompts,
-                                              f"eval.prompt_sets[{i}] ({ps.name})")
+            sets[ps.name] = read_prompt_set(cfg.resolve(ps.path), tokenizer, ps.max_prompts or ec.max_prompts,
+                                            f"eval.prompt_sets[{i}] ({ps.name})", ps.format, ps.split)
     return sets
-
-
-def prompts_from_file(path, tokenizer, max_prompts: int, field: str) -> list[dict]:
-    """A JSONL prompt set: chat records in the corpus schema, or {"prompt": "text"}; each bad line named."""
-    from eagleflow.corpus.normalise import RecordError, normalise_conversation
-    from eagleflow.corpus.prepare import eval_prompt_ids
-    from eagleflow.corpus.tokenize import render
-    path = Path(str(path))
-    if not path.is_file():
-        raise FileNotFoundError(f"{field}: {path} is not a file; point path at a JSONL file of prompts "
-                                '({"messages": [...]} or {"prompt": "..."} per line)')
-    out: list[dict] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if len(out) >= max_prompts:
-                break
-            if not line.strip():
-                continue
-            where = f"{field}: {path} line {n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not JSON ({e.msg} at column {e.colno}); one JSON object a line") from None
-            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                rec = {"messages": [{"role": "user", "content": rec["prompt"]}]}
-            try:
-                conv = normalise_conversation(rec)
-            except RecordError as e:
-                raise ValueError(f"{where}: field {e.field}: {e.problem}") from None
-            if conv.messages[-1]["role"] == "assistant":   # a record with its answer: prompted with what precedes
-                ids = eval_prompt_ids(tokenizer, conv, 1 << 30)
-            else:
-                ids = tokenizer(render(tokenizer, conv, add_generation_prompt=True),
-                                add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"{where}: no prompt before its only assistant turn; end the record with a user "
-                                 "turn or drop it")
-            out.append({"id": str(rec.get("id", f"{path.stem}:{n}")), "prompt_ids": list(ids)})
-    if not out:
-        raise ValueError(f"{field}: {path} holds no prompt; one JSON object a line")
-    return out
 
 
 def hf_results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict,
@@ -184,6 +153,7 @@ def hf_results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, draft
     import torch
 
     from .decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold
+    from .prompt_sets import expand_turns
     ec = cfg.eval
     target = Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
     torch.manual_seed(0)
@@ -195,7 +165,15 @@ def hf_results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, draft
     log(f"evaluate: target {target_dir} ({target.dtype}, {target.device})")
     rows = []
     for name, prompts in prompt_sets.items():
-        references = {p["id"]: greedy(target, p["prompt_ids"], ec.max_new_tokens) for p in prompts}
+        references: dict = {}
+
+        def answer(ps: list[dict]) -> dict[str, list[int]]:
+            for p in ps:
+                references[p["id"]] = greedy(target, p["prompt_ids"], ec.max_new_tokens)
+            return {p["id"]: references[p["id"]].tokens for p in ps}
+        # MT-Bench: each later turn follows the target's own greedy answer (its reference) to the turns before
+        prompts = expand_turns(prompts, answer, target_dir)
+        answer([p for p in prompts if p["id"] not in references])
         for sc in ec.configs:
             row = {"config": sc.label, "steps": sc.steps, "topk": sc.topk, "draft_tokens": sc.draft_tokens,
                    "prompt_set": name, "prompts": len(prompts),
@@ -236,7 +214,10 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
     baseline, baseline_source = baseline_draft(cfg)
     if baseline is not None:
         drafts["baseline"] = baseline
-    log(f"evaluate ({ec.backend}): " + ", ".join(f"{len(p)} prompt(s) of {n}" for n, p in prompt_sets.items())
+    log(f"evaluate ({ec.backend}): " + ", ".join(
+        f"{len(p)} prompt(s) of {n}" + (" (and their later turns, after the target's own answers)"
+                                        if any(x.get("next_turns") for x in p) else "")
+        for n, p in prompt_sets.items())
         + f", up to {ec.max_new_tokens} new tokens each, target {target_dir}, draft {draft_dir}"
         + (f", baseline {drafts['baseline']} ({baseline_source})" if "baseline" in drafts else
            f", no baseline ({baseline_source})"))
@@ -246,6 +227,7 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
     except EngineError as e:
         raise EvalBackendError(f"eval.backend {ec.backend}: {e}") from None
     for row in results:
+        row["decides_gate"] = decides(cfg, row["prompt_set"])
         d = row["draft"]
         log(f"evaluate: {row['config']} on {row['prompt_set']}: acceptance length {d['accept_length']:.3f} (per "
             f"position {', '.join(f'{x:.2f}' for x in d['accepted_at_position'])}), {d['tokens_per_s']:.1f} tok/s "
@@ -258,7 +240,9 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
                "baseline_draft": str(drafts["baseline"]) if "baseline" in drafts else None,
                "baseline_source": baseline_source,
                "target": target_dir, **about, "max_new_tokens": ec.max_new_tokens, "tolerance": ec.tolerance,
-               "prompt_sets": {n: len(p) for n, p in prompt_sets.items()},
+               "prompt_sets": {n: len(p) for n, p in prompt_sets.items()} | {r["prompt_set"]: r["prompts"]
+                                                                             for r in results},
+               "gate_sets": ec.gate_sets,
                "results": results, "passed": not refused, "refused": refused,
                "elapsed_s": round(time.monotonic() - started, 2)}
     out = Path(str(layout.run_dir)) / EVAL_FILE
@@ -338,8 +322,11 @@ def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
 
 
 def accept_lengths(results: list[dict]) -> dict[str, float]:
-    """{configuration: acceptance length} on the corpus's held-out split (the gate's headline figure)."""
-    return {r["config"]: r["draft"]["accept_length"] for r in results if r["prompt_set"] == HELD_OUT}
+    """{configuration: acceptance length} on the gate's headline set: the corpus's held-out split, or the first
+    set of eval.gate_sets when that leaves the split out."""
+    deciding = [r["prompt_set"] for r in results if r.get("decides_gate", True)]
+    head = HELD_OUT if HELD_OUT in deciding or not deciding else deciding[0]
+    return {r["config"]: r["draft"]["accept_length"] for r in results if r["prompt_set"] == head}
 
 
 def acceptance_table(results: list[dict]) -> list[dict]:
@@ -370,4 +357,9 @@ def table_lines(summary: dict) -> list[str]:
                      f"{speed:>8} {lossless:>8} {base:>8}")
     lines += [f"* {r['config']} on {r['prompt_set']}: {r['draft']['speedup_note']}" for r in summary["results"]
               if r["draft"].get("speedup_note")]
+    deciding = list(dict.fromkeys(r["prompt_set"] for r in summary["results"] if r.get("decides_gate", True)))
+    others = list(dict.fromkeys(r["prompt_set"] for r in summary["results"] if not r.get("decides_gate", True)))
+    if others:
+        lines.append(f"gate: acceptance on {', '.join(deciding) or 'no set'} (eval.gate_sets); "
+                     f"{', '.join(others)} reported and held to losslessness only")
     return lines

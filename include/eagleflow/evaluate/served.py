@@ -133,6 +133,8 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
     from eagleflow.capture.protocol import loopback_host
     from eagleflow.capture.server_launch import free_port
     from eagleflow.nodes import LocalNode
+
+    from .prompt_sets import expand_turns
     ec = cfg.eval
     node = node or LocalNode(name=cfg.node.name)
     host = loopback_host(cfg.capture.host)   # its servers take no credential: loopback only
@@ -144,10 +146,16 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
                       engine)
 
     alone, alone_secs = {}, {}
+    prompt_sets = dict(prompt_sets)
     with serve(TARGET_ALONE, None, None) as srv:
         engine.warm_up(srv.url, False)
         for name, prompts in prompt_sets.items():
-            alone[name], alone_secs[name] = engine.reference(srv.url, prompts, f"alone-{name}")
+            def answers(ps: list[dict], tag: str = f"alone-{name}-turns") -> dict[str, list[int]]:
+                return {pid: a["tokens"] for pid, a in engine.reference(srv.url, ps, tag)[0].items()}
+            # MT-Bench: each later turn follows the target's own greedy answer to the turns before it; then the
+            # whole set is the reference, sent as the drafts' servers get it (the timed pair compares like with like)
+            prompt_sets[name] = expand_turns(prompts, answers, target_dir)
+            alone[name], alone_secs[name] = engine.reference(srv.url, prompt_sets[name], f"alone-{name}")
     rows = {(sc.label, name): {"config": sc.label, "steps": sc.steps, "topk": sc.topk,
                                "draft_tokens": sc.draft_tokens, "prompt_set": name, "prompts": len(prompts),
                                "min_accept_length": sc.min_accept_length or ec.min_accept_length}
