@@ -18,6 +18,7 @@ from eagleflow.airflow.capture_operators import ExtractShardOperator, StopCaptur
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger, _end_outage, unreachable_bound_s
 from eagleflow.config import load_config
+from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeUnreachable
 from eagleflow.watchdog.diagnosis import VERDICT_EXIT_CODE, StallDetected, StallDiagnosis
@@ -183,6 +184,7 @@ def test_a_malformed_watch_answer_is_a_failing_command_not_a_verdict(run):
 
 def test_the_first_try_starts_the_worker_and_its_sentinel_locked_then_defers_the_watch(run):
     ctx, node = run
+    node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")   # the setup started it
     op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
     with pytest.raises(TaskDeferred) as d:
         op.run(ctx, task_context(ctx, op))
@@ -201,6 +203,7 @@ def test_the_first_try_starts_the_worker_and_its_sentinel_locked_then_defers_the
 def test_a_rerun_attaches_to_the_live_worker_and_its_sentinel_instead_of_starting_seconds(run):
     ctx, node = run
     live = node.add_process(str(ctx.layout.pid_file("worker_shard_00003")), "worker_shard_00003")
+    node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")
     sentinel = "sentinel_worker_shard_00003"
     node.add_process(str(ctx.layout.pid_file(sentinel)), sentinel, lock_file=str(ctx.layout.lock_file(sentinel)))
     op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
@@ -230,6 +233,7 @@ def test_a_shard_its_node_handed_over_skips_naming_the_taker(monkeypatch):
 def test_without_deferral_the_same_watch_runs_in_the_slot_to_complete_or_to_the_failure(run):
     ctx, node = run
     node.add_process(str(ctx.layout.pid_file("worker_shard_00003")), "worker_shard_00003")
+    node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")
     node.on("watch", diag("healthy", 20), diag("complete", 25))
     op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=False)
     out = op.run(ctx, task_context(ctx, op))
@@ -277,3 +281,40 @@ def test_the_capture_teardown_stops_this_runs_live_workers_and_server_and_nothin
     assert dumps.argv[3] == "remove-dumps" and dumps.option("--run-id") == ctx.layout.run_id
     assert "stopped a still-running extraction worker (worker_shard_00001)" in log.text("warning")
     assert "worker_shard_00002" not in log.text("warning")   # already gone: nothing to say
+
+
+@pytest.mark.parametrize("server_state,said", [("T", "is stopped (state T"), (None, "is not running")])
+def test_a_server_stopped_or_gone_before_the_start_is_an_incident_recovered_through_the_watch(run, server_state,
+                                                                                                said):
+    """Issue 52 item 5: the shard's check before its start finds its capture server SIGSTOP'd (or gone): not a
+    silent restart, but the watch's own road: the incident opened on the node, the stall mailed, the recovery
+    (the server restarted once per incident, the worker started there), then the watch that mails its end."""
+    ctx, node = run
+    if server_state:
+        node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server", state=server_state)
+    node.put(str(ctx.layout.heartbeat_file(3)), Heartbeat(job="extract shard 3/4", pid=5, state="failed", done=7,
+                                                                total=25).to_json())
+    node.on("wc", Reply(stdout=f"9 {ctx.layout.shard_dir(3)}/manifest.jsonl\n"))
+    node.on("tail", Reply(stdout="capture server listening\n"))
+    node.on("recover", {"incident": "gpu-node-1-capture_server-1796000000", "opened": True,
+                        "cause": "capture_server", "incident_shards": ["3"], "shards": {"3": "9/25"},
+                        "summary": "incident opened by shard 3"},
+            {"ok": True, "action": "restarted", "summary": "capture server restarted; worker restarted as pid 7"})
+    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    log = capture_log(op)
+    with pytest.raises(TaskDeferred) as d:
+        op.run(ctx, task_context(ctx, op))
+    assert node.spawned == []          # nothing started here: the recovery on the node restarts what it names
+    opened, recovered = node.commands("recover")
+    assert "--incident-only" in opened.argv and opened.option("--cause") == "capture_server"
+    assert opened.option("--summary").startswith("STALLED shard 3/4 on gpu-node-1: found before the shard's worker "
+                                                 "started (9/25 samples done)") and said in opened.option("--summary")
+    assert recovered.option("--incident") == "gpu-node-1-capture_server-1796000000"
+    trigger = d.value.trigger
+    # the watch after the recovery mails RECOVERED once more than the 9 stored at the fault are stored
+    (close,) = trigger.close_incidents
+    assert close.kind == "stall" and close.done == 9 and close.id == "gpu-node-1-capture_server-1796000000"
+    assert close.subject == "[eagleflow] STALLED shard 3/4 on gpu-node-1"
+    assert trigger.recoveries_left == ctx.cfg.watchdog.recoveries_in_watch - 1
+    assert "before the shard started" in log.text("warning")
+    assert node.commands("tail")[0].argv[-1] == str(ctx.layout.log_file("capture_server"))   # its log in the mail

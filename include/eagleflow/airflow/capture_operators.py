@@ -16,12 +16,14 @@ from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable
 from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
 from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.shard_start import fault_before_start, first_watch_of_a_fault, retry_look, watch_recovers
 from eagleflow.capture.lifecycle import (check_ready, start_capture_server, start_or_attach_worker,
                                          stop_capture_server, worker_role_pattern)
 from eagleflow.nodes.process_record import RecordList
 from eagleflow.phases import EXTRACT
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes import NodeError, NodeUnreachable
+from eagleflow.watchdog.diagnosis import StallDiagnosis
 
 
 class StartCaptureServerOperator(RunOperator):
@@ -124,34 +126,41 @@ class ExtractShardOperator(RunOperator):
         shard = int(self.shard)
         skip_if_handed_over(ctx, shard, "extract")   # a fleet node's group cleared after its hand-over
         ti = context.get("ti")
-        if ti is not None and (ti.try_number or 1) > 1:
-            self._look_before_retry(ctx, shard, ti.try_number)
+        try_number = getattr(ti, "try_number", None) or 1
+        # a fault found before the worker starts (a retry's look blaming the server or the worker, the capture
+        # server stopped, a zombie or gone) is mailed and recovered through the watch (eagleflow.airflow.shard_start)
+        first = first_watch_of_a_fault(self._rewatch, ctx)
+        look = self._look_before_retry(ctx, shard, try_number, first) if try_number > 1 else None
+        fault = fault_before_start(ctx, shard, EXTRACT, first, self.log, look)
+        if fault is not None:
+            return self._watch(ctx, context, fault.to_dict())
         rec, attached = start_or_attach_worker(ctx, shard, log=self.log.info)
         self._log_progress(ctx, shard)
         trigger = self._rewatch(run=ctx.trigger_ref(), recoveries_left=ctx.cfg.watchdog.recoveries_in_watch)
         return self._watch(ctx, context, trigger)
 
-    def _look_before_retry(self, ctx: RunContext, shard: int, try_number: int) -> None:
+    def _look_before_retry(self, ctx: RunContext, shard: int, try_number: int, first) -> StallDiagnosis | None:
         """A retry looks first: the try before may have died with the control plane, not with the shard.
 
         One look of the watch (``eagleflow watch --shard I --json``): a worker that is starting, healthy or
-        slow is kept and attached to; only a verdict of stalled, dead or failed (the watch's evidence) lets
-        the recovery stop the worker and restart an unhealthy server. A look that gets no answer stops nothing.
+        slow is kept and attached to; a verdict of stalled, dead or failed blamed on the server or the worker is
+        returned, a fault for the watch to mail and recover (``shard_start.fault_before_start``); any other
+        (a full disk, the job's own error) lets the recovery stop the worker and restart an unhealthy server
+        here. A look that gets no answer stops nothing.
         """
-        from eagleflow.airflow.shard_watch import ShardWatchTrigger
-        try:
-            diag = ShardWatchTrigger(run=ctx.trigger_ref(), shard=shard).look_once(ctx)
-        except (NodeError, ValueError) as e:
-            self.log.warning("shard %d: try %d could not look at the shard first (%s); stopping nothing, the watch "
-                             "decides", shard, try_number, e)
-            return
+        diag = retry_look(ctx, shard, first, try_number, self.log)
+        if diag is None:
+            return None
         if diag.status is None or diag.verdict == "complete":
             self.log.info("shard %d: try %d attaches, nothing stopped: %s", shard, try_number, diag.summary)
-            return
+            return None
+        if watch_recovers(diag):
+            return diag
         from eagleflow.watchdog.recovery import recover_before_retry
         self.log.info("shard %d: try %d, recovering before resuming from the manifest: %s", shard, try_number,
                       diag.summary)
         recover_before_retry(ctx, shard, self.log)
+        return None
 
     def execute_complete(self, context, event: dict[str, Any]):
         ctx = RunContext.from_airflow(context)

@@ -11,9 +11,12 @@ blamed on the generation server or the worker is recovered in the watch
 opened and mailed, the server restarted once per incident, the worker started
 again from its manifest, RECOVERED mailed when the shard stores again). Only
 when that fails, or the watch's recoveries are spent, does the task fail with
-the diagnosis; the retry then resumes the shard from its manifest, restarting
-the server when it is gone, or, when the stall was blamed on the server (hung
-but alive), after stopping it and the shard's worker by their records.
+the diagnosis; the retry then resumes the shard from its manifest, after
+stopping a server the stall was blamed on (hung but alive) and the shard's
+worker by their records. A server found stopped (state T), a zombie or gone
+before a shard starts, or a retry's first look finding the shard stalled on
+its server or worker, is a fault like the watch's: incident, mail, recovery
+through the watch, RECOVERED (``eagleflow.airflow.shard_start``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.fleet_operators import skip_if_handed_over
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.shard_start import fault_before_start, first_watch_of_a_fault, retry_look
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.generate.lifecycle import (SERVER_ROLE, GenerateServerDied, check_ready, record_server_stall,
                                           start_generate_server, start_or_attach_generate_worker, stop_after_server_stall,
@@ -82,14 +86,18 @@ class GenerateShardOperator(RunOperator):
             return None
         shard = int(self.shard)
         skip_if_handed_over(ctx, shard, "generate")   # a fleet node's group cleared after its hand-over
+        # a retry's first look finding the shard stalled, dead or failed on its server or worker, or the server
+        # stopped (state T), a zombie or gone: a fault like one the watch finds, mailed and recovered through the
+        # watch (eagleflow.airflow.shard_start), never restarted silently
+        try_number = getattr(context.get("ti"), "try_number", None) or 1
+        first = first_watch_of_a_fault(self._rewatch, ctx)
+        look = retry_look(ctx, shard, first, try_number, self.log) if try_number > 1 else None
+        fault = fault_before_start(ctx, shard, GENERATE, first, self.log, look)
+        if fault is not None:
+            return self._watch(ctx, context, fault.to_dict())
         stop_after_server_stall(ctx, shard, log=self.log.warning)   # restarts it once if it is the stalled one
         state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state == "stuck":   # ours but SIGSTOP'd or a zombie: it never answers, so restart it now, never wait
-            self.log.warning("generate shard %d: %s; stopping it and starting a fresh one", shard, detail)
-            record_server_stall(ctx, shard, {"status": "stalled", "cause": "capture_server", "subject": detail})
-            stop_after_server_stall(ctx, shard, log=self.log.warning)
-            state, _, detail = check_ready(ctx, ctx.cfg.watchdog.health_timeout_s)
-        if state != "ready":   # dead: put it back (this run's, recorded); loading: attach, never run ahead of it
+        if state != "ready":   # loading: attach, never run ahead of it (stuck or gone since the look: the retry)
             self.log.warning("generate shard %d: %s; starting (or attaching to) the generation server", shard, detail)
             start_generate_server(ctx, log=self.log.info)
             try:

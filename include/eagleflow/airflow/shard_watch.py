@@ -386,6 +386,14 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
             and diag.cause in ("capture_server", "worker")
 
+    def fault_event(self, ctx: RunContext, diag: StallDiagnosis) -> WatchEvent:
+        """A fault found outside this watch's loop (the check before a shard starts, a retry's first look) as the
+        loop's own event: ``recovering`` with the incident opened or joined on the node when the cause is one the
+        watch recovers (``eagleflow.airflow.shard_start``), else the plain verdict."""
+        event = parse_event({**diag.event_payload(), "detected_at": time.time(),
+                             "close_incidents": self.close_incidents, "pending_mails": self.pending_mails})
+        return self._recover(ctx, diag, event) if self._recoverable(diag) else event
+
     def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:
         """One quick node command: open or join the incident of (node, cause); the operator mails and recovers."""
         argv = ctx.eagleflow_argv("recover", "--shard", str(self.shard), "--json", "--cause", diag.cause,
