@@ -29,7 +29,7 @@ from eagleflow.airflow.fleet_operators import (PREPARE_TASK, CollectShardsOperat
                                               TakeOverShardsOperator)
 from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
-from eagleflow.airflow.runtime import allowed_node_conn_ids
+from eagleflow.airflow.runtime import TRIGGER_PATH_PATTERN, allowed_node_conn_ids
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 from eagleflow.engines import names_for
 from eagleflow.phases import EXTRACT, GENERATE, KINDS
@@ -162,8 +162,9 @@ with DAG(
                           title="Run directory name",
                           description="Name of this run's directory under run_root (one plain name, not '.' or "
                                       "'..'); empty = the Airflow run id."),
-        "target_model": Param(None, type=["null", "string"], title="Target model path",
-                              description="Local path of the target model on the node (config, weights, tokenizer)."),
+        "target_model": Param(None, type=["null", "string"], pattern=TRIGGER_PATH_PATTERN, title="Target model path",
+                              description="Local path of the target model on the node (config, weights, tokenizer): "
+                                          "letters, digits and . _ - + / ~ only."),
         "node_conn_id": Param(None, type=["null", "string"], enum=[None, *allowed_node_conn_ids()],
                               title="GPU node SSH connection",
                               description="Airflow SSH connection id of the GPU node, one of those the deployment "

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
@@ -36,6 +38,7 @@ from airflow.providers.smtp.notifications.smtp import SmtpNotifier
 from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagleflow.config import ConfigError
 from eagleflow.mail_header import header_text
 from eagleflow.phases import kind_of_job, unit_of_job
 from eagleflow.watchdog.diagnosis import StallDetected
@@ -103,12 +106,20 @@ class Recipients:
 
     @classmethod
     def of_run(cls, context: dict[str, Any]) -> "Recipients":
-        """The run's frozen config; its Params only when nothing was frozen (its first task failed)."""
+        """The run's frozen config; its Params only when nothing was frozen (its first task failed), and the
+        config file alone when the run refused a Param (the deployment's recipients, not the trigger's)."""
         from eagleflow.airflow.runtime import RunContext
+        frozen = RunContext.frozen_in(context)
+        if frozen is not None:
+            return cls.of_config(frozen.cfg)
         params = dict(context.get("params") or {})
         if not params.get("config_path") and params.get("config_paths"):
             params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
-        return cls.of_config((RunContext.frozen_in(context) or RunContext.from_params(params, context["run_id"])).cfg)
+        try:
+            return cls.of_config(RunContext.from_params(params, context["run_id"]).cfg)
+        except ConfigError:   # a Param refused; one naming no usable config file refuses this too: no mail
+            return cls.of_config(RunContext.from_params({"config_path": params.get("config_path")},
+                                                        context["run_id"]).cfg)
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,79 @@ class Mail:
                 "subject": header_text(self.subject), "headline": self.headline or self.subject,
                 "where": self.where, "next_step": self.next_step, "evidence": self.evidence,
                 "links": [{"label": label, "url": url} for label, url in self.links]}
+
+
+# What whoever triggered a run wrote (issue 52 item 3) never reaches a mail in their words: each string of the
+# run's conf that a Param with neither fixed choices (enum) nor a pattern took, other than the Param's own default
+# (the deployment's), and each conf key that is no Param and no plain name, is replaced in every mail of the run
+# by the Param's name. Shorter texts are left alone: they cannot say anything, and replacing them would cut the
+# mail's own words apart. A plain key (a typo such as "shardz") stays: the mail names it, it says nothing.
+TRIGGER_TEXT_MIN_CHARS = 4
+PLAIN_CONF_KEY = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def _param(dag: Any, key: str) -> Any:
+    try:
+        return dag.params.get_param(key)
+    except Exception:   # no Param of that name
+        return None
+
+
+def _constrained(schema: dict[str, Any]) -> bool:
+    """Whether a Param's schema admits only fixed choices or a pattern (for a list, its items)."""
+    items = schema.get("items")
+    parts: list[dict[str, Any]] = [schema, items] if isinstance(items, dict) else [schema]
+    return any(k in part for part in parts for k in ("enum", "pattern"))
+
+
+def _default(param: Any) -> Any:
+    try:
+        return param.value
+    except Exception:   # a Param without a default
+        return None
+
+
+def trigger_texts(context: dict[str, Any]) -> dict[str, str]:
+    """The run's trigger text, each mapped to what a mail says instead (``[DAG Param NAME, not shown]``)."""
+    conf = getattr(context.get("dag_run"), "conf", None)
+    if not isinstance(conf, dict):
+        return {}
+    dag = context.get("dag") or getattr(context.get("task"), "dag", None)
+    out: dict[str, str] = {}
+    for key, value in conf.items():
+        param = _param(dag, str(key)) if dag is not None else None
+        if dag is not None and param is None and not PLAIN_CONF_KEY.fullmatch(str(key)):
+            out[str(key)] = "[a key of the run's conf, not shown]"
+        if param is not None and _constrained(param.schema):
+            continue
+        default = _default(param) if param is not None else None
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str) or len(text.strip()) < TRIGGER_TEXT_MIN_CHARS or text == default \
+                    or (isinstance(default, list) and text in default):
+                continue
+            out.setdefault(text, f"[DAG Param {key}, not shown]")
+    return out
+
+
+def without_trigger_text(text: str, texts: dict[str, str]) -> str:
+    """``text`` with each trigger text replaced, as written and as a repr or JSON string would quote it."""
+    forms: dict[str, str] = {}
+    for t, instead in texts.items():
+        for form in (t, repr(t)[1:-1], json.dumps(t)[1:-1]):
+            forms.setdefault(form, instead)
+    for form in sorted(forms, key=len, reverse=True):   # the longest first: one text may hold another
+        text = text.replace(form, forms[form])
+    return text
+
+
+def mail_without_trigger_text(mail: "Mail", context: dict[str, Any]) -> "Mail":
+    texts = trigger_texts(context)
+    if not texts:
+        return mail
+    def clean(text: str) -> str:
+        return without_trigger_text(text, texts)
+    return replace(mail, subject=clean(mail.subject), evidence=clean(mail.evidence), headline=clean(mail.headline),
+                   where=clean(mail.where), next_step=clean(mail.next_step))
 
 
 class _TextAndHtmlSmtpHook(SmtpHook):
@@ -183,6 +267,7 @@ class EagleflowNotifier(SmtpNotifier):
             mail = task_mail(context, self.kind)
             if mail is None:
                 return
+        mail = mail_without_trigger_text(mail, context)
         if not mail.recipients.to:
             log.info("eagleflow mail not sent (no recipients configured: watchdog.alert_emails / the "
                      "alert_emails Param): %s", mail.subject)

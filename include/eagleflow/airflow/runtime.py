@@ -55,6 +55,13 @@ PARAM_OVERRIDES: dict[str, str] = {
     "fleet_nodes": "fleet.use",
 }
 
+# A path the trigger form gives (DAG Param target_model; TRIGGER_PATH_PARAMS): what a node path holds and no more,
+# letters, digits and . _ - + / ~ (no space, colon, comma, quote or line break), so the text names a folder and
+# cannot say a sentence: it reaches node commands, their answers, logs and mails (issue 52 item 3). The form
+# checks it (the Param's pattern) and the run's first task again (config_from_params), whatever the form let in.
+TRIGGER_PATH_PATTERN = r"^[A-Za-z0-9_.+/~-]{1,4096}$"
+TRIGGER_PATH_PARAMS = ("target_model",)
+
 DEFAULT_CONFIG_ENV = "EAGLEFLOW_CONFIG"
 HEALTH_CONFIGS_ENV = "EAGLEFLOW_HEALTH_CONFIGS"
 CONFIG_DIRS_ENV = "EAGLEFLOW_CONFIG_DIRS"
@@ -117,6 +124,8 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
                           f"{full}: a relative path is resolved against the project root {project_root()} "
                           f"(${PROJECT_ROOT_ENV}, else the folder above Airflow's DAG folder); give an absolute "
                           f"path or set ${PROJECT_ROOT_ENV}")
+    for name in TRIGGER_PATH_PARAMS:
+        checked_trigger_path(params.get(name), name)
     # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
     overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
                  # False is never an override (a boolean Param only switches on); numeric 0 is (temperature 0)
@@ -141,6 +150,18 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
     if emails is not None:
         cfg.watchdog.alert_emails = checked_alert_emails(emails, cfg.watchdog.alert_emails)
     return cfg
+
+
+def checked_trigger_path(value: Any, name: str) -> None:
+    """A path the trigger form gave (``name``: its DAG Param) fits ``TRIGGER_PATH_PATTERN``, or ConfigError naming
+    the Param, never its value: the trigger's words are not repeated in a log line a mail may carry."""
+    if value in (None, ""):
+        return
+    if not isinstance(value, str) or not re.fullmatch(TRIGGER_PATH_PATTERN, value):
+        raise ConfigError(f"DAG Param {name} is refused: a path from the trigger form holds only letters, digits and "
+                          ". _ - + / ~ (no spaces, colons, commas, quotes or line breaks); its value is not shown "
+                          f"(it is the trigger's text). Give the folder on the node, e.g. /models/Kimi-K2.5, or "
+                          "leave the Param empty to use the config's, and trigger again")
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@([A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
