@@ -211,7 +211,9 @@ class CaptureConfig(_Section):
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="how often a worker rewrites its "
                                         "heartbeat (the watch reads it)")
     extra_server_args: list[str] = Field(default_factory=list, description="appended to the serving engine's "
-                                         "command line (sglang: launch_server flags)")
+                                         "command line (sglang: launch_server flags); a flag eagleflow sets "
+                                         "itself (--host, --port, --middleware, ...: eagleflow.server_flags) is "
+                                         "refused")
 
     @field_validator("backend")
     @classmethod
@@ -409,7 +411,8 @@ class EvalConfig(_Section):
                                    "may take to load before it answers")
     request_timeout_s: float = Field(default=600.0, gt=0, description="server backends: one request")
     extra_server_args: list[str] = Field(default_factory=list, description="server backends: appended to each "
-                                         "server command (e.g. sglang's --mem-fraction-static 0.8)")
+                                         "server command (e.g. sglang's --mem-fraction-static 0.8); a flag "
+                                         "eagleflow sets itself (eagleflow.server_flags) is refused")
 
     @field_validator("backend")
     @classmethod
