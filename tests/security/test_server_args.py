@@ -122,7 +122,8 @@ def _engine_like_parser() -> argparse.ArgumentParser:
         for i, n in enumerate(names):
             shorts = [f"-{s}" for s in entry.short] if i == len(names) - 1 else []
             p.add_argument(f"--{n}", *shorts, dest=n, nargs="?", const="on")
-    for theirs in ("--mem-fraction-static", "--max-model-len", "--enforce-eager", "--model-impl", "--served-model-name"):
+    for theirs in ("--mem-fraction-static", "--max-model-len", "--enforce-eager", "--model-impl",
+                   "--served-model-name"):
         p.add_argument(theirs, nargs="?", const="on")
     return p
 
