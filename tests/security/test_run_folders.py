@@ -32,6 +32,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.local_run import LocalRun
 from eagleflow.nodes import LocalNode, Node, NodeCommandFailed, NodeFileRefused
 from eagleflow.phase_jobs import check_server_ready, server_url_in, start_exclusive
+from tests.fixtures.sshd import sshd  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_UID = 65534
@@ -250,3 +251,26 @@ def test_server_info_files_are_written_not_group_writable_whatever_the_umask(tmp
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "capture_server.json").stat().st_mode) == 0o644
     assert server_url_in(str(tmp_path / "capture_server.json")) == "http://127.0.0.1:1"
+
+
+@pytest.mark.slow
+def test_over_ssh_info_files_are_read_as_ours_and_detach_refuses_another_users_folder(shared, tmp_path, sshd,
+                                                                                      monkeypatch):  # noqa: F811
+    """The same two checks through SSHNode over a real sshd: the remote `python -m eagleflow.durable
+    --read-owned` and the remote detach with --owned-root."""
+    from eagleflow.nodes.ssh import SSHNode
+    monkeypatch.setenv("AIRFLOW_CONN_RUN_FOLDERS_TEST", sshd.airflow_conn())
+    path = _info(shared)
+    with SSHNode("run_folders_test", name="gpu-node-3", python=sys.executable) as node:
+        assert node.read_owned_text(str(path)) == path.read_text()
+        assert node.read_owned_text(str(path) + ".absent") is None
+        os.chmod(path, 0o664)
+        with pytest.raises(NodeFileRefused, match=r"on node gpu-node-3: .*writable by group or others \(mode 664\)"):
+            node.read_owned_text(str(path))
+        ssh_run = LocalRun(cfg=shared.cfg, layout=shared.layout, config_path=shared.config_path, _node=node)
+        locks = Path(str(shared.layout.locks_dir))
+        locks.parent.mkdir()
+        as_other_user_mkdir(locks)
+        with pytest.raises(NodeCommandFailed, match=rf"folder {locks} is owned by uid {OTHER_UID}"):
+            _start(ssh_run)
+        assert os.listdir(locks) == []
