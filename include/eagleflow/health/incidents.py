@@ -19,11 +19,14 @@ and the scopes it observed in, to the new book and the mails now due:
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from eagleflow.gpu.snapshot import GpuSnapshot
+
+from eagleflow.watchdog.incidents import node_time
 
 from .airflow_health import HEALTH_PATH, gone
 from .durations import duration
@@ -186,16 +189,68 @@ def airflow_findings(doc: dict[str, Any]) -> list[Finding]:
 
 
 def watch_silent_findings(node: str, alarms: list[dict[str, Any]]) -> list[Finding]:
-    """A sentinel's raised alarm on the node (nothing looked at a running job for 3 poll intervals), one finding
-    per job; scope "watch:<node>": a node read without that alarm resolves it."""
-    out = []
+    """Sentinels' raised alarms on the node (nothing looked at a running job for 3 poll intervals) as one finding
+    per run, naming every silent job of it: those whose sentinel raised its alarm, and those nothing has looked at
+    either since (``silent_with``, read on the node: their sentinels alarm later, each on its own clock; the mail
+    named shard 0 only in the issue 52 drill, though shard 1 was just as silent). Scope "watch:<node>": a node
+    read without those alarms resolves it. "the node mailed this already" only when the node mailed every one."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
     for a in alarms:
-        job, run = a.get("job") or a.get("role") or "?", a.get("run_id") or "?"
-        look = a.get("last_look") or {}
-        out.append(Finding(key=f"{node}:watch_silent:{run}:{a.get('role')}", scope=f"watch:{node}", node=node,
-                           kind="watch_silent", topic=f"{node}: nothing watches {job} of run {run}",
-                           subject=str(a.get("subject") or f"{node}: nothing watches {job} of run {run}")
-                           .removeprefix("[eagleflow] "),   # the mail adds it
-                           detail=(f"{a.get('detail') or ''}\n\nLast look: {json.dumps(look) if look else 'none'}; "
-                                   f"the node {'mailed this already' if a.get('mailed') else 'could not mail it (' + str(a.get('mail_error') or 'no watchdog.node_smtp') + ')'}.")))
+        by_run.setdefault(str(a.get("run_id") or "?"), []).append(a)
+    return [_watch_silent_finding(node, run, group) for run, group in by_run.items()]
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _silent_with(a: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alarm's ``silent_with`` entries as plain values (a node's answer: text cut, times checked)."""
+    out = []
+    for x in a.get("silent_with") or []:
+        if not isinstance(x, dict):
+            continue
+        try:
+            last = node_time(x.get("last_look_at"), "last_look_at")
+        except ValueError:
+            continue
+        out.append({"job": str(x.get("job") or x.get("role") or "?")[:80], "last_look_at": last})
     return out
+
+
+def _watch_silent_finding(node: str, run: str, alarms: list[dict[str, Any]]) -> Finding:
+    alarms = sorted(alarms, key=lambda a: str(a.get("role")))
+    raised = [str(a.get("job") or a.get("role") or "?") for a in alarms]
+    also: dict[str, float | None] = {}
+    for a in alarms:
+        for x in _silent_with(a):
+            if x["job"] not in raised:
+                also.setdefault(x["job"], x["last_look_at"])
+    jobs = raised + sorted(also)
+    lines = []
+    for a in alarms:
+        look = a.get("last_look") or {}
+        lines.append(f"{a.get('detail') or ''}\n\nLast look at {a.get('job') or a.get('role')}: "
+                     f"{json.dumps(look) if look else 'none'}")
+    for job, last in sorted(also.items()):
+        lines.append(f"{job} of run {run} is just as silent (its own sentinel alarms later): last look "
+                     + (time.strftime("at %H:%M:%S", time.localtime(last)) if last else "none since its worker started"))
+    if all(a.get("mailed") for a in alarms) and not also:
+        mailed = "The node mailed this already."
+    elif any(a.get("mailed") for a in alarms):
+        mailed = (f"The node mailed {_and([str(a.get('job')) for a in alarms if a.get('mailed')])} only; this mail "
+                  f"names every silent job.")
+    else:
+        errors = {str(a.get("mail_error") or "no watchdog.node_smtp") for a in alarms}
+        mailed = f"The node could not mail it ({'; '.join(sorted(errors))})."
+    if len(jobs) == 1:
+        subject = str(alarms[0].get("subject") or f"{node}: nothing watches {jobs[0]} of run {run}")
+    else:
+        silent_s = [float(a["raised_at"]) - float(a["silent_since"]) for a in alarms
+                    if isinstance(a.get("raised_at"), (int, float)) and isinstance(a.get("silent_since"), (int, float))]
+        subject = (f"WATCH SILENT {_and(jobs)} of run {run} on {node}"
+                   + (f": no look for {max(silent_s):.0f} s" if silent_s else ""))
+    return Finding(key=f"{node}:watch_silent:{run}", scope=f"watch:{node}", node=node, kind="watch_silent",
+                   topic=f"{node}: nothing watches {_and(jobs)} of run {run}",
+                   subject=subject.removeprefix("[eagleflow] "),   # the mail adds it
+                   detail="\n\n".join(lines) + f"\n\n{mailed}")

@@ -9,6 +9,7 @@ runs with whatever interpreter the node has.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import re
 import sys
@@ -179,6 +180,48 @@ def _watch_alarms(state_dir: Path, skipped: list[str] | None = None) -> list[dic
         sentinel = status(state_dir / "pids" / f"{d.get('run_id')}.sentinel_{d.get('role')}{RECORD_SUFFIX}")
         if sentinel.alive and sentinel.record is not None and sentinel.record.pid == d.get("sentinel_pid"):
             out.append(d)
+    raised = {(a.get("run_id"), a.get("role")) for a in out}
+    for a in out:
+        a["silent_with"] = _silent_alongside(state_dir, a, raised)
+    return out
+
+
+def _job_name(role: str, alarm: dict) -> str:
+    """How the watch names the job of ``role`` ("shard 1/2", "generate shard 1/2", "training"): the shard count
+    from the alarm's own job when it is a shard of the same phase."""
+    if role == "trainer":
+        return "training"
+    for kind in KINDS.values():
+        if re.fullmatch(kind.worker_role_pattern(), role):
+            shard = int(role[-5:])
+            m = re.fullmatch(re.escape(kind.watch_name) + r" \d+/(\d+)", str(alarm.get("job") or ""))
+            return f"{kind.watch_name} {shard}" + (f"/{m.group(1)}" if m else "")
+    return role
+
+
+def _silent_alongside(state_dir: Path, alarm: dict, raised: set) -> list[dict]:
+    """The other running jobs of the alarm's run that nothing has looked at either since its watch went silent (no
+    look within one of their own look intervals after the alarm's last look: one triggerer watches them all, so
+    a live one would have looked), each {"role", "job", "last_look_at"}. Their own sentinels alarm later, each on
+    its own clock; gpu_node_health's mail names them all at once (issue 52: it named shard 0 only)."""
+    from eagleflow.watchdog.sentinel import look_interval_s, recent_looks
+    run, since, poll = alarm.get("run_id"), alarm.get("silent_since"), alarm.get("poll_interval_s")
+    if not isinstance(run, str) or not run or not isinstance(since, (int, float)) \
+            or not isinstance(poll, (int, float)) or poll <= 0:
+        return []
+    suffix = ".looks.jsonl"
+    out = []
+    for path in sorted((state_dir / "watch").glob(f"{glob.escape(run)}.*{suffix}")):
+        role = path.name[len(run) + 1:-len(suffix)]
+        if (run, role) in raised or not re.fullmatch(r"trainer|[a-z_]+\d{5}", role):
+            continue
+        job = status(state_dir / "pids" / f"{run}.{role}{RECORD_SUFFIX}")
+        if not job.alive or job.record is None:
+            continue
+        fresh = [lk for lk in recent_looks(str(path)) if float(lk["at"]) >= job.record.started_at]
+        last = float(fresh[-1]["at"]) if fresh else None
+        if (last if last is not None else job.record.started_at) <= since + look_interval_s(fresh, float(poll)):
+            out.append({"role": role, "job": _job_name(role, alarm), "last_look_at": last})
     return out
 
 
