@@ -46,12 +46,26 @@ def _setup(tmp_path, **eval_cfg):
 def _draft(tmp_path, name, **quality):
     d = tmp_path / name
     d.mkdir()
+    # the ids are checked before any server starts (sglang would take its default layers without them)
+    (d / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 5, 6]}}))
     (d / "fake_draft.json").write_text(json.dumps(quality))
     return d
 
 
 def _prompts(n, base=0):
     return [{"id": f"p{i}", "prompt_ids": [base + i, 5, 9]} for i in range(n)]
+
+
+def test_a_draft_without_its_layer_ids_is_refused_before_any_server_starts(tmp_path):
+    cfg, layout = _setup(tmp_path)
+    d = _draft(tmp_path, "dropped", accept=2)
+    (d / "config.json").write_text(json.dumps({"eagle_config": {"use_aux_hidden_state": True}}))
+    with pytest.raises(sb.SglangEvalError, match=r"draft draft .*dropped: .*dropped/config.json names no "
+                                                 r"eagle_aux_hidden_state_layer_ids \(None\): SGLang would feed the "
+                                                 r"draft its own default layers"):
+        sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts={"draft": d},
+                   prompt_sets={"held_out": _prompts(1)}, log=lambda m: None, command=_fake_command())
+    assert not Path(str(layout.log_file("eval_sglang_target"))).exists()   # refused before any server
 
 
 def test_acceptance_per_configuration_and_prompt_set_and_every_server_stopped(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from eagleflow.capture.aux_layers import VLLM_EAGLE3_ARCHITECTURES, sglang_aux_layer_ids, vllm_aux_layer_ids
 from eagleflow.train.checkpoint import save_checkpoint
-from eagleflow.train.export import SGLANG_WEIGHT_NAMES, SPECULATORS_FLAGS, export_draft
+from eagleflow.train.export import SGLANG_WEIGHT_NAMES, SPECULATORS_EMBEDDING, SPECULATORS_FLAGS, export_draft
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
 from eagleflow.train.model import DraftConfig, Eagle3Draft
 
@@ -81,9 +81,12 @@ def test_both_formats_by_default_same_tensors_vllm_numbering_and_our_flags(tmp_p
     assert "architectures" not in layer and "eagle_config" not in layer
     # weights: midlayer.* as layers.0.*, the same tensors, d2t/t2d kept as they are
     ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(out / SPECULATORS_DIR / "model.safetensors"))
-    assert set(theirs) == {n.replace("midlayer.", "layers.0.") for n in SGLANG_WEIGHT_NAMES}
+    assert set(theirs) == {n.replace("midlayer.", "layers.0.") for n in SGLANG_WEIGHT_NAMES} | {SPECULATORS_EMBEDDING}
     for n, t in ours.items():
         assert torch.equal(theirs[n.replace("midlayer.", "layers.0.")], t), n
+    # the target's own embedding, which speculators' model reads from the checkpoint (vLLM shares the target's)
+    target_embed = load_file(str(llama / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(theirs[SPECULATORS_EMBEDDING], target_embed.float())
     assert torch.equal(theirs["d2t"], torch.arange(64) * 2) and theirs["d2t"].dtype == torch.int64
     assert theirs["t2d"].dtype == torch.bool and int(theirs["t2d"].sum()) == 64
     meta = json.loads((out / "eagleflow_export.json").read_text())
@@ -140,6 +143,33 @@ def test_no_layer_ids_never_fall_back_to_defaults(tmp_path, llama):
                        head_dim=4, vocab_size=32, draft_vocab_size=16)
     with pytest.raises(ValueError, match="aux layer ids are empty"):
         speculators_config(dcfg, [], "float32", "/nowhere")
+
+
+def test_an_export_whose_layer_ids_were_removed_or_changed_is_refused_before_vllm_serves_it(tmp_path, llama):
+    """vLLM takes its default layers (2, N // 2, N - 3) where eagle_aux_hidden_state_layer_ids is missing: the
+    export check (run by the vllm evaluator before any server starts) refuses such an export, and one whose ids
+    are not the layers eagleflow_export.json says it was trained on."""
+    from eagleflow.evaluate.vllm_backend import VllmEvalError, check_drafts
+    from eagleflow.train.export import layer_ids_problem
+    out = export_draft(_checkpoint(tmp_path, llama), tmp_path / "export", dtype="float32")
+    spec = out / SPECULATORS_DIR / "config.json"
+    conf = json.loads(spec.read_text())
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]   # AUX + 1; vLLM's default for 6 layers: 2, 3, 3
+    assert layer_ids_problem(out, llama, "speculators") is None
+    check_drafts({"draft": out}, llama)
+    for ids in (None, []):
+        spec.write_text(json.dumps({**conf, "eagle_aux_hidden_state_layer_ids": ids}))
+        assert f"names no eagle_aux_hidden_state_layer_ids ({ids!r}): vLLM would feed the draft its own " \
+               "default layers" in str(layer_ids_problem(out, llama, "speculators"))
+        with pytest.raises(VllmEvalError, match=r"draft draft .*export: .*names no eagle_aux_hidden_state_layer_ids"):
+            check_drafts({"draft": out}, llama)
+    spec.write_text(json.dumps({k: v for k, v in conf.items() if k != "eagle_aux_hidden_state_layer_ids"}))
+    with pytest.raises(VllmEvalError, match=r"names no eagle_aux_hidden_state_layer_ids \(None\)"):
+        check_drafts({"draft": out}, llama)
+    spec.write_text(json.dumps({**conf, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))   # sglang's numbering
+    with pytest.raises(VllmEvalError, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3\], but the draft was "
+                                            r"trained on the outputs of layers \[1, 2, 3\] .*vLLM ids \[2, 3, 4\]"):
+        check_drafts({"draft": out}, llama)
 
 
 def test_cli_export_writes_the_configured_formats(tmp_path, llama):

@@ -84,7 +84,8 @@ def _export(d: Path, **quality) -> Path:
     """An export directory with its speculators folder (what the stand-in reads: how good the 'draft' is)."""
     (d / "speculators").mkdir(parents=True)
     (d / "config.json").write_text("{}")
-    (d / "speculators" / "config.json").write_text("{}")
+    # the ids are checked before any server starts (vLLM would take its default layers without them)
+    (d / "speculators" / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [3, 6, 7]}))
     (d / "speculators" / "fake_draft.json").write_text(json.dumps(quality))
     return d
 

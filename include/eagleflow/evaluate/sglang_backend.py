@@ -69,6 +69,20 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     return argv + list(cfg.eval.extra_server_args)
 
 
+def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
+    """Each draft names the target layers it was trained on (SGLang takes its default layers where
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` is missing), before any server starts."""
+    from eagleflow.engines import ENGINES
+    from eagleflow.train.export import layer_ids_problem
+    for draft_role, d in drafts.items():
+        try:
+            problem = layer_ids_problem(d, target_dir, str(ENGINES["sglang"].draft_format))
+        except (OSError, ValueError) as e:   # no config.json, unreadable JSON, a target sglang cannot number
+            problem = str(e)
+        if problem:
+            raise SglangEvalError(f"{draft_role} draft {d}: {problem}")
+
+
 # --- one request, one prompt set ------------------------------------------------------------------------------
 
 def generate_body(prompt_ids: list[int], max_new: int, rid: str, top2: bool) -> dict:
@@ -153,6 +167,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
         command = build_command
     else:
         version = None
+    check_drafts(drafts, target_dir)
     threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
 

@@ -84,14 +84,22 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     return argv + list(cfg.eval.extra_server_args)
 
 
-def check_drafts(drafts: dict[str, Path]) -> None:
-    """Each draft has the speculators folder vLLM loads, before any server starts."""
+def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
+    """Each draft has the speculators folder vLLM loads, naming the target layers it was trained on (vLLM takes
+    its default layers where the ids are missing), before any server starts."""
+    from eagleflow.train.export import layer_ids_problem
     for draft_role, d in drafts.items():
         spec = speculators_dir(d)
         if not (spec / "config.json").is_file():
             raise VllmEvalError(f"{draft_role} draft {d} has no {spec}/config.json (the speculators format vLLM "
                                 "serves): export it with train.export_formats including speculators (the default) "
                                 "and rerun `eagleflow export`, or use eval.backend sglang")
+        try:
+            problem = layer_ids_problem(d, target_dir, str(ENGINES["vllm"].draft_format))
+        except (OSError, ValueError) as e:   # unreadable JSON, a target vLLM cannot number
+            problem = str(e)
+        if problem:
+            raise VllmEvalError(f"{draft_role} draft {d}: {problem}")
 
 
 # --- one prompt set ---------------------------------------------------------------------------------------------
@@ -258,7 +266,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
     from eagleflow.capture.client import _request
     ec = cfg.eval
     version = check_vllm() if command is None else None
-    check_drafts(drafts)
+    check_drafts(drafts, target_dir)
     threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
 

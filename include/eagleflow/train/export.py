@@ -27,7 +27,15 @@ vLLM 0.33.0 reads itself (``transformers_utils/configs/speculators``):
   layers the draft was trained on; never null, which would make vLLM feed its default layers), and
   the four architecture flags set to what ``model.Eagle3Draft`` computes: ``SPECULATORS_FLAGS``.
   Each is written even where it equals a default: vLLM defaults ``norm_before_residual`` to true.
-- ``model.safetensors``: ``midlayer.*`` as ``layers.0.*``, the rest (``d2t``, ``t2d`` included) as named.
+- ``model.safetensors``: ``midlayer.*`` as ``layers.0.*``, the rest (``d2t``, ``t2d`` included) as named,
+  and ``embed_tokens.weight``: the target's own embedding (``SPECULATORS_EMBEDDING``), which the draft reads
+  frozen. speculators 0.9.0's ``SpeculatorModel.from_pretrained`` fills a missing embedding from the verifier
+  only while it is still NaN, and transformers' initialisation of the missing key gets there first (values
+  up to 1.5e37 were seen): without it, speculators' own model of the export computes garbage. vLLM 0.33.0's
+  ``Eagle3LlamaForCausalLM.load_weights`` loads it (``has_own_embed_tokens``), and its proposer still shares
+  the target's embedding when the two are equal (``_maybe_share_embeddings``: ``torch.equal``; a copy in
+  another dtype than the served one is kept beside it, same values rounded). It costs vocab x hidden x the
+  export dtype's bytes on disk (Kimi-K2.5 in bf16: 163,840 x 7,168 x 2 = 2.3 GB).
 """
 from __future__ import annotations
 
@@ -61,6 +69,9 @@ SPECULATORS_VERSION = "0.9.0"          # the speculators release this format is 
 #   norm_before_fc / fc_norm: an RMSNorm over the concatenated / each aux state before fc? No: fc(aux) as is.
 #   norm_output: feed norm(out) to the next step? No: the pre-norm output; norm only before lm_head.
 SPECULATORS_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+# The target's embedding, in the speculators format only (SGLang and vLLM share the target's at serve time;
+# speculators' own model reads it from the checkpoint: see the module docstring).
+SPECULATORS_EMBEDDING = "embed_tokens.weight"
 
 
 def target_dtype_name(target_dir: str | Path) -> str:
@@ -192,6 +203,7 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
                          "it was not written by `eagleflow train`")
     layer_ids = eagle_layer_ids(state["target_model"], state["aux_layers"]) if "sglang" in fmts else []
     vllm_ids = vllm_layer_ids(state["target_model"], state["aux_layers"]) if "speculators" in fmts else []
+    embedding = target_embedding(state["target_model"], dcfg) if "speculators" in fmts else None
     out: dict[str, torch.Tensor] = {}
     for n in SGLANG_WEIGHT_NAMES:
         t = weights[n]
@@ -205,8 +217,10 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
         if "speculators" in fmts:
             spec = tmp / SPECULATORS_DIR
             spec.mkdir()
-            save_file({speculators_weight_name(n): t for n, t in out.items()}, str(spec / "model.safetensors"),
-                      metadata=meta)
+            spec_weights = {speculators_weight_name(n): t for n, t in out.items()}
+            if embedding is not None:   # always, with the speculators format (read above, before any write)
+                spec_weights[SPECULATORS_EMBEDDING] = embedding.to(_DTYPES[name]).contiguous()
+            save_file(spec_weights, str(spec / "model.safetensors"), metadata=meta)
             (spec / "config.json").write_text(json.dumps(
                 speculators_config(dcfg, vllm_ids, name, state["target_model"]), indent=2) + "\n")
         (tmp / "eagleflow_export.json").write_text(json.dumps(
@@ -215,6 +229,50 @@ def export_draft(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto
              "formats": {f: str(format_dir(out_dir, f)) for f in fmts}},
             indent=2) + "\n")
     return out_dir
+
+
+def target_embedding(target_dir: str | Path, dcfg: DraftConfig) -> torch.Tensor:
+    """The target's input embedding [vocab, hidden] (what the draft reads, frozen), checked against the draft."""
+    from .loss import load_target_tensors
+    got = load_target_tensors(target_dir, ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"])
+    embed = got.get("model.embed_tokens.weight", got.get("model.language_model.embed_tokens.weight"))
+    if embed is None:
+        raise KeyError(f"exporting the speculators format for target {target_dir}: no model.embed_tokens.weight in "
+                       "its safetensors (speculators' model reads the draft's embedding from the export)")
+    if tuple(embed.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise ValueError(f"exporting the speculators format for target {target_dir}: its embedding is "
+                         f"{list(embed.shape)}, the draft reads [{dcfg.vocab_size}, {dcfg.hidden_size}]; was the "
+                         "draft trained on this target?")
+    return embed
+
+
+def layer_ids_problem(export_dir: str | Path, target_dir: str | Path, fmt: str) -> str | None:
+    """Why the engine serving export format ``fmt`` would feed the draft other target layers than the ones it
+    was trained on, or None. Both engines read the draft's ``eagle_aux_hidden_state_layer_ids`` (SGLang under
+    ``eagle_config``) and, where it is missing or empty, take their own default (vLLM (2, N // 2, N - 3),
+    sglang the same layers) without a word: a list dropped on the way (speculators' converter writes null unless
+    told) or written for other layers is refused here, before anything is served."""
+    from eagleflow import bounded_json
+    path = format_dir(export_dir, fmt) / "config.json"
+    conf = bounded_json.read(path)
+    conf = conf if isinstance(conf, dict) else {}
+    holder = conf if fmt == "speculators" else conf.get("eagle_config")
+    ids = holder.get("eagle_aux_hidden_state_layer_ids") if isinstance(holder, dict) else None
+    engine = engine_serving_format(fmt).label
+    if not ids:
+        return (f"{path} names no eagle_aux_hidden_state_layer_ids ({ids!r}): {engine} would feed the draft its "
+                "own default layers, not the ones it was trained on; re-export it with `eagleflow export` (or "
+                f"write the ids its training used, in {engine}'s numbering)")
+    meta = Path(export_dir) / "eagleflow_export.json"
+    trained = bounded_json.read(meta) if meta.is_file() else None
+    trained = trained.get("aux_layer_outputs") if isinstance(trained, dict) else None
+    if trained:
+        want = _layer_ids(target_dir, trained, fmt, "")
+        if list(ids) != want:
+            return (f"{path}: eagle_aux_hidden_state_layer_ids {list(ids)}, but the draft was trained on the outputs "
+                    f"of layers {trained} of {target_dir}, {engine} ids {want} ({meta}); re-export it with "
+                    "`eagleflow export`")
+    return None
 
 
 def export_latest(draft_dir: str | Path, out_dir: str | Path | None = None, dtype: str = "auto",
