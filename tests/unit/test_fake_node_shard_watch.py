@@ -318,3 +318,14 @@ def test_a_server_stopped_or_gone_before_the_start_is_an_incident_recovered_thro
     assert trigger.recoveries_left == ctx.cfg.watchdog.recoveries_in_watch - 1
     assert "before the shard started" in log.text("warning")
     assert node.commands("tail")[0].argv[-1] == str(ctx.layout.log_file("capture_server"))   # its log in the mail
+
+
+def test_a_finished_shard_whose_server_is_gone_starts_without_an_incident(run):
+    """Its task cleared after the teardown stopped the server: nothing of the shard needs the server."""
+    ctx, node = run
+    node.put(str(ctx.layout.heartbeat_file(3)), Heartbeat(job="extract shard 3/4", pid=5, state="complete", done=25,
+                                                          total=25).to_json())
+    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    with pytest.raises(TaskDeferred):
+        op.run(ctx, task_context(ctx, op))
+    assert node.commands("recover") == [] and [p.role for p in node.spawned][0] == "worker_shard_00003"

@@ -1,7 +1,7 @@
 """The one check before a shard's worker starts, for every sharded phase (extraction and generation alike).
 
 A fault found here is a fault like one the watch finds, and takes the same road: the shard's server ours but
-stopped (state T, SIGSTOP'd or traced), a zombie, or gone while the shard is not complete; or, on a retry, the
+stopped (state T, SIGSTOP'd or traced) or a zombie, or gone while the shard is not complete; or, on a retry, the
 watch's own look finding the shard stalled, dead or failed with a cause the watch recovers (the server, the
 worker). ``fault_before_start`` returns the watch's ``recovering`` event for it (the incident of (node, cause)
 opened or joined on the node, ``eagleflow recover --incident-only``), and the operator starts its watch from that
@@ -33,18 +33,19 @@ from eagleflow.watchdog.protocol import WatchEvent
 SERVER_CAUSE = "capture_server"   # the watch's name for "the job's server", whichever phase's it is
 
 
-def server_process_fault(ctx: RunContext, kind: ShardKind) -> str:
-    """Why the phase's recorded server can never answer ('' when it can): gone, or ours and stopped/zombie.
-    Read from its pid record and /proc only."""
+def server_process_fault(ctx: RunContext, kind: ShardKind) -> tuple[str, str]:
+    """("gone" | "stuck", why) when the phase's recorded server can never answer: gone, or ours and stopped,
+    traced or a zombie; ("", "") when it can. Read from its pid record and /proc only."""
     pid_file = ctx.layout.pid_file(kind.server_role)
     st = ctx.node.process_status(str(pid_file))
     if not st.alive:
-        return (f"the {kind.server} is not running (pid record {pid_file}: "
-                f"{'absent' if not st.recorded else st.detail})")
+        return "gone", (f"the {kind.server} is not running (pid record {pid_file}: "
+                        f"{'absent' if not st.recorded else st.detail})")
     if st.state in STUCK_STATES:
         pid = st.record.pid if st.record else "?"
-        return f"the {kind.server} pid {pid} is {STUCK_STATES[st.state]}: it cannot answer until it is restarted"
-    return ""
+        return "stuck", (f"the {kind.server} pid {pid} is {STUCK_STATES[st.state]}: it cannot answer until it is "
+                         "restarted")
+    return "", ""
 
 
 def _heartbeat(ctx: RunContext, kind: ShardKind, shard: int) -> Heartbeat | None:
@@ -118,17 +119,17 @@ def fault_before_start(ctx: RunContext, shard: int, phase: str, trigger: ShardWa
         log.warning("%s %d: a retry's first look found it %s (cause %s): opening the incident and recovering "
                     "now: %s", kind.watch_name, shard, look.verdict, look.cause, look.summary)
         return trigger.fault_event(ctx, look)
-    hb = _heartbeat(ctx, kind, shard)
-    if hb is not None and hb.state == "complete":
-        return None   # nothing left for the server to do for this shard: the worker attaches and ends
     try:
-        why = server_process_fault(ctx, kind)
+        state, why = server_process_fault(ctx, kind)
     except NodeError as e:   # the look itself failed: the watch decides, nothing is restarted here
         log.warning("%s %d: the %s was not looked at before the start (%s); the watch decides", kind.watch_name,
                     shard, kind.server, e)
         return None
-    if not why:
+    if not state:
         return None
+    hb = _heartbeat(ctx, kind, shard)
+    if state == "gone" and hb is not None and hb.state == "complete":
+        return None   # a finished shard needs no server (its task cleared after the teardown): nothing to recover
     diag = server_fault_diagnosis(ctx, kind, shard, why, hb)
     log.warning("%s %d: before the shard started, %s; opening the incident and recovering now",
                 kind.watch_name, shard, why)
