@@ -131,3 +131,42 @@ def test_under_a_cpu_burner_load_a_working_trainer_with_a_late_heartbeat_is_neve
     assert events == [], (events, f"load {load:.1f}")
     d = TrainWatchTrigger(ctx.serialize()).look_once(ctx)
     assert d.verdict == "starting" and "slow, not frozen" in d.summary, d.summary
+
+
+def test_cpu_progress_is_compared_member_by_member_across_reads():
+    """A member that exits takes nothing away, one that appears brings what it used, another leader (or a
+    damaged memory) starts over: nothing is known about CPU before the first read."""
+    from eagleflow.watchdog.signals import WatchMemory, track_cpu
+    mem = WatchMemory()
+    first = track_cpu(mem, "trainer", "100:5", {"100:5": 50, "101:6": 10}, now=1000.0)
+    assert (first.quiet_since, first.first_at, first.last_gain_at, first.ticks) == (1000.0, 1000.0, None, 0)
+    # 101 exited (its 10 ticks leave), 102 appeared with 3, the leader gained nothing: +3 ticks
+    second = track_cpu(mem, "trainer", "100:5", {"100:5": 50, "102:9": 3}, now=1004.0)
+    assert second.ticks == 3 and second.quiet_since == 1004.0 and second.last_gain_over_s == 4.0
+    # nothing gained for 12 s: quiet since the last read that gained
+    third = track_cpu(mem, "trainer", "100:5", {"100:5": 50, "102:9": 3}, now=1016.0)
+    assert third.quiet_since == 1004.0 and third.ticks == 3 and third.last_gain_at == 1004.0
+    # a new leader (a restarted trainer): starts over
+    other = track_cpu(mem, "trainer", "200:7", {"200:7": 500}, now=1017.0)
+    assert (other.quiet_since, other.first_at, other.last_gain_at) == (1017.0, 1017.0, None)
+    # a damaged memory (numbers that are not, a clock gone back): starts over, never raises
+    mem.cpu["trainer"] = {**mem.cpu["trainer"], "at": "soon"}
+    assert track_cpu(mem, "trainer", "200:7", {"200:7": 900}, now=1018.0).first_at == 1018.0
+    assert track_cpu(mem, "trainer", "200:7", {"200:7": 950}, now=1010.0).first_at == 1010.0
+    mem.cpu = "garbage"   # type: ignore[assignment]
+    assert track_cpu(mem, "trainer", "200:7", {"200:7": 950}, now=1020.0).members == 1
+
+
+def test_group_cpu_ticks_reads_every_live_member_of_a_real_group(run):
+    from eagleflow.nodes.proc import group_cpu_ticks
+    ctx, started = run
+    # a leader that burns CPU and a child of it (same group) that does too
+    p = spawn(ctx, "trainer", "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+                              + BURN)
+    started.append(p)
+    wait_until(lambda: len(group_cpu_ticks(p.pgid)) == 2, 10, what="leader and child in the group")
+    before = group_cpu_ticks(p.pgid)
+    assert any(k.startswith(f"{p.pid}:") for k in before)
+    wait_until(lambda: all(group_cpu_ticks(p.pgid).get(k, 0) > v for k, v in before.items()), 10,
+               what="both members gained CPU ticks", describe=lambda: (before, group_cpu_ticks(p.pgid)))
+    assert group_cpu_ticks(1) == {} and group_cpu_ticks(999_999_999) == {}
