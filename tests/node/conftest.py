@@ -32,7 +32,7 @@ def capture_env(tmp_path, monkeypatch):
     """The env the launcher gives sglang's scheduler processes, dumps into tmp_path."""
     from eagleflow.capture import sglang_plugin as plugin
     monkeypatch.setenv(plugin.ENV_DUMP_DIR, str(tmp_path / "dumps"))
-    monkeypatch.setenv(plugin.ENV_AUX_LAYERS, "[1, 3, 4]")
+    monkeypatch.setenv(plugin.ENV_AUX_LAYERS, "[2, 5, 6]")   # not the default of an 8-layer target ([1, 3, 4])
     monkeypatch.setenv(plugin.ENV_MODEL, "tiny-llama")
     monkeypatch.setattr(plugin, "_settings", None)
     return tmp_path / "dumps"

@@ -64,7 +64,7 @@ def test_batched_prefill_is_dumped_row_by_row_per_request(capture_env, attn_tp_r
         "sglang's own request and the cache hit get no dump"
     for rid, start, n in ((a, 0, 5), (c, 10, 7)):
         d = read_dump(capture_env / f"{rid}.safetensors")
-        assert d.rid == rid and d.aux_layers == [1, 3, 4] and d.model == "tiny-llama"
+        assert d.rid == rid and d.aux_layers == [2, 5, 6] and d.model == "tiny-llama"
         assert d.input_ids.tolist() == ids[start:start + n].tolist()
         got_aux, got_last = d.aux_hidden_states.to_torch(), d.hidden_states.to_torch()
         assert got_aux.dtype == torch.bfloat16 and got_aux.shape == (n, K * H)

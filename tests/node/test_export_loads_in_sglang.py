@@ -12,11 +12,17 @@ import json
 import pytest
 import torch
 
+from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS
+
+# the draft is trained on these outputs of the 8-layer target: sglang ids [2, 5, 6] (Llama adds 1: it captures
+# layers [3, 6, 7]), where its default captures [2, N // 2, N - 3] = [2, 4, 5]
+AUX = NOT_DEFAULT_AUX_LAYERS
+
 
 def _target(d):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
                       rope_theta=10000.0, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(d)
@@ -40,7 +46,7 @@ def _export(tmp_path, target):
                 p.uniform_(0.5, 1.5)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     ckpt = save_checkpoint(tmp_path / "ckpt", 1, model.trainable_state_dict(), opt,
-                           {"draft_config": dcfg.to_json(), "aux_layers": [1, 2, 3], "target_model": str(target),
+                           {"draft_config": dcfg.to_json(), "aux_layers": AUX, "target_model": str(target),
                             "metrics": {}})
     return export_draft(ckpt, tmp_path / "export", dtype="float32")
 

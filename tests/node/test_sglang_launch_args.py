@@ -11,8 +11,12 @@ from eagleflow.capture.aux_layers import (default_aux_layers, layer_outputs_from
                                           target_architectures_and_layers)
 from eagleflow.capture.sglang_launcher import SglangLaunchError, build_command, check_model_supports_capture
 from eagleflow.config import ConfigError, load_config
+from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS
 
 N_LAYERS = 8
+# layer outputs that are not sglang's default for 8 layers ([1, 3, 4]): a launch that lost the ids would capture
+# the default ones, and the checks below would see it
+AUX = NOT_DEFAULT_AUX_LAYERS
 
 
 def _llama(d):
@@ -40,7 +44,7 @@ def _argv(model_dir, extra=()):
                             "capture": {"backend": "sglang", "tp": 1, "dtype": "bfloat16",
                                         "extra_server_args": list(extra)}})
     archs, n = target_architectures_and_layers(json.loads((model_dir / "config.json").read_text()))
-    ids = sglang_aux_layer_ids(default_aux_layers(n), archs, n)
+    ids = sglang_aux_layer_ids(AUX, archs, n)
     argv = build_command(cfg, model_path=str(model_dir), host="127.0.0.1", port=31000, sglang_layer_ids=ids,
                          python="python")
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
@@ -58,7 +62,7 @@ def test_sglang_accepts_and_resolves_the_extraction_flags(tmp_path, make_target)
     assert cfg.aux_hidden_state_capture == "eagle3" and cfg.speculative_algorithm is None, \
         "capture without a draft: the algorithm only names the convention"
     assert list(cfg.return_aux_hidden_state_layer_ids) == ids
-    assert layer_outputs_from_sglang_ids(ids, archs, N_LAYERS) == default_aux_layers(N_LAYERS)
+    assert layer_outputs_from_sglang_ids(ids, archs, N_LAYERS) == AUX != default_aux_layers(N_LAYERS)
     assert cfg.return_hidden_states_mode == "full"
     assert cfg.disable_radix_cache is True and cfg.chunked_prefill_size == -1
     graphs = cfg.cuda_graph_config

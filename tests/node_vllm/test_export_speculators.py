@@ -28,13 +28,17 @@ import torch.nn.functional as F
 
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
-from eagleflow.train.export import SPECULATORS_FLAGS, load_exported
+from eagleflow.train.export import SPECULATORS_EMBEDDING, SPECULATORS_FLAGS, load_exported
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
-from tests.fixtures.train_hidden_states import AUX_LAYERS, write_synthetic_hidden_states
+from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS, write_synthetic_hidden_states
 
 pytestmark = pytest.mark.timeout(600)
 
 TOL = 1e-5   # float32 end to end: the same ops in another order
+# The layer outputs the draft is trained on: vLLM ids (3, 6, 7), where vLLM's (and speculators') default for the
+# 8-layer demo Llama is (2, N // 2, N - 3) = (2, 4, 5). An id list lost on the way cannot serve them by coincidence.
+AUX = NOT_DEFAULT_AUX_LAYERS
+VLLM_DEFAULT = (2, 8 // 2, 8 - 3)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def trained(tmp_path_factory, demo_assets):
                                       "warmup_steps": 2, "ttt_length": 3, "draft_vocab_size": 64,
                                       "checkpoint_every": 1000, "log_every": 1000, "export_dtype": "float32"}})
     layout = RunLayout.for_run(cfg, "r1")
-    write_synthetic_hidden_states(layout.hidden_states_dir, target, samples=32)
+    write_synthetic_hidden_states(layout.hidden_states_dir, target, samples=32, aux_layers=AUX)
     result = train(cfg, layout, log=lambda _m: None)
     assert result.completed
     cfg_file = tmp / "run-config.json"
@@ -67,7 +71,7 @@ def _target_embedding(target: str) -> torch.Tensor:
 
 def _inputs(trained, t: int = 20, seed: int = 5):
     vocab = json.loads((Path(trained["target"]) / "config.json").read_text())["vocab_size"]
-    width = json.loads((trained["spec"] / "config.json").read_text())["target_hidden_size"] * len(AUX_LAYERS)
+    width = json.loads((trained["spec"] / "config.json").read_text())["target_hidden_size"] * len(AUX)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, t), generator=g), torch.randn(1, t, width, generator=g)
 
@@ -89,13 +93,14 @@ def test_the_export_writes_both_formats_from_the_same_tensors(trained):
     from safetensors.torch import load_file
     spec = json.loads((trained["spec"] / "config.json").read_text())
     assert spec["architectures"] == ["Eagle3Speculator"] and spec["speculators_model_type"] == "eagle3"
-    assert spec["eagle_aux_hidden_state_layer_ids"] == [j + 1 for j in AUX_LAYERS]   # vLLM: the input of layer j+1
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [j + 1 for j in AUX]   # vLLM: the input of layer j+1
     assert {k: spec[k] for k in SPECULATORS_FLAGS} == SPECULATORS_FLAGS
     assert spec["speculators_config"]["verifier"] == {"name_or_path": str(trained["target"]),
                                                       "architectures": ["LlamaForCausalLM"]}
     ours, theirs = load_file(str(trained["export"] / "model.safetensors")), load_file(str(trained["spec"] / "model.safetensors"))
-    assert {n.replace("midlayer.", "layers.0.") for n in ours} == set(theirs)
+    assert {n.replace("midlayer.", "layers.0.") for n in ours} | {SPECULATORS_EMBEDDING} == set(theirs)
     assert all(torch.equal(t, theirs[n.replace("midlayer.", "layers.0.")]) for n, t in ours.items())
+    assert torch.equal(theirs[SPECULATORS_EMBEDDING], _target_embedding(trained["target"]))   # the target's own
     assert theirs["d2t"].dtype == torch.int64 and theirs["t2d"].dtype == torch.bool
 
 
@@ -105,14 +110,13 @@ def test_speculators_loads_the_export_and_computes_our_logits_over_the_ttt_chain
 
     model = SpeculatorModel.from_pretrained(str(trained["spec"])).eval()
     assert isinstance(model, Eagle3DraftModel) and isinstance(model.config, Eagle3SpeculatorConfig)
-    assert model.config.eagle_aux_hidden_state_layer_ids == [j + 1 for j in AUX_LAYERS]
+    assert model.config.eagle_aux_hidden_state_layer_ids == [j + 1 for j in AUX]
     assert [getattr(model.config, k) for k in SPECULATORS_FLAGS] == list(SPECULATORS_FLAGS.values())
     assert model.draft_vocab_size == 64 and model.use_draft_vocab
-    # speculators 0.9.0 fills embed_tokens from the verifier only while it is still NaN, and transformers'
-    # init of the missing key sometimes gets there first (seen: random rows on some runs). Both drafts use
-    # the target's embedding (ours: frozen copy; vLLM: the target's own), so it is set to that here.
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(_target_embedding(trained["target"]))
+    # the model as from_pretrained leaves it, nothing set by hand: the embedding is the target's, read from the
+    # export (speculators fills a missing one from the verifier only while it is NaN, and transformers' init of
+    # the missing key got there first before the export carried it: values up to 1.5e37)
+    assert torch.equal(model.embed_tokens.weight, _target_embedding(trained["target"]))
 
     # speculators' default attention (flex, block size 128) extends its block mask per TTT step: whole blocks
     ids, aux = _inputs(trained, t=128)
@@ -140,14 +144,15 @@ def test_speculators_loads_the_export_and_computes_our_logits_over_the_ttt_chain
     assert (got[0] - want[0]).abs().max() < TOL and (got[1] - want[1]).abs().max() > 1e-3
 
 
-def _vllm_config_from_the_report(trained):
-    """The report's `vllm serve` command through vLLM's own `serve` parser and engine-config builder."""
+def _vllm_config_from_the_report(trained, spec: Path | None = None):
+    """The report's `vllm serve` command (for the export's speculators folder, or ``spec``) through vLLM's own
+    `serve` parser and engine-config builder."""
     import vllm.entrypoints.cli.serve as serve
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from eagleflow.console.run_report import vllm_serve_command
-    argv = shlex.split(vllm_serve_command(trained["cfg"], str(trained["spec"])))
+    argv = shlex.split(vllm_serve_command(trained["cfg"], str(spec or trained["spec"])))
     assert argv[:2] == ["vllm", "serve"]
     parser = FlexibleArgumentParser()
     sub = parser.add_subparsers(dest="subparser")
@@ -169,7 +174,7 @@ def test_vllm_parses_the_report_command_and_reads_the_speculators_config(trained
     assert draft.architectures == ["Eagle3LlamaForCausalLM"]
     hf = draft.hf_config
     assert type(hf).__name__ == "SpeculatorsConfig"
-    assert list(hf.eagle_aux_hidden_state_layer_ids) == [j + 1 for j in AUX_LAYERS]
+    assert list(hf.eagle_aux_hidden_state_layer_ids) == [j + 1 for j in AUX]
     # vLLM defaults norm_before_residual to TRUE when the key is missing (speculators/algos.py): ours is written
     assert {k: getattr(hf, k) for k in SPECULATORS_FLAGS} == SPECULATORS_FLAGS
     assert hf.draft_vocab_size == 64 and hf.target_hidden_size == hf.hidden_size
@@ -177,7 +182,7 @@ def test_vllm_parses_the_report_command_and_reads_the_speculators_config(trained
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     runner = GPUModelRunner.__new__(GPUModelRunner)
     runner.speculative_config = spec
-    assert runner._get_eagle3_aux_layers_from_config() == tuple(j + 1 for j in AUX_LAYERS)
+    assert runner._get_eagle3_aux_layers_from_config() == tuple(j + 1 for j in AUX)
 
 
 def _swap_paged_attention(attention_module) -> None:
@@ -216,15 +221,18 @@ def test_vllm_builds_its_eagle3_draft_loads_every_weight_and_computes_our_logits
     model.load_weights(list(ours.items()))
     unfilled = [n for n, p in params.items()
                 if (torch.isnan(p).any() if p.is_floating_point() else (p == -7).any())]
-    assert unfilled == ["model.embed_tokens.weight"], f"vLLM's draft has parameters our export does not fill: {unfilled}"
+    assert unfilled == [], f"vLLM's draft has parameters our export does not fill: {unfilled}"
+    # the embedding is loaded too (vLLM then marks the draft has_own_embed_tokens) and is the target's (vLLM's
+    # loader pads the rows to its own multiple with zeros)
+    embed, target_embed = params["model.embed_tokens.weight"], _target_embedding(trained["target"])
+    assert model.has_own_embed_tokens and torch.equal(embed[:len(target_embed)], target_embed)
+    assert not embed[len(target_embed):].any()
     assert torch.equal(params["draft_id_to_target_id"], ours["d2t"])
     assert torch.equal(params["model.layers.0.self_attn.qkv_proj.weight"],
                        torch.cat([ours[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]))
     assert torch.equal(params["model.fc.weight"], ours["fc.weight"])
     assert not model.model.layers[0].hidden_norm.weight.isnan().any()
 
-    embed = params["model.embed_tokens.weight"]   # vLLM shares the target's with the draft at serve time
-    embed.weight_loader(embed, _target_embedding(trained["target"]))          # (its own loader pads the rows)
     process_weights_after_loading(model, draft_cfg, torch.device("cpu"))   # what vLLM's loader does next
     _swap_paged_attention(model.model.layers[0].self_attn)
     ids, aux = _inputs(trained)
@@ -267,32 +275,107 @@ def _hf_hidden_states(model_dir: str | Path, ids: torch.Tensor) -> tuple[torch.T
         return hf(ids[None], output_hidden_states=True, use_cache=False).hidden_states   # [0] = embeddings
 
 
-def test_vllm_feeds_a_llama_target_s_trained_layers_to_the_draft(trained, vllm_world):
-    """vLLM's LlamaForCausalLM, real layers and weights, told the export's ids the way the model runner tells
-    it: the aux states it returns are the outputs of the layers the draft was trained on (transformers'
-    hidden_states[j + 1] for j in the stored samples' aux_layers)."""
+def _vllm_llama_target(target: str, vllm_world):
+    """vLLM's LlamaForCausalLM for the target, real layers and weights (only the paged-attention call swapped)."""
     from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    target = trained["target"]
     model, vc = _vllm_target(target, vllm_world)
     model.load_weights(list(load_file(str(Path(target) / "model.safetensors")).items()))
     process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
     for layer in model.model.layers:
         _swap_paged_attention(layer.self_attn)
-    ids = json.loads((trained["spec"] / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-    trained_on = json.loads((trained["export"] / "eagleflow_export.json").read_text())["aux_layer_outputs"]
-    assert trained_on == AUX_LAYERS
-    model.set_aux_hidden_state_layers(tuple(ids))
+    return model, vc
+
+
+def _layers_vllm_feeds(trained, spec: Path, vllm_world) -> tuple[tuple[int, ...], list[int]]:
+    """What vLLM feeds the draft served from ``spec``: the report's serve command parsed into vLLM's config, its
+    model runner's own `set_eagle3_aux_hidden_state_layers` (model runner v2, vLLM's default; the v1 runner reads
+    the same field) applied to vLLM's Llama target, then a forward: (the ids it set, the layer outputs j whose
+    transformers state hidden_states[j + 1] each returned aux state equals; -1 where none does)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
+
+    target = trained["target"]
+    vc_draft = _vllm_config_from_the_report(trained, spec)
+    model, vc = _vllm_llama_target(target, vllm_world)
+    set_eagle3_aux_hidden_state_layers(model, vc_draft.speculative_config)
     x = torch.tensor([3, 17, 42, 8, 99, 64, 5, 21, 300, 77, 12])
     with set_current_vllm_config(vc), torch.no_grad():
         _, aux = model(x, torch.arange(len(x)))
     hs = _hf_hidden_states(target, x)
-    assert len(aux) == len(trained_on)
-    for j, got in zip(trained_on, aux):
-        assert (got - hs[j + 1][0]).abs().max().item() < TOL, f"aux state for layer output {j}"
-        assert (got - hs[j][0]).abs().max().item() > 1e-3   # the neighbour differs: the check can tell
+    fed = [next((j for j in range(len(hs) - 1) if (got - hs[j + 1][0]).abs().max().item() < TOL), -1)
+           for got in aux]
+    return tuple(model.model.aux_hidden_state_layers), fed
+
+
+def test_vllm_feeds_a_llama_target_s_trained_layers_to_the_draft(trained, vllm_world):
+    """vLLM's LlamaForCausalLM, real layers and weights, told the export's ids the way its model runner tells it
+    (from the served speculators config): the aux states it returns are the outputs of the layers the draft was
+    trained on (transformers' hidden_states[j + 1] for j in the stored samples' aux_layers), which are not vLLM's
+    default layers for this target."""
+    trained_on = json.loads((trained["export"] / "eagleflow_export.json").read_text())["aux_layer_outputs"]
+    assert trained_on == AUX
+    model, _ = _vllm_llama_target(trained["target"], vllm_world)
+    assert model.get_eagle3_default_aux_hidden_state_layers() == VLLM_DEFAULT != tuple(j + 1 for j in AUX)
+    ids, fed = _layers_vllm_feeds(trained, trained["spec"], vllm_world)
+    assert ids == tuple(j + 1 for j in AUX) and fed == trained_on
+
+
+def test_an_export_with_its_layer_ids_removed_fails_every_check(trained, vllm_world, tmp_path):
+    """The same export with eagle_aux_hidden_state_layer_ids removed (what speculators' converter writes unless
+    given them): vLLM and speculators silently take their default layers, so the layer check above fails on it
+    (it can tell), and eagleflow's own check refuses it before any server starts."""
+    import shutil
+
+    from speculators import SpeculatorModel
+
+    from eagleflow.evaluate.vllm_backend import VllmEvalError, check_drafts
+    export = tmp_path / "export"
+    shutil.copytree(trained["export"], export)
+    spec = export / SPECULATORS_DIR
+    conf = json.loads((spec / "config.json").read_text())
+    del conf["eagle_aux_hidden_state_layer_ids"]
+    (spec / "config.json").write_text(json.dumps(conf))
+
+    ids, fed = _layers_vllm_feeds(trained, spec, vllm_world)
+    assert ids == VLLM_DEFAULT and fed == [j - 1 for j in VLLM_DEFAULT]
+    assert fed != AUX, "vLLM fed the trained layers without the ids: the check could not tell"
+    with pytest.warns(UserWarning):
+        model = SpeculatorModel.from_pretrained(str(spec))
+    assert tuple(model.config.eagle_aux_hidden_state_layer_ids) == VLLM_DEFAULT   # speculators' default too
+    with pytest.raises(VllmEvalError, match=r"names no eagle_aux_hidden_state_layer_ids \(None\): vLLM would feed "
+                                            r"the draft its own default layers"):
+        check_drafts({"draft": export}, trained["target"])
+    check_drafts({"draft": trained["export"]}, trained["target"])   # the export as written passes
+
+
+def test_vllm_still_shares_the_target_s_embedding_with_the_draft(trained, vllm_world):
+    """The export now carries the target's embedding: vLLM's loader takes it (has_own_embed_tokens), and both its
+    model runners still serve the draft with the target's own embedding module (equal weights: shared)."""
+    import types
+
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import maybe_share_target_embed
+
+    vc = _vllm_config_from_the_report(trained)
+    draft_cfg = vc.speculative_config.draft_model_config
+    target, _ = _vllm_llama_target(trained["target"], vllm_world)
+
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    with set_current_vllm_config(vc):
+        draft = Eagle3LlamaForCausalLM(vllm_config=vc)
+    draft.load_weights(list(load_file(str(trained["spec"] / "model.safetensors")).items()))
+    process_weights_after_loading(draft, draft_cfg, torch.device("cpu"))
+    own = draft.model.embed_tokens
+    assert draft.has_own_embed_tokens and own is not target.model.embed_tokens
+    maybe_share_target_embed(draft, draft.model, target.model)          # model runner v2 (vLLM's default)
+    assert draft.model.embed_tokens is target.model.embed_tokens
+    draft.model.embed_tokens = own                                      # as loaded again, for the v1 runner's
+    SpecDecodeBaseProposer._maybe_share_embeddings(types.SimpleNamespace(model=draft), target)
+    assert draft.model.embed_tokens is target.model.embed_tokens
 
 
 def _deepseek_v3_target(path: Path) -> Path:
@@ -323,7 +406,7 @@ def _export_for(target: Path, aux_layers: list[int], work: Path) -> dict:
     return json.loads((out / SPECULATORS_DIR / "config.json").read_text())
 
 
-@pytest.mark.parametrize("aux_layers", [[1, 3, 4], [0, 3, 6]])
+@pytest.mark.parametrize("aux_layers", [AUX, [0, 3, 6]])   # neither is vLLM's default (2, 4, 5) - 1
 def test_vllm_feeds_a_deepseek_v3_target_s_trained_layers_to_the_draft(tmp_path, vllm_world, aux_layers):
     """DeepSeek-V3 (the architecture of Kimi-K2; Kimi-K2.5's language model) is built by vLLM's own
     DeepseekV3ForCausalLM on the CPU and told the export's ids by its own set_aux_hidden_state_layers. Its MLA

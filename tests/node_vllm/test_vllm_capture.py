@@ -35,10 +35,12 @@ from eagleflow.capture.protocol import (ENV_DUMP_KEY, DumpTrustError, dump_path,
 from eagleflow.capture.sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
 from eagleflow.capture.vllm_launcher import SUPPORTED_VERSIONS, build_command, capture_env
 from eagleflow.config import load_config
+from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS
 
 pytestmark = pytest.mark.timeout(600)
 
-AUX = [1, 3, 5]          # layer outputs of the 8-layer demo Llama: vLLM ids 2, 4, 6, plus 8 (final norm)
+# layer outputs of the 8-layer demo Llama: vLLM ids 3, 6, 7, plus 8 (final norm); vLLM's default is (2, 4, 5)
+AUX = NOT_DEFAULT_AUX_LAYERS
 BLOCK = 16               # slots per block in the hidden-states cache
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +96,7 @@ def test_vllm_parses_the_launch_argv_into_the_capture_config(world):
     spec = vc.speculative_config
     assert spec.method == "extract_hidden_states" and spec.num_speculative_tokens == 1
     assert type(spec.draft_model_config.hf_config).__name__ == "ExtractHiddenStatesConfig"
-    assert world["ids"] == [2, 4, 6, 8]
+    assert world["ids"] == [3, 6, 7, 8]   # AUX + 1, then N: none is vLLM's default (2, 4, 5)
     assert list(spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids) == world["ids"]
     runner = GPUModelRunner.__new__(GPUModelRunner)          # what the runner hands set_aux_hidden_state_layers
     runner.speculative_config = spec
