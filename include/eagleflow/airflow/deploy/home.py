@@ -13,6 +13,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
 
+# A killed triggerer's watches: the supervisor (or compose's restart policy) starts a new triggerer within seconds,
+# but Airflow hands it the dead one's triggers only once that one's last heartbeat is older than
+# [triggerer] triggerer_health_check_threshold (Trigger.assign_unassigned, run at every loop of the new
+# triggerer). Airflow's 5 s heartbeat and 30 s threshold left the watch blind for 111.6 s in the issue 52 drill
+# (load 14-68 on 2 cores: the threshold, then a slow start). A heartbeat every 3 s, judged stale after 15 s (five
+# missed beats), hands them over 12-15 s after the kill, so every watch looks again within
+# WATCH_RESUME_BOUND_S of it: the threshold, the new triggerer's start (well inside the rest under load) and
+# one look. The same threshold makes /api/v2/monitor/health and `airflow jobs check` call a triggerer unhealthy
+# (gpu_node_health's incident) after 15 s without a beat. docker-compose.yaml sets the same (scaleout.celery_env).
+TRIGGERER_SETTINGS = {
+    "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "3",
+    "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
+}
+WATCH_RESUME_BOUND_S = 60.0
+
 
 def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: dict[str, str] | None = None) -> dict[str, str]:
     home = Path(home or os.environ.get("AIRFLOW_HOME") or REPO / "airflow_home").absolute()
@@ -35,6 +50,8 @@ def airflow_env(home: str | Path | None = None, *, parallelism: int = 4, extra: 
         "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
     })
     env.setdefault("EAGLEFLOW_CONFIG", str(REPO / "configs" / "local-demo.yaml"))
+    for k, v in TRIGGERER_SETTINGS.items():   # a restarted triggerer resumes every watch within a minute
+        env.setdefault(k, v)
     env.update(extra or {})
     if not home.exists():  # Airflow keeps its DB (connections, XComs) and the generated admin password here
         home.mkdir(parents=True, mode=0o700)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagleflow.airflow.deploy.home import TRIGGERER_SETTINGS
+
 DEFAULT_QUEUE = "default"
 
 
@@ -56,4 +58,6 @@ def celery_env(*, sql_alchemy_conn: str, broker_url: str, result_backend: str, e
         "AIRFLOW__CELERY__RESULT_BACKEND": result_backend,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": execution_api_url,
         "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True",
+        # a restarted triggerer container takes the dead one's triggers (every watch) within a minute
+        **TRIGGERER_SETTINGS,
     }
