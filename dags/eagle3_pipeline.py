@@ -28,8 +28,9 @@ from eagleflow.airflow.fleet_operators import (PREPARE_TASK, CollectShardsOperat
                                               ReceiveCorpusOperator, ReleaseTakeoverServerOperator,
                                               TakeOverShardsOperator)
 from eagleflow.airflow.reconcile_operators import RerunShardOperator
-from eagleflow.airflow.routing import FleetNodeRoute, default_config_path, fleet_routing
+from eagleflow.airflow.routing import FleetNodeRoute, fleet_routing
 from eagleflow.airflow.runtime import TRIGGER_PATH_PATTERN, allowed_node_conn_ids
+from eagleflow.airflow.trigger_form import FROM_CONFIG, config_switch, form_config_path, from_config, optional_choice
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 from eagleflow.engines import names_for
 from eagleflow.phases import EXTRACT, GENERATE, KINDS
@@ -154,55 +155,67 @@ with DAG(
         **pipeline_failure_callbacks(),
     },
     params={
-        "config_path": Param(default_config_path(), type="string", title="Config file",
+        "config_path": Param(form_config_path(), type="string", title="Config file",
                              description="Pipeline config (YAML) on the Airflow machine, relative to the project "
                                          "root ($EAGLEFLOW_HOME), in one of the deployment's config folders "
-                                         "($EAGLEFLOW_CONFIG_DIRS, default configs/); the other fields override it."),
+                                         "($EAGLEFLOW_CONFIG_DIRS, default configs/); every field below left empty "
+                                         "takes this file's value."),
         "run_name": Param(None, type=["null", "string"], pattern=r"^(?!\.\.?$)[A-Za-z0-9_.-]+$",
                           title="Run directory name",
                           description="Name of this run's directory under run_root (one plain name, not '.' or "
-                                      "'..'); empty = the Airflow run id."),
+                                      "'..'). Empty: the Airflow run id."),
         "target_model": Param(None, type=["null", "string"], pattern=TRIGGER_PATH_PATTERN, title="Target model path",
-                              description="Local path of the target model on the node (config, weights, tokenizer): "
-                                          "letters, digits and . _ - + / ~ only."),
-        "node_conn_id": Param(None, type=["null", "string"], enum=[None, *allowed_node_conn_ids()],
-                              title="GPU node SSH connection",
-                              description="Airflow SSH connection id of the GPU node, one of those the deployment "
-                                          "allows ($EAGLEFLOW_NODE_CONN_IDS); empty = the config's node."),
-        "capture_backend": Param(None, type=["null", "string"], enum=[None, *names_for("capture_server")],
-                                 title="Capture backend",
-                                 description="sglang on a GPU node; hf (transformers) on CPU or for tiny models."),
+                              description=from_config("Local path of the target model on the node (config, weights, "
+                                                      "tokenizer): letters, digits and . _ - + / ~ only.",
+                                                      "target_model")),
+        "node_conn_id": optional_choice(allowed_node_conn_ids(), title="GPU node SSH connection",
+                                        description="Airflow SSH connection id of the GPU node, one of those the "
+                                                    "deployment allows ($EAGLEFLOW_NODE_CONN_IDS).",
+                                        field="the node's node.conn_id"),
+        "capture_backend": optional_choice(names_for("capture_server"), title="Capture backend",
+                                           description="sglang or vllm on a GPU node; hf (transformers) on CPU or "
+                                                       "for tiny models.", field="capture.backend"),
         "shards": Param(None, type=["null", "integer"], minimum=1, maximum=1024, title="Extraction shards",
-                        description="Number of extraction shards (one worker each)."),
-        "force_free_gpus": Param(False, type="boolean", title="Force-free GPUs",
-                                 description="Also kill processes we did not start that hold the selected GPUs. "
+                        description=from_config("Number of extraction shards (one worker each).", "capture.shards")),
+        "force_free_gpus": Param(False, type="boolean", title="Force-free GPUs (off: as the config says)",
+                                 description="On: also kill processes we did not start that hold the selected GPUs. "
                                              "GPU nodes are shared: refused unless the deployment allows it "
-                                             "($EAGLEFLOW_ALLOW_FORCE_FREE); leave off unless you own the node."),
-        "delete_old_caches": Param(False, type="boolean", title="Delete old caches",
-                                   description="Delete the old hidden-state caches listed in the config "
-                                               "(only under disk.cache_root) before the disk check."),
+                                             "($EAGLEFLOW_ALLOW_FORCE_FREE); leave off unless you own the node. "
+                                             f"Off: {FROM_CONFIG}, gpu.force_free (off unless the config sets it)."),
+        "delete_old_caches": Param(False, type="boolean", title="Delete old caches (off: as the config says)",
+                                   description="On: delete the old hidden-state caches listed in the config "
+                                               "(only under disk.cache_root) before the disk check. "
+                                               f"Off: {FROM_CONFIG}, disk.delete_old_caches."),
         "max_train_steps": Param(None, type=["null", "integer"], minimum=1, title="Training steps",
-                                 description="Draft training steps; empty = the config's train.max_steps."),
-        "generate_enabled": Param(None, type=["null", "boolean"], title="Regenerate with the target",
-                                  description="Let the target rewrite the assistant turns of generate.sources "
-                                              "before tokenising; empty = the config's generate.enabled."),
+                                 description=from_config("Draft training steps.", "train.max_steps")),
+        "generate_enabled": config_switch(title="Regenerate with the target",
+                                          description="Let the target rewrite the assistant turns of "
+                                                      "generate.sources before tokenising: on or off for this run.",
+                                          field="generate.enabled"),
         "generate_temperature": Param(None, type=["null", "number"], minimum=0, maximum=10,
-                                      title="Generation temperature", description="0 = greedy; empty = config."),
+                                      title="Generation temperature",
+                                      description=from_config("0 = greedy.", "generate.temperature")),
         "generate_top_p": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1,
-                                title="Generation top-p", description="empty = the config's generate.top_p."),
+                                title="Generation top-p",
+                                description=from_config("Nucleus sampling's top-p.", "generate.top_p")),
         "generate_max_new_tokens": Param(None, type=["null", "integer"], minimum=1, maximum=131072,
-                                         title="Max new tokens per turn", description="empty = config."),
+                                         title="Max new tokens per turn",
+                                         description=from_config("The target's answer per turn, at most.",
+                                                                 "generate.max_new_tokens")),
         "generate_seed": Param(None, type=["null", "integer"], minimum=0, title="Generation seed",
-                               description="each turn's seed derives from it and the record id; empty = config."),
-        "generate_reasoning": Param(None, type=["null", "string"], enum=[None, "on", "off"], title="Reasoning",
-                                    description="thinking on or off for thinking models (enable_thinking); "
-                                                "empty = the config's generate.reasoning."),
+                               description=from_config("Each turn's seed derives from it and the record id.",
+                                                       "generate.seed")),
+        "generate_reasoning": config_switch(title="Reasoning",
+                                            description="Thinking on or off for thinking models (enable_thinking).",
+                                            field="generate.reasoning"),
         "fleet_nodes": Param(None, type=["null", "array"], items={"type": "string", "enum": [n.name for n in FLEET]},
-                             title="Fleet nodes",
-                             description="The GPU nodes this run spreads its shards over (in proportion to their "
-                                         "GPU slots); empty = all of the fleet. The training node always takes part."),
+                             examples=[n.name for n in FLEET], title="Fleet nodes",
+                             description=from_config("The GPU nodes this run spreads its shards over (in proportion "
+                                                     "to their GPU slots); the training node always takes part.",
+                                                     "all of fleet.nodes")),
         "alert_emails": Param(None, type=["null", "array"], items={"type": "string"}, title="Alert emails",
-                              description="Who is mailed on a stall, a retry and a final failure."),
+                              description=from_config("Who is mailed on a stall, a retry and a final failure, one "
+                                                      "address per line.", "watchdog.alert_emails")),
     },
 ) as dag:
     write_config = WriteRunConfigOperator(task_id="write_run_config")
