@@ -38,6 +38,7 @@ from airflow.providers.smtp.notifications.smtp import SmtpNotifier
 from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagleflow.airflow.report_operators import REPORT_TASK_ID, report_url
 from eagleflow.config import ConfigError
 from eagleflow.mail_header import header_text
 from eagleflow.phases import kind_of_job, unit_of_job
@@ -284,6 +285,23 @@ def send_mail(context: dict[str, Any], mail: Mail) -> None:
     EagleflowNotifier()({**context, "mail": mail})
 
 
+def explaining_links(recipients: Recipients, context: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The pages that explain a run's mail, for a person woken by it: the GPU view (the node's GPUs and processes,
+    every watched job's progress, the open incidents: what gpu_node_health's mails link to), the run report (when
+    the run's DAG writes one: written when the run ends, whatever it did) and the task's log. Links start at the
+    deployment's base URL (``airflow_base_url``: Airflow's [api] base_url, else the config's)."""
+    base = recipients.base_url
+    links: list[tuple[str, str]] = []
+    if base:
+        links.append(("GPU view (GPUs, running jobs, open incidents)", base + GPU_VIEW_ROUTE))
+        ti = context["ti"]
+        dag = context.get("dag") or getattr(context.get("task"), "dag", None)
+        if REPORT_TASK_ID in (getattr(dag, "task_ids", None) or ()):
+            links.append(("Run report (written when the run ends)", base + report_url(ti.dag_id, ti.run_id)))
+    links.append(("Task log", task_log_url(base, context)))
+    return tuple(links)
+
+
 def _where(ti) -> str:
     mi = getattr(ti, "map_index", -1)
     return f"task {ti.task_id}" + (f"[{mi}]" if mi not in (None, -1) else "")
@@ -320,7 +338,7 @@ def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
         next_step = (f"No retries left (try {try_number}): this is the final failure. "
                      + (getattr(task, "failure_advice", "") or "A person must act."))
     return Mail(recipients, subject, evidence, where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
-                next_step=next_step.strip(), links=(("Task log", task_log_url(recipients.base_url, context)),))
+                next_step=next_step.strip(), links=explaining_links(recipients, context))
 
 
 def incident_thread(incident_id: str) -> str:
@@ -397,7 +415,7 @@ def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recip
         next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
                    "the cause names (the capture server once per incident, or the worker) and the shard resumes "
                    "from its manifest; the task log shows the outcome; one more mail when samples are stored again."),
-        links=(("Task log", task_log_url(recipients.base_url, context)),))
+        links=explaining_links(recipients, context))
 
 
 def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recipients) -> Mail:
@@ -410,7 +428,7 @@ def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients:
         next_step=("The control plane cannot reach the node (network or its sshd). This is not a verdict on the "
                    "job: its detached processes keep running there and nothing was restarted. The watch keeps "
                    "reconnecting and the task goes on when the node answers; one more mail when it does."),
-        links=(("Task log", task_log_url(recipients.base_url, context)),))
+        links=explaining_links(recipients, context))
 
 
 def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: IncidentClose,
@@ -431,7 +449,7 @@ def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: In
     return Mail(
         recipients, subject, f"{event.get('summary') or ''}\n\nThis closes: {close.subject}",
         where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.", next_step=next_step,
-        links=(("Task log", task_log_url(recipients.base_url, context)),),
+        links=explaining_links(recipients, context),
         headers={"In-Reply-To": thread, "References": thread})
 
 
