@@ -8,6 +8,7 @@ Written atomically (temp, fsync, rename) so a reader never sees half a file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -75,12 +76,26 @@ class Heartbeat:
             return None
         return (self.total - self.done) / self.rate
 
+    def eta_text(self) -> str:
+        """How long the rest takes at this process's rate ("4.2 min"), "n/a" when it cannot be said."""
+        eta = self.eta_s
+        return f"{eta / 60:.1f} min" if eta is not None else "n/a"
+
+    def latest_figures(self) -> str:
+        """The trainer's latest loss and acc_0 from ``extra`` ("loss 3.412, acc_0 0.418"); "" when it wrote none."""
+        out = []
+        for key in ("loss", "acc_0"):
+            v = self.extra.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                out.append(f"{key} {v:.3f}")
+        return ", ".join(out)
+
     def progress_line(self) -> str:
         pct = 100.0 * self.done / self.total if self.total else 0.0
-        eta = self.eta_s
-        eta_txt = f"{eta / 60:.1f} min" if eta is not None else "n/a"
+        figures = self.latest_figures()
         return (f"{self.job}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f} %), "
-                f"{self.rate:.2f} {self.unit}/s, {self.tokens_per_s:,.0f} tokens/s, ETA {eta_txt}, state {self.state}")
+                f"{self.rate:.2f} {self.unit}/s, {self.tokens_per_s:,.0f} tokens/s, ETA {self.eta_text()}, "
+                + (f"{figures}, " if figures else "") + f"state {self.state}")
 
 
 PACE_WINDOW = 64  # completions kept for the watchdog's "usual pace" (p95 of recent gaps and request times)

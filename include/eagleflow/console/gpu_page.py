@@ -16,6 +16,7 @@ from typing import Any
 
 from eagleflow.health import airflow_health
 from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
+from eagleflow.health.node_activity import eta_of_training
 from eagleflow.health.status_doc import is_held_idle
 from eagleflow.watchdog.incidents import MAX_NODE_TIME
 
@@ -133,13 +134,40 @@ def _gpu_row(g: dict[str, Any], doc: dict[str, Any], now: float) -> str:
             f"<td>{_cell(g.get('ecc_uncorrected'))}</td><td><ul class='procs'>{procs}</ul></td></tr>")
 
 
+def _figure(v: Any, fmt: str) -> str | None:
+    """A trainer's figure as text, None when the node gave none (never drawn as 0)."""
+    return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def training_line(t: dict[str, Any], now: float) -> str:
+    """A run's training: step of steps, rate, ETA, the latest loss, acc_0 and acceptance length, last step ago."""
+    step, total = int(t.get("step") or 0), int(t.get("total") or 0)
+    pct = f" ({100.0 * step / total:.0f} %)" if total else ""
+    eta = eta_of_training(t)
+    figures = [f for f in (_figure(t.get("loss"), "loss {:.3f}"), _figure(t.get("acc_0"), "acc_0 {:.3f}"),
+                           _figure(t.get("accept_length"), "acceptance length {:.2f}")) if f]
+    rate = float(t.get("rate") or 0)
+    bits = [f"step {step:,}/{total:,}{pct}", *figures]
+    if rate > 0:
+        bits.append(f"{rate:.2f} steps/s")
+    if eta is not None:
+        bits.append(f"ETA {duration(eta)}")
+    state = str(t.get("state") or "?")
+    return (f"<span class='training {_e(state)}' data-step='{step}' data-total='{total}'>training: "
+            f"{_e(', '.join(bits))}; {_e(state)}, last step {ago(t.get('last_progress_at'), now)}</span>")
+
+
 def _activity(doc: dict[str, Any], now: float) -> str:
     act = doc.get("activity") or {}
     parts = []
-    for run_id, shards in sorted((act.get("shards") or {}).items()):
+    shards_of, training = act.get("shards") or {}, act.get("training") or {}
+    for run_id in sorted(set(shards_of) | set(training)):
+        shards = shards_of.get(run_id) or []
         cells = "".join(f"<span class='shard {_e(s.get('state'))}'>shard {int(s['shard'])}: {int(s['done'])}/"
                         f"{int(s['total'])}</span>" for s in shards)
-        parts.append(f"<div class='run'>run {_e(run_id)}: {cells or 'no shard started yet'}</div>")
+        train = training_line(training[run_id], now) if run_id in training else ""
+        parts.append(f"<div class='run' data-run='{_e(run_id)}'>run {_e(run_id)}: "
+                     f"{cells or ('' if train else 'no shard started yet')}{train}</div>")
     for inc in act.get("incidents") or []:
         if inc.get("outcome") == "open":
             parts.append(f"<div class='incident'>open incident {_e(inc.get('id'))}: {_e(inc.get('cause'))} "
@@ -231,7 +259,7 @@ tr.held{background:#ffe0e0}tr.held td:first-child{border-left:6px solid #d00}.he
 .unreachable .status{color:#b00;font-weight:bold}.cpu{color:#555}.ok{color:#2a7a2a}
 .ours{background:#e3f2fd;padding:0 4px}.foreign{background:#ffd8a8;padding:0 4px;font-weight:bold}
 ul.procs{margin:0;padding-left:1em}svg.spark{display:block;stroke:#1565c0;fill:#1565c0;stroke-width:1.2}
-svg.spark polyline{fill:none}.shard{margin-right:.8em}.incident{color:#b00}.node{margin-bottom:1.2em}
+svg.spark polyline{fill:none}.shard{margin-right:.8em}.training{margin-left:.4em;color:#1565c0}.incident{color:#b00}.node{margin-bottom:1.2em}
 .airflow .part{margin-right:.8em}.part.ok{color:#2a7a2a}.part.gone,.airflow.down{color:#b00;font-weight:bold}
 #conn{color:#b00}.incidents{border:1px solid #d00;padding:4px 8px;margin:.4em 0}.incidents.none{border:0;color:#2a7a2a}
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
+from eagleflow.health.node_activity import eta_of_training
 from eagleflow.health.status_doc import is_held_idle
 
 _DCGM = (("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", lambda g: g.get("memory_used_mib")),
@@ -106,6 +107,16 @@ def render(docs: Iterable[dict[str, Any]], now: float | None = None,
                         "gauge", {**labels, "state": s.get("state")}, 1)
                 out.add("eagleflow_shard_last_progress_timestamp_seconds", "When the shard last stored a sample.",
                         "gauge", labels, s.get("last_progress_at") or None)
+        for run_id, t in (act.get("training") or {}).items():
+            labels = {"Hostname": node, "run_id": run_id}
+            out.add("eagleflow_train_step", "The trainer's last completed step.", "gauge", labels, t.get("step"))
+            out.add("eagleflow_train_steps_total", "Steps the trainer runs (train.max_steps).", "gauge", labels,
+                    t.get("total"))
+            out.add("eagleflow_train_loss", "The trainer's loss at its last step.", "gauge", labels, t.get("loss"))
+            out.add("eagleflow_train_acc_0", "The trainer's first-position accuracy at its last step.", "gauge",
+                    labels, t.get("acc_0"))
+            out.add("eagleflow_train_eta_seconds", "Seconds to the trainer's last step at its rate so far.", "gauge",
+                    labels, eta_of_training(t))
         counts: dict[tuple[str, str], int] = {}
         for inc in act.get("incidents") or []:
             key = (str(inc.get("cause")), str(inc.get("outcome")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import re
 import sys
 import time
@@ -60,6 +61,35 @@ class ShardProgress:
 
 
 @dataclass
+class TrainProgress:
+    """A run's trainer from its heartbeat (``draft/heartbeat.json``): step of steps, its pace, its latest figures."""
+    step: int
+    total: int
+    state: str                  # the trainer's heartbeat state: starting, running, complete, failed
+    last_progress_at: float
+    written_at: float
+    rate: float = 0.0           # steps/s over this trainer's life
+    loss: float | None = None
+    acc_0: float | None = None
+    accept_length: float | None = None
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds to the last step at this trainer's rate; None when it runs no more or has no rate yet."""
+        if self.state != "running" or self.rate <= 0 or self.total <= self.step:
+            return None
+        return (self.total - self.step) / self.rate
+
+
+def eta_of_training(t: dict) -> float | None:
+    """``TrainProgress.eta_s`` of a status document's ``activity.training`` entry (a plain dict)."""
+    try:
+        return TrainProgress(**t).eta_s
+    except TypeError:
+        return None
+
+
+@dataclass
 class NodeActivity:
     processes: list[OurProcess] = field(default_factory=list)
     shards: dict[str, list[ShardProgress]] = field(default_factory=dict)   # run_id -> its shards
@@ -67,6 +97,7 @@ class NodeActivity:
     read_at: float = 0.0
     skipped: list[str] = field(default_factory=list)   # "<file> line N: why": bad lines left out, never fatal
     watch_alarms: list[dict] = field(default_factory=list)   # sentinels' raised alarms: nothing looks at a job
+    training: dict[str, TrainProgress] = field(default_factory=dict)       # run_id -> its trainer's progress
 
     def job_pids(self) -> set[int]:
         return {p.pid for p in self.processes} | {p.pgid for p in self.processes}
@@ -103,8 +134,20 @@ class NodeActivity:
             if _times_ok(inc, ("opened_at", "ended_at"), f"incident {inc['id']}", skipped):
                 incidents.append(inc)
         read_at = node_time(d.get("read_at"), "read_at") or 0.0
+        training = {}
+        for r, t in (d.get("training") or {}).items():
+            t = asdict(t) if isinstance(t, TrainProgress) else t
+            if not (isinstance(t, dict) and _times_ok(t, ("last_progress_at", "written_at"), f"run {r} training",
+                                                      skipped)):
+                continue
+            try:
+                training[str(r)] = TrainProgress(step=int(t["step"]), total=int(t["total"]), state=str(t["state"]),
+                                                 last_progress_at=float(t["last_progress_at"] or 0),
+                                                 written_at=float(t["written_at"] or 0), **_finite_figures(t))
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
+                skipped.append(f"node answer: run {r} training: {type(e).__name__}; left out")
         return cls(processes=processes, shards=shards, incidents=incidents, read_at=read_at, skipped=skipped,
-                   watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)])
+                   watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)], training=training)
 
 
 def _times_ok(entry: dict, keys: tuple[str, ...], what: str, skipped: list[str]) -> bool:
@@ -143,6 +186,38 @@ def _shards(run_dir: Path, skipped: list[str] | None = None) -> list[ShardProgre
             if skipped is not None:
                 skipped.append(f"{hb}: not a heartbeat ({type(e).__name__}: {str(e)[:200]}); shard {shard} left out")
     return out
+
+
+def _finite_figures(d: dict) -> dict:
+    """A trainer's figures as finite numbers or None (a NaN loss is said as unknown, never drawn or mailed)."""
+    out: dict = {}
+    for k in ("rate", "loss", "acc_0", "accept_length"):
+        v = d.get(k)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        out[k] = float(v) if ok else (0.0 if k == "rate" else None)
+    return out
+
+
+def _training(run_dir: Path, skipped: list[str] | None = None) -> TrainProgress | None:
+    """The run's trainer from its heartbeat; None before it wrote one."""
+    hb = run_dir / "draft" / "heartbeat.json"
+    try:
+        text = hb.read_text()
+    except OSError:
+        return None
+    try:
+        d = bounded_json.loads(text, source=str(hb))
+        if not isinstance(d, dict):
+            raise TypeError(f"a JSON {type(d).__name__}, not an object")
+        extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
+        return TrainProgress(step=int(d.get("done") or 0), total=int(d.get("total") or 0),
+                             state=str(d.get("state") or "?"), last_progress_at=float(d.get("last_progress_at") or 0),
+                             written_at=float(d.get("time") or 0),
+                             **_finite_figures({"rate": d.get("rate"), **extra}))
+    except (ValueError, TypeError, RecursionError) as e:
+        if skipped is not None:
+            skipped.append(f"{hb}: not a heartbeat ({type(e).__name__}: {str(e)[:200]}); training left out")
+        return None
 
 
 def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) -> list[dict]:
@@ -244,6 +319,9 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
             run_dirs[run_id] = rd
     for run_id, rd in sorted(run_dirs.items()):
         act.shards[run_id] = _shards(rd, act.skipped)
+        train = _training(rd, act.skipped)
+        if train is not None:
+            act.training[run_id] = train
     act.incidents = _incidents(state_dir, now, act.skipped)
     act.watch_alarms = _watch_alarms(state_dir, act.skipped)
     return act

@@ -152,6 +152,10 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if obs.done_since_last_look is not None and obs.last_look_at is not None:
         since_txt = f", +{obs.done_since_last_look:,} since the last look {now - obs.last_look_at:.0f} s ago"
     rate_txt = f", {hb.rate:.2f} {unit}/s" if hb and hb.rate else ""
+    if hb is not None and hb.eta_s is not None:   # the watch line in the task log: when it ends, and training's figures
+        rate_txt += f", ETA {hb.eta_text()}"
+    figures = hb.latest_figures() if hb is not None else ""
+    rate_txt += f", {figures}" if figures else ""
     # a worker still "starting" (a resumed one loads its corpus and manifest) has done nothing itself yet,
     # however many samples earlier workers stored; once running, the manifest counts (a frozen worker's
     # heartbeat can lag its first samples)
