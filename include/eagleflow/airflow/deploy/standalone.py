@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +229,54 @@ RESTART_MAX_DELAY_S = 30.0   # a part that keeps dying is restarted at 1, 2, 4 .
 STEADY_AFTER_S = 60.0        # a part that ran this long before it died is restarted at once
 
 
+# A fresh deployment's first gpu_node_health run (unpaused on creation, due at once) failed with its log ending at
+# "Pre Execute" (issue 50): the scheduler started it while the API server was still loading, the task's supervisor
+# could not tell the execution API the task had started (its few retries spent) and killed it. The API server now
+# starts first; the other parts once it answers (or after API_FIRST_WAIT_S, said in the log).
+API_FIRST = "api-server"
+API_FIRST_WAIT_S = 240.0
+API_READY_PATH = "/api/v2/monitor/health"
+
+
+def api_answers(base_url: str, timeout_s: float = 3.0) -> bool:
+    """Whether the API server at ``base_url`` answers HTTP (its health endpoint, any status): the execution API
+    task supervisors call is served by the same process."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + API_READY_PATH, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:   # an answer, even an error one: the server is up
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def start_parts(parts: dict, env: dict[str, str], log, stopping: threading.Event, *,
+                wait_s: float = API_FIRST_WAIT_S, poll_s: float = 1.0) -> bool:
+    """Start the API server, wait until it answers (at most ``wait_s``; not when it dies or we are told to stop),
+    then the other parts, so no task starts before the execution API can take it. True when it answered."""
+    api = parts[API_FIRST]
+    log(f"{api.name} started: pid {api.start(env).pid}; the other parts start once it answers")
+    base = env.get("AIRFLOW__API__BASE_URL") or os.environ.get("AIRFLOW__API__BASE_URL") or ""
+    t0 = time.time()
+    answered = False
+    while base and not stopping.is_set() and time.time() - t0 < wait_s:
+        if api_answers(base):
+            answered = True
+            break
+        if api.proc is not None and api.proc.poll() is not None:
+            break   # it died: the supervisor's loop restarts it
+        stopping.wait(poll_s)
+    if stopping.is_set():
+        return answered
+    log(f"{api.name} answers at {base}{API_READY_PATH} after {time.time() - t0:.0f} s" if answered else
+        f"{api.name} did not answer at {base or '(no [api] base_url)'}{API_READY_PATH} within "
+        f"{time.time() - t0:.0f} s; starting the other parts anyway")
+    for p in parts.values():
+        if p is not api:
+            log(f"{p.name} started: pid {p.start(env).pid}")
+    return answered
+
+
 def parts_file(home: Path) -> Path:
     """What the supervisor runs now: each part's pid, start time, restarts and its log-server child."""
     return home / "standalone-parts.json"
@@ -333,8 +382,7 @@ def supervise(home: Path, *, poll_s: float = 1.0) -> int:
     if stopping.is_set():   # told to stop while preparing: start nothing
         return 0
     parts = {n: _Part(n, log) for n in PARTS}
-    for p in parts.values():
-        log(f"{p.name} started: pid {p.start(env).pid}")
+    start_parts(parts, env, log, stopping)
     written = None
     while not stopping.is_set():
         now = time.time()
