@@ -172,7 +172,9 @@ def line_chart(series: list[tuple[str, list[tuple[float, float | None]]]], *, ti
              f"<text x='2' y='16' font-size='10'>{_e(f'{top:.4g}')}</text>",
              f"<text x='2' y='{10 + h}' font-size='10'>0</text>",
              f"<text x='{left}' y='{height - 4}' font-size='10'>{_e(_fmt_x(x0, x_is_time))}</text>",
-             f"<text x='{left + w - 120}' y='{height - 4}' font-size='10'>{_e(_fmt_x(x1, x_is_time))}</text>"]
+             # the last tick's label ends at the axis' end (text-anchor end), where its value is
+             f"<text x='{left + w}' y='{height - 4}' font-size='10' text-anchor='end'>{_e(_fmt_x(x1, x_is_time))}"
+             "</text>"]
     for k, (label, s) in enumerate(series):
         color = _COLORS[k % len(_COLORS)]
         seg: list[str] = []
@@ -275,14 +277,18 @@ def _training(metrics: list[dict]) -> str:
         return "<p class='missing'>No training metrics: train_draft did not run.</p>"
     pts = thin(metrics, 400)
     loss = [("loss", [(float(m["step"]), m.get("loss")) for m in pts])]
-    if any("loss_per_position" in m for m in pts):   # comparable across batches, beside the B x T figure
-        loss.append(("loss per scored position", [(float(m["step"]), m.get("loss_per_position")) for m in pts]))
+    # comparable across batches, beside the B x T figure; on its own axis: it is many times the loss (about 26
+    # against 3 in the demo) and would squash the loss' line flat
+    per_position = []
+    if any("loss_per_position" in m for m in pts):
+        per_position.append(("loss per scored position",
+                             [(float(m["step"]), m.get("loss_per_position")) for m in pts]))
     acc = [(k, [(float(m["step"]), m.get(k)) for m in pts]) for k in ("acc_0", "acc_1", "acc_2") if k in metrics[-1]]
     accept = [("acceptance length", [(float(m["step"]), m.get("accept_length")) for m in pts])]
     held = [m for m in metrics if "eval_accept_length" in m]   # train.eval_every: where these part, it overfits
     if held:
-        loss.append(("held-out loss per scored position",
-                     [(float(m["step"]), m.get("eval_loss_per_position")) for m in held]))
+        per_position.append(("held-out loss per scored position",
+                             [(float(m["step"]), m.get("eval_loss_per_position")) for m in held]))
         acc.append(("held-out acc_0", [(float(m["step"]), m.get("eval_acc_0")) for m in held]))
         accept.append(("held-out", [(float(m["step"]), m.get("eval_accept_length")) for m in held]))
     last = metrics[-10:]
@@ -296,7 +302,10 @@ def _training(metrics: list[dict]) -> str:
                f"{int(held[-1]['step']):,}: loss per scored position {held[-1].get('eval_loss_per_position', 0):.3f}, "
                f"acc_0 {held[-1]['eval_acc_0']:.3f}, simulated acceptance length "
                f"{held[-1]['eval_accept_length']:.3f}.</p>" if held else "")
-            + line_chart(loss, title="training loss", y_label="loss", x_is_time=False)
+            + line_chart(loss, title="training loss", y_label="loss over all B x T positions, SpecForge's",
+                         x_is_time=False)
+            + (line_chart(per_position, title="loss per scored position", y_label="loss", x_is_time=False)
+               if per_position else "")
             + line_chart(acc, title="draft accuracy per step", y_label="accuracy", x_is_time=False, y_max=1)
             + line_chart(accept, title="acceptance length (simulated)", y_label="tokens", x_is_time=False))
 
