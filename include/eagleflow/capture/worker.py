@@ -34,11 +34,14 @@ from pathlib import Path
 
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.stop_signal import failure_text, start_helper_thread, stop_arrived
+from eagleflow.stores.contract import SampleSink
+from eagleflow.stores.disk.store import DiskSink
+from eagleflow.stores.encoding import encode_sample
 
 from .client import CaptureServerError, CaptureTimeout, generate
-from .manifest import ManifestEntry, ManifestWriter, compact_manifest, completed_indexes, read_manifest
+from .manifest import compact_manifest, completed_indexes, read_manifest
 from .protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
-from .storage import SampleWriter, remove_temp_files, sample_file_name
+from .storage import remove_temp_files
 
 
 HALT_GRACE_S = 3.0   # a stopped worker's samples already being written finish within this, or are redone
@@ -244,9 +247,8 @@ class ShardWorker:
         work: queue.Queue[Sample] = queue.Queue()
         for smp in todo:
             work.put(smp)
-        writer = SampleWriter(shard_dir, fsync=s.fsync, store_dtype=s.store_dtype)
-        with ManifestWriter(shard_dir / "manifest.jsonl", fsync=s.fsync) as manifest:
-            threads = [start_helper_thread(self._loop, work, writer, manifest, hbw, name=f"capture-{k}")
+        with DiskSink(shard_dir, store_dtype=s.store_dtype, fsync=s.fsync) as sink:
+            threads = [start_helper_thread(self._loop, work, sink, hbw, name=f"capture-{k}")
                        for k in range(min(s.in_flight, len(todo)))]
             try:
                 for t in threads:
@@ -271,15 +273,14 @@ class ShardWorker:
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
 
-    def _loop(self, work: "queue.Queue[Sample]", writer: SampleWriter, manifest: ManifestWriter,
-              hbw: HeartbeatWriter) -> None:
+    def _loop(self, work: "queue.Queue[Sample]", sink: SampleSink, hbw: HeartbeatWriter) -> None:
         while not self._stop.is_set():
             try:
                 smp = work.get_nowait()
             except queue.Empty:
                 return
             try:
-                self._one(smp, writer, manifest, hbw)
+                self._one(smp, sink, hbw)
             except BaseException as e:
                 with self._lock:
                     if self._error is None:
@@ -293,7 +294,7 @@ class ShardWorker:
             recent = sorted(self._per_request)
         return recent[len(recent) // 2] if len(recent) >= PACE_SEED_SAMPLES else None
 
-    def _one(self, smp: Sample, writer: SampleWriter, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
+    def _one(self, smp: Sample, sink: SampleSink, hbw: HeartbeatWriter) -> None:
         s = self.s
         rid = request_id(s.run_id, s.rid_shard, smp.index)
         fl = InFlight(id=rid, since=0.0, tokens=smp.tokens)
@@ -349,15 +350,11 @@ class ShardWorker:
             if self._halt.is_set() or stop_arrived():
                 return   # abandoned: its dump is an orphan the next start removes, the sample is redone then
             try:
-                stored = writer.write(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
-                                      loss_mask=smp.loss_mask,
-                                      aux_hidden_states=dump.aux_hidden_states, hidden_states=dump.hidden_states,
-                                      aux_layers=dump.aux_layers, model=dump.model or s.model)
-                mtime_ns = os.stat(stored.path).st_mtime_ns   # lets a resume skip hashing an unchanged file
-                with self._lock:
-                    manifest.append(ManifestEntry(id=smp.id, index=smp.index, file=sample_file_name(smp.index),
-                                                  tokens=smp.tokens, bytes=stored.bytes, sha256=stored.sha256,
-                                                  mtime_ns=mtime_ns, store_dtype=stored.store_dtype))
+                # stored, then recorded in the shard's manifest: the sink's one step (eagleflow.stores)
+                sink.put(encode_sample(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,
+                                       loss_mask=smp.loss_mask, aux_hidden_states=dump.aux_hidden_states,
+                                       hidden_states=dump.hidden_states, aux_layers=dump.aux_layers,
+                                       model=dump.model or s.model, store_dtype=s.store_dtype))
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise

@@ -33,109 +33,18 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 import torch
 
-from eagleflow.capture.manifest import read_manifest
-from eagleflow.capture.storage import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8, file_sha256
 from eagleflow.safetensors_format import DTYPES, read_header
+from eagleflow.stores.contract import BadSampleError, SampleRef, SampleSource
+from eagleflow.stores.disk.store import DiskSource, MixedStoreError, scan_samples
+from eagleflow.stores.encoding import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8
 
-if TYPE_CHECKING:
-    from eagleflow.capture.verify import VerificationRecord
+__all__ = ["BadSampleError", "MixedStoreError", "SampleRef", "scan_samples"]   # their homes: eagleflow.stores
 
 SAMPLE_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
-
-
-class BadSampleError(ValueError):
-    """A stored sample that does not match its manifest or the storage format."""
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    shard: int
-    index: int
-    id: str
-    path: str
-    tokens: int
-    bytes: int
-    sha256: str
-    store_dtype: str = "auto"
-
-
-class MixedStoreError(ValueError):
-    """Shards of one run stored with different capture.store_dtype: one draft trains on one format."""
-
-
-def scan_samples(hidden_states_dir: str | os.PathLike[str], *, on_bad: Literal["raise", "skip"] = "raise",
-                 verify_sha256: bool = False, log: Callable[[str], None] = print,
-                 verified: "VerificationRecord | None" = None) -> list[SampleRef]:
-    """Every sample the manifests record, checked against its file; ordered by sample index."""
-    root = Path(hidden_states_dir)
-    shard_dirs = sorted(p for p in root.glob("shard_*") if p.is_dir()) if root.is_dir() else []
-    if verified is not None:
-        shard_dirs = [p for p in shard_dirs if p.name in verified.shards]
-    if not shard_dirs:
-        raise FileNotFoundError(f"no shard directories (shard_NNNNN) under {root}; run the extraction first "
-                                "(`eagleflow extract`) or point run_root/--run-id at the run that has them")
-    refs: list[SampleRef] = []
-    bad: list[str] = []
-    for d in shard_dirs:
-        shard = int(d.name.split("_", 1)[1])
-        manifest = d / "manifest.jsonl"
-        if not manifest.is_file():
-            raise FileNotFoundError(f"{manifest} does not exist: shard {shard} has no record of stored samples; "
-                                    "re-run its extraction")
-        scan = read_manifest(manifest)
-        if scan.bad_lines:
-            log(f"{manifest}: ignoring unreadable line(s) {scan.bad_lines[:10]}")
-        for idx in sorted(scan.entries):
-            e = scan.entries[idx]
-            path = d / e.file
-            problem = _check_file(path, e.bytes, e.sha256 if verify_sha256 else None,
-                                  verified.newest_mtime_ns if verified is not None else None)
-            if problem:
-                bad.append(f"{path}: {problem}")
-                continue
-            refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=str(path), tokens=e.tokens,
-                                  bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
-    if bad:
-        head = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-        if on_bad == "raise":
-            raise BadSampleError(f"{len(bad)} stored sample(s) do not match their manifest: {head}. "
-                                 "Re-run extraction for those shards (it resumes from the manifest), or set "
-                                 "train.on_bad_sample: skip to train without them")
-        log(f"skipping {len(bad)} stored sample(s) that do not match their manifest: {head}")
-    if not refs:
-        raise FileNotFoundError(f"the manifests under {root} record no usable sample; nothing to train on")
-    by_dtype: dict[str, dict[int, int]] = {}
-    for r in refs:
-        per_shard = by_dtype.setdefault(r.store_dtype, {})
-        per_shard[r.shard] = per_shard.get(r.shard, 0) + 1
-    if len(by_dtype) > 1:
-        parts = "; ".join(f"{dt}: " + ", ".join(f"shard_{s:05d} ({n} samples)" for s, n in sorted(sh.items()))
-                          for dt, sh in sorted(by_dtype.items()))
-        raise MixedStoreError(f"refusing to train: the hidden states under {root} mix store dtypes ({parts}); "
-                              "re-capture the odd shard(s) with the run's capture.store_dtype (delete the shard "
-                              "dir and re-run its extraction) so every shard has one format")
-    refs.sort(key=lambda r: r.index)
-    return refs
-
-
-def _check_file(path: Path, size: int, sha256: str | None, verified_mtime_ns: int | None = None) -> str | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return "file is missing"
-    actual = st.st_size
-    if actual != size:
-        return f"size {actual} bytes, manifest says {size}"
-    if verified_mtime_ns is not None and st.st_mtime_ns > verified_mtime_ns:
-        return "written after `capture verify` passed (not verified)"
-    if sha256 is not None and file_sha256(path) != sha256:
-        return "sha256 differs from the manifest"
-    return None
 
 
 # every safetensors dtype a stored sample may hold (F8_E5M2 never is)
@@ -144,6 +53,7 @@ _READ_CHUNK = 16 << 20
 _ALIGN = 64                  # tensors carved from one buffer start on a 64-byte boundary (any dtype's alignment)
 
 Buffer = Callable[[int], torch.Tensor]   # nbytes -> a 1-D uint8 host tensor of exactly that many bytes
+_DISK = DiskSource(".")                  # opens a ref's file: what read_sample_keys reads without a source
 
 
 class HostBufferPool:
@@ -213,15 +123,15 @@ def _carve(buffer: Buffer | None, specs: Sequence[tuple[list[int], torch.dtype]]
     return out
 
 
-def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = None
+def _read_safetensors(f: BinaryIO, keys: Sequence[str], buffer: Buffer | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """(the named tensors, metadata, keys in the file): each tensor in its own allocation, or all of them
     carved from one ``buffer`` block.
 
     Raises ValueError for a header safetensors would refuse (bad length or JSON, unknown dtype, offsets
     that do not match the shape or run past the file) and OSError for a file cut short."""
-    with open(path, "rb", buffering=0) as f:
-        h = read_header(f, os.fstat(f.fileno()).st_size)    # the one check, shared with the extraction worker
+    with f:
+        h = read_header(f, f.seek(0, os.SEEK_END))    # the one check, shared with the extraction worker
         base = h.data_start
         found: list[tuple[str, int, int, list[int], torch.dtype]] = []
         for k in keys:
@@ -248,18 +158,21 @@ def _read_safetensors(path: str, keys: Sequence[str], buffer: Buffer | None = No
     return out, h.metadata, list(h.entries)
 
 
-def read_sample_keys(ref: SampleRef, keys: Sequence[str], buffer: Buffer | None = None) -> dict[str, torch.Tensor]:
+def read_sample_keys(ref: SampleRef, keys: Sequence[str], buffer: Buffer | None = None,
+                     source: SampleSource | None = None) -> dict[str, torch.Tensor]:
     """The named tensors of one stored sample, checked for presence and length.
 
     From an fp8 store a hidden-state key comes as float8 with its ``<key>_scale`` beside it
     (``Batch.to`` de-quantises on the device); the file's own metadata must say fp8_e4m3.
-    With ``buffer`` (e.g. ``HostBufferPool.take``) all of them are views into one block from it.
+    With ``buffer`` (e.g. ``HostBufferPool.take``) all of them are views into one block from it. ``source``
+    gives the bytes (default: the disk store's file at ``ref.path``).
     """
     wanted = list(keys)
     if ref.store_dtype == "fp8_e4m3":
         wanted += [k + SCALE_SUFFIX for k in keys if k in QUANTISED_KEYS]
+    f = (source or _DISK).open(ref)    # a streaming source checks the digest here (SampleRefused names the key)
     try:
-        out, meta, have = _read_safetensors(ref.path, wanted, buffer)
+        out, meta, have = _read_safetensors(f, wanted, buffer)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise BadSampleError(f"{ref.path}: not a readable safetensors file ({e}); re-run its shard's extraction") from None
     stored_as = meta.get("store_dtype", "auto")

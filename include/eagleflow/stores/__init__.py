@@ -1,0 +1,73 @@
+"""The hidden-state stores, one registered ``Store`` each: the one place that knows where samples go and come from.
+
+- ``disk``: today's offline store. One safetensors file per sample under the run's ``hidden_states/``,
+  an append-only manifest per shard, verified by ``eagleflow capture verify`` before training.
+- ``mooncake``: a streaming store. Samples live in a Mooncake store's memory (a master and a segment
+  holder the run starts, ``eagleflow.stores.mooncake.master``), keys namespaced by run and shard; the
+  manifests stay on disk; the trainer takes each sample as it arrives, checks its digest, and removes it
+  after its last epoch; writers wait while the store holds ``stream.buffer_gib``.
+
+A sink (``SampleSink``) and a source (``SampleSource``) are built here from ``StoreSettings``; no module
+above asks which store it has (tests/unit/test_stores.py holds this, as test_engines does for engines).
+Implementations are ``"module:function"`` strings imported when called: this module imports only the
+standard library, so the config can validate ``stream.storage`` against it.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class UnknownStore(ValueError):
+    """A name that is no registered store; the message names the field, the value and the registered names."""
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What any store needs to open a sink or a source for one run.
+
+    ``root``: the run's hidden-states folder (where each shard's manifest is). ``endpoint_file``: where a
+    streaming store's running server says how to reach it (written when the run starts it)."""
+    run_id: str
+    root: str
+    store_dtype: str = "auto"
+    fsync: bool = True
+    buffer_bytes: int = 0
+    endpoint_file: str = ""
+    put_timeout_s: float = 600.0
+    get_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Store:
+    name: str
+    label: str
+    streaming: bool          # training may run beside capture, drawing samples as they arrive
+    sink: str                # (settings, shard) -> SampleSink
+    source: str              # (settings, **options) -> SampleSource
+
+    def _function(self, ref: str) -> Callable[..., Any]:
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def open_sink(self, settings: StoreSettings, shard: int) -> Any:
+        return self._function(self.sink)(settings, shard)
+
+    def open_source(self, settings: StoreSettings, **options: Any) -> Any:
+        return self._function(self.source)(settings, **options)
+
+
+STORES: dict[str, Store] = {s.name: s for s in (
+    Store("disk", "disk (safetensors files)", streaming=False,
+          sink="eagleflow.stores.disk.store:open_sink", source="eagleflow.stores.disk.store:open_source"),
+    Store("mooncake", "Mooncake store", streaming=True,
+          sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source"),
+)}
+
+
+def store_for(name: str, field: str = "stream.storage") -> Store:
+    try:
+        return STORES[name]
+    except KeyError:
+        raise UnknownStore(f"{field} names no registered store; use one of {', '.join(map(repr, STORES))}") from None

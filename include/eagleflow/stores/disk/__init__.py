@@ -1,0 +1,1 @@
+"""The disk store (``eagleflow.stores.disk.store``)."""
