@@ -72,14 +72,20 @@ FAULTS = ["frozen-server", "frozen-worker", "killed-worker", "killed-server", "h
 NODE: dict = {}   # node section overrides: the node host's SSH connection in --node-host mode
 
 
-def make_run(root: Path, model: str, run_id: str, watch: dict, n: int, has_gpu: bool = False) -> LocalRun:
-    data = {"run_root": str(root / "runs"), "target_model": model,
+def extract_config(root: Path, model: str, run_id: str, watch: dict, has_gpu: bool = False) -> dict:
+    """An extraction run's config: one shard, the hf capture server, two samples in flight; folders under
+    ``root``. Its corpus is written apart (``write_corpus``): no source is read."""
+    return {"run_root": str(root / "runs"), "target_model": model,
             "node": {"name": "bench-node", "has_gpu": has_gpu, "state_dir": str(root / "state"), **NODE},
             "gpu": {"probe": "smi"},
             "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / run_id), "shards": 1,
                         "in_flight": 2, "ready_timeout_s": 180, "heartbeat_interval_s": 2.0,
                         "request_timeout_base_s": 600},
             "watchdog": watch}
+
+
+def make_run(root: Path, model: str, run_id: str, watch: dict, n: int, has_gpu: bool = False) -> LocalRun:
+    data = extract_config(root, model, run_id, watch, has_gpu)
     cfgp = root / f"{run_id}.json"
     cfgp.write_text(json.dumps(data))
     cfg = load_config(cfgp)
@@ -89,19 +95,26 @@ def make_run(root: Path, model: str, run_id: str, watch: dict, n: int, has_gpu: 
     return LocalRun(cfg=cfg, layout=layout, config_path=str(layout.run_dir / "run-config.json"))
 
 
-def make_generate_run(root: Path, model: str, watch: dict, n: int = 2000) -> LocalRun:
-    """A generation run of one shard over a source of ``n`` demo records (the demo's own generator, its
-    tokenizer's words), in the tiny target's serving mode: 16 new tokens a turn, two records in flight."""
-    sources = write_demo_sources(root / "generate-sources", n_per_source=n, seed=11)
+def generate_config(root: Path, model: str, watch: dict, n: int = 2000, shards: int = 1,
+                    name: str = "generate") -> dict:
+    """A generation run's config over a source of ``n`` demo records (the demo's own generator, its tokenizer's
+    words) split into ``shards``, in the tiny target's serving mode: 16 new tokens a turn, two records in flight;
+    its folders under ``root`` (``name`` tells runs sharing a root apart)."""
+    sources = write_demo_sources(root / f"{name}-sources", n_per_source=n, seed=11)
     src = next(x for x in sources if x["name"] == "openai")
-    data = {"run_root": str(root / "runs"), "target_model": model,
+    return {"run_root": str(root / "runs"), "target_model": model,
             "node": {"name": "bench-node", "has_gpu": False, "state_dir": str(root / "state"), **NODE},
             "gpu": {"probe": "smi"},
             "corpus": {"sources": [src], "seed": 1, "max_length": 512},
-            "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / "generate"),
+            "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / name),
                         "ready_timeout_s": 180, "heartbeat_interval_s": 2.0},
-            "generate": {"enabled": True, "shards": 1, "max_new_tokens": 16, "concurrency": 2},
+            "generate": {"enabled": True, "shards": shards, "max_new_tokens": 16, "concurrency": 2},
             "watchdog": watch}
+
+
+def make_generate_run(root: Path, model: str, watch: dict, n: int = 2000) -> LocalRun:
+    """A generation run of one shard (``generate_config``), its run config written as the operators write it."""
+    data = generate_config(root, model, watch, n)
     cfgp = root / "generate.json"
     cfgp.write_text(json.dumps(data))
     cfg = load_config(cfgp)
