@@ -57,9 +57,25 @@ def main(argv: list[str] | None = None) -> int:
         p = run_dir / rel
         print(f"  {label:32s} {p}{'' if p.exists() else '   (not produced)'}")
     print(f"  {'Airflow task logs':32s} {Path(env['AIRFLOW_HOME']) / 'logs'}")
-    for line in summary_lines(run_dir):
+    for line in summary_lines(run_dir) + next_steps(run_dir):
         print(line)
     return 0
+
+
+def next_steps(run_dir: Path) -> list[str]:
+    """What to do after the demo: the report it wrote, the same pipeline from Airflow's UI, a real GPU node."""
+    report = run_dir / "report.html"
+    return [
+        "\n[demo] what next:",
+        f"  1. open the run report in a browser: {report}" + ("" if report.exists() else "   (not produced)"),
+        "     (corpus per source, samples per shard over time, training curves, the evaluation, both serve commands)",
+        "  2. run it from Airflow's UI: `make airflow` prints the URL, user admin and the password; open the URL,",
+        "     unpause eagle3_pipeline and press Trigger (the form starts from configs/local-demo.yaml; an empty field",
+        "     takes the config's value); watch it under Browse -> GPU nodes; each run's run_report task has a 'Run",
+        "     report' link to its own report; `make airflow-stop` stops it all",
+        "  3. on a GPU node: README.md, 'Against a GPU node' (configs/gpu-node.example.yaml)",
+        "  Why the figures above differ from the README's and from run to run: docs/demo.md, 'Which figures vary'",
+    ]
 
 
 def summary_lines(run_dir: Path) -> list[str]:
