@@ -193,8 +193,10 @@ def _finite_figures(d: dict) -> dict:
     out: dict = {}
     for k in ("rate", "loss", "acc_0", "accept_length"):
         v = d.get(k)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        out[k] = float(v) if ok else (0.0 if k == "rate" else None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[k] = float(v)
+        else:
+            out[k] = 0.0 if k == "rate" else None
     return out
 
 
@@ -209,7 +211,8 @@ def _training(run_dir: Path, skipped: list[str] | None = None) -> TrainProgress 
         d = bounded_json.loads(text, source=str(hb))
         if not isinstance(d, dict):
             raise TypeError(f"a JSON {type(d).__name__}, not an object")
-        extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
+        extra = d.get("extra")
+        extra = extra if isinstance(extra, dict) else {}
         return TrainProgress(step=int(d.get("done") or 0), total=int(d.get("total") or 0),
                              state=str(d.get("state") or "?"), last_progress_at=float(d.get("last_progress_at") or 0),
                              written_at=float(d.get("time") or 0),
