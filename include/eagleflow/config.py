@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from eagleflow.engines import ROLES, UnknownEngine, engine, generation_backend, names_for
 from eagleflow.server_flags import check_extra_server_args
+from eagleflow.stores import UnknownStore, store_for
 
 
 class ConfigError(ValueError):
@@ -276,6 +277,30 @@ def _every_export_format() -> list[Literal["sglang", "speculators"]]:
     return ["sglang", "speculators"]
 
 
+class StreamConfig(_Section):
+    """Where the hidden states go between capture and training (eagleflow.stores, docs/streaming.md)."""
+    storage: str = Field(default="disk", description="the hidden-state store (eagleflow.stores): disk = one "
+                         "safetensors file per sample, verified, then trained on (offline); mooncake = a Mooncake "
+                         "store in memory the trainer draws from as capture fills it (streaming)")
+    buffer_gib: float = Field(default=4.0, gt=0, le=65536, description="mooncake: the most hidden-state bytes "
+                              "the store holds at once; a capture worker waits (backpressure) while it is full")
+    host: str = Field(default="127.0.0.1", pattern=r"^[A-Za-z0-9_.:-]+$", description="mooncake: the address "
+                      "the run's master and segment holder bind on the training node (loopback on one machine)")
+    shuffle_window: int = Field(default=64, ge=1, le=1_000_000, description="mooncake: the trainer shuffles "
+                                "within this many arrived samples (1 = in arrival order)")
+    put_timeout_s: float = Field(default=600.0, gt=0, description="mooncake: a put waits this long for room "
+                                 "under buffer_gib before it fails naming the store (nobody consuming)")
+
+    @field_validator("storage")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        try:
+            store_for(v)
+        except UnknownStore as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the draft trains; auto = "
                                                    "cuda when torch sees a GPU")
@@ -489,6 +514,7 @@ class PipelineConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
 
     # Where the config was read from; relative paths resolve against its folder.
     source_path: str | None = Field(default=None, exclude=True)

@@ -1,0 +1,182 @@
+"""The run's Mooncake store on the training node: a master and a segment holder, each a recorded process.
+
+``start_store`` starts, through ``eagleflow.nodes.detach`` (own session, pid record written before it is
+reported), the wheel's ``mooncake_master`` with its own HTTP metadata server, then the wheel's
+``mooncake_client`` as the segment holder: the store's memory (``segment_bytes``) belongs to that
+long-lived process, because a writer's own segment, and every object in it, vanishes when the writer exits
+(notes/mooncake.md). Both bind ``host`` (loopback on one machine) on free ports. The endpoint (addresses,
+ports, the two records) is written atomically to ``endpoint_file``, which sinks and sources read.
+``stop_store`` stops both by their records (``process_record.stop``: TERM, grace, KILL; PIDs only).
+
+The master runs with a short object lease (``-default_kv_lease_ttl``): Mooncake refuses to remove an
+object for its lease after a read, and the trainer removes each sample right after its last epoch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagleflow import bounded_json
+from eagleflow.durable import atomic_write
+from eagleflow.nodes.process_record import StopResult, status, stop_file
+
+MASTER_ROLE = "mooncake-master"
+SEGMENT_ROLE = "mooncake-segment"
+LEASE_TTL = "100ms"
+
+
+class MooncakeStartError(RuntimeError):
+    """The run's Mooncake master or segment holder did not come up; the message names it and its log."""
+
+
+@dataclass(frozen=True)
+class MooncakeEndpoint:
+    host: str
+    rpc_port: int
+    metadata_port: int
+    metrics_port: int
+    segment_bytes: int
+    master_pid_file: str = ""
+    segment_pid_file: str = ""
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    @property
+    def label(self) -> str:
+        """How errors name the store."""
+        return f"Mooncake store (master {self.master_address})"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "MooncakeEndpoint":
+        d = bounded_json.read(path, max_bytes=bounded_json.MAX_ANSWER_BYTES)
+        return cls(host=str(d["host"]), rpc_port=int(d["rpc_port"]), metadata_port=int(d["metadata_port"]),
+                   metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
+                   master_pid_file=str(d.get("master_pid_file", "")),
+                   segment_pid_file=str(d.get("segment_pid_file", "")))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def metrics(ep: MooncakeEndpoint, timeout_s: float = 2.0) -> dict[str, float]:
+    """The master's own figures (``master_allocated_bytes``, ``master_total_capacity_bytes``, ``master_key_count``
+    ...); OSError when the master does not answer."""
+    with urllib.request.urlopen(f"http://{ep.host}:{ep.metrics_port}/metrics", timeout=timeout_s) as r:
+        text = r.read(1 << 20).decode("utf-8", "replace")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("master_") and " " in line and "{" not in line:
+            name, _, value = line.partition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def binary(name: str) -> str:
+    """A binary of the Mooncake wheel: beside this interpreter (a venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.is_file() else shutil.which(name)
+    if not found:
+        raise MooncakeStartError(f"{name} not found beside {sys.executable} or on PATH: install the stream extra "
+                                 "(pip install 'eagleflow[stream]': mooncake-transfer-engine-non-cuda, or the CUDA "
+                                 "build on a GPU node) and Debian's libibverbs1 librdmacm1 libnuma1")
+    return found
+
+
+def _detach(role: str, pid_file: Path, log_file: Path, argv: list[str]) -> None:
+    res = subprocess.run([sys.executable, "-m", "eagleflow.nodes.detach", "--role", role, "--pid-file",
+                          str(pid_file), "--log-file", str(log_file), "--", *argv],
+                         capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise MooncakeStartError(f"{role} not started: {(res.stderr or res.stdout).strip()[-500:]}")
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-800:]
+    except OSError:
+        return ""
+
+
+def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int, endpoint_file: str | os.PathLike,
+                host: str = "127.0.0.1", timeout_s: float = 60.0) -> MooncakeEndpoint:
+    """Start the run's master and segment holder (recorded), wait until the store has its memory, write the
+    endpoint; on failure stop whatever was started and raise MooncakeStartError naming the log."""
+    state = Path(state_dir)
+    pids, logs = state / "pids", state / "logs"
+    master_pid, segment_pid = pids / f"{run_id}.{MASTER_ROLE}.json", pids / f"{run_id}.{SEGMENT_ROLE}.json"
+    master_log, segment_log = logs / f"{run_id}.{MASTER_ROLE}.log", logs / f"{run_id}.{SEGMENT_ROLE}.log"
+    ep = MooncakeEndpoint(host=host, rpc_port=free_port(host), metadata_port=free_port(host),
+                          metrics_port=free_port(host), segment_bytes=segment_bytes,
+                          master_pid_file=str(master_pid), segment_pid_file=str(segment_pid))
+    try:
+        _detach(MASTER_ROLE, master_pid, master_log, [
+            binary("mooncake_master"), "-rpc_port", str(ep.rpc_port), "-rpc_address", host,
+            "-enable_http_metadata_server=true", "-http_metadata_server_host", host,
+            "-http_metadata_server_port", str(ep.metadata_port), "-metrics_port", str(ep.metrics_port),
+            "-default_kv_lease_ttl", LEASE_TTL])
+        _wait(lambda: reachable(host, ep.rpc_port) and reachable(host, ep.metadata_port), timeout_s,
+              master_pid, f"{MASTER_ROLE} did not listen on {ep.master_address}", master_log)
+        _detach(SEGMENT_ROLE, segment_pid, segment_log, [
+            binary("mooncake_client"), "-global_segment_size", f"{max(1, segment_bytes >> 20)}MB",
+            "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
+            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))])
+
+        def mounted() -> bool:
+            try:
+                return metrics(ep).get("master_total_capacity_bytes", 0) >= (segment_bytes >> 20) << 20
+            except OSError:
+                return False
+        _wait(mounted, timeout_s, segment_pid, f"{SEGMENT_ROLE} did not mount {segment_bytes >> 20} MiB", segment_log)
+    except BaseException:
+        stop_store(ep, grace_s=2.0)
+        raise
+    atomic_write(endpoint_file, ep.to_json())
+    return ep
+
+
+def _wait(ready, timeout_s: float, pid_file: Path, what: str, log: Path) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if ready():
+            return
+        if not status(pid_file).alive:
+            raise MooncakeStartError(f"{what}: it exited; its log {log} ends: {_tail(log)}")
+        time.sleep(0.1)
+    raise MooncakeStartError(f"{what} within {timeout_s:g} s; its log {log} ends: {_tail(log)}")
+
+
+def stop_store(ep: MooncakeEndpoint, grace_s: float = 10.0) -> list[StopResult]:
+    """Stop the segment holder, then the master, each by its pid record only."""
+    return [stop_file(f, grace_s=grace_s) for f in (ep.segment_pid_file, ep.master_pid_file) if f]

@@ -1,0 +1,203 @@
+"""The Mooncake store's sink and source: samples in a Mooncake store's memory, manifests on disk.
+
+Keys: ``<run_id>/shard_NNNNN/<index:08d>``. The sink puts each sample's encoded bytes (``stores.encoding``,
+FP8 included) and then appends its manifest line (``file`` is the key, ``sha256`` the digest of the bytes
+put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
+``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure; the check and the put
+are one step under a lock file beside the endpoint, so the writers of one node never overshoot together);
+past ``put_timeout_s`` it raises ``StoreFull``. The source reads the manifests (``scan``), gets a sample's
+bytes, refuses them (``SampleRefused``, naming the key) when missing or when their sha256 is not the
+manifest's, and removes the sample on ``release`` (its last epoch is done with it).
+
+A store that does not answer (its master killed) is ``StoreUnavailable`` naming the store, within seconds:
+the master's port is probed before the client's setup (which would otherwise retry for 90 s) and after any
+failed call.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, read_manifest
+from eagleflow.stores import StoreSettings
+from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, StoreError, StoreFull,
+                                       StoreUnavailable)
+from eagleflow.stores.encoding import EncodedSample
+
+from .master import MooncakeEndpoint, metrics, reachable
+
+STORE = "mooncake"
+OBJECT_NOT_FOUND = -704             # Mooncake's error codes (store_py's ErrorCode)
+LOCAL_BUFFER_BYTES = 64 << 20       # the client's own transfer buffer (it contributes no segment: 0 bytes)
+
+
+def sample_key(run_id: str, shard: int, index: int) -> str:
+    return f"{run_id}/shard_{shard:05d}/{index:08d}"
+
+
+class MooncakeClient:
+    """One process's connection to the store (one per process: Mooncake clients are heavy)."""
+
+    def __init__(self, ep: MooncakeEndpoint):
+        self.ep = ep
+        self.label = ep.label
+        self.unavailable_if_down("cannot connect", settle_s=0)
+        os.environ.setdefault("MC_STORE_MEMCPY", "0")   # TCP-only hosts (notes/mooncake.md)
+        from mooncake.store import MooncakeDistributedStore
+        self._s: Any = MooncakeDistributedStore()
+        rc = self._s.setup(ep.host, ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
+        if rc != 0:
+            self.unavailable_if_down(f"setup failed ({rc})")
+            raise StoreError(self.label, f"client setup failed with code {rc}")
+
+    def unavailable_if_down(self, doing: str, settle_s: float = 1.0) -> None:
+        """StoreUnavailable when the master does not answer; looked at for ``settle_s`` (a master killed a moment
+        ago fails calls before its ports close)."""
+        end = time.monotonic() + settle_s
+        while reachable(self.ep.host, self.ep.rpc_port) and reachable(self.ep.host, self.ep.metrics_port):
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.1)
+        raise StoreUnavailable(self.label, f"{doing}: the master does not answer on {self.ep.master_address} "
+                               f"(dead or unreachable; its pid record: {self.ep.master_pid_file or 'none'}). "
+                               "Restart the store and re-run: every sample recorded in a manifest but not "
+                               "trained on is captured again")
+
+    def allocated_bytes(self) -> int:
+        try:
+            return int(metrics(self.ep).get("master_allocated_bytes", 0))
+        except OSError:
+            self.unavailable_if_down("reading its memory in use")
+            raise
+
+    def put(self, key: str, data: bytes) -> None:
+        rc = self._s.upsert(key, data)     # a redone sample replaces the old bytes (put keeps the first)
+        if rc != 0:
+            self.unavailable_if_down(f"put {key}")
+            raise StoreError(self.label, f"put {key} ({len(data)} bytes) failed with code {rc}")
+
+    def get(self, key: str) -> bytes:
+        data = self._s.get(key)
+        if not data:
+            self.unavailable_if_down(f"get {key}")
+        return bytes(data) if data else b""
+
+    def remove(self, key: str, timeout_s: float = 5.0) -> None:
+        end = time.monotonic() + timeout_s
+        while True:
+            rc = self._s.remove(key)
+            if rc in (0, OBJECT_NOT_FOUND):   # (asking is_exist instead would renew the lease it waits out)
+                return
+            if time.monotonic() > end:          # a lease outlived its 100 ms: say so, never loop forever
+                self.unavailable_if_down(f"remove {key}")
+                raise StoreError(self.label, f"remove {key} failed with code {rc} for {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        try:
+            self._s.close()
+        except Exception:
+            pass
+
+
+class MooncakeSink:
+    store = STORE
+
+    def __init__(self, settings: StoreSettings, shard: int, client: MooncakeClient | None = None):
+        self.settings = settings
+        self.shard = shard
+        self.ep = MooncakeEndpoint.read(settings.endpoint_file)
+        self.client = client or MooncakeClient(self.ep)
+        shard_dir = Path(settings.root) / f"shard_{shard:05d}"
+        self.manifest = ManifestWriter(shard_dir / "manifest.jsonl", fsync=settings.fsync)
+        self._budget_lock = f"{settings.endpoint_file}.budget.lock"
+        self._lock = threading.Lock()
+        self.waited_s = 0.0             # time spent held back by the buffer
+
+    def _room(self, size: int) -> None:
+        limit = self.settings.buffer_bytes
+        if size > limit:
+            raise StoreFull(self.client.label, f"one sample of {size} bytes is larger than stream.buffer_gib "
+                            f"({limit} bytes); raise stream.buffer_gib")
+        t0 = time.monotonic()
+        while self.client.allocated_bytes() + size > limit:
+            if time.monotonic() - t0 > self.settings.put_timeout_s:
+                raise StoreFull(self.client.label, f"no room for {size} bytes under stream.buffer_gib ({limit} "
+                                f"bytes) for {self.settings.put_timeout_s:g} s: nobody is taking samples (is the "
+                                "trainer running?)")
+            time.sleep(0.05)
+        self.waited_s += time.monotonic() - t0
+
+    def put(self, sample: EncodedSample) -> PutReceipt:
+        data = sample.to_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        key = sample_key(self.settings.run_id, self.shard, sample.index)
+        with self._lock, open(self._budget_lock, "a") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)       # check-then-put is one step for every writer of this node
+            self._room(len(data))
+            self.client.put(key, data)
+        with self._lock:
+            self.manifest.append(ManifestEntry(id=sample.sample_id, index=sample.index, file=key,
+                                               tokens=sample.tokens, bytes=len(data), sha256=digest,
+                                               store_dtype=sample.store_dtype))
+        return PutReceipt(sample.index, sample.sample_id, key, len(data), digest, sample.store_dtype)
+
+    def close(self) -> None:
+        self.manifest.close()
+
+
+class MooncakeSource:
+    store = STORE
+    streaming = True
+
+    def __init__(self, settings: StoreSettings, client: MooncakeClient | None = None,
+                 log: Callable[[str], None] = print, **_options: Any):
+        self.settings = settings
+        self.root = Path(settings.root)
+        self.ep = MooncakeEndpoint.read(settings.endpoint_file)
+        self.client = client or MooncakeClient(self.ep)
+        self.log = log
+
+    def scan(self) -> list[SampleRef]:
+        refs: list[SampleRef] = []
+        for d in sorted(p for p in self.root.glob("shard_*") if p.is_dir()) if self.root.is_dir() else []:
+            shard = int(d.name.split("_", 1)[1])
+            scan = read_manifest(d / "manifest.jsonl")
+            for idx in sorted(scan.entries):
+                e = scan.entries[idx]
+                refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
+                                      bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
+        return refs
+
+    def open(self, ref: SampleRef) -> BinaryIO:
+        data = self.client.get(ref.path)
+        if not data:
+            raise SampleRefused(f"{self.client.label}: sample {ref.id} (key {ref.path}) is recorded in shard "
+                                f"{ref.shard}'s manifest but not in the store (removed, evicted or lost with a "
+                                "segment); re-capture its shard")
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != ref.bytes or digest != ref.sha256:
+            raise SampleRefused(f"{self.client.label}: sample {ref.id} (key {ref.path}): {len(data)} bytes with "
+                                f"sha256 {digest[:16]}..., its manifest says {ref.bytes} bytes and "
+                                f"{ref.sha256[:16]}...; not trained on: re-capture its shard")
+        return io.BytesIO(data)
+
+    def release(self, ref: SampleRef) -> None:
+        self.client.remove(ref.path)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_sink(settings: StoreSettings, shard: int) -> MooncakeSink:
+    return MooncakeSink(settings, shard)
+
+
+def open_source(settings: StoreSettings, **options: Any) -> MooncakeSource:
+    return MooncakeSource(settings, log=options.get("log", print))

@@ -1,0 +1,168 @@
+"""The Mooncake store, real (issue 53): its master and segment holder started from the wheel on 127.0.0.1 free
+ports as recorded processes and stopped by PID; samples put and got through the store contract."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from eagleflow.nodes.process_record import load_record, status
+from eagleflow.stores import StoreSettings, store_for
+from eagleflow.stores.contract import SampleRefused, SampleSink, SampleSource, StoreFull, StoreUnavailable
+from eagleflow.stores.encoding import encode_sample
+from eagleflow.train.data import SAMPLE_KEYS, read_sample_keys
+
+pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
+
+from eagleflow.stores.mooncake.master import metrics, start_store, stop_store  # noqa: E402
+from eagleflow.stores.mooncake.store import MooncakeClient, MooncakeSource  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _enc(i: int, n: int = 64, h: int = 256, store_dtype: str = "auto"):
+    g = torch.Generator().manual_seed(i)
+    return encode_sample(index=i, sample_id=f"src:{i}", input_ids=torch.arange(n) + i, loss_mask=[1] * n,
+                         aux_hidden_states=torch.randn(n, 3 * h, generator=g).to(torch.bfloat16),
+                         hidden_states=torch.randn(n, h, generator=g).to(torch.bfloat16), aux_layers=[1, 2, 3],
+                         model="tiny", store_dtype=store_dtype)
+
+
+@pytest.fixture
+def store(tmp_path):
+    ep_file = tmp_path / "state" / "mooncake.json"
+    ep = start_store(state_dir=tmp_path / "state", run_id="r1", segment_bytes=64 * MIB, endpoint_file=ep_file)
+    yield ep, ep_file
+    for res in stop_store(ep, grace_s=2.0):
+        assert res.outcome in ("terminated", "killed", "already_gone", "not_recorded"), res.describe()
+
+
+def _settings(tmp_path, ep_file, buffer_bytes=32 * MIB, **kw) -> StoreSettings:
+    return StoreSettings(run_id="r1", root=str(tmp_path / "hs"), fsync=False, buffer_bytes=buffer_bytes,
+                         endpoint_file=str(ep_file), **kw)
+
+
+def test_the_store_runs_as_recorded_processes_on_loopback(store):
+    ep, _ = store
+    for f in (ep.master_pid_file, ep.segment_pid_file):
+        assert status(f).alive, status(f).detail
+    assert ep.host == "127.0.0.1" and metrics(ep)["master_total_capacity_bytes"] >= 64 * MIB
+
+
+@pytest.mark.parametrize("store_dtype", ["auto", "fp8_e4m3"])
+def test_put_get_round_trip_is_byte_identical_and_digest_checked(tmp_path, store, store_dtype):
+    _, ep_file = store
+    settings = _settings(tmp_path, ep_file)
+    sink = store_for("mooncake").open_sink(settings, 2)
+    assert isinstance(sink, SampleSink)
+    sent = [_enc(i, store_dtype=store_dtype) for i in (5, 6)]
+    receipts = [sink.put(e) for e in sent]
+    sink.close()
+    assert receipts[0].where == "r1/shard_00002/00000005" and receipts[0].sha256 == sent[0].sha256()
+    # nothing of the sample on disk: only the manifest
+    assert sorted(p.name for p in (tmp_path / "hs" / "shard_00002").iterdir()) == ["manifest.jsonl"]
+    source = store_for("mooncake").open_source(settings)
+    assert isinstance(source, SampleSource) and source.streaming
+    refs = source.scan()
+    assert [(r.index, r.id, r.path, r.store_dtype) for r in refs] == [
+        (5, "src:5", "r1/shard_00002/00000005", store_dtype), (6, "src:6", "r1/shard_00002/00000006", store_dtype)]
+    for ref, enc in zip(refs, sent):
+        assert source.open(ref).read() == enc.to_bytes()
+    t = read_sample_keys(refs[0], SAMPLE_KEYS, source=source)
+    assert torch.equal(t["input_ids"], torch.arange(64) + 5) and t["hidden_states"].shape == (64, 256)
+    source.release(refs[0])
+    with pytest.raises(SampleRefused, match="key r1/shard_00002/00000005"):
+        source.open(refs[0])
+    source.close()
+
+
+def test_a_corrupted_or_missing_sample_is_refused_naming_the_key(tmp_path, store):
+    ep, ep_file = store
+    settings = _settings(tmp_path, ep_file)
+    sink = store_for("mooncake").open_sink(settings, 0)
+    for i in range(2):
+        sink.put(_enc(i))
+    sink.close()
+    source = MooncakeSource(settings)
+    a, b = source.scan()
+    bad = bytearray(source.open(a).read())
+    bad[-1] ^= 0xFF                                   # one flipped byte in the tensors, same size
+    source.client.put(a.path, bytes(bad))
+    with pytest.raises(SampleRefused, match=r"sample src:0 \(key r1/shard_00000/00000000\).*sha256"):
+        source.open(a)
+    source.client.remove(b.path)
+    with pytest.raises(SampleRefused, match=r"sample src:1 \(key r1/shard_00000/00000001\).*not in the store"):
+        source.open(b)
+    source.close()
+
+
+def test_backpressure_holds_the_store_under_its_buffer(tmp_path, store):
+    ep, ep_file = store
+    one = _enc(0).size
+    buffer_bytes = 3 * one + one // 2                 # room for three samples, never four
+    settings = _settings(tmp_path, ep_file, buffer_bytes=buffer_bytes)
+    sink = store_for("mooncake").open_sink(settings, 0)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce():
+        try:
+            for i in range(10):
+                sink.put(_enc(i))
+        except BaseException as e:   # noqa: BLE001 - reported by the test
+            errors.append(e)
+        finally:
+            done.set()
+    th = threading.Thread(target=produce)
+    th.start()
+    source = MooncakeSource(settings)
+    peak, taken = 0, 0
+    deadline = time.monotonic() + 120
+    while taken < 10 and time.monotonic() < deadline:
+        peak = max(peak, int(metrics(ep)["master_allocated_bytes"]))
+        refs = [r for r in source.scan() if r.index >= taken]
+        if taken == 0 and len(refs) >= 3:
+            time.sleep(1.0)                           # a slow consumer: the producer must wait, not grow the store
+            assert not done.is_set() and len(source.scan()) == 3
+        if refs:
+            source.open(refs[0]).read()
+            source.release(refs[0])
+            taken += 1
+        else:
+            time.sleep(0.02)
+    th.join(30)
+    sink.close()
+    assert not errors, errors
+    assert taken == 10 and peak <= buffer_bytes, (taken, peak, buffer_bytes)
+    assert sink.waited_s > 0.5
+    # nobody consuming: a put gives up past its timeout, naming the store, instead of hanging
+    full = store_for("mooncake").open_sink(_settings(tmp_path, ep_file, buffer_bytes=one + 10, put_timeout_s=0.5), 1)
+    full.put(_enc(100))
+    with pytest.raises(StoreFull, match=r"Mooncake store \(master 127\.0\.0\.1:\d+\).*nobody is taking samples"):
+        full.put(_enc(101))
+    full.close()
+    source.close()
+
+
+def test_the_master_killed_is_a_clear_error_naming_the_store(tmp_path, store):
+    ep, ep_file = store
+    settings = _settings(tmp_path, ep_file)
+    sink = store_for("mooncake").open_sink(settings, 0)
+    sink.put(_enc(0))
+    source = MooncakeSource(settings)
+    (ref,) = source.scan()
+    os.kill(load_record(ep.master_pid_file).pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"Mooncake store \(master 127\.0\.0\.1:\d+\): get r1/shard_00000/"
+                                               r"00000000: the master does not answer"):
+        source.open(ref)
+    with pytest.raises(StoreUnavailable, match="Mooncake store"):
+        sink.put(_enc(1))
+    with pytest.raises(StoreUnavailable, match="cannot connect"):
+        MooncakeClient(source.ep)                      # a new client: refused at once, not after setup's 90 s
+    assert time.monotonic() - t0 < 20
+    sink.close()
