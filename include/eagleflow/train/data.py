@@ -374,3 +374,105 @@ class HiddenStateLoader:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StreamStarved(RuntimeError):
+    """The trainer waited past its deadline for a sample that never arrived (a stalled or dead producer)."""
+
+
+class StreamLoader:
+    """Micro-batches drawn from a ``SampleSource`` as samples arrive (streaming: the Mooncake store), shuffled
+    within a window, each sample trained exactly once per epoch (``stores.ledger``).
+
+    ``next_batch()`` fills a batch by drawing at random from the window of arrived, not yet served samples
+    (topped up from ``source.scan()``; an empty window waits for the producer, up to ``starve_after_s``); the
+    ids are written to the ledger as taken. ``commit(step)`` writes every batch since the last commit as
+    trained, and on the last epoch releases its samples (the store removes them). A loader built on a ledger
+    resumes: what the epoch already trained is never served again; what was taken but not trained is served
+    first. ``corpus_size`` samples make an epoch. More than one epoch keeps every sample in the store until
+    its last epoch, so the corpus must fit the buffer (re-capturing a shard per epoch is not built yet).
+    """
+
+    def __init__(self, source: SampleSource, ledger, *, batch_size: int, corpus_size: int, seed: int = 0,
+                 shuffle_window: int = 64, epochs: int = 1, max_length: int | None = None,
+                 starve_after_s: float = 300.0, poll_s: float = 0.05):
+        import random as _random
+        self.source, self.ledger = source, ledger
+        self.batch_size, self.corpus_size, self.epochs = batch_size, corpus_size, epochs
+        self.shuffle_window, self.max_length = shuffle_window, max_length
+        self.starve_after_s, self.poll_s = starve_after_s, poll_s
+        self.seed = seed
+        state = ledger.read()
+        done = [e for e in range(epochs) if len(set(state.epoch(e).trained)) >= corpus_size]
+        self.epoch = (max(done) + 1) if done else 0
+        rec = state.epoch(self.epoch)
+        self._served: set[str] = set(rec.trained)          # never again this epoch
+        self._first: list[str] = sorted(rec.pending)       # taken, not trained: served again first
+        self._rng = _random.Random(f"eagleflow-stream/{seed}/{self.epoch}/{len(self._served)}")
+        self._known: dict[str, SampleRef] = {}
+        self._window: list[SampleRef] = []
+        self._uncommitted: list[tuple[int, list[SampleRef]]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.epoch >= self.epochs
+
+    def _refill(self) -> None:
+        for r in self.source.scan():
+            if r.id not in self._known:
+                self._known[r.id] = r
+                if r.id not in self._served and r.id not in self._first:
+                    self._window.append(r)
+
+    def _draw(self) -> SampleRef:
+        import time as _time
+        t0 = _time.monotonic()
+        while True:
+            if self._first:        # taken before a crash, never trained: served again, first
+                if self._first[0] not in self._known:
+                    self._refill()
+                if self._first[0] in self._known:
+                    return self._known[self._first.pop(0)]
+            else:
+                if len(self._window) < self.shuffle_window:
+                    self._refill()
+                if self._window:
+                    # the window: the first shuffle_window arrived samples not served yet, one drawn at random
+                    k = self._rng.randrange(min(len(self._window), self.shuffle_window))
+                    return self._window.pop(k)
+            if _time.monotonic() - t0 > self.starve_after_s:
+                raise StreamStarved(f"{self.source.store}: no new sample for {self.starve_after_s:g} s in epoch "
+                                    f"{self.epoch} ({len(self._served)}/{self.corpus_size} served): the producer "
+                                    "(capture) stalled or died; check its shards' watch")
+            _time.sleep(self.poll_s)
+
+    def next_batch(self) -> tuple[Batch, list[SampleRef]]:
+        if self.finished:
+            raise StopIteration("every epoch is served")
+        want = min(self.batch_size, self.corpus_size - len(self._served))
+        refs = [self._draw() for _ in range(want)]
+        self._served.update(r.id for r in refs)
+        self.ledger.taken(self.epoch, [r.id for r in refs])
+        batch = collate((read_sample_keys(r, SAMPLE_KEYS, source=self.source) for r in refs), self.max_length,
+                        lengths=[r.tokens for r in refs])
+        self._uncommitted.append((self.epoch, refs))
+        if len(self._served) >= self.corpus_size:
+            self._next_epoch()
+        return batch, refs
+
+    def _next_epoch(self) -> None:
+        import random as _random
+        self.epoch += 1
+        self._served = set()
+        self._first = []
+        self._window = [] if self.finished else list(self._known.values())
+        self._rng = _random.Random(f"eagleflow-stream/{self.seed}/{self.epoch}/0")
+
+    def commit(self, step: int) -> None:
+        """The optimizer step that used every batch since the last commit is done (checkpointed)."""
+        for epoch, refs in self._uncommitted:
+            self.ledger.trained(epoch, [r.id for r in refs], step)
+            if epoch == self.epochs - 1:
+                for r in refs:
+                    self.source.release(r)
+        self._uncommitted = []

@@ -1,0 +1,128 @@
+"""The epoch ledger and the streaming loader over the store contract (issue 53): each sample trained exactly once
+per epoch, a duplicate or a missing sample fails the check naming it, a resumed loader re-serves what was taken
+but not trained."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from eagleflow.stores.contract import SampleRef, SampleSource
+from eagleflow.stores.encoding import encode_sample
+from eagleflow.stores.ledger import EpochLedger, LedgerError, check_exactly_once, read_ledger, require_exactly_once
+from eagleflow.train.data import StreamLoader, StreamStarved
+
+
+class MemorySource:
+    """The contract in memory: samples 'arrive' when added."""
+    store = "memory store"
+    streaming = True
+
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+        self.refs: list[SampleRef] = []
+        self.released: list[str] = []
+
+    def add(self, i: int) -> None:
+        enc = encode_sample(index=i, sample_id=f"s{i}", input_ids=torch.arange(3 + i % 4), loss_mask=[1] * (3 + i % 4),
+                            aux_hidden_states=torch.zeros(3 + i % 4, 6), hidden_states=torch.zeros(3 + i % 4, 2),
+                            aux_layers=[1, 2, 3], model="m")
+        key = f"run/shard_00000/{i:08d}"
+        self.data[key] = enc.to_bytes()
+        self.refs.append(SampleRef(0, i, f"s{i}", key, enc.tokens, enc.size, enc.sha256()))
+
+    def scan(self):
+        return list(self.refs)
+
+    def open(self, ref):
+        return io.BytesIO(self.data[ref.path])
+
+    def release(self, ref):
+        self.released.append(ref.id)
+        del self.data[ref.path]
+
+    def close(self):
+        pass
+
+
+def test_the_memory_source_keeps_the_contract():
+    assert isinstance(MemorySource(), SampleSource)
+
+
+def test_exactly_once_fails_on_a_duplicate_and_on_a_missing_sample(tmp_path):
+    led = EpochLedger(tmp_path / "ledger.jsonl", fsync=False)
+    led.taken(0, ["a", "b"])
+    led.trained(0, ["a", "b"], step=1)
+    led.trained(0, ["a"], step=2)                     # a trained twice, c never
+    led.close()
+    check = check_exactly_once(read_ledger(tmp_path / "ledger.jsonl"), {"a", "b", "c"}, epochs=1)
+    assert not check.ok and check.duplicates == {0: ["a"]} and check.missing == {0: ["c"]}
+    with pytest.raises(LedgerError, match=r"epoch 0: 1 trained twice or more \(a\); epoch 0: 1 never trained \(c\)"):
+        require_exactly_once(tmp_path / "ledger.jsonl", {"a", "b", "c"}, epochs=1)
+    assert check_exactly_once(read_ledger(tmp_path / "ledger.jsonl"), {"a", "b"}, 1).duplicates == {0: ["a"]}
+
+
+def test_a_cut_off_line_is_ignored_and_sealed(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    led = EpochLedger(path, fsync=False)
+    led.trained(0, ["a"], step=1)
+    led.close()
+    with open(path, "ab") as f:
+        f.write(b'{"epoch":0,"event":"trained","ids":["b"')     # a crash mid-append
+    led = EpochLedger(path, fsync=False)
+    led.trained(0, ["c"], step=2)
+    led.close()
+    st = read_ledger(path)
+    assert set(st.epoch(0).trained) == {"a", "c"} and st.bad_lines == [2]
+
+
+def test_two_epochs_each_sample_once_and_released_after_its_last(tmp_path):
+    src = MemorySource()
+    for i in range(10):
+        src.add(i)
+    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    loader = StreamLoader(src, led, batch_size=3, corpus_size=10, shuffle_window=4, epochs=2)
+    step = 0
+    orders = []
+    while not loader.finished:
+        batch, refs = loader.next_batch()
+        assert batch.input_ids.shape[0] == len(refs)
+        orders.append([r.id for r in refs])
+        step += 1
+        loader.commit(step)
+    require_exactly_once(tmp_path / "l.jsonl", {f"s{i}" for i in range(10)}, epochs=2)
+    assert sorted(src.released) == sorted(f"s{i}" for i in range(10)) and not src.data
+    flat = [i for o in orders for i in o]
+    assert flat[:10] != [f"s{i}" for i in range(10)]        # the window shuffles
+
+
+def test_a_resumed_loader_serves_again_what_was_taken_but_not_trained(tmp_path):
+    src = MemorySource()
+    for i in range(9):
+        src.add(i)
+    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    first = StreamLoader(src, led, batch_size=2, corpus_size=9, shuffle_window=3)
+    _, a = first.next_batch()
+    first.commit(1)
+    _, lost = first.next_batch()                             # taken, then the trainer dies before its step
+    assert set(read_ledger(tmp_path / "l.jsonl").epoch(0).pending) == {r.id for r in lost}
+    again = StreamLoader(src, led, batch_size=2, corpus_size=9, shuffle_window=3)
+    _, b = again.next_batch()
+    assert [r.id for r in b] == sorted(r.id for r in lost)   # served again, first
+    step = 2
+    again.commit(step)
+    while not again.finished:
+        again.next_batch()
+        step += 1
+        again.commit(step)
+    require_exactly_once(tmp_path / "l.jsonl", {f"s{i}" for i in range(9)}, epochs=1)
+
+
+def test_a_starved_loader_names_the_store_and_the_producer(tmp_path):
+    src = MemorySource()
+    src.add(0)
+    loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=5,
+                          starve_after_s=0.3)
+    with pytest.raises(StreamStarved, match=r"memory store: no new sample for 0.3 s in epoch 0 .*producer"):
+        loader.next_batch()
