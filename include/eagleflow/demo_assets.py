@@ -10,7 +10,9 @@
   reasoning and tool results, and marks assistant turns (text and tool calls)
   with ``{% generation %}`` (so loss masks come from the template itself);
 - a small Llama-architecture target (``save_pretrained``), briefly fitted to the
-  demo's conversations so that its predictions are confident (optional).
+  demo's conversations so that its predictions are confident (optional);
+- small prompt sets in MT-Bench's, GSM8K's and HumanEval's own formats, in the demo's words, for the
+  evaluation's per-set rows (``prompts/``).
 
 Cached under ``<root>``; a second call returns at once.
 """
@@ -253,6 +255,37 @@ def _fit_steps(model, opt, sequences: list[list[int]], steps: int, g, batch: int
         opt.step()
 
 
+def write_demo_prompt_sets(out: Path) -> dict[str, str]:
+    """Small prompt sets in the public sets' own formats, written here (nothing downloaded), in the demo's words:
+    MT-Bench ``question.jsonl`` (two turns, the second asked after the target's own first answer), GSM8K
+    (question, answer) and HumanEval (task_id, prompt, canonical_solution, test, entry_point). {name: path}."""
+    out.mkdir(parents=True, exist_ok=True)
+    sets: dict[str, list[dict[str, Any]]] = {
+        "mt_bench": [
+            {"question_id": 1, "category": "writing", "turns": ["Repeat golf 6 times.", "Now once more, with commas."]},
+            {"question_id": 2, "category": "reasoning",
+             "turns": ["Count from 12 to 24.", "Reverse these words: alpha bravo charlie delta"]}],
+        "gsm8k": [
+            {"question": "What is 17 plus 25?", "answer": "17 plus 25 is 42.\n#### 42"},
+            {"question": "Count from 40 to 52.", "answer": " ".join(str(i) for i in range(40, 53)) + "\n#### 52"}],
+        "humaneval": [
+            {"task_id": f"DemoEval/{i}", "prompt": f'def {name}(words):\n    """{doc}"""\n',
+             "canonical_solution": f"    return {body}\n",
+             "test": f"def check(f):\n    assert f({arg!r}) == {want!r}\n", "entry_point": name}
+            for i, (name, doc, body, arg, want) in enumerate([
+                ("shout", "Shout: echo foxtrot golf", "[w.upper() for w in words]", ["echo"], ["ECHO"]),
+                ("reverse_words", "Reverse these words: kilo lima mike", "list(reversed(words))", ["a", "b"],
+                 ["b", "a"])])],
+    }
+    paths = {}
+    for name, records in sets.items():
+        path, text = out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+        paths[name] = str(path)
+    return paths
+
+
 ASSETS_VERSION = 3  # 3: tool-calling records and a template that renders tools
 
 
@@ -262,10 +295,11 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     src_dir = root / "sources"
     model_dir = root / "tiny-llama"
     marker = root / "assets.json"
+    prompt_sets = write_demo_prompt_sets(root / "prompts")   # cheap: rewritten every time, never stale
     if marker.is_file():
         info = json.loads(marker.read_text())
         if info.get("version") == ASSETS_VERSION and info.get("fitted") == fit_target:
-            return info
+            return {**info, "prompt_sets": prompt_sets}
     sources = write_demo_sources(src_dir, n_per_source=n_per_source)
     build_tokenizer(src_dir, model_dir)
     from transformers import AutoTokenizer
@@ -274,7 +308,7 @@ def ensure_demo_assets(root: str | Path, n_per_source: int = 48, fit_target: boo
     build_tiny_llama(model_dir, vocab_size=len(tok), fit_on=conversations if fit_target else None)
     info = {"version": ASSETS_VERSION, "fitted": fit_target, "sources": sources, "target_model": str(model_dir)}
     marker.write_text(json.dumps(info, indent=2))
-    return info
+    return {**info, "prompt_sets": prompt_sets}
 
 
 if __name__ == "__main__":

@@ -240,3 +240,31 @@ def test_a_served_backend_asks_mt_bench_s_second_turn_after_the_target_s_own_ans
         second = p["messages"] + [{"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)},
                                   {"role": "user", "content": q["turns"][1]}]
         assert sent["draft-mt_bench"][f"{q['question_id']}:turn2"] == prompt_ids(tok, second)
+
+
+def test_the_frozen_run_config_keeps_the_prompt_sets_where_the_yaml_named_them(tmp_path):
+    """The run's frozen config (run-config.json, in the run's folder) is read by every node command: a prompt set
+    named relative to the YAML's folder must stay that file, not one beside run-config.json (the demo's first
+    run with public sets failed so)."""
+    import yaml
+
+    from eagleflow.airflow.runtime import resolved_config_dict
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "data").mkdir()
+    prompts = _jsonl(tmp_path / "data" / "gsm8k.jsonl", GSM8K)
+    drafts = tmp_path / "drafts"
+    cfg_file = tmp_path / "configs" / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "run_root": "../runs", "target_model": "../target",
+        "eval": {"prompt_sets": [{"name": "gsm8k", "path": "../data/gsm8k.jsonl"}],
+                 "baseline_draft": "../drafts/good", "promoted_draft_roots": ["../drafts"]}}))
+    frozen = resolved_config_dict(load_config(cfg_file))
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run-config.json").write_text(json.dumps(frozen))
+    again = load_config(run_dir / "run-config.json")
+    assert again.resolve(again.eval.prompt_sets[0].path) == prompts
+    assert again.resolve(again.eval.baseline_draft) == drafts / "good"
+    assert [again.resolve(p) for p in again.eval.promoted_draft_roots] == [drafts]
+    cfg_file.write_text(cfg_file.read_text().replace("../drafts/good", "none"))
+    assert resolved_config_dict(load_config(cfg_file))["eval"]["baseline_draft"] == "none"

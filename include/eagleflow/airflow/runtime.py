@@ -229,6 +229,11 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
     for entry in data["fleet"]["nodes"]:
         for key in ("run_root", "dump_dir", "state_dir"):
             entry[key] = str(cfg.resolve(entry[key]))
+    for ps in data["eval"]["prompt_sets"]:
+        ps["path"] = str(cfg.resolve(ps["path"]))
+    if cfg.eval.baseline_draft and cfg.eval.baseline_draft != "none":   # 'none': no comparison, not a path
+        data["eval"]["baseline_draft"] = str(cfg.resolve(cfg.eval.baseline_draft))
+    data["eval"]["promoted_draft_roots"] = [str(cfg.resolve(p)) for p in cfg.eval.promoted_draft_roots]
     return data
 
 
