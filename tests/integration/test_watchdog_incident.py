@@ -46,6 +46,11 @@ def test_a_hung_generate_seen_by_two_shards_is_one_incident_one_mail_one_restart
     hang = tmp_path / "hang"
     monkeypatch.setenv(HANG_FILE_ENV, str(hang))   # the restarted server inherits it too: a real hook
     monkeypatch.setenv(DELAY_ENV, "0.3")
+    # The server's torch on one thread: two OMP threads spinning on two busy cores made each forward of the tiny
+    # model seconds long at load 8-10 (issue 52 item 9's runs: p95 gap 2.3-4.3 s, probe 1.5-2 s and twice over its
+    # timeout, a server stall all the same but not the hung-/generate rule this test is about); on one thread:
+    # p95 gap 0.6-0.7 s, probe 0.3-0.6 s at the same load.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = _run(tmp_path, demo_assets, "incident", watch=WATCH, shards=2, in_flight=1)
     started.append(run)
     start_capture_server(run)
@@ -54,7 +59,10 @@ def test_a_hung_generate_seen_by_two_shards_is_one_incident_one_mail_one_restart
         start_or_attach_worker(run, shard)
     deadline = time.monotonic() + 120
     while min(len(_manifest(run, 0)), len(_manifest(run, 1))) < 3:   # some pace history for both
-        assert time.monotonic() < deadline, "the workers stored fewer than 3 samples each in 120 s"
+        assert time.monotonic() < deadline, (
+            f"the workers stored {len(_manifest(run, 0))} and {len(_manifest(run, 1))} samples, fewer than 3 each, "
+            f"in 120 s; logs: " + "; ".join(f"{p.name}: {' | '.join(p.read_text(errors='replace').splitlines()[-4:])}"
+                                             for p in sorted(Path(run.layout.logs_dir).glob("*.log"))))
         time.sleep(0.1)
     old_server = json.loads(Path(run.layout.pid_file("capture_server")).read_text())["pid"]
     hang.write_text("hang")
@@ -68,15 +76,15 @@ def test_a_hung_generate_seen_by_two_shards_is_one_incident_one_mail_one_restart
         # Issue 52 item 9: a hung /generate is judged by the hung request's age against a limit that follows this
         # run's pace and the probe's latency (hung_request_limit_s), not by stall_after_s, and that request is
         # sent only once the one in progress at the hang has finished: the bound counts from its send and is
-        # derived from the configured values and the pace the node judged (detection_bound_s, 11 s here, is
-        # the bound of a progress stall at the usual pace; a loaded machine's p95 gap of 2.3 s made it 6.9 s).
+        # derived from the configured values and the pace the node judged (detection_bound_s is the bound of a
+        # progress stall at the usual pace, stall_after_s 4 s; a loaded machine's p95 gap of 2.3 s made it 6.9 s).
         assert hb is not None and hb.in_flight, hb
         sent = min(r.since for r in hb.in_flight)
         bound = hung_generate_bound_s(run.cfg, pace_of(hb, run.cfg), len(hb.in_flight))
         timing = (f"{ev['job']}: detected {ev['detected_at'] - t_hang:.1f} s after the hang, "
                   f"{ev['detected_at'] - sent:.1f} s after the hung request was sent {sent - t_hang:.1f} s after it "
                   f"(bound {bound:.1f} s from the send)")
-        print(timing)
+        print(timing + "\n  " + ev["diagnosis"].splitlines()[0])
         assert ev["detected_at"] - sent <= bound, timing + "\n" + ev["diagnosis"]
     incidents = [ev["incident"] for ev in events]
     assert incidents[0]["incident"] == incidents[1]["incident"], incidents
