@@ -166,3 +166,48 @@ def test_the_master_killed_is_a_clear_error_naming_the_store(tmp_path, store):
         MooncakeClient(source.ep)                      # a new client: refused at once, not after setup's 90 s
     assert time.monotonic() - t0 < 20
     sink.close()
+
+
+TRAINER = r'''
+import os, signal, sys, time
+from eagleflow.stores import StoreSettings, store_for
+from eagleflow.stores.ledger import EpochLedger
+from eagleflow.train.data import StreamLoader
+root, ep_file, ledger_file, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+settings = StoreSettings(run_id="r1", root=root, fsync=False, buffer_bytes=32 << 20, endpoint_file=ep_file)
+loader = StreamLoader(store_for("mooncake").open_source(settings), EpochLedger(ledger_file), batch_size=2,
+                      corpus_size=12, shuffle_window=4, starve_after_s=60)
+step = 0
+while not loader.finished:
+    batch, refs = loader.next_batch()
+    if step == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)         # killed mid-epoch: this batch taken, never trained
+    time.sleep(0.05)                                 # the step
+    step += 1
+    loader.commit(step)
+print("done", step)
+'''
+
+
+def test_a_trainer_killed_mid_epoch_resumes_with_none_lost_and_none_twice(tmp_path, store):
+    import subprocess
+    import sys
+
+    from eagleflow.stores.ledger import read_ledger, require_exactly_once
+    ep, ep_file = store
+    settings = _settings(tmp_path, ep_file)
+    sink = store_for("mooncake").open_sink(settings, 0)
+    produced = threading.Thread(target=lambda: [sink.put(_enc(i)) for i in range(12)])
+    produced.start()                                 # capture writes while the trainer draws
+    ledger = tmp_path / "ledger.jsonl"
+    args = [sys.executable, "-c", TRAINER, str(tmp_path / "hs"), str(ep_file), str(ledger)]
+    killed = subprocess.run(args + ["3"], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    state = read_ledger(ledger)
+    assert len(state.epoch(0).pending) == 2 and sum(state.epoch(0).trained.values()) == 6
+    resumed = subprocess.run(args + ["-1"], capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0 and "done" in resumed.stdout, resumed.stderr[-2000:]
+    produced.join(30)
+    sink.close()
+    require_exactly_once(ledger, {f"src:{i}" for i in range(12)}, epochs=1)     # 0 lost, 0 twice
+    assert int(metrics(ep)["master_key_count"]) == 0                             # each removed after its epoch

@@ -33,7 +33,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -123,7 +123,7 @@ def _carve(buffer: Buffer | None, specs: Sequence[tuple[list[int], torch.dtype]]
     return out
 
 
-def _read_safetensors(f: BinaryIO, keys: Sequence[str], buffer: Buffer | None = None
+def _read_safetensors(f: Any, keys: Sequence[str], buffer: Buffer | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """(the named tensors, metadata, keys in the file): each tensor in its own allocation, or all of them
     carved from one ``buffer`` block.

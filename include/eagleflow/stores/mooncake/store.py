@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import io
 import os
 import threading
@@ -49,8 +50,8 @@ class MooncakeClient:
         self.label = ep.label
         self.unavailable_if_down("cannot connect", settle_s=0)
         os.environ.setdefault("MC_STORE_MEMCPY", "0")   # TCP-only hosts (notes/mooncake.md)
-        from mooncake.store import MooncakeDistributedStore
-        self._s: Any = MooncakeDistributedStore()
+        # imported here: the stream extra is optional, and the wheel ships no type information
+        self._s: Any = importlib.import_module("mooncake.store").MooncakeDistributedStore()
         rc = self._s.setup(ep.host, ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
         if rc != 0:
             self.unavailable_if_down(f"setup failed ({rc})")
