@@ -247,3 +247,30 @@ def test_a_request_younger_than_its_hung_limit_asks_for_the_look_that_reaches_it
     o.now = NOW + 21
     o.heartbeat_read_at = NOW + 21
     assert decide(o, cfg()).verdict == "stalled"
+
+
+SLOW_PACE = Pace(samples=64, gap_p95_s=10.0, request_p95_s=16.0, stale_after_s=30.0, request_limit_s=50.0)
+
+
+def test_a_sigstopped_server_on_a_slow_paced_run_is_stalled_past_stall_after_not_the_pace_threshold():
+    """A slow generation run (p95 gap 10 s: stale after 30 s) whose server is SIGSTOPped mid-shard: progress 25 s old
+    is past stall_after (20 s), so the stopped server is a stall now, not at 30 s (issue 52: 66.5 s to recovery)."""
+    d = decide(with_(obs(progress_ago=25, health=ANSWERS, gpu=busy_gpus(), server=server(state="T")),
+                     pace=SLOW_PACE), cfg())
+    assert (d.verdict, d.cause) == ("stalled", "capture_server"), d.summary
+    assert "server pid 4100 is stopped (state T" in d.summary
+
+
+def test_a_sigstopped_server_younger_than_stall_after_asks_for_the_look_at_stall_after():
+    d = decide(with_(obs(progress_ago=12, health=ANSWERS, gpu=busy_gpus(), server=server(state="T")),
+                     pace=SLOW_PACE), cfg())
+    assert d.verdict == "healthy" and d.recheck_in_s == pytest.approx(8.0, abs=0.01), d.summary
+    assert "so it cannot answer" in d.summary
+
+
+def test_a_traced_server_on_a_slow_paced_run_waits_for_the_pace_threshold():
+    """State t (a debugger or py-spy attached for a moment) is not a SIGSTOP: the run's own pace still rules."""
+    d = decide(with_(obs(progress_ago=25, health=ANSWERS, gpu=busy_gpus(), server=server(state="t")),
+                     pace=SLOW_PACE), cfg())
+    assert d.verdict == "healthy", d.summary
+

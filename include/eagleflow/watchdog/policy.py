@@ -171,9 +171,16 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         return diag("starting", f"{counts_u}; started {now - started:.0f} s ago, within the "
                                 f"{wd.startup_grace_s:.0f} s startup grace" + (f"; {late.text}" if late else ""),
                     turns_in_s=late.turns_in_s if late else None)
+    # A server SIGSTOPped (state T: no tracer's brief stop, which reads t) cannot answer whatever this run's pace:
+    # progress is judged against stall_after_s, not slow_factor x a slow run's p95 gap (27.6 s on a slow
+    # generation run in the issue 52 drill, 66.5 s to the first new record).
+    server_sigstopped = _server_sigstopped(obs)
+    if server_sigstopped and p_age is not None:
+        stale_after = min(stale_after, wd.stall_after_s)
     if p_age is not None and p_age < stale_after:
         pace_txt = "" if stale_after <= wd.stall_after_s else f"; slow run, judged against {pace.describe()}"
-        return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}")
+        return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}"
+                    + (f"; {server_sigstopped}" if server_sigstopped else ""))
 
     # 4. progress is stale: stalled only with independent evidence
     head = f"no {unit[:-1] if unit.endswith('s') else unit} completed for {p_age:.0f} s ({counts}, {last_txt})"
@@ -383,6 +390,14 @@ def _no_record(p: ProcessSignal) -> str:
                 f"yourself if it is ours and delete the record (an older eagleflow wrote group-writable records; they "
                 f"are refused now)")
     return f"no {p.role} process is recorded (no pid file)"
+
+
+def _server_sigstopped(obs: Observation) -> str:
+    """'server pid N is stopped (state T ...)' when the job's recorded server is SIGSTOPped, else ''."""
+    s = obs.server
+    if not obs.job.uses_server or s is None or not s.recorded or not s.alive or s.state != "T":
+        return ""
+    return f"server pid {s.pid} is {s.state_text}, so it cannot answer"
 
 
 def _server_process_evidence(obs: Observation) -> list[str]:
