@@ -7,7 +7,6 @@ registry branches on an engine's name again.
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from eagleflow.engines import (ENGINES, Engine, EngineUnsupported, UnknownEngine
                                engine_serving_format, generation_engine, names_for)
 from eagleflow.layout import RunLayout
 from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.name_branches import name_branches
 
 PKG = Path(__file__).resolve().parents[2] / "include" / "eagleflow"
 BASE = {"target_model": "/models/t"}
@@ -229,25 +229,7 @@ FORMAT_MODULES = {"train/export.py", "train/export_formats.py", "train/commands.
 
 def engine_branches(source: str, filename: str = "<src>") -> list[int]:
     """Lines comparing something with an engine's name (``x == "sglang"``, ``"hf" != y``, ``x in ("hf", ...)``)."""
-    names = set(ENGINES) | {"hf", "sglang", "vllm"}
-
-    def is_name(node) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in names
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_name(e) for e in node.elts)
-
-    lines = []
-    for node in ast.walk(ast.parse(source, filename=filename)):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            for op, (a, b) in zip(node.ops, zip(sides, sides[1:])):
-                eq = isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot))
-                member = isinstance(op, (ast.In, ast.NotIn)) and isinstance(b, (ast.Tuple, ast.List, ast.Set))
-                if (eq and (is_name(a) or is_name(b))) or (member and is_name(b)):
-                    lines.append(node.lineno)
-        elif isinstance(node, ast.match_case) and is_name(getattr(node.pattern, "value", None)):
-            lines.append(node.pattern.lineno)
-    return sorted(set(lines))
+    return name_branches(source, set(ENGINES) | {"hf", "sglang", "vllm"}, filename)
 
 
 def test_no_module_outside_the_registry_branches_on_an_engines_name():

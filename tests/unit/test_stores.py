@@ -2,7 +2,6 @@
 storage (same bytes, same manifest), and no module above the registry branching on a store's name."""
 from __future__ import annotations
 
-import ast
 import hashlib
 import io
 from pathlib import Path
@@ -16,6 +15,7 @@ from eagleflow.stores import STORES, StoreSettings, UnknownStore, store_for
 from eagleflow.stores.contract import SampleSink, SampleSource
 from eagleflow.stores.encoding import encode_sample
 from eagleflow.train.data import SAMPLE_KEYS, read_sample_keys
+from tests.fixtures.name_branches import name_branches
 
 PKG = Path(__file__).resolve().parents[2] / "include" / "eagleflow"
 
@@ -66,25 +66,7 @@ def test_the_encoding_is_the_stores_fp8_included():
 
 def store_branches(source: str, filename: str = "<src>") -> list[int]:
     """Lines comparing something with a store's name (``x == "mooncake"``, ``x in ("disk", ...)``, ``case``)."""
-    names = set(STORES)
-
-    def is_name(node) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in names
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_name(e) for e in node.elts)
-
-    lines = []
-    for node in ast.walk(ast.parse(source, filename=filename)):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            for op, (a, b) in zip(node.ops, zip(sides, sides[1:])):
-                eq = isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot))
-                member = isinstance(op, (ast.In, ast.NotIn)) and isinstance(b, (ast.Tuple, ast.List, ast.Set))
-                if (eq and (is_name(a) or is_name(b))) or (member and is_name(b)):
-                    lines.append(node.lineno)
-        elif isinstance(node, ast.match_case) and is_name(getattr(node.pattern, "value", None)):
-            lines.append(node.pattern.lineno)
-    return sorted(set(lines))
+    return name_branches(source, set(STORES), filename)
 
 
 def test_no_module_outside_the_registry_branches_on_a_stores_name():
