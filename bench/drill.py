@@ -295,9 +295,11 @@ class Fault(_StopBeforeNextShard):
     others wait until shard 0 has stored ``after`` records under at least ``looks`` looks of its watch, then stop
     the server, kill the worker or kill the triggerer, and note the first record stored after."""
 
-    def __init__(self, case: str, state_dir: Path, run_root: Path, dep: Deployment, after: int, min_looks: int):
+    def __init__(self, case: str, state_dir: Path, run_root: Path, dep: Deployment, per_shard: int, after: int,
+                 min_looks: int, after_look_s: float = 0.0):
         super().__init__(state_dir, run_root, GEN.server_role, "generated")
-        self.case, self.dep, self.after, self.min_looks = case, dep, after, min_looks
+        self.case, self.dep, self.per_shard, self.after, self.min_looks = case, dep, per_shard, after, min_looks
+        self.after_look_s = after_look_s   # the fault this long after the watch's last look (the triggerer's kill)
         self.shard = 1 if case == "server-stopped-before-next" else 0
         self.old_lookers: set[int] = set()
         self.looks_before: list[dict] = []
@@ -317,7 +319,10 @@ class Fault(_StopBeforeNextShard):
     def _mid_shard(self) -> None:
         worker = GEN.worker_role(0)
         while not self.done.is_set() and self.stopped_at is None:
-            if self.records(0) >= self.after and len(looks(self.state_dir, worker)) >= self.min_looks:
+            seen, done = looks(self.state_dir, worker), self.records(0)
+            # mid-shard: with at least 20 records left, so the shard outlasts the watch's return
+            if self.after <= done <= self.per_shard - 20 and len(seen) >= self.min_looks \
+                    and time.time() - seen[-1]["at"] >= self.after_look_s:
                 self.at_fault = self.records(0)
                 if self.case == "server-stopped-mid-shard":
                     self.stopped_pid = pid_of(self.state_dir, GEN.server_role)
@@ -356,13 +361,19 @@ class Fault(_StopBeforeNextShard):
 def run_case(case: str, dep: Deployment, smtp: SmtpSink, root: Path, model: str, watch: dict,
              per_shard: int, load: LoadLog) -> dict:
     croot = root / case
+    if case == "triggerer-killed":   # the shard outlasts the kill, the new triggerer's start and a look
+        per_shard = max(per_shard, 160)
     data = generate_config(croot, model, watch | mail_settings(smtp), n=2 * per_shard, shards=2, name=case)
     state_dir, run_root = Path(data["node"]["state_dir"]), Path(data["run_root"])
-    cfgp = write_config(dep, case, data)
+    cfgp = write_config(dep, f"{case}-{root.name}", data)
     n_mails = len(smtp.messages)
     t0 = time.time()
     run_id = dep.trigger("drill_generate", cfgp)
-    fault = Fault(case, state_dir, run_root, dep, after=5, min_looks=3 if case == "triggerer-killed" else 1)
+    # the triggerer is killed half a poll interval after its second look at the shard (at most 10 s): between
+    # two looks, as by chance
+    poll = load_config(cfgp).watchdog.poll_interval_s
+    fault = Fault(case, state_dir, run_root, dep, per_shard, after=5, min_looks=2 if case == "triggerer-killed" else 1,
+                  after_look_s=min(poll / 2, 10.0) if case == "triggerer-killed" else 0.0)
     fault.start()
     r: dict = {"case": case, "run_id": run_id, "records_per_shard": per_shard}
     try:
@@ -387,6 +398,7 @@ def run_case(case: str, dep: Deployment, smtp: SmtpSink, root: Path, model: str,
         r["ok"], r["why"] = False, "the fault was never made (the shard ended first?)"
         return r
     r["fault_at"] = datetime.fromtimestamp(t_fault, timezone.utc).isoformat(timespec="seconds")
+    r["records_at_fault"] = fault.at_fault if fault.shard == 0 else 0
 
     def since(t: float | None) -> float | None:
         return None if t is None else round(t - t_fault, 1)
@@ -502,9 +514,11 @@ def main() -> int:
     ap.add_argument("--stall-after-s", type=float, default=5.0)
     ap.add_argument("--health-timeout-s", type=float, default=5.0)
     ap.add_argument("--cases", default=",".join(CASES), help=f"fault cases, comma-separated ('' for none): {CASES}")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each fault case")
     ap.add_argument("--records-per-shard", type=int, default=80)
     ap.add_argument("--slow-s", type=float, default=600.0, help="the healthy run's watched window (0: none)")
-    ap.add_argument("--burn", type=int, default=0, help="busy-loop processes during the healthy run")
+    ap.add_argument("--burn", type=int, default=0, help="busy-loop processes during the healthy run (started once "
+                    "Airflow is up)")
     ap.add_argument("--burn-faults", action="store_true", help="keep the burner on during the fault cases too")
     ap.add_argument("--min-load", type=float, default=40.0, help="the load the healthy run waits for under --burn")
     ap.add_argument("--json", help="write the figures here")
@@ -536,12 +550,29 @@ def main() -> int:
         smtp = stack.enter_context(SmtpSink())
         # the hf server's forward delay reaches the servers the runs start (they inherit the deployment's env)
         dep = Deployment(root, smtp, {DELAY_ENV: "0.05"})
-        burner = stack.enter_context(Burner(args.burn if args.burn_faults else 0))
+        burner = Burner(args.burn)
+
+        def burn() -> None:
+            """The burner on (once), and the load it brings waited for (at most 5 min)."""
+            if not args.burn or burner.procs:
+                return
+            t_burn = time.time()
+            stack.enter_context(burner)
+            with contextlib.suppress(TimeoutError):
+                wait(lambda: float(Path("/proc/loadavg").read_text().split()[0]) >= args.min_load, 300, "load", 5.0)
+            out["burner"] = {"busy_loops": args.burn, "load_after": float(Path("/proc/loadavg").read_text().split()[0]),
+                             "after_s": round(time.time() - t_burn)}
+            print(f"burner: {args.burn} busy loops, load {out['burner']['load_after']} after "
+                  f"{out['burner']['after_s']} s", flush=True)
         try:
             out["airflow_start_s"] = round(dep.start(), 1)
             print(f"Airflow up in {out['airflow_start_s']:.0f} s (port {dep.port})", flush=True)
-            for case in cases:
-                r = run_case(case, dep, smtp, root, assets["target_model"], watch, args.records_per_shard, load)
+            if args.burn_faults and cases:
+                burn()
+            for case in [c for c in cases for _ in range(args.repeat)]:
+                n = sum(1 for x in out["cases"] if x["case"] == case)
+                r = run_case(case, dep, smtp, root / f"{n + 1}", assets["target_model"], watch,
+                             args.records_per_shard, load)
                 out["cases"].append(r)
                 ok = ok and r["ok"]
                 print(f"  {case:<28} {'ok  ' if r['ok'] else 'MISS'} mail {fmt(r.get('mail_s')):>5} s, first new "
@@ -556,16 +587,7 @@ def main() -> int:
                       f"({r['load']['min']:.0f}-{r['load']['max']:.0f}) | {r.get('stalled_subject') or ''}"
                       + (f" | {r['why']}" if r.get("why") else ""), flush=True)
             if args.slow_s > 0:
-                if args.burn and not burner.procs:
-                    burner = stack.enter_context(Burner(args.burn))
-                if args.burn:
-                    t_burn = time.time()
-                    with contextlib.suppress(TimeoutError):
-                        wait(lambda: float(Path("/proc/loadavg").read_text().split()[0]) >= args.min_load, 300,
-                             "the load", 5.0)
-                    print(f"burner: {args.burn} busy loops, load "
-                          f"{Path('/proc/loadavg').read_text().split()[0]} after {time.time() - t_burn:.0f} s",
-                          flush=True)
+                burn()
                 h = healthy_run(dep, smtp, root, assets["target_model"], watch, args.slow_s, load)
                 h["burn"] = args.burn
                 out["healthy"] = h
@@ -579,10 +601,11 @@ def main() -> int:
 
     print()
     print(f"{'fault case (generation, through Airflow)':<44}{'mail (s)':>10}{'first new record (s)':>22}"
-          f"{'watch back (s)':>16}{'bound':>7}  ok")
+          f"{'watch back (s)':>16}{'load':>12}{'bound':>7}  ok")
     for r in out["cases"]:
         print(f"{r['case']:<44}{fmt(r.get('mail_s')):>10}{fmt(r.get('first_new_s')):>22}"
-              f"{fmt(r.get('watch_back_s')):>16}{BOUND_S:>7.0f}  {'yes' if r['ok'] else 'NO'}")
+              f"{fmt(r.get('watch_back_s')):>16}{r['load']['min']:>6.0f}-{r['load']['max']:<5.0f}{BOUND_S:>7.0f}  "
+              f"{'yes' if r['ok'] else 'NO'}")
     if (h := out["healthy"]) is not None:
         print()
         print(f"healthy run ({args.burn} busy loops): {h['window_s']:.0f} s watched, load {h['load']['median']} "
