@@ -9,6 +9,8 @@ stalled, dead or failed; it resumes from its last checkpoint.
 """
 from __future__ import annotations
 
+import time
+
 from airflow.sdk import Asset
 from pydantic import BaseModel
 
@@ -16,6 +18,9 @@ from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
+
+# a retry waits this long at most for the watch's pending evidence (a late heartbeat's CPU window) before it acts
+RETRY_EVIDENCE_WAIT_S = 60.0
 
 
 class TrainDraftOperator(RunOperator):
@@ -44,12 +49,22 @@ class TrainDraftOperator(RunOperator):
         return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref()))
 
     def _restart_if_unhealthy(self, ctx: RunContext) -> None:
-        """On a retry, one look of the watch first: a trainer that is starting, healthy or slow is kept;
-        only the watch's verdict stalled, dead or failed stops it. A look that gets no answer stops nothing."""
+        """On a retry, the watch's look first: a trainer that is starting, healthy or slow is kept; only the
+        watch's verdict stalled, dead or failed stops it. A look that gets no answer stops nothing. A slow verdict
+        whose evidence is still pending (a late heartbeat's CPU window not yet covered: the first look has no
+        earlier CPU reading) is looked at again when it turns, within RETRY_EVIDENCE_WAIT_S in all."""
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
         from eagleflow.nodes import NodeError
+        trigger = TrainWatchTrigger(run=ctx.trigger_ref())
+        deadline = time.monotonic() + RETRY_EVIDENCE_WAIT_S
         try:
-            diag = TrainWatchTrigger(run=ctx.trigger_ref()).look_once(ctx)
+            diag = trigger.look_once(ctx)
+            while diag.verdict == "slow" and diag.recheck_in_s is not None \
+                    and time.monotonic() + diag.recheck_in_s <= deadline:
+                self.log.info("retry: %s; looking again in %.0f s, when its evidence turns", diag.summary,
+                              diag.recheck_in_s)
+                time.sleep(diag.recheck_in_s)
+                diag = trigger.look_once(ctx)
         except (NodeError, ValueError) as e:
             self.log.warning("retry: could not look at the trainer first (%s); stopping nothing, the watch decides", e)
             return
