@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow]
 
 
 PARAMS = {"memory_threshold_mib": 1024, "window_s": 1, "unreachable_after_s": 60, "remind_after_s": 3}
+REMIND_AFTER_S = 12
 
 
 def _context(params):
@@ -40,7 +41,9 @@ def test_one_incident_one_mail_a_backed_off_reminder_and_a_resolved_mail(sshd, m
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_test"}
     cfg_path.write_text(yaml.safe_dump(cfg))
-    params = {"config_paths": [str(cfg_path)], **PARAMS}
+    # each check also reads Airflow's health at the (unresolvable) base URL: ~1.5 s a check at load 10, so the
+    # three checks before the reminder need more than the module's 3 s (a reminder came inside them at stop 48)
+    params = {"config_paths": [str(cfg_path)], **PARAMS, "remind_after_s": REMIND_AFTER_S}
     op = GpuNodeHealthOperator(task_id="check_gpu_nodes", status_dir=str(tmp_path / "status"))
     with SmtpSink() as smtp:
         for k, v in smtp.airflow_conn_env("smtp_test").items():
@@ -68,13 +71,13 @@ def test_one_incident_one_mail_a_backed_off_reminder_and_a_resolved_mail(sshd, m
             thread = opened["Message-ID"]
             assert thread.startswith("<eagleflow-incident-")
 
-            time.sleep(3.2)   # past remind_after_s: one reminder, then the next only after twice as long
+            time.sleep(REMIND_AFTER_S + 0.2)   # past remind_after_s: one reminder, then the next only after twice as long
             for _ in range(2):
                 with pytest.raises(HealthIncidentsOpen):
                     op.execute(_context(params))
             reminder = smtp.wait_for(lambda m: "reminder" in m["Subject"])
             assert len(smtp.messages) == 2 and reminder["In-Reply-To"] == thread
-            assert "(still open, reminder 1; next in 6 s)" in reminder["Subject"]
+            assert f"(still open, reminder 1; next in {2 * REMIND_AFTER_S:.0f} s)" in reminder["Subject"]
 
             write_scenario(scenario, {"gpus": [gpu(0), gpu(1)], "processes": []})
             assert op.execute(_context(params)) == {"nodes_checked": 1, "incidents_open": 0}
