@@ -362,7 +362,7 @@ def run_case(case: str, dep: Deployment, smtp: SmtpSink, root: Path, model: str,
              per_shard: int, load: LoadLog) -> dict:
     croot = root / case
     if case == "triggerer-killed":   # the shard outlasts the kill, the new triggerer's start and a look
-        per_shard = max(per_shard, 160)
+        per_shard *= 2
     data = generate_config(croot, model, watch | mail_settings(smtp), n=2 * per_shard, shards=2, name=case)
     state_dir, run_root = Path(data["node"]["state_dir"]), Path(data["run_root"])
     cfgp = write_config(dep, f"{case}-{root.name}", data)
