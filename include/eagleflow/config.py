@@ -421,6 +421,19 @@ class EvalConfig(_Section):
                                             "elsewhere)")
     tolerance: float = Field(default=0.05, ge=0.0, description="acceptance length the new draft may lose "
                              "against baseline_draft")
+    approval: Literal["none", "on_improvement", "always"] = Field(
+        default="none", description="a person's approval before a draft the gate passed is promoted (an Airflow "
+        "human-in-the-loop task, under Required Actions, showing the evaluation table against the draft in "
+        "service): none = the gate alone promotes; on_improvement = asked when the draft would replace a draft "
+        "in service (the first draft is promoted by the gate); always = asked for every draft the gate passes. "
+        "A rejected draft is not promoted, the draft in service stays, and eval.json and the run report say who "
+        "rejected it and why")
+    approval_timeout_h: float = Field(default=72.0, gt=0, le=24 * 365, description="how long the approval waits "
+                                      "for a person, in hours; then approval_on_timeout decides")
+    approval_on_timeout: Literal["keep", "promote"] = Field(default="keep", description="what an unanswered "
+                                                            "approval does once approval_timeout_h has passed: "
+                                                            "keep = the draft in service stays (not promoted), "
+                                                            "promote = the draft is promoted as the gate decided")
     max_new_tokens: int = Field(default=64, ge=1, le=8192, description="tokens decoded per held-out prompt")
     max_prompts: int = Field(default=32, ge=1, description="held-out prompts evaluated at most (per prompt set)")
     near_tie_logit_gap: float | None = Field(default=None, ge=0.0, description="a lossless mismatch whose "

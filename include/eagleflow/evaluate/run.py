@@ -9,8 +9,9 @@ timed in pairs with each configuration, the speed baseline). The gate: each
 configuration's acceptance length >= its minimum, not below the baseline's by
 more than ``eval.tolerance``, and every output equal to the target's alone (a
 numerical tie excepted: the emitted token's own logit within a few ulps of the
-top one, :mod:`.lossless`). A passing draft becomes ``<run_root>/promoted.json``;
-the export stays either way.
+top one, :mod:`.lossless`). A passing draft becomes ``<run_root>/promoted.json``,
+or, when ``eval.approval`` asks a person first, once the person approves (:mod:`.approval`); the export stays
+either way.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from eagleflow.durable import atomic_write
 from eagleflow.engines import EngineError, eval_engine
 from eagleflow.layout import RunLayout
 from eagleflow.train.export_formats import format_dir
+
+from .approval import (APPROVED, DECISIONS, MAX_BY, MAX_WHY, NOT_NEEDED, PENDING, REJECTED, ApprovalError, clean_text,
+                       needs_approval, pending)
 
 EVAL_FILE = "eval.json"
 PROMOTED_FILE = "promoted.json"
@@ -247,13 +251,16 @@ def evaluate_run(cfg: PipelineConfig, layout: RunLayout, *, draft_dir: str | Pat
                "elapsed_s": round(time.monotonic() - started, 2)}
     out = Path(str(layout.run_dir)) / EVAL_FILE
     summary["eval_file"] = str(out)
-    if not refused:
+    ask = needs_approval(cfg, not refused, baseline_source)
+    summary["approval"] = pending(cfg) if ask else {"mode": ec.approval, "state": NOT_NEEDED}
+    if not refused and not ask:
         summary["promoted"] = promote(cfg, layout, summary)
     atomic_write(out, json.dumps(summary, indent=2) + "\n")
     for line in table_lines(summary):
         log(line)
-    log("evaluate: PASSED, promoted " + str(draft_dir) if not refused else
-        "evaluate: REFUSED: " + "; ".join(refused))
+    log("evaluate: REFUSED: " + "; ".join(refused) if refused else
+        f"evaluate: PASSED, waiting for a person's approval (eval.approval {ec.approval}); not promoted yet"
+        if ask else "evaluate: PASSED, promoted " + str(draft_dir))
     return summary
 
 
@@ -319,6 +326,57 @@ def promote(cfg: PipelineConfig, layout: RunLayout, summary: dict) -> str:
         "accept_length": accept_lengths(summary["results"]), "table": acceptance_table(summary["results"])},
         indent=2) + "\n")
     return str(path)
+
+
+def read_eval(layout: RunLayout) -> tuple[Path, dict]:
+    """(eval.json's path, what it says), read back as untrusted input (bounded)."""
+    path = Path(str(layout.run_dir)) / EVAL_FILE
+    try:
+        data = bounded_json.read(path)
+    except (OSError, ValueError) as e:
+        raise ApprovalError(f"{path} cannot be read ({e}): run evaluate_draft first") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise ApprovalError(f"{path} is not an evaluation eagleflow wrote")
+    return path, data
+
+
+def decide(cfg: PipelineConfig, layout: RunLayout, decision: str, *, by: str | None = None,
+           why: str | None = None) -> dict:
+    """Record a person's answer (or the timeout) in eval.json; promote the draft when approved. The summary.
+
+    Taking the same decision again (a retried task) answers what was recorded; a different one is refused."""
+    if decision not in DECISIONS:
+        raise ApprovalError(f"decision {decision!r}: one of {', '.join(DECISIONS)}")
+    path, summary = read_eval(layout)
+    approval = summary.get("approval") or {}
+    if approval.get("state") in (APPROVED, REJECTED):
+        if approval.get("decision") == decision:
+            return summary
+        raise ApprovalError(f"{path}: already {approval['state']} ({approval.get('decision')}) by "
+                            f"{approval.get('by') or 'nobody'}; not changed to {decision}")
+    if approval.get("state") != PENDING or not summary.get("passed"):
+        raise ApprovalError(f"{path}: no approval is pending for this draft (state "
+                            f"{approval.get('state') or 'none'}, gate {'passed' if summary.get('passed') else 'refused'})")
+    promote_it = decision == "approve" or (decision == "timeout" and cfg.eval.approval_on_timeout == "promote")
+    record = {**approval, "decision": decision, "by": clean_text(by, MAX_BY), "why": clean_text(why, MAX_WHY),
+              "decided_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "state": APPROVED if promote_it else REJECTED}
+    if decision == "timeout":
+        record["why"] = record["why"] or (f"no answer within eval.approval_timeout_h {cfg.eval.approval_timeout_h} h; "
+                                          f"eval.approval_on_timeout {cfg.eval.approval_on_timeout}")
+    if promote_it and not cfg.eval.baseline_draft:
+        # compared with the draft in service (or with none, nothing promoted): it must still be the one in
+        # service, else the figures the person saw were against another draft
+        now, compared = draft_in_service(cfg), summary.get("baseline_draft")
+        if (str(now) if now is not None else None) != compared:
+            record["state"] = REJECTED
+            record["stale"] = (f"the draft in service changed while the approval waited (compared with "
+                               f"{compared or 'none'}, now {now or 'none'}): not promoted; evaluate again")
+    summary["approval"] = record
+    if record["state"] == APPROVED:
+        summary["promoted"] = promote(cfg, layout, summary)
+    atomic_write(path, json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def accept_lengths(results: list[dict]) -> dict[str, float]:
