@@ -79,10 +79,8 @@ from airflow.sdk import DAG, Param, task
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.base import RunOperator
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator)
-from eagleflow.airflow.generate_operators import (GenerateShardOperator, StartGenerateServerOperator,
-                                                  StopGenerateServerOperator)
+from eagleflow.airflow.shard_operators import ServerReadySensor, ShardOperator, StartServerOperator, StopServerOperator
+from eagleflow.airflow.shard_operators import ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from eagleflow.airflow.train_operators import TrainDraftOperator
 
@@ -106,18 +104,18 @@ def synthetic_hidden_states(**context):
 
 
 with DAG("drill_generate", schedule=None, catchup=False, default_args=ARGS, params=PARAMS) as drill_generate:
-    start = StartGenerateServerOperator(task_id="start_generate_server")
+    start = StartServerOperator(phase="generate", task_id="start_generate_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> start
-     >> GenerateShardOperator(task_id="generate_shard_0", shard=0, retries=2)
-     >> GenerateShardOperator(task_id="generate_shard_1", shard=1, retries=2)
-     >> StopGenerateServerOperator(task_id="stop_generate_server").as_teardown(setups=start))
+     >> ShardOperator(phase="generate", task_id="generate_shard_0", shard=0, retries=2)
+     >> ShardOperator(phase="generate", task_id="generate_shard_1", shard=1, retries=2)
+     >> StopServerOperator(phase="generate", task_id="stop_generate_server").as_teardown(setups=start))
 
 with DAG("drill_extract", schedule=None, catchup=False, default_args=ARGS, params=PARAMS) as drill_extract:
-    start = StartCaptureServerOperator(task_id="start_capture_server")
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteDrillCorpus(task_id="write_corpus") >> start
-     >> CaptureServerReadySensor(task_id="capture_server_ready")
-     >> ExtractShardOperator(task_id="extract_shard_0", shard=0, retries=2)
-     >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+     >> ServerReadySensor(phase="extract", task_id="capture_server_ready")
+     >> ShardOperator(phase="extract", task_id="extract_shard_0", shard=0, retries=2)
+     >> StopServerOperator(phase="extract", task_id="stop_capture_server").as_teardown(setups=start))
 
 with DAG("drill_train", schedule=None, catchup=False, default_args=ARGS, params=PARAMS) as drill_train:
     (WriteRunConfigOperator(task_id="write_run_config") >> synthetic_hidden_states()

@@ -63,7 +63,7 @@ from eagleflow.demo_assets import ensure_demo_assets, write_demo_sources  # noqa
 from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind  # noqa: E402
 from eagleflow.heartbeat import Heartbeat  # noqa: E402
 from eagleflow.layout import RunLayout  # noqa: E402
-from eagleflow.watchdog.recovery import LIFECYCLES, recover_after_stall  # noqa: E402
+from eagleflow.watchdog.recovery import recover_after_stall  # noqa: E402
 from tests.fixtures.capture_corpus import write_corpus  # noqa: E402
 from tests.fixtures.gpu_scenarios import fake_smi_env, gpu, write_scenario  # noqa: E402
 from tests.fixtures.smtp import SmtpSink  # noqa: E402
@@ -152,7 +152,7 @@ def pid_of(run: LocalRun, role: str) -> int:
 def start(run: LocalRun, env: dict[str, str], kind: ShardKind = KINDS[EXTRACT]) -> None:
     """The phase's server and shard 0's detached worker, through the phase's own lifecycle (as its operators and
     the recovery start them), with ``env`` added for them."""
-    life = LIFECYCLES[kind.phase]
+    life = kind.lifecycle()
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -174,7 +174,7 @@ def stop(run: LocalRun, kind: ShardKind = KINDS[EXTRACT]) -> None:
         except (OSError, ValueError):
             pass
     run.node.stop_recorded(str(run.layout.pid_file(kind.worker_role(0))), grace_s=3)
-    LIFECYCLES[kind.phase].stop_server(run, grace_s=3)
+    kind.lifecycle().stop_server(run, grace_s=3)
 
 
 def wait_for(pred, timeout_s: float, what: str) -> float:

@@ -10,26 +10,18 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
-from eagleflow.airflow.capture_operators import (
-    CaptureServerReadySensor,
-    ExtractShardOperator,
-    StartCaptureServerOperator,
-    StopCaptureServerOperator,
-    VerifyHiddenStatesOperator,
-)
 from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
-from eagleflow.airflow.generate_operators import (GenerateShardOperator, PlanGenerateShardsOperator,
-                                                  StartGenerateServerOperator, StopGenerateServerOperator)
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
-from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
-from eagleflow.airflow.fleet_operators import (PREPARE_TASK, CollectShardsOperator, PrepareNodeOperator,
-                                              ReceiveCorpusOperator, ReleaseTakeoverServerOperator,
-                                              TakeOverShardsOperator)
+from eagleflow.airflow.fleet_operators import (PREPARE_TASK, PrepareNodeOperator, ReceiveCorpusOperator,
+                                              ReleaseTakeoverServerOperator, TakeOverShardsOperator)
 from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, fleet_routing
 from eagleflow.airflow.runtime import TRIGGER_PATH_PATTERN, allowed_node_conn_ids
+from eagleflow.airflow.shard_operators import phase_tasks
+from eagleflow.airflow.verify_operators import VerifyHiddenStatesOperator
 from eagleflow.airflow.trigger_form import FROM_CONFIG, config_switch, form_config_path, from_config, optional_choice
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 from eagleflow.engines import names_for
@@ -70,73 +62,34 @@ FLEET = fleet_routing()
 NODE = FLEET.training
 
 
-def generation_on(node: FleetNodeRoute):
-    """One node's generation (inside its group): GPU gates, its generation server as a setup/teardown pair, its
-    share of the generation shards under the watch and, off shared storage, their copy to the training node.
-    Returns the first task and those the corpus waits for; all no-ops when generate.enabled is off."""
-    free = FreeGpusOperator(task_id="free_gpus_before_generation", generation=True)
-    idle = GpuIdleSensor(task_id="gpus_idle_before_generation", pool=node.pool, generation=True)
-    start = StartGenerateServerOperator(task_id="start_generate_server", pool=node.pool)
-    plan = PlanGenerateShardsOperator(task_id="plan_generate_shards")
-    shards = GenerateShardOperator.partial(task_id=GEN.shard_task, retries=2, pool=node.pool,
-                                           fleet_node=node.fleet_node).expand(shard=plan.output)
-    stop = StopGenerateServerOperator(task_id="stop_generate_server")
-    free_after = FreeGpusOperator(task_id="free_gpus_after_generation", generation=True)
-    free >> idle >> start >> plan >> shards
-    shards >> stop.as_teardown(setups=start)
-    stop >> free_after.as_teardown(setups=start)
-    if not node.ships_to_training:
-        return free, [shards, free_after]
-    # whatever the node's generation did (all_done), as collect_shards: the corpus then refuses an incomplete
-    # generation naming the shards and their node, and a node the run leaves out skips without holding it up
-    collect = CollectShardsOperator(task_id=GEN.collect_task, phase=GEN.phase, trigger_rule="all_done",
-                                    prepare_task_id=node.prefix + PREPARE_TASK, retries=2)
-    [shards, free_after] >> collect
-    return free, [collect]
-
-
 def node_tasks(node: FleetNodeRoute):
-    """One node's work (a task group per node in a fleet): its generation, then (after the corpus) its capture:
-    GPU gates, its capture server as a setup/teardown pair, its share of the shards under the watch (the
-    training node: also the held-out records) and, off shared storage, the copy of its shards to the
-    training node. Returns the tasks the DAG wires."""
+    """One node's work (a task group per node in a fleet): its generation, then (after the corpus) its capture,
+    each sharded phase wired by one ``phase_tasks`` call: GPU gates, its server as a setup/teardown pair, its
+    share of the shards under the watch (the training node: also the held-out records after its extraction)
+    and, off shared storage, their copy to the training node. Generation's tasks are no-ops when
+    generate.enabled is off. Returns the tasks the DAG wires."""
     with node.task_group():
         prepare = PrepareNodeOperator(task_id=PREPARE_TASK) if node.grouped else None
-        gen_first, gen_done = generation_on(node)
+        # whatever the node's generation did (all_done), its collection waits for the GPUs freed too: the
+        # corpus then refuses an incomplete generation naming the shards and their node, and a node the run
+        # leaves out skips without holding it up
+        gen = phase_tasks(GEN, node, collect_after_teardown=True)
         receive = ReceiveCorpusOperator(task_id="receive_corpus", prepare_task_id=node.prefix + PREPARE_TASK) \
             if node.ships_to_training else None
-        free_before = FreeGpusOperator(task_id="free_gpus")
-        idle_before = GpuIdleSensor(task_id="gpus_idle", pool=node.pool)
-        start_server = StartCaptureServerOperator(task_id="start_capture_server", pool=node.pool)
-        server_ready = CaptureServerReadySensor(task_id="capture_server_ready", pool=node.pool)
-        shards = PlanShardsOperator(task_id="plan_shards")
-        # named, not left to the group's default_args: a mapped task is rebuilt from its partial kwargs
-        extract = ExtractShardOperator.partial(task_id=EXT.shard_task, retries=2, pool=node.pool,
-                                               fleet_node=node.fleet_node).expand(shard=shards.output)
-        stop_server = StopCaptureServerOperator(task_id="stop_capture_server")
-        free_after = FreeGpusOperator(task_id="free_gpus_after_capture")
+        # the held-out records the trainer scores itself on (train.eval_every), apart from the training store
+        held_out = (lambda: CaptureHeldOutOperator(task_id="capture_held_out", retries=2, pool=node.pool)) \
+            if node.training else None
+        ext = phase_tasks(EXT, node, after_shards=held_out)
         if prepare is not None:
-            prepare >> gen_first
-            prepare >> (receive or free_before)   # a node the run leaves out skips its capture too
+            prepare >> gen.first
+            prepare >> (receive or ext.first)   # a node the run leaves out skips its capture too
         if receive is not None:
-            receive >> free_before
-        free_before >> idle_before >> start_server >> server_ready >> shards >> extract
-        last = extract
-        if node.training:
-            # the held-out records the trainer scores itself on (train.eval_every), apart from the training store
-            last = CaptureHeldOutOperator(task_id="capture_held_out", retries=2, pool=node.pool)
-            extract >> last
-        last >> stop_server.as_teardown(setups=start_server)
-        # GPU cleanup is a teardown: it runs whenever the server was started, whatever the shards did
-        stop_server >> free_after.as_teardown(setups=start_server)
-        collect = None
-        if node.ships_to_training:
-            collect = CollectShardsOperator(task_id=EXT.collect_task, phase=EXT.phase, trigger_rule="all_done",
-                                            prepare_task_id=node.prefix + PREPARE_TASK, retries=2)
-            extract >> collect
-    return {"first": prepare or gen_first, "generated": gen_done, "capture_first": receive or free_before,
-            "extract": extract, "held_out": last if node.training else None, "free_after": free_after,
-            "collect": collect, "plan_task_id": node.prefix + "plan_shards"}
+            receive >> ext.first
+    generated = [gen.collect] if gen.collect is not None else [gen.shards, gen.free_after]
+    return {"first": prepare or gen.first, "generated": generated, "capture_first": receive or ext.first,
+            "capture_shards": ext.shards,
+            "held_out": ext.last if node.training else None, "free_after": ext.free_after,
+            "collect": ext.collect, "plan_task_id": ext.plan_task_id}
 
 
 with DAG(
@@ -250,7 +203,7 @@ with DAG(
         # a logged no-op when generate.enabled is off or nothing is missing
         take_gen = TakeOverShardsOperator(task_id=GEN.takeover_task, phase=GEN.phase, trigger_rule="all_done")
         take_gen_idle = GpuIdleSensor(task_id="gpus_idle_before_generation_takeover", pool=NODE.pool,
-                                      generation=True, guards=GEN.takeover_task)
+                                      phase=GEN.phase, guards=GEN.takeover_task)
         taken_gen = RerunShardOperator.partial(task_id="take_over_generated_shard", retries=2,
                                                pool=NODE.pool).expand(target=take_gen.output)
         release_gen = ReleaseTakeoverServerOperator(task_id="release_generation_takeover_server", phase=GEN.phase,
@@ -262,7 +215,7 @@ with DAG(
     prepare_corpus >> delete_caches >> check_disk
     for cap in nodes.values():
         check_disk >> cap["capture_first"]
-        cap["extract"] >> verify
+        cap["capture_shards"] >> verify
         if cap["collect"] is not None:
             cap["collect"] >> verify
     if FLEET.grouped:
@@ -278,7 +231,7 @@ with DAG(
         release = ReleaseTakeoverServerOperator(task_id="release_takeover_server", phase=EXT.phase,
                                                 trigger_rule="all_done")
         for cap in nodes.values():
-            [cap["extract"], cap["free_after"]] >> take_over
+            [cap["capture_shards"], cap["free_after"]] >> take_over
             if cap["collect"] is not None:
                 cap["collect"] >> take_over
         take_over >> take_over_idle >> taken >> release >> verify

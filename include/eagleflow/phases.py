@@ -3,17 +3,20 @@
 and the DAG tasks that collect it.
 
 Static data only (it imports nothing but config and layout), so every layer can read it: the watch
-(``watchdog.signals.WatchedJob``), reconcile and the fleet's hand-over, the lifecycles, the operators. What a
-phase *does* (start its server, its workers) stays in its own package (``capture.lifecycle``,
-``generate.lifecycle``). A new sharded phase is a descriptor here plus its worker, its CLI registration, its
-lifecycle and its DAG wiring.
+(``watchdog.signals.WatchedJob``), reconcile and the fleet's hand-over, the recovery, the operators and the
+DAG's wiring (``airflow.shard_operators``: one set of operators and one ``phase_tasks`` call for every phase).
+What a phase *does* (start its server, its workers) stays in its own package, named here by its
+``lifecycle`` ("module:attribute" of a ``PhaseLifecycle``, imported on first use by ``ShardKind.lifecycle()``),
+so nothing but the descriptor names the phase's package. A new sharded phase is a descriptor here plus its own
+package (worker, lifecycle), its CLI registration and one ``phase_tasks`` call in the DAG (docs/phases.md).
 """
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Callable
+from typing import Any, Callable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
@@ -21,6 +24,30 @@ from eagleflow.layout import RunLayout
 EXTRACT, GENERATE = "extract", "generate"
 # in a generation shard's dir: its last try ended on a stall blamed on the server (generate.lifecycle)
 SERVER_STALL = "server_stall.json"
+
+
+@dataclass(frozen=True)
+class PhaseLifecycle:
+    """What the operators, the recovery and reconcile do to a sharded phase's server and workers: its own
+    package's functions, one shape for every phase (a phase's ``LIFECYCLE``, named by ``ShardKind.lifecycle``)."""
+    start_server: Callable[..., Any]            # (run, log=None) -> (record, started now); a live one is kept
+    check_ready: Callable[..., Any]             # (run, health_timeout_s) -> ("ready"|"loading"|"stuck"|"dead", info, why)
+    # (run, timeout_s=None, poll_s=1.0, log=None) -> info; raises ServerNotReady when the wait ran out, a
+    # subclass of it when the server died or is stuck (phase_jobs.wait_server_ready)
+    wait_server_ready: Callable[..., Any]
+    stop_server: Callable[..., Any]             # (run, grace_s=30.0, log=None) -> what it did
+    start_worker: Callable[..., Any]            # (run, shard, log) -> (record, attached); one per shard
+    # control plane, a retry (or a reconcile rerun) of a shard whose last watch failed: (ctx, shard, log) -> anything
+    before_retry: Callable[..., Any]
+    # control plane, a watch that ended failed: keep what the retry needs; (ctx, shard, event) -> True if kept
+    after_failed_watch: Callable[..., bool]
+    # on the node, reconcile: (run, shard) -> (units the shard must store, its worker marked it finished)
+    shard_expectation: Callable[..., tuple[int, bool]]
+    # on the node, reconcile: (run) -> whether the phase's shards can be judged (and rerun) now
+    can_be_judged: Callable[..., bool]
+
+
+_LIFECYCLES: dict[str, PhaseLifecycle] = {}
 
 
 @dataclass(frozen=True)
@@ -47,6 +74,20 @@ class ShardKind:
     takeover_task: str                          # the DAG task that finds a fleet node's shards to take over
     copy_last: tuple[str, ...]                  # a shard's files copied last (their presence says "complete")
     copy_skip: tuple[str, ...]                  # a shard's files never copied (node-local state)
+    # the rest of its DAG chain, on each node (airflow.shard_operators.phase_tasks)
+    free_task: str                              # GPUs freed before its server
+    idle_task: str                              # GPUs checked idle before its server
+    start_task: str                             # its server started (setup)
+    ready_task: str | None                      # a sensor waiting until its server answers (None: start_task waits)
+    plan_task: str                              # the shards the node's shard_task is mapped over
+    stop_task: str                              # its server stopped (teardown)
+    free_after_task: str                        # GPUs freed after its server (teardown)
+    lifecycle_ref: str                          # "module:attribute" of its PhaseLifecycle (``lifecycle()``)
+    # its shard task makes sure the server answers before its worker starts (starting it when needed) and clears
+    # a server stall on every try (``PhaseLifecycle.before_retry``); otherwise the worker waits for the server
+    # by itself and ``before_retry`` runs only when a retry's look found a fault the watch does not recover
+    shard_starts_server: bool
+    retry_advice: str                           # what a retry of its shard task does, for the retry mail
     # reconcile no longer scans the phase once its stats say every shard is complete (generate.phase)
     done_when_stats_complete: bool = False
 
@@ -70,6 +111,17 @@ class ShardKind:
     def heartbeat_file(self, layout: RunLayout, shard: int) -> PurePosixPath:
         return self.shard_dir(layout, shard) / "heartbeat.json"
 
+    def lifecycle(self) -> PhaseLifecycle:
+        """Its ``PhaseLifecycle``, imported on first use (the phase's package is heavier than this data)."""
+        life = _LIFECYCLES.get(self.phase)
+        if life is None:
+            module, _, attr = self.lifecycle_ref.partition(":")
+            life = getattr(importlib.import_module(module), attr)
+            if not isinstance(life, PhaseLifecycle):
+                raise TypeError(f"{self.lifecycle_ref} is a {type(life).__name__}, not a PhaseLifecycle")
+            _LIFECYCLES[self.phase] = life
+        return life
+
 
 def _field(cfg: PipelineConfig, dotted: str):
     section, name = dotted.split(".")
@@ -85,7 +137,14 @@ KINDS = {
         server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
         shard_task="extract_shard", collect_task="collect_shards", takeover_task="take_over_shards",
         # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
-        copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",)),
+        copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",),
+        free_task="free_gpus", idle_task="gpus_idle", start_task="start_capture_server",
+        ready_task="capture_server_ready", plan_task="plan_shards", stop_task="stop_capture_server",
+        free_after_task="free_gpus_after_capture", lifecycle_ref="eagleflow.capture.phase_lifecycle:LIFECYCLE",
+        shard_starts_server=False,
+        retry_advice=("The retry first looks at the shard: a live worker that progresses is kept; a stuck or dead "
+                      "one is stopped and the capture server restarted once if unhealthy; then it resumes the shard "
+                      "from its manifest: no stored sample is redone.")),
     GENERATE: ShardKind(
         phase=GENERATE, noun="generation", unit="records", label="generate shard", watch_name="generate shard",
         server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
@@ -96,8 +155,16 @@ KINDS = {
         takeover_task="take_over_generated",
         # the manifest and final heartbeat last (the phase's stats accept a shard once its heartbeat says
         # complete, and it is final once the worker ended); the stall marker is the node's own note
-        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,), done_when_stats_complete=True),
+        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,), done_when_stats_complete=True,
+        free_task="free_gpus_before_generation", idle_task="gpus_idle_before_generation",
+        start_task="start_generate_server", ready_task=None, plan_task="plan_generate_shards",
+        stop_task="stop_generate_server", free_after_task="free_gpus_after_generation",
+        lifecycle_ref="eagleflow.generate.phase_lifecycle:LIFECYCLE", shard_starts_server=True,
+        retry_advice="The retry resumes the shard from its manifest (finished records are kept, never redone)."),
 }
+
+
+RUN_ORDER = (GENERATE, EXTRACT)   # the sharded phases in the order a run runs them
 
 
 def kind_of(phase: str) -> ShardKind:

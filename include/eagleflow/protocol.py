@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from eagleflow.phases import EXTRACT, KINDS
+
 MAX_NAME_BYTES = 255          # NAME_MAX of Linux filesystems
 MAX_TEXT_CHARS = 2000
 
@@ -52,6 +54,13 @@ def node_path(value: str) -> str:
     return value
 
 
+def known_phase(value: str) -> str:
+    """The name of a sharded phase, as its descriptor has it (``phases.KINDS``): the wire carries the name."""
+    if value not in KINDS:
+        raise ValueError(f"not a sharded phase: {value!r} (known: {', '.join(sorted(KINDS))})")
+    return value
+
+
 def one_line(value: str) -> str:
     """Free text from a node, made safe for a log line or a mail: control characters escaped, length bounded."""
     text = "".join(c if not _control(c) else ascii(c)[1:-1] for c in value)
@@ -64,7 +73,7 @@ NodeText = Annotated[str, Field(strict=True), AfterValidator(one_line)]
 Sha256Hex = Annotated[str, Field(strict=True), StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(strict=True, ge=0)]            # sizes, shard numbers, stored/expected units
 Timestamp = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]   # epoch seconds; 1e999 refused
-Phase = Literal["extract", "generate"]
+Phase = Annotated[str, Field(strict=True), AfterValidator(known_phase)]   # a sharded phase's name (phases.KINDS)
 
 
 class _Answer(BaseModel):
@@ -92,7 +101,7 @@ class ShardStateAnswer(_Answer):
     stored: Count
     worker_alive: bool
     run_config: NodePath
-    phase: Phase = "extract"
+    phase: Phase = EXTRACT
     finished: bool = True
     needs_rerun: bool = False
     line: NodeText = ""

@@ -27,15 +27,15 @@ def _config(tmp_path: Path, demo_assets) -> Path:
 def test_ready_trigger_round_trips_and_reports_a_dead_server(tmp_path, demo_assets):
     import asyncio
 
-    from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
+    from eagleflow.airflow.server_triggers import ServerReadyTrigger
     from eagleflow.airflow.runtime import RunContext
 
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "trig")
     ctx.write_run_config()  # the trigger reads the run's frozen config on the node
-    trig = CaptureServerReadyTrigger(run=ctx.serialize(), end_at=time.time() + 5, poll_interval_s=0.1)
+    trig = ServerReadyTrigger(run=ctx.serialize(), end_at=time.time() + 5, poll_interval_s=0.1, phase="extract")
     path, kwargs = trig.serialize()
-    assert path == "eagleflow.airflow.capture_triggers.CaptureServerReadyTrigger"
-    rebuilt = CaptureServerReadyTrigger(**kwargs)
+    assert path == "eagleflow.airflow.server_triggers.ServerReadyTrigger"
+    rebuilt = ServerReadyTrigger(**kwargs)
     assert rebuilt.serialize() == (path, kwargs)
 
     async def first():
@@ -48,7 +48,7 @@ def test_ready_trigger_round_trips_and_reports_a_dead_server(tmp_path, demo_asse
 def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_assets, monkeypatch):
     from airflow.sdk.exceptions import TaskDeferred
 
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     from eagleflow.airflow.runtime import RunContext
     from eagleflow.capture.lifecycle import stop_worker, worker_role
 
@@ -69,7 +69,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
     server_pid_file = str(ctx.layout.pid_file("capture_server"))
     ctx.node.spawn_detached([sys.executable, "-c", "import time; time.sleep(120)"], role="capture_server",
                             pid_file=server_pid_file, log_file=str(ctx.layout.log_file("capture_server")))
-    op = ExtractShardOperator(task_id="extract_shard", shard=0)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=0)
     pids = []
     try:
         for _ in range(2):
@@ -90,10 +90,10 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Param, task
 
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator,
-                                                 VerifyHiddenStatesOperator)
-from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+from eagleflow.airflow.shard_operators import (PlanShardsOperator, ServerReadySensor, ShardOperator,
+                                               StartServerOperator, StopServerOperator)
+from eagleflow.airflow.verify_operators import VerifyHiddenStatesOperator
+from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 
 
 @task
@@ -109,11 +109,11 @@ with DAG("capture_sequence_test", schedule=None, start_date=datetime(2026, 1, 1)
          params={"config_path": Param(CONFIG, type="string")}) as dag:
     write = WriteRunConfigOperator(task_id="write_run_config")
     corpus = make_corpus()
-    start = StartCaptureServerOperator(task_id="start_capture_server")
-    ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=True, poke_interval=0.5)
-    shards = PlanShardsOperator(task_id="plan_shards")
-    extract = ExtractShardOperator.partial(task_id="extract_shard").expand(shard=shards.output)
-    stop = StopCaptureServerOperator(task_id="stop_capture_server", grace_s=10)
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
+    ready = ServerReadySensor(phase="extract", task_id="capture_server_ready", deferrable=True, poke_interval=0.5)
+    shards = PlanShardsOperator(phase="extract", task_id="plan_shards")
+    extract = ShardOperator.partial(phase="extract", task_id="extract_shard").expand(shard=shards.output)
+    stop = StopServerOperator(phase="extract", task_id="stop_capture_server", grace_s=10)
     verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states")
     write >> corpus >> start >> ready >> shards >> extract >> stop.as_teardown(setups=start)
     extract >> verify

@@ -27,17 +27,16 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
-from eagleflow.airflow.generate_operators import (GenerateShardOperator, StartGenerateServerOperator,
-                                                  StopGenerateServerOperator)
+from eagleflow.airflow.shard_operators import ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 
 with DAG("generate_frozen_server", schedule=None, catchup=False,
          default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartGenerateServerOperator(task_id="start_generate_server")
+    start = StartServerOperator(phase="generate", task_id="start_generate_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> start
-     >> GenerateShardOperator(task_id="generate_responses", shard=0, retries=0, deferrable=False)
-     >> StopGenerateServerOperator(task_id="stop_generate_server").as_teardown(setups=start))
+     >> ShardOperator(phase="generate", task_id="generate_responses", shard=0, retries=0, deferrable=False)
+     >> StopServerOperator(phase="generate", task_id="stop_generate_server").as_teardown(setups=start))
 """
 
 

@@ -62,7 +62,7 @@ FAILING_BODY = '''
     # the gates that guard nothing (no shard taken over; generate.enabled off) pass; the capture gate fails
     (take_over_shards()
      >> GpuIdleSensor(task_id="gpus_idle_before_takeover", deferrable=True, retries=0, guards="take_over_shards")
-     >> GpuIdleSensor(task_id="gpus_idle_before_generation", deferrable=True, retries=0, generation=True)
+     >> GpuIdleSensor(task_id="gpus_idle_before_generation", deferrable=True, retries=0, phase="generate")
      >> GpuIdleSensor(task_id="gpus_idle", deferrable=True, retries=0))
 '''
 

@@ -32,18 +32,17 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
-from eagleflow.airflow.generate_operators import (GenerateShardOperator, StartGenerateServerOperator,
-                                                  StopGenerateServerOperator)
+from eagleflow.airflow.shard_operators import ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 
 with DAG("generate_prestart_fault", schedule=None, catchup=False,
          default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartGenerateServerOperator(task_id="start_generate_server")
+    start = StartServerOperator(phase="generate", task_id="start_generate_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> start
-     >> GenerateShardOperator(task_id="generate_shard_0", shard=0, retries=0, deferrable=False)
-     >> GenerateShardOperator(task_id="generate_shard_1", shard=1, retries=0, deferrable=False)
-     >> StopGenerateServerOperator(task_id="stop_generate_server").as_teardown(setups=start))
+     >> ShardOperator(phase="generate", task_id="generate_shard_0", shard=0, retries=0, deferrable=False)
+     >> ShardOperator(phase="generate", task_id="generate_shard_1", shard=1, retries=0, deferrable=False)
+     >> StopServerOperator(phase="generate", task_id="stop_generate_server").as_teardown(setups=start))
 """
 
 
@@ -175,8 +174,7 @@ from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.base import RunOperator
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator)
+from eagleflow.airflow.shard_operators import ServerReadySensor, ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from tests.fixtures.capture_corpus import write_corpus
 
@@ -189,12 +187,12 @@ class WriteTestCorpus(RunOperator):
 with DAG("extract_prestart_fault", schedule=None, catchup=False,
          default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartCaptureServerOperator(task_id="start_capture_server")
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start
-     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
-     >> ExtractShardOperator(task_id="extract_shard_0", shard=0, retries=0, deferrable=False)
-     >> ExtractShardOperator(task_id="extract_shard_1", shard=1, retries=0, deferrable=False)
-     >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+     >> ServerReadySensor(phase="extract", task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
+     >> ShardOperator(phase="extract", task_id="extract_shard_0", shard=0, retries=0, deferrable=False)
+     >> ShardOperator(phase="extract", task_id="extract_shard_1", shard=1, retries=0, deferrable=False)
+     >> StopServerOperator(phase="extract", task_id="stop_capture_server").as_teardown(setups=start))
 """
 
 

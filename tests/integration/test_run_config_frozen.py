@@ -25,7 +25,8 @@ import sys
 sys.path.insert(0, {repo!r})
 import yaml
 from airflow.sdk import DAG, Param, task
-from eagleflow.airflow.pipeline_operators import PlanShardsOperator, WriteRunConfigOperator
+from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
+from eagleflow.airflow.shard_operators import PlanShardsOperator
 from eagleflow.airflow.runtime import RunContext
 
 with DAG("frozen_run_config", schedule=None, catchup=False,
@@ -49,7 +50,7 @@ with DAG("frozen_run_config", schedule=None, catchup=False,
                  "trigger_shards": again.cfg.capture.shards, "trigger_run_dir": str(again.layout.run_dir),
                  "payload": ctx.serialize()}}
 
-    first >> edit_yaml() >> [PlanShardsOperator(task_id="plan_shards"), read_back()]
+    first >> edit_yaml() >> [PlanShardsOperator(phase="extract", task_id="plan_shards"), read_back()]
 '''
 
 

@@ -40,8 +40,7 @@ from pathlib import Path
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.base import RunOperator
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator)
+from eagleflow.airflow.shard_operators import ServerReadySensor, ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from tests.fixtures.capture_corpus import write_corpus
 
@@ -53,11 +52,11 @@ class WriteTestCorpus(RunOperator):
 
 with DAG("triggerer_resume", schedule=None, catchup=False, default_args={"retry_delay": timedelta(seconds=1)},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartCaptureServerOperator(task_id="start_capture_server")
-    ready = CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
-    shards = [ExtractShardOperator(task_id=f"extract_shard_{i}", shard=i) for i in (0, 1)]
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
+    ready = ServerReadySensor(phase="extract", task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
+    shards = [ShardOperator(phase="extract", task_id=f"extract_shard_{i}", shard=i) for i in (0, 1)]
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start >> ready
-     >> shards >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+     >> shards >> StopServerOperator(phase="extract", task_id="stop_capture_server").as_teardown(setups=start))
 """
 
 

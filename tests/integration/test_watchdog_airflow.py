@@ -66,8 +66,7 @@ from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
 from eagleflow.airflow.base import RunOperator
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator)
+from eagleflow.airflow.shard_operators import ServerReadySensor, ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from tests.fixtures.capture_corpus import write_corpus
 
@@ -80,11 +79,11 @@ class WriteTestCorpus(RunOperator):
 with DAG("watchdog_seeds_stall", schedule=None, catchup=False,
          default_args={"retry_delay": timedelta(seconds=1), **pipeline_failure_callbacks()},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartCaptureServerOperator(task_id="start_capture_server")
-    extract = ExtractShardOperator(task_id="extract_shard", shard=0, retries=1)
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
+    extract = ShardOperator(phase="extract", task_id="extract_shard", shard=0, retries=1)
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start
-     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
-     >> extract >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+     >> ServerReadySensor(phase="extract", task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
+     >> extract >> StopServerOperator(phase="extract", task_id="stop_capture_server").as_teardown(setups=start))
 """
 
 

@@ -53,10 +53,10 @@ def _kill_server_mid_shard(run, after: int) -> dict:
 
 
 def _extract(run, smtp: SmtpSink, monkeypatch) -> dict:
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     for k, v in smtp.airflow_conn_env(WATCH["smtp_conn_id"]).items():
         monkeypatch.setenv(k, v)
-    op = ExtractShardOperator(task_id="extract_shard", shard=0, deferrable=False)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=0, deferrable=False)
     return op.run(RunContext(cfg=run.cfg, layout=run.layout), _context(run))
 
 

@@ -33,14 +33,14 @@ WATCH = {"poll_interval_s": 1.0, "stall_after_s": 20.0, "health_timeout_s": 5.0,
 TRY_1 = """
 import sys
 from types import SimpleNamespace
-from eagleflow.airflow.capture_operators import ExtractShardOperator
+from eagleflow.airflow.shard_operators import ShardOperator
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 
 cfg = load_config(sys.argv[1])
 ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, sys.argv[2]))
-op = ExtractShardOperator(task_id="extract_shard", shard=0)
+op = ShardOperator(phase="extract", task_id="extract_shard", shard=0)
 assert not op.deferrable, "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE=False: the watch runs in this process"
 print("try 1 watching", flush=True)
 op.run(ctx, {"ti": SimpleNamespace(try_number=1)})
@@ -78,8 +78,8 @@ def test_try_2_after_a_killed_control_plane_attaches_to_the_live_worker(demo_ass
     stored_at_kill = len(_manifest(run, 0))
     assert stored_at_kill < N, "the shard finished before try 1 was killed"
 
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
-    op = ExtractShardOperator(task_id="extract_shard", shard=0)
+    from eagleflow.airflow.shard_operators import ShardOperator
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=0)
     assert not op.deferrable
     capfd.readouterr()
     result = op.run(ctx, {"ti": SimpleNamespace(try_number=2)})   # looks, attaches, watches to the end here

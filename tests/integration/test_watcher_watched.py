@@ -51,8 +51,7 @@ from pathlib import Path
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.base import RunOperator
-from eagleflow.airflow.capture_operators import (CaptureServerReadySensor, ExtractShardOperator,
-                                                 StartCaptureServerOperator, StopCaptureServerOperator)
+from eagleflow.airflow.shard_operators import ServerReadySensor, ShardOperator, StartServerOperator, StopServerOperator
 from eagleflow.airflow.pipeline_operators import WriteRunConfigOperator
 from tests.fixtures.capture_corpus import write_corpus
 
@@ -64,11 +63,11 @@ class WriteTestCorpus(RunOperator):
 
 with DAG("watcher_watched", schedule=None, catchup=False, default_args={"retry_delay": timedelta(seconds=1)},
          params={"config_path": Param(CONFIG, type="string")}) as dag:
-    start = StartCaptureServerOperator(task_id="start_capture_server")
+    start = StartServerOperator(phase="extract", task_id="start_capture_server")
     (WriteRunConfigOperator(task_id="write_run_config") >> WriteTestCorpus(task_id="write_corpus") >> start
-     >> CaptureServerReadySensor(task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
-     >> ExtractShardOperator(task_id="extract_shard", shard=0)
-     >> StopCaptureServerOperator(task_id="stop_capture_server").as_teardown(setups=start))
+     >> ServerReadySensor(phase="extract", task_id="capture_server_ready", deferrable=False, poke_interval=0.3)
+     >> ShardOperator(phase="extract", task_id="extract_shard", shard=0)
+     >> StopServerOperator(phase="extract", task_id="stop_capture_server").as_teardown(setups=start))
 """
 
 

@@ -88,7 +88,7 @@ def test_every_server_and_the_evaluation_start_right_behind_a_free_then_idle_gat
         (idle,) = pipeline.get_task(task_id).upstream_list
         (free,) = idle.upstream_list
         assert isinstance(idle, GpuIdleSensor) and isinstance(free, FreeGpusOperator), task_id
-        assert idle.generation is generation and free.generation is generation, task_id
+        assert (idle.phase == "generate") is generation and (free.phase == "generate") is generation, task_id
         assert idle.deferrable, f"{idle.task_id} would hold a worker slot while it waits"
     # training waits for idle GPUs too (the capture server's memory freed)
     assert isinstance(pipeline.get_task("gpus_idle_after_capture"), GpuIdleSensor)

@@ -175,7 +175,7 @@ def test_a_gate_that_guards_nothing_this_run_passes_without_asking_the_node(gate
     node.gpus = HELD                                        # it would fail if it looked
     takeover = GpuIdleSensor(task_id="gpus_idle_before_takeover", guards="take_over_shards", deferrable=True)
     assert takeover.execute(task_context(ctx, takeover, xcoms={("take_over_shards", "return_value"): []})) is None
-    generation = GpuIdleSensor(task_id="gpus_idle_before_generation", generation=True, deferrable=True)
+    generation = GpuIdleSensor(task_id="gpus_idle_before_generation", phase="generate", deferrable=True)
     assert not ctx.cfg.generate.enabled
     assert generation.execute(task_context(ctx, generation)) is None
     assert node.commands("eagleflow.gpu.node_report") == []

@@ -14,7 +14,7 @@ import time
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 
-from eagleflow.airflow.capture_operators import ExtractShardOperator, StopCaptureServerOperator
+from eagleflow.airflow.shard_operators import ShardOperator, StopServerOperator
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger, _end_outage, unreachable_bound_s
 from eagleflow.config import load_config
@@ -185,7 +185,7 @@ def test_a_malformed_watch_answer_is_a_failing_command_not_a_verdict(run):
 def test_the_first_try_starts_the_worker_and_its_sentinel_locked_then_defers_the_watch(run):
     ctx, node = run
     node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")   # the setup started it
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=True)
     with pytest.raises(TaskDeferred) as d:
         op.run(ctx, task_context(ctx, op))
     worker, sentinel = node.spawned
@@ -206,7 +206,7 @@ def test_a_rerun_attaches_to_the_live_worker_and_its_sentinel_instead_of_startin
     node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")
     sentinel = "sentinel_worker_shard_00003"
     node.add_process(str(ctx.layout.pid_file(sentinel)), sentinel, lock_file=str(ctx.layout.lock_file(sentinel)))
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=True)
     log = capture_log(op)
     with pytest.raises(TaskDeferred):
         op.run(ctx, task_context(ctx, op))
@@ -224,7 +224,7 @@ def test_a_shard_its_node_handed_over_skips_naming_the_taker(monkeypatch):
     ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, RUN_ID)).for_node("b")
     from eagleflow.fleet.takeover import hand_over_mark
     b.put(str(hand_over_mark(ctx.layout, 2)), '{"to": "a", "at": 1796000000.0}')
-    op = ExtractShardOperator(task_id="extract_shard", shard=2, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=2, deferrable=True)
     with pytest.raises(AirflowSkipException, match="node b handed it over to a, which works on it"):
         op.run(ctx, task_context(ctx, op))
     assert b.spawned == []
@@ -235,7 +235,7 @@ def test_without_deferral_the_same_watch_runs_in_the_slot_to_complete_or_to_the_
     node.add_process(str(ctx.layout.pid_file("worker_shard_00003")), "worker_shard_00003")
     node.add_process(str(ctx.layout.pid_file("capture_server")), "capture_server")
     node.on("watch", diag("healthy", 20), diag("complete", 25))
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=False)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=False)
     out = op.run(ctx, task_context(ctx, op))
     assert out["shard"] == 3 and out["summary"].startswith("COMPLETE shard 3/4")
     node.on("watch", diag("dead", 20, cause="worker"))
@@ -248,7 +248,7 @@ def test_without_deferral_the_same_watch_runs_in_the_slot_to_complete_or_to_the_
 def test_an_unreachable_node_fails_the_start_for_a_retry(run):
     ctx, node = run
     node.go_down()
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=True)
     with pytest.raises(NodeUnreachable):
         op.run(ctx, task_context(ctx, op))
     assert node.spawned == []
@@ -266,7 +266,7 @@ def test_the_capture_teardown_stops_this_runs_live_workers_and_server_and_nothin
     sentinel = node.add_process(str(pid("sentinel_worker_shard_00001")), "sentinel_worker_shard_00001")
     node.put(str(ctx.layout.server_info_file), '{"url": "http://127.0.0.1:30000"}')
     node.on("eagleflow.capture.protocol", {"removed": 3})
-    op = StopCaptureServerOperator(task_id="stop_capture_server", grace_s=7)
+    op = StopServerOperator(phase="extract", task_id="stop_capture_server", grace_s=7)
     log = capture_log(op)
     out = op.run(ctx, task_context(ctx, op))
     assert out == {"server": "terminated", "detail": f"capture_server pid {server.pid} terminated",
@@ -300,7 +300,7 @@ def test_a_server_stopped_or_gone_before_the_start_is_an_incident_recovered_thro
                         "cause": "capture_server", "incident_shards": ["3"], "shards": {"3": "9/25"},
                         "summary": "incident opened by shard 3"},
             {"ok": True, "action": "restarted", "summary": "capture server restarted; worker restarted as pid 7"})
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=True)
     log = capture_log(op)
     with pytest.raises(TaskDeferred) as d:
         op.run(ctx, task_context(ctx, op))
@@ -325,7 +325,7 @@ def test_a_finished_shard_whose_server_is_gone_starts_without_an_incident(run):
     ctx, node = run
     node.put(str(ctx.layout.heartbeat_file(3)), Heartbeat(job="extract shard 3/4", pid=5, state="complete", done=25,
                                                           total=25).to_json())
-    op = ExtractShardOperator(task_id="extract_shard", shard=3, deferrable=True)
+    op = ShardOperator(phase="extract", task_id="extract_shard", shard=3, deferrable=True)
     with pytest.raises(TaskDeferred):
         op.run(ctx, task_context(ctx, op))
     assert node.commands("recover") == [] and [p.role for p in node.spawned][0] == "worker_shard_00003"

@@ -174,15 +174,14 @@ def test_a_shard_task_of_a_node_that_handed_the_shard_over_skips_naming_the_take
     import pytest
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
-    from eagleflow.airflow.generate_operators import GenerateShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     from eagleflow.airflow.runtime import RunContext
     b = node_run(tmp_path, "b")
     reconcile.hand_over(b, [2], "a")
     reconcile.hand_over(b, [1], "a", phase="generate")
     ctx = RunContext(cfg=b.cfg, layout=b.layout)
-    for op, what in ((ExtractShardOperator(task_id="extract_shard", shard=2), "extract shard 2"),
-                     (GenerateShardOperator(task_id="generate_responses", shard=1), "generate shard 1")):
+    for op, what in ((ShardOperator(phase="extract", task_id="extract_shard", shard=2), "extract shard 2"),
+                     (ShardOperator(phase="generate", task_id="generate_responses", shard=1), "generate shard 1")):
         with pytest.raises(AirflowSkipException, match=f"{what} of run r: node b handed it over to a"):
             op.run(ctx, {})
     assert not Path(str(b.layout.pids_dir)).exists() or not list(Path(str(b.layout.pids_dir)).iterdir())  # none started

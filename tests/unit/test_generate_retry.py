@@ -108,11 +108,11 @@ def test_a_stall_recorded_when_no_server_ran_leaves_the_one_running_now(tmp_path
 ])
 def test_a_retry_waits_for_a_loading_server_before_its_worker_and_a_death_is_retryable(tmp_path, server, expected):
     from airflow.sdk.exceptions import AirflowException, AirflowFailException
-    from eagleflow.airflow.generate_operators import GenerateShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     ctx = _ctx(tmp_path, argv=server, ready_timeout_s=3.0)
     try:
         generate.start_generate_server(ctx)     # alive, no generate_server.json yet: loading
-        op = GenerateShardOperator(task_id="generate_responses", shard=0, deferrable=True)
+        op = ShardOperator(phase="generate", task_id="generate_responses", shard=0, deferrable=True)
         with pytest.raises(AirflowException) as e:
             op.run(ctx, {})
         assert type(e.value).__name__ == expected
@@ -187,7 +187,7 @@ def test_a_sigstopped_server_is_stuck_not_loading_and_a_shard_opens_an_incident_
     import os
     import signal
 
-    from eagleflow.airflow.generate_operators import GenerateShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     from eagleflow.phase_jobs import ServerStuck
     ctx = _ctx(tmp_path, ready_timeout_s=30.0)
     opened = {"incident": "t-capture_server-20261201T000000-abcdef", "opened": True, "cause": "capture_server",
@@ -213,7 +213,7 @@ def test_a_sigstopped_server_is_stuck_not_loading_and_a_shard_opens_an_incident_
         assert time.monotonic() - t0 < 5, "the wait took a stopped server for a loading one"
 
         started = []
-        op = GenerateShardOperator(task_id="generate_responses", shard=0, deferrable=True)
+        op = ShardOperator(phase="generate", task_id="generate_responses", shard=0, deferrable=True)
         op._watch = lambda ctx_, context, start: started.append(start) or "watched"
         t0 = time.monotonic()
         assert op.run(ctx, {}) == "watched"

@@ -26,10 +26,10 @@ def _pipeline_like():
     """A DAG with the pipeline's run_report task (so its runs have a report) and a shard task."""
     from airflow.sdk import DAG
 
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     from eagleflow.airflow.report_operators import REPORT_TASK_ID, RunReportOperator
     with DAG("links_pipeline", schedule=None) as dag:
-        shard = ExtractShardOperator(task_id="extract_shard", shard=0)
+        shard = ShardOperator(phase="extract", task_id="extract_shard", shard=0)
         shard >> RunReportOperator(task_id=REPORT_TASK_ID)
     return dag, shard
 
@@ -82,13 +82,13 @@ def test_a_task_failure_mail_links_the_pages_too_and_the_report_only_where_the_d
     from airflow.sdk import DAG
 
     from eagleflow.airflow.alerts import EagleflowNotifier
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     dag, shard = _pipeline_like()
     EagleflowNotifier("failure")({**_context(tmp_path, dag, shard), "exception": RuntimeError("disk check failed")})
     text = body_text(smtp.wait_for(lambda m: "FAILED" in m["Subject"]))
     assert f"{BASE}/plugin/eagleflow-gpu" in text and f"{BASE}/eagleflow-gpu/report/links_pipeline/" in text
     with DAG("no_report", schedule=None) as other:
-        task = ExtractShardOperator(task_id="extract_shard", shard=0)
+        task = ShardOperator(phase="extract", task_id="extract_shard", shard=0)
     ctx = {**_context(tmp_path, other, task), "exception": RuntimeError("again")}
     EagleflowNotifier("failure")(ctx)
     text = body_text(smtp.wait_for(lambda m: "FAILED" in m["Subject"] and "no_report" in m["Subject"]))

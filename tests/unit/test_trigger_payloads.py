@@ -43,11 +43,11 @@ def test_a_payload_of_another_build_is_refused_naming_what_it_lacks(label, paylo
 
 
 def test_new_payloads_carry_only_what_finds_the_run(tmp_path):
-    from eagleflow.airflow.capture_triggers import CaptureServerReadyTrigger
+    from eagleflow.airflow.server_triggers import ServerReadyTrigger
     from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
     from eagleflow.airflow.shard_watch import ShardWatchTrigger, TrainWatchTrigger
     run = {"conn_id": "gpu_node", "run_config": "/data/runs/r1/run-config.json", "run_id": "r1"}
-    for trig in (CaptureServerReadyTrigger(run=run, end_at=1.8e9), GpuIdleTrigger(run=run, end_at=1.8e9),
+    for trig in (ServerReadyTrigger(run=run, end_at=1.8e9), GpuIdleTrigger(run=run, end_at=1.8e9),
                  ShardWatchTrigger(run=run, shard=2), TrainWatchTrigger(run=run)):
         _, kwargs = trig.serialize()
         assert kwargs["run"] == run

@@ -48,11 +48,11 @@ def smtp(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_stall_mail_has_both_parts_the_diagnosis_and_the_tasks_own_retry_text(tmp_path, smtp):
-    from eagleflow.airflow.capture_operators import ExtractShardOperator
+    from eagleflow.airflow.shard_operators import ShardOperator
     diagnosis = ("STALLED shard 3/8 on gpu-node-1: no sample completed for 612 s (18,402/37,312 done, last at "
                  "14:02:11); server /health_generate timed out after 20 s\n\nGPUs:\n    0  90.1 GB / 95.6 GB  0 %")
     exc = StallDetected("[eagleflow] STALLED shard 3/8 on gpu-node-1", diagnosis)
-    task = _in_dag(lambda: ExtractShardOperator(task_id="extract_shard", shard=3, retry_delay=timedelta(seconds=90)))
+    task = _in_dag(lambda: ShardOperator(phase="extract", task_id="extract_shard", shard=3, retry_delay=timedelta(seconds=90)))
     EagleflowNotifier("retry")(_context(tmp_path, ["oncall@example.test", "ml@example.test"], exc, task))
     msg = smtp.wait_for()
     assert msg["Subject"] == "[eagleflow] STALLED shard 3/8 on gpu-node-1"

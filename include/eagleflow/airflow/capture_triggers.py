@@ -1,64 +1,10 @@
-"""The trigger behind CaptureServerReadySensor: poll the capture server until /health_generate answers.
-
-Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), an absolute wall-clock
-deadline ``end_at`` (epoch seconds, so a triggerer restart neither extends nor resets it) and the
-sensor's poll interval. The config itself is read from the node's frozen run-config.json.
-
-One event: {"status": "ready", "info": {...}} | {"status": "dead" | "stuck", "detail": str}
-| {"status": "timeout", "detail": str} ("stuck": ours but SIGSTOP'd or a zombie, told at once). Each poll is one ``check_ready`` (pid
-record + info file + one real generation), run off the event loop.
-"""
+"""The old classpath of ``server_triggers.ServerReadyTrigger``, kept so that a payload the triggerer table stored
+under it (``eagleflow.airflow.capture_triggers.CaptureServerReadyTrigger``) is still rebuilt, or refused naming
+what it lacks, rather than failing on a missing module. New deferrals use ``ServerReadyTrigger``."""
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import Any, AsyncIterator
+from eagleflow.airflow.server_triggers import ServerReadyTrigger
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+CaptureServerReadyTrigger = ServerReadyTrigger
 
-from eagleflow.airflow.runtime import RunContext, RunRef
-from eagleflow.capture.lifecycle import check_ready
-from eagleflow.config import ConfigError
-from eagleflow.nodes import NodeError
-
-
-class CaptureServerReadyTrigger(BaseTrigger):
-    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 2.0):
-        super().__init__()
-        self.run_ref = RunRef.from_dict(run)
-        self.end_at = float(end_at)
-        self.poll_interval_s = float(poll_interval_s)
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s})
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        try:
-            ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
-        except (ConfigError, NodeError, OSError) as e:
-            yield TriggerEvent({"status": "dead", "detail": f"cannot read the run's frozen config: {e}"})
-            return
-        detail = "not polled yet"
-        try:
-            while True:
-                try:
-                    state, info, detail = await asyncio.to_thread(check_ready, ctx, ctx.cfg.watchdog.health_timeout_s)
-                except NodeError as e:      # the node is briefly unreachable: keep polling until the deadline
-                    state, info, detail = "loading", None, f"node {ctx.node.name} unreachable: {e}"
-                if state == "ready":
-                    yield TriggerEvent({"status": "ready", "info": info})
-                    return
-                if state in ("dead", "stuck"):
-                    yield TriggerEvent({"status": state, "detail": detail})
-                    return
-                if time.time() >= self.end_at:
-                    yield TriggerEvent({"status": "timeout", "detail": (
-                        f"the capture server was not ready within {ctx.cfg.capture.ready_timeout_s:.0f} s ({detail}); "
-                        f"raise capture.ready_timeout_s if the model loads slowly, or read "
-                        f"{ctx.layout.log_file('capture_server')}")})
-                    return
-                self.log.info("capture server not ready yet: %s", detail)
-                await asyncio.sleep(max(0.0, min(self.poll_interval_s, self.end_at - time.time())))
-        finally:
-            await asyncio.to_thread(ctx.close)
+__all__ = ["CaptureServerReadyTrigger"]

@@ -40,7 +40,7 @@ from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
-from eagleflow.phases import EXTRACT, kind_of
+from eagleflow.phases import EXTRACT, GENERATE, kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 
 PREPARE_TASK = "prepare_node"
@@ -89,7 +89,7 @@ class PrepareNodeOperator(RunOperator):
         if not node_in_use(cfg, name):
             raise AirflowSkipException(f"node {name} is not among this run's nodes (fleet_nodes "
                                        f"{cfg.fleet.use}): its group skips")
-        shards, generate = shards_of(cfg, name), shards_of(cfg, name, "generate")
+        shards, generate = shards_of(cfg, name), shards_of(cfg, name, GENERATE)
         if not shards and not generate and name != training:
             raise AirflowSkipException(f"node {name} gets none of the run's {cfg.capture.shards} shard(s) "
                                        f"(GPU slots {[(n.name, n.gpu_slots) for n in cfg.nodes_in_use()]})")
@@ -169,7 +169,7 @@ class CollectShardsOperator(RunOperator):
     """Copies the node's shard folders of one phase (extract: hidden states; generate: generated records) to
     the training node (nothing on shared storage); resumable."""
 
-    def __init__(self, *, prepare_task_id: str = PREPARE_TASK, phase: str = "extract", **kw):
+    def __init__(self, *, prepare_task_id: str = PREPARE_TASK, phase: str = EXTRACT, **kw):
         super().__init__(**kw)
         self.prepare_task_id, self.phase = prepare_task_id, _phase(phase)
 
@@ -212,7 +212,7 @@ class TakeOverShardsOperator(RunOperator):
     node where proven free (the input of the mapped ``take_over_shard`` / ``take_over_generated_shard``); the
     others wait for their node."""
 
-    def __init__(self, *, phase: str = "extract", **kw):
+    def __init__(self, *, phase: str = EXTRACT, **kw):
         super().__init__(**kw)
         self.phase = _phase(phase)
 

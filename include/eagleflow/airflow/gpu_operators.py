@@ -17,6 +17,7 @@ from eagleflow.airflow.base import RunOperator, RunSensor
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
+from eagleflow.phases import kind_of
 
 if TYPE_CHECKING:   # imported where used: the DAG's parse does not load the GPU probes
     from eagleflow.gpu.idle_gate import IdleGate
@@ -36,11 +37,13 @@ class GpusHeldByAnotherRun(GpusNotIdle):
 
 
 def gate_not_needed(task, cfg, context) -> bool:
-    """A gate that guards nothing this run, as a logged no-op: one of the generation phase (``generation=True``)
-    with generate.enabled off, so that a node whose GPUs are held fails at its capture gate, not before a phase
-    that does not run; or one whose ``guards`` task returned nothing to do (no shard taken over)."""
-    if task.generation and not cfg.generate.enabled:
-        task.log.info("generate.enabled is off: no generation server starts, so this gate has nothing to guard")
+    """A gate that guards nothing this run, as a logged no-op: one of a sharded phase (``phase``) that the run
+    switched off (generation with generate.enabled off), so that a node whose GPUs are held fails at the gate of
+    a phase that runs, not before one that does not; or one whose ``guards`` task returned nothing to do (no shard
+    taken over)."""
+    kind = kind_of(task.phase) if task.phase is not None else None
+    if kind is not None and not kind.enabled(cfg):
+        task.log.info("%s is off: no %s starts, so this gate has nothing to guard", kind.enabled_field, kind.server)
         return True
     if task.guards and not context["ti"].xcom_pull(task_ids=task.guards):
         task.log.info("%s returned nothing to do: no server starts, so this gate has nothing to guard", task.guards)
@@ -62,9 +65,11 @@ class FreeGpusOperator(RunOperator):
 
     ui_color = "#fbe9e7"
 
-    def __init__(self, *, generation: bool = False, guards: str | None = None, **kw):
+    def __init__(self, *, phase: str | None = None, guards: str | None = None, **kw):
         super().__init__(**kw)
-        self.generation, self.guards = generation, guards
+        # phase: the sharded phase (its name) whose server this gate clears the way for (None: none)
+        self.phase = kind_of(phase).phase if phase is not None else None
+        self.guards = guards
 
     def run(self, ctx: RunContext, context):
         from eagleflow.gpu.cleanup import CleanupReport
@@ -147,11 +152,13 @@ class GpuIdleSensor(RunSensor):
     retry_advice = ("The retry waits again for every selected GPU to reach its idle baseline; stop what holds "
                     "them (see the processes below) or set force_free_gpus.")
 
-    def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, generation: bool = False,
+    def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, phase: str | None = None,
                  guards: str | None = None, **kw):
         super().__init__(poke_interval=poke_interval, **kw)
         self.gate_timeout_s = gate_timeout_s
-        self.generation, self.guards = generation, guards
+        # phase: the sharded phase (its name) whose server this gate clears the way for (None: none)
+        self.phase = kind_of(phase).phase if phase is not None else None
+        self.guards = guards
         self._gate: tuple[RunContext, IdleGate] | None = None
 
     def _gate_timeout(self, ctx: RunContext) -> float:

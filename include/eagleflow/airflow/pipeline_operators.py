@@ -88,11 +88,3 @@ def plan_node_shards(ctx, phase: str, log) -> list[int]:
     log.info("%s planned as %d shard(s); node %s takes %d: %s (whole plan: %s)", phase,
              sum(len(v) for v in plan.values()), ctx.cfg.node.name, len(mine), mine, plan)
     return mine
-
-
-class PlanShardsOperator(RunOperator):
-    """The shard numbers that this node's ``extract_shard`` is mapped over: all of them on a single node, its
-    share (in proportion to its GPU slots, eagleflow.fleet.assign) on a fleet node."""
-
-    def run(self, ctx, context):
-        return plan_node_shards(ctx, "extract", self.log)

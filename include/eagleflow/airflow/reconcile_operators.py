@@ -20,7 +20,6 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeAnswerError, NodeError
 from eagleflow.phases import EXTRACT, KINDS, kind_of
 from eagleflow.protocol import ClaimAnswer, ShardStates
-from eagleflow.watchdog.recovery import LIFECYCLES
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -55,7 +54,7 @@ class FindIncompleteShardsOperator(RunOperator):
         states = _scan(ctx, int(self.latest_runs))
         for st in states:
             self.log.info("%s%s", st["line"], "  -> rerun" if st["needs_rerun"] else "")
-        todo = [{"run_id": st["run_id"], "phase": st.get("phase", "extract"), "shard": st["shard"],
+        todo = [{"run_id": st["run_id"], "phase": st.get("phase", EXTRACT), "shard": st["shard"],
                  "run_config": st["run_config"], "stored": st["stored"], "expected": st["expected"]}
                 for st in states if st["needs_rerun"]]
         self.log.info("%d shard(s) to rerun of %d looked at on node %s", len(todo), len(states), ctx.node.name)
@@ -97,7 +96,7 @@ class RerunShardOperator(BaseOperator):
             # the rerun itself stalled: what the pipeline's retry of that phase does first (extraction: the
             # stuck worker and an unhealthy capture server; generation: a hung server stopped once), then the
             # claim restarts what is gone through the phase's lifecycle
-            LIFECYCLES[phase].before_retry(ctx, shard, self.log)
+            kind_of(phase).lifecycle().before_retry(ctx, shard, self.log)
         taken = ["--taken-from", str(self.target["taken_from"])] if self.target.get("taken_from") else []
         result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase,
                                                       *taken),
@@ -129,7 +128,7 @@ class RerunShardOperator(BaseOperator):
             return {**self.target, "outcome": "complete", "reason": event.get("summary", "")}
         ctx = self._run_context(context)
         try:   # what the phase's retry needs, as the pipeline's task of that phase keeps it
-            if LIFECYCLES[kind_of(self.target.get("phase", EXTRACT)).phase].after_failed_watch(
+            if kind_of(self.target.get("phase", EXTRACT)).lifecycle().after_failed_watch(
                     ctx, int(self.target["shard"]), event):
                 self.log.warning("the stall is blamed on the phase's server: the retry stops and restarts it")
         finally:
@@ -149,10 +148,10 @@ class ReconcileSummaryOperator(RunOperator):
             self.log.info("nothing was rerun: every shard of the latest runs is complete or has a live worker")
             return {"rerun": 0, "summary": "nothing to rerun"}
         # a phase that finished since (its stats complete) is not scanned again: its shards read as complete below
-        after = {(s["run_id"], s.get("phase", "extract"), s["shard"]): s for s in _scan(ctx, 1000)}
+        after = {(s["run_id"], s.get("phase", EXTRACT), s["shard"]): s for s in _scan(ctx, 1000)}
         lines = []
         for t in todo:
-            kind = kind_of(t.get("phase", "extract"))
+            kind = kind_of(t.get("phase", EXTRACT))
             now = after.get((t["run_id"], kind.phase, t["shard"]))
             finished_phase = now is None and kind.done_when_stats_complete   # its stats say every shard is complete
             stored = now["stored"] if now else (t["expected"] if finished_phase else "?")
@@ -161,7 +160,7 @@ class ReconcileSummaryOperator(RunOperator):
                      else "still incomplete" + (", worker running" if now and now["worker_alive"] else ""))
             lines.append(f"run {t['run_id']} {kind.label} {t['shard']}: {t['stored']}/{t['expected']} -> "
                          f"{stored}/{t['expected']} {kind.unit} stored ({state})")
-        for run_id, phase in sorted({(t["run_id"], t.get("phase", "extract")) for t in todo}):
+        for run_id, phase in sorted({(t["run_id"], t.get("phase", EXTRACT)) for t in todo}):
             t = next(x for x in todo if x["run_id"] == run_id)
             server = kind_of(phase).server
             try:
@@ -176,7 +175,7 @@ class ReconcileSummaryOperator(RunOperator):
         self.log.info("reconcile summary:\n%s", summary)
         per_phase = {}
         for t in todo:
-            per_phase[t.get("phase", "extract")] = per_phase.get(t.get("phase", "extract"), 0) + 1
+            per_phase[t.get("phase", EXTRACT)] = per_phase.get(t.get("phase", EXTRACT), 0) + 1
         subject = (f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s) ("
                    + ", ".join(f"{n} {KINDS[p].noun}" for p, n in sorted(per_phase.items())) + ")")
         from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url

@@ -8,7 +8,7 @@ worker per shard: no shard is ever planned on two nodes).
 from __future__ import annotations
 
 from eagleflow.config import PipelineConfig
-from eagleflow.phases import kind_of
+from eagleflow.phases import EXTRACT, kind_of
 
 
 def assign_shards(n_shards: int, slots: dict[str, int]) -> dict[str, list[int]]:
@@ -36,13 +36,13 @@ def assign_shards(n_shards: int, slots: dict[str, int]) -> dict[str, list[int]]:
     return out
 
 
-def run_assignment(cfg: PipelineConfig, phase: str = "extract") -> dict[str, list[int]]:
+def run_assignment(cfg: PipelineConfig, phase: str = EXTRACT) -> dict[str, list[int]]:
     """The run's whole assignment of one phase's shards over the nodes it uses: capture.shards (extract) or,
     when generation is on, generate.shards (generate; none when it is off)."""
     return assign_shards(kind_of(phase).shards_to_run(cfg), {node.name: node.gpu_slots for node in cfg.nodes_in_use()})
 
 
-def shards_of(cfg: PipelineConfig, node: str, phase: str = "extract") -> list[int]:
+def shards_of(cfg: PipelineConfig, node: str, phase: str = EXTRACT) -> list[int]:
     """The shards of ``phase`` node ``node`` works in this run (empty: a node the run does not use, or none
     left)."""
     return run_assignment(cfg, phase).get(node, [])

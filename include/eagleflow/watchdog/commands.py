@@ -32,8 +32,8 @@ def register(sub) -> None:
                    help="look again every watchdog.poll_interval_s until the job completes, stalls or dies")
     w.set_defaults(func=_watch)
 
-    r = sub.add_parser("recover", help="before a shard's retry: restart an unhealthy capture server once per "
-                                       "incident (under a node lock), free and verify the GPUs")
+    r = sub.add_parser("recover", help="before a shard's retry: restart the phase's server once per incident when "
+                                       "unhealthy (under a node lock), free and verify the GPUs")
     add_run_args(r)
     r.add_argument("--shard", type=int, required=True, help="the shard about to be retried (for the log)")
     r.add_argument("--json", action="store_true")
@@ -44,7 +44,7 @@ def register(sub) -> None:
     r.add_argument("--incident-only", action="store_true",
                    help="with --cause: only open or join the incident (quick; the caller mails, then recovers)")
     r.add_argument("--incident", help="with --cause: the incident id --incident-only returned")
-    _phase_arg(r, "with --cause: the sharded phase of --shard (its server and worker are recovered)")
+    _phase_arg(r, "the sharded phase of --shard (its server and worker are recovered)")
     r.set_defaults(func=_recover)
 
     s = sub.add_parser("sentinel", help="(started detached beside each worker) alarm when nothing looked at the "
@@ -126,7 +126,7 @@ def _watch(args) -> int:
 
 def _recover(args) -> int:
     from eagleflow.local_run import LocalRun
-    from .recovery import recover_capture_server
+    from .recovery import recover_server
 
     cfg, layout = run_from_args(args)
     run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
@@ -153,7 +153,7 @@ def _recover(args) -> int:
         result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident,
                                   phase=args.phase)
     else:
-        result = recover_capture_server(run, args.shard, log=log)
+        result = recover_server(run, args.shard, log=log, phase=args.phase)
     if args.cause and not args.incident_only:
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
                                               "summary": str(result.get("summary", ""))[:300]})

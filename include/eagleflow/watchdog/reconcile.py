@@ -51,8 +51,8 @@ from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_take
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import NodeLock
-from eagleflow.phases import EXTRACT, GENERATE, KINDS, ShardKind, kind_of
-from eagleflow.watchdog.recovery import LIFECYCLES, lock_path
+from eagleflow.phases import EXTRACT, KINDS, RUN_ORDER, ShardKind, kind_of
+from eagleflow.watchdog.recovery import lock_path
 
 
 RUN_CONFIG = "run-config.json"
@@ -106,7 +106,7 @@ def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
     kind = kind_of(phase)
     lay = run.layout
     shard_dir = str(kind.shard_dir(lay, shard))
-    expected, finished = LIFECYCLES[kind.phase].shard_expectation(run, shard)
+    expected, finished = kind.lifecycle().shard_expectation(run, shard)
     # both phases write capture's manifest: entries whose file is intact are the stored units
     done = completed_indexes(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
     alive = run.node.live_record(str(lay.pid_file(kind.worker_role(shard)))) is not None
@@ -117,7 +117,7 @@ def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
 
 def phases_to_scan(run: LocalRun) -> list[str]:
     """The sharded phases of a run whose shards can be judged now (each phase's own rule), in run order."""
-    return [phase for phase in (GENERATE, EXTRACT) if LIFECYCLES[phase].can_be_judged(run)]
+    return [phase for phase in RUN_ORDER if kind_of(phase).lifecycle().can_be_judged(run)]
 
 
 def scan(cfg: PipelineConfig, latest: int = 3) -> list[ShardState]:
@@ -211,13 +211,13 @@ def claim(run: LocalRun, shard: int, log=print, phase: str = EXTRACT, taken_from
         # the phase's server lock (the watchdog recovery's for capture): one start of a server at a time
         with NodeLock(lock_path(run, kind.server_role),
                       purpose=f"reconcile start of the {kind.server} for run {run.layout.run_id}"):
-            started, server_started = LIFECYCLES[phase].start_server(run, log=log)
+            started, server_started = kind.lifecycle().start_server(run, log=log)
             if server_started:
                 _marker(run, kind).parent.mkdir(parents=True, exist_ok=True)
                 _marker(run, kind).write_text(json.dumps({"pid": started.pid, "at": time.time()}))
-            LIFECYCLES[phase].wait_server_ready(run, log=log)
+            kind.lifecycle().wait_server_ready(run, log=log)
         try:
-            rec, attached = LIFECYCLES[phase].start_worker(run, shard, log=log)
+            rec, attached = kind.lifecycle().start_worker(run, shard, log=log)
         except JobAlreadyRunning as e:  # a worker not recorded by us (started by hand) holds the shard
             return {"action": "skipped", "reason": str(e), **asdict(st)}
         return {"action": "attached" if attached else "started", "reason": st.line(), "worker_pid": rec.pid,
@@ -243,7 +243,7 @@ def release(run: LocalRun, log=print, phase: str = EXTRACT, exit_grace_s: float 
         alive = live()
     if alive:
         return {"action": "kept", "reason": f"workers of {kind.label}s {alive} still run"}
-    result = LIFECYCLES[phase].stop_server(run, log=log)
+    result = kind.lifecycle().stop_server(run, log=log)
     marker.unlink(missing_ok=True)
     return {"action": "stopped", "reason": f"server {result['server']}",
             **({"dumps_removed": result["dumps_removed"]} if "dumps_removed" in result else {})}

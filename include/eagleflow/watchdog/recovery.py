@@ -1,4 +1,4 @@
-"""Put a shard back on its feet before its retry: restart an unhealthy capture server once per incident.
+"""Put a shard back on its feet before its retry: restart its phase's unhealthy server once per incident.
 
 Several shards notice one frozen server at about the same time, and each
 retry calls this. Under a node lock (<state_dir>/locks/<run>.capture_server.restart.lock)
@@ -13,83 +13,35 @@ TERM, grace, KILL, with a SIGCONT first so a SIGSTOPped server can act on
 TERM); wait until the GPUs read idle again (baseline + margin, eagleflow.gpu.IdlePolicy);
 start the server; wait until /health_generate answers.
 
-``recover_capture_server`` (a retry) and ``recover_in_watch`` (the watch's stall, per cause) run ON the node
-(``eagleflow recover``) and restart the server through the one ``_restart_server``; the Airflow side calls them
-through the one ``recover_on_node``, whose node command may take ``recovery_budget_s`` (the one time budget
-of a recovery, whatever its cause, from the config).
+Every phase's server and workers are reached through its descriptor (``ShardKind.lifecycle()``), never by
+importing the phase's package. ``recover_server`` (a retry) and ``recover_in_watch`` (the watch's stall, per
+cause) run ON the node (``eagleflow recover``) and restart the server through the one ``_restart_server``; the
+Airflow side calls them through the one ``recover_on_node``, whose node command may take ``recovery_budget_s``
+(the one time budget of a recovery, whatever its cause, from the config).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
 from eagleflow import bounded_json
-from eagleflow.capture import lifecycle as capture
-from eagleflow.capture.lifecycle import SERVER_ROLE, check_ready, wait_capture_server_ready
 from eagleflow.durable import open_owned
-from eagleflow.generate import lifecycle as generate
-from eagleflow.generate import phase as generate_phase
 from eagleflow.layout import RunLike
 from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
 from eagleflow.nodes.process_record import leader_state
-from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
+from eagleflow.phases import EXTRACT, KINDS, ShardKind, kind_of
 
 from .protocol import OpenIncident
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PhaseLifecycle:
-    """What a recovery (and reconcile's claim and release) does to a sharded phase's server and workers: its own
-    lifecycle module's functions, one shape for both phases."""
-    start_server: Callable
-    wait_server_ready: Callable                 # (run, timeout_s=None, poll_s=1.0, log=None) -> info
-    stop_server: Callable
-    start_worker: Callable                      # (run, shard, log) -> (record, attached); one per shard
-    # control plane, a retry of a shard whose last watch failed: (ctx, shard, log) -> anything
-    before_retry: Callable
-    # control plane, a watch that ended failed: keep what the retry needs; (ctx, shard, event) -> True if kept
-    after_failed_watch: Callable
-    # on the node, reconcile: (run, shard) -> (units the shard must store, its worker marked it finished)
-    shard_expectation: Callable
-    # on the node, reconcile: (run) -> whether the phase's shards can be judged (and rerun) now
-    can_be_judged: Callable
-
-
-def _recover_capture_before_retry(ctx, shard: int, log) -> Any:
-    # the capture server and the worker, restarted when unhealthy (``recover_capture_server`` on the node)
-    return recover_on_node(ctx, shard, log)
-
-
-def _stop_generate_server_before_retry(ctx, shard: int, log) -> Any:
-    # a hung generation server still answers /health_generate: stopped once (if still the one that stalled)
-    return generate.stop_after_server_stall(ctx, shard, log=log.warning if hasattr(log, "warning") else log)
-
-
-def _nothing_to_keep(ctx, shard: int, event: dict[str, Any]) -> bool:
-    return False   # an extraction retry looks at the shard itself first (ExtractShardOperator)
-
-
-LIFECYCLES = {
-    EXTRACT: PhaseLifecycle(capture.start_capture_server, capture.wait_capture_server_ready,
-                            capture.stop_capture_server, capture.start_or_attach_worker,
-                            before_retry=_recover_capture_before_retry, after_failed_watch=_nothing_to_keep,
-                            shard_expectation=capture.shard_expectation, can_be_judged=capture.can_be_judged),
-    GENERATE: PhaseLifecycle(generate.start_generate_server, generate.wait_generate_server_ready,
-                             generate.stop_generate_server, generate.start_or_attach_generate_worker,
-                             before_retry=_stop_generate_server_before_retry,
-                             after_failed_watch=generate.record_server_stall,
-                             shard_expectation=generate_phase.shard_expectation,
-                             can_be_judged=generate_phase.can_be_judged),
-}
+# the watch's name for "the job's server", whichever phase's it is (the extraction's server role, kept on the wire)
+SERVER_CAUSE = KINDS[EXTRACT].server_role
 
 
 def server_restart_s(cfg) -> float:
@@ -110,14 +62,14 @@ RECOVERY_COMMAND_SLACK_S = 60.0   # the SSH round trip and the command's own sta
 
 
 class RecoveryResult(BaseModel):
-    """What ``eagleflow recover --json`` prints (``recover_capture_server``'s result)."""
+    """What ``eagleflow recover --json`` prints (``recover_server``'s result)."""
     model_config = ConfigDict(extra="allow")
     ok: bool
     action: str
     summary: str
 
 
-def lock_path(run: RunLike, server_role: str = SERVER_ROLE) -> str:
+def lock_path(run: RunLike, server_role: str = SERVER_CAUSE) -> str:
     """The node lock held while a server of the run is (re)started (``layout.restart_lock_file``)."""
     return str(run.layout.restart_lock_file(server_role))
 
@@ -143,41 +95,44 @@ def _log_restart(run: RunLike, entry: dict, phase: str = EXTRACT) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
-def recover_capture_server(run: RunLike, shard: int, log: Log = print) -> dict[str, Any]:
-    """On the node: make the run's capture server healthy, restarting it at most once per incident."""
+def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTRACT) -> dict[str, Any]:
+    """On the node: make the run's server of ``phase`` healthy, restarting it at most once per incident (a retry's
+    recovery; extraction's ``before_retry``)."""
     cfg = run.cfg
-    lock = NodeLock(lock_path(run), purpose=f"capture server recovery for run {run.layout.run_id}")
+    kind = kind_of(phase)
+    life = kind.lifecycle()
+    lock = NodeLock(lock_path(run, kind.server_role), purpose=f"{kind.server} recovery for run {run.layout.run_id}")
     t0 = time.time()
     # Long enough for another shard's full restart: stop, GPU wait, model load.
     waited = lock.acquire(timeout_s=server_restart_s(cfg))
     try:
         if waited:
             log(f"shard {shard}: waited {time.time() - t0:.0f} s for another recovery to finish")
-        stopped_worker = _stop_stuck_worker(run, shard, log, kind_of(EXTRACT))
+        stopped_worker = _stop_stuck_worker(run, shard, log, kind)
         # stopped (T) or a zombie comes back "stuck" with no health request: none can succeed, none is waited for
-        state, info, detail = check_ready(run, cfg.watchdog.health_timeout_s)
+        state, info, detail = life.check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready" and info is not None:   # a ready server has answered its info
-            restarts = read_restarts(run)
+            restarts = read_restarts(run, phase)
             last = restarts[-1] if restarts else None
             by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last['at']))} for shard "
                   f"{last['shard']})") if last and time.time() - last["at"] < 3600 else ""
-            summary = f"capture server healthy at {info['url']}{by}: nothing to restart"
+            summary = f"{kind.server} healthy at {info['url']}{by}: nothing to restart"
             log(f"shard {shard}: {summary}")
             return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
-        rec = run.node.process_status(str(run.layout.pid_file(SERVER_ROLE))).record
+        rec = run.node.process_status(str(run.layout.pid_file(kind.server_role))).record
         if (state == "loading" and rec is not None
-                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s)):
-            log(f"shard {shard}: capture server pid {rec.pid} was restarted by a recovery "
+                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s, phase)):
+            log(f"shard {shard}: {kind.server} pid {rec.pid} was restarted by a recovery "
                 f"{time.time() - rec.started_at:.0f} s ago and is loading ({detail}); waiting for it")
-            info = wait_capture_server_ready(run, log=log)
-            summary = f"capture server pid {rec.pid} became ready at {info['url']}; no second restart"
+            info = life.wait_server_ready(run, log=log)
+            summary = f"{kind.server} pid {rec.pid} became ready at {info['url']}; no second restart"
             return {"ok": True, "action": "waited", "summary": summary, "worker": stopped_worker}
         reason = detail if state in ("dead", "stuck") else f"not answering /health_generate within " \
                                                             f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
-        log(f"shard {shard}: capture server unhealthy: {reason}; restarting it")
-        restart = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 30.0))
+        log(f"shard {shard}: {kind.server} unhealthy: {reason}; restarting it")
+        restart = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 30.0), phase=phase)
         old_pid, new_pid, gpus = restart["old_pid"], restart["new_pid"], restart["gpus"]
-        summary = (f"capture server restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
+        summary = (f"{kind.server} restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
                    f"at {restart['url']}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
         log(summary)
         return {"ok": True, "action": "restarted", "summary": summary, "worker": stopped_worker,
@@ -209,7 +164,7 @@ def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str
 def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Log = print,
                      incident_id: str | None = None, phase: str = EXTRACT) -> dict[str, Any]:
     """On the node, right after the shard's watch found a stall (no Airflow retry in between); one recovery for
-    every sharded phase (``phase``: its server and workers, ``LIFECYCLES``).
+    every sharded phase (``phase``: its server and workers, its descriptor's ``lifecycle()``).
 
     Stops the shard's stuck worker; for a server cause, restarts the server at most once per incident,
     without a health re-check when it is provably dead or stopped (gone, zombie, state T) and even when
@@ -218,7 +173,8 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     """
     from .incidents import current, record_recovery
     cfg = run.cfg
-    kind, lifecycle = kind_of(phase), LIFECYCLES[phase]
+    kind = kind_of(phase)
+    lifecycle = kind.lifecycle()
     t0 = time.time()
     incident = current(run.layout.state_dir, cfg.node.name, cause)
     if incident_id is None or incident is None or incident.get("id") != incident_id:
@@ -232,7 +188,7 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     result: dict[str, Any] = {"ok": False, "action": "none", "incident": incident["id"],
                               "opened": opened, "cause": cause}
     try:
-        if cause == SERVER_ROLE:   # the watch's name for "the job's server", whichever phase's it is
+        if cause == SERVER_CAUSE:
             lock = NodeLock(lock_path(run, kind.server_role),
                             purpose=f"{kind.server} recovery for run {run.layout.run_id}")
             lock.acquire(timeout_s=server_restart_s(cfg))
@@ -299,7 +255,7 @@ def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason:
     """The one server restart, under the caller's recovery lock: stop it (pid record; the stop sends CONT after
     TERM, so a SIGSTOPped server acts on it), wait until the GPUs read idle, start it, wait until it answers,
     and log the restart (the entry, returned). ``incident_id``: the incident book's incident it belongs to."""
-    lifecycle = LIFECYCLES[phase]
+    lifecycle = kind_of(phase).lifecycle()
     old_pid = rec.pid if rec else None
     lifecycle.stop_server(run, grace_s=grace_s, log=log)
     gpus = _free_and_verify_gpus(run, log, kind_of(phase).server)
@@ -339,11 +295,12 @@ def _stop_stuck_worker(run: RunLike, shard: int, log: Log, kind: ShardKind) -> s
     return f"pid {res.pid} {res.outcome}"
 
 
-def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within_s: float) -> bool:
+def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within_s: float,
+                                 phase: str = EXTRACT) -> bool:
     """The same incident: the live server is the one a recovery started less than ``within_s`` ago."""
     if rec is None or not rec.started_at:
         return False
-    last = read_restarts(run)[-1:]
+    last = read_restarts(run, phase)[-1:]
     if not last or last[0].get("new_pid") != rec.pid:
         return False
     st = leader_state(rec)
@@ -384,7 +341,8 @@ def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident:
     say = log.info if hasattr(log, "info") else log
     argv = ["recover", "--shard", str(shard), "--json"]
     if cause is not None:
-        argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500], "--phase", phase]
+        argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500]]
+    argv += ["--phase", phase]
     try:
         # exit 1 still carries the result: a recovery that failed says why
         result = ctx.node.run_json(ctx.eagleflow_argv(*argv), RecoveryResult,
@@ -398,10 +356,11 @@ def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident:
     return result.model_dump()
 
 
-def recover_before_retry(ctx, shard: int, log) -> dict[str, Any]:
-    """Called by ExtractShardOperator on a retry whose first look found the shard stalled, dead or failed
-    (a live, progressing worker is attached to instead)."""
-    return recover_on_node(ctx, shard, log)
+def recover_before_retry(ctx, shard: int, log, phase: str = EXTRACT) -> dict[str, Any]:
+    """A phase's ``before_retry`` when its worker waits for the server itself (extraction): called by the shard's
+    task on a retry whose first look found the shard stalled, dead or failed with a cause the watch does not
+    recover (a live, progressing worker is attached to instead), and by a reconcile rerun's retry."""
+    return recover_on_node(ctx, shard, log, phase=phase)
 
 
 def recover_after_stall(ctx, shard: int, event: dict[str, Any], log, phase: str = EXTRACT) -> dict[str, Any]:

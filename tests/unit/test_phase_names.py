@@ -1,0 +1,54 @@
+"""The phase is a descriptor everywhere past the CLI's parsing (issue 48): no string literal naming a sharded
+phase ("extract", "generate") outside ``eagleflow.phases``, which owns the names, in the layers that take a
+``ShardKind`` or its name from a caller (the operators, the DAGs, the watchdog, the fleet, the node protocol...).
+
+A module that writes ``phase="generate"`` or ``if phase == "extract"`` is deciding what the descriptor should
+say (a field of ``ShardKind``, a ``PhaseLifecycle`` function); ``EXTRACT``/``GENERATE`` and ``kind.phase`` are
+the names' one home.
+
+Not scanned yet (issue 48's other half moves them into ``engines/<name>/``, ``serving/`` and ``phases/<name>/``):
+the phases' own packages, whose CLI registration and node commands still spell their subcommand
+(``eagleflow generate run``) and a few phase names, and the engines, whose servers name their serving mode
+"generate". ``PENDING`` lists them; take a folder off it once it holds none.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from eagleflow.phases import KINDS
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "include" / "eagleflow"
+OWNER = PACKAGE / "phases.py"
+PENDING = ("capture", "generate", "engines", "serving")   # folders of the package not scanned yet (see above)
+
+
+def phase_name_literals(source: str, filename: str = "<src>") -> list[int]:
+    """Lines holding a string constant that is exactly a sharded phase's name."""
+    names = set(KINDS)
+    return sorted({node.lineno for node in ast.walk(ast.parse(source, filename=filename))
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names})
+
+
+def _scanned() -> list[Path]:
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "dags").rglob("*.py"), *(REPO / "plugins").rglob("*.py")]
+    return sorted(f for f in files if f != OWNER and "__pycache__" not in f.parts
+                  and not (f.is_relative_to(PACKAGE) and f.relative_to(PACKAGE).parts[0] in PENDING))
+
+
+def test_the_check_finds_a_phase_name_and_nothing_else():
+    src = 'a = "extract"\nif phase == "generate":\n    pass\nb = "extraction"\nc = EXTRACT\nd = f"{x} generate"\n'
+    assert phase_name_literals(src) == [1, 2]
+
+
+def test_no_phase_name_literal_outside_the_descriptors():
+    scanned = _scanned()
+    rel = {f.relative_to(REPO).as_posix() for f in scanned}
+    # the layers issue 48 names, all scanned
+    assert {"dags/eagle3_pipeline.py", "include/eagleflow/airflow/shard_operators.py",
+            "include/eagleflow/watchdog/recovery.py", "include/eagleflow/protocol.py"} <= rel
+    found = {f.relative_to(REPO).as_posix(): lines for f in scanned
+             if (lines := phase_name_literals(f.read_text(), str(f)))}
+    assert found == {}, ("phase names written as strings (use the descriptor: phases.KINDS / EXTRACT / GENERATE, "
+                         f"a ShardKind field or its lifecycle): {found}")
