@@ -55,7 +55,7 @@ import yaml  # noqa: E402
 
 from bench.stall import extract_config, generate_config  # noqa: E402
 from eagleflow.airflow.deploy import standalone  # noqa: E402
-from eagleflow.capture.hf_server import DELAY_ENV  # noqa: E402
+from eagleflow.engines.hf.server import DELAY_ENV  # noqa: E402
 from eagleflow.config import load_config  # noqa: E402
 from eagleflow.demo_assets import ensure_demo_assets  # noqa: E402
 from eagleflow.phases import GENERATE, KINDS  # noqa: E402

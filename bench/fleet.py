@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from bench.capture import build_model
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
     from tests.fixtures.capture_corpus import write_corpus
 
     import yaml

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 def _start_server(model: str, info: Path, delay_s: float) -> subprocess.Popen:
     env = {**os.environ, "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S": str(delay_s)}
-    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.capture.hf_server", "--model", model, "--mode",
+    proc = subprocess.Popen([sys.executable, "-m", "eagleflow.engines.hf.server", "--model", model, "--mode",
                              "generate", "--port", "0", "--info-file", str(info), "--threads", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
-    from eagleflow.capture.client import generate_tokens
+    from eagleflow.serving.client import generate_tokens
     from eagleflow.demo_assets import ensure_demo_assets
     from eagleflow.generate.regenerate import Sampling, turn_seed
     from eagleflow.generate.worker import GenerateSettings, GenerateWorker, SourceInput, read_results

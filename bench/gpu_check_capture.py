@@ -6,7 +6,7 @@ heads, 8 layers, bf16, the demo's local tokenizer; nothing is downloaded):
 
 1. `eagleflow capture serve` with capture.backend sglang starts sglang.launch_server
    with the capture plugin; with capture.backend vllm, vLLM's own `vllm serve` with
-   extract_hidden_states and our KV connector (capture/vllm_launcher.py); either
+   extract_hidden_states and our KV connector (engines/vllm/launcher.py); either
    way the self-check dump appears (else it exits 4);
 2. `eagleflow capture run` extracts every sample of a small corpus (batched
    prefills: in_flight 4), `eagleflow capture verify` passes;

@@ -28,7 +28,7 @@ sglang_eagle3) or ``--engine vllm`` (stage vllm_eagle3):
    ``spec_accepted_drafts``); ``spec_accept_length`` (completion tokens /
    verify passes) is reported but is no test: a draft never accepted scores
    64/63. vLLM: its own spec-decode counters on /metrics, read before and after
-   the prompts by the vLLM evaluator's reader (evaluate/vllm_backend.py:
+   the prompts by the vLLM evaluator's reader (engines/vllm/evaluator.py:
    accepted tokens, draft tokens, per position; 1 + accepted / drafts is vLLM's
    mean acceptance length). The prompts go to vLLM's /v1/completions as the
    evaluator sends them (token ids in and out).
@@ -196,7 +196,7 @@ class SglangServing:
 
 class VllmServing:
     """``vllm serve``: greedy /v1/completions by token ids, acceptance from vLLM's own /metrics counters, both
-    through the vLLM evaluator's own helpers (evaluate/vllm_backend.py)."""
+    through the vLLM evaluator's own helpers (engines/vllm/evaluator.py)."""
     CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]   # `vllm serve` of this venv, as the launchers run it
 
     def target_argv(self, cfg) -> list[str]:
@@ -205,7 +205,7 @@ class VllmServing:
 
     def draft_argv(self, cfg, export: str) -> list[str]:
         from eagleflow.console.run_report import vllm_serve_command
-        from eagleflow.evaluate.vllm_backend import speculators_dir
+        from eagleflow.engines.vllm.evaluator import speculators_dir
         serve = shlex.split(vllm_serve_command(cfg, str(speculators_dir(export))))
         if serve[0] != "vllm":
             raise RuntimeError(f"the run report's vLLM command starts with {serve[0]!r}, not 'vllm': "
@@ -213,11 +213,11 @@ class VllmServing:
         return self.CLI + serve[1:]
 
     def start_counting(self, s: Server):
-        from eagleflow.evaluate.vllm_backend import read_counters
+        from eagleflow.engines.vllm.evaluator import read_counters
         return read_counters(s.url)
 
     def generate(self, s: Server, ids: list[int], max_new: int) -> tuple[list[int], dict]:
-        from eagleflow.evaluate.vllm_backend import completion_request, read_completion
+        from eagleflow.engines.vllm.evaluator import completion_request, read_completion
         body = {**completion_request(ids, max_new, False), "ignore_eos": True}   # equal lengths, as sglang's
         got = read_completion(http_json(s.url + "/v1/completions", body, timeout=300), f"{s.url}/v1/completions",
                               False)
@@ -227,7 +227,7 @@ class VllmServing:
         return f"finish reason {meta.get('finish_reason')} (acceptance: vLLM's counters over all prompts)"
 
     def acceptance(self, s: Server, metas: list[dict], counting) -> tuple[dict, list[str]]:
-        from eagleflow.evaluate.vllm_backend import read_counters
+        from eagleflow.engines.vllm.evaluator import read_counters
         delta = read_counters(s.url, settle=True) - counting   # settle: the stat logger lags the last answer
         drafts, accepted, proposed = int(delta.drafts), int(delta.accepted), int(delta.draft_tokens)
         problems = []

@@ -48,10 +48,10 @@ class CheckEngine:
 ENGINES = {e.name: e for e in (
     # sglang 0.5.23's spelling (its --disable-cuda-graph is deprecated): no CUDA graph capture, which only costs
     # start-up time for a prefill-only capture and a few prompts
-    CheckEngine("sglang", "eagleflow.capture.sglang_launcher",
+    CheckEngine("sglang", "eagleflow.engines.sglang.launcher",
                 ("--mem-fraction-static", "0.3", "--cuda-graph-backend-decode", "disabled",
                  "--cuda-graph-backend-prefill", "disabled"), "/health_generate"),
     # vLLM 0.33: --enforce-eager skips CUDA graph capture and torch.compile (minutes of start-up otherwise)
-    CheckEngine("vllm", "eagleflow.capture.vllm_launcher",
+    CheckEngine("vllm", "eagleflow.engines.vllm.launcher",
                 ("--gpu-memory-utilization", "0.3", "--enforce-eager"), "/health"),
 )}

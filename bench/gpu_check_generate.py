@@ -36,8 +36,8 @@ STAGE = "hf_generate"
 def _run(root: Path, on_gpu: bool, prompts: int, max_new: int, hidden: int) -> dict:
     import torch
 
-    from eagleflow.capture.client import generate_tokens
-    from eagleflow.capture.hf_server import CaptureModel, CaptureServer
+    from eagleflow.serving.client import generate_tokens
+    from eagleflow.engines.hf.server import CaptureModel, CaptureServer
     model_dir = _tiny_target(root, layers=8, hidden=hidden)
     model = CaptureModel(str(model_dir), dtype="bfloat16", device="cuda" if on_gpu else "cpu")
     srv = CaptureServer(("127.0.0.1", 0), model, None, mode="generate")

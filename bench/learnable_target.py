@@ -13,7 +13,7 @@ another record: split by record, 79 % of them were):
 2. **the data-size trend** (the EAGLE-3 paper's): the same training steps on 25 %, 50 % and 100 % of the
    corpus (each source's first records: ``corpus.sources[].limit``), each its own capture;
 3. **the misnumbered-layer control**: the full draft served with every aux layer numbered one lower than it was
-   trained on (what an off-by-one between capture and serving numbering does; ``capture/aux_layers.py``);
+   trained on (what an off-by-one between capture and serving numbering does; ``serving/aux_layers.py``);
 4. **fp8 vs full width**: drafts from the target-dtype store and from an ``fp8_e4m3`` store of the same corpus,
    per seed, the difference of means and its paired spread.
 

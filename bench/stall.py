@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from eagleflow.airflow.runtime import RunContext  # noqa: E402
 from eagleflow.airflow.shard_watch import ShardWatchTrigger  # noqa: E402
-from eagleflow.capture.hf_server import DELAY_ENV, DELAY_FILE_ENV, HANG_FILE_ENV  # noqa: E402
+from eagleflow.engines.hf.server import DELAY_ENV, DELAY_FILE_ENV, HANG_FILE_ENV  # noqa: E402
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config  # noqa: E402
 from eagleflow.demo_assets import ensure_demo_assets, write_demo_sources  # noqa: E402

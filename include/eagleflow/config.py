@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal, overload
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, ClassVar, Literal, overload
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
-from eagleflow.engines import ROLES, UnknownEngine, engine, generation_backend, names_for
+from eagleflow.engines import ROLES, UnknownEngine, engine, export_formats, generation_backend, names_for
 from eagleflow.server_flags import check_extra_server_args
 from eagleflow.stores import UnknownStore, store_for
+
+
+@dataclass(frozen=True)
+class Choices:
+    """``Annotated`` metadata of a string field whose values come from a registry: ``values()`` names them
+    (docs/config-reference.md lists them, as it does a ``Literal``'s)."""
+    values: Callable[[], list[str]]
 
 
 class ConfigError(ValueError):
@@ -273,8 +282,21 @@ class WatchdogConfig(_Section):
                 + self.health_timeout_s)
 
 
-def _every_export_format() -> list[Literal["sglang", "speculators"]]:
-    return ["sglang", "speculators"]
+def _every_export_format() -> list[str]:
+    return export_formats()
+
+
+def check_export_format(name: str) -> str:
+    """An export format, checked against the registry: the formats its serving engines serve."""
+    if name not in export_formats():
+        raise PydanticCustomError("unknown_export_format", "Input should be {choices}: the formats the engines "
+                                  "eagleflow.engines registers serve",
+                                  {"choices": " or ".join(map(repr, export_formats()))})
+    return name
+
+
+# a format name, its choices the registry's (docs/config-reference.md lists them through Choices)
+ExportFormat = Annotated[str, AfterValidator(check_export_format), Choices(export_formats)]
 
 
 class StreamConfig(_Section):
@@ -340,7 +362,7 @@ class TrainConfig(_Section):
     verify_sha256: bool = Field(default=False, description="hash every stored sample against its manifest at start")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="dtype of the exported weights; auto = the target's")
-    export_formats: list[Literal["sglang", "speculators"]] = Field(
+    export_formats: list[ExportFormat] = Field(
         default_factory=_every_export_format, min_length=1,
         description="draft formats `eagleflow export` writes: sglang (the export folder SGLang serves) and "
                     "speculators (its speculators/ subfolder, which vLLM serves with --speculative-config)")
@@ -350,6 +372,11 @@ class TrainConfig(_Section):
     held_out_samples: int = Field(default=64, ge=0, description="held-out records (corpus eval split, in its "
                                   "order) whose hidden states the capture phase also stores, apart, for eval_every; "
                                   "0 = none captured")
+    fast_step: bool = Field(default=False, description="the training step's fast path: the draft's attention in "
+                            "fewer kernels and the head's loss over all TTT steps chunked (no step's logits kept for "
+                            "the backward); the same loss and gradients to float32 rounding (issue 49)")
+    compile: bool = Field(default=False, description="run the draft's decoder layer through torch.compile (implies "
+                          "fast_step); if compiling fails the layer runs eagerly and the log says why")
 
     @field_validator("adam_betas")
     @classmethod

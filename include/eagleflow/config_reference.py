@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from eagleflow.config import PipelineConfig
+from eagleflow.config import Choices, PipelineConfig
 
 HEADER = """# Configuration reference
 
@@ -44,6 +44,9 @@ def _type_text(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " | ".join(json.dumps(a) for a in args)
+    if origin is typing.Annotated:
+        choices = [m for m in annotation.__metadata__ if isinstance(m, Choices)]
+        return " | ".join(json.dumps(v) for v in choices[0].values()) if choices else _type_text(args[0])
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " | ".join(_type_text(a) for a in args)
     if origin is list:

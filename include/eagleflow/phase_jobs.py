@@ -13,7 +13,7 @@ import shlex
 import time
 
 from eagleflow import bounded_json
-from eagleflow.capture.client import CaptureServerError, health_generate
+from eagleflow.serving.client import CaptureServerError, health_generate
 from eagleflow.layout import RunLike
 from eagleflow.nodes import JobAlreadyRunning, LocalNode, NodeFileRefused, ProcessRecord
 

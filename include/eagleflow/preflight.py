@@ -139,7 +139,7 @@ def check_dirs(cfg: PipelineConfig, run_id: str, rep: PreflightReport) -> None:
         rep.add("run_root", root, why)
     else:
         rep.checked.append(f"run_root {root} writable")
-    from .capture.protocol import DumpTrustError, expand_dump_dir, private_dump_dir
+    from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
     dump = expand_dump_dir(cfg.capture.dump_dir)   # {uid}: this node user's folder
     try:
         private_dump_dir(dump)                     # 0700, ours, no symlink: nobody else reads or swaps a dump

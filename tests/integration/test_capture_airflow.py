@@ -60,7 +60,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
     silent = socket.create_server(("127.0.0.1", 0))
     Path(ctx.layout.server_info_file).write_text(json.dumps({"url": f"http://127.0.0.1:{silent.getsockname()[1]}"}))
     # the dump key a started server leaves: without it the worker exits at once (it trusts no dump)
-    from eagleflow.capture.protocol import load_dump_key
+    from eagleflow.serving.dump_protocol import load_dump_key
     load_dump_key(ctx.layout.dump_key_file, create=True)
     # keep the worker alive: it waits on the server before its first sample
     monkeypatch.setenv("EAGLEFLOW_CAPTURE_FAULT_BEFORE_RENAME", "pause:60")

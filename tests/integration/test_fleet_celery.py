@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from eagleflow.airflow.deploy.scaleout import GpuNodeRoute
-from eagleflow.capture.hf_server import DELAY_FILE_ENV
+from eagleflow.engines.hf.server import DELAY_FILE_ENV
 from tests.fixtures.fleet_run import manifest_ids, stored, two_node_fleet, wait_for_stored, wait_for_watch
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
 from tests.fixtures.node_host import node_host_fixture  # noqa: F401  (fixture)

@@ -125,7 +125,7 @@ def test_a_partition_mid_shard_and_a_cut_mid_transfer_lose_and_duplicate_nothing
     import hashlib
     import threading
 
-    from eagleflow.capture.hf_server import DELAY_FILE_ENV
+    from eagleflow.engines.hf.server import DELAY_FILE_ENV
     from eagleflow.fleet import transfer
     from tests.fixtures.processes import kill_recorded
     from tests.fixtures.smtp import SmtpSink

@@ -87,7 +87,7 @@ class _Hanger(threading.Thread):
 
 def test_a_frozen_generation_server_is_caught_mailed_and_recovered_in_the_watch(airflow_db, demo_assets, tmp_path,
                                                                                 monkeypatch):
-    from eagleflow.capture.hf_server import DELAY_ENV, HANG_FILE_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV, HANG_FILE_ENV
     from eagleflow.config import load_config
     src = demo_assets["sources"][1]
     # real-run watch defaults (poll 20 s, stall after 15 s, health timeout 20 s), only the mail settings set

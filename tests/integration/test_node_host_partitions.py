@@ -149,7 +149,7 @@ class _Partition(threading.Thread):
 def test_partition_mid_shard_is_unreachable_not_stalled_and_the_shard_completes_exactly(
         fault, airflow_db, demo_assets, node_host_fixture, tmp_path, monkeypatch):  # noqa: F811
     host = node_host_fixture
-    from eagleflow.capture.hf_server import DELAY_FILE_ENV
+    from eagleflow.engines.hf.server import DELAY_FILE_ENV
     Path(host.env[DELAY_FILE_ENV]).write_text(DELAY_S)
     cfgp = write_run_config(tmp_path, demo_assets["target_model"], shards=1, in_flight=2,
                             request_timeout_base_s=120)

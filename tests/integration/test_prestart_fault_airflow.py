@@ -104,7 +104,7 @@ def _mails(smtp: SmtpSink, word: str) -> list[tuple]:
 
 def test_a_generation_server_stopped_before_the_next_shard_is_an_incident_mailed_and_recovered(
         airflow_db, demo_assets, tmp_path, monkeypatch):
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
     from eagleflow.watchdog.incidents import history
     cfgp = write_short_config(tmp_path, demo_assets,
                               corpus={"sources": [demo_assets["sources"][1]], "seed": 1, "max_length": 512},
@@ -200,7 +200,7 @@ def test_a_capture_server_stopped_before_the_next_shard_takes_the_same_road(airf
                                                                             monkeypatch):
     import yaml
 
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
     from tests.fixtures.capture_corpus import write_run_config
     cfgp = write_run_config(tmp_path, demo_assets["target_model"], shards=2, request_timeout_base_s=120)
     data = yaml.safe_load(cfgp.read_text())

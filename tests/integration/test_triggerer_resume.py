@@ -106,7 +106,7 @@ def _looks(state_dir: Path, shard: int) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_a_killed_triggerer_resumes_every_watch_within_a_minute(tmp_path, demo_assets):
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
 
     home = tmp_path / "airflow_home"
     port = standalone.free_port()

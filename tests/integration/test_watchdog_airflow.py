@@ -94,7 +94,7 @@ def _load_dag(tmp_path: Path, cfgp: Path, monkeypatch):
 
 def test_frozen_server_is_caught_mailed_recovered_and_the_shard_completes_exactly(
         airflow_db, demo_assets, tmp_path, monkeypatch):
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
 
     cfgp = write_run_config(tmp_path, demo_assets["target_model"], shards=2, request_timeout_base_s=120)
     data = yaml.safe_load(cfgp.read_text())

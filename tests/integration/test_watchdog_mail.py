@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.hf_server import DELAY_ENV
+from eagleflow.engines.hf.server import DELAY_ENV
 from eagleflow.capture.lifecycle import start_capture_server, wait_capture_server_ready
 from eagleflow.watchdog.recovery import read_restarts
 from tests.fixtures.smtp import SmtpSink

@@ -170,7 +170,7 @@ def _wait(pred, what: str, timeout_s: float = 120.0) -> None:
 @pytest.mark.timeout(400)
 def test_reconcile_reruns_a_generation_shard_killed_mid_shard_and_leaves_a_live_one(airflow_db, demo_assets,
                                                                                    tmp_path, monkeypatch):
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
     cfgp, run = _generation_run(tmp_path, demo_assets)
     state_dir = tmp_path / "node-state"
     pid = lambda shard: run.node.live_record(str(run.layout.pid_file(gen.worker_role(shard))))  # noqa: E731

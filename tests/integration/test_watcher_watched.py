@@ -111,7 +111,7 @@ def _port_open(port: int) -> bool:
 
 @pytest.mark.timeout(900)
 def test_killed_triggerer_is_noticed_by_the_sentinel_and_restarted_by_the_supervisor(tmp_path, demo_assets):
-    from eagleflow.capture.hf_server import DELAY_ENV
+    from eagleflow.engines.hf.server import DELAY_ENV
     from eagleflow.health.airflow_health import fetch, parts
 
     home = tmp_path / "airflow_home"

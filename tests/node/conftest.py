@@ -30,7 +30,7 @@ def pytest_sessionstart(session):
 @pytest.fixture
 def capture_env(tmp_path, monkeypatch):
     """The env the launcher gives sglang's scheduler processes, dumps into tmp_path."""
-    from eagleflow.capture import sglang_plugin as plugin
+    from eagleflow.engines.sglang import plugin
     monkeypatch.setenv(plugin.ENV_DUMP_DIR, str(tmp_path / "dumps"))
     monkeypatch.setenv(plugin.ENV_AUX_LAYERS, "[2, 5, 6]")   # not the default of an 8-layer target ([1, 3, 4])
     monkeypatch.setenv(plugin.ENV_MODEL, "tiny-llama")

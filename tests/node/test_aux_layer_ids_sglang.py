@@ -1,6 +1,6 @@
 """The capture layer ids per target family, through sglang 0.5.23's own models (built on the CPU).
 
-``eagleflow.capture.aux_layers.sglang_aux_layer_ids`` turns "outputs of layers j"
+``eagleflow.engines.sglang.layers.sglang_aux_layer_ids`` turns "outputs of layers j"
 into the ids given to sglang (the launcher's ``--return-aux-hidden-state-layer-ids``
 and the export's ``eagle_config.eagle_aux_hidden_state_layer_ids``, both read by the
 target's ``set_eagle3_layers_to_capture``). sglang captures the residual stream
@@ -14,7 +14,8 @@ import importlib
 
 import pytest
 
-from eagleflow.capture.aux_layers import default_aux_layers, sglang_aux_layer_ids, sglang_layers_to_capture
+from eagleflow.engines.sglang.layers import sglang_aux_layer_ids, sglang_layers_to_capture
+from eagleflow.serving.aux_layers import default_aux_layers
 
 N = 8
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=N, num_attention_heads=4,

@@ -12,8 +12,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from eagleflow.capture import sglang_plugin as plugin
-from eagleflow.capture.protocol import read_dump, request_id
+from eagleflow.engines.sglang import plugin
+from eagleflow.serving.dump_protocol import read_dump, request_id
 
 H, K = 8, 3   # hidden size, aux layers
 
@@ -122,7 +122,7 @@ def test_dumps_carry_the_key_s_mac_and_stay_private(capture_env, attn_tp_rank, m
     import secrets
     import stat
 
-    from eagleflow.capture.protocol import ENV_DUMP_KEY, DumpTrustError, verify_dump
+    from eagleflow.serving.dump_protocol import ENV_DUMP_KEY, DumpTrustError, verify_dump
     key = secrets.token_bytes(32)
     monkeypatch.setenv(ENV_DUMP_KEY, key.hex())
     a = request_id("run1", 0, 0)

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from eagleflow.config import SpecConfig, load_config
-from eagleflow.evaluate.sglang_backend import build_command, measure, read_answer
+from eagleflow.engines.sglang.evaluator import build_command, measure, read_answer
 from tests.node.test_export_loads_in_sglang import _export, _target
 
 
@@ -136,6 +136,6 @@ def test_sglangs_own_counters_read_as_the_hf_backend_reports_them(published_spec
 def test_an_answer_without_counters_from_a_speculating_run_is_refused(published_spec):
     ans = _answer_as_sglang_writes_it("none", [1], [], list(range(5)))
     assert "spec_verify_ct" not in ans["meta_info"]      # sglang writes the spec_* fields only after a pass
-    from eagleflow.evaluate.sglang_backend import SglangEvalError
+    from eagleflow.engines.sglang.evaluator import SglangEvalError
     with pytest.raises(SglangEvalError, match="not decoding speculatively"):
         read_answer(ans, "none", True)

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from eagleflow.config import SpecConfig, load_config
-from eagleflow.evaluate.sglang_backend import SglangEvalError, build_command, check_drafts
+from eagleflow.engines.sglang.evaluator import SglangEvalError, build_command, check_drafts
 from tests.node.test_export_loads_in_sglang import AUX, _export, _target
 
 N = 8

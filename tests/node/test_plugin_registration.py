@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from eagleflow.capture import sglang_plugin as plugin
+from eagleflow.engines.sglang import plugin
 
 
 def test_entry_point_is_found_in_the_node_venv():
@@ -69,7 +69,7 @@ def test_a_plain_sglang_launch_is_untouched(tmp_path):
 
 def test_load_plugins_wraps_the_real_target(tmp_path):
     """With the env the capture launcher gives sglang (its own capture_env)."""
-    from eagleflow.capture.sglang_launcher import capture_env
+    from eagleflow.engines.sglang.launcher import capture_env
     env = {**plain_env(), **capture_env(dump_dir=str(tmp_path / "d"), aux_layers=[1, 3, 4], model="m", environ={})}
     assert env["SGLANG_PLUGINS"] == "eagleflow_capture"
     res = _run_load_plugins(tmp_path, env)
@@ -92,7 +92,7 @@ def test_a_capture_launch_with_incomplete_settings_stops(tmp_path):
 def test_the_launcher_proves_the_plugin_before_sglang_starts(monkeypatch):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    from eagleflow.capture.sglang_launcher import SglangLaunchError, capture_env, check_capture_plugin
+    from eagleflow.engines.sglang.launcher import SglangLaunchError, capture_env, check_capture_plugin
     env = capture_env(dump_dir="/dev/shm/x", aux_layers=[1, 3, 4], model="m", environ={})
     assert check_capture_plugin(env).aux_layers == [1, 3, 4]
     with pytest.raises(SglangLaunchError, match="EAGLEFLOW_CAPTURE_AUX_LAYERS='1 3 4' is not a JSON list"):

@@ -13,7 +13,7 @@ from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.server_args import prepare_server_args
 
 from eagleflow.config import load_config
-from eagleflow.console.run_report import serve_command
+from eagleflow.engines.sglang.serve import serve_command
 from tests.node.test_export_loads_in_sglang import _export, _target
 from tests.node.test_plugin_registration import plain_env
 

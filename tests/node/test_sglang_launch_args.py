@@ -7,9 +7,9 @@ import pytest
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.server_args import prepare_server_args
 
-from eagleflow.capture.aux_layers import (default_aux_layers, layer_outputs_from_sglang_ids, sglang_aux_layer_ids,
-                                          target_architectures_and_layers)
-from eagleflow.capture.sglang_launcher import SglangLaunchError, build_command, check_model_supports_capture
+from eagleflow.engines.sglang.layers import layer_outputs_from_sglang_ids, sglang_aux_layer_ids
+from eagleflow.serving.aux_layers import default_aux_layers, target_architectures_and_layers
+from eagleflow.engines.sglang.launcher import SglangLaunchError, build_command, check_model_supports_capture
 from eagleflow.config import ConfigError, load_config
 from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS
 

@@ -151,7 +151,7 @@ def _vllm_config_from_the_report(trained, spec: Path | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from eagleflow.console.run_report import vllm_serve_command
+    from eagleflow.engines.vllm.serve import vllm_serve_command
     argv = shlex.split(vllm_serve_command(trained["cfg"], str(spec or trained["spec"])))
     assert argv[:2] == ["vllm", "serve"]
     parser = FlexibleArgumentParser()
@@ -329,7 +329,7 @@ def test_an_export_with_its_layer_ids_removed_fails_every_check(trained, vllm_wo
 
     from speculators import SpeculatorModel
 
-    from eagleflow.evaluate.vllm_backend import VllmEvalError, check_drafts
+    from eagleflow.engines.vllm.evaluator import VllmEvalError, check_drafts
     export = tmp_path / "export"
     shutil.copytree(trained["export"], export)
     spec = export / SPECULATORS_DIR
@@ -454,7 +454,8 @@ def test_vllm_eagle3_architectures_are_the_targets_vllm_serves_with_eagle3():
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    from eagleflow.capture.aux_layers import SGLANG_AUX_ID_RULES, VLLM_EAGLE3_ARCHITECTURES
+    from eagleflow.engines.sglang.layers import SGLANG_AUX_ID_RULES
+    from eagleflow.engines.vllm.layers import VLLM_EAGLE3_ARCHITECTURES
 
     def eagle3(arch: str) -> bool:
         cls = ModelRegistry._try_load_model_cls(arch)

@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.capture import vllm_connector as vc_mod
-from eagleflow.capture.protocol import (ENV_DUMP_KEY, DumpTrustError, dump_path, load_dump_key, read_dump,
+from eagleflow.engines.vllm import connector as vc_mod
+from eagleflow.serving.dump_protocol import (ENV_DUMP_KEY, DumpTrustError, dump_path, load_dump_key, read_dump,
                                         request_id, verify_dump)
-from eagleflow.capture.sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
-from eagleflow.capture.vllm_launcher import SUPPORTED_VERSIONS, build_command, capture_env
+from eagleflow.engines.sglang.plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
+from eagleflow.engines.vllm.launcher import SUPPORTED_VERSIONS, build_command, capture_env
 from eagleflow.config import load_config
 from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS
 
@@ -56,7 +56,7 @@ def world(tmp_path_factory, demo_assets):
     target = demo_assets["target_model"]
     cfg = load_config(data={"run_root": str(tmp / "runs"), "target_model": target,
                             "capture": {"tp": 1, "dtype": "float32", "aux_layers": AUX}})
-    from eagleflow.capture.aux_layers import vllm_aux_layer_ids
+    from eagleflow.engines.vllm.layers import vllm_aux_layer_ids
     ids = vc_mod.vllm_capture_ids(vllm_aux_layer_ids(AUX, ["LlamaForCausalLM"], 8), 8)
     argv = build_command(cfg, model_path=target, host="127.0.0.1", port=18123, capture_ids=ids)
     assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
@@ -103,7 +103,7 @@ def test_vllm_parses_the_launch_argv_into_the_capture_config(world):
     assert runner._get_eagle3_aux_layers_from_config() == tuple(world["ids"])
     kv = vc.kv_transfer_config
     assert (kv.kv_connector, kv.kv_connector_module_path, kv.kv_role) == (
-        "EagleflowCaptureConnector", "eagleflow.capture.vllm_connector", "kv_producer")
+        "EagleflowCaptureConnector", "eagleflow.engines.vllm.connector", "kv_producer")
 
 
 def test_vllm_s_factory_loads_our_connector_from_the_module_path(world):
@@ -159,7 +159,7 @@ def registered(engine, vllm_world):
 def _hf_reference(target: str, ids: list[int]):
     """The hf capture server's own forward (its dump's tensors), and the last layer's output before the final
     norm (what vLLM captures as id N), from transformers on the same checkpoint."""
-    from eagleflow.capture.hf_server import CaptureModel
+    from eagleflow.engines.hf.server import CaptureModel
     m = CaptureModel(target, dtype="float32", aux_layers=AUX)
     pre = {}
     h = m.model.model.norm.register_forward_pre_hook(lambda _mod, a: pre.__setitem__("x", a[0][0].clone()))
@@ -282,7 +282,7 @@ def test_a_request_with_a_cached_prefix_is_refused_never_dumped_short(world, reg
     req = _request("cmpl-cached-0-00000002", ids, rid)
     new = NewRequestData.from_request(req, ([6, 8], [10, 11]))
     new.num_computed_tokens = 16                 # the prefix cache served the first block
-    with caplog.at_level(logging.ERROR, logger="eagleflow.capture.vllm_connector"):
+    with caplog.at_level(logging.ERROR, logger="eagleflow.engines.vllm.connector"):
         meta = _step(e, _sched_out([new], scheduled={req.request_id: 8}))
     assert meta.dumps == [] and not dump_path(world["dumps"], rid).exists()
     assert any(rid in r.getMessage() and "16 prompt tokens" in r.getMessage() for r in caplog.records)
@@ -341,7 +341,7 @@ def test_the_capture_api_reaches_vllm_s_completions_with_the_rid_our_connector_r
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 
-    from eagleflow.capture.client import generate, health_generate, server_info
+    from eagleflow.serving.client import generate, health_generate, server_info
     seen: list[tuple[CompletionRequest, str | None]] = []
     app = FastAPI()
 
@@ -397,7 +397,7 @@ def test_a_dump_that_cannot_be_written_is_logged_and_the_server_goes_on(world, r
     try:
         rid = request_id("runA", 3, 10)
         req = _request("cmpl-full-0-00000004", _ids(10, 8), rid)
-        with caplog.at_level(logging.ERROR, logger="eagleflow.capture.vllm_connector"):
+        with caplog.at_level(logging.ERROR, logger="eagleflow.engines.vllm.connector"):
             meta = _step(e, _sched_out([NewRequestData.from_request(req, ([0], [1]))],
                                        scheduled={req.request_id: 10}))
         assert [d.rid for d in meta.dumps] == [rid]

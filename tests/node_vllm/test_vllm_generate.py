@@ -27,12 +27,12 @@ import time
 import pytest
 import torch
 
-from eagleflow.capture.client import CaptureServerError, generate_tokens, health_generate, server_info
-from eagleflow.capture.sglang_plugin import ENV_MODEL
-from eagleflow.capture.vllm_api import GENERATE_MIDDLEWARE
+from eagleflow.serving.client import CaptureServerError, generate_tokens, health_generate, server_info
+from eagleflow.engines.sglang.plugin import ENV_MODEL
+from eagleflow.engines.vllm.api import GENERATE_MIDDLEWARE
 from eagleflow.config import load_config
 from eagleflow.engines import generation_engine
-from eagleflow.generate.vllm_server import build_command
+from eagleflow.engines.vllm.generate_server import build_command
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -108,8 +108,8 @@ def test_malformed_incident_and_heartbeat_lines_are_skipped_and_named_not_a_dead
 
 
 def test_the_hf_server_refuses_a_request_body_over_its_limit(demo_assets, tmp_path):
-    from eagleflow.capture import hf_server
-    from eagleflow.capture.client import health_generate
+    from eagleflow.engines.hf import server as hf_server
+    from eagleflow.serving.client import health_generate
     model = hf_server.CaptureModel(demo_assets["target_model"], model_name="tiny")
     srv = hf_server.CaptureServer(("127.0.0.1", 0), model, str(tmp_path / "dumps"))
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from eagleflow.capture.hf_server import CaptureModel, CaptureServer
-from eagleflow.capture.protocol import (DUMP_MAC, DumpTrustError, expand_dump_dir, load_dump_key, private_dump_dir,
+from eagleflow.engines.hf.server import CaptureModel, CaptureServer
+from eagleflow.serving.dump_protocol import (DUMP_MAC, DumpTrustError, expand_dump_dir, load_dump_key, private_dump_dir,
                                         read_dump, request_id, verify_dump, write_dump)
 from eagleflow.config import CaptureConfig
 from eagleflow.layout import RunLayout

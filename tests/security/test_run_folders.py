@@ -243,7 +243,7 @@ def test_the_control_planes_readiness_look_refuses_an_info_file_that_is_not_ours
 
 
 def test_server_info_files_are_written_not_group_writable_whatever_the_umask(tmp_path):
-    from eagleflow.capture.hf_server import write_info_file
+    from eagleflow.engines.hf.server import write_info_file
     old = os.umask(0o002)
     try:
         write_info_file(str(tmp_path / "capture_server.json"), {"url": "http://127.0.0.1:1"})

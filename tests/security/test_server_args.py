@@ -21,11 +21,13 @@ import time
 import pytest
 import yaml
 
-from eagleflow.capture import sglang_launcher, vllm_launcher
-from eagleflow.capture.protocol import MAX_BODY_BYTES
+from eagleflow.engines.sglang import launcher as sglang_launcher
+from eagleflow.engines.vllm import launcher as vllm_launcher
+from eagleflow.serving.dump_protocol import MAX_BODY_BYTES
 from eagleflow.config import ConfigError, SpecConfig, load_config
-from eagleflow.evaluate import sglang_backend, vllm_backend
-from eagleflow.generate import vllm_server
+from eagleflow.engines.sglang import evaluator as sglang_backend
+from eagleflow.engines.vllm import evaluator as vllm_backend
+from eagleflow.engines.vllm import generate_server as vllm_server
 from eagleflow.server_flags import OWNED_FLAGS, owned_flag_of, owned_option_names
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,7 +211,7 @@ class _StandIn:
 def middleware_server():
     import uvicorn
 
-    from eagleflow.capture.vllm_api import CaptureApi
+    from eagleflow.engines.vllm.api import CaptureApi
     inner = _StandIn()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

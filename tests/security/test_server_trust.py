@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture import hf_server
-from eagleflow.capture.hf_server import CaptureModel, CaptureServer
-from eagleflow.capture.protocol import load_dump_key, loopback_host, request_id
+from eagleflow.engines.hf import server as hf_server
+from eagleflow.engines.hf.server import CaptureModel, CaptureServer
+from eagleflow.serving.dump_protocol import load_dump_key, loopback_host, request_id
 from eagleflow.config import ConfigError, load_config
 from eagleflow.layout import RunLayout
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
@@ -55,7 +55,7 @@ def test_other_addresses_are_refused_naming_the_field_and_value(host):
 
 def test_the_hf_server_cli_refuses_to_listen_on_all_interfaces(tmp_path, demo_assets):
     port = _free_port()
-    res = subprocess.run([sys.executable, "-m", "eagleflow.capture.hf_server", "--model", demo_assets["target_model"],
+    res = subprocess.run([sys.executable, "-m", "eagleflow.engines.hf.server", "--model", demo_assets["target_model"],
                           "--host", "0.0.0.0", "--port", str(port), "--dump-dir", str(tmp_path / "dumps")],
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert res.returncode == 2 and "--host = '0.0.0.0'" in res.stderr, res.stderr
@@ -77,7 +77,8 @@ def test_the_serve_commands_refuse_a_config_whose_capture_host_is_not_loopback(t
 
 
 def test_the_sglang_launcher_refuses_before_starting_sglang(tmp_path, demo_assets, monkeypatch):
-    from eagleflow.capture import server_launch, sglang_launcher
+    from eagleflow.serving import launch as server_launch
+    from eagleflow.engines.sglang import launcher as sglang_launcher
     cfgp = write_run_config(tmp_path, demo_assets["target_model"])
     data = yaml.safe_load(cfgp.read_text())
     data["capture"].update(backend="sglang", host="0.0.0.0")

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.capture.aux_layers import (default_aux_layers, layer_outputs_from_sglang_ids, resolve_aux_layers,
-                                          sglang_aux_layer_ids, target_architectures_and_layers)
-from eagleflow.capture.client import generate
-from eagleflow.capture.hf_server import CaptureModel, CaptureServer
-from eagleflow.capture.protocol import read_dump, request_id
+from eagleflow.engines.sglang.layers import layer_outputs_from_sglang_ids, sglang_aux_layer_ids
+from eagleflow.serving.aux_layers import default_aux_layers, resolve_aux_layers, target_architectures_and_layers
+from eagleflow.serving.client import generate
+from eagleflow.engines.hf.server import CaptureModel, CaptureServer
+from eagleflow.serving.dump_protocol import read_dump, request_id
 from eagleflow.capture.storage import SampleWriter
 from eagleflow.train.checkpoint import save_checkpoint
 from eagleflow.train.data import SampleRef, read_aux_layers
@@ -41,7 +41,7 @@ N_LAYERS = 8
 INPUT_IDS = [5, 17, 42, 3, 99, 64, 8, 21, 77]
 
 # sglang 0.5.23 set_eagle3_layers_to_capture(ids) -> model.layers_to_capture, per family, as written there
-# (an oracle independent of eagleflow.capture.aux_layers' table):
+# (an oracle independent of eagleflow.serving.aux_layers' table):
 SGLANG_RULES = {
     # llama.py:929-941: "we plus 1 here because in sglang, for the ith layer, it takes the output of the (i-1)th"
     "LlamaForCausalLM": lambda ids: [v + 1 for v in ids],

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from eagleflow.capture.client import CaptureServerError, CaptureTimeout, generate, health_generate, server_info
-from eagleflow.capture.hf_server import CaptureModel, CaptureServer, write_info_file
-from eagleflow.capture.protocol import read_dump, request_id
+from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate, health_generate, server_info
+from eagleflow.engines.hf.server import CaptureModel, CaptureServer, write_info_file
+from eagleflow.serving.dump_protocol import read_dump, request_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # starts HTTP capture servers
 

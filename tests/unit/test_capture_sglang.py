@@ -10,9 +10,9 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from eagleflow.capture import sglang_plugin as plugin
-from eagleflow.capture.protocol import ENV_DUMP_KEY
-from eagleflow.capture.sglang_launcher import SglangLaunchError, build_command, capture_env, check_supported_version
+from eagleflow.engines.sglang import plugin
+from eagleflow.serving.dump_protocol import ENV_DUMP_KEY
+from eagleflow.engines.sglang.launcher import SglangLaunchError, build_command, capture_env, check_supported_version
 from eagleflow.config import load_config
 
 
@@ -42,7 +42,7 @@ def test_version_check():
 
 def test_plugin_entry_point_is_declared():
     eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps["eagleflow_capture"].value == "eagleflow.capture.sglang_plugin:register"
+    assert eps["eagleflow_capture"].value == "eagleflow.engines.sglang.plugin:register"
     assert eps["eagleflow_capture"].load() is plugin.register
 
 
@@ -95,7 +95,7 @@ def test_capture_env_names_the_plugin():
 
 def test_the_launcher_refuses_settings_or_an_sglang_the_schedulers_would_refuse():
     """Checked before sglang starts: a bad setting, or (here) an interpreter without sglang, stops the launch."""
-    from eagleflow.capture.sglang_launcher import check_capture_plugin
+    from eagleflow.engines.sglang.launcher import check_capture_plugin
     env = capture_env(dump_dir="/dev/shm/x", aux_layers=[1, 3, 4], model="m", environ={})
     with pytest.raises(SglangLaunchError, match=r"EAGLEFLOW_CAPTURE_AUX_LAYERS='\[1, 3\]x' is not a JSON list"):
         check_capture_plugin({**env, plugin.ENV_AUX_LAYERS: "[1, 3]x"})

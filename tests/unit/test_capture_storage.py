@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
-from eagleflow.capture.protocol import (check_rid, default_aux_layers, parse_request_id, read_dump, request_id,
+from eagleflow.serving.dump_protocol import (check_rid, default_aux_layers, parse_request_id, read_dump, request_id,
                                         resolve_aux_layers, write_dump)
 from eagleflow.capture.storage import SampleWriter, read_sample, remove_temp_files, sample_file_name
 from eagleflow.capture.verify import verify_shard

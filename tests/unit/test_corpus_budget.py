@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagleflow.capture.storage import SampleWriter
-from eagleflow.capture.protocol import expand_dump_dir
+from eagleflow.serving.dump_protocol import expand_dump_dir
 from eagleflow.config import load_config
 from eagleflow.corpus.budget import (BudgetError, TargetShape, bytes_per_token, check_budget, estimate,
                                      safetensors_header_bytes, target_shape)

@@ -7,6 +7,8 @@ registry branches on an engine's name again.
 """
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import signal
@@ -50,7 +52,7 @@ def test_an_engine_without_a_role_is_refused_for_it_by_name(monkeypatch):
     # every registered engine fills every server role now (vllm: issue 40), so the refusal is shown on one
     # registered for capture only
     monkeypatch.setitem(ENGINES, "capture-only", Engine(name="capture-only", label="C", needs_gpu=False,
-                                                        capture_server=f"{__name__}:_fake_serve"))
+                                                        capture_server=_fake_serve))
     with pytest.raises(EngineUnsupported, match=r"eval\.backend = 'capture-only': capture-only has no evaluation "
                                                 r"in eagleflow yet; .*use 'hf' or 'sglang' or 'vllm'"):
         engine_for("capture-only", "evaluator")
@@ -63,12 +65,20 @@ def test_an_engine_without_a_role_is_refused_for_it_by_name(monkeypatch):
 
 
 def test_every_reference_in_the_registry_names_a_function_that_exists():
-    # a typo in a "module:function" string would only show on the node, at the first call
+    # an engine's roles import their modules when called: a typo in one of those imports would only show on the
+    # node, at the first call, so each is resolved here (the heavy libraries themselves stay unimported)
     for e in ENGINES.values():
         for role in engines.ROLES:
-            ref = getattr(e, role)
-            if ref is not None:
-                assert callable(e._function(role)), (e.name, role, ref)
+            if getattr(e, role) is not None:
+                assert callable(e.function(role)), (e.name, role)
+    for module in engines.ENGINE_MODULES:
+        init = importlib.import_module(module)
+        for node in ast.walk(ast.parse(Path(str(init.__file__)).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level or isinstance(node, ast.ImportFrom) and \
+                    (node.module or "").startswith("eagleflow."):
+                target = importlib.import_module(("." * node.level) + (node.module or ""), package=module)
+                for alias in node.names:
+                    assert hasattr(target, alias.name), (module, node.module, alias.name)
 
 
 def test_the_layer_numbering_is_each_engines_own():
@@ -94,7 +104,7 @@ def test_the_config_refuses_an_unknown_engine_naming_the_field_never_the_value(s
 @pytest.mark.parametrize("section,what", [("generate", "generation server"), ("eval", "evaluation")])
 def test_the_config_refuses_an_engine_where_it_has_no_server(section, what, monkeypatch):
     monkeypatch.setitem(ENGINES, "capture-only", Engine(name="capture-only", label="C", needs_gpu=False,
-                                                        capture_server=f"{__name__}:_fake_serve"))
+                                                        capture_server=_fake_serve))
     msg = _err({"node": {"has_gpu": True}, section: {"backend": "capture-only"}})
     assert f"{section}.backend: Value error, capture-only has no {what} in eagleflow yet" in msg, msg
     assert "use 'hf' or 'sglang' or 'vllm'" in msg, msg
@@ -147,8 +157,8 @@ def _fake_serve(cfg, layout) -> int:
 
 
 def test_a_registered_engine_serves_through_the_real_cli_without_touching_another_module(tmp_path, monkeypatch):
-    fake = Engine(name="fake", label="Fake", needs_gpu=False, capture_server=f"{__name__}:_fake_serve",
-                  generate_server=f"{__name__}:_fake_serve")
+    fake = Engine(name="fake", label="Fake", needs_gpu=False, capture_server=_fake_serve,
+                  generate_server=_fake_serve)
     monkeypatch.setitem(ENGINES, "fake", fake)
     # an "else: sglang" would exec sglang's launch_server in place of this test process
     monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd {a[1][:3]} instead of the registered engine"))
@@ -172,7 +182,7 @@ def test_the_run_report_prints_each_registered_serving_engines_command(tmp_path,
     from eagleflow.console.run_report import write_report
     from tests.unit.test_run_report import _complete_run, _config
     monkeypatch.setitem(ENGINES, "fake", Engine(name="fake", label="FakeServe", needs_gpu=True, draft_format="sglang",
-                                                serve_command=f"{__name__}:_fake_command"))
+                                                serve_command=_fake_command))
     cfg, layout = _config(tmp_path)
     _complete_run(cfg, layout, 1.7e9)
     html = write_report(cfg, layout).read_text()
@@ -187,7 +197,7 @@ def test_the_run_report_prints_each_registered_serving_engines_command(tmp_path,
 def test_generate_serve_runs_generate_backend_hf_beside_capture_backend_sglang(tmp_path, demo_assets):
     """On a GPU node whose capture is sglang, generate.backend hf serves generation with our hf server (this
     venv has no sglang: the old choice, capture.backend's engine, could not start at all)."""
-    from eagleflow.capture.client import generate_tokens, health_generate
+    from eagleflow.serving.client import generate_tokens, health_generate
     cfgp = write_short_config(tmp_path, demo_assets, node={"has_gpu": True},
                               capture={"backend": "sglang", "port": 0}, generate={"backend": "hf", "port": 0})
     cfg = load_config(cfgp)
@@ -232,15 +242,26 @@ def engine_branches(source: str, filename: str = "<src>") -> list[int]:
     return name_branches(source, set(ENGINES) | {"hf", "sglang", "vllm"}, filename)
 
 
+# the registry itself (engines/__init__.py, engines/contract.py) names the engines' packages; an engine's own
+# folder (engines/<name>/) is checked like every other module: it is that engine, it needs no branch on a name
+REGISTRY_MODULES = {"engines/__init__.py", "engines/contract.py"}
+
+
 def test_no_module_outside_the_registry_branches_on_an_engines_name():
     found = []
     for p in sorted(PKG.rglob("*.py")):
         rel = p.relative_to(PKG).as_posix()
-        if rel == "engines.py" or rel in FORMAT_MODULES:
+        if rel in REGISTRY_MODULES or rel in FORMAT_MODULES:
             continue
         found += [f"{rel}:{line}" for line in engine_branches(p.read_text(), str(p))]
-    assert not found, ("engine branches outside eagleflow/engines.py (give the Engine a field instead): "
+    assert not found, ("engine branches outside eagleflow/engines/ (give the Engine a field instead): "
                        + ", ".join(found))
+
+
+def test_the_branch_check_reads_every_engines_folder():
+    # the engines moved into folders of their own (issue 48): the check reads each of them too
+    checked = {p.relative_to(PKG).parts[1] for p in PKG.glob("engines/*/*.py")}
+    assert checked >= {m.rpartition(".")[2] for m in engines.ENGINE_MODULES}, checked
 
 
 def test_the_branch_check_sees_the_shapes_it_guards_against():

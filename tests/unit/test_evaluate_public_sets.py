@@ -204,7 +204,7 @@ def test_a_served_backend_asks_mt_bench_s_second_turn_after_the_target_s_own_ans
     the target alone answers the first turns, the second turns are built on those answers, and every turn is
     then sent to the alone and the draft servers alike."""
     from eagleflow.corpus.tokenize import load_tokenizer
-    from eagleflow.evaluate import sglang_backend as sb
+    from eagleflow.engines.sglang import evaluator as sb
     from eagleflow.evaluate.prompt_sets import prompt_ids, read_prompt_set
     from tests.fixtures.fake_sglang_generate import next_token
     from tests.unit.test_evaluate_sglang import _draft, _fake_command

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eagleflow.config import load_config
-from eagleflow.evaluate import sglang_backend as sb
+from eagleflow.engines.sglang import evaluator as sb
 from eagleflow.evaluate.run import gate
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode
@@ -124,7 +124,7 @@ def test_a_server_that_dies_while_loading_is_named_with_its_log(tmp_path):
 
 
 def test_without_sglang_installed_the_backend_says_what_to_do(tmp_path, monkeypatch):
-    from eagleflow.capture import sglang_launcher
+    from eagleflow.engines.sglang import launcher as sglang_launcher
     cfg, layout = _setup(tmp_path)
     monkeypatch.setattr(sglang_launcher, "installed_sglang_version", lambda: "0.4.0")
     with pytest.raises(sb.SglangEvalError, match=r"sglang 0\.4\.0 is not a version.*eval\.backend hf"):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.capture.aux_layers import VLLM_EAGLE3_ARCHITECTURES, sglang_aux_layer_ids, vllm_aux_layer_ids
+from eagleflow.engines.sglang.layers import sglang_aux_layer_ids
+from eagleflow.engines.vllm.layers import VLLM_EAGLE3_ARCHITECTURES, vllm_aux_layer_ids
 from eagleflow.train.checkpoint import save_checkpoint
 from eagleflow.train.export import SGLANG_WEIGHT_NAMES, SPECULATORS_EMBEDDING, SPECULATORS_FLAGS, export_draft
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
@@ -149,7 +150,7 @@ def test_an_export_whose_layer_ids_were_removed_or_changed_is_refused_before_vll
     """vLLM takes its default layers (2, N // 2, N - 3) where eagle_aux_hidden_state_layer_ids is missing: the
     export check (run by the vllm evaluator before any server starts) refuses such an export, and one whose ids
     are not the layers eagleflow_export.json says it was trained on."""
-    from eagleflow.evaluate.vllm_backend import VllmEvalError, check_drafts
+    from eagleflow.engines.vllm.evaluator import VllmEvalError, check_drafts
     from eagleflow.train.export import layer_ids_problem
     out = export_draft(_checkpoint(tmp_path, llama), tmp_path / "export", dtype="float32")
     spec = out / SPECULATORS_DIR / "config.json"
@@ -194,7 +195,8 @@ def test_cli_export_writes_the_configured_formats(tmp_path, llama):
 def test_the_report_prints_the_vllm_command_beside_the_sglang_one(tmp_path):
     import shlex
 
-    from eagleflow.console.run_report import vllm_serve_command, write_report
+    from eagleflow.console.run_report import write_report
+    from eagleflow.engines.vllm.serve import vllm_serve_command
     from tests.unit.test_run_report import _complete_run, _config
     cfg, layout = _config(tmp_path)
     _complete_run(cfg, layout, 1.7e9)

@@ -265,7 +265,7 @@ def test_the_capture_teardown_stops_this_runs_live_workers_and_server_and_nothin
                              "worker_shard_00001")
     sentinel = node.add_process(str(pid("sentinel_worker_shard_00001")), "sentinel_worker_shard_00001")
     node.put(str(ctx.layout.server_info_file), '{"url": "http://127.0.0.1:30000"}')
-    node.on("eagleflow.capture.protocol", {"removed": 3})
+    node.on("eagleflow.serving.dump_protocol", {"removed": 3})
     op = StopServerOperator(phase="extract", task_id="stop_capture_server", grace_s=7)
     log = capture_log(op)
     out = op.run(ctx, task_context(ctx, op))
@@ -277,7 +277,7 @@ def test_the_capture_teardown_stops_this_runs_live_workers_and_server_and_nothin
     assert not node.processes[mine.pid_file].alive and not node.processes[server.pid_file].alive
     assert node.processes[other.pid_file].alive and node.processes[sentinel.pid_file].alive
     assert node.text(str(ctx.layout.server_info_file)) is None
-    (dumps,) = node.commands("eagleflow.capture.protocol")
+    (dumps,) = node.commands("eagleflow.serving.dump_protocol")
     assert dumps.argv[3] == "remove-dumps" and dumps.option("--run-id") == ctx.layout.run_id
     assert "stopped a still-running extraction worker (worker_shard_00001)" in log.text("warning")
     assert "worker_shard_00002" not in log.text("warning")   # already gone: nothing to say

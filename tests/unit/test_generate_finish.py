@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagleflow.capture.client import CaptureServerError, generate_tokens
+from eagleflow.serving.client import CaptureServerError, generate_tokens
 
 
 def _serve(finish):

@@ -233,7 +233,7 @@ def test_the_real_target_rerun_on_the_stored_record_reproduces_every_span(demo_a
     stored token."""
     import torch
 
-    from eagleflow.capture.hf_server import CaptureModel
+    from eagleflow.engines.hf.server import CaptureModel
     from eagleflow.generate.regenerate import turn_seed
     model = CaptureModel(demo_assets["target_model"])
     eos = tok.eos_token_id

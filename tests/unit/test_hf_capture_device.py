@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleflow.capture.hf_server import CaptureModel
+from eagleflow.engines.hf.server import CaptureModel
 from eagleflow.config import ConfigError, load_config
 
 

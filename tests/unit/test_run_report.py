@@ -7,7 +7,8 @@ import re
 import time
 
 from eagleflow.config import load_config
-from eagleflow.console.run_report import REPORT_FILE, serve_command, write_report
+from eagleflow.console.run_report import REPORT_FILE, write_report
+from eagleflow.engines.sglang.serve import serve_command
 from eagleflow.layout import RunLayout
 from eagleflow.watchdog import incidents
 

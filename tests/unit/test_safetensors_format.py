@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagleflow.capture.protocol import DumpTrustError, dump_mac, read_dump, verify_dump, write_dump
+from eagleflow.serving.dump_protocol import DumpTrustError, dump_mac, read_dump, verify_dump, write_dump
 from eagleflow.safetensors_format import RawTensor, file_parts, read_raw
 
 TENSORS = {"ids": torch.arange(9, dtype=torch.int64), "i32": torch.arange(4, dtype=torch.int32),

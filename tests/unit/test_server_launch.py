@@ -1,4 +1,4 @@
-"""The launch steps every capture engine shares (capture/server_launch.py): the child started in our process
+"""The launch steps every capture engine shares (serving/launch.py): the child started in our process
 group, healthy, a self-check dump verified under the run's key, then the info file; a child that dies while
 loading leaves no info file and exit 4. The child here is our own hf capture server (the same /health_generate
 and /generate, the same dump format and key), so every step runs for real without a GPU."""
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow]
 
 LAUNCHER = """
 import json, sys
-from eagleflow.capture.server_launch import prepare_dumps, run_capture_server
+from eagleflow.serving.launch import prepare_dumps, run_capture_server
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 cfg = load_config(sys.argv[1]); layout = RunLayout.for_run(cfg, "launch")

@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PROTOCOL_MODULES = {"eagleflow.protocol", "eagleflow.watchdog.protocol", "eagleflow.capture.protocol"}
+PROTOCOL_MODULES = {"eagleflow.protocol", "eagleflow.watchdog.protocol", "eagleflow.serving.dump_protocol"}
 # mypy's --strict, flag by flag (`strict = true` in an override would turn them on for every module)
 STRICT_FLAGS = ("disallow_any_generics", "disallow_subclassing_any", "disallow_untyped_calls",
                 "disallow_untyped_defs", "disallow_incomplete_defs", "check_untyped_defs",

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from eagleflow.capture.client import CaptureServerError, server_info
-from eagleflow.capture.hf_server import CaptureServer
+from eagleflow.serving.client import CaptureServerError, server_info
+from eagleflow.engines.hf.server import CaptureServer
 
 
 @pytest.fixture

@@ -18,10 +18,13 @@ from eagleflow.engines import engine_for, names_for
 from tests.fixtures.pipeline_config import write_short_config
 
 
-def test_the_config_takes_capture_backend_vllm_on_a_gpu_node_only():
+def test_the_config_takes_capture_backend_vllm_on_a_gpu_node_only(monkeypatch):
     cfg = load_config(data={"target_model": "/models/t", "node": {"has_gpu": True}, "capture": {"backend": "vllm"}})
     assert cfg.capture.backend == "vllm"
-    assert engine_for("vllm", "capture_server").capture_server == "eagleflow.capture.vllm_launcher:launch"
+    # the registered capture server is the vLLM launcher's launch (the engine's role imports it when called)
+    from eagleflow.engines.vllm import launcher
+    monkeypatch.setattr(launcher, "launch", lambda c, lay: 41 if (c, lay) == (cfg, "layout") else -1)
+    assert engine_for("vllm", "capture_server").serve_capture(cfg, "layout") == 41
     assert "vllm" in names_for("capture_server")
     with pytest.raises(ConfigError, match=r"capture\.backend 'vllm' needs a GPU node, but node\.has_gpu is false"):
         load_config(data={"target_model": "/models/t", "node": {"has_gpu": False}, "capture": {"backend": "vllm"}})

@@ -33,11 +33,15 @@ SELF = str(Path(__file__).resolve())
 
 # --- the config ---------------------------------------------------------------------------------------------
 
-def test_the_config_takes_eval_backend_vllm_on_a_gpu_node_and_refuses_trees_by_name():
+def test_the_config_takes_eval_backend_vllm_on_a_gpu_node_and_refuses_trees_by_name(monkeypatch):
     cfg = load_config(data={"target_model": "/models/t", "node": {"has_gpu": True}, "eval": {"backend": "vllm"}})
     assert cfg.eval.backend == "vllm" and "vllm" in names_for("evaluator")
-    from eagleflow.evaluate import vllm_backend
-    assert eval_engine(cfg)._function("evaluator") is vllm_backend.results
+    from eagleflow.engines.vllm import evaluator as vllm_backend
+    # the registered evaluator is vllm_backend.results (the engine's role imports it when called)
+    monkeypatch.setattr(vllm_backend, "results", lambda c, lay, **kw: ([{"via": "vllm_backend.results"}], kw))
+    rows, kw = eval_engine(cfg).evaluate(cfg, "layout", target_dir="/t", drafts={}, prompt_sets={}, log=print)
+    assert rows == [{"via": "vllm_backend.results"}] and kw["target_dir"] == "/t"
+    monkeypatch.undo()
     assert eval_engine(cfg).eval_server_per_config   # the operator gives each server's load its time
     with pytest.raises(ConfigError) as e:
         load_config(data={"target_model": "/models/t", "node": {"has_gpu": True},
@@ -104,7 +108,7 @@ def _setup(tmp_path, **eval_cfg):
 
 
 def _fake_command(extra=()):
-    from eagleflow.evaluate import vllm_backend as vb
+    from eagleflow.engines.vllm import evaluator as vb
 
     def command(cfg, *, model_path, host, port, draft_dir, sc, python=sys.executable):
         argv = vb.build_command(cfg, model_path=model_path, host=host, port=port, draft_dir=draft_dir, sc=sc)
@@ -118,7 +122,7 @@ def _prompts(n, base=0):
 
 @pytest.mark.timeout(120)
 def test_acceptance_from_vllms_counters_per_configuration_and_prompt_set_and_every_server_stopped(tmp_path):
-    from eagleflow.evaluate import vllm_backend as vb
+    from eagleflow.engines.vllm import evaluator as vb
     from eagleflow.evaluate.run import gate
     cfg, layout = _setup(tmp_path)
     drafts = {"draft": _export(tmp_path / "new", accept=2), "baseline": _export(tmp_path / "old", accept=0)}
@@ -152,7 +156,7 @@ def test_acceptance_from_vllms_counters_per_configuration_and_prompt_set_and_eve
 
 @pytest.mark.timeout(120)
 def test_a_never_accepted_draft_and_a_lossy_server_are_refused_by_the_gate(tmp_path):
-    from eagleflow.evaluate import vllm_backend as vb
+    from eagleflow.engines.vllm import evaluator as vb
     from eagleflow.evaluate.run import gate
     cfg, layout = _setup(tmp_path, configs=[{"steps": 3, "draft_tokens": 4}])
     rows, _ = vb.results(cfg, layout, target_dir=str(tmp_path / "target"),
@@ -172,7 +176,7 @@ def test_a_never_accepted_draft_and_a_lossy_server_are_refused_by_the_gate(tmp_p
 
 @pytest.mark.timeout(120)
 def test_a_draft_without_its_speculators_folder_and_a_dying_server_are_named(tmp_path):
-    from eagleflow.evaluate import vllm_backend as vb
+    from eagleflow.engines.vllm import evaluator as vb
     cfg, layout = _setup(tmp_path)
     sglang_only = tmp_path / "sglang-only"
     sglang_only.mkdir()

@@ -19,10 +19,13 @@ from eagleflow.engines import engine_for, generation_engine, names_for
 from tests.fixtures.pipeline_config import write_short_config
 
 
-def test_the_config_takes_generate_backend_vllm_on_a_gpu_node_only():
+def test_the_config_takes_generate_backend_vllm_on_a_gpu_node_only(monkeypatch):
     cfg = load_config(data={"target_model": "/models/t", "node": {"has_gpu": True}, "generate": {"backend": "vllm"}})
     assert generation_engine(cfg).name == "vllm"
-    assert engine_for("vllm", "generate_server").generate_server == "eagleflow.generate.vllm_server:launch_generate"
+    # the registered generation server is generate_server's launch_generate (imported when called)
+    from eagleflow.engines.vllm import generate_server
+    monkeypatch.setattr(generate_server, "launch_generate", lambda c, lay: 42 if (c, lay) == (cfg, "layout") else -1)
+    assert engine_for("vllm", "generate_server").serve_generation(cfg, "layout") == 42
     assert "vllm" in names_for("generate_server")
     # generation follows a vllm capture backend when generate.backend is unset
     cfg = load_config(data={"target_model": "/models/t", "node": {"has_gpu": True}, "capture": {"backend": "vllm"}})

@@ -115,7 +115,7 @@ def _held_out(args) -> int:
 
 def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdout, **settings) -> int:
     """One extraction worker in the foreground: its lock held for life, the server and dump key found."""
-    from .client import CaptureServerError, server_info
+    from eagleflow.serving.client import CaptureServerError, server_info
     from .lifecycle import dump_dir
     from .worker import ExtractionError, ShardWorker, WorkerSettings
 
@@ -150,7 +150,7 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
             print(f"{prog}: no capture server recorded at {layout.server_info_file} ({e}); start one "
                   f"(`eagleflow capture serve`) or pass --url", file=sys.stderr)
             return 3
-    from .protocol import DumpTrustError, load_dump_key, private_dump_dir
+    from eagleflow.serving.dump_protocol import DumpTrustError, load_dump_key, private_dump_dir
     try:
         dumps, dump_key = str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file)
     except DumpTrustError as e:

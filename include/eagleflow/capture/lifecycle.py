@@ -79,7 +79,7 @@ class RemovedDumps(BaseModel):
 
 def remove_run_dumps(ctx: RunLike) -> int:
     """This run's dumps (all shards) in the dump dir, matched by exact run id; other runs' dumps are left alone."""
-    argv = [ctx.node.python, "-m", "eagleflow.capture.protocol", "remove-dumps", "--dump-dir", dump_dir(ctx.cfg),
+    argv = [ctx.node.python, "-m", "eagleflow.serving.dump_protocol", "remove-dumps", "--dump-dir", dump_dir(ctx.cfg),
             "--run-id", ctx.layout.run_id]
     return ctx.node.run_json(argv, RemovedDumps, timeout=120).removed
 

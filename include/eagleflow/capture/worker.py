@@ -38,9 +38,9 @@ from eagleflow.stores.contract import SampleSink
 from eagleflow.stores.disk.store import DiskSink
 from eagleflow.stores.encoding import encode_sample
 
-from .client import CaptureServerError, CaptureTimeout, generate
+from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
 from .manifest import compact_manifest, completed_indexes, read_manifest
-from .protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
+from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from .storage import remove_temp_files
 
 

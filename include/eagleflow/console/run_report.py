@@ -12,9 +12,7 @@ value escaped.
 from __future__ import annotations
 
 import html
-import json
 import os
-import shlex
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,7 +20,7 @@ from typing import Any, Sequence
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 from eagleflow.engines import serving_engines
-from eagleflow.train.export_formats import SPECULATIVE_TOKENS, format_dir
+from eagleflow.train.export_formats import format_dir
 
 REPORT_FILE = "report.html"
 _COLORS = ("#1565c0", "#c62828", "#2e7d32", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#4e342e")
@@ -115,28 +113,6 @@ def serve_commands(cfg, export: Path) -> list[dict[str, Any]]:
                     "subdir": d.relative_to(export).as_posix() if d != export else "",
                     "exported": (d / "config.json").is_file(), "command": e.serve_command_for(cfg, str(d))})
     return out
-
-
-def serve_command(cfg, export_dir: str) -> str:
-    """The SGLang command that serves the target with this draft (the TP the capture used)."""
-    argv = ["python3", "-m", "sglang.launch_server", "--model-path", str(cfg.target_model),
-            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", export_dir,
-            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-            "--tp-size", str(cfg.capture.tp)]  # --tp is only an argparse abbreviation
-    if cfg.capture.dtype != "auto":
-        argv += ["--dtype", cfg.capture.dtype]
-    return shlex.join(argv)
-
-
-def vllm_serve_command(cfg, speculators_dir: str) -> str:
-    """The vLLM command that serves the target with the speculators-format draft: the same chain as
-    :func:`serve_command` (3 draft tokens per round), the same TP and dtype."""
-    spec = {"method": "eagle3", "model": speculators_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
-    argv = ["vllm", "serve", str(cfg.target_model), "--speculative-config", json.dumps(spec),
-            "--tensor-parallel-size", str(cfg.capture.tp)]
-    if cfg.capture.dtype != "auto":
-        argv += ["--dtype", cfg.capture.dtype]
-    return shlex.join(argv)
 
 
 # ----------------------------------------------------------------------------- charts

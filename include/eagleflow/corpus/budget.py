@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from eagleflow import bounded_json
-from eagleflow.capture.protocol import expand_dump_dir
+from eagleflow.serving.dump_protocol import expand_dump_dir
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node
@@ -44,7 +44,7 @@ class TargetShape:
         return DTYPE_BYTES[self.dtype]
 
     def default_aux_layers(self) -> list[int]:
-        from eagleflow.capture.aux_layers import default_aux_layers
+        from eagleflow.serving.aux_layers import default_aux_layers
         return default_aux_layers(self.num_layers)   # the layers capture takes when none are configured
 
 

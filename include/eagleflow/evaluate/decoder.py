@@ -63,7 +63,7 @@ class Target:
 
     @torch.no_grad()
     def aux_layers(self, configured: list[int] | None) -> list[int]:
-        from eagleflow.capture.aux_layers import resolve_aux_layers
+        from eagleflow.serving.aux_layers import resolve_aux_layers
         return resolve_aux_layers(configured, self.num_layers)
 
     def forward(self, ids: list[int], cache,

@@ -106,7 +106,7 @@ class Server:
         return self
 
     def _wait_ready(self) -> None:
-        from eagleflow.capture.client import CaptureServerError
+        from eagleflow.serving.client import CaptureServerError
         label = self.engine.label
         deadline = time.monotonic() + self.cfg.eval.ready_timeout_s
         while time.monotonic() < deadline:
@@ -130,8 +130,8 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
                       drafts: dict[str, Path], prompt_sets: dict[str, list[dict]], log, node=None) -> list[dict]:
     """The result rows (configuration x prompt set, each draft's figures under its role), in the hf backend's
     shape so ``run.gate`` reads them unchanged."""
-    from eagleflow.capture.protocol import loopback_host
-    from eagleflow.capture.server_launch import free_port
+    from eagleflow.serving.dump_protocol import loopback_host
+    from eagleflow.serving.launch import free_port
     from eagleflow.nodes import LocalNode
 
     from .prompt_sets import expand_turns
@@ -178,12 +178,12 @@ def post_all(url: str, path: str, prompts: list[dict], *, body: Callable[[dict],
     the prompt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eagleflow.capture.client import CaptureServerError, _request
+    from eagleflow.serving.client import CaptureServerError, request_json
 
     def one(p: dict) -> tuple[str, dict]:
         where = f"{url}{path} prompt {p['id']}"
         try:
-            ans = _request(url, "POST", path, body(p), timeout_s)
+            ans = request_json(url, "POST", path, body(p), timeout_s)
         except CaptureServerError as e:
             raise error(f"{where}: {e}") from None
         return p["id"], read(ans, where)

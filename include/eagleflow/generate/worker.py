@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow import bounded_json
-from eagleflow.capture.client import CaptureServerError, CaptureTimeout, generate_tokens
+from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate_tokens
 from eagleflow.capture.manifest import (ManifestEntry, ManifestWriter, compact_manifest, completed_indexes,
                                         read_manifest)
 from eagleflow.capture.storage import file_sha256, remove_temp_files

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.engines import export_formats
 
 
 def register(sub) -> None:
@@ -26,8 +27,8 @@ def register(sub) -> None:
     e.add_argument("--out", default=None, help="output directory (default: <run_dir>/draft/export)")
     e.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
                    help="weight dtype (default: train.export_dtype)")
-    e.add_argument("--format", dest="formats", action="append", default=None, choices=["sglang", "speculators"],
-                   help="a format to write; repeat for several (default: train.export_formats, both)")
+    e.add_argument("--format", dest="formats", action="append", default=None, choices=export_formats(),
+                   help="a format to write; repeat for several (default: train.export_formats, all)")
     e.add_argument("--json", action="store_true",
                    help='answer {"export_dir": ..., "files": [...]} as the last stdout line (for the control plane)')
     e.set_defaults(func=_export)

@@ -10,7 +10,7 @@
   embeddings, the target's context length and rope settings (SGLang builds the
   draft with the target's context length), and ``eagle_config`` naming the
   capture layers the hidden states were recorded from, in the numbering the
-  target's sglang model family reads (``eagleflow.capture.aux_layers``: the
+  target's sglang model family reads (``eagleflow.serving.aux_layers``: the
   same list the capture server was given, so serving captures the layers the
   draft was trained on).
 - ``model.safetensors``: exactly the names ``LlamaForCausalLMEagle3.load_weights``
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from eagleflow.capture.aux_layers import target_architectures_and_layers
+from eagleflow.serving.aux_layers import target_architectures_and_layers
 from eagleflow.durable import atomic_dir
 from eagleflow.engines import engine_serving_format
 

@@ -500,7 +500,7 @@ def check_health(url: str | None, timeout_s: float) -> HealthSignal:
 def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
     if not url:
         return HealthSignal(checked=False, outcome="no server info")
-    from eagleflow.capture.client import CaptureServerError, CaptureTimeout, health_generate
+    from eagleflow.serving.client import CaptureServerError, CaptureTimeout, health_generate
     t0 = time.monotonic()
     try:   # the one client of the server's API: its timeout bounds connect and answer alike
         health_generate(url.rstrip("/"), timeout_s)

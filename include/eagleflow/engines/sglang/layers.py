@@ -1,10 +1,5 @@
-"""Which target layers EAGLE-3 captures, and the ids each sglang model family wants for them.
-
-eagleflow's own convention, everywhere (``capture.aux_layers``, the dumps' and
-stored samples' ``aux_layers`` metadata, training): the 0-based index ``j`` of a
-decoder layer whose OUTPUT is captured, i.e. transformers'
-``hidden_states[j + 1]`` (``hidden_states[0]`` is the embedding output). The
-captured states are concatenated in increasing layer order.
+"""How SGLang numbers the EAGLE-3 capture layers: the ids each sglang model family wants for eagleflow's layer
+outputs (``eagleflow.serving.aux_layers``).
 
 sglang (read from the 0.5.23 wheel, ``sglang/srt/...``) captures the residual
 stream ENTERING decoder layer ``c`` for every ``c`` in the model's
@@ -30,24 +25,12 @@ server's ``--return-aux-hidden-state-layer-ids`` (spec_aux_hidden_state.py:99-10
 and a served draft's ``eagle_config.eagle_aux_hidden_state_layer_ids``
 (spec_aux_hidden_state.py:187-196). So the launcher's flag and the export's
 ``eagle_config`` carry the same list: :func:`sglang_aux_layer_ids`.
-
-The ``hf`` capture twin needs no mapping: it reads ``hidden_states[j + 1]``.
-
-vLLM (read from the 0.33.0 wheel, ``vllm/model_executor/models/...``) has one rule for every
-family and applies no shift: an id ``c`` is the residual stream ENTERING decoder layer ``c``
-(``c = N``: the last layer's output before the final norm). ``EagleModelMixin._maybe_add_hidden_state``
-(interfaces.py:1640-1650) is called with ``start_layer`` before the first layer and ``idx + 1``
-after layer ``idx`` (llama.py:427-441, qwen2.py:424-432, qwen3_moe.py:505-513, gpt_oss.py:526-532);
-deepseek_v2.py:1561-1587 (and ``vllm/models/deepseek_v32/nvidia/model.py:289``, DeepSeek-V3.2 and
-GLM-MoE-DSA) append ``hidden_states + residual`` before layer ``idx`` when ``idx`` is listed, and after
-the last one for ``end_layer``. ``set_aux_hidden_state_layers`` stores the ids
-sorted (interfaces.py:1616-1617); the ids come from the draft's ``eagle_aux_hidden_state_layer_ids``
-(v1/worker/gpu_model_runner.py:5180-5224), else vLLM's default ``(2, N // 2, N - 3)``
-(interfaces.py:1751-1772). So layer output ``j`` is vLLM id ``j + 1``: :func:`vllm_aux_layer_ids`.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
+
+from eagleflow.serving.aux_layers import resolve_aux_layers
 
 PLUS_ONE = "plus_one"
 PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
@@ -77,35 +60,6 @@ _RULES: dict[str, Callable[[list[int], int], list[int]]] = {
 }
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default: outputs of layers 1, N/2-1 and N-4 (0-based) of an N-layer target.
-
-    The same layers as sglang's own default ``layers_to_capture = [2, N // 2, N - 3]``
-    (layer inputs, llama.py:936, deepseek_v2.py:3465).
-    """
-    if num_layers < 5:
-        raise ValueError(f"the target has {num_layers} layers; EAGLE-3's default capture layers need at least 5 "
-                         "(set capture.aux_layers explicitly)")
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def resolve_aux_layers(configured: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The capture layers to use: the config's, checked against the model, or the default."""
-    layers = list(configured) if configured else default_aux_layers(num_layers)
-    # The output of the last layer is only available after the final norm; a capture
-    # layer must be a residual-stream state before it (sglang captures the input of layer j+1).
-    bad = [x for x in layers if not 0 <= x <= num_layers - 2]
-    if bad:
-        raise ValueError(f"capture.aux_layers {layers}: layer(s) {bad} are outside 0..{num_layers - 2} "
-                         f"for a target with {num_layers} layers; use the 0-based index of a layer whose output "
-                         "feeds another layer")
-    # sglang concatenates captured layers in layer order whatever order it is given: so must we.
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ValueError(f"capture.aux_layers {layers} must be strictly increasing (sglang concatenates the "
-                         f"captured layers in layer order); use {sorted(set(layers))}")
-    return layers
-
-
 def sglang_aux_id_rule(architectures: Sequence[str]) -> str:
     """The rule the target's sglang model class applies to EAGLE-3 layer ids (see the module docstring)."""
     archs = [architectures] if isinstance(architectures, str) else list(architectures)
@@ -116,7 +70,7 @@ def sglang_aux_id_rule(architectures: Sequence[str]) -> str:
                      "EAGLE-3 capture layers (its set_eagle3_layers_to_capture differs per model family), so it "
                      "cannot name the layers without risking capturing others. Known: "
                      f"{', '.join(sorted(SGLANG_AUX_ID_RULES))}. Read that method in sglang/srt/models/ and add the "
-                     "architecture to eagleflow.capture.aux_layers.SGLANG_AUX_ID_RULES")
+                     "architecture to eagleflow.engines.sglang.layers.SGLANG_AUX_ID_RULES")
 
 
 def sglang_layers_to_capture(ids: Sequence[int], architectures: Sequence[str], num_layers: int) -> list[int]:
@@ -124,7 +78,7 @@ def sglang_layers_to_capture(ids: Sequence[int], architectures: Sequence[str], n
     return _RULES[sglang_aux_id_rule(architectures)](list(ids), num_layers)
 
 
-def sglang_aux_layer_ids(layer_outputs: Sequence[int], architectures: Sequence[str], num_layers: int) -> list[int]:
+def sglang_aux_layer_ids(layer_outputs: Sequence[int] | None, architectures: Sequence[str], num_layers: int) -> list[int]:
     """The ids to give sglang so that it captures the outputs of ``layer_outputs`` (0-based, increasing).
 
     One list for both places sglang reads them: ``--return-aux-hidden-state-layer-ids``
@@ -156,44 +110,3 @@ def sglang_aux_layer_ids(layer_outputs: Sequence[int], architectures: Sequence[s
 def layer_outputs_from_sglang_ids(ids: Sequence[int], architectures: Sequence[str], num_layers: int) -> list[int]:
     """The 0-based layer outputs sglang captures when given ``ids`` (the inverse of :func:`sglang_aux_layer_ids`)."""
     return [c - 1 for c in sorted(sglang_layers_to_capture(ids, architectures, num_layers))]
-
-
-def target_architectures_and_layers(config: dict) -> tuple[list[str], int]:
-    """(architectures, decoder layers) from a target's config.json (multimodal ones nest ``text_config``)."""
-    archs = config.get("architectures") or []
-    text = config.get("text_config") or config
-    if "num_hidden_layers" not in text:
-        raise ValueError(f"target config (architectures {archs}) has no num_hidden_layers")
-    return list(archs), int(text["num_hidden_layers"])
-
-
-# Target architectures whose vLLM 0.33.0 model class implements SupportsEagle3 (so vLLM can feed an
-# EAGLE-3 draft its aux hidden states) and numbers the ids as above; tests/node_vllm checks both against
-# vLLM's own registry and classes. sglang families missing here (Qwen2Moe, Glm4Moe, Glm4MoeLite) have no
-# EAGLE-3 support in vLLM 0.33.0.
-VLLM_EAGLE3_ARCHITECTURES: frozenset[str] = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM",
-    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
-    "MistralLarge3ForCausalLM", "GlmMoeDsaForCausalLM",
-    "GptOssForCausalLM",
-})
-
-
-def vllm_aux_layer_ids(layer_outputs: Sequence[int], architectures: Sequence[str], num_layers: int) -> list[int]:
-    """``eagle_aux_hidden_state_layer_ids`` that make vLLM capture the outputs of ``layer_outputs``.
-
-    Refuses (never guesses) a target whose vLLM numbering is not known: a wrong or missing list makes
-    vLLM feed the draft other layers than it was trained on, silently.
-    """
-    outputs = resolve_aux_layers(layer_outputs, num_layers)
-    archs = [architectures] if isinstance(architectures, str) else list(architectures)
-    if not any(a in VLLM_EAGLE3_ARCHITECTURES for a in archs):
-        raise ValueError(f"target architectures {archs}: eagleflow does not know that vLLM serves this model "
-                         "with an EAGLE-3 draft (its model class must implement SupportsEagle3) or how it numbers "
-                         "the capture layers, so it will not write eagle_aux_hidden_state_layer_ids for it. Known: "
-                         f"{', '.join(sorted(VLLM_EAGLE3_ARCHITECTURES))}. Export the SGLang format only "
-                         "(train.export_formats: [sglang], or `eagleflow export --format sglang`), or read the "
-                         "model's forward in vllm/model_executor/models/ and add the architecture to "
-                         "eagleflow.capture.aux_layers.VLLM_EAGLE3_ARCHITECTURES")
-    return [j + 1 for j in outputs]

@@ -27,7 +27,9 @@ class CaptureTimeout(CaptureServerError):
     pass
 
 
-def _request(url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+def request_json(url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    """One JSON request to a target server of ours (any engine, any role) and its JSON answer; CaptureServerError
+    (CaptureTimeout) naming the server and why when it cannot be had."""
     u = urlsplit(url)
     if not u.hostname:
         raise CaptureServerError(f"the server URL {url!r} names no host; expected http://<host>:<port> (the "
@@ -61,23 +63,23 @@ def _request(url: str, method: str, path: str, body: dict | None, timeout_s: flo
 
 def generate(url: str, input_ids: list[int], rid: str, timeout_s: float) -> dict:
     """One prefill with capture; a one-token generation (the dump is the point, not the text)."""
-    return _request(url, "POST", "/generate",
+    return request_json(url, "POST", "/generate",
                     {"input_ids": input_ids, "rid": rid,
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}, timeout_s)
 
 
 def health_generate(url: str, timeout_s: float) -> dict:
-    return _request(url, "GET", "/health_generate", None, timeout_s)
+    return request_json(url, "GET", "/health_generate", None, timeout_s)
 
 
 def server_info(url: str, timeout_s: float = 10.0) -> dict:
-    return _request(url, "GET", "/get_server_info", None, timeout_s)
+    return request_json(url, "GET", "/get_server_info", None, timeout_s)
 
 
 def generate_tokens(url: str, input_ids: list[int], rid: str, *, max_new_tokens: int, temperature: float,
                     top_p: float, seed: int, stop_token_ids: list[int], timeout_s: float) -> tuple[list[int], str]:
     """Serving mode (hf generate mode or sglang): (output ids, finish "stop" | "length"), deterministic per seed."""
-    out = _request(url, "POST", "/generate",
+    out = request_json(url, "POST", "/generate",
                    {"input_ids": input_ids, "rid": rid,
                     "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
                                         "top_p": top_p, "sampling_seed": seed, "stop_token_ids": stop_token_ids,

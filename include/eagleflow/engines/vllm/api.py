@@ -3,7 +3,7 @@
 The extraction worker, the readiness check and the watchdog speak one API to every capture server:
 ``POST /generate`` {"input_ids", "rid", "sampling_params"}, ``GET /health_generate`` (a real one-token
 generation), ``GET /get_server_info``. ``vllm serve`` speaks OpenAI's; ``--middleware
-eagleflow.capture.vllm_api.CaptureApi`` (vLLM's own option: ``add_middleware`` of an import path) answers
+eagleflow.engines.vllm.api.CaptureApi`` (vLLM's own option: ``add_middleware`` of an import path) answers
 these three paths by calling vLLM's own ``/v1/completions`` in-process, and passes everything else through:
 
 - ``/generate``: a completion of the token ids (``max_new_tokens`` tokens, greedy unless told otherwise),
@@ -12,7 +12,7 @@ these three paths by calling vLLM's own ``/v1/completions`` in-process, and pass
 - ``/health_generate``: a one-token completion without a rid (no dump), 200 when it ran;
 - ``/get_server_info``: what the launcher handed the connector (model, aux layers), backend vllm.
 
-``GenerateApi`` is the same API for the generation server (``generate/vllm_server.py``: ``vllm serve`` in
+``GenerateApi`` is the same API for the generation server (``engines/vllm/generate_server.py``: ``vllm serve`` in
 serving mode, no connector): no rid goes to a connector, and ``/get_server_info`` says mode generate. Both
 answer exactly the token ids vLLM sampled (``return_token_ids``; no detokenise/retokenise) and vLLM's finish
 reason, and both set every sampling knob the worker does not choose to its neutral value, so the model's
@@ -32,9 +32,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable
 
-from .protocol import MAX_BODY_BYTES, PROTOCOL_VERSION, BodyTooLarge, check_body_size
-from .sglang_plugin import ENV_AUX_LAYERS, ENV_MODEL
-from .vllm_connector import KV_PARAM_RID
+from eagleflow.serving.dump_protocol import MAX_BODY_BYTES, PROTOCOL_VERSION, BodyTooLarge, check_body_size
+from eagleflow.engines.sglang.plugin import ENV_AUX_LAYERS, ENV_MODEL
+from eagleflow.engines.vllm.connector import KV_PARAM_RID
 
 MIDDLEWARE = f"{__name__}.CaptureApi"     # what the launcher passes to vLLM's --middleware
 COMPLETIONS = "/v1/completions"

@@ -2,7 +2,7 @@
 
 Checks first (each failure names what to do): the installed vLLM is the version requirements-node-vllm.txt
 pins; the target is a family whose vLLM numbering of the capture layers we know
-(``aux_layers.vllm_aux_layer_ids``); the dump folder is this user's and the dump key exists. Then it starts
+(``layers.vllm_aux_layer_ids``); the dump folder is this user's and the dump key exists. Then it starts
 ``python -m vllm.entrypoints.cli.main serve`` (the ``vllm serve`` command) in this process group with
 
 - ``--speculative-config`` method ``extract_hidden_states`` (one speculative token, the only count it takes),
@@ -13,7 +13,7 @@ pins; the target is a family whose vLLM numbering of the capture layers we know
   request's blocks until its whole prompt is in the cache;
 - host (loopback only), port, TP and dtype from the config, then ``capture.extra_server_args``;
 
-- ``--middleware eagleflow.capture.vllm_api.CaptureApi``: the project's capture API (``POST /generate``,
+- ``--middleware eagleflow.engines.vllm.api.CaptureApi``: the project's capture API (``POST /generate``,
   ``GET /health_generate``, ``GET /get_server_info``) answered through vLLM's own ``/v1/completions``, so
   the extraction worker, the readiness check and the watchdog are unchanged;
 
@@ -32,11 +32,11 @@ import sys
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-from .aux_layers import vllm_aux_layer_ids
-from .server_launch import LaunchError, plan_capture, run_capture_server
-from .sglang_plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
-from .vllm_api import MIDDLEWARE
-from .vllm_connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
+from .layers import vllm_aux_layer_ids
+from eagleflow.serving.launch import LaunchError, plan_capture, run_capture_server
+from eagleflow.engines.sglang.plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
+from eagleflow.engines.vllm.api import MIDDLEWARE
+from eagleflow.engines.vllm.connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
                              vllm_capture_ids)
 
 # The vLLM versions whose classes the connector and the flags are proven against (tests/node_vllm); the
@@ -110,7 +110,7 @@ def check_connector(env: dict[str, str]) -> None:
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .protocol import DumpTrustError, loopback_host
+    from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: vLLM's server takes no credential here, loopback only
     try:

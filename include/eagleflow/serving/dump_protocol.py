@@ -50,7 +50,7 @@ from eagleflow.durable import TEMP_PREFIX, atomic_replace, read_owned
 from eagleflow.safetensors_format import RawTensor, as_raw, read_raw
 
 # The capture layers live in aux_layers (one place for the per-family sglang numbering too).
-from .aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
+from eagleflow.serving.aux_layers import default_aux_layers, resolve_aux_layers  # noqa: F401
 
 if TYPE_CHECKING:  # torch only where a server writes a dump; the worker reads them without it
     import torch
@@ -371,10 +371,10 @@ def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike[str], rid: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eagleflow.capture.protocol remove-dumps --dump-dir D --run-id R [--shard S]``: one JSON line."""
+    """``python -m eagleflow.serving.dump_protocol remove-dumps --dump-dir D --run-id R [--shard S]``: one JSON line."""
     import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="eagleflow.capture.protocol")
+    ap = argparse.ArgumentParser(prog="eagleflow.serving.dump_protocol")
     sub = ap.add_subparsers(dest="cmd", required=True)
     rm = sub.add_parser("remove-dumps", help="delete exactly one run's dumps (or one shard's) from a dump dir")
     rm.add_argument("--dump-dir", required=True)

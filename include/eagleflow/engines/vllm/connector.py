@@ -12,7 +12,7 @@ vLLM 0.33.0 (requirements-node-vllm.txt), nothing of it patched. ``vllm serve`` 
   stream entering layer ``c``, see ``aux_layers``): our aux layers plus ``N`` (the last layer's output
   before the final norm), in ascending order, as vLLM appends them;
 - ``--kv-transfer-config {"kv_connector": "EagleflowCaptureConnector",
-  "kv_connector_module_path": "eagleflow.capture.vllm_connector", "kv_role": "kv_producer"}``: vLLM's
+  "kv_connector_module_path": "eagleflow.engines.vllm.connector", "kv_role": "kv_producer"}``: vLLM's
   connector factory imports this module and takes the class by name, once in the scheduler process
   (role SCHEDULER) and once per worker (role WORKER).
 
@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import DumpTrustError, check_rid, dump_key_from_env, write_dump
-from .sglang_plugin import CaptureHookError, CaptureSettings, is_capture_rid
+from eagleflow.serving.dump_protocol import DumpTrustError, check_rid, dump_key_from_env, write_dump
+from eagleflow.engines.sglang.plugin import CaptureHookError, CaptureSettings, is_capture_rid
 
-log = logging.getLogger("eagleflow.capture.vllm_connector")
+log = logging.getLogger("eagleflow.engines.vllm.connector")
 
 MODULE_PATH = __name__                       # what --kv-transfer-config's kv_connector_module_path names
 CONNECTOR_CLASS = "EagleflowCaptureConnector"
@@ -256,7 +256,7 @@ def _build() -> dict[str, type]:
             extract_from_kv_cache)
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     except ImportError as e:
-        raise ImportError(f"eagleflow.capture.vllm_connector.{CONNECTOR_CLASS} needs vLLM ({e}); "
+        raise ImportError(f"eagleflow.engines.vllm.connector.{CONNECTOR_CLASS} needs vLLM ({e}); "
                           f"{INSTALL_HINT}") from None
 
     @dataclass

@@ -3,7 +3,7 @@
 The generation worker is the one every engine uses (``generate/worker.py``, through ``client.generate_tokens``):
 ``POST /generate`` with token ids, sampling (temperature, top_p, a seed per turn, the stop ids), answered with
 the token ids the target sampled and its finish reason (stop or length: keep_truncated reads it). vLLM speaks
-OpenAI's completions; ``--middleware eagleflow.capture.vllm_api.GenerateApi`` (the capture server's API,
+OpenAI's completions; ``--middleware eagleflow.engines.vllm.api.GenerateApi`` (the capture server's API,
 without its connector) answers ``/generate``, ``/health_generate`` and ``/get_server_info`` through vLLM's
 own ``/v1/completions`` in-process (vLLM's API process imports it from this interpreter, the one exec'd
 here): a token-id prompt, ``return_token_ids`` (exactly the sampled ids, no detokenise/retokenise round
@@ -21,11 +21,11 @@ import json
 import os
 import sys
 
-from eagleflow.capture.protocol import loopback_host
-from eagleflow.capture.server_launch import free_port
-from eagleflow.capture.sglang_plugin import ENV_MODEL
-from eagleflow.capture.vllm_api import GENERATE_MIDDLEWARE
-from eagleflow.capture.vllm_launcher import REQUIREMENTS_FILE, SUPPORTED_VERSIONS
+from eagleflow.serving.dump_protocol import loopback_host
+from eagleflow.serving.launch import free_port
+from eagleflow.engines.sglang.plugin import ENV_MODEL
+from eagleflow.engines.vllm.api import GENERATE_MIDDLEWARE
+from eagleflow.engines.vllm.launcher import REQUIREMENTS_FILE, SUPPORTED_VERSIONS
 from eagleflow.config import PipelineConfig
 from eagleflow.engines import generation_backend
 from eagleflow.layout import RunLayout

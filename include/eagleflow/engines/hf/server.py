@@ -27,9 +27,9 @@ from pathlib import Path
 
 from eagleflow.durable import atomic_write
 
-from .aux_layers import resolve_aux_layers
-from .protocol import MAX_BODY_BYTES  # noqa: F401  (the one cap of every server of ours, named here too)
-from .protocol import (PROTOCOL_VERSION, BodyTooLarge, check_body_size, check_rid, load_dump_key, loopback_host,
+from eagleflow.serving.aux_layers import resolve_aux_layers
+from eagleflow.serving.dump_protocol import MAX_BODY_BYTES  # noqa: F401  (the one cap of every server of ours, named here too)
+from eagleflow.serving.dump_protocol import (PROTOCOL_VERSION, BodyTooLarge, check_body_size, check_rid, load_dump_key, loopback_host,
                        private_dump_dir, write_dump)
 
 DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
@@ -83,7 +83,7 @@ class CaptureModel:
             out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
             hs = out.hidden_states
             # the output of layer j is hidden_states[j + 1] (entry 0 is the embedding): the same layers
-            # sglang captures as the input of layer j + 1 (eagleflow.capture.aux_layers)
+            # sglang captures as the input of layer j + 1 (eagleflow.serving.aux_layers)
             aux = torch.cat([hs[i + 1][0] for i in self.aux_layers], dim=-1)
             last = hs[-1][0]
             next_id = int(out.logits[0, -1].argmax())
@@ -312,7 +312,7 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
 
 def serve_capture(cfg, layout) -> int:
     """The hf engine's capture server for a run (eagleflow.engines; `eagleflow capture serve`), foreground."""
-    from .lifecycle import dump_dir   # lifecycle reaches the node layer: only when serving
+    from eagleflow.capture.lifecycle import dump_dir   # lifecycle reaches the node layer: only when serving
     model = str(cfg.resolve(cfg.target_model))
     serve(model, host=cfg.capture.host, port=cfg.capture.port, dump_dir=dump_dir(cfg),
           info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers, dtype=cfg.capture.dtype,
@@ -330,7 +330,7 @@ def serve_generation(cfg, layout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagleflow.capture.hf_server", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="eagleflow.engines.hf.server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)

@@ -29,9 +29,9 @@ from typing import Callable
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-from .aux_layers import sglang_aux_layer_ids
-from .server_launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
-from .sglang_plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
+from .layers import sglang_aux_layer_ids
+from eagleflow.serving.launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
+from eagleflow.engines.sglang.plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
                             check_sglang_contract)
 
 PLUGIN_NAME = "eagleflow_capture"
@@ -137,7 +137,7 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     graphs on, no capture hook), exec'd so that the recorded pid stays the server's."""
     from eagleflow.durable import atomic_write
 
-    from .protocol import loopback_host
+    from eagleflow.serving.dump_protocol import loopback_host
     loopback_host(cfg.capture.host)   # it takes no credential: loopback only
     model = str(cfg.resolve(cfg.target_model))
     port = cfg.generate.port or free_port(cfg.capture.host)
@@ -158,7 +158,7 @@ def build_generate_command(cfg: PipelineConfig, *, model_path: str, host: str, p
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .protocol import DumpTrustError, loopback_host
+    from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
     loopback_host(cfg.capture.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:

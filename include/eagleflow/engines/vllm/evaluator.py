@@ -42,7 +42,7 @@ from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.engines import ENGINES, EngineError
 from eagleflow.layout import RunLayout
 
-from .served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
+from eagleflow.evaluate.served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
 
 # vLLM 0.33's Prometheus counters (v1/spec_decode/metrics.py, SpecDecodingProm), as families (no _total)
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -74,7 +74,7 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                   sc: SpecConfig | None, python: str = sys.executable) -> list[str]:
     """``vllm serve`` for the target, with the draft at ``sc`` (or alone, answering TOP_CANDIDATES log-probs,
     when None). Proven against vLLM's own parser in tests/node_vllm/test_vllm_eval.py."""
-    from .lossless import TOP_CANDIDATES
+    from eagleflow.evaluate.lossless import TOP_CANDIDATES
     argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
             "--tensor-parallel-size", str(cfg.capture.tp), "--dtype", cfg.capture.dtype]
     if sc is None:
@@ -107,9 +107,9 @@ def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
 def completion_request(prompt_ids: list[int], max_new: int, candidates: bool) -> dict:
     """A greedy completion of the token ids (the capture middleware's body); ``candidates``: each position's
     best TOP_CANDIDATES log-probabilities, keyed by token id."""
-    from eagleflow.capture.vllm_api import completion_body
+    from eagleflow.engines.vllm.api import completion_body
 
-    from .lossless import TOP_CANDIDATES
+    from eagleflow.evaluate.lossless import TOP_CANDIDATES
     body = completion_body({"input_ids": list(prompt_ids),
                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}, None)
     if candidates:
@@ -247,7 +247,7 @@ def measure(delta: SpecCounters, answers: dict[str, dict], alone: dict[str, dict
 
 def check_vllm() -> str:
     """The installed vLLM, the version the node tier proves (the capture launcher's check, worded for eval)."""
-    from eagleflow.capture.vllm_launcher import VllmLaunchError, check_supported_version, installed_vllm_version
+    from eagleflow.engines.vllm.launcher import VllmLaunchError, check_supported_version, installed_vllm_version
     try:
         return check_supported_version(installed_vllm_version())
     except VllmLaunchError as e:
@@ -263,7 +263,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
     ``command`` (build_command's signature) replaces vLLM's argv: a test can start a server that answers as
     vLLM does, through the same records, readiness and stop."""
-    from eagleflow.capture.client import _request
+    from eagleflow.serving.client import request_json
     ec = cfg.eval
     version = check_vllm() if command is None else None
     check_drafts(drafts, target_dir)
@@ -286,7 +286,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
     engine = ServedEngine(
         label="vllm", error=VllmEvalError, command=command or build_command,
-        ready=lambda url: _request(url, "GET", "/health", None, 20),   # vLLM listens once its engine is up
+        ready=lambda url: request_json(url, "GET", "/health", None, 20),   # vLLM listens once its engine is up
         reference=lambda url, prompts, tag: send(url, prompts, ec.max_new_tokens, True),
         with_draft=with_draft, warm_up=warm_up)
     rows = serve_and_measure(cfg, layout, engine, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets,
