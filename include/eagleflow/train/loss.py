@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -141,20 +142,123 @@ def target_batch(head: TargetHead, batch: Batch, mask_alignment: str = "specforg
     return TargetBatch(probs=probs, top=probs.argmax(-1), valid=valid)
 
 
-class TrainingTimeTest(nn.Module):
-    """The draft plus its TTT objective: one module so DDP sees a single forward."""
+HEAD_CHUNK_ELEMENTS = 1 << 25   # the fast path's logits at once: rows x draft vocabulary (128 MiB in float32)
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int, normalization: str = "all_positions"):
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """The draft's ``lm_head`` and its soft cross-entropy over rows of every TTT step, a chunk of rows at a time.
+
+    Forward, per chunk of rows r: logits = x_r W^T, ce_r = -sum_v p_rv log_softmax(logits_r)_v (p: the
+    target's row ``idx_r`` of ``probs``), total = sum_r w_r ce_r, and the top draft token. The gradient is
+    taken in the same pass (d ce_r / d logits_r = softmax(logits_r) sum_v p_rv - p_r, so the chunk's logits
+    are dropped at once): d total / d x and / d W, scaled by the incoming gradient in ``backward``. Only one
+    chunk's logits exist at a time, never those of all rows of all steps (issue 49)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor,
+                w: torch.Tensor, chunk_rows: int, need_grad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = x.shape[0]
+        ce = torch.empty(rows, dtype=torch.float32, device=x.device)
+        top = torch.empty(rows, dtype=torch.long, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        gx = torch.empty_like(x) if need_grad else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        for s in range(0, rows, chunk_rows):
+            e = min(s + chunk_rows, rows)
+            xc = x[s:e]
+            logits = (xc @ weight.T).float()
+            logp = F.log_softmax(logits, dim=-1)
+            p = probs.index_select(0, idx[s:e]).float()
+            ce_c = -(p * logp).sum(-1)
+            ce[s:e] = ce_c
+            top[s:e] = logits.argmax(-1)
+            wc = w[s:e]
+            total += (ce_c * wc).sum()
+            if gx is not None and gw is not None:
+                g = ((logp.exp_() * p.sum(-1, keepdim=True) - p) * wc[:, None]).to(x.dtype)
+                gx[s:e] = g @ weight
+                gw += (g.T @ xc).float()
+        ctx.save_for_backward(gx, gw)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(ce, top)
+        return total, ce, top
+
+    @staticmethod
+    def backward(ctx: Any, g_total: torch.Tensor, _g_ce: Any, _g_top: Any) -> tuple[Any, ...]:
+        gx, gw = ctx.saved_tensors
+        if gx is None or gw is None:
+            raise RuntimeError("the chunked head loss ran without gradients (need_grad False) and was differentiated")
+        return (gx * g_total.to(gx.dtype), (gw * g_total).to(ctx.weight_dtype), None, None, None, None, None)
+
+
+def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor,
+                      w: torch.Tensor, chunk_elements: int = HEAD_CHUNK_ELEMENTS
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum_r w_r ce_r with its gradient to ``x`` [R, H] and ``weight`` [V, H], ce [R], top [R]): the
+    head's soft cross-entropy against ``probs[idx]`` ([N, V] rows) without all R x V logits at once.
+    Under autocast the head's matmuls run in its dtype, as ``nn.Linear``'s would; the log-softmax in float32."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        ac = torch.get_autocast_dtype(dev)
+        x, weight = x.to(ac), weight.to(ac)
+    elif x.dtype != weight.dtype:
+        x = x.to(weight.dtype)
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    chunk_rows = max(1, chunk_elements // max(1, weight.shape[0]))
+    out = _ChunkedHeadLoss.apply(x, weight, probs, idx, w.float(), chunk_rows, need_grad)
+    return out[0], out[1], out[2]
+
+
+class TrainingTimeTest(nn.Module):
+    """The draft plus its TTT objective: one module so DDP sees a single forward.
+
+    ``fast`` (``train.fast_step``; issue 49): the same loss, gradients and metrics (to float32 rounding,
+    tests/unit/test_train_fast_step.py) with the draft's attention in fewer kernels
+    (``DraftAttention._explicit_fast``) and the head's loss over every TTT step's rows in one chunked pass
+    (:func:`chunked_head_loss`: no step's logits kept for the backward). ``compile`` (``train.compile``):
+    the decoder layer through ``torch.compile``; if compiling fails (no compiler, an unsupported op), the
+    layer runs eagerly from then on and ``compile_error`` says why."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, normalization: str = "all_positions", *,
+                 fast: bool = False, compile: bool = False, head_chunk_elements: int = HEAD_CHUNK_ELEMENTS):
         super().__init__()
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"train.loss_normalization {normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
         self.draft = draft
         self.ttt_length = ttt_length
         self.normalization = normalization
+        self.fast = fast
+        self.head_chunk_elements = head_chunk_elements
+        draft.midlayer.self_attn.fast = fast
+        self.compile_error: str | None = None
+        # a plain attribute (a list, not a module), so the compiled wrapper adds no parameter names
+        self._compiled: list[Callable[..., torch.Tensor]] = []
+        if compile:
+            try:
+                self._compiled.append(torch.compile(draft.midlayer.forward, dynamic=True))
+            except Exception as e:   # noqa: BLE001 - any failure to set compiling up falls back to eager
+                self.compile_error = f"{type(e).__name__}: {e}"
+
+    def _step(self, input_ids: torch.Tensor, hidden: torch.Tensor, offset: int,
+              cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if not self._compiled:
+            return self.draft.step(input_ids, hidden, offset, cache)
+        embeds = self.draft.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.draft.rope(input_ids.shape[1], offset, hidden.device, hidden.dtype)
+        try:
+            return self._compiled[0](embeds, hidden, cos, sin, cache)
+        except Exception as e:   # noqa: BLE001 - a compiler that fails on first use: eager from now on
+            self.compile_error = f"{type(e).__name__}: {e}"
+            self._compiled.clear()
+            del cache[offset:]   # a failed call may have appended this step's keys
+            return self.draft.step(input_ids, hidden, offset, cache)
 
     def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, probs: torch.Tensor,
                 top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted loss, stats) where stats = [loss_k..., correct_k..., count_k..., accept_sum, accept_n]."""
+        if self.fast or self._compiled:
+            return self._forward_fast(input_ids, aux_hidden_states, probs, top, valid)
         b, t = input_ids.shape
         k_steps = self.ttt_length
         hidden = self.draft.fc(aux_hidden_states)
@@ -206,6 +310,70 @@ class TrainingTimeTest(nn.Module):
         total = total + 0.0 * self.draft.logits(hidden[:, :1]).float().sum()
         fv = first_valid if first_valid is not None else torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
         accept_sum = (accept * fv.float()).sum() + fv.float().sum()   # 1 + run length per position
+        stats = torch.stack([*losses, *corrects, *counts, accept_sum, fv.float().sum(), *sums]).detach().float()
+        return total, stats
+
+
+    def _forward_fast(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, probs: torch.Tensor,
+                      top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s objective with the head's loss over all steps' rows at the end, chunked."""
+        b, t = input_ids.shape
+        k_steps = self.ttt_length
+        dev = input_ids.device
+        hidden = self.draft.fc(aux_hidden_states)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        xs, idxs, ws, steps = [], [], [], []   # steps: (k, n, mask, cnt, denom) of the steps with rows
+        for k in range(k_steps):
+            s = k + 1
+            tok = torch.zeros_like(input_ids)
+            if s < t:
+                tok[:, :t - s] = input_ids[:, s:]
+            hidden = self._step(tok, hidden, k, cache)
+            n = max(t - s, 0)
+            if n == 0:
+                continue
+            mask = valid[:, s:]
+            m = mask.float()
+            cnt = m.sum()
+            denom = float(b * t) if self.normalization == "all_positions" else cnt.clamp(min=1.0)
+            xs.append(self.draft.norm(hidden[:, :n]).reshape(b * n, -1))
+            # row (i, p) of step k is scored against the target at (i, p + s)
+            idxs.append((torch.arange(b, device=dev)[:, None] * t + s + torch.arange(n, device=dev)[None, :])
+                        .reshape(-1))
+            ws.append(((STEP_WEIGHT_DECAY ** k) * m / denom).reshape(-1))
+            steps.append((k, n, mask, cnt, denom))
+        total = hidden.new_zeros((), dtype=torch.float32)
+        zero = total.new_zeros(())
+        losses, corrects, counts, sums = [zero] * k_steps, [zero] * k_steps, [zero] * k_steps, [zero] * k_steps
+        run = torch.ones(b, t, dtype=torch.bool, device=dev)
+        accept = torch.zeros(b, t, dtype=torch.float32, device=dev)
+        first_valid = None
+        if xs:
+            head_total, ce, top_draft = chunked_head_loss(torch.cat(xs), self.draft.lm_head.weight,
+                                                          probs.reshape(b * t, -1), torch.cat(idxs), torch.cat(ws),
+                                                          self.head_chunk_elements)
+            total = total + head_total
+            at = 0
+            for k, n, mask, cnt, denom in steps:
+                ce_k = ce[at:at + b * n].view(b, n)
+                am_k = top_draft[at:at + b * n].view(b, n)
+                at += b * n
+                masked_sum = (ce_k * mask.float()).sum()
+                hit = (am_k == top[:, k + 1:]) & mask
+                losses[k] = masked_sum / denom
+                corrects[k] = hit.sum().float()
+                counts[k] = cnt
+                sums[k] = masked_sum
+                step_ok = torch.zeros(b, t, dtype=torch.bool, device=dev)
+                step_ok[:, :n] = hit
+                run = run & step_ok
+                accept += run.float()
+                if k == 0:
+                    first_valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
+                    first_valid[:, :n] = mask
+        total = total + 0.0 * self.draft.logits(hidden[:, :1]).float().sum()
+        fv = first_valid if first_valid is not None else torch.zeros(b, t, dtype=torch.bool, device=dev)
+        accept_sum = (accept * fv.float()).sum() + fv.float().sum()
         stats = torch.stack([*losses, *corrects, *counts, accept_sum, fv.float().sum(), *sums]).detach().float()
         return total, stats
 

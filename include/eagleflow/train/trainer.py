@@ -184,7 +184,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say)
     head, embed = load_target_head_and_embedding(target_dir)
     model = build_draft(dcfg, vocab, head, embed, tc.seed)
-    ttt = TrainingTimeTest(model, tc.ttt_length, tc.loss_normalization).to(d.device)
+    ttt = TrainingTimeTest(model, tc.ttt_length, tc.loss_normalization, fast=tc.fast_step or tc.compile,
+                           compile=tc.compile).to(d.device)
     params = [p for p in ttt.parameters() if p.requires_grad]
     # SpecForge (optimizer.py BF16Optimizer): AdamW, weight decay 0, betas from the config (torch's defaults)
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tc.adam_betas, weight_decay=0.0)
@@ -221,7 +222,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
         f"{len(refs)} samples (store {refs[0].store_dtype}"
         f"{', de-quantised on ' + str(d.device) if refs[0].store_dtype == 'fp8_e4m3' else ''}), batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
         f"steps {start_step}->{tc.max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
-        f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}")
+        f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}"
+        f"{', fast step' if tc.fast_step or tc.compile else ''}{', compiled layer' if tc.compile else ''}")
     if hb is not None:
         def running(h: Heartbeat) -> None:
             h.state, h.done, h.resumed = "running", start_step, start_step
@@ -259,6 +261,9 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            if tc.compile and step == start_step + 1:
+                say("train.compile: " + (f"compiling failed, the decoder layer runs eagerly ({ttt.compile_error})"
+                                         if ttt.compile_error else "the decoder layer runs compiled"))
             packed = torch.cat([stats_sum, torch.tensor([float(tokens)], device=stats_sum.device)])
             if d.world_size > 1:
                 torch.distributed.all_reduce(packed)
