@@ -11,6 +11,7 @@ import ast
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,6 +190,103 @@ def test_the_run_report_prints_each_registered_serving_engines_command(tmp_path,
     export = Path(str(layout.draft_dir)) / "export"
     assert "Serve it with SGLang:" in html and "No speculators-format export for vLLM" in html
     assert f"Serve it with FakeServe:</p><pre class='cmd'>fake-serve {cfg.target_model} --draft {export}</pre>" in html
+
+
+# --- a new engine is a folder and one line (docs/engines.md, "A new engine") ------------------------------
+
+STUB_ENGINE = '''"""A stub engine, written by tests/unit/test_engines.py into a copy of the package."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from eagleflow.engines.contract import Engine
+
+
+def serve(cfg: Any, layout: Any) -> int:
+    Path(str(layout.run_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(str(layout.run_dir)) / "stub-served.json").write_text(json.dumps({"backend": cfg.capture.backend}))
+    return 5
+
+
+def evaluate(cfg: Any, layout: Any, **kw: Any) -> tuple[list[dict], dict]:
+    return [], {"engine": "stub"}
+
+
+def layer_ids(layer_outputs: Sequence[int] | None, architectures: Sequence[str], num_layers: int) -> list[int]:
+    return [j + 10 for j in (layer_outputs or [])]
+
+
+def serve_command(cfg: Any, draft_dir: str) -> str:
+    return f"stub-serve {cfg.target_model} --draft {draft_dir}"
+
+
+ENGINE = Engine(name="stub", label="Stub", needs_gpu=False, capture_server=serve, generate_server=serve,
+                evaluator=evaluate, layer_numbering=layer_ids, serve_command=serve_command,
+                draft_format="stub-format", draft_dir="stub")
+'''
+
+STUB_CHECKS = '''
+import json, sys
+from pathlib import Path
+import yaml
+import eagleflow
+from eagleflow.cli import main
+from eagleflow.config import ConfigError, load_config
+from eagleflow.engines import ENGINES, engine_serving_format, export_formats, names_for
+from eagleflow.layout import RunLayout
+from eagleflow.train.export_formats import format_dir
+
+tmp = Path(sys.argv[1])
+assert Path(eagleflow.__file__).is_relative_to(tmp), eagleflow.__file__   # the copy, not the repository
+assert list(ENGINES) == ["hf", "sglang", "vllm", "stub"], list(ENGINES)
+for role in ("capture_server", "generate_server", "evaluator", "layer_numbering", "serve_command"):
+    assert "stub" in names_for(role), role
+assert export_formats() == ["sglang", "speculators", "stub-format"], export_formats()
+assert engine_serving_format("stub-format").layer_ids([1, 2], ["X"], 8) == [11, 12]
+assert format_dir("/e", "stub-format") == Path("/e/stub")
+base = {"target_model": "/models/t", "run_root": str(tmp / "runs"),
+        "node": {"has_gpu": False, "state_dir": str(tmp / "state")}}
+cfg = load_config(data={**base, "capture": {"backend": "stub"}, "generate": {"backend": "stub"},
+                        "eval": {"backend": "stub"}, "train": {"export_formats": ["stub-format"]}})
+assert (cfg.capture.backend, cfg.generate.backend, cfg.eval.backend) == ("stub", "stub", "stub")
+assert load_config(data=base).train.export_formats == ["sglang", "speculators", "stub-format"]
+try:
+    load_config(data={**base, "capture": {"backend": "stubb"}})
+    raise AssertionError("an unknown engine was taken")
+except ConfigError as e:
+    assert "'hf' or 'sglang' or 'vllm' or 'stub'" in str(e), str(e)
+cfgp = tmp / "c.yaml"
+cfgp.write_text(yaml.safe_dump({**base, "capture": {"backend": "stub"}}))
+assert main(["capture", "serve", "--config", str(cfgp), "--run-id", "s", "--backend", "stub"]) == 5
+served = Path(str(RunLayout.for_run(load_config(cfgp), "s").run_dir)) / "stub-served.json"
+assert json.loads(served.read_text()) == {"backend": "stub"}
+print("STUB OK")
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_stub_engine_is_its_folder_and_one_line_in_the_registry(tmp_path):
+    """The dry run docs/engines.md promises: in a copy of the package, a stub engine's folder plus its line in
+    ENGINE_MODULES is registered, offered by the config (capture, generate and eval backends, export formats), the
+    CLI and the layer numbering, and served through the real CLI; no other module of the package changed."""
+    pkg = tmp_path / "src" / "eagleflow"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "engines" / "stub").mkdir()
+    (pkg / "engines" / "stub" / "__init__.py").write_text(STUB_ENGINE)
+    registry = pkg / "engines" / "__init__.py"
+    line = '"eagleflow.engines.vllm")'
+    assert line in registry.read_text()
+    registry.write_text(registry.read_text().replace(line, '"eagleflow.engines.vllm",\n'
+                                                           '                                 "eagleflow.engines.stub")'))
+    changed = sorted(p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")
+                     if p.parent.name != "stub" and p.read_bytes() != (PKG / p.relative_to(pkg)).read_bytes())
+    assert changed == ["engines/__init__.py"], changed
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", STUB_CHECKS, str(tmp_path)], env={**env, "PYTHONPATH": str(pkg.parent)},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0 and "STUB OK" in res.stdout, res.stdout + res.stderr
 
 
 # --- generation picks its own engine -----------------------------------------------------------------------

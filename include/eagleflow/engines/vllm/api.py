@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Awaitable, Callable
 
 from eagleflow.serving.dump_protocol import MAX_BODY_BYTES, PROTOCOL_VERSION, BodyTooLarge, check_body_size
-from eagleflow.engines.sglang.plugin import ENV_AUX_LAYERS, ENV_MODEL
+from eagleflow.serving.capture_hook import ENV_AUX_LAYERS, ENV_MODEL
 from eagleflow.engines.vllm.connector import KV_PARAM_RID
 
 MIDDLEWARE = f"{__name__}.CaptureApi"     # what the launcher passes to vLLM's --middleware

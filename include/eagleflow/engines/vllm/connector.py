@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.serving.dump_protocol import DumpTrustError, check_rid, dump_key_from_env, write_dump
-from eagleflow.engines.sglang.plugin import CaptureHookError, CaptureSettings, is_capture_rid
+from eagleflow.serving.capture_hook import CaptureHookError, CaptureSettings, is_capture_rid
 
 log = logging.getLogger("eagleflow.engines.vllm.connector")
 

@@ -23,7 +23,7 @@ import sys
 
 from eagleflow.serving.dump_protocol import loopback_host
 from eagleflow.serving.launch import free_port
-from eagleflow.engines.sglang.plugin import ENV_MODEL
+from eagleflow.serving.capture_hook import ENV_MODEL
 from eagleflow.engines.vllm.api import GENERATE_MIDDLEWARE
 from eagleflow.engines.vllm.launcher import REQUIREMENTS_FILE, SUPPORTED_VERSIONS
 from eagleflow.config import PipelineConfig

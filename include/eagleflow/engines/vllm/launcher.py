@@ -34,7 +34,7 @@ from eagleflow.layout import RunLayout
 
 from .layers import vllm_aux_layer_ids
 from eagleflow.serving.launch import LaunchError, plan_capture, run_capture_server
-from eagleflow.engines.sglang.plugin import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
+from eagleflow.serving.capture_hook import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL
 from eagleflow.engines.vllm.api import MIDDLEWARE
 from eagleflow.engines.vllm.connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
                              vllm_capture_ids)
