@@ -241,7 +241,7 @@ def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, boun
             wait_for(lambda: len(smtp.messages) > n_mails, 30, "the mail")
             result["mail_s"] = smtp.received_at[-1] - t0
             result["subject"] = smtp.messages[-1]["Subject"]
-        rec = recover_after_stall(RunContext(cfg=run.cfg, layout=run.layout), 0, ev, lambda m: None, phase=kind.phase)
+        rec = recover_after_stall(RunContext(cfg=run.cfg, layout=run.layout), 0, ev, lambda m: None, kind=kind)
         result["recovery"] = rec.get("summary", "")
         # the first sample (record) stored after the fault, by the recovered server/worker
         t_new = wait_for(lambda: stored(run, kind) > max(result["stored_at_fault"], base), 240,

@@ -31,7 +31,8 @@ class PhaseLifecycle:
     """What the operators, the recovery and reconcile do to a sharded phase's server and workers: its own
     package's functions, one shape for every phase (a phase's ``LIFECYCLE``, named by ``ShardKind.lifecycle``)."""
     start_server: Callable[..., Any]            # (run, log=None) -> (record, started now); a live one is kept
-    check_ready: Callable[..., Any]             # (run, health_timeout_s) -> ("ready"|"loading"|"stuck"|"dead", info, why)
+    # (run, health_timeout_s) -> ("ready" | "loading" | "stuck" | "dead", its info, why)
+    check_ready: Callable[..., Any]
     # (run, timeout_s=None, poll_s=1.0, log=None) -> info; raises ServerNotReady when the wait ran out, a
     # subclass of it when the server died or is stuck (phase_jobs.wait_server_ready)
     wait_server_ready: Callable[..., Any]

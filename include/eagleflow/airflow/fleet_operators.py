@@ -40,7 +40,7 @@ from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.pipeline_operators import check_inputs_on_node
 from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
-from eagleflow.phases import EXTRACT, GENERATE, kind_of
+from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 
 PREPARE_TASK = "prepare_node"
@@ -56,24 +56,24 @@ def _copy_dir():
     return copy_dir
 
 
-def handed_over_on_node(ctx, shard: int, phase: str) -> str | None:
-    """The fleet node this run's node handed ``shard`` of ``phase`` over to (its mark, read on the node), or
+def handed_over_on_node(ctx, shard: int, kind: ShardKind) -> str | None:
+    """The fleet node this run's node handed ``shard`` of the phase over to (its mark, read on the node), or
     None while the shard is this node's (always outside a fleet: nothing is handed over there)."""
     if not ctx.cfg.is_fleet:
         return None
     from eagleflow.fleet.takeover import hand_over_mark, mark_of
-    text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, phase)))
+    text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, kind.phase)))
     return None if text is None else one_line(str(mark_of(text).get("to")))   # the node's text: logs, messages
 
 
-def skip_if_handed_over(ctx, shard: int, phase: str) -> None:
+def skip_if_handed_over(ctx, shard: int, kind: ShardKind) -> None:
     """A shard task of a node's group run again after its node handed the shard over: it skips, saying where
     the shard went (its worker would refuse it anyway: ``fleet.takeover.refuse_if_handed_over``)."""
-    taken_by = handed_over_on_node(ctx, shard, phase)
+    taken_by = handed_over_on_node(ctx, shard, kind)
     if taken_by is not None:
-        raise AirflowSkipException(f"{phase} shard {shard} of run {ctx.layout.run_id}: node {ctx.cfg.node.name} "
-                                   f"handed it over to {taken_by}, which works on it (see "
-                                   f"{kind_of(phase).takeover_task}); nothing to do here")
+        raise AirflowSkipException(f"{kind.phase} shard {shard} of run {ctx.layout.run_id}: node "
+                                   f"{ctx.cfg.node.name} handed it over to {taken_by}, which works on it (see "
+                                   f"{kind.takeover_task}); nothing to do here")
 
 
 def node_in_use(cfg, name: str) -> bool:
@@ -185,7 +185,7 @@ class CollectShardsOperator(RunOperator):
         copied, problems = {}, []
         try:
             for shard in ready.get(kind.prepared_key) or []:
-                taken_by = handed_over_on_node(ctx, shard, self.phase)
+                taken_by = handed_over_on_node(ctx, shard, kind)
                 if taken_by is not None:   # the taking node works on it in its own run dir: this copy is stale
                     self.log.warning("%s shard %d: node %s handed it over to %s; not copied (its copy here would "
                                      "overwrite the shard %s completes)", self.phase, shard, name, taken_by, taken_by)

@@ -8,6 +8,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.routing import routing_mismatches
 from eagleflow.config import ConfigError, check_run_name
+from eagleflow.phases import ShardKind
 from eagleflow.preflight import PreflightReport
 
 
@@ -79,12 +80,12 @@ def check_inputs_on_node(ctx, log) -> None:
             "fix them and trigger again:\n" + "\n".join(f"  - {p.line()}" for p in report.problems))
 
 
-def plan_node_shards(ctx, phase: str, log) -> list[int]:
-    """This node's share of ``phase``'s shards (eagleflow.fleet.assign): all of them on a single node, logged
+def plan_node_shards(ctx, kind: ShardKind, log) -> list[int]:
+    """This node's share of the phase's shards (eagleflow.fleet.assign): all of them on a single node, logged
     beside the whole plan."""
     from eagleflow.fleet.assign import run_assignment
-    plan = run_assignment(ctx.cfg, phase)
+    plan = run_assignment(ctx.cfg, kind.phase)
     mine = plan.get(ctx.cfg.node.name, [])
-    log.info("%s planned as %d shard(s); node %s takes %d: %s (whole plan: %s)", phase,
+    log.info("%s planned as %d shard(s); node %s takes %d: %s (whole plan: %s)", kind.noun,
              sum(len(v) for v in plan.values()), ctx.cfg.node.name, len(mine), mine, plan)
     return mine

@@ -172,7 +172,7 @@ class PlanShardsOperator(PhaseOperator):
         if not self.kind.enabled(ctx.cfg):
             return [0]
         from eagleflow.airflow.pipeline_operators import plan_node_shards
-        return plan_node_shards(ctx, self.phase, self.log)
+        return plan_node_shards(ctx, self.kind, self.log)
 
 
 class ShardOperator(PhaseOperator):
@@ -200,7 +200,7 @@ class ShardOperator(PhaseOperator):
             return None
         kind, life = self.kind, self.kind.lifecycle()
         shard = int(self.shard)
-        skip_if_handed_over(ctx, shard, self.phase)   # a fleet node's group cleared after its hand-over
+        skip_if_handed_over(ctx, shard, kind)   # a fleet node's group cleared after its hand-over
         try_number = getattr(context.get("ti"), "try_number", None) or 1
         # a fault found before the worker starts (a retry's look blaming the server or the worker, the server
         # stopped, a zombie or gone) is mailed and recovered through the watch (eagleflow.airflow.shard_start)
@@ -215,7 +215,7 @@ class ShardOperator(PhaseOperator):
                               shard, try_number, look.summary)
                 life.before_retry(ctx, shard, self.log)
             look = None
-        fault = fault_before_start(ctx, shard, self.phase, first, self.log, look)
+        fault = fault_before_start(ctx, shard, kind, first, self.log, look)
         if fault is not None:
             return self._watch(ctx, context, fault.to_dict())
         if kind.shard_starts_server:
@@ -264,7 +264,7 @@ class ShardOperator(PhaseOperator):
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
             ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch,
             recover=lambda raw, pending: mail_and_recover(ctx, context, raw, pending, shard=int(self.shard),
-                                                          phase=self.phase, log=self.log)))
+                                                          kind=self.kind, log=self.log)))
         return self._finish(ctx, final)
 
     def _finish(self, ctx: RunContext, final):

@@ -26,7 +26,7 @@ from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes import NodeError
 from eagleflow.phase_jobs import STUCK_STATES, log_tail
-from eagleflow.phases import ShardKind, kind_of
+from eagleflow.phases import ShardKind
 from eagleflow.watchdog.diagnosis import StallDiagnosis
 from eagleflow.watchdog.protocol import WatchEvent
 
@@ -107,14 +107,13 @@ def first_watch_of_a_fault(trigger_of, ctx: RunContext) -> ShardWatchTrigger:
     return trigger_of(run=ctx.trigger_ref(), recoveries_left=max(1, ctx.cfg.watchdog.recoveries_in_watch))
 
 
-def fault_before_start(ctx: RunContext, shard: int, phase: str, trigger: ShardWatchTrigger, log,
+def fault_before_start(ctx: RunContext, shard: int, kind: ShardKind, trigger: ShardWatchTrigger, log,
                        look: StallDiagnosis | None = None) -> WatchEvent | None:
     """The watch's event for a fault found before the shard's worker starts (see the module's doc), or None.
 
     ``look``: a retry's first look of the watch (``retry_look``), when the operator took one: a verdict the watch
     recovers (``watch_recovers``) is that fault. ``trigger``: the shard's first watch (its recoveries, mails and
     incidents to close; ``first_watch_of_a_fault``)."""
-    kind = kind_of(phase)
     if look is not None and watch_recovers(look):
         log.warning("%s %d: a retry's first look found it %s (cause %s): opening the incident and recovering "
                     "now: %s", kind.watch_name, shard, look.verdict, look.cause, look.summary)

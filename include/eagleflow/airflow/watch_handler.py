@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from eagleflow.airflow.base import run_trigger_here
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.phases import ShardKind
 from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Recovering, Resumed, Unreachable,
                                          WatchEvent, next_step, parse_event)
 
@@ -25,7 +26,7 @@ Recover = Callable[[dict[str, Any], list[PendingMail]], tuple[int, "IncidentClos
 
 
 def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: list[PendingMail], *,
-                     shard: int, phase: str, log: logging.Logger | Any
+                     shard: int, kind: ShardKind, log: logging.Logger | Any
                      ) -> tuple[int, "IncidentClose | None", list[PendingMail]]:
     """The one in-watch recovery step of a shard's task, whatever its phase (a ``Recover``): mail (when this shard
     opened the incident), then restart what the cause names on the node (``recovery.recover_after_stall``).
@@ -39,18 +40,18 @@ def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: l
     from eagleflow.watchdog.diagnosis import StallDetected
     from eagleflow.watchdog.recovery import recover_after_stall
     inc = event.get("incident") or {}
-    log.warning("%s shard %s stalled (%s, incident %s, %s it): %s", phase, shard, event.get("cause"),
+    log.warning("%s %s stalled (%s, incident %s, %s it): %s", kind.watch_name, shard, event.get("cause"),
                 inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
     close = None
     if inc.get("opened"):
         pending = mail_or_keep(context, pending, "stall", event)
         close = close_of_stall(event)
     try:
-        recover_after_stall(ctx, shard, event, log, phase=phase)
+        recover_after_stall(ctx, shard, event, log, kind=kind)
     except (RuntimeError, NodeError) as e:
         if pending:
             log_unsent(send_pending(context, list(pending), force=True))
-        raise StallDetected(event.get("subject") or f"{phase} shard {shard} stalled",
+        raise StallDetected(event.get("subject") or f"{kind.watch_name} {shard} stalled",
                             f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
     return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 

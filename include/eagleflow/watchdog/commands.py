@@ -130,6 +130,7 @@ def _recover(args) -> int:
 
     cfg, layout = run_from_args(args)
     run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
+    kind = kind_of(args.phase)   # the phase is its descriptor from here on
     lines: list[str] = []
 
     def log(msg: str) -> None:
@@ -141,19 +142,19 @@ def _recover(args) -> int:
         from .recovery import recovery_budget_s
         from .sentinel import looks_path, record_look
         from .signals import WatchedJob
-        job = WatchedJob(shard=args.shard, num_shards=kind_of(args.phase).num_shards(cfg), phase=args.phase)
+        job = WatchedJob(shard=args.shard, num_shards=kind.num_shards(cfg), phase=kind.phase)
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
                                               "until": time.time() + recovery_budget_s(cfg),
                                               "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
         from .recovery import open_incident
-        result = open_incident(run, args.shard, args.cause, args.summary, args.phase).to_dict()
+        result = open_incident(run, args.shard, args.cause, args.summary, kind).to_dict()
     elif args.cause:
         from .recovery import recover_in_watch
         result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident,
-                                  phase=args.phase)
+                                  kind=kind)
     else:
-        result = recover_server(run, args.shard, log=log, phase=args.phase)
+        result = recover_server(run, args.shard, log=log, kind=kind)
     if args.cause and not args.incident_only:
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
                                               "summary": str(result.get("summary", ""))[:300]})

@@ -35,13 +35,14 @@ from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
 from eagleflow.nodes.process_record import leader_state
-from eagleflow.phases import EXTRACT, KINDS, ShardKind, kind_of
+from eagleflow.phases import EXTRACT, KINDS, ShardKind
 
 from .protocol import OpenIncident
 
 Log = Callable[[str], None]
 # the watch's name for "the job's server", whichever phase's it is (the extraction's server role, kept on the wire)
 SERVER_CAUSE = KINDS[EXTRACT].server_role
+EXTRACTION = KINDS[EXTRACT]   # what a call that names no phase recovers (``eagleflow recover`` without --phase)
 
 
 def server_restart_s(cfg) -> float:
@@ -74,32 +75,31 @@ def lock_path(run: RunLike, server_role: str = SERVER_CAUSE) -> str:
     return str(run.layout.restart_lock_file(server_role))
 
 
-def restarts_path(run: RunLike, phase: str = EXTRACT) -> str:
-    """The run's restart log of ``phase``'s server: one JSON line per restart a recovery made."""
-    return str(run.layout.locks_dir / f"{run.layout.run_id}.{kind_of(phase).server_role}.restarts.jsonl")
+def restarts_path(run: RunLike, kind: ShardKind = EXTRACTION) -> str:
+    """The run's restart log of the phase's server: one JSON line per restart a recovery made."""
+    return str(run.layout.locks_dir / f"{run.layout.run_id}.{kind.server_role}.restarts.jsonl")
 
 
-def read_restarts(run: RunLike, phase: str = EXTRACT) -> list[dict]:
+def read_restarts(run: RunLike, kind: ShardKind = EXTRACTION) -> list[dict]:
     try:
-        with os.fdopen(open_owned(restarts_path(run, phase), os.O_RDONLY, narrow=True)) as f:
-            return [bounded_json.loads(line, source=restarts_path(run, phase)) for line in f
+        with os.fdopen(open_owned(restarts_path(run, kind), os.O_RDONLY, narrow=True)) as f:
+            return [bounded_json.loads(line, source=restarts_path(run, kind)) for line in f
                     if line.strip().endswith("}")]
     except (OSError, ValueError):
         return []
 
 
-def _log_restart(run: RunLike, entry: dict, phase: str = EXTRACT) -> None:
+def _log_restart(run: RunLike, entry: dict, kind: ShardKind = EXTRACTION) -> None:
     # appended to, never replaced: not through a link planted at its name (durable.open_owned)
-    with os.fdopen(open_owned(restarts_path(run, phase), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644,
+    with os.fdopen(open_owned(restarts_path(run, kind), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644,
                               narrow=True), "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
-def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTRACT) -> dict[str, Any]:
-    """On the node: make the run's server of ``phase`` healthy, restarting it at most once per incident (a retry's
-    recovery; extraction's ``before_retry``)."""
+def recover_server(run: RunLike, shard: int, log: Log = print, kind: ShardKind = EXTRACTION) -> dict[str, Any]:
+    """On the node: make the run's server of the phase (``kind``) healthy, restarting it at most once per
+    incident (a retry's recovery; extraction's ``before_retry``)."""
     cfg = run.cfg
-    kind = kind_of(phase)
     life = kind.lifecycle()
     lock = NodeLock(lock_path(run, kind.server_role), purpose=f"{kind.server} recovery for run {run.layout.run_id}")
     t0 = time.time()
@@ -112,7 +112,7 @@ def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTR
         # stopped (T) or a zombie comes back "stuck" with no health request: none can succeed, none is waited for
         state, info, detail = life.check_ready(run, cfg.watchdog.health_timeout_s)
         if state == "ready" and info is not None:   # a ready server has answered its info
-            restarts = read_restarts(run, phase)
+            restarts = read_restarts(run, kind)
             last = restarts[-1] if restarts else None
             by = (f" (restarted at {time.strftime('%H:%M:%S', time.localtime(last['at']))} for shard "
                   f"{last['shard']})") if last and time.time() - last["at"] < 3600 else ""
@@ -121,7 +121,7 @@ def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTR
             return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
         rec = run.node.process_status(str(run.layout.pid_file(kind.server_role))).record
         if (state == "loading" and rec is not None
-                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s, phase)):
+                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s, kind)):
             log(f"shard {shard}: {kind.server} pid {rec.pid} was restarted by a recovery "
                 f"{time.time() - rec.started_at:.0f} s ago and is loading ({detail}); waiting for it")
             info = life.wait_server_ready(run, log=log)
@@ -130,7 +130,7 @@ def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTR
         reason = detail if state in ("dead", "stuck") else f"not answering /health_generate within " \
                                                             f"{cfg.watchdog.health_timeout_s:.0f} s ({detail})"
         log(f"shard {shard}: {kind.server} unhealthy: {reason}; restarting it")
-        restart = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 30.0), phase=phase)
+        restart = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 30.0), kind=kind)
         old_pid, new_pid, gpus = restart["old_pid"], restart["new_pid"], restart["gpus"]
         summary = (f"{kind.server} restarted for shard {shard}: was pid {old_pid} ({reason}); now pid {new_pid} "
                    f"at {restart['url']}, ready after {time.time() - t0:.0f} s; GPUs: {gpus}")
@@ -145,7 +145,8 @@ def recover_server(run: RunLike, shard: int, log: Log = print, phase: str = EXTR
         lock.release()
 
 
-def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str = EXTRACT) -> OpenIncident:
+def open_incident(run: RunLike, shard: int, cause: str, summary: str,
+                  kind: ShardKind = EXTRACTION) -> OpenIncident:
     """On the node, the moment a shard's watch finds a stall: open or join the incident of (node, cause).
 
     Quick (no restart here): the caller mails when it opened the incident, then calls
@@ -157,14 +158,14 @@ def open_incident(run: RunLike, shard: int, cause: str, summary: str, phase: str
                                     run_id=run.layout.run_id, shard=shard, summary=summary,
                                     join_window_s=run.cfg.watchdog.detection_bound_s)
     return OpenIncident(incident=incident["id"], opened=opened, cause=cause,
-                        incident_shards=tuple(sorted(incident.get("shards", {}))), shards=shard_counts(run, phase),
+                        incident_shards=tuple(sorted(incident.get("shards", {}))), shards=shard_counts(run, kind),
                         summary=f"incident {incident['id']} {'opened' if opened else 'joined'}")
 
 
 def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Log = print,
-                     incident_id: str | None = None, phase: str = EXTRACT) -> dict[str, Any]:
+                     incident_id: str | None = None, kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """On the node, right after the shard's watch found a stall (no Airflow retry in between); one recovery for
-    every sharded phase (``phase``: its server and workers, its descriptor's ``lifecycle()``).
+    every sharded phase (``kind``: its server and workers, its descriptor's ``lifecycle()``).
 
     Stops the shard's stuck worker; for a server cause, restarts the server at most once per incident,
     without a health re-check when it is provably dead or stopped (gone, zombie, state T) and even when
@@ -173,12 +174,11 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     """
     from .incidents import current, record_recovery
     cfg = run.cfg
-    kind = kind_of(phase)
     lifecycle = kind.lifecycle()
     t0 = time.time()
     incident = current(run.layout.state_dir, cfg.node.name, cause)
     if incident_id is None or incident is None or incident.get("id") != incident_id:
-        opened = open_incident(run, shard, cause, summary, phase).opened
+        opened = open_incident(run, shard, cause, summary, kind).opened
         incident = current(run.layout.state_dir, cfg.node.name, cause)
         if incident is None:   # open_incident has just written it; only someone deleting the book loses it
             raise RuntimeError(f"the incident of {cause} on node {cfg.node.name} opened for shard {shard} is gone "
@@ -194,7 +194,7 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
             lock.acquire(timeout_s=server_restart_s(cfg))
             try:
                 result["worker"] = _stop_stuck_worker(run, shard, log, kind)
-                result.update(_restart_server_once(run, shard, incident, log, phase))
+                result.update(_restart_server_once(run, shard, incident, log, kind))
             finally:
                 lock.release()
         else:
@@ -211,7 +211,7 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
         result["summary"] = f"in-watch recovery of shard {shard} failed: {type(e).__name__}: {e}"
     log(f"shard {shard}: {result['summary']}")
     result["recovered_at"] = time.time()
-    result["shards"] = shard_counts(run, phase)
+    result["shards"] = shard_counts(run, kind)
     stored = record_recovery(run.layout.state_dir, incident,
                              {k: result[k] for k in ("ok", "action", "summary", "recovered_at")}
                              | {"shard": shard})
@@ -219,13 +219,13 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     return result
 
 
-def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log, phase: str = EXTRACT) -> dict[str, Any]:
+def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log,
+                         kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     cfg = run.cfg
-    kind = kind_of(phase)
     status = run.node.process_status(str(run.layout.pid_file(kind.server_role)))
     rec = status.record
     st = read_stat(rec.pid) if status.alive and rec is not None else None
-    restarted_in_incident = [i for i in read_restarts(run, phase)
+    restarted_in_incident = [i for i in read_restarts(run, kind)
                              if i.get("incident") == incident["id"] and rec and i.get("new_pid") == rec.pid]
     if rec is None or st is None:
         reason = f"pid {rec.pid if rec else '?'} is gone (no health re-check needed)"
@@ -242,7 +242,7 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log, pha
     t0 = time.time()
     # the watch saw the stall a moment ago: a shorter grace and a finer readiness poll than a retry's
     entry = _restart_server(run, shard, rec, reason, log, grace_s=min(cfg.gpu.kill_grace_s, 10.0), poll_s=0.25,
-                            incident_id=incident["id"], phase=phase)
+                            incident_id=incident["id"], kind=kind)
     return {"action": "restarted", "restart": entry,
             "server_summary": f"{kind.server} restarted: was pid {entry['old_pid']} ({reason}); now pid "
                               f"{entry['new_pid']} at {entry['url']}, ready {time.time() - t0:.1f} s later; "
@@ -251,14 +251,14 @@ def _restart_server_once(run: RunLike, shard: int, incident: dict, log: Log, pha
 
 def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason: str, log: Log, *, grace_s: float,
                     poll_s: float | None = None, incident_id: str | None = None,
-                    phase: str = EXTRACT) -> dict[str, Any]:
+                    kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """The one server restart, under the caller's recovery lock: stop it (pid record; the stop sends CONT after
     TERM, so a SIGSTOPped server acts on it), wait until the GPUs read idle, start it, wait until it answers,
     and log the restart (the entry, returned). ``incident_id``: the incident book's incident it belongs to."""
-    lifecycle = kind_of(phase).lifecycle()
+    lifecycle = kind.lifecycle()
     old_pid = rec.pid if rec else None
     lifecycle.stop_server(run, grace_s=grace_s, log=log)
-    gpus = _free_and_verify_gpus(run, log, kind_of(phase).server)
+    gpus = _free_and_verify_gpus(run, log, kind.server)
     proc, _ = lifecycle.start_server(run, log=log)
     info = (lifecycle.wait_server_ready(run, log=log) if poll_s is None
             else lifecycle.wait_server_ready(run, poll_s=poll_s, log=log))
@@ -266,15 +266,14 @@ def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason:
              "url": info.get("url"), "gpus": gpus}
     if incident_id is not None:
         entry["incident"] = incident_id
-    _log_restart(run, entry, phase)
+    _log_restart(run, entry, kind)
     return entry
 
 
-def shard_counts(run: RunLike, phase: str = EXTRACT) -> dict[str, str]:
-    """Every shard's stored units (from its manifest) out of its total (from its heartbeat), of ``phase``."""
+def shard_counts(run: RunLike, kind: ShardKind = EXTRACTION) -> dict[str, str]:
+    """Every shard's stored units (from its manifest) out of its total (from its heartbeat), of the phase."""
     from eagleflow.heartbeat import Heartbeat
     from .signals import WatchedJob, stored_samples
-    kind = kind_of(phase)
     out = {}
     for i in range(kind.num_shards(run.cfg)):
         try:
@@ -282,7 +281,7 @@ def shard_counts(run: RunLike, phase: str = EXTRACT) -> dict[str, str]:
         except (ValueError, TypeError, KeyError):
             hb = None
         total = f"/{hb.total:,}" if hb and hb.total else ""
-        out[str(i)] = f"{stored_samples(run.layout, i, WatchedJob(shard=i, phase=phase)):,}{total}"
+        out[str(i)] = f"{stored_samples(run.layout, i, WatchedJob(shard=i, phase=kind.phase)):,}{total}"
     return out
 
 
@@ -296,11 +295,11 @@ def _stop_stuck_worker(run: RunLike, shard: int, log: Log, kind: ShardKind) -> s
 
 
 def _restarted_by_us_and_loading(run: RunLike, rec: ProcessRecord | None, within_s: float,
-                                 phase: str = EXTRACT) -> bool:
+                                 kind: ShardKind = EXTRACTION) -> bool:
     """The same incident: the live server is the one a recovery started less than ``within_s`` ago."""
     if rec is None or not rec.started_at:
         return False
-    last = read_restarts(run, phase)[-1:]
+    last = read_restarts(run, kind)[-1:]
     if not last or last[0].get("new_pid") != rec.pid:
         return False
     st = leader_state(rec)
@@ -333,7 +332,7 @@ def _free_and_verify_gpus(run: RunLike, log: Log, server: str = "capture server"
 
 # ----------------------------------------------------------------------------- control plane side
 def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident: str | None = None,
-                    summary: str = "", phase: str = EXTRACT) -> dict[str, Any]:
+                    summary: str = "", kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """The one control-plane call of a recovery, for every cause: ``eagleflow recover --shard I --json`` (with
     ``--cause``/``--incident``/``--summary`` after a watch's stall), given ``recovery_budget_s`` plus
     ``RECOVERY_COMMAND_SLACK_S``. ``log`` is a logger (``.info``) or a callable. Raises RuntimeError when the
@@ -342,7 +341,7 @@ def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident:
     argv = ["recover", "--shard", str(shard), "--json"]
     if cause is not None:
         argv += ["--cause", cause, "--incident", str(incident), "--summary", summary[:1500]]
-    argv += ["--phase", phase]
+    argv += ["--phase", kind.phase]
     try:
         # exit 1 still carries the result: a recovery that failed says why
         result = ctx.node.run_json(ctx.eagleflow_argv(*argv), RecoveryResult,
@@ -356,16 +355,17 @@ def recover_on_node(ctx, shard: int, log, *, cause: str | None = None, incident:
     return result.model_dump()
 
 
-def recover_before_retry(ctx, shard: int, log, phase: str = EXTRACT) -> dict[str, Any]:
+def recover_before_retry(ctx, shard: int, log, kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """A phase's ``before_retry`` when its worker waits for the server itself (extraction): called by the shard's
     task on a retry whose first look found the shard stalled, dead or failed with a cause the watch does not
     recover (a live, progressing worker is attached to instead), and by a reconcile rerun's retry."""
-    return recover_on_node(ctx, shard, log, phase=phase)
+    return recover_on_node(ctx, shard, log, kind=kind)
 
 
-def recover_after_stall(ctx, shard: int, event: dict[str, Any], log, phase: str = EXTRACT) -> dict[str, Any]:
+def recover_after_stall(ctx, shard: int, event: dict[str, Any], log,
+                        kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """Control plane, right after the watch's stall event (and its mail): the recovery of the event's cause in
     the event's incident; Airflow's retry (``recover_before_retry``) is the fallback when it fails."""
     inc = event.get("incident") or {}
     return recover_on_node(ctx, shard, log, cause=str(event.get("cause")), incident=str(inc.get("incident")),
-                           summary=next(iter((event.get("diagnosis") or "").splitlines()), ""), phase=phase)
+                           summary=next(iter((event.get("diagnosis") or "").splitlines()), ""), kind=kind)
