@@ -52,3 +52,34 @@ def test_no_phase_name_literal_outside_the_descriptors():
              if (lines := phase_name_literals(f.read_text(), str(f)))}
     assert found == {}, ("phase names written as strings (use the descriptor: phases.KINDS / EXTRACT / GENERATE, "
                          f"a ShardKind field or its lifecycle): {found}")
+
+
+# the one module of a phase's package others still read: the manifest format both phases write (capture's)
+SHARED_FORMATS = {"eagleflow.capture.manifest"}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_the_watchdog_and_the_operators_reach_a_phase_through_its_descriptor():
+    """A phase's server and workers are its descriptor's ``lifecycle()`` (``lifecycle_ref``): the watchdog, the
+    operators, the fleet and the DAGs import no phase package (imports inside functions counted)."""
+    packages = {kind.lifecycle_ref.split(":")[0].rsplit(".", 1)[0] for kind in KINDS.values()}
+    assert packages == {"eagleflow.capture", "eagleflow.generate"}
+    layers = [PACKAGE / "watchdog", PACKAGE / "airflow", PACKAGE / "fleet", REPO / "dags", REPO / "plugins"]
+    found = {}
+    for f in sorted(p for layer in layers for p in layer.rglob("*.py")):
+        bad = sorted(m for m in _imports(f) if any(m == p or m.startswith(p + ".") for p in packages)
+                     and not any(m == s or m.startswith(s + ".") for s in SHARED_FORMATS))
+        if bad:
+            found[f.relative_to(REPO).as_posix()] = bad
+    assert found == {}, f"a phase's package imported past its descriptor: {found}"
+    for kind in KINDS.values():   # and each descriptor names a lifecycle that is there
+        assert kind.lifecycle().start_worker is not None

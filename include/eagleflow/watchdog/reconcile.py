@@ -43,7 +43,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleflow.capture.lifecycle import SERVER_ROLE
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
@@ -254,4 +253,4 @@ def run_dir_for(cfg: PipelineConfig, run_id: str) -> Path:
 
 
 __all__ = ["ShardState", "scan", "phases_to_scan", "claim", "release", "run_local", "latest_runs", "run_dir_for",
-           "SERVER_ROLE", "hand_over", "own_shards", "shard_state"]
+           "hand_over", "own_shards", "shard_state"]
