@@ -234,7 +234,7 @@ def fault_cycle(run: LocalRun, fault: str, hang_file: Path, smtp: SmtpSink, boun
     result["detect_s"] = ev.get("detected_at", time.time()) - t0
     result["headline"] = (ev.get("diagnosis") or "").splitlines()[0][:400]
     if ev.get("status") == "recovering":
-        # what ExtractShardOperator does with this event: mail (this shard opened the incident), then recover
+        # what the ShardOperator does with this event: mail (this shard opened the incident), then recover
         base = ev_stored(ev)
         if (ev.get("incident") or {}).get("opened"):
             mail(smtp, ev, task_id=kind.shard_task)
@@ -274,7 +274,7 @@ def partition_cycle(run: LocalRun, host, smtp: SmtpSink, outage_s: float, watch:
         await asyncio.to_thread(host.link_down)
         ev = await first
         r["t_event"] = time.time()
-        if ev.get("status") == "unreachable" and ev.get("mail"):   # what ExtractShardOperator does
+        if ev.get("status") == "unreachable" and ev.get("mail"):   # what the ShardOperator does
             await asyncio.to_thread(mail, smtp, ev)
         await asyncio.sleep(max(0.0, r["t_fault"] + outage_s - time.time()))
         r["stored_while_down"] = stored(run) - r["stored_at_cut"]

@@ -1,6 +1,6 @@
 """The watch's mails say what happened and never decide the task's fate (issue 27 items 2 and 6).
 
-The real hf capture server is SIGKILLed mid-shard; the real ExtractShardOperator (non-deferrable: the
+The real hf capture server is SIGKILLed mid-shard; the real extraction ShardOperator (non-deferrable: the
 watch runs in this process) finds it, mails, restarts the server in the same try and watches the shard
 to its end. Mails go to a real SMTP server (aiosmtpd).
 """

@@ -1,7 +1,7 @@
 """A retry looks before it acts (issue 27): the control plane dies mid-extraction, try 2 attaches.
 
 Non-deferrable mode (``AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE=False``), so the watch runs inside the task's
-own process. Try 1 is a real ExtractShardOperator in a process of its own: it starts the shard's detached
+own process. Try 1 is a real extraction ShardOperator in a process of its own: it starts the shard's detached
 worker through the real code and watches it; that process is SIGKILLed mid-shard (the control plane gone,
 the worker on the node untouched). Try 2 is the same operator with ``try_number=2``: it looks first (one
 ``eagleflow watch`` look), finds the worker healthy and attaches to it. The one worker finishes the shard:

@@ -1,5 +1,5 @@
 """ShardWatchTrigger on a FakeNode: each event the watch yields (complete, stalled, recovering, unreachable, resumed,
-mail due, failed) from the node's typed answers, in milliseconds; and ExtractShardOperator's start, attach,
+mail due, failed) from the node's typed answers, in milliseconds; and the extraction ShardOperator's start, attach,
 hand-over skip and in-slot watch.
 
 The trigger's real loop runs: it reads the run's frozen config on the node, sends ``eagleflow watch --shard I
@@ -180,7 +180,7 @@ def test_a_malformed_watch_answer_is_a_failing_command_not_a_verdict(run):
     assert ev["status"] == "failed" and ev["verdict"] == "unreachable"
 
 
-# -- ExtractShardOperator: start, attach, hand-over, the watch in the worker slot ---------------------------
+# -- ShardOperator (extraction): start, attach, hand-over, the watch in the worker slot ----------------------
 
 def test_the_first_try_starts_the_worker_and_its_sentinel_locked_then_defers_the_watch(run):
     ctx, node = run

@@ -67,7 +67,7 @@ def test_stall_mail_has_both_parts_the_diagnosis_and_the_tasks_own_retry_text(tm
         assert "90.1 GB / 95.6 GB" in body
         assert link in body or link.replace("&", "&amp;") in body
         assert "Airflow retries it in 90 s (try 1 failed of 3)" in body
-        assert "resumes the shard from its manifest" in body   # ExtractShardOperator's own retry_advice
+        assert "resumes the shard from its manifest" in body   # the extraction descriptor's retry_advice (ShardOperator's)
     assert "<pre>" in parts["text/html"] and "<" not in parts["text/plain"].replace("<eagleflow", "")
 
 
