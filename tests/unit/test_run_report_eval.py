@@ -68,3 +68,27 @@ def test_report_shows_the_paired_speedup_spread_and_its_note(tmp_path):
     html = write_report(cfg, layout).read_text()
     assert "<td>1.08x (0.91-1.20) <b title='speed-up 1.08 is above the acceptance length 1.000 &lt;noise&gt;'>*</b>" \
         in html
+
+
+def test_report_says_who_approved_or_rejected_the_draft_and_why(tmp_path):
+    """eval.approval: pending, approved, rejected (the draft in service stays), a person's text escaped."""
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/t"})
+    layout = RunLayout.for_run(cfg, "r1")
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    base = {"results": [_row("3/1/4", 1.9, baseline=1.8)], "passed": True, "refused": [], "target_dtype": "float32",
+            "device": "cpu", "max_new_tokens": 64, "eval_file": str(run_dir / "eval.json"),
+            "baseline_draft": "/runs/old/draft/export"}
+
+    def report(**ev) -> str:
+        (run_dir / "eval.json").write_text(json.dumps({**base, **ev}))
+        return write_report(cfg, layout).read_text()
+    assert "waiting for a person's approval" in report(approval={"mode": "always", "state": "pending"})
+    html = report(approval={"state": "approved", "decision": "approve", "by": "alice", "why": "better on GSM8K",
+                            "decided_at": "2026-12-06T08:00:00Z"}, promoted="/runs/promoted.json")
+    assert ("approved by alice at 2026-12-06T08:00:00Z: &ldquo;better on GSM8K&rdquo;; promoted: "
+            "<code>/runs/promoted.json</code>") in html
+    html = report(approval={"state": "rejected", "decision": "reject", "by": "bob", "why": "<b>worse</b> on MT"})
+    assert ("rejected by bob: &ldquo;&lt;b&gt;worse&lt;/b&gt; on MT&rdquo;. Not promoted: the draft in service "
+            "stays: <code>/runs/old/draft/export</code>.") in html and "<b>worse" not in html
+    assert "rejected by nobody: no answer in time" in report(approval={"state": "rejected", "decision": "timeout"})

@@ -299,6 +299,28 @@ def _export(data: dict) -> str:
             + serve)
 
 
+def _approval(ev: dict) -> str:
+    """A passing draft: promoted by the gate, or what a person decided (eval.approval): who, why, when."""
+    a = ev.get("approval") or {}
+    state = a.get("state")
+    if state in (None, "not_needed"):
+        return f"<p class='ok'>Passed the promotion gate; promoted: <code>{_e(ev.get('promoted'))}</code></p>"
+    if state == "pending":
+        return ("<p class='missing'>Passed the promotion gate; waiting for a person's approval (Airflow: Required "
+                "Actions): not promoted yet.</p>")
+    who = _e(a.get("by") or ("nobody: no answer in time" if a.get("decision") == "timeout" else "unknown"))
+    why = f": &ldquo;{_e(a['why'])}&rdquo;" if a.get("why") else ""
+    when = f" at {_e(a['decided_at'])}" if a.get("decided_at") else ""
+    if state == "approved":
+        return (f"<p class='ok approval'>Passed the promotion gate; approved by {who}{when}{why}; promoted: "
+                f"<code>{_e(ev.get('promoted'))}</code></p>")
+    verb = "approved, but not promoted" if a.get("decision") == "approve" else "rejected"
+    kept = (f"the draft in service stays: <code>{_e(ev.get('baseline_draft'))}</code>" if ev.get("baseline_draft")
+            else "nothing is in service")
+    return (f"<p class='failed approval'>Passed the promotion gate; {verb} by {who}{when}{why}. Not promoted: "
+            f"{kept}" + (f" ({_e(a['stale'])})" if a.get("stale") else "") + ".</p>")
+
+
 def _evaluation(ev: dict | None) -> str:
     """Held-out speculative decoding (eagleflow.evaluate): configuration x prompt set, the gate's verdict."""
     if not ev:
@@ -317,9 +339,8 @@ def _evaluation(ev: dict | None) -> str:
                  f"<td>{d['target_tokens_per_s']:.1f}</td><td>{(d['speedup'] or 0):.2f}x{_speed_spread(d)}</td>"
                  f"<td>{lossless}</td>"
                  f"<td>{r['min_accept_length']:.2f}</td><td>{base}</td></tr>")
-    verdict = (f"<p class='ok'>Passed the promotion gate; promoted: <code>{_e(ev.get('promoted'))}</code></p>"
-               if ev.get("passed") else "<p class='failed'>Refused by the promotion gate (the export is kept): "
-               + _e("; ".join(ev.get("refused", []))) + "</p>")
+    verdict = (_approval(ev) if ev.get("passed") else "<p class='failed'>Refused by the promotion gate (the "
+               "export is kept): " + _e("; ".join(ev.get("refused", []))) + "</p>")
     return (f"{verdict}<table>{head}{rows}</table><p>Greedy decoding of held-out prompts, target "
             f"{_e(ev.get('target_dtype'))} on {_e(ev.get('device'))}, up to {_e(ev.get('max_new_tokens'))} new tokens; "
             "acceptance length = tokens per target verify pass (1.0 = the draft never right). Figures: "
