@@ -24,6 +24,7 @@ from eagleflow.nodes import ProcessRecord
 from eagleflow.phase_jobs import (check_server_ready, read_server_info, start_exclusive, start_or_attach_server,
                                   wait_server_ready)
 from eagleflow.phases import EXTRACT, KINDS
+from eagleflow.serving.launch import dump_dir  # noqa: F401  (where the capture server dumps; read here too)
 
 SERVER_ROLE = KINDS[EXTRACT].server_role
 
@@ -35,10 +36,6 @@ def worker_role(shard: int) -> str:
 def worker_role_pattern() -> str:
     """A regular expression matching every ``worker_role`` whole."""
     return KINDS[EXTRACT].worker_role_pattern()
-
-
-def dump_dir(cfg: PipelineConfig) -> str:
-    return str(cfg.resolve(cfg.capture.dump_dir))
 
 
 # --- the capture server -------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eagleflow.config import PipelineConfig
+from eagleflow.durable import atomic_write
 from eagleflow.layout import RunLayout
 
 SELF_CHECK_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -97,10 +98,19 @@ def plan_capture(cfg: PipelineConfig, layout: RunLayout) -> CapturePlan:
                        dump_key=key)
 
 
+def dump_dir(cfg: PipelineConfig) -> str:
+    """Where a capture server dumps (``capture.dump_dir``, resolved): every engine's, and the worker's reading."""
+    return str(cfg.resolve(cfg.capture.dump_dir))
+
+
+def write_info_file(path: str, info: dict) -> None:
+    """A server's info file (capture_server.json, generate_server.json), atomically (a reader polls for it)."""
+    atomic_write(path, json.dumps(info, indent=2), mode=0o644)   # read as ours: never group-writable (umask 002)
+
+
 def prepare_dumps(cfg: PipelineConfig, layout: RunLayout) -> tuple[str, bytes]:
     """(this user's private 0700 dump folder, the run's dump MAC key), created when missing.
     Raises ``protocol.DumpTrustError`` naming the folder or key that is not ours alone."""
-    from eagleflow.capture.lifecycle import dump_dir
     from eagleflow.serving.dump_protocol import load_dump_key, private_dump_dir
     return str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file, create=True)
 
@@ -152,7 +162,6 @@ def run_capture_server(argv: list[str], env: Mapping[str, str], *, engine: str, 
     """Start ``argv`` as our child, wait until it is healthy and passes the self-check, write ``info`` (with
     the child's pid and the start time) to ``info_file``, then wait for the child: its exit code, or 4 when
     it never became ready (the child stopped: TERM, 60 s, KILL)."""
-    from eagleflow.engines.hf.server import write_info_file
     proc = subprocess.Popen(argv, env=dict(env))   # same process group: a group signal stops both
 
     def _forward(signum, _frame):

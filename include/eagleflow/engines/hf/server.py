@@ -25,9 +25,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eagleflow.durable import atomic_write
 
 from eagleflow.serving.aux_layers import resolve_aux_layers
+from eagleflow.serving.launch import dump_dir, write_info_file
 from eagleflow.serving.dump_protocol import MAX_BODY_BYTES  # noqa: F401  (the one cap of every server of ours, named here too)
 from eagleflow.serving.dump_protocol import (PROTOCOL_VERSION, BodyTooLarge, check_body_size, check_rid, load_dump_key, loopback_host,
                        private_dump_dir, write_dump)
@@ -282,11 +282,6 @@ class CaptureHandler(BaseHTTPRequestHandler):
                                        "finish_reason": {"type": finish}, "e2e_latency": time.monotonic() - t0}})
 
 
-def write_info_file(path: str, info: dict) -> None:
-    """capture_server.json, atomically (a reader polls for it)."""
-    atomic_write(path, json.dumps(info, indent=2), mode=0o644)   # read as ours: never group-writable (umask 002)
-
-
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
           threads: int | None = None, device: str = "cpu", key_file: str | None = None,
@@ -312,7 +307,6 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
 
 def serve_capture(cfg, layout) -> int:
     """The hf engine's capture server for a run (eagleflow.engines; `eagleflow capture serve`), foreground."""
-    from eagleflow.capture.lifecycle import dump_dir   # lifecycle reaches the node layer: only when serving
     model = str(cfg.resolve(cfg.target_model))
     serve(model, host=cfg.capture.host, port=cfg.capture.port, dump_dir=dump_dir(cfg),
           info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers, dtype=cfg.capture.dtype,
