@@ -142,43 +142,60 @@ def target_batch(head: TargetHead, batch: Batch, mask_alignment: str = "specforg
     return TargetBatch(probs=probs, top=probs.argmax(-1), valid=valid)
 
 
-HEAD_CHUNK_ELEMENTS = 1 << 25   # the fast path's logits at once: rows x draft vocabulary (128 MiB in float32)
+# the fast path's logits at once, rows x draft vocabulary: 128 MiB in float32 on a GPU (large matmuls); 4 MiB on
+# a CPU, where a chunk that stays in cache beats one large pass (bench/train_utilisation.py)
+HEAD_CHUNK_ELEMENTS = 1 << 25
+CPU_HEAD_CHUNK_ELEMENTS = 1 << 20
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """The draft's ``lm_head`` and its soft cross-entropy over rows of every TTT step, a chunk of rows at a time.
+    """The draft's ``lm_head`` and its soft cross-entropy over the rows of every TTT step, a chunk at a time.
 
-    Forward, per chunk of rows r: logits = x_r W^T, ce_r = -sum_v p_rv log_softmax(logits_r)_v (p: the
-    target's row ``idx_r`` of ``probs``), total = sum_r w_r ce_r, and the top draft token. The gradient is
-    taken in the same pass (d ce_r / d logits_r = softmax(logits_r) sum_v p_rv - p_r, so the chunk's logits
-    are dropped at once): d total / d x and / d W, scaled by the incoming gradient in ``backward``. Only one
-    chunk's logits exist at a time, never those of all rows of all steps (issue 49)."""
+    ``x`` [R, H] holds the steps' rows one after another: step (s, n) has B x n rows, sample by sample, row
+    (i, p) scored against ``probs[i, s + p]`` (a view: no gather). Per chunk (one step, or part of its
+    positions): logits = x W^T, ce = -sum_v p_v log_softmax(logits)_v, total += sum w ce, and the top draft
+    token. The gradient is taken in the same pass (d ce / d logits = softmax(logits) sum_v p_v - p, computed in
+    place over the chunk's log-probabilities), so the chunk's logits are dropped at once: only one chunk's
+    exist at a time, never those of all rows of all steps (issue 49); ``backward`` scales the stored gradients
+    by the incoming one."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor,
-                w: torch.Tensor, chunk_rows: int, need_grad: bool
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, w: torch.Tensor,
+                steps: list[tuple[int, int]], chunk_elements: int, need_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = x.shape[0]
+        rows, hid = x.shape
+        b, v = probs.shape[0], weight.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=x.device)
         top = torch.empty(rows, dtype=torch.long, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         gx = torch.empty_like(x) if need_grad else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        for s in range(0, rows, chunk_rows):
-            e = min(s + chunk_rows, rows)
-            xc = x[s:e]
-            logits = (xc @ weight.T).float()
-            logp = F.log_softmax(logits, dim=-1)
-            p = probs.index_select(0, idx[s:e]).float()
-            ce_c = -(p * logp).sum(-1)
-            ce[s:e] = ce_c
-            top[s:e] = logits.argmax(-1)
-            wc = w[s:e]
-            total += (ce_c * wc).sum()
-            if gx is not None and gw is not None:
-                g = ((logp.exp_() * p.sum(-1, keepdim=True) - p) * wc[:, None]).to(x.dtype)
-                gx[s:e] = g @ weight
-                gw += (g.T @ xc).float()
+        psum = probs.sum(-1) if need_grad else None    # [B, T]: the target rows' mass (1 up to rounding)
+        at = 0
+        for s, n in steps:
+            xs, ws = x[at:at + b * n].view(b, n, hid), w[at:at + b * n].view(b, n)
+            ces, tops = ce[at:at + b * n].view(b, n), top[at:at + b * n].view(b, n)
+            gxs = gx[at:at + b * n].view(b, n, hid) if gx is not None else None
+            span = max(1, chunk_elements // max(1, b * v))    # positions a chunk
+            for p0 in range(0, n, span):
+                p1 = min(p0 + span, n)
+                xc, wc = xs[:, p0:p1], ws[:, p0:p1]
+                pt = probs[:, s + p0:s + p1]                   # [B, c, V], a view
+                logits = (xc @ weight.T).float()
+                logp = F.log_softmax(logits, dim=-1)
+                tops[:, p0:p1] = logits.argmax(-1)
+                del logits
+                ce_c = -(pt * logp).sum(-1)
+                ces[:, p0:p1] = ce_c
+                total += (ce_c * wc).sum()
+                if gxs is not None and gw is not None and psum is not None:
+                    # w (softmax sum(p) - p), in place over the chunk's log-probabilities
+                    g = logp.exp_().mul_((psum[:, s + p0:s + p1] * wc)[..., None])
+                    g = g.addcmul_(pt, wc[..., None], value=-1.0).to(x.dtype)
+                    gxs[:, p0:p1] = g @ weight
+                    g2, x2 = g.reshape(-1, v), xc.reshape(-1, hid)
+                    gw += (g2.T @ x2).float()
+            at += b * n
         ctx.save_for_backward(gx, gw)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(ce, top)
@@ -192,12 +209,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (gx * g_total.to(gx.dtype), (gw * g_total).to(ctx.weight_dtype), None, None, None, None, None)
 
 
-def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor,
-                      w: torch.Tensor, chunk_elements: int = HEAD_CHUNK_ELEMENTS
+def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, w: torch.Tensor,
+                      steps: list[tuple[int, int]], chunk_elements: int = HEAD_CHUNK_ELEMENTS
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum_r w_r ce_r with its gradient to ``x`` [R, H] and ``weight`` [V, H], ce [R], top [R]): the
-    head's soft cross-entropy against ``probs[idx]`` ([N, V] rows) without all R x V logits at once.
-    Under autocast the head's matmuls run in its dtype, as ``nn.Linear``'s would; the log-softmax in float32."""
+    """(sum_r w_r ce_r with its gradient to ``x`` [R, H] and ``weight`` [V, H], ce [R], top [R]): the head's
+    soft cross-entropy of the rows of ``steps`` ((s, n): B x n rows scored against ``probs[:, s:s + n]``, probs
+    [B, T, V]) without all R x V logits at once (see ``_ChunkedHeadLoss``). Under autocast the head's matmuls
+    run in its dtype, as ``nn.Linear``'s would; the log-softmax in float32."""
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         ac = torch.get_autocast_dtype(dev)
@@ -205,8 +223,7 @@ def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor
     elif x.dtype != weight.dtype:
         x = x.to(weight.dtype)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    chunk_rows = max(1, chunk_elements // max(1, weight.shape[0]))
-    out = _ChunkedHeadLoss.apply(x, weight, probs, idx, w.float(), chunk_rows, need_grad)
+    out = _ChunkedHeadLoss.apply(x, weight, probs, w.float(), steps, chunk_elements, need_grad)
     return out[0], out[1], out[2]
 
 
@@ -221,7 +238,7 @@ class TrainingTimeTest(nn.Module):
     layer runs eagerly from then on and ``compile_error`` says why."""
 
     def __init__(self, draft: Eagle3Draft, ttt_length: int, normalization: str = "all_positions", *,
-                 fast: bool = False, compile: bool = False, head_chunk_elements: int = HEAD_CHUNK_ELEMENTS):
+                 fast: bool = False, compile: bool = False, head_chunk_elements: int = 0):
         super().__init__()
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"train.loss_normalization {normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
@@ -322,7 +339,7 @@ class TrainingTimeTest(nn.Module):
         dev = input_ids.device
         hidden = self.draft.fc(aux_hidden_states)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        xs, idxs, ws, steps = [], [], [], []   # steps: (k, n, mask, cnt, denom) of the steps with rows
+        xs, ws, steps = [], [], []   # steps: (k, n, mask, cnt, denom) of the steps with rows
         for k in range(k_steps):
             s = k + 1
             tok = torch.zeros_like(input_ids)
@@ -337,9 +354,6 @@ class TrainingTimeTest(nn.Module):
             cnt = m.sum()
             denom = float(b * t) if self.normalization == "all_positions" else cnt.clamp(min=1.0)
             xs.append(self.draft.norm(hidden[:, :n]).reshape(b * n, -1))
-            # row (i, p) of step k is scored against the target at (i, p + s)
-            idxs.append((torch.arange(b, device=dev)[:, None] * t + s + torch.arange(n, device=dev)[None, :])
-                        .reshape(-1))
             ws.append(((STEP_WEIGHT_DECAY ** k) * m / denom).reshape(-1))
             steps.append((k, n, mask, cnt, denom))
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -349,9 +363,9 @@ class TrainingTimeTest(nn.Module):
         accept = torch.zeros(b, t, dtype=torch.float32, device=dev)
         first_valid = None
         if xs:
-            head_total, ce, top_draft = chunked_head_loss(torch.cat(xs), self.draft.lm_head.weight,
-                                                          probs.reshape(b * t, -1), torch.cat(idxs), torch.cat(ws),
-                                                          self.head_chunk_elements)
+            chunk = self.head_chunk_elements or (HEAD_CHUNK_ELEMENTS if dev.type == "cuda" else CPU_HEAD_CHUNK_ELEMENTS)
+            head_total, ce, top_draft = chunked_head_loss(torch.cat(xs), self.draft.lm_head.weight, probs,
+                                                          torch.cat(ws), [(k + 1, n) for k, n, *_ in steps], chunk)
             total = total + head_total
             at = 0
             for k, n, mask, cnt, denom in steps:
