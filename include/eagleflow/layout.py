@@ -131,7 +131,7 @@ class RunLayout:
 
     @property
     def dump_key_file(self) -> PurePosixPath:
-        """The node user's capture dump key (``capture.protocol.load_dump_key``): made by the first capture server,
+        """The node user's capture dump key (``serving.dump_protocol.load_dump_key``): made by the first capture server,
         read by every worker. One per state_dir, not per run: a server may serve several runs' workers."""
         return self.state_dir / "keys" / "capture_dump.key"
 

@@ -34,7 +34,7 @@ class OwnedFlag:
 OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag(("host", "port", "uds"), "the servers listen on a loopback address only (they take no credential)",
               "set capture.host (a loopback address) and capture.port / generate.port"),
-    OwnedFlag(("middleware",), "vLLM's only middleware is eagleflow's capture API (capture.vllm_api): no other "
+    OwnedFlag(("middleware",), "vLLM's only middleware is eagleflow's capture API (engines.vllm.api): no other "
               "code is loaded into the server"),
     OwnedFlag(("kv-transfer-config",), "vLLM captures through eagleflow's KV connector and nothing else"),
     OwnedFlag(("speculative",), "the evaluated draft configurations and the capture's switch are eagleflow's",

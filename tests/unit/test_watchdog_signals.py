@@ -63,7 +63,7 @@ def test_health_ok_timeout_http_error_and_refused(http_server):
 
 @pytest.mark.timeout(30)
 def test_health_names_the_error_when_the_server_drops_the_request():
-    # the check goes through capture/client: a connection closed without an answer is named, not a timeout
+    # the check goes through serving/client: a connection closed without an answer is named, not a timeout
     import socket
     srv = socket.create_server(("127.0.0.1", 0))
 

@@ -103,7 +103,7 @@ class BodyTooLarge(ValueError):
     def __init__(self, size: int, limit: int = MAX_BODY_BYTES, *, so_far: bool = False):
         self.size, self.limit = size, limit
         super().__init__(f"request body of {'at least ' if so_far else ''}{size} bytes is over this server's limit "
-                         f"of {limit} bytes (capture.protocol.MAX_BODY_BYTES); send shorter samples")
+                         f"of {limit} bytes (serving.dump_protocol.MAX_BODY_BYTES); send shorter samples")
 
 
 def check_body_size(size: int, limit: int = MAX_BODY_BYTES, *, so_far: bool = False) -> int:

@@ -7,7 +7,7 @@ eagleflow.engines.vllm.api.CaptureApi`` (vLLM's own option: ``add_middleware`` o
 these three paths by calling vLLM's own ``/v1/completions`` in-process, and passes everything else through:
 
 - ``/generate``: a completion of the token ids (``max_new_tokens`` tokens, greedy unless told otherwise),
-  the rid in its ``kv_transfer_params`` so our connector (``vllm_connector``) writes that request's dump
+  the rid in its ``kv_transfer_params`` so our connector (``connector.py``) writes that request's dump
   before vLLM answers; the answer is ``{"output_ids", "meta_info": {"id", "finish_reason"}}`` as sglang's;
 - ``/health_generate``: a one-token completion without a rid (no dump), 200 when it ran;
 - ``/get_server_info``: what the launcher handed the connector (model, aux layers), backend vllm.
@@ -18,7 +18,7 @@ answer exactly the token ids vLLM sampled (``return_token_ids``; no detokenise/r
 reason, and both set every sampling knob the worker does not choose to its neutral value, so the model's
 ``generation_config.json`` (which ``vllm serve`` applies as its defaults) never changes what was asked.
 
-Every request body through it is capped at ``capture.protocol.MAX_BODY_BYTES``, the hf server's cap: one
+Every request body through it is capped at ``serving.dump_protocol.MAX_BODY_BYTES``, the hf server's cap: one
 announced larger (Content-Length) is answered 413 unread, and one that streams past the cap stops being read
 there (413 on our paths; on vLLM's own, its handler fails reading the body and a 413 answers when it had not
 answered yet).

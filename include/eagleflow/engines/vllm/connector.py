@@ -1,7 +1,7 @@
 """Our KV connector for vLLM's ``extract_hidden_states`` speculative method: one project dump per request.
 
 vLLM 0.33.0 (requirements-node-vllm.txt), nothing of it patched. ``vllm serve`` started by
-``capture.vllm_launcher`` with
+``engines.vllm.launcher`` with
 
 - ``--speculative-config {"method": "extract_hidden_states", "num_speculative_tokens": 1,
   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": IDS}}}``: after every forward

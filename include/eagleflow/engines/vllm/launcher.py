@@ -6,7 +6,7 @@ pins; the target is a family whose vLLM numbering of the capture layers we know
 ``python -m vllm.entrypoints.cli.main serve`` (the ``vllm serve`` command) in this process group with
 
 - ``--speculative-config`` method ``extract_hidden_states`` (one speculative token, the only count it takes),
-  the aux layers in vLLM's numbering plus the last layer (``vllm_connector.vllm_capture_ids``);
+  the aux layers in vLLM's numbering plus the last layer (``connector.vllm_capture_ids``);
 - ``--kv-transfer-config`` naming ``EagleflowCaptureConnector`` through ``kv_connector_module_path``;
 - ``--no-enable-prefix-caching``: a prefix-cache hit would compute only the suffix (the connector refuses
   such a request rather than write a short dump); chunked prefill may stay on: the connector follows a
