@@ -10,6 +10,7 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
+from eagleflow.airflow.approval_operators import ApprovePromotionOperator
 from eagleflow.airflow.corpus_operators import CheckDiskOperator, DeleteOldCachesOperator, PrepareCorpusOperator
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.held_out_operators import CaptureHeldOutOperator
@@ -42,8 +43,11 @@ trainer scores itself on (capture_held_out); stop the server and free the
 GPUs (teardowns: they run whatever the shards did); verify every stored
 sample (it runs after a failed shard too, and fails the run naming the
 shards and counts); check the GPUs idle; train the draft on the node only
-on verified data; export it in the format SGLang serves. Any failure ends
-the run failed: nothing trains or exports on partial data.
+on verified data; export it in the format SGLang serves; evaluate it against
+the draft in service and promote it when it passes the gate (with
+eval.approval, once a person approves it under Required Actions: a rejected
+draft is not promoted, and the run report says who rejected it and why). Any
+failure ends the run failed: nothing trains or exports on partial data.
 
 A fleet (fleet.nodes in $EAGLEFLOW_CONFIG) gives each node a task group of its own (its queue and pool):
 prepare_node (skips a node the run leaves out; probes shared storage), its generation shards (GPU gates, its
@@ -191,7 +195,10 @@ with DAG(
     # the same GPU gates as the servers before it, and its servers' recorded processes freed however it ends
     eval_free = FreeGpusOperator(task_id="free_gpus_before_evaluation")
     eval_idle = GpuIdleSensor(task_id="gpus_idle_before_evaluation", pool=NODE.pool)
-    evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool)
+    # the promoted-draft event comes from approve_promotion: at once when the gate alone promotes, after a
+    # person's approval when eval.approval asks for one (Required Actions), never for a rejected draft
+    evaluate = EvaluateDraftOperator(task_id="evaluate_draft", pool=NODE.pool, outlets=[])
+    approve = ApprovePromotionOperator(task_id="approve_promotion")
     eval_free_after = FreeGpusOperator(task_id="free_gpus_after_evaluation")
 
     for tasks in nodes.values():
@@ -238,8 +245,10 @@ with DAG(
     # training waits for verification too, so it never runs on partial or unverified data
     [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)
+    evaluate >> approve
     # the run report, written however the run went (all done); as a teardown it never decides the
     # run's outcome: evaluate_draft and the other leaves do, so a failed run stays failed
     # a teardown of write_run_config: it runs however the run went once there is a run (a config); a run
     # whose config was refused has nothing to report and gets no second alert
-    evaluate >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)
+    # after the approval too: the report shows who approved or rejected the draft, and why
+    [evaluate, approve] >> RunReportOperator(task_id=REPORT_TASK_ID).as_teardown(setups=write_config)

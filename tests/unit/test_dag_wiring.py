@@ -51,8 +51,10 @@ PIPELINE_UPSTREAM = {
     "gpus_idle_before_evaluation": {"free_gpus_before_evaluation"},
     "evaluate_draft": {"gpus_idle_before_evaluation"},
     "free_gpus_after_evaluation": {"evaluate_draft", "gpus_idle_before_evaluation"},
-    # the report, however the run went
-    "run_report": {"evaluate_draft", "write_run_config"},
+    # a person's approval when eval.approval asks for one (a no-op otherwise): it emits the promoted-draft event
+    "approve_promotion": {"evaluate_draft"},
+    # the report, however the run went, with the approval's answer
+    "run_report": {"evaluate_draft", "approve_promotion", "write_run_config"},
 }
 
 
@@ -138,3 +140,16 @@ def test_the_reconcile_dag_reruns_each_shard_its_scan_found_then_mails_whatever_
     assert rerun.upstream_task_ids == {"find_incomplete_shards"}
     assert summary.upstream_task_ids == {"rerun_shard"} and summary.trigger_rule == "all_done"
     assert find.latest_runs == "{{ params.latest_runs }}"
+
+
+def test_the_promoted_draft_event_comes_from_the_approval_task_alone(pipeline):
+    """evaluate_draft never announces a promotion a person has still to approve; the approval form asks only
+    why (none of the DAG's Params)."""
+    from eagleflow.airflow.approval_operators import ApprovePromotionOperator
+    from eagleflow.airflow.train_operators import PROMOTED_DRAFT_ASSET
+    emits = [t.task_id for t in pipeline.tasks
+             if any(getattr(o, "uri", None) == PROMOTED_DRAFT_ASSET.uri for o in t.outlets)]
+    assert emits == ["approve_promotion"]
+    approve = pipeline.get_task("approve_promotion")
+    assert isinstance(approve, ApprovePromotionOperator) and list(approve.serialized_params) == ["reason"]
+    assert approve.options == ["Approve", "Reject"] and approve.trigger_rule == "all_success"

@@ -9,7 +9,7 @@ import pytest
 
 from eagleflow.config import load_config
 from eagleflow.evaluate.approval import PENDING, approval_body, decision_line, needs_approval, pending
-from eagleflow.evaluate.run import EVAL_FILE, PROMOTED_FILE, ApprovalError, decide, promote
+from eagleflow.evaluate.run import EVAL_FILE, PROMOTED_FILE, ApprovalError, acceptance_table, decide, promote
 from eagleflow.layout import RunLayout
 
 
@@ -29,7 +29,7 @@ def _export(path: Path) -> Path:
 
 def _row(config, prompt_set, acc, base):
     return {"config": config, "prompt_set": prompt_set, "prompts": 2, "decides_gate": prompt_set == "held_out",
-            "draft": {"accept_length": acc, "speedup": 1.4, "lossless": True},
+            "draft": {"accept_length": acc, "speedup": 1.4, "lossless": True, "accepted_at_position": [0.5]},
             **({"baseline": {"accept_length": base}} if base is not None else {})}
 
 
@@ -120,8 +120,8 @@ def test_the_body_shows_the_table_against_the_draft_in_service(tmp_path):
     layout = _evaluated(cfg, "b", tmp_path / "runs" / "old" / "draft" / "export")
     summary = json.loads((Path(str(layout.run_dir)) / EVAL_FILE).read_text())
     summary["results"][1]["prompt_set"] = "<img src=x>|x"
-    body = approval_body(summary)
-    assert "| 3/1/4 | held\\_out (decides the gate) | 2 | 1.800 | 1.600 | +0.200 | 1.40 | yes |" in body
+    body = approval_body({**summary, "table": acceptance_table(summary["results"])})
+    assert "| 3/1/4 | held\\_out (decides the gate) | 2 | 1.800 | 1.600 | +0.200 | 1.40 |" in body
     assert "\\<img src=x\\>\\|x" in body and "<img" not in body.replace("\\<img", "")
     assert "**In service**: `" + str(tmp_path / "runs" / "old" / "draft" / "export") + "`" in body
     assert summary["approval"]["state"] == PENDING

@@ -136,7 +136,9 @@ class EvalAnswer(BaseModel):
     promoted: str | None = None
     draft: str
     baseline_draft: str | None = None
+    baseline_source: str | None = None
     results: list[dict]
+    approval: dict | None = None   # eval.approval: {"state": "pending", ...} while a person must approve
     elapsed_s: float
 
 
@@ -145,7 +147,9 @@ class EvaluateDraftOperator(RunOperator):
 
     Fails the run when the gate refuses the draft (the message says both numbers); the export stays. A
     promoted draft emits ``PROMOTED_DRAFT_ASSET`` with its path and the acceptance table (a failed task emits
-    no event, so a refused draft never triggers a deployment)."""
+    no event, so a refused draft never triggers a deployment). When eval.approval asks a person first, the
+    draft is not promoted here: the DAG gives this task no outlet and an ``ApprovePromotionOperator`` after it
+    (eagleflow.airflow.approval_operators) asks, promotes and emits the event."""
 
     ui_color = "#f3e8fb"
 
@@ -168,6 +172,7 @@ class EvaluateDraftOperator(RunOperator):
     def run(self, ctx: RunContext, context):
         from airflow.sdk.exceptions import AirflowFailException
 
+        from eagleflow.evaluate.approval import PENDING
         from eagleflow.evaluate.run import acceptance_table, accept_lengths, table_lines
         answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self._timeout(ctx),
                                    answer_codes=(0, 1), log=self.log.info)
@@ -177,11 +182,22 @@ class EvaluateDraftOperator(RunOperator):
             raise AirflowFailException(f"draft {answer.draft} refused by the promotion gate (kept, not promoted): "
                                        + "; ".join(answer.refused) + f". Figures in {answer.eval_file} on node "
                                        f"{ctx.node.name}")
-        self.log.info("draft %s passed; promoted (%s)", answer.draft, answer.promoted)
         summary = {"passed": True, "run_id": answer.run_id, "node": ctx.node.name, "draft": answer.draft,
                    "eval_file": answer.eval_file, "promoted": answer.promoted,
+                   "baseline_draft": answer.baseline_draft, "baseline_source": answer.baseline_source,
+                   "approval": answer.approval,
                    "accept_length": accept_lengths(answer.results), "table": acceptance_table(answer.results)}
+        emits = any(getattr(o, "uri", None) == PROMOTED_DRAFT_ASSET.uri for o in self.outlets)
+        if (answer.approval or {}).get("state") == PENDING:
+            if emits:   # the event would announce a promotion that has not happened
+                raise AirflowFailException(f"draft {answer.draft} passed and waits for a person's approval "
+                                           "(eval.approval), but this DAG's evaluate_draft emits the promoted-draft "
+                                           "event itself: give it outlets=[] and an ApprovePromotionOperator after it")
+            self.log.info("draft %s passed; not promoted yet: a person approves it first (eval.approval %s)",
+                          answer.draft, answer.approval.get("mode"))
+            return summary
+        self.log.info("draft %s passed; promoted (%s)", answer.draft, answer.promoted)
         outlet_events = context.get("outlet_events")
-        if outlet_events is not None:
+        if emits and outlet_events is not None:
             outlet_events[PROMOTED_DRAFT_ASSET].extra = summary
         return summary

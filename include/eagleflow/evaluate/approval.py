@@ -71,24 +71,22 @@ def _code(text: object) -> str:
 
 def approval_body(summary: dict) -> str:
     """The evaluation table a person approves or rejects, in Markdown: acceptance length per configuration and
-    prompt set, against the draft it is compared with (the draft in service)."""
+    prompt set, against the draft it was compared with (the draft in service). ``summary``: the evaluation's
+    answer with its ``table`` (:func:`.run.acceptance_table`)."""
     baseline = summary.get("baseline_draft")
     lines = [f"**Draft** {_code(summary.get('draft'))} of run {_code(summary.get('run_id'))} passed the promotion "
-             "gate.", ""]
+             "gate (every output lossless).", ""]
     lines.append(f"**In service**: {_code(baseline)}" if baseline else
-                 f"**In service**: none ({_md(summary.get('baseline_source', 'no baseline'))})")
+                 f"**In service**: none ({_md(summary.get('baseline_source') or 'no baseline')})")
     lines += ["", "| configuration | prompt set | prompts | acceptance length | in service | difference | "
-              "speed-up | lossless |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in summary.get("results") or []:
-        d = r["draft"]
-        base = (r.get("baseline") or {}).get("accept_length")
-        diff = f"{d['accept_length'] - base:+.3f}" if base is not None else "-"
+              "speed-up |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in summary.get("table") or []:
+        acc, base = r["accept_length"], r.get("baseline_accept_length")
         lines.append(f"| {_md(r['config'])} | {_md(r['prompt_set'])}"
                      + (" (decides the gate)" if r.get("decides_gate", True) else "")
-                     + f" | {r['prompts']} | {d['accept_length']:.3f} | "
-                     + (f"{base:.3f}" if base is not None else "-") + f" | {diff} | "
-                     + (f"{d['speedup']:.2f}" if d.get("speedup") is not None else "-")
-                     + f" | {'yes' if d.get('lossless') else 'NO'} |")
+                     + f" | {r['prompts']} | {acc:.3f} | " + (f"{base:.3f} | {acc - base:+.3f}" if base is not None
+                                                                else "- | -")
+                     + " | " + (f"{r['speedup']:.2f}" if r.get("speedup") is not None else "-") + " |")
     lines += ["", f"Figures: {_code(summary.get('eval_file'))}.",
               "", "**Approve** promotes this draft (promoted.json names it). **Reject** keeps the draft in "
               "service; say why below: the run report records who rejected it and why."]

@@ -390,6 +390,7 @@ def accept_lengths(results: list[dict]) -> dict[str, float]:
 def acceptance_table(results: list[dict]) -> list[dict]:
     """One line per configuration x prompt set: what a deployment reads from promoted.json or the Asset event."""
     return [{"config": r["config"], "prompt_set": r["prompt_set"], "prompts": r["prompts"],
+             "decides_gate": r.get("decides_gate", True),
              "accept_length": r["draft"]["accept_length"], "speedup": r["draft"]["speedup"],
              "speedup_spread": r["draft"].get("speedup_spread"), "speedup_note": r["draft"].get("speedup_note"),
              "baseline_accept_length": r["baseline"]["accept_length"] if r.get("baseline") else None}
