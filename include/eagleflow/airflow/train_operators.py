@@ -188,13 +188,14 @@ class EvaluateDraftOperator(RunOperator):
                    "approval": answer.approval,
                    "accept_length": accept_lengths(answer.results), "table": acceptance_table(answer.results)}
         emits = any(getattr(o, "uri", None) == PROMOTED_DRAFT_ASSET.uri for o in self.outlets)
-        if (answer.approval or {}).get("state") == PENDING:
+        approval = answer.approval or {}
+        if approval.get("state") == PENDING:
             if emits:   # the event would announce a promotion that has not happened
                 raise AirflowFailException(f"draft {answer.draft} passed and waits for a person's approval "
                                            "(eval.approval), but this DAG's evaluate_draft emits the promoted-draft "
                                            "event itself: give it outlets=[] and an ApprovePromotionOperator after it")
             self.log.info("draft %s passed; not promoted yet: a person approves it first (eval.approval %s)",
-                          answer.draft, answer.approval.get("mode"))
+                          answer.draft, approval.get("mode"))
             return summary
         self.log.info("draft %s passed; promoted (%s)", answer.draft, answer.promoted)
         outlet_events = context.get("outlet_events")
