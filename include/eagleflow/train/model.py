@@ -207,23 +207,30 @@ class DraftAttention(nn.Module):
         return out
 
     def _explicit_fast(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """``_explicit``'s attention in fewer kernels (equal to float32 rounding; issue 49): the scale and the
-        causal mask folded into one ``baddbmm`` (no masked_fill forward and backward over [B, h, T, T]), the
-        earlier steps' own-position keys and values stacked, scored and summed in one op each (not one per step).
-        """
+        """``_explicit``'s attention in fewer kernels (equal to float32 rounding; issue 49). ``cache`` holds the
+        KV heads unrepeated ([B, kv, T, d]): the ``rep`` query heads of a KV head are one matmul's rows, so no
+        repeated copy of the keys and values; the scale and the causal mask are folded into one ``baddbmm`` (no
+        masked_fill forward and backward over [B, h, T, T]); the earlier steps' own-position keys and values are
+        stacked, scored and summed in one op each (not one per step)."""
         b, h, t, d = q.shape
+        kv = cache[0][0].shape[1]
+        rep = h // kv
         scale = 1.0 / math.sqrt(self.head_dim)
         k0, v0 = cache[0]
         bias = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        scores = torch.baddbmm(bias, q.reshape(b * h, t, d), k0.reshape(b * h, t, d).transpose(1, 2),
-                               alpha=scale).float().view(b, h, t, t)
+        qg = q.reshape(b, kv, rep, t, d)
+        scores = torch.baddbmm(bias.repeat(rep, 1), qg.reshape(b * kv, rep * t, d),
+                               k0.reshape(b * kv, t, d).transpose(1, 2), alpha=scale).float()
+        scores = scores.view(b, kv, rep, t, t)
         if len(cache) == 1:
-            return torch.softmax(scores, dim=-1).to(v0.dtype) @ v0
-        kd = torch.stack([ki for ki, _ in cache[1:]], dim=-2)                   # [B, h, T, k, d]
-        vd = torch.stack([vi for _, vi in cache[1:]], dim=-2)
-        diag = (q.float().unsqueeze(-2) * kd.float()).sum(-1) * scale            # [B, h, T, k]
+            out = torch.softmax(scores, dim=-1).to(v0.dtype).view(b * kv, rep * t, t) @ v0.reshape(b * kv, t, d)
+            return out.view(b, h, t, d)
+        kd = torch.stack([ki for ki, _ in cache[1:]], dim=-2).unsqueeze(2)     # [B, kv, 1, T, k, d]
+        vd = torch.stack([vi for _, vi in cache[1:]], dim=-2).unsqueeze(2)
+        diag = (qg.float().unsqueeze(-2) * kd.float()).sum(-1) * scale           # [B, kv, rep, T, k]
         probs = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1).to(v0.dtype)
-        return probs[..., :t] @ v0 + (probs[..., t:].unsqueeze(-1) * vd).sum(-2)
+        out = (probs[..., :t].reshape(b * kv, rep * t, t) @ v0.reshape(b * kv, t, d)).view(b, kv, rep, t, d)
+        return (out + (probs[..., t:].unsqueeze(-1) * vd).sum(-2)).view(b, h, t, d)
 
     def _fused(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The same attention as ``_explicit``: keys of all steps side by side, causal block + diagonals."""
@@ -244,16 +251,18 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if isinstance(cache, list) and self.fast and t <= self.explicit_max_len:
+            cache.append((k, v))   # unrepeated: _explicit_fast groups the query heads instead
+            out = self._explicit_fast(q, cache)
+            out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+            return self.o_proj(out)
         rep = self.heads // self.kv_heads
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         if isinstance(cache, list):
             cache.append((k, v))
-            if t > self.explicit_max_len:
-                out = self._fused(q, cache)
-            else:
-                out = self._explicit_fast(q, cache) if self.fast else self._explicit(q, cache)
+            out = self._fused(q, cache) if t > self.explicit_max_len else self._explicit(q, cache)
         else:
             out = cache.attend(q, k, v)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
