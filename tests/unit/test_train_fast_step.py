@@ -110,6 +110,25 @@ def test_compile_that_fails_falls_back_to_the_eager_layer(monkeypatch):
     assert torch.isfinite(loss_u)
 
 
+def test_the_layer_through_dynamo_gives_the_plain_results(monkeypatch):
+    """torch.compile really tracing the layer (TorchDynamo; the "eager" backend, so no C++ compiler is needed):
+    the TTT cache list it appends to, two lengths (dynamic shapes), the same loss and gradients."""
+    import functools
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    loss_p, stats_p, grads_p = _run(False, 3, "all_positions", 2, 8)
+    torch.manual_seed(0)
+    ttt = TrainingTimeTest(Eagle3Draft(TINY), 3, compile=True)
+    loss_c, stats_c = ttt(*_inputs(2, 8))
+    loss_c.backward()
+    assert ttt.compile_error is None and ttt._compiled, ttt.compile_error
+    assert torch.allclose(loss_c.detach(), loss_p, rtol=1e-5) and _close(stats_c, stats_p)
+    for name, p in ttt.named_parameters():
+        if p.requires_grad:
+            assert _close(p.grad, grads_p[name]), name
+    loss_11, _ = ttt(*_inputs(2, 11))
+    assert torch.isfinite(loss_11) and ttt.compile_error is None
+
+
 def test_compiled_layer_keeps_the_parameter_names():
     ttt = TrainingTimeTest(Eagle3Draft(TINY), 2, compile=True)
     assert set(ttt.state_dict()) == set(TrainingTimeTest(Eagle3Draft(TINY), 2).state_dict())
