@@ -16,6 +16,10 @@
 #                  (bench/gpu_check_train.py)
 #   train_fp8      the same at 2048 tokens from an fp8 store (capture.store_dtype fp8_e4m3): the loader's batch
 #                  de-quantised on the GPU, checked against the CPU's, and training steps on it
+#   train_util     the training step's FLOP/s as a fraction of the device's dense bf16 peak (goal >= 40 %) and of
+#                  its own matmul at the draft's shapes, and the data-wait fraction, before (plain step and
+#                  loader) and after (fast step, prefetching loader), at Llama-3-8B draft dims on the loader's
+#                  stored samples (bench/gpu_check_utilisation.py; issue 49)
 #   hf_capture     the hf capture server on the GPU (bf16) and one shard of a tiny local target, verified
 #                  against the manifest, compared row by row with a CPU float32 forward
 #   specdec        speculative decoding with the evaluation phase's decoder (eagleflow.evaluate) on the GPU: a
@@ -61,7 +65,7 @@ T0=$SECONDS
 # the limits are sized for the GPU machine; a dry run on a slow shared CPU gets 3x the time (same mechanism)
 if [ "$DRY" = 1 ]; then SCALE=${GPU_CHECK_LIMIT_SCALE:-3}; else SCALE=${GPU_CHECK_LIMIT_SCALE:-1}; fi
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-$((330 * SCALE))}
-STAGES=(env gpu train train_fp8 hf_capture hf_generate specdec sglang_capture sglang_eagle3 vllm_capture vllm_eagle3)
+STAGES=(env gpu train train_fp8 train_util hf_capture hf_generate specdec sglang_capture sglang_eagle3 vllm_capture vllm_eagle3)
 
 if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/eagleflow-gpu-check-out.XXXXXX"); fi
 mkdir -p "$OUT" || { echo "bench/gpu_check.sh: cannot create OUT=$OUT" >&2; exit 2; }
@@ -174,11 +178,15 @@ if [ "$DRY" = 0 ] && [ "$(status_of env cuda_available)" = True ]; then
     --long-seq 8192 --data-samples 4
   run_stage train_fp8 60 "$PY" bench/gpu_check_train.py --device cuda --dims llama3-8b --seq 2048 --steps 3 \
     --long-seq 0 --data-samples 2 --store-dtype fp8_e4m3 --stage train_fp8
+  run_stage train_util 120 "$PY" bench/gpu_check_utilisation.py --device cuda --dims llama3-8b --seq 2048 \
+    --samples 4 --steps 6 --rounds 2
 else   # the same code on the CPU at toy dims
   run_stage train 120 "$PY" bench/gpu_check_train.py --device cpu --dims tiny --seq 64 --steps 2 --long-seq 0 \
     --data-samples 1
   run_stage train_fp8 60 "$PY" bench/gpu_check_train.py --device cpu --dims tiny --seq 64 --steps 2 --long-seq 0 \
     --data-samples 1 --store-dtype fp8_e4m3 --stage train_fp8
+  run_stage train_util 120 "$PY" bench/gpu_check_utilisation.py --device cpu --dims tiny --seq 64 --samples 2 \
+    --steps 2 --warmup 1 --rounds 1 --probe-s 0.05
 fi
 run_stage hf_capture 120 "$PY" bench/gpu_check_stages.py hf_capture --work "$WORK" --samples 16
 stop_capture_server "$WORK/hf_capture"

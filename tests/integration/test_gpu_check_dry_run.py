@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ["env", "gpu", "train", "train_fp8", "hf_capture", "hf_generate", "specdec", "sglang_capture",
+STAGES = ["env", "gpu", "train", "train_fp8", "train_util", "hf_capture", "hf_generate", "specdec", "sglang_capture",
           "sglang_eagle3", "vllm_capture", "vllm_eagle3"]
 ENGINE_STAGES = ["sglang_capture", "sglang_eagle3", "vllm_capture", "vllm_eagle3"]
 NEEDS_GPU = "is installed, but its stages need a CUDA GPU (dry run or none seen)"
@@ -55,8 +55,16 @@ def test_dry_run_walks_every_stage_and_writes_the_out_layout(tmp_path):
     assert verdicts["gpu"]["rehearsal"]["smi_held_names_pid"] is True
     assert verdicts["train"]["rehearsal"]["loss_last"] < verdicts["train"]["rehearsal"]["loss_first"]
     assert verdicts["hf_capture"]["rehearsal"]["worst"]["min_cos"] >= 0.995
-    assert all("not a measurement" in verdicts[n]["reason"] for n in ("gpu", "train", "train_fp8", "hf_capture",
-                                                                      "hf_generate"))
+    assert all("not a measurement" in verdicts[n]["reason"] for n in ("gpu", "train", "train_fp8", "train_util",
+                                                                      "hf_capture", "hf_generate"))
+    # the utilisation stage walked both paths and wrote its figures: before and after, against the matmul
+    util = verdicts["train_util"]["rehearsal"]
+    assert set(util["summary"]) == {"before", "after"} and util["finite"], util
+    for side in ("before", "after"):
+        s = util["summary"][side]
+        assert s["utilisation_vs_matmul"] > 0 and 0 <= s["data_fraction_of_step"] < 1 and s["tokens_per_s"] > 0, s
+    assert util["first_loss_rel_diff"] <= 1e-5 and util["flops_a_step"]["total"] > 0
+    assert util["goal_fraction_of_peak"] == 0.4 and util["goal_met"] is False   # no device peak on a CPU
     gen = verdicts["hf_generate"]["rehearsal"]
     assert gen["same_ids_for_same_seed"] and gen["greedy_teacher_forced_match"] >= 0.9 and gen["tokens_generated"]
     fp8 = verdicts["train_fp8"]["rehearsal"]
