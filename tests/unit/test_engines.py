@@ -82,6 +82,24 @@ def test_every_reference_in_the_registry_names_a_function_that_exists():
                     assert hasattr(target, alias.name), (module, node.module, alias.name)
 
 
+def test_the_registry_loads_every_engine_without_its_heavy_parts():
+    # the control plane, the config and the DAG files read the registry in a plain venv: loading the engines'
+    # packages imports no engine library, no torch and not the config (each role imports those when called)
+    code = ("import sys, eagleflow.engines as e; print(sorted(e.ENGINES)); print(sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('torch', 'transformers', 'sglang', 'vllm', 'pydantic', 'yaml') or "
+            "m in ('eagleflow.config', 'eagleflow.layout')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.split("\n")[:2] == ["['hf', 'sglang', 'vllm']", "[]"], \
+        res.stdout + res.stderr
+
+
+def test_the_registry_refuses_a_module_without_an_engine_or_a_name_twice():
+    with pytest.raises(TypeError, match=r"eagleflow\.engines\.contract\.ENGINE is NoneType, not an "):
+        engines.load_engines(["eagleflow.engines.contract"])
+    with pytest.raises(ValueError, match=r"eagleflow\.engines\.hf\.ENGINE is named 'hf', like an engine registered"):
+        engines.load_engines(["eagleflow.engines.hf", "eagleflow.engines.hf"])
+
+
 def test_the_layer_numbering_is_each_engines_own():
     # output of layer j: SGLang id j for Llama, vLLM id j + 1 (docs/engines.md)
     assert engine("sglang").layer_ids([1, 3, 4], ["LlamaForCausalLM"], 8) == [1, 3, 4]

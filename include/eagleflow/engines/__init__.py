@@ -11,8 +11,9 @@ Each engine is a package ``eagleflow.engines.<name>`` whose ``ENGINE`` is an ``E
 (``eagleflow.engines.contract``): its roles are typed callables that import the engine's heavy parts (torch,
 transformers, sglang, vLLM) when called. The registry loads those packages by module name (``ENGINE_MODULES``):
 they sit above the config, which reads this registry, so a static import here would be an import circle. This
-module and the engines' ``__init__`` import only the standard library, so the control plane, the config and the
-DAG files can read the registry in a plain venv.
+module and the engines' ``__init__`` import no third-party library and not the config (only the standard library
+and the engines' light parts: their layer numbering and serve command), so the control plane, the config and the
+DAG files can read the registry in a plain venv (a test loads it and looks).
 
 A new engine is a folder ``engines/<name>/`` with its ``ENGINE`` plus its line in ``ENGINE_MODULES``
 (docs/engines.md lists the files).
