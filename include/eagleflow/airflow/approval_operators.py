@@ -77,6 +77,11 @@ class ApprovePromotionOperator(ApprovalOperator):
             self.log.info("draft %s: %s (eval.approval %s: nobody is asked)", summary["draft"],
                           decision_line(summary), (summary.get("approval") or {}).get("mode", "none"))
             return self._promoted(context, summary)
+        answered = self._earlier_answer(context)
+        if answered is not None:   # a retry never asks a person again what they have answered
+            self.log.info("a person answered this request before this try (%s): taking that answer",
+                          answered["chosen_options"])
+            return self.execute_complete(context, answered)
         try:
             ctx = RunContext.from_airflow(context)
         except ConfigError as e:
@@ -92,6 +97,29 @@ class ApprovePromotionOperator(ApprovalOperator):
                       "%s h, then eval.approval_on_timeout %s)", summary["draft"], ec.approval_timeout_h,
                       ec.approval_on_timeout)
         return super().execute(context)
+
+    def _earlier_answer(self, context) -> dict | None:
+        """On a retry: the answer a person already gave to this task's request, as the resume event; else None.
+
+        Airflow 3.3 can lose a resume: an answer given seconds after the task parked may reach it before the
+        executor reports the parked try finished, and the scheduler then retries the task (its log: "finished
+        with state success, but the task instance's state attribute is queued"). The answer is still recorded
+        with the request (one per task instance, whatever the try)."""
+        ti = context["ti"]
+        if (getattr(ti, "try_number", 1) or 1) <= 1:
+            return None
+        try:
+            from airflow.sdk.execution_time.hitl import get_hitl_detail_content_detail
+            got = get_hitl_detail_content_detail(ti.id)
+        except Exception as e:   # no request yet, or an Airflow without it: ask
+            self.log.info("no earlier answer to take (%s)", e)
+            return None
+        if not got.response_received or not got.chosen_options:
+            return None
+        user = got.responded_by_user
+        return {"chosen_options": list(got.chosen_options), "params_input": got.params_input or {},
+                "responded_at": got.responded_at, "responded_by_user": user.model_dump() if user else None,
+                "timedout": user is None}   # the scheduler's timeout default is recorded with no one
 
     def execute_complete(self, context, event: dict):
         # the answer checked (options, the form) as HITLOperator does; Approve/Reject handled below, not by
