@@ -57,6 +57,12 @@ TORCH_APIS["torch.float8_e4m3fn"] = "2.1"   # PyTorch 2.1 release notes: float8_
 TORCH_APIS["torch.from_numpy"] = "2.0"      # the training reader's reused host buffers (in torch 2.0's API reference)
 TORCH_APIS["torch.frombuffer"] = "2.0"      # a RawTensor's bytes as a tensor (in torch 2.0's API reference; since 1.10)
 TORCH_APIS["torch.randperm"] = "2.0"       # the learnable target's block order (in torch 2.0's API reference)
+# the training step's fast path (train.fast_step, train.compile): in torch 2.0's API reference; torch.compile is new
+# in 2.0 (PyTorch 2.0 release notes)
+TORCH_APIS.update({f"torch.{name}": "2.0" for name in "autograd.Function baddbmm compile empty_like is_grad_enabled".split()})
+# is_autocast_enabled(device_type) and get_autocast_dtype(device_type): new in 2.4 (PyTorch 2.4 release notes:
+# the device-generic autocast API)
+TORCH_APIS.update({"torch.is_autocast_enabled": "2.4", "torch.get_autocast_dtype": "2.4"})
 
 # Measured with transformers 5.17.0 (wheel from PyPI installed beside this venv's torch 2.13.0).
 TRANSFORMERS_NAMES_5_17 = {"AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "LlamaConfig", "LlamaForCausalLM",
