@@ -223,8 +223,9 @@ class _TextAndHtmlSmtpHook(SmtpHook):
     def _build_mime_message(self, *args, **kwargs):
         from email.mime.text import MIMEText
         msg, recipients = super()._build_mime_message(*args, **kwargs)
-        if self.text_content:
-            msg.get_payload().insert(0, MIMEText(self.text_content, "plain", kwargs.get("mime_charset", "utf-8")))
+        parts = msg.get_payload()
+        if self.text_content and isinstance(parts, list):   # multipart, as the provider builds it
+            parts.insert(0, MIMEText(self.text_content, "plain", kwargs.get("mime_charset", "utf-8")))
         return msg, recipients
 
 

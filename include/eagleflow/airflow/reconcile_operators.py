@@ -173,7 +173,7 @@ class ReconcileSummaryOperator(RunOperator):
                 lines.append(f"run {run_id} {server}: release failed: {e}")
         summary = "\n".join(lines)
         self.log.info("reconcile summary:\n%s", summary)
-        per_phase = {}
+        per_phase: dict[str, int] = {}
         for t in todo:
             per_phase[t.get("phase", EXTRACT)] = per_phase.get(t.get("phase", EXTRACT), 0) + 1
         subject = (f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s) ("

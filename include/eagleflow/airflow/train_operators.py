@@ -10,6 +10,7 @@ stalled, dead or failed; it resumes from its last checkpoint.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from airflow.sdk import Asset
 from pydantic import BaseModel
@@ -82,7 +83,7 @@ class TrainDraftOperator(RunOperator):
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
         return TrainWatchTrigger(poll_interval_s=self.poll_interval_s, **kw)
 
-    def _watch(self, ctx: RunContext, context, start):
+    def _watch(self, ctx: RunContext | Callable[[], RunContext], context, start):
         """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
         recovery: a stalled trainer fails the try and the retry restarts it from its last checkpoint)."""
         from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end

@@ -18,6 +18,7 @@ from __future__ import annotations
 import shlex
 import socket
 import time
+from typing import Any
 
 from .base import CommandResult, Node, NodeCommandTimeout, NodeError, NodeUnreachable, check_file_mode
 
@@ -52,7 +53,9 @@ class SSHNode(Node):
         self.name = name or conn_id
         self._python = python
         self.connect_timeout_s = connect_timeout_s
-        self._hook = None
+        # the provider's SSHHook, imported when first needed; Any: its timeouts are annotated int, paramiko takes
+        # the float seconds we give them
+        self._hook: Any = None
         self._sftp = None  # one SFTPClient per connection (open_file, rename, makedirs); closed in _drop
         self.connects = 0  # how many SSH connections this node opened (tests, bench)
 
@@ -76,7 +79,7 @@ class SSHNode(Node):
                                 f"leave node.conn_id empty to run locally") from None
             try:
                 # one attempt: auth or host-key failures do not get better by retrying in a loop
-                hook = SSHHook(ssh_conn_id=self.conn_id, conn_retry_attempts=1)
+                hook: Any = SSHHook(ssh_conn_id=self.conn_id, conn_retry_attempts=1)
             except Exception as e:  # AirflowNotFoundException and bad extras
                 if "isn't defined" in str(e) or "not found" in str(e).lower():
                     raise NodeError(f"node {self.name}: Airflow connection {self.conn_id!r} is not defined; create "
