@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "eagleflow.generate.commands",
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",
+    "eagleflow.stores.commands",
     "eagleflow.evaluate.commands",
     "eagleflow.console.commands",
 ]

@@ -144,6 +144,23 @@ class RunLayout:
     def train_heartbeat_file(self) -> PurePosixPath:
         return self.draft_dir / "heartbeat.json"
 
+    @property
+    def store_endpoint_file(self) -> PurePosixPath:
+        """A streaming store's endpoint (``stream.storage: mooncake``): written by ``eagleflow store start`` on the
+        training node, read by every sink and source of the run."""
+        return self.run_dir / "store_endpoint.json"
+
+    @property
+    def stream_ledger_file(self) -> PurePosixPath:
+        """Which sample ids each epoch took and trained (``eagleflow.stores.ledger``): streaming runs."""
+        return self.draft_dir / "stream_ledger.jsonl"
+
+    @property
+    def stream_verified_file(self) -> PurePosixPath:
+        """A streaming run's verification record, beside the offline one (``verified.json``): the ledger's
+        exactly-once check, written by the trainer when it ends."""
+        return self.hidden_states_dir / "stream_verified.json"
+
 
 class RunLike(Protocol):
     """What phase code needs of a run: the Airflow RunContext and the CLI's local run both fit."""

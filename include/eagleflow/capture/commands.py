@@ -74,10 +74,14 @@ def _run(args) -> int:
         print(f"eagleflow capture run: --shard {args.shard} is outside 0..{of - 1} (--of {of})", file=sys.stderr)
         return 2
     from .lifecycle import worker_role
+    from eagleflow.stores import run_store_settings
+    store = run_store_settings(cfg, layout)     # stream.storage: where the samples go (the held-out: on disk)
     return _work(args, cfg, layout, "eagleflow capture run", worker_role(args.shard),
                  f"extraction worker of shard {args.shard} of run {layout.run_id}",
                  shard=args.shard, num_shards=of, corpus_file=str(layout.corpus_dir / "corpus.parquet"),
-                 shard_dir=str(layout.shard_dir(args.shard)))
+                 shard_dir=str(layout.shard_dir(args.shard)), storage=cfg.stream.storage,
+                 buffer_bytes=store.buffer_bytes, endpoint_file=store.endpoint_file,
+                 put_timeout_s=store.put_timeout_s)
 
 
 HELD_OUT_ROLE = "worker_held_out"

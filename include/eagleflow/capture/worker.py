@@ -34,12 +34,12 @@ from pathlib import Path
 
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.stop_signal import failure_text, start_helper_thread, stop_arrived
-from eagleflow.stores.contract import SampleSink
-from eagleflow.stores.disk.store import DiskSink
+from eagleflow.stores import StoreSettings, store_for
+from eagleflow.stores.contract import SampleSink, StoreError
 from eagleflow.stores.encoding import encode_sample
 
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
-from .manifest import compact_manifest, completed_indexes, read_manifest
+from .manifest import compact_manifest, read_manifest
 from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from .storage import remove_temp_files
 
@@ -99,6 +99,10 @@ class WorkerSettings:
     store_dtype: str = "auto"      # capture.store_dtype
     limit: int | None = None       # only corpus indexes below this (the held-out capture's train.held_out_samples)
     request_shard: int | None = None  # the shard number in request ids and dump names, when not ``shard``
+    storage: str = "disk"          # stream.storage: the store the samples go to (eagleflow.stores)
+    buffer_bytes: int = 0          # stream.buffer_gib, for a streaming store's backpressure
+    endpoint_file: str = ""        # a streaming store's endpoint (RunLayout.store_endpoint_file)
+    put_timeout_s: float = 600.0   # stream.put_timeout_s
 
     @property
     def rid_shard(self) -> int:
@@ -106,6 +110,12 @@ class WorkerSettings:
 
     def request_timeout(self, tokens: int) -> float:
         return self.request_timeout_base_s + self.request_timeout_per_token_s * tokens
+
+    def store_settings(self) -> StoreSettings:
+        """The store settings of this shard's sink: its root is the folder holding ``shard_dir``."""
+        return StoreSettings(run_id=self.run_id, root=str(Path(self.shard_dir).parent), store_dtype=self.store_dtype,
+                             fsync=self.fsync, buffer_bytes=self.buffer_bytes, endpoint_file=self.endpoint_file,
+                             put_timeout_s=self.put_timeout_s)
 
 
 def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | None = None) -> list[int]:
@@ -205,7 +215,8 @@ class ShardWorker:
         removed_tmp = remove_temp_files(shard_dir)
         removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.rid_shard)
         scan = read_manifest(shard_dir / "manifest.jsonl")
-        check = completed_indexes(shard_dir, scan)
+        store = store_for(s.storage)
+        check = store.resume_check(str(shard_dir), scan)   # disk: each file intact; streaming: each line recorded
         done, broken = check.done, check.broken
         other = sorted(i for i in done if (scan.entries[i].store_dtype or "auto") != s.store_dtype)
         if other:
@@ -247,7 +258,11 @@ class ShardWorker:
         work: queue.Queue[Sample] = queue.Queue()
         for smp in todo:
             work.put(smp)
-        with DiskSink(shard_dir, store_dtype=s.store_dtype, fsync=s.fsync) as sink:
+        try:
+            sink = store.open_sink(s.store_settings(), s.shard)   # the manifest's writer: after any compaction
+        except StoreError as e:
+            raise ExtractionError(f"shard {s.shard}: cannot write to the run's store: {e}") from None
+        try:
             threads = [start_helper_thread(self._loop, work, sink, hbw, name=f"capture-{k}")
                        for k in range(min(s.in_flight, len(todo)))]
             try:
@@ -261,6 +276,8 @@ class ShardWorker:
             if self._error is not None:
                 # one sample failed: say so now, not after the other requests' own deadlines (up to hours)
                 self._abandon(threads)
+        finally:
+            sink.close()
         if self._error is not None:
             raise self._error
 
@@ -355,6 +372,10 @@ class ShardWorker:
                                        loss_mask=smp.loss_mask, aux_hidden_states=dump.aux_hidden_states,
                                        hidden_states=dump.hidden_states, aux_layers=dump.aux_layers,
                                        model=dump.model or s.model, store_dtype=s.store_dtype))
+            except StoreError as e:   # a streaming store full past its put timeout, or gone: named by the error
+                raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}) not stored: {e}. "
+                                      "Re-run this shard once the store takes samples again: every sample its "
+                                      "manifest records is kept") from None
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise

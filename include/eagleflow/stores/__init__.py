@@ -46,6 +46,9 @@ class Store:
     streaming: bool          # training may run beside capture, drawing samples as they arrive
     sink: str                # (settings, shard) -> SampleSink
     source: str              # (settings, **options) -> SampleSource
+    resume: str              # (shard_dir, ManifestScan) -> capture.manifest.ResumeCheck: what a worker need not redo
+    start: str = ""          # (settings, state_dir=, host=) -> dict: the run's store server started ("": none to run)
+    stop: str = ""           # (settings, grace_s=) -> list[dict]: what stopping it did
 
     def _function(self, ref: str) -> Callable[..., Any]:
         module, _, name = ref.partition(":")
@@ -57,13 +60,35 @@ class Store:
     def open_source(self, settings: StoreSettings, **options: Any) -> Any:
         return self._function(self.source)(settings, **options)
 
+    def start_server(self, settings: StoreSettings, *, state_dir: str, host: str) -> dict:
+        """Start the run's store (recorded processes on this node); {} when the store has no server."""
+        return self._function(self.start)(settings, state_dir=state_dir, host=host) if self.start else {}
+
+    def stop_server(self, settings: StoreSettings, grace_s: float = 10.0) -> list[dict]:
+        return self._function(self.stop)(settings, grace_s=grace_s) if self.stop else []
+
+    def resume_check(self, shard_dir: str, scan: Any) -> Any:
+        """Which of a shard's recorded samples a restarted capture worker keeps (the rest it captures again)."""
+        return self._function(self.resume)(shard_dir, scan)
+
 
 STORES: dict[str, Store] = {s.name: s for s in (
     Store("disk", "disk (safetensors files)", streaming=False,
-          sink="eagleflow.stores.disk.store:open_sink", source="eagleflow.stores.disk.store:open_source"),
+          sink="eagleflow.stores.disk.store:open_sink", source="eagleflow.stores.disk.store:open_source",
+          resume="eagleflow.capture.manifest:completed_indexes"),
     Store("mooncake", "Mooncake store", streaming=True,
-          sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source"),
+          sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source",
+          resume="eagleflow.stores.mooncake.store:completed_indexes",
+          start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.master:stop_run_store"),
 )}
+
+
+def run_store_settings(cfg: Any, layout: Any, root: str | None = None) -> StoreSettings:
+    """The ``StoreSettings`` of one run, from its config (``stream``, ``capture``) and layout; ``root``: another
+    hidden-states folder than the run's training store (the held-out capture's, which is always on disk)."""
+    return StoreSettings(run_id=str(layout.run_id), root=str(root or layout.hidden_states_dir),
+                         store_dtype=cfg.capture.store_dtype, buffer_bytes=int(cfg.stream.buffer_gib * (1 << 30)),
+                         endpoint_file=str(layout.store_endpoint_file), put_timeout_s=cfg.stream.put_timeout_s)
 
 
 def store_for(name: str, field: str = "stream.storage") -> Store:

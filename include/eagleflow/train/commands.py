@@ -43,13 +43,17 @@ def _train(args) -> int:
 
     from eagleflow.capture.verify import NotVerifiedError
 
+    from eagleflow.stores.contract import SampleRefused, StoreError
+    from eagleflow.stores.ledger import LedgerError
+
     from .checkpoint import CheckpointWriteError
-    from .data import MixedStoreError
+    from .data import MixedStoreError, StreamStarved
 
     cfg, layout = run_from_args(args)
     try:
         result = train(cfg, layout, stop_after_step=args.stop_after_steps, log=_log)
-    except (NotVerifiedError, CheckpointWriteError, MixedStoreError) as e:   # not a crash: say why, what to do
+    except (NotVerifiedError, CheckpointWriteError, MixedStoreError,      # not a crash: say why, what to do
+            StoreError, SampleRefused, StreamStarved, LedgerError) as e:  # streaming: the store, the producer, the ledger
         print(f"eagleflow train: {e}", file=sys.stderr, flush=True)
         return 1
     return 0 if result.completed or args.stop_after_steps is not None else 1

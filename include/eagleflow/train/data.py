@@ -190,13 +190,23 @@ def read_sample_keys(ref: SampleRef, keys: Sequence[str], buffer: Buffer | None 
     return out
 
 
-def read_aux_layers(ref: SampleRef) -> list[int]:
-    """The target layers whose outputs were captured (sample metadata ``aux_layers``)."""
+def read_aux_layers(ref: SampleRef, source: SampleSource | None = None) -> list[int]:
+    """The target layers whose outputs were captured (sample metadata ``aux_layers``); ``source`` gives the
+    bytes (default: the disk store's file at ``ref.path``)."""
     import json
 
-    from safetensors import safe_open
-    with safe_open(ref.path, framework="pt") as f:
-        meta = f.metadata() or {}
+    if source is None:
+        from safetensors import safe_open
+        with safe_open(ref.path, framework="pt") as f:
+            meta = f.metadata() or {}
+    else:
+        f = source.open(ref)
+        try:
+            meta = dict(read_header(f, ref.bytes).metadata or {})
+        except ValueError as e:
+            raise BadSampleError(f"{ref.path}: not a readable safetensors sample ({e})") from None
+        finally:
+            f.close()
     if "aux_layers" not in meta:
         raise BadSampleError(f"{ref.path}: metadata has no aux_layers; the export needs the capture layers")
     return [int(x) for x in json.loads(meta["aux_layers"])]
@@ -467,6 +477,29 @@ class StreamLoader:
         self._first = []
         self._window = [] if self.finished else list(self._known.values())
         self._rng = _random.Random(f"eagleflow-stream/{self.seed}/{self.epoch}/0")
+
+    @property
+    def uncommitted(self) -> list[tuple[int, list[str]]]:
+        """(epoch, ids) of every batch handed out since the last commit: what a checkpoint saved now has trained on."""
+        return [(epoch, [r.id for r in refs]) for epoch, refs in self._uncommitted]
+
+    @property
+    def uncommitted_bytes(self) -> int:
+        """The store bytes held by samples trained on but not committed (they stay in the store until then)."""
+        return sum(r.bytes for _, refs in self._uncommitted for r in refs)
+
+    def ready(self, n: int) -> bool:
+        """``n`` samples (or what the epoch has left, if fewer) can be drawn now, without waiting for the producer."""
+        if self.finished:
+            return True
+        self._refill()
+        avail = sum(1 for i in self._first if i in self._known) + len(self._window)
+        return avail >= min(n, self.corpus_size - len(self._served))
+
+    @property
+    def served(self) -> int:
+        """Samples handed out in the current epoch."""
+        return len(self._served)
 
     def commit(self, step: int) -> None:
         """The optimizer step that used every batch since the last commit is done (checkpointed)."""

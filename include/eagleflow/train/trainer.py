@@ -8,6 +8,15 @@ Resume is the default: if ``<draft_dir>/checkpoints`` holds a checkpoint, the
 weights, optimizer state, step, RNG and data position come back from it, and
 the learning rate is a pure function of the step, so the run continues as if
 it had never stopped.
+
+Streaming (a store whose ``streaming`` is set, ``stream.storage: mooncake``): the samples are drawn from
+the store while capture fills it (``data.StreamLoader``, shuffled within ``stream.shuffle_window``), each
+epoch's ids written to the run's ledger (``stores.ledger``) as taken, and as trained once the checkpoint of
+the steps that used them is durable (the checkpoint records those ids, so a kill between the two is
+repaired at resume). The run trains whole epochs of the corpus prepared (``train.max_steps`` rounded to
+whole epochs), resumes from its checkpoint plus the ledger (taken but not trained: served again), and
+ends with the exactly-once check, written beside the offline verification record
+(``RunLayout.stream_verified_file``): green only when every sample was trained exactly once per epoch.
 """
 from __future__ import annotations
 
@@ -26,14 +35,16 @@ from eagleflow.capture.verify import require_verified
 from eagleflow.config import PipelineConfig
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
 from eagleflow.layout import RunLayout
+from eagleflow.stores import store_for
 
 from .checkpoint import (load_newest_intact_checkpoint, remove_leftover_temp_dirs, restore_rng,
                          save_checkpoint)
 from .curves import append_metrics, plot_curves, truncate_metrics
-from .data import DataPosition, HiddenStateLoader, read_aux_layers, scan_samples
+from .data import Batch, DataPosition, HiddenStateLoader, read_aux_layers, scan_samples
 from .held_out import evaluate_held_out, held_out_refs
 from .loss import TargetHead, TrainingTimeTest, load_target_head_and_embedding, summarize, target_batch
 from .model import DraftConfig, Eagle3Draft
+from .stream import StreamRun
 from .vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 
 
@@ -92,8 +103,12 @@ def training_paths(layout: RunLayout) -> dict[str, Path]:
 
 
 def prepare_vocab(cfg: PipelineConfig, layout: RunLayout, refs, dcfg: DraftConfig, d: DistInfo,
-                  resuming: bool, log: Callable[[str], None]) -> DraftVocab:
-    """Rank 0 counts loss tokens and writes the vocabulary once; every rank then reads that file."""
+                  resuming: bool, log: Callable[[str], None],
+                  counts: Callable[[], torch.Tensor] | None = None) -> DraftVocab:
+    """Rank 0 counts loss tokens and writes the vocabulary once; every rank then reads that file.
+
+    ``counts``: the loss-token counts from elsewhere than ``refs`` (streaming: the corpus prepared, whose ids
+    and loss masks are the stored samples' own, before they are all captured)."""
     path = training_paths(layout)["vocab"]
     if d.is_main:
         existing = DraftVocab.load(path) if path.is_file() else None
@@ -104,8 +119,10 @@ def prepare_vocab(cfg: PipelineConfig, layout: RunLayout, refs, dcfg: DraftConfi
                 raise ValueError(f"{path} does not match the checkpoint's draft vocabulary "
                                  f"({dcfg.draft_vocab_size} of {dcfg.vocab_size}); delete {Path(path).parent} "
                                  "to train from scratch, or restore the vocabulary file")
-            log(f"counting loss-position tokens over {len(refs)} stored samples")
-            build_draft_vocab(count_loss_tokens(refs, dcfg.vocab_size), dcfg.draft_vocab_size, log).save(path)
+            if counts is None:
+                log(f"counting loss-position tokens over {len(refs)} stored samples")
+            build_draft_vocab(count_loss_tokens(refs, dcfg.vocab_size) if counts is None else counts(),
+                              dcfg.draft_vocab_size, log).save(path)
     _barrier(d)
     return DraftVocab.load(path)
 
@@ -130,6 +147,7 @@ class TrainResult:
     completed: bool
     metrics: dict[str, Any]
     checkpoint: Path | None
+    stream_check: dict[str, Any] | None = None    # streaming: the exactly-once record (StreamRun.verify)
 
 
 def train(cfg: PipelineConfig, layout: RunLayout, *, stop_after_step: int | None = None,
@@ -162,14 +180,41 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     say = log if d.is_main else (lambda _msg: None)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    verified = require_verified(layout.hidden_states_dir,
-                                f"`eagleflow capture verify --config <run config> --run-id {layout.run_id}`")
-    refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256, log=say,
-                        verified=verified)
-    aux_layers = read_aux_layers(refs[0])
+    store = store_for(cfg.stream.storage)
+    stream: StreamRun | None = None
+    ck = None
+    if store.streaming:
+        # the samples arrive while capture runs: no verified store to scan, the ledger proves what was trained
+        if d.world_size > 1:
+            raise ValueError(f"stream.storage {cfg.stream.storage} trains on one process: set "
+                             "train.nproc_per_node: 1 (several streaming trainers are not built)")
+        stream = StreamRun(cfg, layout, store, say)
+        remove_leftover_temp_dirs(paths["checkpoints"], log=say)
+        ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
+        refs = []
+        # on resume the first samples may be out of the store already: the checkpoint has their layers
+        aux_layers = (ck.state.get("aux_layers") if ck is not None else None) or stream.aux_layers()
+        trained_ids = stream.corpus_ids
+    else:
+        verified = require_verified(layout.hidden_states_dir,
+                                    f"`eagleflow capture verify --config <run config> --run-id {layout.run_id}`")
+        refs = scan_samples(layout.hidden_states_dir, on_bad=tc.on_bad_sample, verify_sha256=tc.verify_sha256,
+                            log=say, verified=verified)
+        aux_layers = read_aux_layers(refs[0])
+        trained_ids = {r.id for r in refs}
+    try:
+        return _train_on(cfg, layout, d, paths, hb, stop_after_step, say, refs, aux_layers, trained_ids, stream, ck)
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str, Path], hb: HeartbeatWriter | None,
+              stop_after_step: int | None, say: Callable[[str], None], refs, aux_layers: list[int],
+              trained_ids: set[str], stream: StreamRun | None, ck) -> TrainResult:
+    tc = cfg.train
     # rank 0 scores the held-out records; the others need not read them
     held = held_out_refs(layout.held_out_hidden_states_dir, eval_every=tc.eval_every, log=say) if d.is_main else []
-    trained_ids = {r.id for r in refs}
     leaked = sorted(r.id for r in held if r.id in trained_ids)
     if leaked:
         raise ValueError(f"held-out records {leaked[:5]} are also in the training store "
@@ -177,11 +222,13 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                          "the capture for this run")
     target_dir = cfg.resolve(cfg.target_model)
     dcfg = DraftConfig.from_target(target_dir, tc.draft_vocab_size)
-    if d.is_main:
-        remove_leftover_temp_dirs(paths["checkpoints"], log=say)
-    ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
+    if stream is None:
+        if d.is_main:
+            remove_leftover_temp_dirs(paths["checkpoints"], log=say)
+        ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
     ckpt_path = ck.path if ck is not None else None
-    vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say)
+    vocab = prepare_vocab(cfg, layout, refs, dcfg, d, ckpt_path is not None, say,
+                          counts=(lambda: stream.loss_token_counts(dcfg.vocab_size)) if stream is not None else None)
     head, embed = load_target_head_and_embedding(target_dir)
     model = build_draft(dcfg, vocab, head, embed, tc.seed)
     ttt = TrainingTimeTest(model, tc.ttt_length, tc.loss_normalization, fast=tc.fast_step or tc.compile,
@@ -215,18 +262,31 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     data_dtype = torch.bfloat16 if on_gpu else torch.float32
     head_t = TargetHead(head, vocab.draft_ids, vocab.t2d).to(d.device, data_dtype)
     del head
-    loader = HiddenStateLoader(refs, batch_size=tc.batch_size, seed=tc.seed, rank=d.rank,
-                               world_size=d.world_size, position=position)
+    max_steps = tc.max_steps if stream is None else stream.total_steps
+    loader: HiddenStateLoader | None = None
+    if stream is None:
+        loader = offline = HiddenStateLoader(refs, batch_size=tc.batch_size, seed=tc.seed, rank=d.rank,
+                                             world_size=d.world_size, position=position)
+        next_batch: Callable[[], Batch] = offline.next_batch
+        epoch_now: Callable[[], int] = lambda: offline.position.epoch  # noqa: E731
+        data_done: Callable[[], bool] = lambda: False  # noqa: E731
+        n_samples, store_dtype = len(refs), refs[0].store_dtype
+    else:
+        say(stream.describe())
+        sl = stream.open_loader(ck.state if ck is not None else None)
+        next_batch = lambda: sl.next_batch()[0]  # noqa: E731  (its refs stay in the loader until the commit)
+        epoch_now, data_done = (lambda: sl.epoch), (lambda: sl.finished)
+        n_samples, store_dtype = stream.corpus_size, cfg.capture.store_dtype
     micro = tc.grad_accum
     say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
-        f"{len(refs)} samples (store {refs[0].store_dtype}"
-        f"{', de-quantised on ' + str(d.device) if refs[0].store_dtype == 'fp8_e4m3' else ''}), batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
-        f"steps {start_step}->{tc.max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
+        f"{n_samples} samples (store {store_dtype}"
+        f"{', de-quantised on ' + str(d.device) if store_dtype == 'fp8_e4m3' else ''}), batch {tc.batch_size} x accum {micro} x {d.world_size} process(es) on {d.device}, "
+        f"steps {start_step}->{max_steps}, lr {tc.lr:g} (warm-up {tc.warmup}), loss over "
         f"{tc.loss_normalization}, mask {tc.loss_mask_alignment}"
         f"{', fast step' if tc.fast_step or tc.compile else ''}{', compiled layer' if tc.compile else ''}")
     if hb is not None:
         def running(h: Heartbeat) -> None:
-            h.state, h.done, h.resumed = "running", start_step, start_step
+            h.state, h.done, h.resumed, h.total = "running", start_step, start_step, max_steps
             h.extra.update(aux_layers=aux_layers)
         hb.update(running)
 
@@ -237,15 +297,19 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
     t_start = time.time()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
     try:
-        while step < tc.max_steps and (stop_after_step is None or step < stop_after_step):
+        while step < max_steps and not data_done() and (stop_after_step is None or step < stop_after_step):
             t0 = time.time()
-            lr = lr_at(step, tc.lr, tc.warmup, tc.max_steps)
+            lr = lr_at(step, tc.lr, tc.warmup, max_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             stats_sum = None
             tokens = 0
+            used = 0
             for m in range(micro):
-                batch = loader.next_batch().to(d.device, data_dtype)
+                if m and data_done():
+                    break        # streaming: the last epoch ended inside this step
+                used += 1
+                batch = next_batch().to(d.device, data_dtype)
                 tb = target_batch(head_t, batch, tc.loss_mask_alignment)
                 # DDP's all-reduce only on the last micro-batch
                 sync = ddp.no_sync() if ddp is not None and m != micro - 1 else contextlib.nullcontext()
@@ -268,13 +332,14 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             if d.world_size > 1:
                 torch.distributed.all_reduce(packed)
             tokens_all = int(packed[-1].item())
-            sm = summarize(packed[:-1], tc.ttt_length, micro * d.world_size)
+            sm = summarize(packed[:-1], tc.ttt_length, used * d.world_size)
             tokens_this_run += tokens_all
             dt = time.time() - t0
             row = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
                    "tokens": tokens_all, "tokens_per_s": tokens_all / max(dt, 1e-9),
-                   "epoch": loader.position.epoch, **sm.as_dict()}
-            end_now = step == tc.max_steps or (stop_after_step is not None and step >= stop_after_step)
+                   "epoch": epoch_now(), **sm.as_dict()}
+            end_now = (step == max_steps or data_done()
+                       or (stop_after_step is not None and step >= stop_after_step))
             if held and (step % tc.eval_every == 0 or end_now):
                 row.update(evaluate_held_out(ttt, head_t, held, batch_size=tc.batch_size, device=d.device,
                                              dtype=data_dtype, mask_alignment=tc.loss_mask_alignment,
@@ -294,22 +359,33 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                     hb.update(bump)
                     hb.mark_progress()
                 if step % tc.log_every == 0 or step == start_step + 1:
-                    say(f"step {step}/{tc.max_steps} loss {sm.loss:.4f} acc_0 {sm.acc[0]:.3f} "
+                    say(f"step {step}/{max_steps} loss {sm.loss:.4f} acc_0 {sm.acc[0]:.3f} "
                         f"accept_len {sm.accept_length:.2f} lr {lr:.2e} {row['tokens_per_s']:,.0f} tok/s")
-            if step % tc.checkpoint_every == 0 or end_now:
+            commit_now = stream is not None and stream.must_commit(tc.batch_size * micro)
+            if step % tc.checkpoint_every == 0 or end_now or commit_now:
                 if d.is_main:
-                    state = {"data_position": loader.position.to_json(), "draft_config": dcfg.to_json(),
+                    data_position = (stream.position() if stream is not None
+                                     else loader.position if loader is not None else DataPosition()).to_json()
+                    state = {"data_position": data_position, "draft_config": dcfg.to_json(),
                              "aux_layers": aux_layers, "target_model": str(target_dir),
-                             "max_steps": tc.max_steps, "lr": tc.lr, "warmup_steps": tc.warmup,
+                             "max_steps": max_steps, "lr": tc.lr, "warmup_steps": tc.warmup,
                              "world_size": d.world_size, "metrics": row}
+                    if stream is not None:      # the ids these steps trained on: committed once this is durable
+                        state["stream"] = stream.checkpoint_state()
                     last_ckpt = save_checkpoint(paths["checkpoints"], step, model.trainable_state_dict(), opt,
                                                 state, keep=tc.keep_checkpoints)
+                    if stream is not None:
+                        stream.commit(step)
                     plot_curves(paths["metrics"], paths["curves"])
                     say(f"checkpoint {last_ckpt}")
                 _barrier(d)
     finally:
-        loader.close()
+        if loader is not None:
+            loader.close()
     elapsed = time.time() - t_start
-    say(f"stopped at step {step}/{tc.max_steps} after {elapsed:.1f} s "
+    say(f"stopped at step {step}/{max_steps} after {elapsed:.1f} s "
         f"({tokens_this_run / max(elapsed, 1e-9):,.0f} tokens/s)")
-    return TrainResult(step=step, completed=step >= tc.max_steps, metrics=last_metrics, checkpoint=last_ckpt)
+    completed = step >= max_steps or data_done()
+    check = stream.verify() if stream is not None and completed and d.is_main else None
+    return TrainResult(step=step, completed=completed, metrics=last_metrics, checkpoint=last_ckpt,
+                       stream_check=check)

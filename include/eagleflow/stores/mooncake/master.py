@@ -180,3 +180,54 @@ def _wait(ready, timeout_s: float, pid_file: Path, what: str, log: Path) -> None
 def stop_store(ep: MooncakeEndpoint, grace_s: float = 10.0) -> list[StopResult]:
     """Stop the segment holder, then the master, each by its pid record only."""
     return [stop_file(f, grace_s=grace_s) for f in (ep.segment_pid_file, ep.master_pid_file) if f]
+
+
+SEGMENT_MARGIN_BYTES = 32 << 20
+
+
+def segment_bytes_for(buffer_bytes: int) -> int:
+    """The segment holder's memory for a buffer: Mooncake evicts objects once a segment is 90 % full, so the
+    segment is a quarter larger than the buffer the sinks keep to, plus a margin for the allocator's rounding."""
+    return int(buffer_bytes * 1.25) + SEGMENT_MARGIN_BYTES
+
+
+def running_store(endpoint_file: str | os.PathLike) -> MooncakeEndpoint | None:
+    """The store an endpoint file names, when its master and segment holder both run (by their records) and
+    the master answers; else None."""
+    try:
+        ep = MooncakeEndpoint.read(endpoint_file)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (ep.master_pid_file and ep.segment_pid_file):
+        return None
+    if not (status(ep.master_pid_file).alive and status(ep.segment_pid_file).alive):
+        return None
+    return ep if reachable(ep.host, ep.rpc_port) else None
+
+
+def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.0.0.1",
+                    timeout_s: float = 60.0) -> dict:
+    """The run's store (``Store.start``): the running one its endpoint names, else a new master and segment
+    holder sized for ``settings.buffer_bytes``. One store per run: never a second master beside a live one."""
+    ep = running_store(settings.endpoint_file)
+    if ep is not None:
+        return {"started": False, "attached": True, **json.loads(ep.to_json())}
+    ep = start_store(state_dir=state_dir, run_id=settings.run_id, segment_bytes=segment_bytes_for(settings.buffer_bytes),
+                     endpoint_file=settings.endpoint_file, host=host, timeout_s=timeout_s)
+    return {"started": True, "attached": False, **json.loads(ep.to_json())}
+
+
+def stop_run_store(settings, *, grace_s: float = 10.0) -> list[dict]:
+    """Stop the run's store by the records its endpoint names (``Store.stop``); the endpoint file is removed
+    once both are gone, so no sink reaches for a dead store's ports."""
+    try:
+        ep = MooncakeEndpoint.read(settings.endpoint_file)
+    except FileNotFoundError:
+        return []
+    results = stop_store(ep, grace_s=grace_s)
+    if all(r.outcome in ("terminated", "killed", "already_gone", "not_recorded", "stale_record") for r in results):
+        try:
+            os.unlink(settings.endpoint_file)
+        except FileNotFoundError:
+            pass
+    return [{"role": r.role, "pid": r.pid, "outcome": r.outcome, "detail": r.detail} for r in results]

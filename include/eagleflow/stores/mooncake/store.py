@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, read_manifest
+from eagleflow.capture.manifest import ManifestEntry, ManifestScan, ManifestWriter, ResumeCheck, read_manifest
 from eagleflow.stores import StoreSettings
 from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, StoreError, StoreFull,
                                        StoreUnavailable)
@@ -40,6 +40,16 @@ LOCAL_BUFFER_BYTES = 64 << 20       # the client's own transfer buffer (it contr
 
 def sample_key(run_id: str, shard: int, index: int) -> str:
     return f"{run_id}/shard_{shard:05d}/{index:08d}"
+
+
+def read_endpoint(settings: StoreSettings) -> MooncakeEndpoint:
+    """The run's store endpoint, or StoreUnavailable saying that no store was started for the run."""
+    try:
+        return MooncakeEndpoint.read(settings.endpoint_file)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StoreUnavailable(f"Mooncake store of run {settings.run_id}", f"no endpoint at {settings.endpoint_file} "
+                               f"({type(e).__name__}: {e}): start the run's store first (`eagleflow store start "
+                               "--config C --run-id R` on the training node)") from None
 
 
 class MooncakeClient:
@@ -113,12 +123,13 @@ class MooncakeSink:
     def __init__(self, settings: StoreSettings, shard: int, client: MooncakeClient | None = None):
         self.settings = settings
         self.shard = shard
-        self.ep = MooncakeEndpoint.read(settings.endpoint_file)
+        self.ep = read_endpoint(settings)
         self.client = client or MooncakeClient(self.ep)
         shard_dir = Path(settings.root) / f"shard_{shard:05d}"
         self.manifest = ManifestWriter(shard_dir / "manifest.jsonl", fsync=settings.fsync)
         self._budget_lock = f"{settings.endpoint_file}.budget.lock"
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # the manifest
+        self._put_lock = threading.Lock()      # the room check and the put
         self.waited_s = 0.0             # time spent held back by the buffer
 
     def _room(self, size: int) -> None:
@@ -139,8 +150,11 @@ class MooncakeSink:
         data = sample.to_bytes()
         digest = hashlib.sha256(data).hexdigest()
         key = sample_key(self.settings.run_id, self.shard, sample.index)
-        with self._lock, open(self._budget_lock, "a") as lk:
-            fcntl.flock(lk, fcntl.LOCK_EX)       # check-then-put is one step for every writer of this node
+        # check-then-put is one step for every writer of this node; the manifest has its own lock, so a put
+        # waiting for room never holds back the line of a put already done (the trainer may need that sample
+        # to free the room)
+        with self._put_lock, open(self._budget_lock, "a") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
             self._room(len(data))
             self.client.put(key, data)
         with self._lock:
@@ -161,7 +175,7 @@ class MooncakeSource:
                  log: Callable[[str], None] = print, **_options: Any):
         self.settings = settings
         self.root = Path(settings.root)
-        self.ep = MooncakeEndpoint.read(settings.endpoint_file)
+        self.ep = read_endpoint(settings)
         self.client = client or MooncakeClient(self.ep)
         self.log = log
 
@@ -194,6 +208,14 @@ class MooncakeSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+def completed_indexes(shard_dir: str, scan: ManifestScan) -> ResumeCheck:
+    """A restarted capture worker's resume: every sample its manifest records is done. A line is appended only
+    after its put succeeded, and the trainer may already have trained on the sample and removed it, so the
+    store's present keys say nothing about what is left to capture; the trainer refuses (``SampleRefused``) a
+    recorded sample the store lost, naming its key."""
+    return ResumeCheck(done=set(scan.entries), broken=[], hashed=0, refreshed={})
 
 
 def open_sink(settings: StoreSettings, shard: int) -> MooncakeSink:

@@ -1,0 +1,77 @@
+"""`eagleflow store start|stop|status`: the run's hidden-state store server on the training node.
+
+A streaming store (``stream.storage: mooncake``) runs as recorded processes (the master and its segment
+holder: ``<state_dir>/pids/<run_id>.mooncake-*.json``), started before the capture workers and the trainer
+and stopped, by their records only, once training is done. Its endpoint goes to the run's
+``store_endpoint.json``, which every sink and source reads. The disk store has no server: start and stop
+say so and do nothing.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from eagleflow.cliargs import add_run_args, run_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("store", help="the run's hidden-state store (stream.storage): start, stop, status")
+    ssub = p.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    s = ssub.add_parser("start", help="start the run's store server as recorded processes on this node (or name "
+                                      "the one already running); prints its endpoint as JSON")
+    add_run_args(s)
+    s.add_argument("--timeout", type=float, default=60.0, help="seconds for the server to come up")
+    s.set_defaults(func=_start)
+    t = ssub.add_parser("stop", help="stop the run's store server by its pid records (TERM, grace, KILL)")
+    add_run_args(t)
+    t.add_argument("--grace", type=float, default=10.0)
+    t.set_defaults(func=_stop)
+    st = ssub.add_parser("status", help="exit 0 when the run's store answers (or it has no server)")
+    add_run_args(st)
+    st.set_defaults(func=_status)
+
+
+def _settings(args):
+    from eagleflow.stores import run_store_settings, store_for
+    cfg, layout = run_from_args(args)
+    return cfg, layout, store_for(cfg.stream.storage), run_store_settings(cfg, layout)
+
+
+def _start(args) -> int:
+    from eagleflow.local_run import own_run_folders
+    cfg, layout, store, settings = _settings(args)
+    if not store.start:
+        print(json.dumps({"store": store.name, "started": False, "detail": f"the {store.label} has no server"}))
+        return 0
+    own_run_folders(layout)
+    try:
+        info = store.start_server(settings, state_dir=str(layout.state_dir), host=cfg.stream.host)
+    except RuntimeError as e:         # MooncakeStartError: names the process and its log
+        print(f"eagleflow store start: {e}", file=sys.stderr, flush=True)
+        return 3
+    print(json.dumps({"store": store.name, "endpoint_file": settings.endpoint_file, **info}), flush=True)
+    return 0
+
+
+def _stop(args) -> int:
+    _, _, store, settings = _settings(args)
+    results = store.stop_server(settings, grace_s=args.grace)
+    print(json.dumps({"store": store.name, "stopped": results}), flush=True)
+    bad = [r for r in results if r["outcome"] in ("refused", "unkillable", "survived", "not_ours")]
+    return 1 if bad else 0
+
+
+def _status(args) -> int:
+    from eagleflow.stores.contract import StoreError
+    _, _, store, settings = _settings(args)
+    if not store.streaming:
+        print(json.dumps({"store": store.name, "healthy": True}))
+        return 0
+    try:
+        source = store.open_source(settings, log=lambda _m: None)
+        source.close()
+    except StoreError as e:
+        print(json.dumps({"store": store.name, "healthy": False, "detail": str(e)}))
+        return 1
+    print(json.dumps({"store": store.name, "healthy": True}))
+    return 0
