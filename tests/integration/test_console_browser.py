@@ -4,9 +4,12 @@ As an operator would: sign in through Airflow's login page; open Browse -> GPU n
 health interval (gpu_node_health starts unpaused, every minute) the fake 8-GPU node shows its four
 held GPUs highlighted, the CPU-only and the unreachable node are listed, no command line is on the
 page, and the page refreshes itself; the stalled node's incident is mailed once over many checks and
-once more when it is resolved; trigger eagle3_pipeline from the trigger form and see the run
-succeed in the UI; open its run report and the metrics. Screenshots go to the test's folder (and to
-docs/ with EAGLEFLOW_UPDATE_SCREENSHOTS=1).
+once more when it is resolved; trigger eagle3_pipeline from the trigger form (no `null` in it) and see
+the run succeed in the UI, with no failed run on a fresh deployment; the run waits for a person
+(eval.approval: always): Approve clicked on its Required Actions page promotes the draft; open its run
+report and the metrics; a second run, rejected on that page with a reason, keeps the draft in service
+(promoted.json unchanged, the report names who and why); the incident mail's link opens the GPU view.
+Screenshots go to the test's folder (and to docs/ with EAGLEFLOW_UPDATE_SCREENSHOTS=1).
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import json
 import os
 import shutil
 import time
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -101,14 +106,55 @@ def check_gpu_view(driver, base: str, shots: Path, health_interval_s: float) -> 
     return seen_at
 
 
+def page_text_with(driver, *needles: str) -> str | None:
+    """The page's visible text once it holds every needle; None before."""
+    from selenium.webdriver.common.by import By
+    text = driver.find_element(By.TAG_NAME, "body").text
+    return text if all(n in text for n in needles) else None
+
+
 def trigger_from_form(driver, base: str, run_name: str, shots: Path) -> None:
     from selenium.webdriver.common.by import By
     driver.get(base + "/dags/eagle3_pipeline")
     find(driver, By.CSS_SELECTOR, "button[aria-label='Trigger Dag']").click()
     name = find(driver, By.NAME, "element_run_name")
     name.send_keys(run_name)
+    form = wait_for("the trigger form's fields", lambda: page_text_with(driver, "Config file", "Capture backend"),
+                    30, 0.5)
+    assert not re.search(r"\bnull\b", form), f"the trigger form shows null:\n{form}"
     driver.save_screenshot(str(shots / "trigger-form.png"))
     driver.find_elements(By.XPATH, "//button[normalize-space()='Trigger']")[-1].click()
+
+
+def task_state(base: str, token: str, run_id: str, task_id: str) -> str | None:
+    return rest(base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{quote(run_id)}/taskInstances/{task_id}", token)["state"]
+
+
+def run_state(base: str, token: str, run_id: str) -> str:
+    return rest(base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{quote(run_id)}", token)["state"]
+
+
+def answer_in_ui(driver, base: str, token: str, run_id: str, option: str, reason: str, shot: Path) -> str:
+    """A person's answer on approve_promotion's Required Actions page: the evaluation table read, a reason
+    typed, Approve or Reject clicked. Returns the page's text as the person saw it."""
+    from selenium.webdriver.common.by import By
+    state = wait_for("approve_promotion waiting for a person", lambda: (
+        "awaiting_input" if task_state(base, token, run_id, "approve_promotion") == "awaiting_input" else
+        run_state(base, token, run_id) if run_state(base, token, run_id) in ("success", "failed") else None), 900, 3)
+    assert state == "awaiting_input", f"the run ended {state} before asking for approval"
+    driver.get(f"{base}/dags/eagle3_pipeline/runs/{quote(run_id, safe='')}/tasks/approve_promotion/required_actions")
+    text = wait_for("the evaluation table on the Required Actions page",
+                    lambda: page_text_with(driver, "acceptance length", option), 90, 1)
+    find(driver, By.NAME, "element_reason").send_keys(reason)
+    driver.save_screenshot(str(shot))
+    # a person reads the table first: an answer within seconds of the task parking can reach Airflow 3.3 before
+    # its executor reports the parked try, and the scheduler retries the task (approve_promotion then takes the
+    # recorded answer: ApprovePromotionOperator._earlier_answer); this test clicks as a reader would
+    time.sleep(10)
+    find(driver, By.XPATH, f"//button[normalize-space()='{option}']").click()
+    wait_for("the answer taken", lambda: task_state(base, token, run_id, "approve_promotion") != "awaiting_input",
+             120, 2)
+    return text
 
 
 def open_incidents_shown(driver, base: str) -> list[str]:
@@ -118,7 +164,7 @@ def open_incidents_shown(driver, base: str) -> list[str]:
     return sorted(e.get_attribute("data-node") for e in driver.find_elements(By.CSS_SELECTOR, "li.incident.open"))
 
 
-def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str, driver, base: str) -> None:
+def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str, driver, base: str) -> str:
     def about(node: str):
         return [m for m in list(smtp.messages) if f" {node}" in m["Subject"]]
     opened = smtp.wait_for(lambda m: "gpu-node-stalled: 4 GPUs hold 88 GiB each at 0 % for" in m["Subject"], 30)
@@ -140,15 +186,18 @@ def check_incident_mails(smtp: SmtpSink, scenario: str, base_url: str, driver, b
     assert resolved["In-Reply-To"] == opened["Message-ID"]
     assert len(about("gpu-node-stalled")) == 2 and len(about("gpu-node-gone")) == 1
     print(f"[console] incident mails: {[m['Subject'] for m in smtp.messages]}")
+    return body
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2100)
 def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  # noqa: F811
     from selenium.webdriver.common.by import By
     shots = tmp_path / "screenshots"
     shots.mkdir()
     nodes = write_console_nodes(tmp_path / "nodes", alert_emails=["oncall@example.test"], smtp_conn_id="smtp_test")
-    cfg = write_short_config(tmp_path, demo_assets)
+    # a person approves each promotion; the second run's draft passes the gate against the first whatever its
+    # figures (tolerance), so that a person, not the gate, keeps the draft in service
+    cfg = write_short_config(tmp_path, demo_assets, eval={"approval": "always", "tolerance": 10.0})
     home, port = tmp_path / "airflow_home", standalone.free_port()
     smtp = SmtpSink().__enter__()   # a real SMTP server for gpu_node_health's incident mails
     env = {**nodes["env"], "EAGLEFLOW_HEALTH_CONFIGS": os.pathsep.join(nodes["configs"]),
@@ -177,12 +226,25 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
             base, "/api/v2/dags/eagle3_pipeline/dagRuns", token)["dag_runs"], 60)
         run_id = runs[0]["dag_run_id"]
         assert rest(base, "/api/v2/dags/eagle3_pipeline", token)["is_paused"] is False  # the form unpaused it
-        state = wait_for("the run to finish", lambda: (s := rest(
-            base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}", token)["state"]) in ("success", "failed") and s,
-            900, 5)
+        # a fresh deployment: no failed run anywhere (gpu_node_health has run every minute since the start)
+        failed = rest(base, "/api/v2/dags/~/dagRuns?state=failed", token)
+        assert failed["total_entries"] == 0, [(r["dag_id"], r["dag_run_id"]) for r in failed["dag_runs"]]
+        chromium.get(base + "/")
+        time.sleep(3)   # the dashboard's counts load after the page
+        chromium.save_screenshot(str(shots / "home.png"))
+        # eval.approval: always: the draft waits for a person, who approves it in the UI
+        promoted = tmp_path / "runs" / "promoted.json"
+        seen = answer_in_ui(chromium, base, token, run_id, "Approve", "first draft, nothing in service",
+                            shots / "approval.png")
+        assert "Promote the draft of run browser_run?" in seen and "3/1/4" in seen and "held_out" in seen, seen
+        state = wait_for("the run to finish", lambda: (s := run_state(base, token, run_id)) in ("success", "failed")
+                         and s, 900, 5)
         tis = rest(base, f"/api/v2/dags/eagle3_pipeline/dagRuns/{run_id}/taskInstances", token)["task_instances"]
         summary = {(t["task_id"], t.get("map_index")): t["state"] for t in tis}
         assert state == "success", summary
+        assert summary[("approve_promotion", -1)] == "success", summary
+        in_service = promoted.read_text()
+        assert json.loads(in_service)["draft"] == str(tmp_path / "runs" / "browser_run" / "draft" / "export")
         # both shards of the short config extracted, each once (what the REST-only standalone test checked)
         assert summary[("extract_shard", 0)] == summary[("extract_shard", 1)] == "success", summary
         assert ("extract_shard", 2) not in summary, summary
@@ -195,6 +257,7 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
         report = chromium.find_element(By.TAG_NAME, "body").text
         assert "samples stored per shard" in report and "training loss" in report
         assert "--speculative-algorithm EAGLE3" in report and "browser_run/draft/export" in report
+        assert "approved by admin" in report and "first draft, nothing in service" in report, report
         chromium.save_screenshot(str(shots / "run-report.png"))
         assert (tmp_path / "runs" / "browser_run" / "report.html").is_file()
 
@@ -204,7 +267,32 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
         assert 'Hostname="gpu-node-stalled"} 90000' in metrics and STALLED_CMD not in metrics
 
         # the stalled node, checked every minute all along: exactly one mail, then one when it is resolved
-        check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}", chromium, base)
+        mail = check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}", chromium, base)
+
+        # a second run, its draft rejected in the UI: the draft in service stays
+        second = rest(base, "/api/v2/dags/eagle3_pipeline/dagRuns", token, "POST",
+                      {"logical_date": None, "conf": {"run_name": "browser_reject"}})["dag_run_id"]
+        seen = answer_in_ui(chromium, base, token, second, "Reject", "keep the one in service",
+                            shots / "rejection.png")
+        assert str(tmp_path / "runs" / "browser_run" / "draft" / "export") in seen, seen   # against it
+        state = wait_for("the second run to finish", lambda: (s := run_state(base, token, second)) in
+                         ("success", "failed") and s, 600, 5)
+        assert state == "success" and task_state(base, token, second, "approve_promotion") == "skipped"
+        assert promoted.read_text() == in_service, "a rejected draft was promoted"
+        chromium.get(f"{base}/eagleflow-gpu/report/eagle3_pipeline/{second}")
+        report = chromium.find_element(By.TAG_NAME, "body").text
+        assert "rejected by admin" in report and "keep the one in service" in report, report
+        chromium.save_screenshot(str(shots / "run-report-rejected.png"))
+
+        # the incident mail's link, opened as the person woken by it would: the GPU view with the stalled node
+        link = re.search(r"http://localhost:\d+/plugin/eagleflow-gpu[^\s\"'<>)]*", mail).group(0)
+        sign_in(chromium, f"http://localhost:{port}", info["password"])   # the mail's host: its own sign-in
+        chromium.get(link)
+        frame = find(chromium, By.CSS_SELECTOR, "iframe[src*='eagleflow-gpu']", 60)
+        chromium.switch_to.frame(frame)
+        find(chromium, By.CSS_SELECTOR, "[data-node='gpu-node-stalled']", 60)
+        chromium.switch_to.default_content()
+        chromium.save_screenshot(str(shots / "mail-link.png"))
     finally:
         smtp.__exit__(None, None, None)
         stopped = standalone.stop(home, grace_s=20)
