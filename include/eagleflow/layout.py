@@ -8,8 +8,9 @@
         hidden_states_held_out/shard_00000/   the same for the held-out records trained models are scored on
         capture_server.json, generate_server.json   a live server's url and identity (tagged per fleet node)
         takeover.json           a fleet's shards handed over to this node (eagleflow.fleet.takeover)
+        store_endpoint.json     a streaming store's endpoint (`eagleflow store start`, stream.storage: mooncake)
         logs/                   one log per detached process (logs/<node>/ on another fleet node)
-        draft/                  checkpoints/, export/, metrics.jsonl, curves.png, heartbeat.json
+        draft/                  checkpoints/, export/, metrics.jsonl, curves.png, heartbeat.json, stream_ledger.jsonl
     <state_dir>/                node-wide, across runs
         pids/<run_id>.<role>.json    every process we started (see nodes.detach)
         locks/                  job locks (<run_id>.<role>.lock), hand-over marks, restart locks
