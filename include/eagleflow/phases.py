@@ -64,8 +64,10 @@ class ShardKind:
     worker_prefix: str                          # worker role = prefix + 5-digit shard
     marker: str                                 # <run>.<marker>: reconcile started this phase's server
     started_dir: str                            # a run dir holding this means the phase started
-    shards_field: str                           # the config field that says how many shards
+    shards_field: str                           # the config field that says how many shards (in messages)
     enabled_field: str | None                   # the config switch that turns the phase on (None: always on)
+    shards_of: Callable[[PipelineConfig], int]  # reads shards_field
+    enabled_of: Callable[[PipelineConfig], bool] | None   # reads enabled_field
     shard_dir: Callable[[RunLayout, int], PurePosixPath]
     server_info_file: Callable[[RunLayout], PurePosixPath]
     takeover_key: str                           # its map in a run's takeover.json (fleet.takeover)
@@ -100,10 +102,10 @@ class ShardKind:
         return re.escape(self.worker_prefix) + r"\d{5}"
 
     def num_shards(self, cfg: PipelineConfig) -> int:
-        return int(_field(cfg, self.shards_field))
+        return int(self.shards_of(cfg))
 
     def enabled(self, cfg: PipelineConfig) -> bool:
-        return self.enabled_field is None or bool(_field(cfg, self.enabled_field))
+        return self.enabled_of is None or bool(self.enabled_of(cfg))
 
     def shards_to_run(self, cfg: PipelineConfig) -> int:
         """The shards this run has of the phase: none while it is switched off."""
@@ -124,17 +126,13 @@ class ShardKind:
         return life
 
 
-def _field(cfg: PipelineConfig, dotted: str):
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
 KINDS = {
     EXTRACT: ShardKind(
         phase=EXTRACT, noun="extraction", unit="samples", label="extract shard", watch_name="shard",
         server="capture server",
         server_role="capture_server", worker_prefix="worker_shard_", marker="reconcile-started-server",
-        started_dir="hidden_states", shards_field="capture.shards", enabled_field=None, shard_dir=RunLayout.shard_dir,
+        started_dir="hidden_states", shards_field="capture.shards", enabled_field=None,
+        shards_of=lambda cfg: cfg.capture.shards, enabled_of=None, shard_dir=RunLayout.shard_dir,
         server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
         shard_task="extract_shard", collect_task="collect_shards", takeover_task="take_over_shards",
         # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
@@ -150,6 +148,7 @@ KINDS = {
         phase=GENERATE, noun="generation", unit="records", label="generate shard", watch_name="generate shard",
         server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
         marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards", enabled_field="generate.enabled",
+        shards_of=lambda cfg: cfg.generate.shards, enabled_of=lambda cfg: cfg.generate.enabled,
         shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
         takeover_key="generate_shards", prepared_key="generate_shards", shard_task="generate_responses",
         collect_task="collect_generated",

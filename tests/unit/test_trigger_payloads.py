@@ -68,3 +68,70 @@ def test_a_trigger_whose_run_config_is_gone_says_so(tmp_path):
     ev = asyncio.run(first())
     assert ev["status"] == "error" and "run-config.json not found" in ev["message"]
     assert "write_run_config" in ev["message"]
+
+
+# What a deployment of this build stores for a watch (RunContext.serialize): the hints and the control-plane
+# settings under the config fields' own names, plain values only.
+STORED = {"conn_id": "gpu_node", "run_config": "/data/runs/r1/run-config.json", "run_id": "r1",
+          "control": {"node.python": "/opt/venv/bin/python", "watchdog.alert_emails": ["ops@example.com"],
+                      "watchdog.smtp_conn_id": "smtp_default", "watchdog.airflow_base_url": "http://af:8080"},
+          "watch": {"node.name": "gpu-a", "capture.shards": 8, "generate.shards": 3,
+                    "watchdog.stall_after_s": 15.0, "watchdog.poll_interval_s": 20.0}}
+
+
+def test_a_stored_payload_is_read_into_typed_models_and_written_back_the_same():
+    from eagleflow.airflow.runtime import ControlPlane, RunRef, WatchHints
+    from eagleflow.airflow.shard_watch import ShardWatchTrigger, TrainWatchTrigger
+    from eagleflow.phases import GENERATE
+    ref = RunRef.from_dict(STORED)
+    assert isinstance(ref.control, ControlPlane) and isinstance(ref.watch, WatchHints)
+    assert ref.watch.node_name == "gpu-a" and ref.watch.capture_shards == 8 and ref.watch.stall_after_s == 15.0
+    assert ref.control.alert_emails == ["ops@example.com"] and ref.control.python == "/opt/venv/bin/python"
+    assert ref.to_dict() == STORED and json.loads(json.dumps(ref.to_dict())) == STORED
+    for trig in (ShardWatchTrigger(run=STORED, shard=2), TrainWatchTrigger(run=STORED)):
+        assert trig.serialize()[1]["run"] == STORED
+    # the job's name before the run's config is read: the count is the hint of the shard's own phase
+    assert ShardWatchTrigger(run=STORED, shard=2)._job_name() == "shard 2/8"
+    assert ShardWatchTrigger(run=STORED, shard=1, phase=GENERATE)._job_name() == "generate shard 1/3"
+    assert ShardWatchTrigger(run=STORED, shard=2)._early_bound_s() == 15.0 + 2 * 20.0
+
+
+def test_a_payload_from_before_hints_or_with_some_of_them_reads_as_unknown():
+    from eagleflow.airflow.runtime import RunRef
+    from eagleflow.airflow.shard_watch import EARLY_UNREACHABLE_S, ShardWatchTrigger
+    bare = {k: STORED[k] for k in ("conn_id", "run_config", "run_id")}
+    ref = RunRef.from_dict(bare)
+    assert ref.control is None and ref.watch is None and ref.hints.node_name is None
+    assert ShardWatchTrigger(run=bare, shard=2)._job_name() == "shard 2"
+    assert ShardWatchTrigger(run=bare, shard=2)._early_bound_s() == EARLY_UNREACHABLE_S
+    # some hints, and a key this build does not know: the known ones read, written back as given
+    partial = {**bare, "watch": {"node.name": "gpu-a", "capture.shards": 4, "somebody.else": 1},
+               "control": {"watchdog.alert_emails": []}}
+    again = RunRef.from_dict(partial)
+    assert again.watch is not None and again.watch.generate_shards is None and again.hints.capture_shards == 4
+    assert again.to_dict() == {**bare, "watch": {"node.name": "gpu-a", "capture.shards": 4},
+                               "control": {"watchdog.alert_emails": []}}
+
+
+@pytest.mark.parametrize("part,bad", [("watch", {"capture.shards": "many"}),
+                                      ("control", {"watchdog.alert_emails": "ops@example.com, x@evil.example"})])
+def test_a_hint_or_setting_that_does_not_fit_is_refused_naming_it(part, bad):
+    from eagleflow.airflow.runtime import RunRef
+    from eagleflow.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        RunRef.from_dict({**STORED, part: bad})
+    assert f"payload's {part!r}" in str(e.value) and next(iter(bad)) in str(e.value)
+    assert "clear the task so it defers anew" in str(e.value)
+
+
+def test_the_payload_control_plane_is_laid_over_the_node_copy_by_attribute():
+    from eagleflow.airflow.runtime import RunContext, RunRef, WatchHints
+    from eagleflow.config import load_config
+    node_copy = load_config(data={"target_model": "/m", "run_root": "/runs",
+                                  "watchdog": {"alert_emails": ["node@edited.example"]},
+                                  "capture": {"shards": 2}})
+    ctx = RunContext.from_frozen_text(RunRef.from_dict(STORED), json.dumps(node_copy.model_dump(mode="json")), "n")
+    assert ctx.cfg.watchdog.alert_emails == ["ops@example.com"] and ctx.cfg.node.python == "/opt/venv/bin/python"
+    assert ctx.cfg.watchdog.airflow_base_url == "http://af:8080" and ctx.cfg.node.conn_id == "gpu_node"
+    assert ctx.cfg.capture.shards == 2     # hints are never laid over the run's config
+    assert WatchHints.of(ctx.cfg).to_dict()["capture.shards"] == 2

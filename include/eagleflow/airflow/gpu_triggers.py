@@ -18,14 +18,14 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext, RunRef
+from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 
 
 class GpuIdleTrigger(BaseTrigger):
     MAX_FAILURES = 5  # GPU readings failing in a row before the trigger gives up
 
-    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 5.0):
+    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 5.0):
         super().__init__()
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)

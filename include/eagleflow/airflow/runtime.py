@@ -18,7 +18,8 @@ never against the worker's current directory. A ``config_path`` from the Params 
 deployment's config folders (``$EAGLEFLOW_CONFIG_DIRS``, default configs/; ``checked_config_path``).
 
 Triggers carry a ``RunRef`` (connection id, path of run-config.json on the
-node, run id): small and stable across upgrades, unlike the whole config.
+node, run id, the ``ControlPlane`` settings and the ``WatchHints``): small and stable across upgrades, unlike
+the whole config; plain values on the wire (``RunPayload``), typed models in the code.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagleflow import bounded_json
 from eagleflow.airflow.project import PROJECT_ROOT_ENV, project_root, resolve_config_path
@@ -35,6 +38,7 @@ from eagleflow.airflow.routing import task_node_name
 from eagleflow.config import ConfigError, PipelineConfig, load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node, node_from_config
+from eagleflow.phases import ShardKind
 
 # DAG Param name -> dotted config field. A Param left at None keeps the file's value.
 PARAM_OVERRIDES: dict[str, str] = {
@@ -237,74 +241,153 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
     return data
 
 
-# Settings the control plane acts on (what it executes, whom it mails, through which connection, which links):
-# always the frozen config's (XCom, the trigger payload), never the copy on the node, which the node can edit.
-CONTROL_PLANE_FIELDS = ("node.python", "watchdog.alert_emails", "watchdog.smtp_conn_id", "watchdog.airflow_base_url")
+class _Payload(BaseModel):
+    """Plain values inside a trigger payload, on the wire under the config fields' own names ("node.name");
+    read and built by attribute. Keys this release does not know are ignored; only the values given are
+    written back (``to_dict``), so a payload re-serialised by a trigger is the one it was given."""
+    model_config = ConfigDict(frozen=True, extra="ignore", validate_by_name=True, validate_by_alias=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    @classmethod
+    def wire_keys(cls) -> tuple[str, ...]:
+        return tuple(str(f.serialization_alias) for f in cls.model_fields.values())
 
 
-def _dotted_settings(cfg: PipelineConfig, fields: tuple[str, ...]) -> dict[str, Any]:
-    out = {}
-    for dotted in fields:
-        section, name = dotted.split(".")
-        value = getattr(getattr(cfg, section), name)
-        out[dotted] = list(value) if isinstance(value, (list, tuple)) else value
-    return out
+_P = TypeVar("_P", bound=_Payload)
 
 
-def control_plane_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """``CONTROL_PLANE_FIELDS`` of ``cfg`` as plain values (a trigger payload's ``control``)."""
-    return _dotted_settings(cfg, CONTROL_PLANE_FIELDS)
+def _wire(name: str, default: Any = None) -> Any:
+    """A payload field carried under the config field ``name`` (its wire key)."""
+    return Field(default, validation_alias=name, serialization_alias=name)
 
 
-# What a watch needs before it has read the run's config on the node (a triggerer can start a watch while the
-# node is unreachable): the node's name, the job counts its mails name, the unreachable bound's settings.
-# Only read while the config cannot be, never laid over it (a reconcile's watch of a run keeps the run's counts).
-WATCH_HINT_FIELDS = ("node.name", "capture.shards", "generate.shards", "watchdog.stall_after_s",
-                     "watchdog.poll_interval_s")
+class ControlPlane(_Payload):
+    """Settings the control plane acts on (what it executes, whom it mails, through which connection, which
+    links): always the frozen config's (XCom, the trigger payload), never the copy on the node, which the node
+    can edit. A trigger payload's ``control``."""
+    python: str = _wire("node.python", "")
+    alert_emails: list[str] = _wire("watchdog.alert_emails", [])
+    smtp_conn_id: str = _wire("watchdog.smtp_conn_id", "smtp_default")
+    airflow_base_url: str = _wire("watchdog.airflow_base_url", "")
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> "ControlPlane":
+        wd = cfg.watchdog
+        return cls(python=cfg.node.python, alert_emails=list(wd.alert_emails), smtp_conn_id=wd.smtp_conn_id,
+                   airflow_base_url=wd.airflow_base_url)
+
+    def apply(self, cfg: PipelineConfig) -> None:
+        """Lay these settings over a config read from a node (only those the payload carries)."""
+        given = self.model_fields_set
+        if "python" in given:
+            cfg.node.python = self.python
+        if "alert_emails" in given:
+            cfg.watchdog.alert_emails = list(self.alert_emails)
+        if "smtp_conn_id" in given:
+            cfg.watchdog.smtp_conn_id = self.smtp_conn_id
+        if "airflow_base_url" in given:
+            cfg.watchdog.airflow_base_url = self.airflow_base_url
 
 
-def apply_control_plane(cfg: PipelineConfig, settings: dict[str, Any]) -> None:
+class WatchHints(_Payload):
+    """What a watch needs before it has read the run's config on the node (a triggerer can start a watch while
+    the node is unreachable): the node's name, the job counts its mails name, the unreachable bound's settings.
+    Only read while the config cannot be, never laid over it (a reconcile's watch of a run keeps the run's
+    counts). None: a payload from before the hint was carried."""
+    node_name: str | None = _wire("node.name")
+    capture_shards: int | None = _wire("capture.shards")
+    generate_shards: int | None = _wire("generate.shards")
+    stall_after_s: float | None = _wire("watchdog.stall_after_s")
+    poll_interval_s: float | None = _wire("watchdog.poll_interval_s")
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> "WatchHints":
+        return cls(node_name=cfg.node.name, capture_shards=cfg.capture.shards, generate_shards=cfg.generate.shards,
+                   stall_after_s=cfg.watchdog.stall_after_s, poll_interval_s=cfg.watchdog.poll_interval_s)
+
+    def shards(self, kind: ShardKind) -> int | None:
+        """The shard count of ``kind``'s phase: the hint carried under its descriptor's ``shards_field``."""
+        value = self.to_dict().get(kind.shards_field)
+        return None if value is None else int(value)
+
+
+# the wire keys of each (a payload's ``control`` and ``watch``)
+CONTROL_PLANE_FIELDS = ControlPlane.wire_keys()
+WATCH_HINT_FIELDS = WatchHints.wire_keys()
+
+
+def control_plane_settings(cfg: PipelineConfig) -> ControlPlane:
+    """The control-plane settings of ``cfg`` (a trigger payload's ``control``)."""
+    return ControlPlane.of(cfg)
+
+
+def apply_control_plane(cfg: PipelineConfig, settings: ControlPlane) -> None:
     """Lay trusted control-plane settings over a config read from a node."""
-    for dotted in CONTROL_PLANE_FIELDS:
-        if dotted in settings:
-            section, name = dotted.split(".")
-            setattr(getattr(cfg, section), name, settings[dotted])
+    settings.apply(cfg)
+
+
+class RunPayload(TypedDict, total=False):
+    """A ``RunRef`` on the wire (what ``RunRef.to_dict`` writes and a trigger is given back)."""
+    conn_id: str | None
+    run_config: str
+    run_id: str
+    control: dict[str, object]
+    watch: dict[str, object]
+
+
+def _part(model: type[_P], data: object, key: str) -> _P | None:
+    """A payload's ``control`` or ``watch``; None when absent (a payload from before it was carried); a value
+    that does not fit is refused naming the key and what is wrong."""
+    if not isinstance(data, dict):
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"trigger payload's {key!r} does not fit this eagleflow build ({bad}); clear the task so "
+                          "it defers anew") from None
 
 
 @dataclass(frozen=True)
 class RunRef:
     """What a trigger carries to find its run again: how to reach the node, where the frozen config lies there,
-    which run, the frozen config's control-plane settings (``CONTROL_PLANE_FIELDS``; None in a payload
+    which run, the frozen config's control-plane settings (``ControlPlane``; None in a payload
     from before they were carried) and the watch's hints for the time before it read the run's config
-    (``WATCH_HINT_FIELDS``). Nothing else, so a renamed config field never breaks a deferred task across an
+    (``WatchHints``). Nothing else, so a renamed config field never breaks a deferred task across an
     upgrade."""
     conn_id: str | None
     run_config: str
     run_id: str
-    control: dict[str, Any] | None = None
-    watch: dict[str, Any] | None = None    # WATCH_HINT_FIELDS (None in a payload from before they were carried)
+    control: ControlPlane | None = None
+    watch: WatchHints | None = None    # None in a payload from before they were carried
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
+    def to_dict(self) -> RunPayload:
+        d: RunPayload = {"conn_id": self.conn_id, "run_config": self.run_config, "run_id": self.run_id}
         if self.control is not None:
-            d["control"] = dict(self.control)
+            d["control"] = self.control.to_dict()
         if self.watch is not None:
-            d["watch"] = dict(self.watch)
+            d["watch"] = self.watch.to_dict()
         return d
 
-    def hint(self, dotted: str) -> Any:
-        """A WATCH_HINT_FIELDS value from the payload; None when it does not carry it."""
-        return (self.watch or {}).get(dotted)
+    @property
+    def hints(self) -> WatchHints:
+        """The watch's hints; all None when the payload carries none."""
+        return self.watch if self.watch is not None else WatchHints()
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunRef":
+    def from_dict(cls, data: RunPayload | RunRef) -> "RunRef":
+        if isinstance(data, RunRef):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"trigger payload's run is a {type(data).__name__}, not a mapping; clear the task so "
+                              "it defers anew")
         try:
-            control, watch = data.get("control"), data.get("watch")
-            return cls(conn_id=data.get("conn_id"), run_config=str(data["run_config"]), run_id=str(data["run_id"]),
-                       control={k: v for k, v in control.items() if k in CONTROL_PLANE_FIELDS}
-                       if isinstance(control, dict) else None,
-                       watch={k: v for k, v in watch.items() if k in WATCH_HINT_FIELDS}
-                       if isinstance(watch, dict) else None)
+            conn_id = data.get("conn_id")
+            return cls(conn_id=None if conn_id is None else str(conn_id), run_config=str(data["run_config"]),
+                       run_id=str(data["run_id"]), control=_part(ControlPlane, data.get("control"), "control"),
+                       watch=_part(WatchHints, data.get("watch"), "watch"))
         except KeyError as e:
             raise ConfigError(f"trigger payload lacks {e.args[0]!r}: {sorted(data)}; expected conn_id, run_config, "
                               "run_id (a payload of another eagleflow build: clear the task so it defers anew)"
@@ -400,15 +483,14 @@ class RunContext:
         return RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, self.layout.run_id))
 
     # -- triggers ------------------------------------------------------------------------------
-    def serialize(self) -> dict[str, Any]:
+    def serialize(self) -> RunPayload:
         """The RunRef a trigger carries."""
         conn_id = getattr(self._node, "conn_id", self.cfg.node.conn_id) if self._node is not None \
             else self.cfg.node.conn_id
         return RunRef(conn_id=conn_id, run_config=self.run_config_path, run_id=self.layout.run_id,
-                      control=control_plane_settings(self.cfg),
-                      watch=_dotted_settings(self.cfg, WATCH_HINT_FIELDS)).to_dict()
+                      control=ControlPlane.of(self.cfg), watch=WatchHints.of(self.cfg)).to_dict()
 
-    def trigger_ref(self) -> dict[str, Any]:
+    def trigger_ref(self) -> RunPayload:
         """The RunRef for a trigger this task defers to. A config this task resolved itself (a DAG without a
         freezing task) is first written to run-config.json, where the trigger reads it."""
         if self._resolved_here:
@@ -416,7 +498,7 @@ class RunContext:
         return self.serialize()
 
     @classmethod
-    def from_serialized(cls, run: dict[str, Any]) -> "RunContext":
+    def from_serialized(cls, run: RunPayload) -> "RunContext":
         """Rebuild in a trigger (blocking: reads run-config.json on the node; call it via asyncio.to_thread)."""
         return cls.from_ref(RunRef.from_dict(run))
 
@@ -444,7 +526,7 @@ class RunContext:
         cfg = load_config(data=data)
         cfg.node.conn_id = ref.conn_id  # the node is reached the way the payload says (a reconcile may differ)
         if ref.control is not None:     # what runs here and whom to mail: the frozen config's, not the node's copy
-            apply_control_plane(cfg, ref.control)
+            ref.control.apply(cfg)
         return cls(cfg=cfg, layout=RunLayout.for_run(cfg, ref.run_id))
 
     # -- the node ------------------------------------------------------------------------------

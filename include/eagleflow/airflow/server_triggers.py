@@ -17,14 +17,14 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext, RunRef
+from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.nodes import NodeError
 from eagleflow.phases import EXTRACT, kind_of
 
 
 class ServerReadyTrigger(BaseTrigger):
-    def __init__(self, run: dict[str, Any], end_at: float, poll_interval_s: float = 2.0, phase: str = EXTRACT):
+    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 2.0, phase: str = EXTRACT):
         super().__init__()
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)

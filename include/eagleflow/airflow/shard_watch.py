@@ -60,7 +60,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.runtime import RunContext, RunRef
+from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.nodes import NodeError, NodeUnreachable
 from eagleflow.nodes.ssh_async import AsyncSSHNode
 from eagleflow.phases import EXTRACT, kind_of
@@ -75,7 +75,7 @@ WATCH_ANSWER_CODES = (0, 3, 4, 5, 6)  # `eagleflow watch` exit codes that come w
 RECONNECT_FIRST_S = 0.5
 UNREACHABLE_GIVE_UP_S = 6 * 3600.0
 # Silent from the start, and the payload carries no watchdog settings (one deferred before they were
-# carried, RunRef.watch): say so after this.
+# carried, RunRef.watch, WatchHints): say so after this.
 EARLY_UNREACHABLE_S = 60.0
 
 
@@ -112,7 +112,7 @@ def _end_outage(node_key: str) -> None:
 class _NodeJobWatchTrigger(BaseTrigger):
     """Shared loop: run the node-side watch command, turn its verdict into one event."""
 
-    def __init__(self, run: dict[str, Any], poll_interval_s: float | None = None,
+    def __init__(self, run: RunPayload | RunRef, poll_interval_s: float | None = None,
                  unreachable_since: float | None = None, close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
                  pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None):
         super().__init__()
@@ -145,7 +145,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
     def _early_bound_s(self) -> float:
         """The unreachable bound before the run's config is read: the one the watch keeps after, from the
         payload's hints (a watch the triggerer starts mid-outage reports it as late as one already watching)."""
-        stall_after, interval = self.ref.hint("watchdog.stall_after_s"), self.ref.hint("watchdog.poll_interval_s")
+        stall_after, interval = self.ref.hints.stall_after_s, self.ref.hints.poll_interval_s
         if stall_after is None or interval is None:
             return EARLY_UNREACHABLE_S
         return unreachable_bound_s(float(stall_after), float(self.poll_interval_s or interval))
@@ -349,8 +349,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
         """Unreachable before the run's config could even be read: the node's name and the job count from the
         payload's hints, so the mail reads as one from a watch that had read it (none in an older payload)."""
         return unreachable_event(job=self._job_name(), since=since, error=error, state=self._state(),
-                                 node=self.ref.hint("node.name"), conn_id=self.ref.conn_id, run_id=self.ref.run_id,
-                                 mail=_claim_outage(self.ref.conn_id or str(self.ref.hint("node.name") or "local"),
+                                 node=self.ref.hints.node_name, conn_id=self.ref.conn_id, run_id=self.ref.run_id,
+                                 mail=_claim_outage(self.ref.conn_id or self.ref.hints.node_name or "local",
                                                     since))
 
     def _unreachable(self, ctx: RunContext, since: float, error: str, **kw) -> WatchEvent:
@@ -366,7 +366,7 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
     at once (see the module docstring); a failure the job reported itself (a full disk) is not.
     """
 
-    def __init__(self, run: dict[str, Any], shard: int, poll_interval_s: float | None = None,
+    def __init__(self, run: RunPayload | RunRef, shard: int, poll_interval_s: float | None = None,
                  recoveries_left: int = 0, unreachable_since: float | None = None,
                  close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
                  pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None,
@@ -418,7 +418,7 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         return ["--shard", str(self.shard), "--phase", self.phase]
 
     def _job_name(self, ctx: RunContext | None = None) -> str:
-        total = self.kind.num_shards(ctx.cfg) if ctx is not None else self.ref.hint(self.kind.shards_field)
+        total = self.kind.num_shards(ctx.cfg) if ctx is not None else self.ref.hints.shards(self.kind)
         return f"{self.kind.watch_name} {self.shard}" + (f"/{total}" if total is not None else "")
 
 
