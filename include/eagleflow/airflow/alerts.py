@@ -35,6 +35,7 @@ from urllib.parse import quote
 
 from airflow.providers.smtp.hooks.smtp import SmtpHook
 from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+from airflow.sdk import Context
 from airflow.sdk.bases.notifier import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -44,7 +45,7 @@ from eagleflow.mail_header import header_text
 from eagleflow.phases import kind_of_job, unit_of_job
 from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.incidents import INCIDENT_ID
-from eagleflow.watchdog.protocol import IncidentClose, PendingMail
+from eagleflow.watchdog.protocol import EventPayload, IncidentClose, PendingMail
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def airflow_base_url(fallback: str) -> str:
     return (url or fallback).rstrip("/")
 
 
-def task_log_url(base_url: str, context: dict[str, Any]) -> str:
+def task_log_url(base_url: str, context: Context) -> str:
     """The task instance's log page in the Airflow 3 UI."""
     ti = context["ti"]
     url = (f"{base_url.rstrip('/')}/dags/{quote(ti.dag_id, safe='')}/runs/{quote(ti.run_id, safe='')}"
@@ -106,7 +107,7 @@ class Recipients:
         return cls(tuple(wd.alert_emails), wd.smtp_conn_id, airflow_base_url(wd.airflow_base_url))
 
     @classmethod
-    def of_run(cls, context: dict[str, Any]) -> "Recipients":
+    def of_run(cls, context: Context) -> "Recipients":
         """The run's frozen config; its Params only when nothing was frozen (its first task failed), and the
         config file alone when the run refused a Param (the deployment's recipients, not the trigger's)."""
         from eagleflow.airflow.runtime import RunContext
@@ -172,7 +173,7 @@ def _default(param: Any) -> Any:
         return None
 
 
-def trigger_texts(context: dict[str, Any]) -> dict[str, str]:
+def trigger_texts(context: Context) -> dict[str, str]:
     """The run's trigger text, each mapped to what a mail says instead (``[DAG Param NAME, not shown]``)."""
     conf = getattr(context.get("dag_run"), "conf", None)
     if not isinstance(conf, dict):
@@ -205,7 +206,7 @@ def without_trigger_text(text: str, texts: dict[str, str]) -> str:
     return text
 
 
-def mail_without_trigger_text(mail: "Mail", context: dict[str, Any]) -> "Mail":
+def mail_without_trigger_text(mail: "Mail", context: Context) -> "Mail":
     texts = trigger_texts(context)
     if not texts:
         return mail
@@ -281,12 +282,12 @@ class EagleflowNotifier(SmtpNotifier):
         log.info("eagleflow mail sent to %s: %s", ", ".join(mail.recipients.to), mail.subject)
 
 
-def send_mail(context: dict[str, Any], mail: Mail) -> None:
+def send_mail(context: Context, mail: Mail) -> None:
     """Send one mail now (from inside a task)."""
     EagleflowNotifier()({**context, "mail": mail})
 
 
-def explaining_links(recipients: Recipients, context: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def explaining_links(recipients: Recipients, context: Context) -> tuple[tuple[str, str], ...]:
     """The pages that explain a run's mail, for a person woken by it: the GPU view (the node's GPUs and processes,
     every watched job's progress, the open incidents: what gpu_node_health's mails link to), the run report (when
     the run's DAG writes one: written when the run ends, whatever it did) and the task's log. Links start at the
@@ -308,7 +309,7 @@ def _where(ti) -> str:
     return f"task {ti.task_id}" + (f"[{mi}]" if mi not in (None, -1) else "")
 
 
-def task_mail(context: dict[str, Any], kind: str) -> Mail | None:
+def task_mail(context: Context, kind: str) -> Mail | None:
     """The mail for a failed or retried task, in words right for that task; None when none is due."""
     ti = context["ti"]
     exc = context.get("exception")
@@ -362,7 +363,7 @@ def _cause_words(cause: str, job: str) -> str:
     return cause.replace("_", " ")
 
 
-def stall_subject(event: dict[str, Any]) -> str:
+def stall_subject(event: EventPayload) -> str:
     """The subject of a fault the watch is recovering from: STALLED, whatever the verdict's word.
 
     The verdict of a shard whose server was killed is "failed" (its request failed) or "dead", but the
@@ -378,7 +379,7 @@ def stall_subject(event: dict[str, Any]) -> str:
     return subject
 
 
-def close_of_stall(event: dict[str, Any]) -> IncidentClose:
+def close_of_stall(event: EventPayload) -> IncidentClose:
     """What the next watch of the shard that mailed a stall needs to mail its end."""
     inc = event.get("incident") or {}
     return IncidentClose(kind="stall", id=str(inc.get("incident")), subject=stall_subject(event),
@@ -386,7 +387,7 @@ def close_of_stall(event: dict[str, Any]) -> IncidentClose:
                          done=int(event.get("done") or 0))
 
 
-def close_of_outage(event: dict[str, Any]) -> IncidentClose | None:
+def close_of_outage(event: EventPayload) -> IncidentClose | None:
     """The same for a node outage, when this watch is the one that mailed it."""
     if not event.get("mail"):
         return None
@@ -394,11 +395,11 @@ def close_of_outage(event: dict[str, Any]) -> IncidentClose | None:
                          since=float(event["since"]))
 
 
-def outage_id(event: dict[str, Any]) -> str:
+def outage_id(event: EventPayload) -> str:
     return f"outage-{float(event['since']):.3f}"
 
 
-def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recipients) -> Mail:
+def stall_mail(context: Context, event: EventPayload, recipients: Recipients) -> Mail:
     """The one mail of a stall incident, from the watch's event."""
     inc = event.get("incident") or {}
     shards = inc.get("shards") or {}
@@ -419,7 +420,7 @@ def stall_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recip
         links=explaining_links(recipients, context))
 
 
-def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients: Recipients) -> Mail:
+def unreachable_mail(context: Context, event: EventPayload, recipients: Recipients) -> Mail:
     """The one mail of a node outage: sent by the watch that first found the node unreachable."""
     ti = context["ti"]
     return Mail(
@@ -432,7 +433,7 @@ def unreachable_mail(context: dict[str, Any], event: dict[str, Any], recipients:
         links=explaining_links(recipients, context))
 
 
-def incident_over_mail(context: dict[str, Any], event: dict[str, Any], close: IncidentClose,
+def incident_over_mail(context: Context, event: EventPayload, close: IncidentClose,
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
     from eagleflow.health.durations import duration
@@ -462,18 +463,18 @@ MAIL_RETRY_MAX_S = 600.0
 _NOT_KEPT = ("pending_mails", "close_incidents", "still_open", "closed")   # the watch's own state, not the mail's
 
 
-def _mail_of(context: dict[str, Any], item: PendingMail) -> Mail:
+def _mail_of(context: Context, item: PendingMail) -> Mail:
     recipients = Recipients.of_run(context)
     if item.kind == "stall":
-        return stall_mail(context, item.event, recipients)
+        return stall_mail(context, item.event_payload(), recipients)
     if item.kind == "unreachable":
-        return unreachable_mail(context, item.event, recipients)
+        return unreachable_mail(context, item.event_payload(), recipients)
     if item.close is None:
         raise ValueError(f"a pending 'over' mail without the incident it closes: {item!r}")
-    return incident_over_mail(context, item.event, item.close, recipients)
+    return incident_over_mail(context, item.event_payload(), item.close, recipients)
 
 
-def mail_or_keep(context: dict[str, Any], pending: list[PendingMail], kind: str, event: dict[str, Any],
+def mail_or_keep(context: Context, pending: list[PendingMail], kind: str, event: EventPayload,
                  close: IncidentClose | None = None) -> list[PendingMail]:
     """Send a watch's mail (kind stall, unreachable or over) now, behind any still pending; returns those
     still pending. A send that fails is logged and kept for a later look, never raised."""
@@ -481,7 +482,7 @@ def mail_or_keep(context: dict[str, Any], pending: list[PendingMail], kind: str,
     return send_pending(context, [*pending, item])
 
 
-def send_pending(context: dict[str, Any], pending: list[PendingMail], now: float | None = None,
+def send_pending(context: Context, pending: list[PendingMail], now: float | None = None,
                  force: bool = False) -> list[PendingMail]:
     """Send the watch's pending mails in order, from the first once it is due (``force``: now, the task's last
     chance); returns those still pending. A failed send ends the round (the server is down: the rest wait

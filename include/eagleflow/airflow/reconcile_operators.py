@@ -8,7 +8,7 @@ the same trigger as the pipeline (ShardWatchTrigger, with the shard's phase).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from airflow.sdk import BaseOperator
 
@@ -20,6 +20,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeAnswerError, NodeError
 from eagleflow.phases import EXTRACT, KINDS, kind_of
 from eagleflow.protocol import ClaimAnswer, ShardStates
+from eagleflow.watchdog.protocol import EventPayload
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -118,10 +119,10 @@ class RerunShardOperator(BaseOperator):
         trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard, phase=phase)
         ctx.close()
         if not self.deferrable:
-            return self.execute_complete(context, run_trigger_here(trigger))
+            return self.execute_complete(context, cast(EventPayload, run_trigger_here(trigger)))
         self.defer(trigger=trigger, method_name="execute_complete")
 
-    def execute_complete(self, context, event: dict[str, Any]):
+    def execute_complete(self, context, event: EventPayload):
         if event.get("status") == "complete":
             self.log.info("run %s shard %s rerun complete: %s", self.target["run_id"], self.target["shard"],
                           event.get("summary"))

@@ -44,6 +44,7 @@ from eagleflow.nodes import NodeUnreachable
 from eagleflow.nodes.process_record import RecordList
 from eagleflow.phase_jobs import ServerNotReady
 from eagleflow.phases import ShardKind, kind_of
+from eagleflow.watchdog.protocol import EventPayload
 
 
 def off_note(kind: ShardKind) -> str:
@@ -247,7 +248,7 @@ class ShardOperator(PhaseOperator):
             raise AirflowException(f"{kind.watch_name} {shard}: the {kind.server} failed while this try waited "
                                    f"for it ({e}); the retry starts it again") from None
 
-    def execute_complete(self, context, event: dict[str, Any]):
+    def execute_complete(self, context, event: EventPayload):
         ctx = RunContext.from_airflow(context)
         try:
             return self._watch(ctx, context, event)
@@ -280,7 +281,7 @@ class ShardOperator(PhaseOperator):
             self.log.info("%s %d complete: %s", kind.watch_name, shard, final.summary)
             return {"shard": shard, "summary": final.summary}
         self.log.error("%s %d %s: %s", kind.watch_name, shard, final.kind, final.to_dict().get("diagnosis"))
-        if kind.lifecycle().after_failed_watch(ctx, shard, final.to_dict()):
+        if kind.lifecycle().after_failed_watch(ctx, shard, final.payload()):
             self.log.warning("%s %d: the stall is blamed on the %s: the retry stops and restarts it",
                              kind.watch_name, shard, kind.server)
         fail_with(final, f"{kind.watch_name} {shard}")

@@ -9,12 +9,13 @@ deferrable operator) or run in this worker slot, until the final event, which it
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from eagleflow.airflow.base import run_trigger_here
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.phases import ShardKind
-from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Recovering, Resumed, Unreachable,
+from eagleflow.watchdog.protocol import (EventPayload, IncidentClose, MailDue, PendingMail, Recovering, Resumed, Unreachable,
                                          WatchEvent, next_step, parse_event)
 
 # Builds the job's next watch from the keyword arguments every watch trigger takes (run, unreachable_since,
@@ -22,10 +23,10 @@ from eagleflow.watchdog.protocol import (IncidentClose, MailDue, PendingMail, Re
 Rewatch = Callable[..., Any]
 # Mails (when this shard opened the incident) and recovers; returns (recoveries left, the stall's close entry
 # for the next watch or None, the mails still pending). Raises to fail the task.
-Recover = Callable[[dict[str, Any], list[PendingMail]], tuple[int, "IncidentClose | None", list[PendingMail]]]
+Recover = Callable[[EventPayload, list[PendingMail]], tuple[int, "IncidentClose | None", list[PendingMail]]]
 
 
-def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: list[PendingMail], *,
+def mail_and_recover(ctx: RunContext, context, event: EventPayload, pending: list[PendingMail], *,
                      shard: int, kind: ShardKind, log: logging.Logger | Any
                      ) -> tuple[int, "IncidentClose | None", list[PendingMail]]:
     """The one in-watch recovery step of a shard's task, whatever its phase (a ``Recover``): mail (when this shard
@@ -56,7 +57,7 @@ def mail_and_recover(ctx: RunContext, context, event: dict[str, Any], pending: l
     return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 
 
-def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callable[[], RunContext], context,
+def follow_event(event: EventPayload | Mapping[str, object] | WatchEvent, *, ctx: RunContext | Callable[[], RunContext], context,
                  log: logging.Logger | Any, rewatch: Rewatch, recover: Recover | None = None) -> Any:
     """The next watch to go on with (mails sent or kept, a recovery done), or the final ``WatchEvent``.
 
@@ -64,7 +65,7 @@ def follow_event(event: dict[str, Any] | WatchEvent, *, ctx: RunContext | Callab
     no run config read)."""
     from eagleflow.airflow.alerts import close_of_outage, log_unsent, mail_or_keep, send_pending
     ev = parse_event(event)
-    raw = ev.to_dict()   # the mails are rendered from the plain payload
+    raw = ev.payload()   # the mails are rendered from the plain payload
     pending = list(ev.state.pending_mails)     # mails the SMTP server did not take yet
     closes = list(ev.state.close_incidents)    # incidents this task mailed, not over yet
     left = {} if ev.state.recoveries_left is None else {"recoveries_left": ev.state.recoveries_left}

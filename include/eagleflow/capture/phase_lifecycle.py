@@ -2,15 +2,14 @@
 shard operators, the recovery and reconcile do to its server and workers."""
 from __future__ import annotations
 
-from typing import Any
-
 from eagleflow.phases import PhaseLifecycle
+from eagleflow.watchdog.protocol import EventPayload
 from eagleflow.watchdog.recovery import recover_before_retry
 
 from . import lifecycle as capture
 
 
-def _nothing_to_keep(ctx, shard: int, event: dict[str, Any]) -> bool:
+def _nothing_to_keep(ctx, shard: int, event: EventPayload) -> bool:
     return False   # an extraction retry looks at the shard itself first (airflow.shard_operators.ShardOperator)
 
 

@@ -15,7 +15,8 @@ these too.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Callable, ClassVar, Literal, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Callable, ClassVar, Literal, TypedDict, Union, cast
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter,
                       ValidationError, field_validator, model_serializer, model_validator)
@@ -25,6 +26,46 @@ from .incidents import incident_id
 Step = Literal["done", "recover", "watch", "fail"]
 CLOSE_KINDS = ("stall", "outage")
 MAIL_KINDS = ("stall", "unreachable", "over")
+
+
+class IncidentPayload(TypedDict, total=False):
+    """An ``OpenIncident`` on the wire (inside a ``Recovering`` event)."""
+    incident: str
+    opened: bool
+    cause: str
+    incident_shards: list[str]
+    shards: dict[str, str]
+    summary: str
+    ok: bool
+
+
+class EventPayload(TypedDict, total=False):
+    """A ``WatchEvent`` on the wire (``WatchEvent.payload()``): what Airflow hands ``execute_complete`` and what a
+    pending mail is rendered from. Each event type sends its own fields of these, flat, with the ``WatchState``'s
+    beside them; a field an event type does not have is absent. ``parse_event`` reads it back into the type."""
+    status: str
+    verdict: str
+    diagnosis: str
+    subject: str
+    summary: str
+    cause: str | None
+    job: str | None
+    node: str | None
+    done: int | None
+    total: int | None
+    observed_at: float | None
+    detected_at: float | None
+    incident: IncidentPayload | None     # Recovering
+    since: float                         # Unreachable
+    last_contact: float | None
+    mail: bool
+    closed: list[dict[str, Any]]         # Resumed: IncidentClose.to_dict() each
+    still_open: list[dict[str, Any]]
+    unreachable_since: float | None      # MailDue
+    clocks: dict[str, float]
+    close_incidents: list[dict[str, Any]]   # WatchState
+    pending_mails: list[dict[str, Any]]
+    recoveries_left: int
 
 
 class _Wire(BaseModel):
@@ -77,6 +118,10 @@ class PendingMail(_Wire):
 
     _check = model_validator(mode="before")(_of_kind(MAIL_KINDS, "a pending mail"))
 
+    def event_payload(self) -> EventPayload:
+        """The event the mail is rendered from, as the watch sent it (less its state)."""
+        return cast(EventPayload, self.event)
+
 
 class WatchState(_Wire):
     """What a watch hands to the next one: incidents this task mailed, the mails still pending, and (shards
@@ -120,6 +165,10 @@ class WatchEvent(_Wire):
     @property
     def kind(self) -> str:
         return self.status
+
+    def payload(self) -> EventPayload:
+        """``to_dict()`` as the wire form's type."""
+        return cast(EventPayload, self.to_dict())
 
     @model_validator(mode="before")
     @classmethod
@@ -229,12 +278,13 @@ _EVENT = TypeAdapter(Event)
 EVENT_STATUSES = ("complete", "stalled", "dead", "failed", "recovering", "unreachable", "resumed", "mail_due")
 
 
-def parse_event(data: dict[str, Any] | WatchEvent | None) -> WatchEvent:
-    """The typed event of a trigger-event payload; an unknown or missing status is a failure of the watch, and so
-    is a payload that does not fit its type (the failure names what did not fit)."""
-    if isinstance(data, WatchEvent):
-        return data
-    data = dict(data or {})
+def parse_event(payload: EventPayload | Mapping[str, object] | WatchEvent | None) -> WatchEvent:
+    """The typed event of a trigger-event payload (whatever reached the operator: validated here); an unknown or
+    missing status is a failure of the watch, and so is a payload that does not fit its type (the failure names
+    what did not fit)."""
+    if isinstance(payload, WatchEvent):
+        return payload
+    data: dict[str, object] = dict(payload or {})
     said = str(data.get("diagnosis") or "")
     if data.get("status") in EVENT_STATUSES:
         try:
@@ -246,7 +296,7 @@ def parse_event(data: dict[str, Any] | WatchEvent | None) -> WatchEvent:
                       diagnosis=said or f"the watch ended with {data!r}", state=_state_or_empty(data))
 
 
-def _state_or_empty(data: dict[str, Any]) -> WatchState:
+def _state_or_empty(data: Mapping[str, object]) -> WatchState:
     """The state a broken payload carried, when that part of it is sound (its mails and incidents go on)."""
     try:
         return WatchState.model_validate({k: data[k] for k in STATE_KEYS if k in data})

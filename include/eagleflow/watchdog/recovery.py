@@ -36,6 +36,7 @@ from eagleflow.nodes.locks import NodeLock
 from eagleflow.nodes.proc import read_stat
 from eagleflow.nodes.process_record import leader_state
 from eagleflow.phases import EXTRACT, KINDS, ShardKind
+from eagleflow.watchdog.protocol import EventPayload
 
 from .protocol import OpenIncident
 
@@ -362,7 +363,7 @@ def recover_before_retry(ctx, shard: int, log, kind: ShardKind = EXTRACTION) -> 
     return recover_on_node(ctx, shard, log, kind=kind)
 
 
-def recover_after_stall(ctx, shard: int, event: dict[str, Any], log,
+def recover_after_stall(ctx, shard: int, event: EventPayload, log,
                         kind: ShardKind = EXTRACTION) -> dict[str, Any]:
     """Control plane, right after the watch's stall event (and its mail): the recovery of the event's cause in
     the event's incident; Airflow's retry (``recover_before_retry``) is the fallback when it fails."""
