@@ -110,11 +110,11 @@ class Recipients:
     def of_run(cls, context: Context) -> "Recipients":
         """The run's frozen config; its Params only when nothing was frozen (its first task failed), and the
         config file alone when the run refused a Param (the deployment's recipients, not the trigger's)."""
-        from eagleflow.airflow.runtime import RunContext
+        from eagleflow.airflow.runtime import RunContext, run_params
         frozen = RunContext.frozen_in(context)
         if frozen is not None:
             return cls.of_config(frozen.cfg)
-        params = dict(context.get("params") or {})
+        params = run_params(context.get("params") or {})
         if not params.get("config_path") and params.get("config_paths"):
             params["config_path"] = params["config_paths"][0]  # DAGs that look at several nodes
         try:

@@ -28,7 +28,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypedDict, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -49,6 +50,7 @@ PARAM_OVERRIDES: dict[str, str] = {
     "force_free_gpus": "gpu.force_free",
     "delete_old_caches": "disk.delete_old_caches",
     "max_train_steps": "train.max_steps",
+    "storage": "stream.storage",
     "alert_emails": "watchdog.alert_emails",
     "generate_enabled": "generate.enabled",
     "generate_temperature": "generate.temperature",
@@ -58,6 +60,41 @@ PARAM_OVERRIDES: dict[str, str] = {
     "generate_reasoning": "generate.reasoning",
     "fleet_nodes": "fleet.use",
 }
+
+class RunParams(TypedDict, total=False):
+    """The run's conf: the DAG Params a trigger gives (the form, the REST API's conf), read by the run's first task
+    (``config_from_params``). Each of ``PARAM_OVERRIDES`` may be absent or None (the file's value is kept); a
+    value is checked where it is laid over the config, never trusted for its type here."""
+    config_path: str | None
+    config_paths: list[str]         # DAGs that look at several nodes (the first one names the run's config)
+    run_name: str | None
+    target_model: str | None
+    node_conn_id: str | None
+    capture_backend: str | None
+    shards: int | None
+    force_free_gpus: bool
+    delete_old_caches: bool
+    max_train_steps: int | None
+    alert_emails: list[str] | None
+    generate_enabled: bool
+    generate_temperature: float | None
+    generate_top_p: float | None
+    generate_max_new_tokens: int | None
+    generate_seed: int | None
+    generate_reasoning: str | None
+    fleet_nodes: list[str] | None
+
+
+def run_params(raw: Mapping[str, object]) -> RunParams:
+    """The Params of an Airflow context (``context["params"]``) as the run's conf: a copy, checked where used."""
+    return cast(RunParams, dict(raw))
+
+
+class FrozenRun(TypedDict):
+    """The XCom form of a run's frozen config (``RunContext.frozen()``): its id and the config, paths absolute."""
+    run_id: str
+    config: dict[str, Any]
+
 
 # A path the trigger form gives (DAG Param target_model; TRIGGER_PATH_PARAMS): what a node path holds and no more,
 # letters, digits and . _ - + / ~ (no space, colon, comma, quote or line break), so the text names a folder and
@@ -117,7 +154,8 @@ def checked_config_path(path: str | os.PathLike, field: str) -> Path:
     raise ConfigError(f"{field} = {text!r}: {full} is outside the allowed config folders; {fix}")
 
 
-def config_from_params(params: dict[str, Any]) -> PipelineConfig:
+def config_from_params(params: RunParams) -> PipelineConfig:
+    given: Mapping[str, object] = params     # read by the Param names PARAM_OVERRIDES and TRIGGER_PATH_PARAMS list
     path = params.get("config_path") or os.environ.get(DEFAULT_CONFIG_ENV)
     if not path:
         raise ConfigError("no config: set the DAG Param 'config_path' (or $EAGLEFLOW_CONFIG) to a YAML file; "
@@ -129,11 +167,11 @@ def config_from_params(params: dict[str, Any]) -> PipelineConfig:
                           f"(${PROJECT_ROOT_ENV}, else the folder above Airflow's DAG folder); give an absolute "
                           f"path or set ${PROJECT_ROOT_ENV}")
     for name in TRIGGER_PATH_PARAMS:
-        checked_trigger_path(params.get(name), name)
+        checked_trigger_path(given.get(name), name)
     # A boolean Param can only switch a setting on: False (its form default) keeps the file's value.
-    overrides = {field: params[p] for p, field in PARAM_OVERRIDES.items()
+    overrides = {field: given[p] for p, field in PARAM_OVERRIDES.items()
                  # False is never an override (a boolean Param only switches on); numeric 0 is (temperature 0)
-                 if params.get(p) not in (None, "", []) and params.get(p) is not False}
+                 if given.get(p) not in (None, "", []) and given.get(p) is not False}
     conn_id = overrides.pop("node.conn_id", None)
     emails = overrides.pop("watchdog.alert_emails", None)
     if overrides.get("gpu.force_free") and not force_free_allowed():
@@ -429,7 +467,7 @@ class RunContext:
 
     # -- resolving (the run's first task) and the frozen copy (everything after) ------------------
     @classmethod
-    def from_params(cls, params: dict[str, Any], run_id: str) -> "RunContext":
+    def from_params(cls, params: RunParams, run_id: str) -> "RunContext":
         """Resolve the YAML + Params now (only the freezing task, or a DAG without one, does this)."""
         cfg = config_from_params(params)
         cfg = load_config(data=resolved_config_dict(cfg))  # absolute paths from here on
@@ -437,16 +475,16 @@ class RunContext:
 
     @classmethod
     def resolve_for(cls, context) -> "RunContext":
-        params = dict(context["params"])
+        params = run_params(context["params"])
         # run_name names the run directory when set (the demo knows it before the run starts)
         return cls.from_params(params, params.get("run_name") or context["run_id"])
 
     @classmethod
-    def from_frozen(cls, frozen: dict[str, Any]) -> "RunContext":
+    def from_frozen(cls, frozen: FrozenRun) -> "RunContext":
         cfg = load_config(data=frozen["config"])
         return cls(cfg=cfg, layout=RunLayout.for_run(cfg, frozen["run_id"]))
 
-    def frozen(self) -> dict[str, Any]:
+    def frozen(self) -> FrozenRun:
         """The XCom form of the frozen config: the run id and the config, paths absolute."""
         return {"run_id": self.layout.run_id, "config": self.cfg.model_dump(mode="json")}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal, TypedDict
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -21,6 +21,13 @@ from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.nodes import NodeError
 from eagleflow.phases import EXTRACT, kind_of
+
+
+class ServerReadyEvent(TypedDict, total=False):
+    """The trigger's one event: ready with the server's info file, or why not (dead, stuck, timeout)."""
+    status: Literal["ready", "dead", "stuck", "timeout"]
+    info: dict[str, Any]
+    detail: str
 
 
 class ServerReadyTrigger(BaseTrigger):

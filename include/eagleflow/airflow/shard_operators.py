@@ -37,7 +37,7 @@ from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable
 from eagleflow.airflow.fleet_operators import PREPARE_TASK, CollectShardsOperator, skip_if_handed_over
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.airflow.server_triggers import ServerReadyTrigger
+from eagleflow.airflow.server_triggers import ServerReadyEvent, ServerReadyTrigger
 from eagleflow.airflow.shard_start import fault_before_start, first_watch_of_a_fault, retry_look, watch_recovers
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes import NodeUnreachable
@@ -158,7 +158,7 @@ class ServerReadySensor(RunSensor):
         self.log.info("%s ready at %s (model %s, aux layers %s)", self.kind.server, info["url"], info.get("model"),
                       info.get("aux_layers"))
 
-    def execute_complete(self, context, event: dict[str, Any]):
+    def execute_complete(self, context, event: ServerReadyEvent):
         if event.get("status") == "ready":
             self._log_ready(event["info"])
             return event["info"]

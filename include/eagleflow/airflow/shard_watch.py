@@ -295,7 +295,9 @@ class _NodeJobWatchTrigger(BaseTrigger):
             return True
         return diag.done > close.done or diag.verdict == "complete"
 
-    def _serialize_common(self, kw: dict[str, Any]) -> dict[str, Any]:
+    def _state_kwargs(self) -> dict[str, Any]:
+        """The watch's own state as the keyword arguments of the next trigger (only those it holds)."""
+        kw: dict[str, Any] = {}
         if self.unreachable_since is not None:
             kw["unreachable_since"] = self.unreachable_since
         if self.close_incidents:   # a few plain values each, as Airflow serialises a trigger
@@ -378,9 +380,9 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         self.phase = self.kind.phase
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return "eagleflow.airflow.shard_watch.ShardWatchTrigger", self._serialize_common(
-            {"run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-             "recoveries_left": self.recoveries_left, "phase": self.phase})
+        return "eagleflow.airflow.shard_watch.ShardWatchTrigger", {
+            "run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
+            "recoveries_left": self.recoveries_left, "phase": self.phase, **self._state_kwargs()}
 
     def _recoverable(self, diag: StallDiagnosis) -> bool:
         return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
@@ -426,8 +428,8 @@ class TrainWatchTrigger(_NodeJobWatchTrigger):
     """Watch the draft training job of a run."""
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return "eagleflow.airflow.shard_watch.TrainWatchTrigger", self._serialize_common(
-            {"run": self.run_data, "poll_interval_s": self.poll_interval_s})
+        return "eagleflow.airflow.shard_watch.TrainWatchTrigger", {
+            "run": self.run_data, "poll_interval_s": self.poll_interval_s, **self._state_kwargs()}
 
     def _watch_args(self) -> list[str]:
         return ["--train"]
