@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param
 
 from eagleflow.airflow.alerts import pipeline_failure_callbacks
@@ -22,8 +23,10 @@ from eagleflow.airflow.reconcile_operators import RerunShardOperator
 from eagleflow.airflow.routing import FleetNodeRoute, fleet_routing
 from eagleflow.airflow.runtime import TRIGGER_PATH_PATTERN, allowed_node_conn_ids
 from eagleflow.airflow.shard_operators import phase_tasks
+from eagleflow.airflow.store_operators import ChooseTrainingStartOperator, StartStoreOperator, StopStoreOperator
 from eagleflow.airflow.verify_operators import VerifyHiddenStatesOperator
-from eagleflow.airflow.trigger_form import FROM_CONFIG, config_switch, form_config_path, from_config, optional_choice
+from eagleflow.airflow.trigger_form import (FROM_CONFIG, config_switch, form_config_path, from_config, optional_choice,
+                                            storage_choice)
 from eagleflow.airflow.train_operators import EvaluateDraftOperator, ExportDraftOperator, TrainDraftOperator
 from eagleflow.engines import names_for
 from eagleflow.phases import EXTRACT, GENERATE, KINDS
@@ -145,6 +148,8 @@ with DAG(
                                                f"Off: {FROM_CONFIG}, disk.delete_old_caches."),
         "max_train_steps": Param(None, type=["null", "integer"], minimum=1, title="Training steps",
                                  description=from_config("Draft training steps.", "train.max_steps")),
+        # disk (offline) or a streaming store (mooncake): the stores registry's names (eagleflow.stores.STORES)
+        "storage": storage_choice(),
         "generate_enabled": config_switch(title="Regenerate with the target",
                                           description="Let the target rewrite the assistant turns of "
                                                       "generate.sources before tokenising: on or off for this run.",
@@ -189,7 +194,17 @@ with DAG(
     verify = VerifyHiddenStatesOperator(task_id="verify_hidden_states", trigger_rule="all_done",
                                         plan_task_id=home["plan_task_id"])
     idle_after = GpuIdleSensor(task_id="gpus_idle_after_capture", pool=NODE.pool)
-    train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool)
+    # the run's hidden-state store (stream.storage): a streaming store's server started on the training node
+    # before the capture workers put into it, stopped however the run went; both no-ops for the disk store
+    start_store = StartStoreOperator(task_id="start_store")
+    stop_store = StopStoreOperator(task_id="stop_store")
+    # when training may start: a streaming run beside the extraction shards (train_from_stream), an offline
+    # run behind verification (gpus_idle_after_capture); the path not taken is skipped at once
+    train_from_stream = EmptyOperator(task_id="train_from_stream")
+    choose_start = ChooseTrainingStartOperator(task_id="choose_training_start", stream_task=train_from_stream.task_id,
+                                               offline_task=idle_after.task_id)
+    # either path: it never runs after a failed one (none_failed), and an offline run's only path is verified
+    train = TrainDraftOperator(task_id="train_draft", pool=NODE.pool, trigger_rule="none_failed_min_one_success")
     export = ExportDraftOperator(task_id="export_draft")
     # the evaluation loads the target again (eval.device; eval.backend sglang: a server per configuration):
     # the same GPU gates as the servers before it, and its servers' recorded processes freed however it ends
@@ -219,9 +234,10 @@ with DAG(
             tasks["generated"] >> take_gen
         # the corpus checks itself that every generation shard is complete, naming any that is not
         take_gen >> take_gen_idle >> taken_gen >> release_gen >> prepare_corpus
-    prepare_corpus >> delete_caches >> check_disk
+    prepare_corpus >> delete_caches >> check_disk >> start_store
     for cap in nodes.values():
         check_disk >> cap["capture_first"]
+        start_store >> dag.get_task(cap["plan_task_id"])   # no shard puts a sample before the store runs
         cap["capture_shards"] >> verify
         if cap["collect"] is not None:
             cap["collect"] >> verify
@@ -242,8 +258,13 @@ with DAG(
             if cap["collect"] is not None:
                 cap["collect"] >> take_over
         take_over >> take_over_idle >> taken >> release >> verify
-    # training waits for verification too, so it never runs on partial or unverified data
+    # offline, training waits for verification too, so it never runs on partial or unverified data; streaming,
+    # it starts once the capture is ready and the store runs, and verification reads its exactly-once record
     [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
+    [start_store, dag.get_task(home["plan_task_id"])] >> choose_start >> [idle_after, train_from_stream]
+    train_from_stream >> train
+    # the store stopped once nothing uses it any more (the trainer and the verification that reads its record)
+    [train, verify] >> stop_store
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)
     evaluate >> approve
     # the run report, written however the run went (all done); as a teardown it never decides the

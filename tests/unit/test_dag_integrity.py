@@ -64,8 +64,11 @@ def test_pipeline_phase_order(dagbag):
     # the evaluation's servers are freed however it ends, without deciding the run's outcome (a teardown)
     eval_free = dag.get_task("free_gpus_after_evaluation")
     assert eval_free.is_teardown and eval_free.upstream_task_ids == {"evaluate_draft", "gpus_idle_before_evaluation"}
-    for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
+    for t in ("gpus_idle_after_capture", "export_draft", "evaluate_draft"):
         assert dag.get_task(t).trigger_rule == "all_success", t
+    # training: offline through gpus_idle_after_capture (all_success), streaming through train_from_stream; the
+    # way not taken is skipped by choose_training_start, a failed one stops it (test_dag_wiring)
+    assert dag.get_task("train_draft").trigger_rule == "none_failed_min_one_success"
 
 
 def test_params_override_config(tmp_path, monkeypatch):

@@ -31,20 +31,27 @@ PIPELINE_UPSTREAM = {
     "prepare_corpus": {"generate_responses", "free_gpus_after_generation"},
     "delete_old_caches": {"prepare_corpus"},
     "check_disk": {"delete_old_caches"},
+    # the run's hidden-state store (stream.storage; a no-op for disk) runs before any shard puts into it
+    "start_store": {"check_disk"},
     # capture: GPU gates, the capture server as a setup/teardown pair, the mapped shards, the held-out records
     "free_gpus": {"check_disk"},
     "gpus_idle": {"free_gpus"},
     "start_capture_server": {"gpus_idle"},
     "capture_server_ready": {"start_capture_server"},
-    "plan_shards": {"capture_server_ready"},
+    "plan_shards": {"capture_server_ready", "start_store"},
     "extract_shard": {"plan_shards"},
     "capture_held_out": {"extract_shard"},
     "stop_capture_server": {"capture_held_out", "start_capture_server"},
     "free_gpus_after_capture": {"stop_capture_server", "start_capture_server"},
-    # verification gates training; training on idle GPUs; export
+    # offline, verification gates training (on idle GPUs); streaming, training starts once the capture is ready
+    # and the store runs (choose_training_start skips the path not taken); the store stopped after both; export
     "verify_hidden_states": {"extract_shard"},
-    "gpus_idle_after_capture": {"verify_hidden_states", "free_gpus_after_capture", "capture_held_out"},
-    "train_draft": {"gpus_idle_after_capture"},
+    "choose_training_start": {"start_store", "plan_shards"},
+    "train_from_stream": {"choose_training_start"},
+    "gpus_idle_after_capture": {"verify_hidden_states", "free_gpus_after_capture", "capture_held_out",
+                                "choose_training_start"},
+    "train_draft": {"gpus_idle_after_capture", "train_from_stream"},
+    "stop_store": {"train_draft", "verify_hidden_states"},
     "export_draft": {"train_draft"},
     # evaluation: GPU gates, its servers freed however it ends
     "free_gpus_before_evaluation": {"export_draft"},
@@ -123,9 +130,31 @@ def test_verification_runs_after_failed_shards_and_only_its_success_lets_trainin
     assert pipeline.get_task("verify_hidden_states").trigger_rule == "all_done"
     downstream_of_verify = pipeline.get_task("verify_hidden_states").get_flat_relative_ids(upstream=False)
     for t in ("gpus_idle_after_capture", "train_draft", "export_draft", "evaluate_draft"):
-        assert t in downstream_of_verify and pipeline.get_task(t).trigger_rule == "all_success", t
+        assert t in downstream_of_verify, t
+    for t in ("gpus_idle_after_capture", "export_draft", "evaluate_draft"):
+        assert pipeline.get_task(t).trigger_rule == "all_success", t
     # nothing of the training phase hangs off the shards without passing verification
     assert not ({"train_draft", "export_draft"} & set(pipeline.get_task("extract_shard").downstream_task_ids))
+    # training has two ways in, one of them skipped by choose_training_start at once: offline the verified
+    # one (gpus_idle_after_capture, all_success behind verification), streaming train_from_stream; a failed or
+    # upstream-failed way in stops it (none_failed), and it never runs with both skipped (min_one_success)
+    train = pipeline.get_task("train_draft")
+    assert train.trigger_rule == "none_failed_min_one_success"
+    assert train.upstream_task_ids == {"gpus_idle_after_capture", "train_from_stream"}
+    choose = pipeline.get_task("choose_training_start")
+    assert choose.downstream_task_ids == {"gpus_idle_after_capture", "train_from_stream"}
+    assert (choose.offline_task, choose.stream_task) == ("gpus_idle_after_capture", "train_from_stream")
+
+
+def test_the_store_is_started_before_the_shards_and_stopped_however_the_run_went(pipeline):
+    from eagleflow.airflow.store_operators import StartStoreOperator, StopStoreOperator
+    start, stop = pipeline.get_task("start_store"), pipeline.get_task("stop_store")
+    assert isinstance(start, StartStoreOperator) and isinstance(stop, StopStoreOperator)
+    assert "extract_shard" in start.get_flat_relative_ids(upstream=False)
+    assert "train_draft" in start.get_flat_relative_ids(upstream=False)
+    assert stop.trigger_rule == "all_done" and not stop.is_teardown
+    assert {"train_draft", "verify_hidden_states", "extract_shard", "start_store"} <= \
+        stop.get_flat_relative_ids(upstream=True)
 
 
 def test_the_run_config_is_frozen_by_the_first_task_only(pipeline):

@@ -97,3 +97,31 @@ def test_the_three_way_choice_reaches_the_config(tmp_path, choice, configured, e
     ctx = RunContext.from_params({"config_path": str(p), "generate_enabled": choice, "generate_reasoning": choice},
                                  "r")
     assert ctx.cfg.generate.enabled is expected and ctx.cfg.generate.reasoning is expected
+
+
+def test_the_storage_param_offers_the_stores_registry_and_starts_from_the_config(params):
+    """Issue 53: a run streams when the form says so (``storage``), else as its config says."""
+    from eagleflow.stores import STORES
+    schema = _schemas(params)["storage"]
+    assert schema["enum"] == [None, *STORES] and params.get_param("storage").value is None
+    assert shown_choices(schema) == [FROM_CONFIG, "disk (offline)", "mooncake (streaming)"]
+    assert "stream.storage" in params.get_param("storage").description
+
+
+@pytest.mark.parametrize("choice, configured, expected", [(None, "disk", "disk"), ("mooncake", "disk", "mooncake"),
+                                                          ("disk", "mooncake", "disk"), (None, "mooncake", "mooncake")])
+def test_the_storage_choice_reaches_the_frozen_run_config(tmp_path, choice, configured, expected):
+    import yaml
+
+    from eagleflow.airflow.runtime import RunContext
+    cfg = yaml.safe_load((REPO / "configs" / "local-demo.yaml").read_text())
+    cfg.setdefault("stream", {})["storage"] = configured
+    for s in cfg["corpus"]["sources"]:
+        s["path"] = str((REPO / "configs" / s["path"]).resolve())
+    cfg["target_model"] = str((REPO / "configs" / cfg["target_model"]).resolve())
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    ctx = RunContext.from_params({"config_path": str(p), "storage": choice}, "r")
+    assert ctx.cfg.stream.storage == expected
+    # what write_run_config freezes is what every later task and the node read
+    assert RunContext.from_frozen(json.loads(json.dumps(ctx.frozen()))).cfg.stream.storage == expected

@@ -45,6 +45,22 @@ def config_switch(*, title: str, description: str, field: str) -> Param:
     return optional_choice(SWITCH_CHOICES, title=title, description=description, field=field)
 
 
+def storage_choice() -> Param:
+    """The ``storage`` Param: the hidden-state store of this run (``stream.storage``), one of the stores
+    registry's (``eagleflow.stores.STORES``), each shown with its label; empty: the config's."""
+    from eagleflow.stores import STORES
+    return optional_choice(list(STORES), title="Hidden-state storage",
+                           description="Where the captured hidden states go between capture and training. "
+                                       + "; ".join(f"{name}: {store.label}" + (" (streaming: training starts as "
+                                                   "soon as capture is ready and draws samples as they arrive, "
+                                                   "nothing on disk)" if store.streaming else " (offline: "
+                                                   "training starts after every sample is verified)")
+                                                   for name, store in STORES.items()) + ".",
+                           field="stream.storage",
+                           labels={name: f"{name} ({'streaming' if store.streaming else 'offline'})"
+                                   for name, store in STORES.items()})
+
+
 def form_config_path() -> str:
     """The config the form starts from: ``routing.default_config_path()`` (the deployment's $EAGLEFLOW_CONFIG, else
     the demo's), named relative to the project root when it lies under it, as the docs name it; a config
