@@ -14,11 +14,11 @@ import json
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from .errors import GpuProbeError, NoGpuError
 from .process_info import describe_pid
-from .smi_probe import apps_query_argv, gpu_query_argv, parse_app_rows
+from .smi_probe import NodeReport, apps_query_argv, gpu_query_argv, parse_app_rows
 
 
 def _run(argv: list[str]) -> dict:
@@ -31,7 +31,7 @@ def _run(argv: list[str]) -> dict:
     return {"rc": p.returncode, "out": p.stdout, "err": p.stderr}
 
 
-def smi_report(nvidia_smi: str) -> dict:
+def smi_report(nvidia_smi: str) -> NodeReport:
     rep: dict[str, Any] = {"probe": "smi", "nvidia_smi": nvidia_smi, "taken_at": time.time(),
                            "gpu": _run(gpu_query_argv(nvidia_smi))}
     rep["apps"] = _run(apps_query_argv(nvidia_smi)) if rep["gpu"]["rc"] == 0 else {"rc": 0, "out": "", "err": ""}
@@ -43,10 +43,10 @@ def smi_report(nvidia_smi: str) -> dict:
         except GpuProbeError:
             pass  # the caller parses the same text and reports the bad line
     rep["procs"] = procs
-    return rep
+    return cast(NodeReport, rep)
 
 
-def nvml_report() -> dict:
+def nvml_report() -> NodeReport:
     from .nvml_probe import NvmlProbe
     probe = NvmlProbe(node_name="this node")
     try:

@@ -16,12 +16,34 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from eagleflow.nodes import Node, NodeAnswerError, NodeCommandFailed, NodeError
 
 from .errors import GpuProbeError, NoGpuError, SmiParseError
-from .snapshot import GpuProcess, GpuSnapshot
+from .snapshot import GpuProcess, GpuSnapshot, GpuSnapshotDict
+
+
+class CommandOutput(TypedDict):
+    """One command's exit code and output, as the node report carries it."""
+    rc: int
+    out: str
+    err: str
+
+
+class NodeReport(TypedDict, total=False):
+    """What ``eagleflow.gpu.node_report`` prints: ``smi``: both queries' raw output (``gpu``, ``apps``) and the
+    listed PIDs' /proc facts (``procs``); ``nvml``: the snapshots (``gpus``); either: ``error`` (and ``no_gpu``)
+    when it could not read the GPUs."""
+    probe: str
+    nvidia_smi: str
+    taken_at: float
+    gpu: CommandOutput
+    apps: CommandOutput
+    procs: dict[str, dict[str, Any]]
+    gpus: list[GpuSnapshotDict]
+    error: str
+    no_gpu: bool
 
 GPU_FIELDS = ("index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu", "temperature.gpu",
               "power.draw", "ecc.errors.uncorrected.volatile.total")
@@ -175,10 +197,10 @@ class SmiProbe:
         return snapshots_from_report(self.node.name, read_node_report(self.node, argv, self.timeout_s))
 
 
-def read_node_report(node, argv: list[str], timeout_s: float) -> dict[str, Any]:
+def read_node_report(node, argv: list[str], timeout_s: float) -> NodeReport:
     """Run ``eagleflow.gpu.node_report`` on the node and return its document; GpuProbeError says what failed."""
     try:
-        return node.run_json(argv, dict[str, Any], timeout=timeout_s)
+        return cast(NodeReport, node.run_json(argv, dict[str, Any], timeout=timeout_s))
     except NodeCommandFailed as e:
         err = (e.stderr or e.stdout).strip()
         if "No module named" in err:
@@ -189,7 +211,7 @@ def read_node_report(node, argv: list[str], timeout_s: float) -> dict[str, Any]:
         raise GpuProbeError(f"on node {node.name}: node_report gave no report: {e}") from None
 
 
-def snapshots_from_report(node: str, rep: dict[str, Any]) -> list[GpuSnapshot]:
+def snapshots_from_report(node: str, rep: NodeReport) -> list[GpuSnapshot]:
     """Turn node_report's document into snapshots, raising the error it carried."""
     if rep.get("error"):
         cls = NoGpuError if rep.get("no_gpu") else GpuProbeError
@@ -197,9 +219,9 @@ def snapshots_from_report(node: str, rep: dict[str, Any]) -> list[GpuSnapshot]:
     if rep.get("probe") == "nvml":
         from .snapshot import snapshots_from_json
         return snapshots_from_json(rep["gpus"])
-    for key, argv in (("gpu", gpu_query_argv(rep.get("nvidia_smi", "nvidia-smi"))),
-                      ("apps", apps_query_argv(rep.get("nvidia_smi", "nvidia-smi")))):
-        r = rep[key]
+    smi = rep.get("nvidia_smi", "nvidia-smi")
+    for key, argv in (("gpu", gpu_query_argv(smi)), ("apps", apps_query_argv(smi))):
+        r = rep["gpu"] if key == "gpu" else rep["apps"]   # in order: a failed first query is the error
         if r["rc"] != 0:
             raise smi_failure(node, argv, r["rc"], r["out"], r["err"])
     return build_snapshots(rep["gpu"]["out"], rep["apps"]["out"], rep.get("procs"), rep.get("taken_at"))

@@ -9,7 +9,34 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
+
+
+class GpuProcessDict(TypedDict):
+    """A ``GpuProcess`` as JSON (``GpuSnapshot.to_dict``)."""
+    pid: int
+    name: str
+    used_mib: int | None
+    user: str | None
+    state: str | None
+    pgid: int | None
+    wchan: str | None
+
+
+class GpuSnapshotDict(TypedDict):
+    """A ``GpuSnapshot`` as JSON: its fields, the processes as ``GpuProcessDict``."""
+    index: int
+    uuid: str
+    name: str
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    utilization_pct: int | None
+    temperature_c: int | None
+    power_w: float | None
+    ecc_uncorrected: int | None
+    processes: list[GpuProcessDict]
+    source: str
+    taken_at: float
 
 
 @dataclass(frozen=True)
@@ -50,23 +77,23 @@ class GpuSnapshot:
     def label(self) -> str:
         return f"GPU {self.index} ({self.uuid})"
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+    def to_dict(self) -> GpuSnapshotDict:
+        d: dict[str, Any] = asdict(self)
         d["processes"] = [asdict(p) for p in self.processes]
-        return d
+        return cast(GpuSnapshotDict, d)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GpuSnapshot":
-        d = dict(d)
-        d["processes"] = tuple(GpuProcess(**p) for p in d.get("processes") or ())
-        return cls(**d)
+    def from_dict(cls, d: GpuSnapshotDict) -> "GpuSnapshot":
+        data: dict[str, Any] = dict(d)
+        data["processes"] = tuple(GpuProcess(**p) for p in d.get("processes") or ())
+        return cls(**data)
 
 
-def snapshots_to_json(snaps: list[GpuSnapshot]) -> list[dict[str, Any]]:
+def snapshots_to_json(snaps: list[GpuSnapshot]) -> list[GpuSnapshotDict]:
     return [s.to_dict() for s in snaps]
 
 
-def snapshots_from_json(data: list[dict[str, Any]]) -> list[GpuSnapshot]:
+def snapshots_from_json(data: list[GpuSnapshotDict]) -> list[GpuSnapshot]:
     return [GpuSnapshot.from_dict(d) for d in data]
 
 

@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write, open_owned
@@ -110,7 +110,16 @@ def open_or_join(state_dir: str | os.PathLike, *, node: str, cause: str, run_id:
         return inc, True
 
 
-def record_recovery(state_dir: str | os.PathLike, incident: dict, recovery: dict[str, Any]) -> dict:
+class Recovery(TypedDict):
+    """What an incident records of its recovery (``record_recovery``)."""
+    ok: bool
+    action: str          # restarted, worker, none ...
+    summary: str
+    recovered_at: float
+    shard: int
+
+
+def record_recovery(state_dir: str | os.PathLike, incident: dict, recovery: Recovery) -> dict:
     """Mark the incident's recovery (restart, worker restarted, or failed) and end it; returns it as stored."""
     path = _key_file(state_dir, incident["node"], incident["cause"])
     with _lock(state_dir):

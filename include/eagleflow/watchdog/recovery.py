@@ -214,8 +214,8 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     result["recovered_at"] = time.time()
     result["shards"] = shard_counts(run, kind)
     stored = record_recovery(run.layout.state_dir, incident,
-                             {k: result[k] for k in ("ok", "action", "summary", "recovered_at")}
-                             | {"shard": shard})
+                             {"ok": result["ok"], "action": result["action"], "summary": result["summary"],
+                              "recovered_at": result["recovered_at"], "shard": shard})
     result["incident_shards"] = sorted(stored.get("shards", {}))
     return result
 
