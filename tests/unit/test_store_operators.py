@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 
 from eagleflow.airflow.alerts import ConsequentialFailure
 from eagleflow.airflow.store_operators import ChooseTrainingStartOperator, StartStoreOperator, StopStoreOperator
@@ -86,8 +86,12 @@ def test_streaming_verification_waits_for_the_trainers_record_and_passes_it_gree
     rec = {"ok": True, "epochs": 1, "samples": 24, "trained_per_epoch": {"0": 24}, "summary": "green"}
     path = str(tmp_path / "stream_verified.json")
     node = FakeNode(files={path: [None, None, json.dumps(rec)]})
-    op, context = _verify(["running", "running"])
-    summary = op.run(_ctx("mooncake", node, tmp_path), context)
+    op, context = _verify(["running", None])
+    ctx = _ctx("mooncake", node, tmp_path)
+    for _ in range(2):   # rescheduled while training runs: no worker slot held
+        with pytest.raises(AirflowRescheduleException):
+            op.run(ctx, context)
+    summary = op.run(ctx, context)
     assert "24 sample(s) x 1 epoch(s)" in summary and "exactly once" in summary
     assert all(c[0] == "cat" for c in node.calls), "no capture verify on a streaming run: there are no files"
 
@@ -101,6 +105,8 @@ def test_streaming_verification_fails_on_a_record_that_is_not_green(tmp_path):
 
 
 def test_streaming_verification_gives_up_without_a_second_alert_when_training_failed(tmp_path):
-    op, context = _verify(["running", "failed"])
+    op, context = _verify(["up_for_retry", "failed"])
+    with pytest.raises(AirflowRescheduleException):   # a retry may still write it
+        op.run(_ctx("mooncake", FakeNode(), tmp_path), context)
     with pytest.raises(ConsequentialFailure, match="train_draft ended failed"):
         op.run(_ctx("mooncake", FakeNode(), tmp_path), context)

@@ -182,3 +182,17 @@ def test_a_predecessors_failed_heartbeat_does_not_fail_the_worker_that_replaced_
               worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=5151, alive=True, state="S",
                                    started_at=NOW - 1.0))
     assert decide(own, cfg()).verdict == "failed"
+
+
+@pytest.mark.parametrize("error, cause, named", [
+    ("StreamStarved: mooncake: no new sample for 300 s in epoch 0 (12/48 served): the producer ...", "producer",
+     "starved: no sample arrived from the producer"),
+    ("StoreUnavailable: Mooncake store (master 127.0.0.1:5): get r/shard_00000/00000003: the master does not answer",
+     "store", "the run's hidden-state store does not answer")])
+def test_a_streaming_trainer_that_failed_because_of_the_other_side_names_it_not_itself(error, cause, named):
+    """Issue 53: a starved trainer blames the producer, a lost store the store; the trainer's own error stays
+    the job's."""
+    d = decide(obs(state="failed", error=error), cfg())
+    assert d.verdict == "failed" and d.cause == cause and named in d.summary and error[:40] in d.summary
+    own = decide(obs(state="failed", error="RuntimeError: CUDA error: an illegal memory access"), cfg())
+    assert own.cause == "job" and "starved" not in own.summary

@@ -6,10 +6,10 @@ The phase's server, shards and teardown are the shard operators every sharded ph
 from __future__ import annotations
 
 import json
-import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.nodes import NodeError
@@ -28,8 +28,9 @@ class VerifyHiddenStatesOperator(RunOperator):
     A streaming run (a store whose ``streaming`` is set, ``stream.storage: mooncake``) has no files to check:
     its samples were checked against their manifests' digests as the trainer took them, and the trainer
     writes the exactly-once record (``hidden_states/stream_verified.json``) when it ends. This task then
-    waits for that record (polling the node every ``poll_interval_s``) and fails unless it is green; it fails
-    without a second alert when ``train_task_id`` ended without one (its own alert says why).
+    waits for that record, rescheduling itself every ``poll_interval_s`` (no worker slot held while training
+    runs beside it), and fails unless it is green; it fails without a second alert when ``train_task_id``
+    ended without one (its own alert says why).
     """
 
     def __init__(self, *, check_digest: bool = True, plan_task_id: str = "plan_shards",
@@ -85,25 +86,26 @@ class VerifyHiddenStatesOperator(RunOperator):
         return (states.get(dag_run.run_id) or {}).get(self.train_task_id)
 
     def _stream_verified(self, ctx, context):
-        """The streaming run's record from the trainer: waited for while training runs, then judged."""
+        """The streaming run's record from the trainer: judged once it is there; until then the task is
+        rescheduled (AirflowRescheduleException), so it holds no worker slot while training runs."""
         from eagleflow.airflow.alerts import ConsequentialFailure
         path = str(ctx.layout.stream_verified_file)
-        self.log.info("streaming run (stream.storage %s): no hidden-state files to verify; waiting for the "
-                      "trainer's exactly-once record %s on node %s", ctx.cfg.stream.storage, path, ctx.node.name)
-        while True:
-            try:
-                text = ctx.node.read_text(path)
-            except NodeError as e:
-                self.log.warning("could not read %s yet: %s", path, e)
-                text = None
-            if text:
-                break
+        try:
+            text = ctx.node.read_text(path)
+        except NodeError as e:
+            self.log.warning("could not read %s yet: %s", path, e)
+            text = None
+        if not text:
             state = self._train_state(context)
             if state in ("failed", "upstream_failed", "skipped", "removed"):
                 raise ConsequentialFailure(f"nothing verified: {self.train_task_id} ended {state} without the "
                                            f"streaming run's exactly-once record ({path} on node {ctx.node.name}); "
                                            "its own alert says why. Nothing is exported for this run")
-            time.sleep(self.poll_interval_s)
+            self.log.info("streaming run (stream.storage %s): no hidden-state files to verify; the trainer's "
+                          "exactly-once record %s on node %s is not written yet (%s %s): looking again in %.0f s",
+                          ctx.cfg.stream.storage, path, ctx.node.name, self.train_task_id, state or "not ended",
+                          self.poll_interval_s)
+            raise AirflowRescheduleException(datetime.now(timezone.utc) + timedelta(seconds=self.poll_interval_s))
         try:
             rec = json.loads(text)
         except ValueError as e:

@@ -83,6 +83,14 @@ def no_step_limit_s(cfg: PipelineConfig) -> float:
 
 # Evidence is tagged with what it blames, so one frozen server seen by eight shards is one incident.
 _SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
+# a streaming trainer's own errors that blame another side (issue 53): starved (the producer stalled) and the
+# store lost; the error's type name leads the heartbeat's error text (train/trainer.py)
+_PRODUCER, _STORE = "producer", "store"
+_STREAM_BLAME = {"StreamStarved": (_PRODUCER, "starved: no sample arrived from the producer (the capture server and "
+                                              "the extraction shards putting into the run's store), so the "
+                                              "producer stalled, not the trainer"),
+                 "StoreUnavailable": (_STORE, "the run's hidden-state store does not answer (its master dead or "
+                                              "unreachable): the store failed, not the trainer")}
 
 
 def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
@@ -130,6 +138,10 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         ev += server_ev + _disk_evidence(obs)
         low_disk = bool(_disk_evidence(obs, only_low=True))
         cause = _DISK if low_disk else (_SERVER if server_ev else "job")
+        blamed = _STREAM_BLAME.get((hb.error or "").split(":", 1)[0].strip())
+        if blamed is not None and not low_disk:
+            return diag("failed", f"{blamed[1]}; the job stopped at {counts} ({last_txt})", ev, with_log=True,
+                        cause=blamed[0])
         return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True,
                     cause=cause)
 
