@@ -30,7 +30,7 @@ from eagleflow.watchdog.incidents import node_time
 
 from .airflow_health import HEALTH_PATH, gone
 from .durations import duration
-from .rules import HealthAlert
+from .rules import GpuHealth, HealthAlert
 from .status_doc import program_name
 
 MAX_REMIND_S = 24 * 3600.0
@@ -61,7 +61,7 @@ def _gib(mib: float) -> str:
     return f"{mib / 1024:.0f} GiB"
 
 
-def held_idle_finding(node: str, alerts: list[HealthAlert], snaps: list[GpuSnapshot], state: dict[str, Any],
+def held_idle_finding(node: str, alerts: list[HealthAlert], snaps: list[GpuSnapshot], state: dict[str, GpuHealth],
                       now: float) -> Finding | None:
     """The node's GPUs held at 0 % with no eagleflow job, as one finding (the seeds' incident is per node)."""
     uuids = {a.uuid for a in alerts if a.kind == "memory_held_idle"}
@@ -69,7 +69,8 @@ def held_idle_finding(node: str, alerts: list[HealthAlert], snaps: list[GpuSnaps
     if not held:
         return None
     def since(s: GpuSnapshot) -> float:
-        v = state.get(s.uuid, {}).get("held_idle_since")
+        h = state.get(s.uuid)
+        v = h.get("held_idle_since") if h else None
         return now if v is None else float(v)
 
     first = min(since(s) for s in held)

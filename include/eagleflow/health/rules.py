@@ -10,7 +10,7 @@ keeps that state and the node's status document (the GPU view reads it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Any
+from typing import AbstractSet, TypedDict
 
 from eagleflow.gpu.snapshot import GpuSnapshot
 
@@ -41,13 +41,20 @@ def registered_on(snap: GpuSnapshot, job_pids: AbstractSet[int], any_job_alive: 
     return any(p.pid in job_pids or (p.pgid is not None and p.pgid in job_pids) for p in snap.processes)
 
 
-def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, Any], *, now: float, rules: HealthRules,
+class GpuHealth(TypedDict):
+    """What the health check remembers of one GPU until the next check (a status document's ``state``, by UUID):
+    since when it has held memory at 0 % with no job of ours, its last uncorrected ECC count."""
+    held_idle_since: float | None
+    ecc_uncorrected: int | None
+
+
+def assess(node: str, snaps: list[GpuSnapshot], state: dict[str, GpuHealth], *, now: float, rules: HealthRules,
            job_pids: AbstractSet[int] = frozenset(),
-           any_job_alive: bool = False) -> tuple[list[HealthAlert], dict[str, Any]]:
+           any_job_alive: bool = False) -> tuple[list[HealthAlert], dict[str, GpuHealth]]:
     alerts: list[HealthAlert] = []
-    new_state: dict[str, Any] = {}
+    new_state: dict[str, GpuHealth] = {}
     for s in snaps:
-        prev = state.get(s.uuid, {})
+        prev = state.get(s.uuid) or GpuHealth(held_idle_since=None, ecc_uncorrected=None)
         held_idle = (s.memory_used_mib is not None and s.memory_used_mib > rules.memory_threshold_mib
                      and s.utilization_pct == 0 and not registered_on(s, job_pids, any_job_alive))
         since = None

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 
+from .rules import GpuHealth
 from .status_doc import next_status
 
 KEY_PREFIX = "eagleflow.gpu_status."
@@ -84,7 +85,7 @@ class StatusStore:
             return {}
         return doc if isinstance(doc, dict) else {}
 
-    def save(self, node: str, snaps=None, state: dict[str, Any] | None = None, alerts=(), error: str | None = None,
+    def save(self, node: str, snaps=None, state: dict[str, GpuHealth] | None = None, alerts=(), error: str | None = None,
              *, now: float | None = None, **kw) -> dict[str, Any]:
         """One check's result merged into the node's document; ``kw``: see ``status_doc.next_status``."""
         from dataclasses import asdict, is_dataclass
