@@ -1,8 +1,8 @@
 """What the evaluation phase costs beside plain decoding, and its held-out acceptance beside training's figure.
 
 On a finished run (default: the newest ``runs/demo__*`` with an export; ``make demo`` makes one), the hf
-backend's own pieces (eagleflow.evaluate.decoder / run.measure), side by side in one process on the same
-held-out prompts, nothing written to the run:
+backend's own pieces (eagleflow.evaluate.decoder / engines.hf.evaluator.measure), side by side in one process
+on the same held-out prompts, nothing written to the run:
 
 1. plain decoding: the target alone, greedy, every prompt (``greedy``; the evaluation's reference pass);
 2. the evaluation: that reference plus, per ``eval.configs`` entry, speculative decoding of every prompt
@@ -47,7 +47,7 @@ def main() -> int:
     from eagleflow.config import load_config
     from eagleflow.corpus.prepare import read_eval_records
     from eagleflow.evaluate.decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold
-    from eagleflow.evaluate.run import measure
+    from eagleflow.engines.hf.evaluator import measure
 
     run = a.run_dir or _newest_run()
     if run is None or not (run / "run-config.json").is_file():

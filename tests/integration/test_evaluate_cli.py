@@ -24,7 +24,8 @@ def write_random_export(out: Path, target_dir: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from eagleflow.train.export import eagle_layer_ids, export_config
+    from eagleflow.engines.sglang.export import eagle_layer_ids
+    from eagleflow.train.export import export_config
     from eagleflow.train.model import DraftConfig, Eagle3Draft
     torch.manual_seed(3)
     dcfg = DraftConfig.from_target(target_dir, 128)

@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from eagleflow.config import load_config
+from eagleflow.engines.vllm import SPECULATORS_DIR
+from eagleflow.engines.vllm.export import SPECULATORS_EMBEDDING, SPECULATORS_FLAGS
 from eagleflow.layout import RunLayout
-from eagleflow.train.export import SPECULATORS_EMBEDDING, SPECULATORS_FLAGS, load_exported
-from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
+from eagleflow.train.export import load_exported
+from eagleflow.train.export_formats import SPECULATIVE_TOKENS
 from tests.fixtures.train_hidden_states import NOT_DEFAULT_AUX_LAYERS, write_synthetic_hidden_states
 
 pytestmark = pytest.mark.timeout(600)

@@ -23,9 +23,9 @@ import shlex
 import pytest
 
 from eagleflow.config import SpecConfig, load_config
+from eagleflow.engines.vllm import SPECULATORS_DIR
 from eagleflow.engines.vllm import evaluator as vb
 from eagleflow.evaluate.lossless import TOP_CANDIDATES
-from eagleflow.train.export_formats import SPECULATORS_DIR
 from tests.node_vllm.test_export_speculators import trained  # noqa: F401  (the module's trained export)
 
 pytestmark = pytest.mark.timeout(600)

@@ -199,7 +199,7 @@ def test_bad_layer_lists_are_refused_with_what_to_do():
 
 
 def test_export_refuses_a_target_family_it_cannot_number(targets, tmp_path):
-    from eagleflow.train.export import eagle_layer_ids
+    from eagleflow.engines.sglang.export import eagle_layer_ids
     target = tmp_path / "odd"
     target.mkdir()
     conf = json.loads((targets["llama"] / "config.json").read_text())

@@ -350,7 +350,7 @@ def test_generate_serve_runs_generate_backend_hf_beside_capture_backend_sglang(t
 # --- no engine branch outside the registry -------------------------------------------------------------------
 
 # the export *formats* are named "sglang" and "speculators": a different idea, allowed to branch on its names
-FORMAT_MODULES = {"train/export.py", "train/export_formats.py", "train/commands.py"}
+FORMAT_MODULES = {"train/commands.py"}
 
 
 def engine_branches(source: str, filename: str = "<src>") -> list[int]:
@@ -372,6 +372,21 @@ def test_no_module_outside_the_registry_branches_on_an_engines_name():
         found += [f"{rel}:{line}" for line in engine_branches(p.read_text(), str(p))]
     assert not found, ("engine branches outside eagleflow/engines/ (give the Engine a field instead): "
                        + ", ".join(found))
+
+
+def test_the_export_names_no_format_and_no_engine():
+    # issue 48: each format's writer and where it keeps its layer ids are its engine's (engines/<name>/export.py,
+    # ENGINE.draft_writer / draft_layer_ids); train/export.py asks the registry, so it names none outside its
+    # docstrings (not even `"sglang" in fmts`, which the branch check lets through)
+    names = set(engines.export_formats()) | set(ENGINES)
+    for rel in ("train/export.py", "train/export_formats.py"):
+        tree = ast.parse((PKG / rel).read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        named = [f"{rel}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs]
+        assert not named, named
 
 
 def test_the_branch_check_reads_every_engines_folder():

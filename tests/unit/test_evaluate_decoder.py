@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from eagleflow.config import load_config
+from eagleflow.engines.hf.evaluator import measure
 from eagleflow.evaluate.decoder import DraftProposer, Target, greedy, speculative, verify_greedy
-from eagleflow.evaluate.run import gate, measure
+from eagleflow.evaluate.run import gate
 from eagleflow.train.loss import TrainingTimeTest, load_target_head_and_embedding
 from eagleflow.train.model import DraftConfig, Eagle3Draft
 

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from eagleflow.engines.sglang.layers import sglang_aux_layer_ids
+from eagleflow.engines.vllm import SPECULATORS_DIR
+from eagleflow.engines.vllm.export import SPECULATORS_EMBEDDING, SPECULATORS_FLAGS
 from eagleflow.engines.vllm.layers import VLLM_EAGLE3_ARCHITECTURES, vllm_aux_layer_ids
 from eagleflow.train.checkpoint import save_checkpoint
-from eagleflow.train.export import SGLANG_WEIGHT_NAMES, SPECULATORS_EMBEDDING, SPECULATORS_FLAGS, export_draft
-from eagleflow.train.export_formats import SPECULATIVE_TOKENS, SPECULATORS_DIR
+from eagleflow.train.export import SGLANG_WEIGHT_NAMES, export_draft
+from eagleflow.train.export_formats import SPECULATIVE_TOKENS
 from eagleflow.train.model import DraftConfig, Eagle3Draft
 
 AUX = [1, 2, 3]
@@ -139,7 +141,7 @@ def test_no_layer_ids_never_fall_back_to_defaults(tmp_path, llama):
     with pytest.raises(ValueError, match=r"names no aux_layers"):
         export_draft(ckpt, tmp_path / "export")
     assert not (tmp_path / "export").exists()
-    from eagleflow.train.export import speculators_config
+    from eagleflow.engines.vllm.export import speculators_config
     dcfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=4, vocab_size=32, draft_vocab_size=16)
     with pytest.raises(ValueError, match="aux layer ids are empty"):

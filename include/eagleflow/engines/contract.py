@@ -7,6 +7,7 @@ package imports its heavy parts (torch, transformers, sglang, vLLM) inside those
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence, TypeAlias
 
 # The config (eagleflow.config.PipelineConfig) and the run layout (eagleflow.layout.RunLayout) as this contract
@@ -25,10 +26,19 @@ EvaluatorFn: TypeAlias = Callable[..., "tuple[list[dict], dict]"]
 LayerNumberingFn: TypeAlias = Callable[[Sequence[int] | None, Sequence[str], int], "list[int]"]
 # (cfg, draft_dir) -> the shell command that serves the target with the exported draft
 ServeCommandFn: TypeAlias = Callable[[PipelineConfig, str], str]
+# The draft being exported (eagleflow.train.export.DraftSource: checkpoint, config, weights, dtype, target) as this
+# contract sees it (it imports torch; the registry is read without it).
+DraftSource: TypeAlias = Any
+# (draft source) -> the function that writes the engine's draft format into its folder; everything the format
+# needs is read and checked before it returns, so a refusal leaves nothing written (`eagleflow export`)
+DraftWriterFn: TypeAlias = Callable[[DraftSource], Callable[[Path], None]]
+# (the format's config.json, as read) -> the eagle_aux_hidden_state_layer_ids it names, where the format keeps them
+DraftLayerIdsFn: TypeAlias = Callable[[Any], Any]
 
 # what each role of an engine is called in messages
 ROLES = {"capture_server": "capture server", "generate_server": "generation server", "evaluator": "evaluation",
-         "layer_numbering": "layer numbering", "serve_command": "serve command"}
+         "layer_numbering": "layer numbering", "serve_command": "serve command", "draft_writer": "export writer",
+         "draft_layer_ids": "export layer ids reader"}
 # the config field that picks the engine of each server role
 ROLE_FIELDS = {"capture_server": "capture.backend", "generate_server": "generate.backend",
                "evaluator": "eval.backend"}
@@ -63,6 +73,9 @@ class Engine:
     serve_command: ServeCommandFn | None = None
     draft_format: str | None = None      # the export format it serves (`eagleflow export --format`)
     draft_dir: str = ""                  # that format's folder inside the export ("" = the export folder itself)
+    draft_writer: DraftWriterFn | None = None        # writes draft_format (`eagleflow export`)
+    draft_layer_ids: DraftLayerIdsFn | None = None   # the layer ids a draft_format config.json names
+    eval_format: str | None = None       # the export format its evaluator reads (None: its draft_format)
     not_built: str = ""                  # what to say when asked for a role it lacks
 
     def unsupported(self, role: str, alternatives: Sequence[str] | None = None) -> EngineUnsupported:
@@ -97,3 +110,9 @@ class Engine:
 
     def serve_command_for(self, cfg: PipelineConfig, draft_dir: str) -> str:
         return self.function("serve_command")(cfg, draft_dir)
+
+    def draft_writer_for(self, source: DraftSource) -> Callable[[Path], None]:
+        return self.function("draft_writer")(source)
+
+    def layer_ids_in(self, draft_config: Any) -> Any:
+        return self.function("draft_layer_ids")(draft_config)

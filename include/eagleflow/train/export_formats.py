@@ -18,7 +18,6 @@ from eagleflow.engines import export_formats, format_dirs
 EXPORT_FORMATS = tuple(export_formats())
 # each format's folder inside the export (eagleflow.engines names the engine that serves each)
 FORMAT_DIRS = format_dirs()
-SPECULATORS_DIR = FORMAT_DIRS["speculators"]
 # The chain both serve commands in the run report draft: 3 tokens per round (SGLang: 3 steps, topk 1,
 # 4 draft tokens; vLLM: num_speculative_tokens 3), and the speculators config's greedy proposal.
 SPECULATIVE_TOKENS = 3

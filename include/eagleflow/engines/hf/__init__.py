@@ -3,7 +3,8 @@ speculative decoder for the evaluation. It serves no exported draft (no layer nu
 transformers' ``hidden_states[j + 1]`` is eagleflow's layer output ``j``.
 
 - ``server.py``: the capture and generation server (``eagleflow capture serve`` / ``generate serve``).
-- the evaluation: ``eagleflow.evaluate.run.hf_results`` (the decoder the other evaluations' reports compare with).
+- ``evaluator.py``: the evaluation, our own speculative decoder (``eagleflow.evaluate.decoder``) in process; it
+  reads the SGLang-format files of the export (``eval_format``).
 """
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def serve_generation(cfg: PipelineConfig, layout: RunLayout) -> int:
 def evaluate(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict,
              prompt_sets: dict[str, list[dict]], log: Callable[[str], None],
              verify: Any = None) -> tuple[list[dict], dict]:
-    from eagleflow.evaluate.run import hf_results   # torch and the decoder: only when evaluating
-    return hf_results(cfg, layout, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets, log=log,
+    from .evaluator import results   # torch and the decoder: only when evaluating
+    return results(cfg, layout, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets, log=log,
                       verify=verify)
 
 
 ENGINE = Engine(name="hf", label="transformers", needs_gpu=False,
                 capture_server=serve_capture, generate_server=serve_generation,
-                evaluator=evaluate, eval_hooks=frozenset({"verify"}))
+                evaluator=evaluate, eval_hooks=frozenset({"verify"}), eval_format="sglang")

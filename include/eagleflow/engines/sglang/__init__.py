@@ -5,7 +5,8 @@
   ``sglang.srt.plugins``) that dumps every prefill's hidden states;
 - ``evaluator.py``: the evaluation (the target served with the draft, SGLang's own acceptance counters; trees);
 - ``layers.py``: how SGLang numbers the capture layers (the launcher's flag and the export's ``eagle_config``);
-- ``serve.py``: the command that serves an exported draft (the ``sglang`` export format: the export folder).
+- ``serve.py``: the command that serves an exported draft (the ``sglang`` export format: the export folder);
+  ``export.py``: that format's writer (``eagleflow export``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .serve import serve_command
 if TYPE_CHECKING:
     from eagleflow.config import PipelineConfig
     from eagleflow.layout import RunLayout
+    from eagleflow.train.export import DraftSource
 
 # Each role imports its module when called: the servers and the evaluation import the config, which reads the
 # registry that lists this package (and the plugin, sglang itself).
@@ -43,8 +45,18 @@ def evaluate(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts:
                    node=node, command=command)
 
 
+def write_draft(src: DraftSource) -> Callable[[Path], None]:
+    from .export import writer   # torch, safetensors: only when exporting
+    return writer(src)
+
+
+def draft_layer_ids(conf: Any) -> Any:
+    from .export import layer_ids   # beside its writer (which imports torch): only when reading an export
+    return layer_ids(conf)
+
+
 ENGINE = Engine(name="sglang", label="SGLang", needs_gpu=True,
                 capture_server=serve_capture, generate_server=serve_generation,
                 evaluator=evaluate, eval_hooks=frozenset({"node", "command"}), eval_trees=True,
                 eval_server_per_config=True, layer_numbering=sglang_aux_layer_ids, serve_command=serve_command,
-                draft_format="sglang", draft_dir="")
+                draft_format="sglang", draft_dir="", draft_writer=write_draft, draft_layer_ids=draft_layer_ids)

@@ -8,7 +8,8 @@ top-k > 1 configuration by name).
   captured states; ``api.py``: the capture and generation API (a ``--middleware`` on vLLM's server);
 - ``generate_server.py``: the generation server; ``evaluator.py``: the evaluation;
 - ``layers.py``: how vLLM numbers the capture layers (the launcher's ids and the speculators ``config.json``);
-- ``serve.py``: the command that serves an exported draft (the ``speculators`` format, its ``speculators/``).
+- ``serve.py``: the command that serves an exported draft (the ``speculators`` format, its ``speculators/``);
+  ``export.py``: that format's writer (``eagleflow export``).
 """
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ from eagleflow.engines.contract import Engine
 
 from .layers import vllm_aux_layer_ids
 
+# the speculators format's folder inside the export
+SPECULATORS_DIR = "speculators"
+
 if TYPE_CHECKING:
     from eagleflow.config import PipelineConfig
     from eagleflow.layout import RunLayout
+    from eagleflow.train.export import DraftSource
 
 # Each role imports its module when called: the servers and the evaluation import the config, which reads the
 # registry that lists this package (and the connector, vLLM itself).
@@ -50,8 +55,19 @@ def serve_command(cfg: PipelineConfig, draft_dir: str) -> str:
     return vllm_serve_command(cfg, draft_dir)
 
 
+def write_draft(src: DraftSource) -> Callable[[Path], None]:
+    from .export import writer   # torch, safetensors: only when exporting
+    return writer(src)
+
+
+def draft_layer_ids(conf: Any) -> Any:
+    from .export import layer_ids   # beside its writer (which imports torch): only when reading an export
+    return layer_ids(conf)
+
+
 ENGINE = Engine(name="vllm", label="vLLM", needs_gpu=True,
                 capture_server=serve_capture, generate_server=serve_generation,
                 evaluator=evaluate, eval_hooks=frozenset({"node", "command"}), eval_server_per_config=True,
                 layer_numbering=vllm_aux_layer_ids, serve_command=serve_command,
-                draft_format="speculators", draft_dir="speculators")
+                draft_format="speculators", draft_dir=SPECULATORS_DIR, draft_writer=write_draft,
+                draft_layer_ids=draft_layer_ids)
