@@ -96,6 +96,30 @@ def test_gpu_free_of_the_same_run_stops_its_jobs(two_runs):
     assert sorted(p.name for p in (state / "pids").glob("*.json")) == []
 
 
+def test_a_streaming_runs_store_and_its_trainer_beside_the_capture_outlive_its_gpu_gates(tmp_path):
+    """Issue 53: the run's Mooncake master and segment holder are stopped by `store stop` only, never by a GPU
+    gate; the extraction's gates (--keep-trainer) leave the trainer that trains beside the capture; the rest of
+    the run's processes are stopped as before."""
+    cfg = _config(tmp_path, has_gpu=False)
+    data = yaml.safe_load(cfg.read_text())
+    data["stream"] = {"storage": "mooncake"}
+    cfg.write_text(yaml.safe_dump(data))
+    procs = {role: _spawn(cfg, "run_S", role) for role in
+             ("mooncake-master", "mooncake-segment", "trainer", "sentinel_trainer", "capture_server")}
+    state = Path(RunLayout.for_run(load_config(str(cfg)), "x").state_dir)
+    try:
+        report = _gpu_free(cfg, "run_S", "--keep-trainer")
+        assert {o.pid: o.outcome for o in report.outcomes} == {procs["capture_server"].pid: "terminated"}
+        assert all(alive(procs[r].pid) for r in ("mooncake-master", "mooncake-segment", "trainer",
+                                                 "sentinel_trainer"))
+        report = _gpu_free(cfg, "run_S")   # a later gate (the evaluation's): a trainer left over is stopped
+        assert {o.pid: o.outcome for o in report.outcomes} == {procs["trainer"].pid: "terminated",
+                                                               procs["sentinel_trainer"].pid: "terminated"}
+        assert alive(procs["mooncake-master"].pid) and alive(procs["mooncake-segment"].pid)
+    finally:
+        kill_recorded(state)
+
+
 def test_forced_gpu_free_stops_another_runs_job_on_the_selected_gpus_only(two_runs):
     """The trainer holds a selected GPU: force stops it. The sentinel holds none: left, even with force."""
     cfg, trainer, sentinel, _, state = two_runs

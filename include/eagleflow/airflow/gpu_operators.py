@@ -17,7 +17,8 @@ from eagleflow.airflow.base import RunOperator, RunSensor
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
-from eagleflow.phases import kind_of
+from eagleflow.phases import EXTRACT, kind_of
+from eagleflow.stores import store_for
 
 if TYPE_CHECKING:   # imported where used: the DAG's parse does not load the GPU probes
     from eagleflow.gpu.idle_gate import IdleGate
@@ -81,6 +82,8 @@ class FreeGpusOperator(RunOperator):
         if node.read_text(ctx.run_config_path) is None:
             ctx.write_run_config()  # the node-side command reads the run's config
         argv = ctx.eagleflow_argv("gpu", "free", "--on-node", "--json")
+        if self.phase == EXTRACT and store_for(cfg.stream.storage).streaming:
+            argv.append("--keep-trainer")   # a streaming run trains beside the capture (docs/streaming.md)
         if cfg.gpu.force_free:
             argv.append("--force")
             self.log.warning("force_free is set: foreign processes on the selected GPUs of node %s will be killed",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from eagleflow.nodes.process_record import (ProcessRecord, StopResult, members, read_proc_state, record_run_id,
                                             scan_records, stop, stop_pid)
@@ -79,10 +79,12 @@ class CleanupReport:
 
 def free_recorded_processes(state_dir: str | Path, *, run_id: str, grace_s: float = 15.0, force: bool = False,
                             gpu_processes: list[GpuProcess] | None = None, kill_wait_s: float = 5.0,
-                            log: Callable[[str], None] = print) -> CleanupReport:
+                            log: Callable[[str], None] = print, keep_roles: Collection[str] = ()) -> CleanupReport:
     """Stop every recorded process of run ``run_id`` on this node; leave other runs' live jobs, named (module doc);
     then, with force, foreign PIDs on the selected GPUs. ``gpu_processes``: the processes on the selected GPUs,
-    None when the GPUs were not read (then no other run's job is stopped, even with force)."""
+    None when the GPUs were not read (then no other run's job is stopped, even with force). ``keep_roles``: this
+    run's live processes of these roles are left running, named (a streaming run's store, its trainer beside the
+    capture); they count as ours, so force never kills them either."""
     report = CleanupReport(run_id=run_id)
     ours: set[int] = set()
     recs, refused = scan_records(Path(state_dir) / "pids")
@@ -96,6 +98,9 @@ def free_recorded_processes(state_dir: str | Path, *, run_id: str, grace_s: floa
         owner = record_run_id(rec)
         mine = live[rec.pid_file]
         ours |= set(mine) | ({rec.pgid} if mine else set())  # a stale group id is not ours
+        if owner == run_id and mine and rec.role in keep_roles:
+            log(f"kept: this run's {rec.role} pid {rec.pid} (it outlives this gate: stopped by its own task)")
+            continue
         if owner != run_id:
             if mine:
                 _other_run_job(rec, owner, mine, report, force=force, gpu_processes=gpu_processes, grace_s=grace_s,

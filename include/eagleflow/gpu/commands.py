@@ -52,6 +52,9 @@ def register(subparsers) -> None:
                          "selected GPUs")
     fr.add_argument("--on-node", action="store_true",
                     help="this machine is the config's node (how FreeGpusOperator runs it over SSH)")
+    fr.add_argument("--keep-trainer", action="store_true",
+                    help="leave this run's trainer (and its sentinel) running: a streaming run trains beside the "
+                         "capture whose GPUs this frees (stream.storage)")
     fr.add_argument("--json", action="store_true")
     fr.set_defaults(func=cmd_free)
 
@@ -161,9 +164,15 @@ def cmd_free(args) -> int:
     else:
         note = no_gpu_message(cfg).replace("the GPU gate passes", "only this run's recorded processes are stopped")
         log(note)
-    # this run's records only (the state dir is the node's, every run's): another run's live job is named, left
+    # this run's records only (the state dir is the node's, every run's): another run's live job is named, left.
+    # The run's store server is stopped by `eagleflow store stop` only (it lives from start_store to stop_store)
+    from eagleflow.stores import store_for
+    from eagleflow.train.job import TRAINER_ROLE
+    keep = set(store_for(cfg.stream.storage).roles)
+    if getattr(args, "keep_trainer", False):
+        keep |= {TRAINER_ROLE, f"sentinel_{TRAINER_ROLE}"}
     report = free_recorded_processes(str(layout.state_dir), run_id=layout.run_id, grace_s=cfg.gpu.kill_grace_s,
-                                     force=force, gpu_processes=gpu_procs, log=log)
+                                     force=force, gpu_processes=gpu_procs, log=log, keep_roles=keep)
     out = report.to_dict() | {"node": node.name, "force": force, "note": note}
     _print(out, args.json, report.message())
     return 0

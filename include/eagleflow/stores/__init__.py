@@ -49,6 +49,7 @@ class Store:
     resume: str              # (shard_dir, ManifestScan) -> capture.manifest.ResumeCheck: what a worker need not redo
     start: str = ""          # (settings, state_dir=, host=) -> dict: the run's store server started ("": none to run)
     stop: str = ""           # (settings, grace_s=) -> list[dict]: what stopping it did
+    roles: tuple[str, ...] = ()   # its server's recorded processes: stopped by ``stop`` only, never by a GPU gate
 
     def _function(self, ref: str) -> Callable[..., Any]:
         module, _, name = ref.partition(":")
@@ -79,7 +80,8 @@ STORES: dict[str, Store] = {s.name: s for s in (
     Store("mooncake", "Mooncake store", streaming=True,
           sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source",
           resume="eagleflow.stores.mooncake.store:completed_indexes",
-          start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.master:stop_run_store"),
+          start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.master:stop_run_store",
+          roles=("mooncake-master", "mooncake-segment")),
 )}
 
 
