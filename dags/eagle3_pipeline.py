@@ -52,6 +52,13 @@ eval.approval, once a person approves it under Required Actions: a rejected
 draft is not promoted, and the run report says who rejected it and why). Any
 failure ends the run failed: nothing trains or exports on partial data.
 
+A streaming run (the storage Param or stream.storage: mooncake, docs/streaming.md): start_store starts the
+run's Mooncake store on the training node before any shard is planned; choose_training_start sends training
+beside the extraction shards (train_from_stream) instead of behind verification (gpus_idle_after_capture, skipped),
+the trainer drawing samples as they arrive; verify_hidden_states reads the trainer's exactly-once record; stop_store
+stops the store however the run went. Offline (disk), start_store and stop_store do nothing and training waits
+for verification as before.
+
 A fleet (fleet.nodes in $EAGLEFLOW_CONFIG) gives each node a task group of its own (its queue and pool):
 prepare_node (skips a node the run leaves out; probes shared storage), its generation shards (GPU gates, its
 generation server; collect_generated copies them to the training node, where the corpus is prepared from

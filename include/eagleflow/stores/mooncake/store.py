@@ -93,11 +93,19 @@ class MooncakeClient:
             self.unavailable_if_down(f"put {key}")
             raise StoreError(self.label, f"put {key} ({len(data)} bytes) failed with code {rc}")
 
-    def get(self, key: str) -> bytes:
-        data = self._s.get(key)
-        if not data:
-            self.unavailable_if_down(f"get {key}")
-        return bytes(data) if data else b""
+    def get(self, key: str, tries: int = 5) -> bytes:
+        """The object's bytes; b"" when it is not in the store. A get whose object lease (100 ms) ran out before
+        its transfer completed (Mooncake logs LEASE_EXPIRED; seen on a loaded host) returns nothing although the
+        object is there: asked again, up to ``tries`` times, while the master says it exists."""
+        for attempt in range(tries):
+            data = self._s.get(key)
+            if data:
+                return bytes(data)
+            if self._s.is_exist(key) != 1:
+                break
+            time.sleep(0.05 * (attempt + 1))
+        self.unavailable_if_down(f"get {key}")
+        return b""
 
     def remove(self, key: str, timeout_s: float = 5.0) -> None:
         end = time.monotonic() + timeout_s
