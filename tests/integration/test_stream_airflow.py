@@ -62,3 +62,26 @@ def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_ass
     assert not (run_dir / "store_endpoint.json").exists()
     export = run_dir / "draft" / "export"
     assert (export / "config.json").is_file() and (export / "model.safetensors").stat().st_size > 0
+
+
+def test_an_offline_run_still_trains_only_after_verification(tmp_path, airflow_db, demo_assets, monkeypatch):
+    """The same DAG with the Param at disk on a config that says mooncake: the branch takes the verified way,
+    the store tasks do nothing, the hidden states are files."""
+    monkeypatch.delenv("EAGLEFLOW_CONFIG", raising=False)
+    cfgp = write_short_config(tmp_path, demo_assets, stream={"storage": "mooncake"},
+                              train={"max_steps": 4, "batch_size": 4, "checkpoint_every": 2, "log_every": 1})
+    dag = pipeline_dag().partial_subset(task_ids=["export_draft", "stop_store"], include_upstream=True)
+    dr = dag.test(run_conf={"config_path": str(cfgp), "run_name": "offline", "storage": "disk"})
+    tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
+    states = {k: ti.state for k, ti in tis.items()}
+    assert dr.state == "success", states
+    run_dir = tmp_path / "runs" / "offline"
+    assert json.loads((run_dir / "run-config.json").read_text())["stream"]["storage"] == "disk"
+    assert states[("train_from_stream", -1)] == "skipped"
+    assert states[("gpus_idle_after_capture", -1)] == states[("train_draft", -1)] == "success"
+    assert tis[("train_draft", -1)].start_date >= tis[("verify_hidden_states", -1)].end_date
+    assert tis[("start_store", -1)].xcom_pull(task_ids="start_store") == {"store": "disk", "started": False}
+    assert tis[("stop_store", -1)].xcom_pull(task_ids="stop_store") == {"store": "disk", "stopped": []}
+    assert list((run_dir / "hidden_states").rglob("*.safetensors"))
+    assert not (run_dir / "hidden_states" / "stream_verified.json").exists()
+    assert (run_dir / "draft" / "export" / "model.safetensors").stat().st_size > 0
