@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from eagleflow.config import PipelineConfig
-from eagleflow.evaluate.decoder import DraftProposer, Target, greedy, load_draft, near_tie_threshold, speculative
+from eagleflow.evaluate import decoder   # read at each call (decoder.greedy ...): a test may replace one
 from eagleflow.evaluate.lossless import first_difference
 from eagleflow.evaluate.prompt_sets import expand_turns
 from eagleflow.evaluate.speed import speed_figures
@@ -37,15 +37,15 @@ def measure(target, proposer, prompts: list[dict], references: dict, steps: int,
     mismatches = []
     if prompts:   # first calls allocate (caches, thread pools): neither side's timing pays for it
         w = prompts[0]["prompt_ids"]
-        greedy(target, w, min(4, max_new), candidates=False)
-        speculative(target, proposer, w, min(4, max_new), steps, verify=verify)
+        decoder.greedy(target, w, min(4, max_new), candidates=False)
+        decoder.speculative(target, proposer, w, min(4, max_new), steps, verify=verify)
     for n, p in enumerate(prompts):
         if n % 2:
-            got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
-            alone = greedy(target, p["prompt_ids"], max_new, candidates=False)
+            got = decoder.speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
+            alone = decoder.greedy(target, p["prompt_ids"], max_new, candidates=False)
         else:
-            alone = greedy(target, p["prompt_ids"], max_new, candidates=False)
-            got = speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
+            alone = decoder.greedy(target, p["prompt_ids"], max_new, candidates=False)
+            got = decoder.speculative(target, proposer, p["prompt_ids"], max_new, steps, verify=verify)
         ref = references[p["id"]]
         passes += got.verify_passes
         tokens += got.verify_tokens
@@ -76,13 +76,13 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
                prompt_sets: dict[str, list[dict]], log, verify=None) -> tuple[list[dict], dict]:
     """The hf engine's evaluation (eagleflow.engines): our speculative decoder over transformers, in process."""
     ec = cfg.eval
-    target = Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
+    target = decoder.Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
     torch.manual_seed(0)
     proposers = {}
     for role, d in drafts.items():
-        model, aux = load_draft(d, target_dir)
-        proposers[role] = DraftProposer(model, target.aux_layers(aux or cfg.capture.aux_layers), target.device)
-    threshold = (lambda top: near_tie_threshold(target.dtype, top, ec.near_tie_logit_gap))
+        model, aux = decoder.load_draft(d, target_dir)
+        proposers[role] = decoder.DraftProposer(model, target.aux_layers(aux or cfg.capture.aux_layers), target.device)
+    threshold = (lambda top: decoder.near_tie_threshold(target.dtype, top, ec.near_tie_logit_gap))
     log(f"evaluate: target {target_dir} ({target.dtype}, {target.device})")
     rows = []
     for name, prompts in prompt_sets.items():
@@ -90,7 +90,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
         def answer(ps: list[dict]) -> dict[str, list[int]]:
             for p in ps:
-                references[p["id"]] = greedy(target, p["prompt_ids"], ec.max_new_tokens)
+                references[p["id"]] = decoder.greedy(target, p["prompt_ids"], ec.max_new_tokens)
             return {p["id"]: references[p["id"]].tokens for p in ps}
         # MT-Bench: each later turn follows the target's own greedy answer (its reference) to the turns before
         prompts = expand_turns(prompts, answer, target_dir)
