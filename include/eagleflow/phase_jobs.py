@@ -13,7 +13,7 @@ import shlex
 import time
 
 from eagleflow import bounded_json
-from eagleflow.serving.client import CaptureServerError, health_generate
+from eagleflow.serving.client import ServerError, health_generate
 from eagleflow.layout import RunLike
 from eagleflow.nodes import JobAlreadyRunning, LocalNode, NodeFileRefused, ProcessRecord
 
@@ -95,7 +95,7 @@ def server_healthy(url: str, timeout_s: float) -> bool:
     try:
         health_generate(url, timeout_s)
         return True
-    except CaptureServerError:
+    except ServerError:
         return False
 
 

@@ -119,7 +119,7 @@ def _held_out(args) -> int:
 
 def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdout, **settings) -> int:
     """One extraction worker in the foreground: its lock held for life, the server and dump key found."""
-    from eagleflow.serving.client import CaptureServerError, server_info
+    from eagleflow.serving.client import ServerError, server_info
     from .lifecycle import dump_dir
     from .worker import ExtractionError, ShardWorker, WorkerSettings
 
@@ -163,7 +163,7 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
     model = str(cfg.resolve(cfg.target_model))
     try:
         model = server_info(url).get("model") or model
-    except CaptureServerError:
+    except ServerError:
         pass  # the first request reports the failure with its sample
     ws = WorkerSettings(
         run_id=layout.run_id, dump_dir=dumps, dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,

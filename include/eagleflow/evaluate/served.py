@@ -61,7 +61,7 @@ class ServedEngine:
     """One engine's own parts of a served evaluation.
 
     - ``command(cfg, *, model_path, host, port, draft_dir, sc)``: the server's argv (``sc`` None: alone);
-    - ``ready(url)``: returns when the server answers, raises ``CaptureServerError`` while it does not;
+    - ``ready(url)``: returns when the server answers, raises ``ServerError`` while it does not;
     - ``reference(url, prompts, tag)``: the target alone's answers {prompt id: {"tokens", "candidates"}} and
       the wall seconds;
     - ``with_draft(url, prompts, tag, sc, alone, alone_secs)``: the figures of one draft on one prompt set;
@@ -106,7 +106,7 @@ class Server:
         return self
 
     def _wait_ready(self) -> None:
-        from eagleflow.serving.client import CaptureServerError
+        from eagleflow.serving.client import ServerError
         label = self.engine.label
         deadline = time.monotonic() + self.cfg.eval.ready_timeout_s
         while time.monotonic() < deadline:
@@ -115,7 +115,7 @@ class Server:
             try:
                 self.engine.ready(self.url)
                 return
-            except CaptureServerError:
+            except ServerError:
                 time.sleep(2)
         raise self.engine.error(f"{label} ({self.role}) did not answer {self.url} within "
                                 f"{self.cfg.eval.ready_timeout_s:.0f} s; raise eval.ready_timeout_s or read "
@@ -178,13 +178,13 @@ def post_all(url: str, path: str, prompts: list[dict], *, body: Callable[[dict],
     the prompt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eagleflow.serving.client import CaptureServerError, request_json
+    from eagleflow.serving.client import ServerError, request_json
 
     def one(p: dict) -> tuple[str, dict]:
         where = f"{url}{path} prompt {p['id']}"
         try:
             ans = request_json(url, "POST", path, body(p), timeout_s)
-        except CaptureServerError as e:
+        except ServerError as e:
             raise error(f"{where}: {e}") from None
         return p["id"], read(ans, where)
 

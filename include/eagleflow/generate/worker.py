@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow import bounded_json
-from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate_tokens
+from eagleflow.serving.client import ServerError, ServerTimeout, generate_tokens
 from eagleflow.capture.manifest import (ManifestEntry, ManifestWriter, compact_manifest, completed_indexes,
                                         read_manifest)
 from eagleflow.capture.storage import file_sha256, remove_temp_files
@@ -343,8 +343,8 @@ class GenerateWorker:
             try:
                 res = builder.regenerate(Conversation.from_json(rec.conversation), record_id=rec.id,
                                          source=rec.source, file=rec.file, where=rec.where)
-            except CaptureServerError as e:
-                late = " (no answer within its deadline)" if isinstance(e, CaptureTimeout) else ""
+            except ServerError as e:
+                late = " (no answer within its deadline)" if isinstance(e, ServerTimeout) else ""
                 raise GenerationError(f"generate shard {s.shard}: record {rec.id} ({rec.file} {rec.where}) failed: "
                                       f"{e}{late}. The generation server at {s.server_url} is dead, hung or refused "
                                       "the request; check its log, restart it and re-run this shard: finished "

@@ -1,7 +1,8 @@
-"""A minimal client for the capture API (stdlib http.client: no extra dependency on the node).
+"""A minimal client for our target servers' API, whatever their engine and role (stdlib http.client: no extra
+dependency on the node).
 
 Every call has a timeout; a server that accepts the connection and never
-answers raises ``CaptureTimeout`` after it, never hangs.
+answers raises ``ServerTimeout`` after it, never hangs.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import socket
 from urllib.parse import urlsplit
 
 
-class CaptureServerError(RuntimeError):
-    """The capture server could not be reached or answered with an error.
+class ServerError(RuntimeError):
+    """A target server (capture, generation or evaluation; any engine) could not be reached or answered with an
+    error.
 
     ``http_status``: the server's answer when it was not 200; ``cause``: the connection error when it
     could not be reached (ConnectionRefusedError: nothing listens), so a caller can tell them apart.
@@ -23,16 +25,21 @@ class CaptureServerError(RuntimeError):
         self.http_status, self.cause = http_status, cause
 
 
-class CaptureTimeout(CaptureServerError):
+class ServerTimeout(ServerError):
     pass
 
 
+# The names these had while only the capture server used them: capture/worker.py and the tests still catch them.
+CaptureServerError = ServerError
+CaptureTimeout = ServerTimeout
+
+
 def request_json(url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
-    """One JSON request to a target server of ours (any engine, any role) and its JSON answer; CaptureServerError
-    (CaptureTimeout) naming the server and why when it cannot be had."""
+    """One JSON request to a target server of ours (any engine, any role) and its JSON answer; ServerError
+    (ServerTimeout) naming the server and why when it cannot be had."""
     u = urlsplit(url)
     if not u.hostname:
-        raise CaptureServerError(f"the server URL {url!r} names no host; expected http://<host>:<port> (the "
+        raise ServerError(f"the server URL {url!r} names no host; expected http://<host>:<port> (the "
                                  "server's info file gives it)")
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
     try:
@@ -46,9 +53,9 @@ def request_json(url: str, method: str, path: str, body: dict | None, timeout_s:
         resp = conn.getresponse()
         raw = resp.read()
     except (socket.timeout, TimeoutError):
-        raise CaptureTimeout(f"{method} {url}{path} got no answer within {timeout_s:.1f} s") from None
+        raise ServerTimeout(f"{method} {url}{path} got no answer within {timeout_s:.1f} s") from None
     except (ConnectionError, OSError, http.client.HTTPException) as e:
-        raise CaptureServerError(f"{method} {url}{path} failed: {type(e).__name__}: {e}", cause=e) from None
+        raise ServerError(f"{method} {url}{path} failed: {type(e).__name__}: {e}", cause=e) from None
     finally:
         conn.close()
     try:
@@ -56,7 +63,7 @@ def request_json(url: str, method: str, path: str, body: dict | None, timeout_s:
     except json.JSONDecodeError:
         payload = {"raw": raw[:500].decode(errors="replace")}
     if resp.status != 200:
-        raise CaptureServerError(f"{method} {url}{path} answered HTTP {resp.status}: "
+        raise ServerError(f"{method} {url}{path} answered HTTP {resp.status}: "
                                  f"{payload.get('error') or payload}", http_status=resp.status)
     return payload if isinstance(payload, dict) else {"value": payload}
 
@@ -86,14 +93,14 @@ def generate_tokens(url: str, input_ids: list[int], rid: str, *, max_new_tokens:
                                         "skip_special_tokens": False, "no_stop_trim": True}}, timeout_s)
     ids = out.get("output_ids")
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise CaptureServerError(f"POST {url}/generate answered without output_ids (a list of token ids): "
+        raise ServerError(f"POST {url}/generate answered without output_ids (a list of token ids): "
                                  f"{str(out)[:200]}; is this a generation server?")
     finish = (out.get("meta_info") or {}).get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind not in ("stop", "length"):
         # an abort (sglang: out of memory, a cancelled or invalid request) is no turn the target finished
         msg = finish.get("message") if isinstance(finish, dict) else None
-        raise CaptureServerError(f"POST {url}/generate: request {rid} ended with finish_reason {finish!r}"
+        raise ServerError(f"POST {url}/generate: request {rid} ended with finish_reason {finish!r}"
                                  f"{f' ({msg})' if msg else ''}, not stop or length: the generation was "
                                  "aborted; read the server's log")
     return ids, kind

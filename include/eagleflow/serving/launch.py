@@ -116,7 +116,7 @@ def prepare_dumps(cfg: PipelineConfig, layout: RunLayout) -> tuple[str, bytes]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, engine: str) -> None:
-    from eagleflow.serving.client import CaptureServerError, health_generate
+    from eagleflow.serving.client import ServerError, health_generate
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -125,7 +125,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, engine: str
         try:
             health_generate(url, 20)
             return
-        except CaptureServerError:
+        except ServerError:
             time.sleep(2)
     raise LaunchError(f"{engine} did not answer {url}/health_generate within {timeout_s:.0f} s")
 

@@ -500,14 +500,14 @@ def check_health(url: str | None, timeout_s: float) -> HealthSignal:
 def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
     if not url:
         return HealthSignal(checked=False, outcome="no server info")
-    from eagleflow.serving.client import CaptureServerError, CaptureTimeout, health_generate
+    from eagleflow.serving.client import ServerError, ServerTimeout, health_generate
     t0 = time.monotonic()
     try:   # the one client of the server's API: its timeout bounds connect and answer alike
         health_generate(url.rstrip("/"), timeout_s)
         return HealthSignal(True, True, "ok", time.monotonic() - t0, url)
-    except CaptureTimeout:
+    except ServerTimeout:
         return HealthSignal(True, False, "timeout", time.monotonic() - t0, url)
-    except CaptureServerError as e:
+    except ServerError as e:
         if e.http_status is not None:
             outcome = f"http {e.http_status}"
         elif isinstance(e.cause, ConnectionRefusedError):
