@@ -64,13 +64,14 @@ def test_the_payload_carries_the_frozen_control_plane_settings(tmp_path, demo_as
     from eagleflow.airflow.runtime import CONTROL_PLANE_FIELDS, RunContext, RunRef
     ctx = RunContext.from_params({"config_path": str(write_short_config(tmp_path, demo_assets))}, "r")
     ref = RunRef.from_dict(ctx.serialize())
-    assert set(ref.control) == set(CONTROL_PLANE_FIELDS)
-    assert ref.control["node.python"] == ctx.cfg.node.python
+    assert ref.control is not None and set(ref.control.to_dict()) == set(CONTROL_PLANE_FIELDS)
+    assert ref.control.python == ctx.cfg.node.python
     # anything else a payload might claim is not taken from it
     forged = {**ctx.serialize(), "control": {"node.python": "/bin/true", "capture.dump_dir": "/"},
               "watch": {"capture.shards": 2, "node.python": "/bin/true"}}
-    assert RunRef.from_dict(forged).control == {"node.python": "/bin/true"}
-    assert RunRef.from_dict(forged).watch == {"capture.shards": 2}     # hints are only hints
+    control, watch = RunRef.from_dict(forged).control, RunRef.from_dict(forged).watch
+    assert control is not None and control.to_dict() == {"node.python": "/bin/true"}
+    assert watch is not None and watch.to_dict() == {"capture.shards": 2}     # hints are only hints
 
 
 @pytest.mark.parametrize("cache_root,why", [("/", "file system's root"), ("~", "home folder"),

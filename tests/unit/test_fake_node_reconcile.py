@@ -98,7 +98,8 @@ def test_a_started_claim_defers_the_runs_own_watch_with_the_reconciles_control_s
     trigger = d.value.trigger
     assert isinstance(trigger, ShardWatchTrigger) and trigger.shard == 1
     assert trigger.ref.run_config == RUN_CONFIG and trigger.ref.run_id == RUN
-    assert trigger.ref.control["watchdog.alert_emails"] == ["oncall@example.com"]
+    assert trigger.ref.control is not None and trigger.ref.control.alert_emails == ["oncall@example.com"]
+    assert trigger.serialize()[1]["run"]["control"]["watchdog.alert_emails"] == ["oncall@example.com"]   # on the wire
 
 
 def test_a_generation_shard_is_watched_by_the_generation_watch_and_a_taken_over_one_says_from_where(reconcile):
