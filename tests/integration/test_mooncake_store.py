@@ -168,6 +168,27 @@ def test_the_master_killed_is_a_clear_error_naming_the_store(tmp_path, store):
     sink.close()
 
 
+def test_the_watch_sees_the_master_killed_as_the_stores_failure_within_seconds(tmp_path, store):
+    """The trainer's watch (Store.server_health, read by watchdog.signals for the training job): a store that runs
+    is healthy and answering; the master SIGKILLed by its PID is the store's failure on the next look, naming the
+    master and its record, before any trainer would have to fail on it."""
+    ep, ep_file = store
+    settings = _settings(tmp_path, ep_file)
+    mooncake = store_for("mooncake")
+    up = mooncake.server_health(settings)
+    assert up["ok"] and up["answering"] and up["label"] == ep.label
+    assert store_for("disk").server_health(settings) is None
+    os.kill(load_record(ep.master_pid_file).pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while mooncake.server_health(settings)["ok"] and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    down = mooncake.server_health(settings)
+    assert not down["ok"] and "mooncake-master is not running" in down["detail"]
+    assert ep.master_pid_file in down["detail"] and time.monotonic() - t0 < 10
+    gone = store_for("mooncake").server_health(_settings(tmp_path, tmp_path / "no-endpoint.json"))
+    assert not gone["ok"] and "not running" in gone["detail"]
+
+
 TRAINER = r'''
 import os, signal, sys, time
 from eagleflow.stores import StoreSettings, store_for

@@ -196,3 +196,19 @@ def test_a_streaming_trainer_that_failed_because_of_the_other_side_names_it_not_
     assert d.verdict == "failed" and d.cause == cause and named in d.summary and error[:40] in d.summary
     own = decide(obs(state="failed", error="RuntimeError: CUDA error: an illegal memory access"), cfg())
     assert own.cause == "job" and "starved" not in own.summary
+
+
+def test_a_streaming_trainer_whose_store_is_down_is_stalled_by_the_store():
+    """Issue 53: the master (or segment holder) not running by its pid record is the store's failure, named, even
+    while the trainer itself still runs and waits; a store that runs changes nothing."""
+    from eagleflow.watchdog.signals import StoreSignal
+    o = obs()
+    o.store = StoreSignal(ok=False, label="Mooncake store (master 127.0.0.1:5)",
+                          detail="its mooncake-master is not running (not running; record /s/r.mooncake-master.json)")
+    d = decide(o, cfg())
+    assert d.verdict == "stalled" and d.cause == "store"
+    assert "hidden-state store is down, not the trainer: Mooncake store (master 127.0.0.1:5)" in d.summary
+    assert "mooncake-master is not running" in d.summary
+    up = obs()
+    up.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", detail="answering", answering=True)
+    assert decide(up, cfg()).verdict == decide(obs(), cfg()).verdict

@@ -50,6 +50,7 @@ class Store:
     start: str = ""          # (settings, state_dir=, host=) -> dict: the run's store server started ("": none to run)
     stop: str = ""           # (settings, grace_s=) -> list[dict]: what stopping it did
     roles: tuple[str, ...] = ()   # its server's recorded processes: stopped by ``stop`` only, never by a GPU gate
+    health: str = ""         # (settings) -> dict(ok, label, detail[, answering]): the run's server as the watch sees it
 
     def _function(self, ref: str) -> Callable[..., Any]:
         module, _, name = ref.partition(":")
@@ -68,6 +69,10 @@ class Store:
     def stop_server(self, settings: StoreSettings, grace_s: float = 10.0) -> list[dict]:
         return self._function(self.stop)(settings, grace_s=grace_s) if self.stop else []
 
+    def server_health(self, settings: StoreSettings) -> dict | None:
+        """The run's store server's health for the watch; None when the store has no server."""
+        return self._function(self.health)(settings) if self.health else None
+
     def resume_check(self, shard_dir: str, scan: Any) -> Any:
         """Which of a shard's recorded samples a restarted capture worker keeps (the rest it captures again)."""
         return self._function(self.resume)(shard_dir, scan)
@@ -81,7 +86,7 @@ STORES: dict[str, Store] = {s.name: s for s in (
           sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source",
           resume="eagleflow.stores.mooncake.store:completed_indexes",
           start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.master:stop_run_store",
-          roles=("mooncake-master", "mooncake-segment")),
+          roles=("mooncake-master", "mooncake-segment"), health="eagleflow.stores.mooncake.master:run_store_health"),
 )}
 
 

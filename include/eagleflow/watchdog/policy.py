@@ -145,6 +145,12 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         return diag("failed", f"the job stopped with an error at {counts} ({last_txt})", ev, with_log=True,
                     cause=cause)
 
+    # 1b. a streaming trainer's store server not running (its pid records): the store failed, not the trainer,
+    # which would only wait for samples that cannot come (or fail on its next read)
+    if obs.store is not None and not obs.store.ok:
+        return diag("stalled", f"the run's hidden-state store is down, not the trainer: {obs.store.label}: "
+                               f"{obs.store.detail}; {counts_u}", _disk_evidence(obs), with_log=True, cause=_STORE)
+
     # 2. the worker is gone
     if not w.recorded:
         return diag("dead", f"{_no_record(w)}; {counts_u}", _disk_evidence(obs), with_log=True, cause=_WORKER)

@@ -224,6 +224,29 @@ def pace_of(hb: Heartbeat | None, cfg: PipelineConfig) -> Pace:
 
 
 @dataclass
+class StoreSignal:
+    """A streaming run's store server as the trainer's watch sees it (``Store.server_health``): ``ok`` False when
+    its master or segment holder is not running by its pid record; ``answering``: its master's port answered."""
+    ok: bool
+    label: str = ""
+    detail: str = ""
+    answering: bool | None = None
+
+
+def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | None:
+    """The run's store server's health; None when its store has no server (disk) or the probe itself failed."""
+    from eagleflow.stores import run_store_settings, store_for
+    try:
+        h = store_for(cfg.stream.storage).server_health(run_store_settings(cfg, layout))
+    except Exception:   # noqa: BLE001 - a look never fails on the store's probe: no reading is no evidence
+        return None
+    if h is None:
+        return None
+    return StoreSignal(ok=bool(h.get("ok")), label=str(h.get("label", "")), detail=str(h.get("detail", "")),
+                       answering=h.get("answering"))
+
+
+@dataclass
 class Observation:
     """Everything one look saw. ``now`` is the node's clock at the end of the look.
 
@@ -248,6 +271,7 @@ class Observation:
     pace: Pace | None = None
     server_restarted_under_worker: bool = False  # the live server started after the worker did
     progress_during_look: float | None = None     # a sample completed while this look waited on the server (when)
+    store: StoreSignal | None = None   # the trainer of a streaming run: its store server (read_store_signal)
 
     @property
     def hb_clock(self) -> float:
@@ -625,12 +649,14 @@ def observe(cfg: PipelineConfig, layout: RunLayout, job: WatchedJob, mem: WatchM
     done_since = None
     if hb is not None and mem.last_done is not None:
         done_since = hb.done - mem.last_done
+    store = read_store_signal(cfg, layout) if job.shard is None else None
     obs = Observation(job=job, node=cfg.node.name, now=t_end, heartbeat=hb, heartbeat_error=hb_err, worker=worker,
                       server=server, health=health, gpu=gpu, free_bytes=free_bytes_at(job.work_dir(layout)),
                       done_since_last_look=done_since, last_look_at=mem.last_look_at,
                       log_tail=tail_lines(worker.log_file or str(layout.log_file(job.role))),
                       heartbeat_read_at=hb_read_at, stored=stored, pace=pace,
-                      server_restarted_under_worker=restarted_under, progress_during_look=progressed)
+                      server_restarted_under_worker=restarted_under, progress_during_look=progressed,
+                      store=store)
     mem.last_look_at = t_end
     mem.last_done = hb.done if hb is not None else mem.last_done
     return obs

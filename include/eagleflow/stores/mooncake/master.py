@@ -205,6 +205,29 @@ def running_store(endpoint_file: str | os.PathLike) -> MooncakeEndpoint | None:
     return ep if reachable(ep.host, ep.rpc_port) else None
 
 
+def run_store_health(settings) -> dict:
+    """The run's store as the watch sees it (``Store.health``): ``ok`` False with true evidence when its master or
+    segment holder is not running by its pid record (or the endpoint is gone while the run needs it); the master's
+    port not answering is said (``answering``), not judged here: a loaded host answers late."""
+    try:
+        ep = MooncakeEndpoint.read(settings.endpoint_file)
+    except FileNotFoundError:
+        return {"ok": False, "label": "Mooncake store", "detail": f"no endpoint at {settings.endpoint_file}: the "
+                "run's store is not running (never started, or stopped)"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {"ok": False, "label": "Mooncake store", "detail": f"endpoint {settings.endpoint_file} unreadable: {e}"}
+    down = []
+    for role, pid_file in ((MASTER_ROLE, ep.master_pid_file), (SEGMENT_ROLE, ep.segment_pid_file)):
+        st = status(pid_file) if pid_file else None
+        if st is None or not st.alive:
+            down.append(f"its {role} is not running ({st.detail if st is not None and st.detail else 'no record'}"
+                        f"{'; record ' + pid_file if pid_file else ''})")
+    answering = reachable(ep.host, ep.rpc_port)
+    detail = "; ".join(down) if down else (f"master {ep.master_address} " + ("answering" if answering else
+                                                                               "not answering on its port"))
+    return {"ok": not down, "label": ep.label, "answering": answering, "detail": detail}
+
+
 def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.0.0.1",
                     timeout_s: float = 60.0) -> dict:
     """The run's store (``Store.start``): the running one its endpoint names, else a new master and segment
