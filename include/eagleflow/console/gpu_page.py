@@ -12,12 +12,12 @@ from __future__ import annotations
 import html
 import json
 import time
-from typing import Any
+from typing import Any, Sequence, cast
 
 from eagleflow.health import airflow_health
 from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
-from eagleflow.health.node_activity import eta_of_training
-from eagleflow.health.status_doc import is_held_idle
+from eagleflow.health.node_activity import TrainingDoc, eta_of_training
+from eagleflow.health.status_doc import GpuEntry, GpuProcessDoc, GpuSeries, History, StatusDoc, is_held_idle
 from eagleflow.watchdog.incidents import MAX_NODE_TIME
 
 HEALTH_DAG_ID = "gpu_node_health"
@@ -76,7 +76,7 @@ def airflow_line(doc: dict[str, Any] | None, now: float) -> str:
 
 
 
-def sparkline(ts: list[float], values: list[float | None], *, top: float, now: float, span_s: float,
+def sparkline(ts: Sequence[float], values: Sequence[float | None], *, top: float, now: float, span_s: float,
               label: str, width: int = 150, height: int = 28) -> str:
     """An SVG polyline over the last ``span_s``; gaps where a reading was unknown (never drawn as 0)."""
     if not top or top <= 0:
@@ -102,7 +102,7 @@ def sparkline(ts: list[float], values: list[float | None], *, top: float, now: f
             f"aria-label='{_e(label)}'><title>{_e(label)}</title>{lines}</svg>")
 
 
-def _process(p: dict[str, Any]) -> str:
+def _process(p: GpuProcessDoc) -> str:
     who = f"{_cell(p.get('program'))} · user {_cell(p.get('user'))} · pid {_cell(p.get('pid'))}"
     mem = f" · {_cell(p.get('used_mib'), ' MiB')}"
     state = f" · state {_e(p['state'])}" if p.get("state") else ""
@@ -113,11 +113,11 @@ def _process(p: dict[str, Any]) -> str:
     return f"<li>{tag} {who}{mem}{state}</li>"
 
 
-def _gpu_row(g: dict[str, Any], doc: dict[str, Any], now: float) -> str:
+def _gpu_row(g: GpuEntry, doc: StatusDoc, now: float) -> str:
     held_since = (doc.get("held_since") or {}).get(g["uuid"])
     held = held_since is not None and is_held_idle(g, int(doc.get("held_threshold_mib") or 1024))
-    hist = doc.get("history") or {}
-    series = (hist.get("gpus") or {}).get(g["uuid"]) or {}
+    hist = doc.get("history") or History(t=[], gpus={})
+    series = (hist.get("gpus") or {}).get(g["uuid"]) or GpuSeries(mem=[], util=[])
     span = float(doc.get("retention_s") or 3600)
     mem_spark = sparkline(hist.get("t") or [], series.get("mem") or [], top=g.get("memory_total_mib") or 0, now=now,
                           span_s=span, label=f"GPU {g['index']} memory used over the last {duration(span)}")
@@ -139,7 +139,7 @@ def _figure(v: Any, fmt: str) -> str | None:
     return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def training_line(t: dict[str, Any], now: float) -> str:
+def training_line(t: TrainingDoc, now: float) -> str:
     """A run's training: step of steps, rate, ETA, the latest loss, acc_0 and acceptance length, last step ago."""
     step, total = int(t.get("step") or 0), int(t.get("total") or 0)
     pct = f" ({100.0 * step / total:.0f} %)" if total else ""
@@ -157,10 +157,11 @@ def training_line(t: dict[str, Any], now: float) -> str:
             f"{_e(', '.join(bits))}; {_e(state)}, last step {ago(t.get('last_progress_at'), now)}</span>")
 
 
-def _activity(doc: dict[str, Any], now: float) -> str:
-    act = doc.get("activity") or {}
+def _activity(doc: StatusDoc, now: float) -> str:
+    act = doc.get("activity")
     parts = []
-    shards_of, training = act.get("shards") or {}, act.get("training") or {}
+    shards_of = (act.get("shards") if act else None) or {}
+    training = (act.get("training") if act else None) or {}
     for run_id in sorted(set(shards_of) | set(training)):
         shards = shards_of.get(run_id) or []
         cells = "".join(f"<span class='shard {_e(s.get('state'))}'>shard {int(s['shard'])}: {int(s['done'])}/"
@@ -168,14 +169,14 @@ def _activity(doc: dict[str, Any], now: float) -> str:
         train = training_line(training[run_id], now) if run_id in training else ""
         parts.append(f"<div class='run' data-run='{_e(run_id)}'>run {_e(run_id)}: "
                      f"{cells or ('' if train else 'no shard started yet')}{train}</div>")
-    for inc in act.get("incidents") or []:
+    for inc in (act.get("incidents") if act else None) or []:
         if inc.get("outcome") == "open":
             parts.append(f"<div class='incident'>open incident {_e(inc.get('id'))}: {_e(inc.get('cause'))} "
                          f"(opened {ago(inc.get('opened_at'), now)})</div>")
     return "".join(parts)
 
 
-def _node(doc: dict[str, Any], now: float) -> str:
+def _node(doc: StatusDoc, now: float) -> str:
     name = _e(doc["node"])
     head = f"<h2>{name}</h2>"
     if doc.get("error"):
@@ -239,15 +240,17 @@ def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
 
 def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None,
                  incidents: dict[str, dict[str, Any]] | None = None, airflow: dict[str, Any] | None = None) -> str:
-    """``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.health.airflow_health)."""
+    """``docs``: the status documents as ``StatusStore.all`` reads them back (each a ``StatusDoc``);
+    ``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.health.airflow_health)."""
     now = time.time() if now is None else now
+    nodes = cast(list[StatusDoc], docs)
     warn = "".join(f"<p class='warning'>{_e(w)}</p>" for w in health_warnings(docs, dag, now))
-    held = sum(1 for d in docs for g in d.get("gpus") or []
+    held = sum(1 for d in nodes for g in d.get("gpus") or []
                if g["uuid"] in (d.get("held_since") or {}) and not d.get("error"))
     summary = (f"<p class='summary' data-nodes='{len(docs)}' data-held='{held}'>{len(docs)} node(s); "
                f"{held} GPU(s) holding memory at 0 %; page read {time.strftime('%H:%M:%S UTC', time.gmtime(now))}</p>")
     return (warn + airflow_line(airflow, now) + summary + _incidents(incidents, now)
-            + "".join(_node(d, now) for d in docs))
+            + "".join(_node(d, now) for d in nodes))
 
 
 _CSS = """

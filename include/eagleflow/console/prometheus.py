@@ -11,10 +11,12 @@ eagleflow's own series start with ``eagleflow_``.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 from eagleflow.health.node_activity import eta_of_training
-from eagleflow.health.status_doc import is_held_idle
+from eagleflow.health.status_doc import GpuEntry, StatusDoc, is_held_idle
+
+Labels = dict[str, object]   # a series' labels: name -> value, written with str() (a None value is left out)
 
 _DCGM = (("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", lambda g: g.get("memory_used_mib")),
          ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).",
@@ -41,7 +43,7 @@ class _Out:
     def __init__(self) -> None:
         self.families: dict[str, tuple[str, str, list[str]]] = {}
 
-    def add(self, name: str, help_: str, kind: str, labels: dict[str, Any], value: float | int | None) -> None:
+    def add(self, name: str, help_: str, kind: str, labels: Labels, value: float | int | None) -> None:
         if value is None:
             return
         fam = self.families.setdefault(name, (help_, kind, []))
@@ -54,21 +56,22 @@ class _Out:
         return "\n".join(out) + "\n"
 
 
-def _gpu_labels(doc: dict[str, Any], g: dict[str, Any]) -> dict[str, Any]:
+def _gpu_labels(doc: StatusDoc, g: GpuEntry) -> Labels:
     return {"gpu": g.get("index"), "UUID": g["uuid"], "device": f"nvidia{g.get('index')}",
             "modelName": g.get("name"), "Hostname": doc["node"]}
 
 
 def render(docs: Iterable[dict[str, Any]], now: float | None = None,
            incidents: Iterable[dict[str, Any]] = ()) -> str:
-    """``incidents``: gpu_node_health's open ones (eagleflow.console.gpu_page.open_incidents)."""
+    """``docs``: the status documents as ``StatusStore.all`` reads them back (each a ``StatusDoc``);
+    ``incidents``: gpu_node_health's open ones (eagleflow.console.gpu_page.open_incidents)."""
     now = time.time() if now is None else now
     out = _Out()
     for inc in incidents:
         out.add("eagleflow_health_incident_open_seconds", "How long a gpu_node_health incident has been open.",
                 "gauge", {"Hostname": inc.get("node"), "kind": inc.get("kind"), "incident": inc.get("id")},
                 round(now - float(inc["opened_at"]), 1) if inc.get("opened_at") is not None else None)
-    for doc in docs:
+    for doc in cast(Iterable[StatusDoc], docs):
         node = doc["node"]
         up = doc.get("error") is None
         out.add("eagleflow_node_up", "1 when gpu_node_health read the node at its last check, 0 when it could not.",
@@ -95,8 +98,8 @@ def render(docs: Iterable[dict[str, Any]], now: float | None = None,
                         {**labels, "owner": "eagleflow"}, ours)
                 out.add("eagleflow_gpu_processes", "Compute processes on the GPU, eagleflow's and others'.", "gauge",
                         {**labels, "owner": "other"}, len(g.get("processes") or []) - ours)
-        act = doc.get("activity") or {}
-        for run_id, shards in (act.get("shards") or {}).items():
+        act = doc.get("activity")
+        for run_id, shards in ((act.get("shards") if act else None) or {}).items():
             for s in shards:
                 labels = {"Hostname": node, "run_id": run_id, "shard": s["shard"]}
                 out.add("eagleflow_shard_samples_done", "Samples stored by the shard's worker (resumed ones included).",
@@ -107,7 +110,7 @@ def render(docs: Iterable[dict[str, Any]], now: float | None = None,
                         "gauge", {**labels, "state": s.get("state")}, 1)
                 out.add("eagleflow_shard_last_progress_timestamp_seconds", "When the shard last stored a sample.",
                         "gauge", labels, s.get("last_progress_at") or None)
-        for run_id, t in (act.get("training") or {}).items():
+        for run_id, t in ((act.get("training") if act else None) or {}).items():
             labels = {"Hostname": node, "run_id": run_id}
             out.add("eagleflow_train_step", "The trainer's last completed step.", "gauge", labels, t.get("step"))
             out.add("eagleflow_train_steps_total", "Steps the trainer runs (train.max_steps).", "gauge", labels,
@@ -118,7 +121,7 @@ def render(docs: Iterable[dict[str, Any]], now: float | None = None,
             out.add("eagleflow_train_eta_seconds", "Seconds to the trainer's last step at its rate so far.", "gauge",
                     labels, eta_of_training(t))
         counts: dict[tuple[str, str], int] = {}
-        for inc in act.get("incidents") or []:
+        for inc in (act.get("incidents") if act else None) or []:
             key = (str(inc.get("cause")), str(inc.get("outcome")))
             counts[key] = counts.get(key, 0) + 1
         for (cause, outcome), n in sorted(counts.items()):

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from eagleflow.gpu.snapshot import GpuSnapshot
 
@@ -30,6 +30,7 @@ from eagleflow.watchdog.incidents import node_time
 
 from .airflow_health import HEALTH_PATH, gone
 from .durations import duration
+from .node_activity import WatchAlarm
 from .rules import GpuHealth, HealthAlert
 from .status_doc import program_name
 
@@ -195,8 +196,8 @@ def watch_silent_findings(node: str, alarms: list[dict[str, Any]]) -> list[Findi
     either since (``silent_with``, read on the node: their sentinels alarm later, each on its own clock; the mail
     named shard 0 only in the issue 52 drill, though shard 1 was just as silent). Scope "watch:<node>": a node
     read without those alarms resolves it. "the node mailed this already" only when the node mailed every one."""
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for a in alarms:
+    by_run: dict[str, list[WatchAlarm]] = {}
+    for a in cast(list[WatchAlarm], alarms):   # NodeActivity.watch_alarms: the node's records, each a WatchAlarm
         by_run.setdefault(str(a.get("run_id") or "?"), []).append(a)
     return [_watch_silent_finding(node, run, group) for run, group in by_run.items()]
 
@@ -205,9 +206,15 @@ def _and(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def _silent_with(a: dict[str, Any]) -> list[dict[str, Any]]:
+class SilentLook(TypedDict):
+    """One ``silent_with`` entry of an alarm, checked: the job's name (cut) and its last look (a node time)."""
+    job: str
+    last_look_at: float | None
+
+
+def _silent_with(a: WatchAlarm) -> list[SilentLook]:
     """The alarm's ``silent_with`` entries as plain values (a node's answer: text cut, times checked)."""
-    out = []
+    out: list[SilentLook] = []
     for x in a.get("silent_with") or []:
         if not isinstance(x, dict):
             continue
@@ -219,7 +226,7 @@ def _silent_with(a: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _watch_silent_finding(node: str, run: str, alarms: list[dict[str, Any]]) -> Finding:
+def _watch_silent_finding(node: str, run: str, alarms: list[WatchAlarm]) -> Finding:
     alarms = sorted(alarms, key=lambda a: str(a.get("role")))
     raised = [str(a.get("job") or a.get("role") or "?") for a in alarms]
     also: dict[str, float | None] = {}
@@ -247,8 +254,9 @@ def _watch_silent_finding(node: str, run: str, alarms: list[dict[str, Any]]) -> 
     if len(jobs) == 1:
         subject = str(alarms[0].get("subject") or f"{node}: nothing watches {jobs[0]} of run {run}")
     else:
-        silent_s = [float(a["raised_at"]) - float(a["silent_since"]) for a in alarms
-                    if isinstance(a.get("raised_at"), (int, float)) and isinstance(a.get("silent_since"), (int, float))]
+        silent_s = [float(raised_at) - float(since) for a in alarms
+                    if isinstance(raised_at := a.get("raised_at"), (int, float))
+                    and isinstance(since := a.get("silent_since"), (int, float))]
         subject = (f"WATCH SILENT {_and(jobs)} of run {run} on {node}"
                    + (f": no look for {max(silent_s):.0f} s" if silent_s else ""))
     return Finding(key=f"{node}:watch_silent:{run}", scope=f"watch:{node}", node=node, kind="watch_silent",

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Mapping, TypedDict, cast
 
 from eagleflow import bounded_json
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
@@ -81,7 +82,81 @@ class TrainProgress:
         return (self.total - self.step) / self.rate
 
 
-def eta_of_training(t: dict) -> float | None:
+class OurProcessDoc(TypedDict):
+    """``OurProcess`` in a status document (``NodeActivity.to_dict``)."""
+    pid: int
+    pgid: int
+    run_id: str
+    role: str
+    started_at: float
+
+
+class ShardDoc(TypedDict):
+    """``ShardProgress`` in a status document."""
+    shard: int
+    done: int
+    total: int
+    state: str
+    last_progress_at: float
+    written_at: float
+    rate: float
+
+
+class TrainingDoc(TypedDict):
+    """``TrainProgress`` in a status document."""
+    step: int
+    total: int
+    state: str
+    last_progress_at: float
+    written_at: float
+    rate: float
+    loss: float | None
+    acc_0: float | None
+    accept_length: float | None
+
+
+class SilentJob(TypedDict):
+    """Another running job of an alarm's run that nothing has looked at either (``_silent_alongside``)."""
+    role: str
+    job: str
+    last_look_at: float | None
+
+
+class WatchAlarm(TypedDict, total=False):
+    """A sentinel's raised alarm record (eagleflow.watchdog.sentinel writes it), with ``silent_with`` added on the
+    node. It is the node's answer: whoever reads a value checks it (``.get``, isinstance, node_time). The dataclass
+    field stays ``list[dict]``: pydantic validates ``NodeActivity`` from the node's answer and must not coerce it."""
+    state: str
+    at: float
+    run_id: str
+    role: str
+    job: str
+    node: str
+    poll_interval_s: float
+    silent_since: float | None
+    raised_at: float | None
+    subject: str | None
+    mailed: bool
+    mail_error: str
+    detail: str
+    last_look: dict[str, Any] | None
+    sentinel_pid: int
+    silent_with: list[SilentJob]
+
+
+class ActivityDoc(TypedDict):
+    """A status document's ``activity``: ``NodeActivity`` as ``dataclasses.asdict`` writes it. The incidents and
+    the sentinels' alarms are the node's own records, kept as it wrote them (their keys are read with ``.get``)."""
+    processes: list[OurProcessDoc]
+    shards: dict[str, list[ShardDoc]]
+    incidents: list[dict[str, Any]]
+    read_at: float
+    skipped: list[str]
+    watch_alarms: list[WatchAlarm]
+    training: dict[str, TrainingDoc]
+
+
+def eta_of_training(t: Mapping[str, Any]) -> float | None:
     """``TrainProgress.eta_s`` of a status document's ``activity.training`` entry (a plain dict)."""
     try:
         return TrainProgress(**t).eta_s
@@ -108,8 +183,8 @@ class NodeActivity:
                 return p
         return None
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> ActivityDoc:
+        return cast(ActivityDoc, asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeActivity":
@@ -277,7 +352,7 @@ def _job_name(role: str, alarm: dict) -> str:
     return role
 
 
-def _silent_alongside(state_dir: Path, alarm: dict, raised: set) -> list[dict]:
+def _silent_alongside(state_dir: Path, alarm: dict, raised: set) -> list[SilentJob]:
     """The other running jobs of the alarm's run that nothing has looked at either since its watch went silent (no
     look within one of their own look intervals after the alarm's last look: one triggerer watches them all, so
     a live one would have looked), each {"role", "job", "last_look_at"}. Their own sentinels alarm later, each on
@@ -288,7 +363,7 @@ def _silent_alongside(state_dir: Path, alarm: dict, raised: set) -> list[dict]:
             or not isinstance(poll, (int, float)) or poll <= 0:
         return []
     suffix = ".looks.jsonl"
-    out = []
+    out: list[SilentJob] = []
     for path in sorted((state_dir / "watch").glob(f"{glob.escape(run)}.*{suffix}")):
         role = path.name[len(run) + 1:-len(suffix)]
         if (run, role) in raised or not re.fullmatch(r"trainer|[a-z_]+\d{5}", role):

@@ -11,15 +11,84 @@ reduced to its kind, because SSH errors carry hosts, logins and key paths.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from eagleflow.gpu.snapshot import GpuSnapshot
 
-from .node_activity import NodeActivity
+from .node_activity import ActivityDoc, NodeActivity
+from .rules import GpuHealth
 
 GPU_FIELDS = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct", "temperature_c",
               "power_w", "ecc_uncorrected")
 MAX_POINTS = 1500  # a hard cap whatever retention and interval say: one document stays small
+
+
+class GpuProcessDoc(TypedDict):
+    """One compute process on a GPU, as the page may show it: the program's name only, and ours or not."""
+    pid: int
+    program: str
+    user: str | None
+    state: str | None
+    used_mib: int | None
+    ours: bool
+    run_id: str | None
+    role: str | None
+    task: str | None
+    shard: int | None
+
+
+class GpuEntry(TypedDict):
+    """One GPU of a status document's ``gpus``: the GPU_FIELDS of its snapshot, then its processes."""
+    index: int
+    uuid: str
+    name: str
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    utilization_pct: int | None
+    temperature_c: int | None
+    power_w: float | None
+    ecc_uncorrected: int | None
+    processes: list[GpuProcessDoc]
+
+
+class GpuSeries(TypedDict):
+    """One GPU's history, a value per ``History.t`` (None: not read then, never drawn as 0)."""
+    mem: list[int | None]
+    util: list[int | None]
+
+
+class History(TypedDict):
+    """The document's last ``retention_s`` of readings: the times, and each GPU's series by UUID."""
+    t: list[float]
+    gpus: dict[str, GpuSeries]
+
+
+class AlertRef(TypedDict):
+    """An alert of the last check, as the document keeps it (rules.HealthAlert's kind, uuid, index)."""
+    kind: Any
+    uuid: Any
+    index: Any
+
+
+class StatusDoc(TypedDict, total=False):
+    """One node's status document. ``next_status`` writes every key; total=False because a document read back
+    may be ``{}`` (none stored yet, or unreadable) and readers take each key with ``.get``."""
+    node: str
+    has_gpu: bool
+    checked_at: float
+    interval_s: float | None
+    retention_s: float
+    config_path: str | None
+    held_threshold_mib: int
+    state: dict[str, GpuHealth]          # rules.assess's state, by UUID
+    alerts: list[AlertRef]
+    history: History
+    error: str | None                    # error_kind of why the node could not be read this time; None: read
+    last_seen: float | None
+    gpus: list[GpuEntry]
+    held_since: dict[str, float]         # UUID -> since when it holds memory at 0 %
+    activity: ActivityDoc | None         # NodeActivity.to_dict()
+    unreachable_since: float | None
 
 
 def program_name(name: str | None) -> str:
@@ -28,8 +97,8 @@ def program_name(name: str | None) -> str:
     return os.path.basename(first) or "?"
 
 
-def public_processes(snap: GpuSnapshot, activity: NodeActivity | None) -> list[dict[str, Any]]:
-    out = []
+def public_processes(snap: GpuSnapshot, activity: NodeActivity | None) -> list[GpuProcessDoc]:
+    out: list[GpuProcessDoc] = []
     for p in snap.processes:
         owner = activity.owner_of(p.pid, p.pgid) if activity is not None else None
         out.append({"pid": p.pid, "program": program_name(p.name), "user": p.user, "state": p.state,
@@ -39,21 +108,22 @@ def public_processes(snap: GpuSnapshot, activity: NodeActivity | None) -> list[d
     return out
 
 
-def is_held_idle(g: dict[str, Any], threshold_mib: int) -> bool:
+def is_held_idle(g: GpuEntry, threshold_mib: int) -> bool:
     """Memory above the threshold at a utilisation known to be 0 (an unknown reading is not 0)."""
     used, util = g.get("memory_used_mib"), g.get("utilization_pct")
     return used is not None and util is not None and used > threshold_mib and util == 0
 
 
-def _trim_history(hist: dict[str, Any], cutoff: float) -> dict[str, Any]:
+def _trim_history(hist: History, cutoff: float) -> History:
     ts = list(hist.get("t") or [])
     keep = next((i for i, t in enumerate(ts) if t >= cutoff), len(ts))
     keep = max(keep, len(ts) - MAX_POINTS)
-    return {"t": ts[keep:], "gpus": {u: {k: list(v)[keep:] for k, v in series.items()}
-                                     for u, series in (hist.get("gpus") or {}).items()}}
+    stored = cast(dict[str, dict[str, list[int | None]]], hist.get("gpus") or {})   # each series as read back
+    return {"t": ts[keep:], "gpus": {u: cast(GpuSeries, {k: list(v)[keep:] for k, v in series.items()})
+                                     for u, series in stored.items()}}
 
 
-def _append_history(hist: dict[str, Any], now: float, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+def _append_history(hist: History, now: float, gpus: list[GpuEntry]) -> History:
     n = len(hist["t"])
     hist["t"].append(now)
     seen = set()
@@ -82,33 +152,34 @@ def error_kind(error: str) -> str:
     return "could not be read"
 
 
-def next_status(prev: dict[str, Any], *, node: str, now: float, has_gpu: bool = True,
+def next_status(prev: StatusDoc, *, node: str, now: float, has_gpu: bool = True,
                 snaps: list[GpuSnapshot] | None = None, activity: NodeActivity | None = None,
-                state: dict[str, Any] | None = None, alerts: list[dict[str, Any]] | None = None,
+                state: dict[str, GpuHealth] | None = None, alerts: list[dict[str, Any]] | None = None,
                 error: str | None = None, interval_s: float | None = None, retention_s: float = 3600.0,
-                held_threshold_mib: int = 1024, config_path: str | None = None) -> dict[str, Any]:
+                held_threshold_mib: int = 1024, config_path: str | None = None) -> StatusDoc:
     """The document after one check of ``node``; ``error`` set = the node could not be read this time."""
-    doc: dict[str, Any] = {
+    doc: StatusDoc = {
         "node": node, "has_gpu": has_gpu, "checked_at": now, "interval_s": interval_s, "retention_s": retention_s,
         "config_path": config_path, "held_threshold_mib": held_threshold_mib,
         "state": state if state is not None else prev.get("state", {}),
-        "alerts": [{k: a.get(k) for k in ("kind", "uuid", "index")} for a in alerts or []],
-        "history": _trim_history(prev.get("history") or {}, now - retention_s),
+        "alerts": [AlertRef(kind=a.get("kind"), uuid=a.get("uuid"), index=a.get("index")) for a in alerts or []],
+        "history": _trim_history(prev.get("history") or History(t=[], gpus={}), now - retention_s),
     }
     if error is not None:  # keep what we knew, say since when we know nothing
-        doc.update(error=error_kind(error), last_seen=prev.get("last_seen"), gpus=prev.get("gpus") or [],
-                   held_since=prev.get("held_since") or {}, activity=prev.get("activity"),
-                   unreachable_since=prev.get("unreachable_since") or now)
+        doc.update({"error": error_kind(error), "last_seen": prev.get("last_seen"), "gpus": prev.get("gpus") or [],
+                    "held_since": prev.get("held_since") or {}, "activity": prev.get("activity"),
+                    "unreachable_since": prev.get("unreachable_since") or now})
         return doc
-    gpus = []
-    for s in snaps or []:
-        g = {k: getattr(s, k) for k in GPU_FIELDS}
-        g["processes"] = public_processes(s, activity)
-        gpus.append(g)
+    gpus: list[GpuEntry] = []
+    for s in snaps or []:   # GPU_FIELDS in their order, then the processes
+        gpus.append(GpuEntry(index=s.index, uuid=s.uuid, name=s.name, memory_used_mib=s.memory_used_mib,
+                             memory_total_mib=s.memory_total_mib, utilization_pct=s.utilization_pct,
+                             temperature_c=s.temperature_c, power_w=s.power_w, ecc_uncorrected=s.ecc_uncorrected,
+                             processes=public_processes(s, activity)))
     prev_held = prev.get("held_since") or {}
     held = {g["uuid"]: prev_held.get(g["uuid"], now) for g in gpus if is_held_idle(g, held_threshold_mib)}
-    doc.update(error=None, last_seen=now, gpus=gpus, held_since=held, unreachable_since=None,
-               activity=activity.to_dict() if activity is not None else None)
+    doc.update({"error": None, "last_seen": now, "gpus": gpus, "held_since": held, "unreachable_since": None,
+                "activity": activity.to_dict() if activity is not None else None})
     if has_gpu:
         doc["history"] = _append_history(doc["history"], now, gpus)
     return doc

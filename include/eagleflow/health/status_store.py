@@ -14,13 +14,13 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol, cast
 
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 
 from .rules import GpuHealth
-from .status_doc import next_status
+from .status_doc import StatusDoc, next_status
 
 KEY_PREFIX = "eagleflow.gpu_status."
 INCIDENTS_KEY = "eagleflow.gpu_health_incidents"   # gpu_node_health's incident book
@@ -78,6 +78,7 @@ class StatusStore:
         self.kv: KeyValue = FolderKV(kv) if isinstance(kv, (str, Path)) else kv
 
     def load(self, node: str) -> dict[str, Any]:
+        """The node's document (a ``StatusDoc``, as ``next_status`` wrote it); {} when absent or unreadable."""
         text = self.kv.get(node_key(node))
         try:
             doc = bounded_json.loads(text, source=f"status document {node_key(node)}") if text else {}
@@ -86,11 +87,12 @@ class StatusStore:
         return doc if isinstance(doc, dict) else {}
 
     def save(self, node: str, snaps=None, state: dict[str, GpuHealth] | None = None, alerts=(), error: str | None = None,
-             *, now: float | None = None, **kw) -> dict[str, Any]:
+             *, now: float | None = None, **kw) -> StatusDoc:
         """One check's result merged into the node's document; ``kw``: see ``status_doc.next_status``."""
         from dataclasses import asdict, is_dataclass
         alert_dicts = [asdict(a) if is_dataclass(a) and not isinstance(a, type) else dict(a) for a in alerts or ()]
-        doc = next_status(self.load(node), node=node, now=time.time() if now is None else now, snaps=snaps,
+        prev = cast(StatusDoc, self.load(node))   # what next_status wrote last time, or {}
+        doc = next_status(prev, node=node, now=time.time() if now is None else now, snaps=snaps,
                           state=state, alerts=alert_dicts, error=error, **kw)
         self.kv.set(node_key(node), json.dumps(doc, separators=(",", ":")))
         return doc
@@ -111,7 +113,9 @@ class StatusStore:
     def save_incidents(self, book: dict[str, dict[str, Any]]) -> None:
         self.save_extra(INCIDENTS_KEY, book)
 
-    def save_extra(self, key: str, doc: dict[str, Any]) -> None:
+    def save_extra(self, key: str, doc: Mapping[str, object]) -> None:
+        """Any JSON object beside the nodes' documents, written whole (the incident book, Airflow's health answer):
+        no key of it is read here; ``load_extra`` reads it back."""
         if key.startswith(KEY_PREFIX):
             raise ValueError(f"{key!r}: keys under {KEY_PREFIX!r} are node documents")
         self.kv.set(key, json.dumps(doc, separators=(",", ":")))
