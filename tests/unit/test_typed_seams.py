@@ -3,8 +3,9 @@
 A value with a shape crosses a seam as a model or a TypedDict (the trigger payloads: ``RunRef`` with
 ``ControlPlane``/``WatchHints``, ``RunPayload``; the watch's events: ``EventPayload``; the run's conf: ``RunParams``;
 the Airflow context: ``airflow.sdk.Context``). What is left takes raw JSON or YAML before it is validated (the
-config loader, a Param's JSON schema) or lives in folders typed later (the status documents of health/ and
-console/, the engines', the trainer's).
+config loader, a Param's JSON schema; Airflow's health answer and the DAG state that airflow/console_app.py hands
+the GPU view) or lives in folders typed later (the engines', the trainer's). The status documents are
+``health.status_doc.StatusDoc`` and its parts.
 
 The issue's target is at most 20 parameters annotated ``dict[str, Any]``/``Dict[str, Any]`` (alone or in a union,
 as text or not); CEILING is where the package stands, lowered as each folder is typed, never raised.
