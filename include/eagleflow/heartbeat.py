@@ -30,6 +30,11 @@ class InFlight:
     timeout_s: float = 0.0
 
 
+# a streaming trainer's heartbeat ``extra``: since when (unix time) it waits for the producer's next sample, None
+# while it has samples (train.data.StreamLoader's on_wait); its watch blames a starved trainer on the producer
+WAITING_FOR_SAMPLES = "waiting_for_samples_since"
+
+
 @dataclass
 class Heartbeat:
     job: str                       # e.g. "extract shard 3/8", "train"

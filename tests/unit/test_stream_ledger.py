@@ -126,3 +126,20 @@ def test_a_starved_loader_names_the_store_and_the_producer(tmp_path):
                           starve_after_s=0.3)
     with pytest.raises(StreamStarved, match=r"memory store: no new sample for 0.3 s in epoch 0 .*producer"):
         loader.next_batch()
+
+
+def test_a_loader_says_when_it_waits_for_the_producer_and_when_it_stops(tmp_path):
+    """Issue 53: on_wait(the time it began) once a draw has to wait, on_wait(None) once a sample came: the
+    trainer's heartbeat carries it, so its watch tells a starved trainer from a stuck one."""
+    import threading
+    import time
+    src = MemorySource()
+    src.add(0)
+    calls: list = []
+    loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=2,
+                          shuffle_window=1, starve_after_s=30, on_wait=calls.append)
+    t0 = time.time()
+    threading.Timer(0.4, lambda: src.add(1)).start()   # the producer's next sample, late
+    _, refs = loader.next_batch()
+    assert sorted(r.id for r in refs) == ["s0", "s1"]
+    assert len(calls) == 2 and calls[1] is None and t0 <= calls[0] <= t0 + 0.4

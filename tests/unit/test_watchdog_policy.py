@@ -212,3 +212,20 @@ def test_a_streaming_trainer_whose_store_is_down_is_stalled_by_the_store():
     up = obs()
     up.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", detail="answering", answering=True)
     assert decide(up, cfg()).verdict == decide(obs(), cfg()).verdict
+
+
+def test_a_starved_streaming_trainer_is_told_from_a_stuck_one_and_names_the_producer():
+    """Issue 53: a trainer whose heartbeat says it waits for the producer's next sample (StreamLoader's on_wait)
+    is slow, blamed on the producer, never stalled itself, however long its progress has been stale; the same
+    stale progress without that word is judged as before."""
+    quiet = CpuSignal(read_at=NOW, first_at=NOW - 300, quiet_since=NOW - 100, members=1)
+    worker = ProcessSignal(role="trainer", recorded=True, pid=4242, alive=True, state="S", started_at=NOW - 3600,
+                           cpu=quiet)
+    starved = obs(progress_ago=200, worker=worker)
+    starved.heartbeat.extra["waiting_for_samples_since"] = NOW - 190
+    d = decide(starved, cfg())
+    assert d.verdict == "slow" and d.cause == "producer" and d.status is None
+    assert "starved: waiting 190 s for a sample from the producer" in d.summary and "not the trainer" in d.summary
+    stuck = obs(progress_ago=200, worker=worker)
+    stuck.heartbeat.extra["waiting_for_samples_since"] = None      # it has samples: judged as before
+    assert decide(stuck, cfg()).cause != "producer"

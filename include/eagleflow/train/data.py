@@ -405,9 +405,13 @@ class StreamLoader:
 
     def __init__(self, source: SampleSource, ledger, *, batch_size: int, corpus_size: int, seed: int = 0,
                  shuffle_window: int = 64, epochs: int = 1, max_length: int | None = None,
-                 starve_after_s: float = 300.0, poll_s: float = 0.05):
+                 starve_after_s: float = 300.0, poll_s: float = 0.05,
+                 on_wait: Callable[[float | None], None] | None = None):
         import random as _random
         self.source, self.ledger = source, ledger
+        # told when a draw starts waiting for the producer (the wall-clock time) and when it stops (None): the
+        # trainer's heartbeat says so, so its watch blames a starved trainer on the producer, not on itself
+        self.on_wait = on_wait
         self.batch_size, self.corpus_size, self.epochs = batch_size, corpus_size, epochs
         self.shuffle_window, self.max_length = shuffle_window, max_length
         self.starve_after_s, self.poll_s = starve_after_s, poll_s
@@ -435,25 +439,35 @@ class StreamLoader:
                     self._window.append(r)
 
     def _draw(self) -> SampleRef:
+        ref, waited = self._draw_waiting()
+        if waited and self.on_wait is not None:
+            self.on_wait(None)
+        return ref
+
+    def _draw_waiting(self) -> tuple[SampleRef, bool]:
         import time as _time
         t0 = _time.monotonic()
+        waiting = False
         while True:
             if self._first:        # taken before a crash, never trained: served again, first
                 if self._first[0] not in self._known:
                     self._refill()
                 if self._first[0] in self._known:
-                    return self._known[self._first.pop(0)]
+                    return self._known[self._first.pop(0)], waiting
             else:
                 if len(self._window) < self.shuffle_window:
                     self._refill()
                 if self._window:
                     # the window: the first shuffle_window arrived samples not served yet, one drawn at random
                     k = self._rng.randrange(min(len(self._window), self.shuffle_window))
-                    return self._window.pop(k)
+                    return self._window.pop(k), waiting
             if _time.monotonic() - t0 > self.starve_after_s:
                 raise StreamStarved(f"{self.source.store}: no new sample for {self.starve_after_s:g} s in epoch "
                                     f"{self.epoch} ({len(self._served)}/{self.corpus_size} served): the producer "
                                     "(capture) stalled or died; check its shards' watch")
+            if not waiting and self.on_wait is not None:
+                self.on_wait(_time.time())
+            waiting = True
             _time.sleep(self.poll_s)
 
     def next_batch(self) -> tuple[Batch, list[SampleRef]]:

@@ -39,6 +39,7 @@ CORPUS_FILE = "corpus.parquet"
 class StreamRun:
     def __init__(self, cfg, layout, store: Store, log: Callable[[str], None] = print):
         self.cfg, self.layout, self.store, self.log = cfg, layout, store, log
+        self.on_wait: Callable[[float | None], None] | None = None   # StreamLoader's (the trainer's heartbeat)
         self.settings = run_store_settings(cfg, layout)
         self.corpus_file = Path(str(layout.corpus_dir)) / CORPUS_FILE
         if not self.corpus_file.is_file():
@@ -108,7 +109,7 @@ class StreamRun:
         self.loader = StreamLoader(self.source, EpochLedger(self.ledger_file, fsync=self.settings.fsync),
                                    batch_size=tc.batch_size, corpus_size=self.corpus_size, seed=tc.seed,
                                    shuffle_window=self.cfg.stream.shuffle_window, epochs=self.epochs,
-                                   max_length=None)
+                                   max_length=None, on_wait=self.on_wait)
         return self.loader
 
     def position(self) -> DataPosition:

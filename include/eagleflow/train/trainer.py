@@ -33,7 +33,7 @@ import torch
 
 from eagleflow.capture.verify import require_verified
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
+from eagleflow.heartbeat import WAITING_FOR_SAMPLES, Heartbeat, HeartbeatWriter
 from eagleflow.layout import RunLayout
 from eagleflow.stores import store_for
 
@@ -189,6 +189,10 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             raise ValueError(f"stream.storage {cfg.stream.storage} trains on one process: set "
                              "train.nproc_per_node: 1 (several streaming trainers are not built)")
         stream = StreamRun(cfg, layout, store, say)
+        if hb is not None:   # the heartbeat says when the trainer waits for the producer (its watch reads it)
+            writer = hb
+            stream.on_wait = lambda since: writer.update(
+                lambda h: h.extra.__setitem__(WAITING_FOR_SAMPLES, since))
         remove_leftover_temp_dirs(paths["checkpoints"], log=say)
         ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
         refs = []

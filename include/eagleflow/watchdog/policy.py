@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
+from eagleflow.heartbeat import WAITING_FOR_SAMPLES
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
@@ -199,6 +200,16 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         pace_txt = "" if stale_after <= wd.stall_after_s else f"; slow run, judged against {pace.describe()}"
         return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}"
                     + (f"; {server_sigstopped}" if server_sigstopped else ""))
+
+    # 4a. a streaming trainer that waits for the producer's next sample is starved, not stuck: said, naming the
+    # producer (whose own shards' watch judges it), never a stall of the trainer (its retry would restart it)
+    waiting_since = hb.extra.get(WAITING_FOR_SAMPLES) if hb is not None else None
+    if isinstance(waiting_since, (int, float)) and not isinstance(waiting_since, bool):
+        waited = max(0.0, hb_now - float(waiting_since))
+        return diag("slow", f"starved: waiting {waited:.0f} s for a sample from the producer (the capture server "
+                            f"and the extraction shards putting into the run's store): the producer is behind or "
+                            f"stalled, not the trainer (its shards' watch says which); {counts_u}, {last_txt}",
+                    cause=_PRODUCER, turns_in_s=stale_after)
 
     # 4. progress is stale: stalled only with independent evidence
     head = f"no {unit[:-1] if unit.endswith('s') else unit} completed for {p_age:.0f} s ({counts}, {last_txt})"
