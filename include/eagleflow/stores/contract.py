@@ -91,6 +91,8 @@ class SampleSource(Protocol):
 
     def open(self, ref: SampleRef) -> BinaryIO: ...
 
-    def release(self, ref: SampleRef) -> None: ...
+    def release(self, ref: SampleRef) -> None:
+        """The sample's last epoch is done with it: the store may drop it. A sample already gone is no error
+        (a resumed trainer releases again what a killed one may have left)."""
 
     def close(self) -> None: ...

@@ -167,11 +167,10 @@ class StreamRun:
 def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] | None, epochs: int, source: Any,
                      fsync: bool = True, log: Callable[[str], None] = print) -> int:
     """Write as trained the batches a durable checkpoint holds (``state["stream"]["uncommitted"]``) and the
-    ledger does not (a trainer killed between the checkpoint and its commit); their last epoch done, release
-    them from ``source`` as the commit would have. Returns how many ids it wrote. Run before a loader reads
-    the ledger: what it wrote is never served again in that epoch."""
-    if not checkpoint_state:
-        return 0
+    ledger does not (a trainer killed between the checkpoint and its commit), and release from ``source`` every
+    sample the ledger has trained in its last epoch, as the commit would have. Returns how many ids it wrote.
+    Run before a loader reads the ledger: what it wrote is never served again in that epoch."""
+    checkpoint_state = checkpoint_state or {}
     pending = (checkpoint_state.get("stream") or {}).get("uncommitted") or []
     step = int(checkpoint_state.get("step", 0))
     state = read_ledger(ledger_file)
@@ -185,13 +184,15 @@ def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] |
                 continue
             ledger.trained(epoch, missing, step)
             wrote += len(missing)
-            if epoch == epochs - 1:
-                known = {r.id: r for r in source.scan()}
-                for i in missing:
-                    if i in known:
-                        source.release(known[i])
     finally:
         ledger.close()
+    # every sample its last epoch trained leaves the store, including those a trainer killed between its
+    # ledger's commit and the releases that follow it had left there (a remove of a gone key is a no-op)
+    last = set(read_ledger(ledger_file).epoch(epochs - 1).trained)
+    if last:
+        for ref in source.scan():
+            if ref.id in last:
+                source.release(ref)
     if wrote:
         log(f"the checkpoint at step {step} had trained on {wrote} sample(s) its ledger did not record as trained "
             "(killed between the two): recorded now")
