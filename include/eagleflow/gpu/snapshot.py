@@ -23,8 +23,8 @@ class GpuProcessDict(TypedDict):
     wchan: str | None
 
 
-class GpuSnapshotDict(TypedDict):
-    """A ``GpuSnapshot`` as JSON: its fields, the processes as ``GpuProcessDict``."""
+class GpuFields(TypedDict):
+    """What a GPU reads as (None: not known, never 0), in a snapshot and in a node's status document alike."""
     index: int
     uuid: str
     name: str
@@ -34,6 +34,10 @@ class GpuSnapshotDict(TypedDict):
     temperature_c: int | None
     power_w: float | None
     ecc_uncorrected: int | None
+
+
+class GpuSnapshotDict(GpuFields):
+    """A ``GpuSnapshot`` as JSON: its fields, the processes as ``GpuProcessDict``."""
     processes: list[GpuProcessDict]
     source: str
     taken_at: float

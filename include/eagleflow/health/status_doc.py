@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, TypedDict, cast
 
-from eagleflow.gpu.snapshot import GpuSnapshot
+from eagleflow.gpu.snapshot import GpuFields, GpuSnapshot
 
 from .node_activity import ActivityDoc, NodeActivity
 from .rules import GpuHealth
@@ -37,17 +37,8 @@ class GpuProcessDoc(TypedDict):
     shard: int | None
 
 
-class GpuEntry(TypedDict):
+class GpuEntry(GpuFields):
     """One GPU of a status document's ``gpus``: the GPU_FIELDS of its snapshot, then its processes."""
-    index: int
-    uuid: str
-    name: str
-    memory_used_mib: int | None
-    memory_total_mib: int | None
-    utilization_pct: int | None
-    temperature_c: int | None
-    power_w: float | None
-    ecc_uncorrected: int | None
     processes: list[GpuProcessDoc]
 
 
