@@ -103,7 +103,7 @@ def bench_throughput(root: Path, n: int, hidden: int, layers: int, tokens: int, 
                      rounds: int = 3, in_flight: int = 4) -> dict:
     import yaml
 
-    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.heartbeat import Heartbeat

@@ -52,7 +52,7 @@ def run_once(root: Path, cfg_path: Path, corpus: Path, run_id: str, nodes: list[
 
     import yaml
 
-    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.fleet.assign import run_assignment

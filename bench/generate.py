@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagleflow.serving.client import generate_tokens
     from eagleflow.demo_assets import ensure_demo_assets
-    from eagleflow.generate.regenerate import Sampling, turn_seed
-    from eagleflow.generate.worker import GenerateSettings, GenerateWorker, SourceInput, read_results
+    from eagleflow.phases.generate.regenerate import Sampling, turn_seed
+    from eagleflow.phases.generate.worker import GenerateSettings, GenerateWorker, SourceInput, read_results
 
     assets = ensure_demo_assets(REPO / ".cache" / "test-assets", n_per_source=24, fit_target=False)
     sources = tuple(SourceInput(x["name"], x["path"], limit=a.records) for x in assets["sources"])

@@ -131,7 +131,7 @@ def main() -> int:
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="eagleflow-gpu-check-"))
     root.mkdir(parents=True, exist_ok=True)
     (root / EXPORT_RECORD).unlink(missing_ok=True)   # a draft trained on an earlier capture is not this one's
-    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout

@@ -354,7 +354,7 @@ def stage_hf_capture(a) -> int:
 def _run_hf_capture(root: Path, on_gpu: bool, samples: int, max_len: int, layers: int, hidden: int) -> dict:
     import yaml
 
-    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout

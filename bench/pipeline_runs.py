@@ -44,7 +44,7 @@ def _manifest_rows(hidden_states: Path) -> list[dict]:
 
 def capture_store(config: Path, run: str) -> dict:
     """Corpus, capture and verification of one run; its figures (samples, tokens, bytes, seconds, digest)."""
-    from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+    from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
     from eagleflow.local_run import LocalRun
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout

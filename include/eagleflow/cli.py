@@ -12,13 +12,14 @@ import sys
 
 from .config import ConfigError
 from .durable import UnsafeFile
+from .phases import KINDS, commands_module
 
-# (subcommand group, module with register(subparsers))
+# modules with register(subparsers), in the order of `eagleflow --help`: each sharded phase's node commands
+# come from the phases' registry (eagleflow.phases: its folder's ``commands``), after the corpus
 _COMMAND_MODULES = [
     "eagleflow.gpu.commands",
     "eagleflow.corpus.commands",
-    "eagleflow.capture.commands",
-    "eagleflow.generate.commands",
+    *(commands_module(kind) for kind in KINDS.values()),
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",
     "eagleflow.stores.commands",

@@ -50,7 +50,7 @@ def test_rerun_of_extract_shard_attaches_to_the_live_worker(tmp_path, demo_asset
 
     from eagleflow.airflow.shard_operators import ShardOperator
     from eagleflow.airflow.runtime import RunContext
-    from eagleflow.capture.lifecycle import stop_worker, worker_role
+    from eagleflow.phases.extract.lifecycle import stop_worker, worker_role
 
     ctx = RunContext.from_params({"config_path": str(_config(tmp_path, demo_assets))}, "rerun")
     ctx.write_run_config()

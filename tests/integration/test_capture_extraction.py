@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.phases.extract.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import read_manifest
-from eagleflow.capture.worker import GIVE_UP_FACTOR, request_deadline
+from eagleflow.phases.extract.worker import GIVE_UP_FACTOR, request_deadline
 from eagleflow.capture.storage import SAMPLE_SUFFIX, read_sample
 from eagleflow.config import load_config
 from eagleflow.heartbeat import Heartbeat
@@ -104,7 +104,7 @@ def test_every_sample_matches_a_direct_forward(server, reference):
         assert res.returncode == 0, res.stderr
         imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines()
                     if line.startswith("import time:")}
-        assert "eagleflow.capture.worker" in imported and "pyarrow" in imported and "pandas" not in imported
+        assert "eagleflow.phases.extract.worker" in imported and "pyarrow" in imported and "pandas" not in imported
         assert not {m for m in imported if m == "torch" or m.startswith("torch.") or m == "safetensors.torch"}, \
             "the extraction worker imported torch"
         assert "6/6 samples" in res.stdout

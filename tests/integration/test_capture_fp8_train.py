@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import read_manifest
 from eagleflow.capture.storage import read_sample

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.phases.extract.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from eagleflow.engines.hf.server import DELAY_ENV
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, wait_capture_server_ready,
+from eagleflow.phases.extract.lifecycle import (start_capture_server, start_or_attach_worker, wait_capture_server_ready,
                                          worker_role)
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes.proc import read_proc_state

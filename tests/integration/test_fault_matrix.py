@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.verify import RECORD_FILE
 from eagleflow.config import load_config

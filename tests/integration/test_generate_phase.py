@@ -14,10 +14,10 @@ import pytest
 
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
-from eagleflow.generate.lifecycle import start_generate_server, stop_generate_server, wait_generate_server_ready
-from eagleflow.generate.phase import regenerated_sources
-from eagleflow.generate.regenerate import KEPT_STATUSES
-from eagleflow.generate.worker import read_results
+from eagleflow.phases.generate.lifecycle import start_generate_server, stop_generate_server, wait_generate_server_ready
+from eagleflow.phases.generate.phase import regenerated_sources
+from eagleflow.phases.generate.regenerate import KEPT_STATUSES
+from eagleflow.phases.generate.worker import read_results
 from eagleflow.layout import RunLayout
 from tests.fixtures.pipeline_config import write_short_config
 

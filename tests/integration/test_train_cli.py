@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout

@@ -19,7 +19,7 @@ import pytest
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.engines.hf.server import DELAY_ENV
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.phases.extract.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          stop_worker, wait_capture_server_ready, worker_role)
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.storage import FAULT_AFTER_ENV, FAULT_ENV

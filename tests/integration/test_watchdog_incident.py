@@ -17,7 +17,7 @@ import pytest
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
 from eagleflow.engines.hf.server import DELAY_ENV, HANG_FILE_ENV
-from eagleflow.capture.lifecycle import start_capture_server, start_or_attach_worker, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import start_capture_server, start_or_attach_worker, wait_capture_server_ready
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.watchdog.incidents import history
 from eagleflow.watchdog.policy import hung_generate_bound_s

@@ -18,7 +18,7 @@ import pytest
 
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.engines.hf.server import DELAY_ENV
-from eagleflow.capture.lifecycle import start_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import start_capture_server, wait_capture_server_ready
 from eagleflow.watchdog.recovery import read_restarts
 from tests.fixtures.smtp import SmtpSink
 from tests.integration.test_watchdog_failures import N, _manifest, _run, _server_pid, started  # noqa: F401

@@ -15,12 +15,12 @@ import yaml
 
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.shard_watch import ShardWatchTrigger
-from eagleflow.capture.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
+from eagleflow.phases.extract.lifecycle import (start_capture_server, start_or_attach_worker, stop_capture_server,
                                          wait_capture_server_ready)
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.storage import FAULT_AFTER_ENV, FAULT_ENV
 from eagleflow.config import load_config
-from eagleflow.generate import lifecycle as gen
+from eagleflow.phases.generate import lifecycle as gen
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.watchdog.reconcile import claim, scan

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.capture.lifecycle import (server_info, start_capture_server, stop_capture_server,
+from eagleflow.phases.extract.lifecycle import (server_info, start_capture_server, stop_capture_server,
                                          wait_capture_server_ready)
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config

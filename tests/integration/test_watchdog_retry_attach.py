@@ -22,7 +22,7 @@ import pytest
 
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.engines.hf.server import DELAY_FILE_ENV
-from eagleflow.capture.lifecycle import start_capture_server, wait_capture_server_ready, worker_role
+from eagleflow.phases.extract.lifecycle import start_capture_server, wait_capture_server_ready, worker_role
 from eagleflow.heartbeat import Heartbeat
 from tests.integration.test_watchdog_failures import N, _manifest, _run, started  # noqa: F401 (fixture)
 

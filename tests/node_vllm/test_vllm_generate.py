@@ -4,7 +4,7 @@
   VllmConfig serves the target (no speculative method, no KV connector, prefix caching on), with the TP,
   dtype and seed of the config, loopback, our ``--middleware``; capture.extra_server_args reach vLLM only
   when they are vLLM's (capture.backend vllm), never sglang's flags;
-- the generation worker's own client (``client.generate_tokens``, the call ``generate/worker.py`` makes) talks
+- the generation worker's own client (``client.generate_tokens``, the call ``phases/generate/worker.py`` makes) talks
   over HTTP to a FastAPI app with that ``--middleware`` applied by vLLM's own ``init_entrypoints_middleware``.
   Behind it ``/v1/completions`` is a stand-in for vLLM's engine (not constructible on a CPU) that validates
   our body with vLLM's own ``CompletionRequest``, builds the ``SamplingParams`` vLLM's serving builds

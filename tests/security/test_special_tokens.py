@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from eagleflow.config import load_config
 from eagleflow.corpus.normalise import CONTROL_TOKEN_TEXT, Conversation, control_token_strings
 from eagleflow.corpus.prepare import BadRecordsError, prepare_corpus
-from eagleflow.generate.regenerate import BAD, REGENERATED, Generation, RecordBuilder, Sampling
-from eagleflow.generate.worker import read_inputs
+from eagleflow.phases.generate.regenerate import BAD, REGENERATED, Generation, RecordBuilder, Sampling
+from eagleflow.phases.generate.worker import read_inputs
 from eagleflow.layout import RunLayout
 from tests.fixtures.corpus import write_config
 

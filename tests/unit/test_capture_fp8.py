@@ -12,7 +12,7 @@ from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, read_manif
 from eagleflow.capture.storage import (FP8_MAX, FP8_SCALING, SampleWriter, dequantise_fp8, quantise_fp8,
                                        read_sample)
 from eagleflow.capture.verify import quantisation_stats, stats_lines, verify_shard
-from eagleflow.capture.worker import ExtractionError, ShardWorker, WorkerSettings
+from eagleflow.phases.extract.worker import ExtractionError, ShardWorker, WorkerSettings
 from eagleflow.train.data import (SAMPLE_KEYS, BadSampleError, MixedStoreError, collate, read_sample_keys,
                                   scan_samples)
 from tests.fixtures.train_hidden_states import write_synthetic_hidden_states

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from eagleflow.serving.dump_protocol import request_id
-from eagleflow.capture.worker import (DEADLINE_CAP_S, PACE_MARGIN, ExtractionError, WorkerSettings, load_samples,
+from eagleflow.phases.extract.worker import (DEADLINE_CAP_S, PACE_MARGIN, ExtractionError, WorkerSettings, load_samples,
                                      remove_orphan_dumps, request_deadline, shard_indexes)
 from tests.fixtures.capture_corpus import write_corpus
 

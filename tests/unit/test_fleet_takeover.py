@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagleflow.capture.lifecycle import worker_role
+from eagleflow.phases.extract.lifecycle import worker_role
 from eagleflow.local_run import LocalRun
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from eagleflow.corpus.normalise import Conversation, normalise_conversation
 from eagleflow.demo_assets import CHAT_TEMPLATE
-from eagleflow.generate.regenerate import (BAD, CUT_AT_CONTEXT, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED,
+from eagleflow.phases.generate.regenerate import (BAD, CUT_AT_CONTEXT, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED,
                                            EXCEEDS_CONTEXT, REGENERATED, STARTS_WITH_ASSISTANT, TOOL_WITHOUT_CALL,
                                            Generation, RecordBuilder, Sampling, calls_identical, parse_turn)
 
@@ -234,7 +234,7 @@ def test_the_real_target_rerun_on_the_stored_record_reproduces_every_span(demo_a
     import torch
 
     from eagleflow.engines.hf.server import CaptureModel
-    from eagleflow.generate.regenerate import turn_seed
+    from eagleflow.phases.generate.regenerate import turn_seed
     model = CaptureModel(demo_assets["target_model"])
     eos = tok.eos_token_id
     for temperature in (0.0, 0.9):

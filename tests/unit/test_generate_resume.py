@@ -10,9 +10,9 @@ import pytest
 
 from eagleflow.capture.manifest import ManifestEntry, ManifestWriter, completed_indexes, read_manifest
 from eagleflow.capture.storage import file_sha256
-from eagleflow.generate.phase import GenerationIncomplete, generated_source_rows
-from eagleflow.generate.regenerate import REGENERATED, RecordResult
-from eagleflow.generate.worker import (IDENTITY, MANIFEST, GenerationError, InputRecord, check_identity, plan_resume,
+from eagleflow.phases.generate.phase import GenerationIncomplete, generated_source_rows
+from eagleflow.phases.generate.regenerate import REGENERATED, RecordResult
+from eagleflow.phases.generate.worker import (IDENTITY, MANIFEST, GenerationError, InputRecord, check_identity, plan_resume,
                                        read_results, result_file_name)
 
 
@@ -105,8 +105,8 @@ def test_generated_source_rows_refuses_an_id_stored_twice(tmp_path):
 
 def test_tokens_per_s_after_a_resume_divides_by_every_runs_wall_time(tmp_path):
     from eagleflow.config import load_config
-    from eagleflow.generate.phase import collect
-    from eagleflow.generate.worker import HEARTBEAT, earlier_wall_s
+    from eagleflow.phases.generate.phase import collect
+    from eagleflow.phases.generate.worker import HEARTBEAT, earlier_wall_s
     from eagleflow.heartbeat import Heartbeat
     cfg = load_config(data={"target_model": "/models/t", "corpus": {"sources": [{"name": "s", "path": "/x.jsonl"}]},
                             "generate": {"enabled": True, "shards": 1}})
@@ -138,8 +138,8 @@ def test_tokens_per_s_after_a_resume_divides_by_every_runs_wall_time(tmp_path):
 def test_an_incomplete_fleet_generation_names_each_shards_node(tmp_path):
     """The corpus refuses a fleet's generation while a node's shard is missing, naming the node to bring back."""
     from eagleflow.config import load_config
-    from eagleflow.generate.phase import collect
-    from eagleflow.generate.worker import HEARTBEAT
+    from eagleflow.phases.generate.phase import collect
+    from eagleflow.phases.generate.worker import HEARTBEAT
     from eagleflow.heartbeat import Heartbeat
     cfg = load_config(data={"target_model": "/models/t", "corpus": {"sources": [{"name": "s", "path": "/x.jsonl"}]},
                             "generate": {"enabled": True, "shards": 2},

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagleflow.generate import lifecycle as generate
+from eagleflow.phases.generate import lifecycle as generate
 from eagleflow.nodes import LocalNode
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]

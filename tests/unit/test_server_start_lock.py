@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagleflow.capture import lifecycle as capture
-from eagleflow.generate import lifecycle as generate
+from eagleflow.phases.extract import lifecycle as capture
+from eagleflow.phases.generate import lifecycle as generate
 from eagleflow.nodes import LocalNode
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagleflow.capture.lifecycle import ensure_sentinel
+from eagleflow.phases.extract.lifecycle import ensure_sentinel
 from eagleflow.local_run import LocalRun
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode

@@ -56,7 +56,7 @@ CONTROL_TOKEN_TEXT = "control_token_text"  # text that would become one of the t
 BAD_KINDS = (MALFORMED_JSON, INVALID_UTF8, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_CONVERSATION,
              NON_TEXT_CONTENT, BAD_TOOL_CALL, BAD_TOOLS, TEMPLATE_ERROR, CONTROL_TOKEN_TEXT)
 
-# the generation phase's records carry the target's own ids under this key (eagleflow.generate.regenerate)
+# the generation phase's records carry the target's own ids under this key (eagleflow.phases.generate.regenerate)
 TOKEN_EXACT_KEY = "eagleflow_token_exact"
 
 NON_TEXT_ERROR = "error"
@@ -117,7 +117,7 @@ class Conversation:
     messages: list[dict]
     tools: list[dict] | None = None
     non_text_parts_dropped: int = 0
-    # a record the target regenerated (eagleflow.generate): its ids and mask as the target produced them,
+    # a record the target regenerated (eagleflow.phases.generate): its ids and mask as the target produced them,
     # used as they are instead of rendering the messages again
     token_exact: dict | None = None
 

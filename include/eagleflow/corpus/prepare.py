@@ -425,7 +425,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
         for src in cc.sources:
             path = cfg.resolve(src.path)
             groups = None
-            if src.name in regenerated:   # the target's own turns, token-exact (eagleflow.generate)
+            if src.name in regenerated:   # the target's own turns, token-exact (eagleflow.phases.generate)
                 raw = _generated_source(cfg, layout, src.name)
                 log(f"corpus: source {src.name}: {len(raw)} record(s) as the target regenerated them")
                 if cc.eval_group_key:
@@ -622,7 +622,7 @@ def prepare_corpus(cfg: PipelineConfig, layout: RunLayout, *, num_proc: int | No
 
 def _regenerated(cfg: PipelineConfig, layout: RunLayout, log) -> list[str]:
     """The sources the generation phase rewrote; it must be complete (its stats are written here)."""
-    from eagleflow.generate.phase import GenerationIncomplete, collect, regenerated_sources
+    from eagleflow.phases.generate.phase import GenerationIncomplete, collect, regenerated_sources
     names = regenerated_sources(cfg)
     if names:
         try:
@@ -636,7 +636,7 @@ def _regenerated(cfg: PipelineConfig, layout: RunLayout, log) -> list[str]:
 
 def _generated_source(cfg: PipelineConfig, layout: RunLayout, name: str):
     import datasets
-    from eagleflow.generate.phase import generated_source_rows
+    from eagleflow.phases.generate.phase import generated_source_rows
     features = datasets.Features({"__row": datasets.Value("int64"), "__where": datasets.Value("string"),
                                   "__raw": datasets.Value("string"), "__decode_error": datasets.Value("string")})
     rows = generated_source_rows(cfg, layout, name)

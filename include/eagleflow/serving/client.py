@@ -29,7 +29,7 @@ class ServerTimeout(ServerError):
     pass
 
 
-# The names these had while only the capture server used them: capture/worker.py and the tests still catch them.
+# The names these had while only the capture server used them: phases/extract/worker.py and the tests still catch them.
 CaptureServerError = ServerError
 CaptureTimeout = ServerTimeout
 

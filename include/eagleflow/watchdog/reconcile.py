@@ -6,7 +6,7 @@ Run on the node (``eagleflow reconcile scan|claim|release``), from the
 runs with a corpus, and generation shards (``generate run``, the serving-mode
 generation server) of runs whose frozen config has ``generate.enabled`` and
 whose generation phase has not finished (``generated/stats.json`` not
-complete, ``eagleflow.generate.phase.phase_finished``):
+complete, ``eagleflow.phases.generate.phase.phase_finished``):
 
 - scan: the latest runs under run_root (those with a run-config.json), and for
   each shard: expected units (extraction: the corpus's samples of the shard;

@@ -39,9 +39,9 @@ from eagleflow.stores.contract import SampleSink, StoreError
 from eagleflow.stores.encoding import encode_sample
 
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
-from .manifest import compact_manifest, read_manifest
+from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
-from .storage import remove_temp_files
+from eagleflow.capture.storage import remove_temp_files
 
 
 HALT_GRACE_S = 3.0   # a stopped worker's samples already being written finish within this, or are redone

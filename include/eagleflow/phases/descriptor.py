@@ -1,14 +1,13 @@
-"""The sharded phases as core descriptors: one ``ShardKind`` per phase (extraction, generation), owning its names
-(role, label, unit, server), its folders and files on the run layout, its shard-count field, its takeover key
-and the DAG tasks that collect it.
+"""What a sharded phase is, as data: its ``ShardKind`` (names, folders, shard-count field, takeover key, the DAG
+tasks of its chain) and the ``PhaseLifecycle`` its own folder defines (what it does to its server and workers).
 
 Static data only (it imports nothing but config and layout), so every layer can read it: the watch
 (``watchdog.signals.WatchedJob``), reconcile and the fleet's hand-over, the recovery, the operators and the
 DAG's wiring (``airflow.shard_operators``: one set of operators and one ``phase_tasks`` call for every phase).
-What a phase *does* (start its server, its workers) stays in its own package, named here by its
-``lifecycle`` ("module:attribute" of a ``PhaseLifecycle``, imported on first use by ``ShardKind.lifecycle()``),
-so nothing but the descriptor names the phase's package. A new sharded phase is a descriptor here plus its own
-package (worker, lifecycle), its CLI registration and one ``phase_tasks`` call in the DAG (docs/phases.md).
+Each phase is a folder ``eagleflow/phases/<name>/`` whose ``__init__`` holds its ``KIND``; the registry
+(``eagleflow.phases``) lists those folders. What a phase *does* (start its server, its workers) is named by the
+descriptor's ``lifecycle`` ("module:attribute" of a ``PhaseLifecycle``, imported on first use by
+``ShardKind.lifecycle()``), so the watchdog and the operators import no phase's worker (docs/phases.md).
 """
 from __future__ import annotations
 
@@ -16,15 +15,10 @@ import importlib
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
-
-EXTRACT, GENERATE = "extract", "generate"
-# in a generation shard's dir: its last try ended on a stall blamed on the server (generate.lifecycle)
-SERVER_STALL = "server_stall.json"
-
 
 @dataclass(frozen=True)
 class PhaseLifecycle:
@@ -86,6 +80,7 @@ class ShardKind:
     stop_task: str                              # its server stopped (teardown)
     free_after_task: str                        # GPUs freed after its server (teardown)
     lifecycle_ref: str                          # "module:attribute" of its PhaseLifecycle (``lifecycle()``)
+    command: str                                # its CLI group: ``eagleflow <command> run|serve|stop|...``
     # its shard task makes sure the server answers before its worker starts (starting it when needed) and clears
     # a server stall on every try (``PhaseLifecycle.before_retry``); otherwise the worker waits for the server
     # by itself and ``before_retry`` runs only when a retry's look found a fault the watch does not recover
@@ -126,64 +121,17 @@ class ShardKind:
         return life
 
 
-KINDS = {
-    EXTRACT: ShardKind(
-        phase=EXTRACT, noun="extraction", unit="samples", label="extract shard", watch_name="shard",
-        server="capture server",
-        server_role="capture_server", worker_prefix="worker_shard_", marker="reconcile-started-server",
-        started_dir="hidden_states", shards_field="capture.shards", enabled_field=None,
-        shards_of=lambda cfg: cfg.capture.shards, enabled_of=None, shard_dir=RunLayout.shard_dir,
-        server_info_file=lambda lay: lay.server_info_file, takeover_key="shards", prepared_key="shards",
-        shard_task="extract_shard", collect_task="collect_shards", takeover_task="take_over_shards",
-        # the manifest last; the heartbeat stays: verification reads the manifest, not a node's live heartbeat
-        copy_last=("manifest.jsonl",), copy_skip=("heartbeat.json",),
-        free_task="free_gpus", idle_task="gpus_idle", start_task="start_capture_server",
-        ready_task="capture_server_ready", plan_task="plan_shards", stop_task="stop_capture_server",
-        free_after_task="free_gpus_after_capture", lifecycle_ref="eagleflow.capture.phase_lifecycle:LIFECYCLE",
-        shard_starts_server=False,
-        retry_advice=("The retry first looks at the shard: a live worker that progresses is kept; a stuck or dead "
-                      "one is stopped and the capture server restarted once if unhealthy; then it resumes the shard "
-                      "from its manifest: no stored sample is redone.")),
-    GENERATE: ShardKind(
-        phase=GENERATE, noun="generation", unit="records", label="generate shard", watch_name="generate shard",
-        server="generation server", server_role="generate_server", worker_prefix="generate_shard_",
-        marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards", enabled_field="generate.enabled",
-        shards_of=lambda cfg: cfg.generate.shards, enabled_of=lambda cfg: cfg.generate.enabled,
-        shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
-        takeover_key="generate_shards", prepared_key="generate_shards", shard_task="generate_responses",
-        collect_task="collect_generated",
-        takeover_task="take_over_generated",
-        # the manifest and final heartbeat last (the phase's stats accept a shard once its heartbeat says
-        # complete, and it is final once the worker ended); the stall marker is the node's own note
-        copy_last=("manifest.jsonl", "heartbeat.json"), copy_skip=(SERVER_STALL,), done_when_stats_complete=True,
-        free_task="free_gpus_before_generation", idle_task="gpus_idle_before_generation",
-        start_task="start_generate_server", ready_task=None, plan_task="plan_generate_shards",
-        stop_task="stop_generate_server", free_after_task="free_gpus_after_generation",
-        lifecycle_ref="eagleflow.generate.phase_lifecycle:LIFECYCLE", shard_starts_server=True,
-        retry_advice="The retry resumes the shard from its manifest (finished records are kept, never redone)."),
-}
-
-
-RUN_ORDER = (GENERATE, EXTRACT)   # the sharded phases in the order a run runs them
-
-
-def kind_of(phase: str) -> ShardKind:
-    try:
-        return KINDS[phase]
-    except KeyError:
-        raise ValueError(f"phase {phase!r} is not one of {sorted(KINDS)}") from None
-
-
-def kind_of_job(job_name: str) -> ShardKind | None:
-    """The sharded phase of a watched job, from the name the watch gives it ("generate shard 3/8": generation);
-    None for a job of no sharded phase (the trainer's "training")."""
-    for kind in sorted(KINDS.values(), key=lambda k: -len(k.watch_name)):
-        if job_name.startswith(kind.watch_name + " "):
-            return kind
-    return None
-
-
-def unit_of_job(job_name: str, default: str = "samples") -> str:
-    """What a watched job's manifest counts, from the name the watch gives it ("generate shard 3/8": records)."""
-    kind = kind_of_job(job_name)
-    return kind.unit if kind else default
+def load_phases(modules: Iterable[str]) -> dict[str, ShardKind]:
+    """name -> the ``KIND`` of each phase module; a module without a ``ShardKind`` there, or a name or CLI group
+    twice, is refused naming the module."""
+    found: dict[str, ShardKind] = {}
+    for module in modules:
+        kind = getattr(importlib.import_module(module), "KIND", None)
+        if not isinstance(kind, ShardKind):
+            raise TypeError(f"{module}.KIND is {type(kind).__name__}, not an eagleflow.phases.ShardKind")
+        for other in found.values():
+            if other.phase == kind.phase or other.command == kind.command:
+                raise ValueError(f"{module}.KIND is named {kind.phase!r} (CLI group {kind.command!r}), like the "
+                                 f"phase {other.phase!r} registered before it")
+        found[kind.phase] = kind
+    return found

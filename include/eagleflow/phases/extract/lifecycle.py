@@ -64,7 +64,7 @@ def wait_capture_server_ready(ctx: RunLike, timeout_s: float | None = None, poll
     """Block until /health_generate answers; raise ServerNotReady when it died, is stuck or the grace
     ran out."""
     info = wait_server_ready(ctx, lambda: check_ready(ctx, ctx.cfg.watchdog.health_timeout_s), "capture server",
-                             SERVER_ROLE, ctx.cfg.capture.ready_timeout_s if timeout_s is None else timeout_s, poll_s)
+                             SERVER_ROLE, ctx.cfg.server.ready_timeout_s if timeout_s is None else timeout_s, poll_s)
     if log:
         log(f"capture server ready at {info['url']}: model {info.get('model')}, aux layers {info.get('aux_layers')}")
     return info

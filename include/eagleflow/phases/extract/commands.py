@@ -93,7 +93,7 @@ def _held_out(args) -> int:
     import os
 
     from eagleflow.corpus.prepare import EVAL_FILE
-    from .verify import verify_hidden_states
+    from eagleflow.capture.verify import verify_hidden_states
     from .worker import shard_indexes
 
     cfg, layout = run_from_args(args)
@@ -184,7 +184,7 @@ def _work(args, cfg, layout, prog: str, role: str, purpose: str, log_to=sys.stdo
 
 
 def _verify(args) -> int:
-    from .verify import verify_hidden_states
+    from eagleflow.capture.verify import verify_hidden_states
     from .worker import shard_indexes
 
     cfg, layout = run_from_args(args)
@@ -199,7 +199,7 @@ def _verify(args) -> int:
                                   check_digest=not args.no_digest)
     stats = None
     if args.stats:
-        from .verify import quantisation_stats
+        from eagleflow.capture.verify import quantisation_stats
         try:
             stats = quantisation_stats(layout.hidden_states_dir, args.stats_files)
         except ValueError as e:
@@ -211,7 +211,7 @@ def _verify(args) -> int:
             print(r.line())
         print(f"{result.summary()} in {layout.hidden_states_dir}")
         if stats is not None:
-            from .verify import stats_lines
+            from eagleflow.capture.verify import stats_lines
             print("\n".join(stats_lines(stats)))
     return 0 if result.ok else 1
 

@@ -52,7 +52,7 @@ def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict
 
 def wait_generate_server_ready(ctx: RunLike, timeout_s: float | None = None, poll_s: float = 1.0, log=None) -> dict:
     info = wait_server_ready(ctx, lambda: check_ready(ctx, ctx.cfg.watchdog.health_timeout_s), "generation server",
-                             SERVER_ROLE, ctx.cfg.capture.ready_timeout_s if timeout_s is None else timeout_s, poll_s,
+                             SERVER_ROLE, ctx.cfg.server.ready_timeout_s if timeout_s is None else timeout_s, poll_s,
                              died=GenerateServerDied)
     if log:
         log(f"generation server ready at {info['url']}: model {info.get('model')}")

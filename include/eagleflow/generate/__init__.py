@@ -1,1 +1,0 @@
-"""The generation phase: the target writes the assistant turns of the corpus itself (see regenerate.py)."""
