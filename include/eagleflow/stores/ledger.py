@@ -1,16 +1,19 @@
 """Which sample ids each epoch consumed: an append-only ledger, and the check that each was trained exactly once.
 
 One JSON line per event, appended and fsynced (``durable.open_owned``, the way manifests are appended):
-``{"epoch": 0, "event": "taken", "ids": [...]}`` when the loader hands samples to the trainer, and
-``{"epoch": 0, "event": "trained", "ids": [...], "step": 12}`` once the optimizer step that used them is
-committed. A trainer killed between the two leaves samples taken but not trained: ``LedgerState.pending``
-names them and a resumed loader serves them again (0 lost); a sample already trained in an epoch is never
-served again in it (0 twice). A cut-off last line (a crash mid-append) is ignored and sealed.
+``{"epoch": 0, "event": "taken", "ids": [...], "at": T}`` when the loader hands samples to the trainer, and
+``{"epoch": 0, "event": "trained", "ids": [...], "step": 12, "at": T}`` once the optimizer step that used
+them is committed (``at``: the event's wall-clock time, so a run's records say when training drew samples
+against when capture wrote its manifests; nothing else reads it). A trainer killed between the two leaves
+samples taken but not trained: ``LedgerState.pending`` names them and a resumed loader serves them again
+(0 lost); a sample already trained in an epoch is never served again in it (0 twice). A cut-off last line
+(a crash mid-append) is ignored and sealed.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +58,7 @@ class EpochLedger:
             self._f.write(b"\n")       # seal a cut-off line so it stays one bad line
 
     def _append(self, record: dict) -> None:
+        record["at"] = round(time.time(), 3)
         self._f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
         if self.fsync:
             os.fsync(self._f.fileno())
