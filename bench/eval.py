@@ -62,7 +62,7 @@ def main() -> int:
     if not prompts:
         print(f"bench/eval.py: {run}/corpus/eval.parquet holds no prompt", file=sys.stderr)
         return 2
-    target = Target(target_dir, device="cpu", dtype=cfg.capture.dtype)
+    target = Target(target_dir, device="cpu", dtype=cfg.server.dtype)
     model, aux = load_draft(run / "draft" / "export", target_dir)
     proposer = DraftProposer(model, target.aux_layers(aux or cfg.capture.aux_layers), target.device)
     threshold = (lambda top: near_tie_threshold(target.dtype, top, cfg.eval.near_tie_logit_gap))

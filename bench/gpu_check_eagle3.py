@@ -151,7 +151,7 @@ class SglangServing:
 
     def target_argv(self, cfg) -> list[str]:
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.target_model),
-                "--tp-size", str(cfg.capture.tp)] + (["--dtype", cfg.capture.dtype] if cfg.capture.dtype != "auto"
+                "--tp-size", str(cfg.server.tp)] + (["--dtype", cfg.server.dtype] if cfg.server.dtype != "auto"
                                                      else [])
 
     def draft_argv(self, cfg, export: str) -> list[str]:
@@ -200,8 +200,8 @@ class VllmServing:
     CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]   # `vllm serve` of this venv, as the launchers run it
 
     def target_argv(self, cfg) -> list[str]:
-        return self.CLI + ["serve", str(cfg.target_model), "--tensor-parallel-size", str(cfg.capture.tp)] + (
-            ["--dtype", cfg.capture.dtype] if cfg.capture.dtype != "auto" else [])
+        return self.CLI + ["serve", str(cfg.target_model), "--tensor-parallel-size", str(cfg.server.tp)] + (
+            ["--dtype", cfg.server.dtype] if cfg.server.dtype != "auto" else [])
 
     def draft_argv(self, cfg, export: str) -> list[str]:
         from eagleflow.console.run_report import vllm_serve_command

@@ -24,7 +24,7 @@ class CheckEngine:
     ready_path: str          # answers once the server generates (the eagle3 stage's readiness poll)
 
     def config_server_args(self) -> list[str]:
-        """``server_args`` for a config's ``capture.extra_server_args``: without the flags eagleflow's launchers set
+        """``server_args`` for a config's ``server.extra_server_args``: without the flags eagleflow's launchers set
         themselves (each with its value), which the config refuses (eagleflow.server_flags); the capture launcher
         already sets those (sglang's CUDA graphs off)."""
         from eagleflow.server_flags import owned_flag_of

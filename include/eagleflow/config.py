@@ -6,19 +6,23 @@ errors into one message per bad field: where it is, the value, what is allowed.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal, overload
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from eagleflow.engines import ROLES, UnknownEngine, engine, export_formats, generation_backend, names_for
 from eagleflow.server_flags import check_extra_server_args
 from eagleflow.stores import UnknownStore, store_for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class NodeConfig(_Section):
 class FleetNodeConfig(NodeConfig):
     """One GPU node of a fleet: how to reach it (the NodeConfig fields) and what of it a run uses.
 
-    ``run_root``, ``dump_dir`` and ``gpus`` left empty take the top-level run_root, capture.dump_dir and
+    ``run_root``, ``dump_dir`` and ``gpus`` left empty take the top-level run_root, server.dump_dir and
     gpu.select; ``state_dir`` empty is <run_root>/.node-state/<name> (one per node, so nodes that share a
     run root never share pid records or locks).
     """
@@ -146,7 +150,7 @@ class FleetNodeConfig(NodeConfig):
                            "(its pool's slots); a run's shards are shared out in proportion to them")
     gpus: list[str] | None = Field(default=None, description="GPU UUIDs or indices a run uses; null = gpu.select")
     run_root: str | None = Field(default=None, description="the node's run root; null = the top-level run_root")
-    dump_dir: str | None = Field(default=None, description="the node's capture dump dir; null = capture.dump_dir")
+    dump_dir: str | None = Field(default=None, description="the node's capture dump dir; null = server.dump_dir")
 
 
 class FleetConfig(_Section):
@@ -192,48 +196,55 @@ class GpuConfig(_Section):
                                 "take before SIGKILL")
 
 
+class ServerConfig(_Section):
+    """The target server's settings, whatever its role (capture, generation, an sglang or vllm evaluation) and
+    engine (eagleflow.serving). Until issue 48 they were capture's: ``capture.<field>`` is still read as
+    ``server.<field>``, with a note (PipelineConfig._server_names_moved)."""
+    host: str = Field(default="127.0.0.1", description="the servers' listening address on the node (loopback: "
+                      "they take no credential)")
+    port: int = Field(default=30000, ge=0, le=65535, description="the capture server's port; 0 = pick a free "
+                      "port at start (generate.port is the generation server's)")
+    dump_dir: str = Field(default="/dev/shm/eagleflow_hs-{uid}",
+                          description="where servers leave dumps for the workers; {uid} = the node user's id "
+                                      "(one 0700 folder per user, checked on the node)")
+    tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel GPUs of the server (sglang --tp-size)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="the target's "
+                                                                     "compute dtype; auto = its config's")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend runs the "
+                                                   "model (auto = cuda when torch sees a GPU); sglang ignores it")
+    ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")
+    extra_server_args: list[str] = Field(default_factory=list, description="appended to the serving engine's "
+                                         "command line (sglang: launch_server flags); a flag eagleflow sets "
+                                         "itself (--host, --port, --middleware, ...: eagleflow.server_flags) is "
+                                         "refused")
+
+    @field_validator("extra_server_args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        return check_extra_server_args(v, "server.extra_server_args")
+
+
 class CaptureConfig(_Section):
     backend: str = Field(default="hf", description="the capture server's engine (eagleflow.engines): hf = our "
                          "transformers server (CPU or GPU), sglang = SGLang with our capture hook, vllm = vLLM "
                          "with our KV connector (a GPU node each)")
-    host: str = Field(default="127.0.0.1", description="the servers' listening address on the node (loopback: "
-                      "they take no credential)")
-    port: int = Field(default=30000, ge=0, le=65535, description="0 = pick a free port at start")
-    dump_dir: str = Field(default="/dev/shm/eagleflow_hs-{uid}",
-                          description="where servers leave dumps for the workers; {uid} = the node user's id "
-                                      "(one 0700 folder per user, checked on the node)")
     aux_layers: list[int] | None = Field(default=None, description="EAGLE-3 auxiliary layers; null = 1, N/2-1, N-4")
-    tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel GPUs of the server (sglang --tp-size)")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="the target's "
-                                                                     "compute dtype; auto = its config's")
     store_dtype: Literal["auto", "fp8_e4m3"] = Field(default="auto", description="how the hidden states are "
                                                      "stored: auto = the target's dtype; fp8_e4m3 = half the "
                                                      "disk (per-token scales; docs/benchmarks.md has its error)")
-    device: Literal["auto", "cpu", "cuda"] = Field(default="cpu", description="where the hf backend runs the "
-                                                   "model (auto = cuda when torch sees a GPU); sglang ignores it")
     shards: int = Field(default=1, ge=1, le=1024, description="extraction shards (one worker and one Airflow "
                         "task each; reruns and takeovers are per shard)")
     in_flight: int = Field(default=4, ge=1, le=256, description="requests in flight per worker, so the model never waits on the disk")
     request_timeout_base_s: float = Field(default=60.0, gt=0, description="one capture request may take this "
                                           "long plus request_timeout_per_token_s per prompt token")
     request_timeout_per_token_s: float = Field(default=0.05, ge=0, description="see request_timeout_base_s")
-    ready_timeout_s: float = Field(default=900.0, gt=0, description="model loading grace")
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="how often a worker rewrites its "
                                         "heartbeat (the watch reads it)")
-    extra_server_args: list[str] = Field(default_factory=list, description="appended to the serving engine's "
-                                         "command line (sglang: launch_server flags); a flag eagleflow sets "
-                                         "itself (--host, --port, --middleware, ...: eagleflow.server_flags) is "
-                                         "refused")
 
     @field_validator("backend")
     @classmethod
     def _registered_backend(cls, v: str) -> str:
         return check_engine(v, "capture_server", "capture.backend")
-
-    @field_validator("extra_server_args")
-    @classmethod
-    def _no_owned_flags(cls, v: list[str]) -> list[str]:
-        return check_extra_server_args(v, "capture.extra_server_args")
 
 
 class WatchdogConfig(_Section):
@@ -548,6 +559,7 @@ class PipelineConfig(_Section):
     gpu: GpuConfig = Field(default_factory=GpuConfig)
     corpus: CorpusConfig = Field(default_factory=CorpusConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -580,7 +592,7 @@ class PipelineConfig(_Section):
     def _fleet_resolved(cls, data: Any) -> Any:
         """The fleet as data, before validation: each node's empty fields from the top level, and the top level
         the view of one node (the one the node section names, else the training node): its connection as the
-        node section, its run_root, capture.dump_dir and gpu.select. Nothing is changed after validation, so
+        node section, its run_root, server.dump_dir and gpu.select. Nothing is changed after validation, so
         a validated config is what was read (a node's frozen view, run-config.<node>.json, reads back as itself)."""
         if not isinstance(data, dict) or not isinstance(data.get("fleet"), dict) or not data["fleet"].get("nodes"):
             return data
@@ -589,10 +601,10 @@ class PipelineConfig(_Section):
         nodes = [n.model_dump(exclude_unset=True) if isinstance(n, BaseModel) else n for n in fleet["nodes"]]
         if not all(isinstance(n, dict) for n in nodes):
             return data                       # field validation names what is not a node
-        capture = _section_data(data, "capture")
+        server = _section_data(data, "server")
         gpu = _section_data(data, "gpu")
         run_root = data.get("run_root", cls.model_fields["run_root"].default)
-        dump_dir = capture.get("dump_dir", CaptureConfig.model_fields["dump_dir"].default)
+        dump_dir = server.get("dump_dir", ServerConfig.model_fields["dump_dir"].default)
         select = list(gpu.get("select") or [])
         filled = []
         for n in nodes:
@@ -615,8 +627,41 @@ class PipelineConfig(_Section):
             return data                       # the after-validator names the node that is not in the fleet
         data["node"] = {k: entry[k] for k in NodeConfig.model_fields if k in entry}
         data["run_root"] = entry["run_root"]
-        data["capture"] = capture | {"dump_dir": entry["dump_dir"]}
+        data["server"] = server | {"dump_dir": entry["dump_dir"]}
         data["gpu"] = gpu | {"select": entry["gpus"]}
+        return data
+
+    # Defined after _fleet_resolved on purpose: pydantic runs "before" model validators last-defined first, and
+    # the fleet reads server.dump_dir, which an old config gives as capture.dump_dir.
+    @model_validator(mode="before")
+    @classmethod
+    def _server_names_moved(cls, data: Any, info: ValidationInfo) -> Any:
+        """The target server's settings under their old names (``capture.<field>``, before issue 48) moved to
+        ``server.<field>``. Each moved name is noted: into the validation context's ``moved_names`` list when
+        there is one (load_config logs it once, naming the file), else logged here. A field given under both
+        names with different values is refused, naming both."""
+        if not isinstance(data, dict) or not isinstance(data.get("capture"), dict):
+            return data
+        moved = [f for f in ServerConfig.model_fields if f in data["capture"]]
+        if not moved or not isinstance(data.get("server") or {}, (dict, ServerConfig)):
+            return data                       # field validation names a server section that is not a mapping
+        data = dict(data)
+        capture = data["capture"] = dict(data["capture"])
+        server = data["server"] = _section_data(data, "server")
+        for f in moved:
+            old = capture.pop(f)
+            if f in server and server[f] != old:
+                # a server flag may carry a key (--api-key ...): lists of flags are not shown (docs/safety.md)
+                shown = ("" if f == "extra_server_args"
+                         else f" (capture.{f} = {old!r}, server.{f} = {server[f]!r})")
+                raise ValueError(f"capture.{f} and server.{f} are both set, to different values{shown}: "
+                                 f"capture.{f} is the old name of server.{f}; keep server.{f} only")
+            server[f] = old
+        notes = (info.context or {}).get("moved_names") if isinstance(info.context, dict) else None
+        if isinstance(notes, list):
+            notes.extend(f"capture.{f}" for f in moved)
+        else:
+            note_moved_names([f"capture.{f}" for f in moved], "(a config validated in code)")
         return data
 
     @model_validator(mode="after")
@@ -658,7 +703,7 @@ class PipelineConfig(_Section):
         """The fleet nodes this run uses, in the fleet's order (one implicit node without a fleet)."""
         if not self.fleet.nodes:
             return [FleetNodeConfig(**self.node.model_dump(), gpus=list(self.gpu.select), run_root=self.run_root,
-                                    dump_dir=self.capture.dump_dir)]
+                                    dump_dir=self.server.dump_dir)]
         use = self.fleet.use
         return [n for n in self.fleet.nodes if use is None or n.name in use]
 
@@ -740,10 +785,33 @@ def safe_run_id(run_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
 
 
-def _format_errors(err: ValidationError, where: str) -> str:
+_NOTED: set[tuple[str, str]] = set()   # (where, old name) already logged: one note per file and name
+
+
+def note_moved_names(old_names: list[str], where: str) -> None:
+    """Log, once per config and name, that ``capture.<field>`` is read as ``server.<field>`` (issue 48)."""
+    for old in old_names:
+        if (where, old) in _NOTED:
+            continue
+        _NOTED.add((where, old))
+        new = "server." + old.split(".", 1)[1]
+        log.warning("eagleflow config %s: %s is deprecated, read as %s (the target server's settings have their "
+                    "own section, server:, docs/configuration.md); move it under server:", where, old, new)
+
+
+def _as_written(text: str, moved: list[str]) -> str:
+    """``text`` with each moved field under the name the config used (``capture.port``, not ``server.port``)."""
+    for old in moved:
+        new = "server." + old.split(".", 1)[1]
+        text = re.sub(rf"\b{re.escape(new)}\b", old, text)
+    return text
+
+
+def _format_errors(err: ValidationError, where: str, moved: list[str] | None = None) -> str:
     lines = [f"invalid eagleflow config {where}:"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        # a moved field is named as the config wrote it (capture.port), so the user finds it in the file
+        field = _as_written(".".join(str(p) for p in e["loc"]), moved or []) or "(top level)"
         if e["type"] == "extra_forbidden":
             # the key only: an unknown key's value may be anything the file holds (a password, a token)
             lines.append(f"  - {field}: unknown field; remove it or check its spelling")
@@ -751,7 +819,7 @@ def _format_errors(err: ValidationError, where: str) -> str:
             lines.append(f"  - {field} = (absent): required field is missing; add it")
         elif e["type"].startswith(("value_error", "assertion_error")):
             # our own validators' words: each says itself what it may show
-            lines.append(f"  - {field}: {e['msg']}")
+            lines.append(f"  - {field}: {_as_written(e['msg'], moved or [])}")
         else:
             # key and what it expects only (pydantic's msg never holds the input): a wrongly typed or
             # misplaced value may be a secret (docs/safety.md: values are never echoed)
@@ -796,10 +864,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raw = loaded
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value)
+    moved: list[str] = []   # old names of server fields the config used (PipelineConfig._server_names_moved)
     try:
-        cfg = PipelineConfig.model_validate(raw)
+        cfg = PipelineConfig.model_validate(raw, context={"moved_names": moved})
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, where)) from None
+        raise ConfigError(_format_errors(e, where, moved)) from None
+    note_moved_names(moved, where)
     if path is not None:
         cfg.source_path = str(Path(path).absolute())
     problem = deletion_root_problem(cfg)   # relative paths resolve against the file's folder: after source_path

@@ -24,7 +24,9 @@ HEADER = """# Configuration reference
 Generated from `eagleflow.config.PipelineConfig` by `python -m eagleflow.config_reference >
 docs/config-reference.md`; a test fails when this file is out of date. What the settings do together is in
 [configuration.md](configuration.md). Unknown keys are errors; a list of sections (`corpus.sources`,
-`fleet.nodes`, `eval.configs`, `eval.prompt_sets`) is written `key[]`.
+`fleet.nodes`, `eval.configs`, `eval.prompt_sets`) is written `key[]`. The `server` keys were `capture.<key>`
+before the target server had its own section: those names are still read as `server.<key>`, with a note in the
+log (the same key under both names with different values is an error).
 """
 
 

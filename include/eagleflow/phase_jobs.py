@@ -153,7 +153,7 @@ def wait_server_ready(ctx: RunLike, look, what: str, role: str, timeout_s: float
             raise ServerStuck(detail)
         if time.monotonic() >= deadline:
             raise ServerNotReady(f"the {what} did not become ready within {timeout_s:.0f} s "
-                                        f"({detail}); raise capture.ready_timeout_s if the model loads slowly, "
+                                        f"({detail}); raise server.ready_timeout_s if the model loads slowly, "
                                         f"or read {ctx.layout.log_file(role)}")
         time.sleep(poll_s)
 

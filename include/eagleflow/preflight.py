@@ -4,7 +4,7 @@
 on stdin and prints one JSON line: the problems found, each naming the config
 field, its value and what to do. Checked: the target model directory (config
 and tokenizer files present and readable, weights present), every corpus
-source, ``run_root`` and ``capture.dump_dir`` writable, and free space at
+source, ``run_root`` and ``server.dump_dir`` writable, and free space at
 ``dump_dir`` for the dumps in flight. Airflow-free: the node runs it.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def dump_bytes_in_flight(cfg: PipelineConfig) -> int | None:
     from .corpus.budget import BudgetError, bytes_per_token, target_shape
     cpath = cfg.resolve(cfg.target_model) / "config.json"
     try:
-        shape = target_shape(cpath.read_text(), str(cpath), cfg.capture.dtype)
+        shape = target_shape(cpath.read_text(), str(cpath), cfg.server.dtype)
     except (OSError, BudgetError):
         return None   # reported by check_target_model
     return cfg.capture.shards * cfg.capture.in_flight * cfg.corpus.max_length * bytes_per_token(shape)
@@ -140,22 +140,22 @@ def check_dirs(cfg: PipelineConfig, run_id: str, rep: PreflightReport) -> None:
     else:
         rep.checked.append(f"run_root {root} writable")
     from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
-    dump = expand_dump_dir(cfg.capture.dump_dir)   # {uid}: this node user's folder
+    dump = expand_dump_dir(cfg.server.dump_dir)   # {uid}: this node user's folder
     try:
         private_dump_dir(dump)                     # 0700, ours, no symlink: nobody else reads or swaps a dump
     except DumpTrustError as e:
-        rep.add("capture.dump_dir", dump, str(e).removeprefix(f"capture.dump_dir {dump} "))
+        rep.add("server.dump_dir", dump, str(e).removeprefix(f"server.dump_dir {dump} "))
         return
     except OSError:
         pass                                       # cannot be created: _writable_dir names why
     why = _writable_dir(dump)
     if why:
-        rep.add("capture.dump_dir", dump, why)
+        rep.add("server.dump_dir", dump, why)
         return
     need = dump_bytes_in_flight(cfg)
     free = shutil.disk_usage(dump).free
     if need is not None and free < need:
-        rep.add("capture.dump_dir", dump,
+        rep.add("server.dump_dir", dump,
                 f"has {free / 2**20:.1f} MiB free but the dumps in flight can take {need / 2**20:.1f} MiB "
                 f"({cfg.capture.shards} shard(s) x {cfg.capture.in_flight} in flight x {cfg.corpus.max_length} "
                 "tokens); free space there, point dump_dir at a bigger filesystem, or lower capture.in_flight")

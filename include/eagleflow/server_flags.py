@@ -1,7 +1,7 @@
 """The server flags eagleflow sets itself, and the check that extra server args leave them alone.
 
 Every engine server eagleflow starts (sglang's ``launch_server``, ``vllm serve``: capture, generation and
-evaluation) gets its flags from a launcher of ours, then ``capture.extra_server_args`` (or
+evaluation) gets its flags from a launcher of ours, then ``server.extra_server_args`` (or
 ``eval.extra_server_args``). Both engines parse with argparse, where the last value of a flag wins (and
 vLLM's ``--middleware`` appends), so an extra ``--host 0.0.0.0`` would silently undo the loopback-only
 listen, another ``--middleware`` would add code to the server, ``--trust-remote-code`` would run the
@@ -33,7 +33,7 @@ class OwnedFlag:
 
 OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag(("host", "port", "uds"), "the servers listen on a loopback address only (they take no credential)",
-              "set capture.host (a loopback address) and capture.port / generate.port"),
+              "set server.host (a loopback address) and server.port / generate.port"),
     OwnedFlag(("middleware",), "vLLM's only middleware is eagleflow's capture API (engines.vllm.api): no other "
               "code is loaded into the server"),
     OwnedFlag(("kv-transfer-config",), "vLLM captures through eagleflow's KV connector and nothing else"),
@@ -46,9 +46,9 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag(("config",), "a file of flags could set any of these flags unseen", "list the flags themselves"),
     OwnedFlag(("model", "model-path", "skip-tokenizer-init"), "the model served is target_model, sent token ids",
               "set target_model"),
-    OwnedFlag(("tensor-parallel-size", "tp-size"), "the GPUs are planned from capture.tp", "set capture.tp",
+    OwnedFlag(("tensor-parallel-size", "tp-size"), "the GPUs are planned from server.tp", "set server.tp",
               short=("tp",)),
-    OwnedFlag(("dtype",), "the servers compute in the dtype the config names", "set capture.dtype"),
+    OwnedFlag(("dtype",), "the servers compute in the dtype the config names", "set server.dtype"),
     OwnedFlag(("seed", "random-seed"), "generation's seeds derive from generate.seed", "set generate.seed"),
     OwnedFlag(("enable-prefix-caching", "disable-radix-cache", "chunked-prefill-size", "cuda-graph-backend-decode",
                "cuda-graph-backend-prefill"),

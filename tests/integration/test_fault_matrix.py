@@ -373,9 +373,9 @@ def test_full_dump_dir_is_named_not_reported_as_a_dead_server(tmp_path, demo_ass
     finally:
         fs.close()
     assert res.returncode == 3, res.stdout + res.stderr
-    assert "capture.dump_dir" in res.stderr and "is full" in res.stderr, res.stderr
+    assert "server.dump_dir" in res.stderr and "is full" in res.stderr, res.stderr
     assert "dead, hung" not in res.stderr and "Traceback" not in res.stderr, res.stderr
-    assert hb["state"] == "failed" and "capture.dump_dir" in hb["error"] and "is full" in hb["error"], hb
+    assert hb["state"] == "failed" and "server.dump_dir" in hb["error"] and "is full" in hb["error"], hb
 
 
 def test_full_shard_disk_is_a_clear_error_and_resume_loses_nothing(tmp_path, demo_assets):

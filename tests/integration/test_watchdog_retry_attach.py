@@ -101,6 +101,6 @@ def test_try_2_after_a_killed_control_plane_attaches_to_the_live_worker(demo_ass
     assert sorted(got) == list(range(N)) and len(got) == len(set(got)), "every sample stored exactly once"
     names = sorted(p.name for p in Path(run.layout.shard_dir(0)).glob("*.safetensors"))
     assert names == [f"{i:08d}.safetensors" for i in range(N)]
-    assert not [p for p in Path(run.cfg.capture.dump_dir).iterdir() if not p.name.startswith(".")], \
+    assert not [p for p in Path(run.cfg.server.dump_dir).iterdir() if not p.name.startswith(".")], \
         "every dump consumed"
     assert json.loads(Path(run.layout.pid_file(worker_role(0))).read_text())["pid"] == worker.pid

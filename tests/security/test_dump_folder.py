@@ -24,7 +24,7 @@ import yaml
 from eagleflow.engines.hf.server import CaptureModel, CaptureServer
 from eagleflow.serving.dump_protocol import (DUMP_MAC, DumpTrustError, expand_dump_dir, load_dump_key, private_dump_dir,
                                         read_dump, request_id, verify_dump, write_dump)
-from eagleflow.config import CaptureConfig
+from eagleflow.config import ServerConfig
 from eagleflow.layout import RunLayout
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 
@@ -57,7 +57,7 @@ def _dump(dump_dir, rid="r.s00000.00000001", key=None, hidden=None):
 
 
 def test_the_default_dump_folder_is_per_user_0700_and_dumps_are_0600(shm):
-    assert expand_dump_dir(CaptureConfig().dump_dir) == \
+    assert expand_dump_dir(ServerConfig().dump_dir) == \
         Path(f"/dev/shm/eagleflow_hs-{os.geteuid()}")
     d = private_dump_dir(str(shm / "eagleflow_hs-{uid}"))
     assert d == shm / f"eagleflow_hs-{os.geteuid()}"
@@ -95,7 +95,7 @@ def test_a_folder_owned_by_another_uid_is_refused_by_the_preflight(tmp_path, dem
     os.chown(tmp_path / "theirs", OTHER_UID, OTHER_UID)
     rep = PreflightReport()
     check_dirs(load_config(cfgp), "r", rep)
-    (prob,) = [p for p in rep.problems if p.field == "capture.dump_dir"]
+    (prob,) = [p for p in rep.problems if p.field == "server.dump_dir"]
     assert f"belongs to uid {OTHER_UID}" in prob.message and prob.value == str(tmp_path / "theirs")
 
 

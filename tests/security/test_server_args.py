@@ -1,6 +1,6 @@
 """Issue 52 item 4: extra server args cannot undo what our launchers set, and every server of ours caps bodies.
 
-`capture.extra_server_args` (also generation's) and `eval.extra_server_args` came after our own flags, so
+`server.extra_server_args` (capture.extra_server_args before the server section; also generation's) and `eval.extra_server_args` came after our own flags, so
 `--host 0.0.0.0` or another `--middleware` silently undid the loopback-only launch (argparse takes the last
 value; vLLM appends middlewares). Now the config refuses, when it is loaded, an extra arg that sets a flag one
 of our launchers owns (eagleflow.server_flags.OWNED_FLAGS), however argparse or vLLM's parser would read it:
@@ -79,7 +79,8 @@ def _data(field: str, args: list[str]) -> dict:
     return {"target_model": "/models/t", section: {"extra_server_args": args}}
 
 
-@pytest.mark.parametrize("field", ["capture.extra_server_args", "eval.extra_server_args"])
+# capture.extra_server_args: the old name (before the server section) is still read, and named as written
+@pytest.mark.parametrize("field", ["server.extra_server_args", "capture.extra_server_args", "eval.extra_server_args"])
 @pytest.mark.parametrize("args,flag", [s[:2] for s in SPELLINGS], ids=[" ".join(s[0]) for s in SPELLINGS])
 def test_config_load_refuses_each_spelling_of_an_owned_flag(field, args, flag):
     with pytest.raises(ConfigError) as e:
@@ -99,20 +100,21 @@ def test_the_error_says_what_to_do_and_a_yaml_file_is_refused_the_same(tmp_path)
         load_config(path)
     msg = str(e.value)
     assert str(path) in msg and "capture.extra_server_args sets --host (written '--ho')" in msg
-    assert "loopback" in msg and "set capture.host" in msg and "0.0.0.0" not in msg
+    # the old name the file used is named as written; the field it did not use by its new name
+    assert "loopback" in msg and "set server.host" in msg and "0.0.0.0" not in msg
 
 
 @pytest.mark.parametrize("args", LEGIT, ids=[" ".join(a) or "none" for a in LEGIT])
 def test_engine_flags_we_do_not_own_pass(args):
-    cfg = load_config(data={"target_model": "/m", "capture": {"extra_server_args": args},
+    cfg = load_config(data={"target_model": "/m", "server": {"extra_server_args": args},
                             "eval": {"extra_server_args": args}})
-    assert cfg.capture.extra_server_args == args == cfg.eval.extra_server_args
+    assert cfg.server.extra_server_args == args == cfg.eval.extra_server_args
 
 
 def test_an_assignment_is_checked_too():
     cfg = load_config(data={"target_model": "/m"})
-    with pytest.raises(ValueError, match="capture.extra_server_args sets --middleware"):
-        cfg.capture.extra_server_args = ["--middleware", "x.Y"]
+    with pytest.raises(ValueError, match="server.extra_server_args sets --middleware"):
+        cfg.server.extra_server_args = ["--middleware", "x.Y"]
 
 
 def _engine_like_parser() -> argparse.ArgumentParser:

@@ -67,12 +67,12 @@ def test_the_serve_commands_refuse_a_config_whose_capture_host_is_not_loopback(t
     cfgp = write_run_config(tmp_path, demo_assets["target_model"])
     data = yaml.safe_load(cfgp.read_text())
     port = _free_port()
-    data["capture"].update(host="0.0.0.0", port=port)
+    data["server"].update(host="0.0.0.0", port=port)
     data.setdefault("generate", {})["port"] = port
     cfgp.write_text(yaml.safe_dump(data))
     res = subprocess.run([sys.executable, "-m", "eagleflow.cli", phase, "serve", "--config", str(cfgp),
                           "--run-id", "trust"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert res.returncode == 2 and "capture.host = '0.0.0.0'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "server.host = '0.0.0.0'" in res.stderr, res.stderr
     assert not _listening(port)
 
 

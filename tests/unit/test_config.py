@@ -23,7 +23,7 @@ def test_demo_config_loads_and_resolves_relative_paths():
 
 def test_example_gpu_config_loads():
     cfg = load_config(REPO / "configs" / "gpu-node.example.yaml")
-    assert cfg.capture.backend == "sglang" and cfg.capture.tp == 8
+    assert cfg.capture.backend == "sglang" and cfg.server.tp == 8
 
 
 def test_unknown_field_is_named():
@@ -81,3 +81,61 @@ def test_missing_file_and_bad_yaml(tmp_path):
     lst.write_text("- 1\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(lst)
+
+
+# The target server's settings have their own section (issue 48); their old names under capture: are still read.
+
+def test_server_section_is_read_and_capture_keeps_its_own_fields():
+    cfg = load_config(data={**BASE, "server": {"port": 31000, "tp": 2, "dtype": "bfloat16", "host": "127.0.0.2",
+                                               "ready_timeout_s": 60, "extra_server_args": ["--mem-fraction-static",
+                                                                                            "0.8"]},
+                            "capture": {"shards": 3}})
+    assert (cfg.server.port, cfg.server.tp, cfg.server.dtype, cfg.server.host, cfg.server.ready_timeout_s) \
+        == (31000, 2, "bfloat16", "127.0.0.2", 60)
+    assert cfg.server.extra_server_args == ["--mem-fraction-static", "0.8"] and cfg.capture.shards == 3
+    assert "port" not in type(cfg.capture).model_fields   # one home per setting
+    assert "capture.port" in _err({"capture": {"port": 1}, "server": {"port": 2}})  # (and not silently dropped)
+
+
+def test_old_capture_names_are_read_as_server_with_a_note_naming_the_file(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("target_model: /m\ncapture:\n  port: 31001\n  tp: 4\n  dump_dir: /dev/shm/x\n  shards: 2\n")
+    with caplog.at_level("WARNING", logger="eagleflow.config"):
+        cfg = load_config(path)
+        load_config(path)                                  # read again: no second note
+    assert (cfg.server.port, cfg.server.tp, cfg.server.dump_dir, cfg.capture.shards) == (31001, 4, "/dev/shm/x", 2)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 3, notes
+    for old in ("port", "tp", "dump_dir"):
+        (note,) = [n for n in notes if f"capture.{old} " in n]
+        assert str(path) in note and f"read as server.{old}" in note and "move it under server:" in note
+    # the same value under both names is one setting, not a conflict
+    assert load_config(data={**BASE, "capture": {"tp": 2}, "server": {"tp": 2}}).server.tp == 2
+    # a fleet's nodes take the old capture.dump_dir as their default dump dir (read before the fleet resolves)
+    fleet = load_config(data={**BASE, "capture": {"dump_dir": "/old"},
+                              "fleet": {"nodes": [{"name": "a"}, {"name": "b", "dump_dir": "/b"}]}})
+    assert [n.dump_dir for n in fleet.fleet.nodes] == ["/old", "/b"] and fleet.server.dump_dir == "/old"
+
+
+def test_old_and_new_name_with_different_values_is_an_error_naming_both():
+    msg = _err({"capture": {"port": 31000}, "server": {"port": 32000}})
+    assert "capture.port and server.port are both set" in msg and "31000" in msg and "32000" in msg
+    assert "keep server.port only" in msg
+    # flags may carry a key: named, never shown
+    msg = _err({"capture": {"extra_server_args": ["--api-key", "s3cret"]},
+                "server": {"extra_server_args": ["--api-key", "other"]}})
+    assert "capture.extra_server_args and server.extra_server_args" in msg
+    assert "s3cret" not in msg and "other" not in msg
+
+
+def test_a_bad_value_is_named_by_the_name_the_config_used():
+    old = _err({"capture": {"port": 70000, "tp": 0}})
+    assert "capture.port" in old and "capture.tp" in old and "server.port" not in old, old
+    new = _err({"server": {"port": 70000}})
+    assert "server.port" in new and "capture.port" not in new, new
+    # our own validators' words too: the refused flag is named under the field as written
+    flag = _err({"capture": {"extra_server_args": ["--port", "1"]}})
+    assert "capture.extra_server_args: " in flag and "capture.extra_server_args sets --port" in flag, flag
+    assert "server.extra_server_args" not in flag
+    # a dotted override by the old name is read the same way
+    assert "capture.dtype" in _err(**{"capture.dtype": "float8"})

@@ -78,7 +78,7 @@ def test_seeds_corpus_needs_about_4_6_tib():
 def test_bad_target_config_is_named():
     with pytest.raises(BudgetError, match="hidden_size = None"):
         target_shape("{}", "/m/config.json")
-    with pytest.raises(BudgetError, match="set capture.dtype"):
+    with pytest.raises(BudgetError, match="set server.dtype"):
         target_shape('{"hidden_size": 8, "torch_dtype": "int4"}', "/m/config.json")
 
 
@@ -107,7 +107,7 @@ def test_disk_check_passes_and_fails_on_the_nodes_free_space(tmp_path, demo_asse
     node = FixedFreeNode(free=est.needed_bytes)
     ok = check_budget(cfg, layout, node)
     assert ok.ok and ok.message.startswith("disk OK")
-    assert node.asked == [str(layout.hidden_states_dir), str(expand_dump_dir(cfg.capture.dump_dir))]  # the node user's
+    assert node.asked == [str(layout.hidden_states_dir), str(expand_dump_dir(cfg.server.dump_dir))]  # the node user's
 
     short = check_budget(cfg, layout, FixedFreeNode(free=est.needed_bytes - 1))
     assert not short.ok
@@ -128,16 +128,16 @@ def test_disk_check_without_corpus_says_what_to_run(tmp_path, demo_assets):
 
 
 def test_disk_check_counts_the_dump_dir(tmp_path, demo_assets):
-    """A full capture.dump_dir fails the budget by name before capture (not later as a 'dead server')."""
+    """A full server.dump_dir fails the budget by name before capture (not later as a 'dead server')."""
     cfg, layout = _setup(tmp_path, demo_assets)
-    dump_dir = str(expand_dump_dir(cfg.capture.dump_dir))   # the node user's folder ({uid} filled in)
+    dump_dir = str(expand_dump_dir(cfg.server.dump_dir))   # the node user's folder ({uid} filled in)
     dumps = cfg.capture.shards * cfg.capture.in_flight   # fewer than the 100 records
     need = dumps * 400 * 1033                             # longest sample x bytes per token
     fine = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={dump_dir: need}))
     assert fine.ok and "dump_dir" in fine.message
     full = check_budget(cfg, layout, FixedFreeNode(free=10**12, free_at={dump_dir: need - 1}))
     assert not full.ok
-    assert full.message.startswith("NOT ENOUGH SPACE IN capture.dump_dir") and dump_dir in full.message
+    assert full.message.startswith("NOT ENOUGH SPACE IN server.dump_dir") and dump_dir in full.message
 
 
 def test_disk_check_with_fp8_store_halves_the_need_and_says_what_auto_would_need(tmp_path, demo_assets):

@@ -207,7 +207,7 @@ def test_the_report_prints_the_vllm_command_beside_the_sglang_one(tmp_path):
     assert argv[:3] == ["vllm", "serve", str(cfg.target_model)]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": str(spec_dir), "num_speculative_tokens": SPECULATIVE_TOKENS}
-    assert argv[argv.index("--tensor-parallel-size") + 1] == str(cfg.capture.tp)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == str(cfg.server.tp)
     html = write_report(cfg, layout).read_text()
     assert "No speculators-format export for vLLM" in html and "vllm serve" not in html
     spec_dir.mkdir()

@@ -69,7 +69,7 @@ def test_the_fleet_is_resolved_as_data_before_validation_never_written_into_a_va
     assert cfg.model_dump() == training and view is not cfg
     for c in (cfg, view):
         assert type(c).model_validate(c.model_dump()).model_dump() == c.model_dump()
-    assert (view.node.name, view.run_root, view.capture.dump_dir) == ("b", "/rb", "/d")
+    assert (view.node.name, view.run_root, view.server.dump_dir) == ("b", "/rb", "/d")
     source = (REPO / "include" / "eagleflow" / "config.py").read_text()
     writes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Subscript)
               and isinstance(n.value, ast.Attribute) and n.value.attr == "__dict__"]

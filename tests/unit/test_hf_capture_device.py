@@ -1,4 +1,4 @@
-"""capture.device: where the hf capture server runs the target (the GPU check runs it on cuda)."""
+"""server.device: where the hf capture server runs the target (the GPU check runs it on cuda)."""
 from __future__ import annotations
 
 import pytest
@@ -9,17 +9,17 @@ from eagleflow.config import ConfigError, load_config
 
 
 def test_config_takes_cpu_cuda_auto_and_nothing_else():
-    assert load_config(data={"target_model": "m"}).capture.device == "cpu"   # the hf backend's old behaviour
+    assert load_config(data={"target_model": "m"}).server.device == "cpu"   # the hf backend's old behaviour
     for d in ("cpu", "cuda", "auto"):
-        assert load_config(data={"target_model": "m", "capture": {"device": d}}).capture.device == d
+        assert load_config(data={"target_model": "m", "server": {"device": d}}).server.device == d
     with pytest.raises(ConfigError, match="device"):
-        load_config(data={"target_model": "m", "capture": {"device": "gpu"}})
+        load_config(data={"target_model": "m", "server": {"device": "gpu"}})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA GPU")
 def test_cuda_without_a_gpu_is_refused_before_loading_naming_the_setting(tmp_path):
     # no model at that path: the refusal comes first, with what to do
-    with pytest.raises(RuntimeError, match=r"capture.device is 'cuda' but torch sees no CUDA GPU.*capture.device: cpu"):
+    with pytest.raises(RuntimeError, match=r"server.device is 'cuda' but torch sees no CUDA GPU.*server.device: cpu"):
         CaptureModel(str(tmp_path / "absent"), device="cuda")
 
 

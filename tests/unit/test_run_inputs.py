@@ -24,7 +24,7 @@ def _cfg(tmp_path: Path, **extra):
     src.write_text("{}\n")
     data = {"run_root": str(tmp_path / "runs"), "target_model": str(model),
             "corpus": {"sources": [{"name": "a", "path": str(src)}], "max_length": 64},
-            "capture": {"dump_dir": str(tmp_path / "dumps")}}
+            "server": {"dump_dir": str(tmp_path / "dumps")}}
     for k, v in extra.items():
         data[k] = v
     return load_config(data=data)
@@ -60,12 +60,12 @@ def test_preflight_names_every_problem_with_its_field(tmp_path):
     data = cfg.model_dump(mode="json")
     data["corpus"]["sources"].append({"name": "gone", "path": str(tmp_path / "gone.jsonl")})
     (tmp_path / "file").write_text("x")
-    data["capture"]["dump_dir"] = str(tmp_path / "file" / "dumps")   # under a file: cannot be created
+    data["server"]["dump_dir"] = str(tmp_path / "file" / "dumps")   # under a file: cannot be created
     rep = preflight(load_config(data=data), "exp")
     lines = "\n".join(p.line() for p in rep.problems)
     assert "target_model" in lines and "no tokenizer file" in lines and "no weights" in lines, lines
     assert "corpus.sources[1].path (gone)" in lines and "does not exist" in lines, lines
-    assert "capture.dump_dir" in lines and "not writable" in lines, lines
+    assert "server.dump_dir" in lines and "not writable" in lines, lines
     missing = load_config(data={**data, "target_model": str(tmp_path / "nope")})
     assert any(p.field == "target_model" and "does not exist" in p.message
                for p in preflight(missing, "exp").problems)
@@ -77,7 +77,7 @@ def test_preflight_counts_the_dumps_in_flight(tmp_path):
     data["capture"].update(shards=1024, in_flight=256)
     data["corpus"]["max_length"] = 1_048_576          # 1024 x 256 x 1 Mi tokens x 137 B: no disk holds that
     rep = preflight(load_config(data=data), "exp")
-    assert any(p.field == "capture.dump_dir" and "dumps in flight" in p.message for p in rep.problems), rep.problems
+    assert any(p.field == "server.dump_dir" and "dumps in flight" in p.message for p in rep.problems), rep.problems
 
 
 def test_preflight_command_answers_json_on_stdin(tmp_path):

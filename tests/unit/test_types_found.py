@@ -49,5 +49,5 @@ def test_a_server_url_without_a_host_is_a_capture_server_error(listener):
 
 
 def test_a_capture_server_without_a_dump_folder_is_refused_before_binding():
-    with pytest.raises(ValueError, match="a capture server needs its dump folder: set capture.dump_dir"):
+    with pytest.raises(ValueError, match="a capture server needs its dump folder: set server.dump_dir"):
         CaptureServer(("127.0.0.1", 0), None, None)   # the model is not looked at before the check

@@ -41,7 +41,7 @@ def test_one_recovery_budget_and_one_node_call_for_every_cause(tmp_path, monkeyp
     cfg = watch_config(tmp_path)
     budget = recovery_budget_s(cfg)
     # the lock wait for another shard's restart, then this one's: GPUs freed, the model loaded, 120 s
-    assert budget == 2 * (cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
+    assert budget == 2 * (cfg.server.ready_timeout_s + cfg.gpu.idle_timeout_s + 120)
     ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, "r"))
     calls = []
 

@@ -23,7 +23,7 @@ class WriteRunConfigOperator(RunOperator):
     Checked in seconds, without retry (AirflowFailException), each problem
     naming its field: unknown conf keys (listing the valid ones), the config
     and Params themselves, and on the node the target model directory, every
-    source path, run_root and capture.dump_dir writable, dump_dir's free space.
+    source path, run_root and server.dump_dir writable, dump_dir's free space.
 
     It is the run's first task and freezes the config: every later task, trigger and callback reads
     what it wrote (run-config.json on the node, XCom), never the YAML again.

@@ -101,7 +101,7 @@ class RerunShardOperator(BaseOperator):
         taken = ["--taken-from", str(self.target["taken_from"])] if self.target.get("taken_from") else []
         result = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase", phase,
                                                       *taken),
-                                   ClaimAnswer, timeout=ctx.cfg.capture.ready_timeout_s + 300,
+                                   ClaimAnswer, timeout=ctx.cfg.server.ready_timeout_s + 300,
                                    log=lambda line: self.log.info("claim (node %s): %s", ctx.node.name, line))
         # an answer about another shard or run proves nothing about this one
         other = ({"shard": result.shard} if result.shard not in (None, shard) else {}) | (

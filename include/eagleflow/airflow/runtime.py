@@ -267,7 +267,7 @@ def resolved_config_dict(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.disk.cache_root:
         data["disk"]["cache_root"] = str(cfg.resolve(cfg.disk.cache_root))
     data["disk"]["old_caches"] = [str(cfg.resolve(p)) for p in cfg.disk.old_caches]
-    data["capture"]["dump_dir"] = str(cfg.resolve(cfg.capture.dump_dir))
+    data["server"]["dump_dir"] = str(cfg.resolve(cfg.server.dump_dir))
     for entry in data["fleet"]["nodes"]:
         for key in ("run_root", "dump_dir", "state_dir"):
             entry[key] = str(cfg.resolve(entry[key]))

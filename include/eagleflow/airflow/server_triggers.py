@@ -65,8 +65,8 @@ class ServerReadyTrigger(BaseTrigger):
                     return
                 if time.time() >= self.end_at:
                     yield TriggerEvent({"status": "timeout", "detail": (
-                        f"the {kind.server} was not ready within {ctx.cfg.capture.ready_timeout_s:.0f} s ({detail}); "
-                        f"raise capture.ready_timeout_s if the model loads slowly, or read "
+                        f"the {kind.server} was not ready within {ctx.cfg.server.ready_timeout_s:.0f} s ({detail}); "
+                        f"raise server.ready_timeout_s if the model loads slowly, or read "
                         f"{ctx.layout.log_file(kind.server_role)}")})
                     return
                 self.log.info("%s not ready yet: %s", kind.server, detail)

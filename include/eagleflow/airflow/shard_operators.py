@@ -99,7 +99,7 @@ class ServerReadySensor(RunSensor):
     """Ready when the phase's server answers /health_generate (its info is the XCom); fails at once when the
     server died loading or is stuck.
 
-    The wait is bounded by the run's ``capture.ready_timeout_s``. ``deferrable`` (default: Airflow's
+    The wait is bounded by the run's ``server.ready_timeout_s``. ``deferrable`` (default: Airflow's
     ``[operators] default_deferrable``) waits in the triggerer; otherwise it pokes every ``poke_interval``.
     """
 
@@ -115,7 +115,7 @@ class ServerReadySensor(RunSensor):
         ctx = RunContext.from_airflow(context)
         try:
             done = self._look(ctx)              # one cheap look first
-            timeout_s = ctx.cfg.capture.ready_timeout_s
+            timeout_s = ctx.cfg.server.ready_timeout_s
             ref = ctx.trigger_ref()
         finally:
             ctx.close()
@@ -135,10 +135,10 @@ class ServerReadySensor(RunSensor):
             done = self._look(ctx)
             if done.is_done:
                 return done
-            if time.time() >= self.gate_started_at(context) + ctx.cfg.capture.ready_timeout_s:
+            if time.time() >= self.gate_started_at(context) + ctx.cfg.server.ready_timeout_s:
                 raise AirflowFailException(
-                    f"the {self.kind.server} was not ready within {ctx.cfg.capture.ready_timeout_s:.0f} s; raise "
-                    f"capture.ready_timeout_s if the model loads slowly, or read "
+                    f"the {self.kind.server} was not ready within {ctx.cfg.server.ready_timeout_s:.0f} s; raise "
+                    f"server.ready_timeout_s if the model loads slowly, or read "
                     f"{ctx.layout.log_file(self.kind.server_role)}")
             return done
         finally:

@@ -63,7 +63,7 @@ def target_shape(config_json: str, where: str, dtype_override: str = "auto") -> 
     dtype = dtype_override if dtype_override != "auto" else (pick("torch_dtype") or pick("dtype") or "float32")
     if dtype not in DTYPE_BYTES:
         raise BudgetError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}; "
-                          "set capture.dtype in the config")
+                          "set server.dtype in the config")
     layers = pick("num_hidden_layers") or 0
     return TargetShape(hidden_size=hidden, dtype=dtype, num_layers=int(layers))
 
@@ -188,7 +188,7 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     config_text = node.read_text(config_path)
     if config_text is None:
         raise BudgetError(f"target config {config_path} not found on node {node.name}; fix target_model")
-    shape = target_shape(config_text, config_path, cfg.capture.dtype)
+    shape = target_shape(config_text, config_path, cfg.server.dtype)
     aux = cfg.capture.aux_layers or shape.default_aux_layers()
     longest_source = max((len(s) for s in stats.get("per_source", {})), default=8)
     # the held-out records the trainer scores itself on are stored too (train.held_out_samples; mean length)
@@ -202,9 +202,9 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
     free = node.free_bytes(where)
     caches = cache_sizes(node, [str(cfg.resolve(p)) for p in cfg.disk.old_caches])
     ok = free >= est.needed_bytes
-    # the dumps in flight live in capture.dump_dir (often /dev/shm): a full one fails every request
+    # the dumps in flight live in server.dump_dir (often /dev/shm): a full one fails every request
     longest = int((stats.get("length") or {}).get("max") or cfg.corpus.max_length)
-    dump_dir = str(expand_dump_dir(cfg.resolve(cfg.capture.dump_dir)))   # this node user's folder
+    dump_dir = str(expand_dump_dir(cfg.resolve(cfg.server.dump_dir)))   # this node user's folder
     # dumps stay in the target's dtype whatever the store keeps
     dump_need = min(stats["records"], cfg.capture.shards * cfg.capture.in_flight) * longest * bytes_per_token(shape)
     dump_free = node.free_bytes(dump_dir)
@@ -220,8 +220,8 @@ def check_budget(cfg: PipelineConfig, layout: RunLayout, node: Node) -> DiskVerd
             + f") at {where} on node {node.name}; free there: {human_bytes(free)} ({free} bytes)")
     if ok and dump_free < dump_need:
         ok = False
-        msg = (f"NOT ENOUGH SPACE IN capture.dump_dir: {dump_line}; short by {human_bytes(dump_need - dump_free)}. "
-               "Free space there, point capture.dump_dir at a bigger filesystem, or lower capture.in_flight / "
+        msg = (f"NOT ENOUGH SPACE IN server.dump_dir: {dump_line}; short by {human_bytes(dump_need - dump_free)}. "
+               "Free space there, point server.dump_dir at a bigger filesystem, or lower capture.in_flight / "
                f"capture.shards. ({head})")
     elif ok:
         msg = f"disk OK: {head}; {dump_line}"

@@ -137,7 +137,7 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
     from .prompt_sets import expand_turns
     ec = cfg.eval
     node = node or LocalNode(name=cfg.node.name)
-    host = loopback_host(cfg.capture.host)   # its servers take no credential: loopback only
+    host = loopback_host(cfg.server.host)   # its servers take no credential: loopback only
 
     def serve(draft_role, draft_dir, sc):
         port = free_port(host)

@@ -11,7 +11,7 @@ Request ids carry the run and shard (``request_id``), so a worker can find and
 remove its own orphaned dumps in a dump directory shared by all shards.
 
 Trust (issue 26): the dump folder is this user's own (``private_dump_dir``:
-``{uid}`` in ``capture.dump_dir`` is this user's id, created 0700, refused when
+``{uid}`` in ``server.dump_dir`` is this user's id, created 0700, refused when
 it is a symlink or someone else's), dumps are 0600, and every dump carries an
 HMAC-SHA256 (metadata ``mac``) keyed by a secret of this node user
 (``load_dump_key``, ``RunLayout.dump_key_file`` in the state folder, 0600; one
@@ -114,7 +114,7 @@ def check_body_size(size: int, limit: int = MAX_BODY_BYTES, *, so_far: bool = Fa
     return size
 
 
-def loopback_host(host: str, field: str = "capture.host") -> str:
+def loopback_host(host: str, field: str = "server.host") -> str:
     """``host`` when it is a loopback address (127.0.0.0/8, ::1, localhost): the address every capture and
     generation server binds. Anything else (0.0.0.0, a LAN address, a name) would let other machines send
     unauthenticated requests, so it is refused naming ``field`` (a ConfigError)."""
@@ -129,7 +129,7 @@ def loopback_host(host: str, field: str = "capture.host") -> str:
     return host
 
 
-UID_PLACEHOLDER = "{uid}"            # in capture.dump_dir: this node user's uid, so each user has a folder
+UID_PLACEHOLDER = "{uid}"            # in server.dump_dir: this node user's uid, so each user has a folder
 DUMP_MAC = "mac"                     # metadata key: HMAC-SHA256 of the dump under the dump key
 ENV_DUMP_KEY = "EAGLEFLOW_CAPTURE_DUMP_KEY"   # the key (hex) for sglang's schedulers; environ is owner-only
 KEY_BYTES = 32
@@ -140,7 +140,7 @@ class DumpTrustError(RuntimeError):
 
 
 def expand_dump_dir(dump_dir: str | os.PathLike[str]) -> Path:
-    """``capture.dump_dir`` on this node: ``{uid}`` is this user's id (the default ``/dev/shm/eagleflow_hs-{uid}``)."""
+    """``server.dump_dir`` on this node: ``{uid}`` is this user's id (the default ``/dev/shm/eagleflow_hs-{uid}``)."""
     return Path(os.fspath(dump_dir).replace(UID_PLACEHOLDER, str(os.geteuid())))
 
 
@@ -174,12 +174,12 @@ def private_dump_dir(dump_dir: str | os.PathLike[str]) -> Path:
         lst = os.lstat(d) if os.path.lexists(d) else None
         what = ("is a symbolic link" if lst is not None and stat.S_ISLNK(lst.st_mode)
                 else "is not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})")
-        raise DumpTrustError(f"capture.dump_dir {d} {what}; eagleflow keeps dumps only in a folder of its own "
-                             "user: remove it or point capture.dump_dir elsewhere") from None
+        raise DumpTrustError(f"server.dump_dir {d} {what}; eagleflow keeps dumps only in a folder of its own "
+                             "user: remove it or point server.dump_dir elsewhere") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise DumpTrustError(f"capture.dump_dir {d} belongs to uid {st.st_uid}, not to this user (uid "
+            raise DumpTrustError(f"server.dump_dir {d} belongs to uid {st.st_uid}, not to this user (uid "
                                  f"{os.geteuid()}): someone else made it first and could read or replace the dumps. "
                                  "Use a folder of your own (the default /dev/shm/eagleflow_hs-{uid} is per user)")
         if stat.S_IMODE(st.st_mode) != 0o700:
@@ -366,7 +366,7 @@ def verify_dump(dump: Dump, key: bytes, path: str | os.PathLike[str], rid: str) 
     if why:
         raise DumpTrustError(f"the dump {path} {why} under the dump key: it was not written by this user's "
                              "capture server (replaced, forged, or from a server started without the key); refusing "
-                             "to store it. Check who can write capture.dump_dir, then restart the capture server "
+                             "to store it. Check who can write server.dump_dir, then restart the capture server "
                              "(`eagleflow capture serve`) and re-run the shard: stored samples are kept")
 
 

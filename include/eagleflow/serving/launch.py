@@ -76,7 +76,7 @@ class CapturePlan:
     def info(self, cfg: PipelineConfig, backend: str, version: str, **layer_ids: list[int]) -> dict[str, Any]:
         """The server info file's fields but the child's pid and start time (``run_capture_server`` adds them)."""
         tcfg = text_config(self.model_config)
-        dtype = cfg.capture.dtype if cfg.capture.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
+        dtype = cfg.server.dtype if cfg.server.dtype != "auto" else str(tcfg.get("torch_dtype") or tcfg.get("dtype"))
         return {"backend": backend, "model": self.model_path, "aux_layers": self.aux_layers,
                 "hidden_size": int(tcfg["hidden_size"]), "num_layers": int(tcfg["num_hidden_layers"]), "dtype": dtype,
                 "version": version, **layer_ids}
@@ -91,16 +91,16 @@ def plan_capture(cfg: PipelineConfig, layout: RunLayout) -> CapturePlan:
     mcfg = model_config(model_path)
     archs, num_layers = target_architectures_and_layers(mcfg)
     aux = resolve_aux_layers(cfg.capture.aux_layers, num_layers)
-    port = cfg.capture.port or free_port(cfg.capture.host)
+    port = cfg.server.port or free_port(cfg.server.host)
     dumps, key = prepare_dumps(cfg, layout)
     return CapturePlan(model_path=model_path, model_config=mcfg, architectures=list(archs), num_layers=num_layers,
-                       aux_layers=aux, port=port, url=f"http://{cfg.capture.host}:{port}", dump_dir=dumps,
+                       aux_layers=aux, port=port, url=f"http://{cfg.server.host}:{port}", dump_dir=dumps,
                        dump_key=key)
 
 
 def dump_dir(cfg: PipelineConfig) -> str:
-    """Where a capture server dumps (``capture.dump_dir``, resolved): every engine's, and the worker's reading."""
-    return str(cfg.resolve(cfg.capture.dump_dir))
+    """Where a capture server dumps (``server.dump_dir``, resolved): every engine's, and the worker's reading."""
+    return str(cfg.resolve(cfg.server.dump_dir))
 
 
 def write_info_file(path: str, info: dict) -> None:

@@ -48,9 +48,9 @@ EXTRACTION = KINDS[EXTRACT]   # what a call that names no phase recovers (``eagl
 
 def server_restart_s(cfg) -> float:
     """The longest one server restart may take: the GPUs freed (``gpu.idle_timeout_s``), the model loaded
-    (``capture.ready_timeout_s``), 120 s for the stop and the worker. Also how long a recovery waits for the
+    (``server.ready_timeout_s``), 120 s for the stop and the worker. Also how long a recovery waits for the
     server's recovery lock, held by another shard's restart."""
-    return cfg.capture.ready_timeout_s + cfg.gpu.idle_timeout_s + 120
+    return cfg.server.ready_timeout_s + cfg.gpu.idle_timeout_s + 120
 
 
 def recovery_budget_s(cfg) -> float:
@@ -122,7 +122,7 @@ def recover_server(run: RunLike, shard: int, log: Log = print, kind: ShardKind =
             return {"ok": True, "action": "none", "summary": summary, "worker": stopped_worker}
         rec = run.node.process_status(str(run.layout.pid_file(kind.server_role))).record
         if (state == "loading" and rec is not None
-                and _restarted_by_us_and_loading(run, rec, cfg.capture.ready_timeout_s, kind)):
+                and _restarted_by_us_and_loading(run, rec, cfg.server.ready_timeout_s, kind)):
             log(f"shard {shard}: {kind.server} pid {rec.pid} was restarted by a recovery "
                 f"{time.time() - rec.started_at:.0f} s ago and is loading ({detail}); waiting for it")
             info = life.wait_server_ready(run, log=log)

@@ -76,7 +76,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
                prompt_sets: dict[str, list[dict]], log, verify=None) -> tuple[list[dict], dict]:
     """The hf engine's evaluation (eagleflow.engines): our speculative decoder over transformers, in process."""
     ec = cfg.eval
-    target = decoder.Target(target_dir, device=ec.device, dtype=cfg.capture.dtype)
+    target = decoder.Target(target_dir, device=ec.device, dtype=cfg.server.dtype)
     torch.manual_seed(0)
     proposers = {}
     for role, d in drafts.items():

@@ -53,7 +53,7 @@ class CaptureModel:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("capture.device is 'cuda' but torch sees no CUDA GPU here; set capture.device: cpu "
+            raise RuntimeError("server.device is 'cuda' but torch sees no CUDA GPU here; set server.device: cpu "
                                "(or auto) or install a CUDA build of torch")
         self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
@@ -163,7 +163,7 @@ class CaptureServer(ThreadingHTTPServer):
     def __init__(self, addr, model: CaptureModel, dump_dir: str | None, dump_key: bytes | None = None,
                  mode: str = "capture"):
         if mode == "capture" and dump_dir is None:   # before the port is bound
-            raise ValueError("a capture server needs its dump folder: set capture.dump_dir")
+            raise ValueError("a capture server needs its dump folder: set server.dump_dir")
         super().__init__(addr, CaptureHandler)
         self.capture = model
         self.mode = mode                                  # "capture" (prefill + dump) | "generate" (serving)
@@ -308,18 +308,18 @@ def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: st
 def serve_capture(cfg, layout) -> int:
     """The hf engine's capture server for a run (eagleflow.engines; `eagleflow capture serve`), foreground."""
     model = str(cfg.resolve(cfg.target_model))
-    serve(model, host=cfg.capture.host, port=cfg.capture.port, dump_dir=dump_dir(cfg),
-          info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers, dtype=cfg.capture.dtype,
-          model_name=model, device=cfg.capture.device, key_file=str(layout.dump_key_file))
+    serve(model, host=cfg.server.host, port=cfg.server.port, dump_dir=dump_dir(cfg),
+          info_file=str(layout.server_info_file), aux_layers=cfg.capture.aux_layers, dtype=cfg.server.dtype,
+          model_name=model, device=cfg.server.device, key_file=str(layout.dump_key_file))
     return 0
 
 
 def serve_generation(cfg, layout) -> int:
     """The hf engine's generation server (serving mode, no dumps) for a run (`eagleflow generate serve`)."""
     model = str(cfg.resolve(cfg.target_model))
-    serve(model, host=cfg.capture.host, port=cfg.generate.port, dump_dir="",
-          info_file=str(layout.generate_server_info_file), dtype=cfg.capture.dtype, model_name=model,
-          device=cfg.capture.device, mode="generate")
+    serve(model, host=cfg.server.host, port=cfg.generate.port, dump_dir="",
+          info_file=str(layout.generate_server_info_file), dtype=cfg.server.dtype, model_name=model,
+          device=cfg.server.device, mode="generate")
     return 0
 
 

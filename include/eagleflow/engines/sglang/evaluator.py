@@ -61,9 +61,9 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                   sc: SpecConfig | None, python: str = sys.executable) -> list[str]:
     """``python -m sglang.launch_server`` for the target, with the draft at ``sc`` (or alone when None)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--tp-size", str(cfg.capture.tp)]  # the TP the capture used; --tp is only an argparse abbreviation
-    if cfg.capture.dtype != "auto":
-        argv += ["--dtype", cfg.capture.dtype]
+            "--tp-size", str(cfg.server.tp)]  # the TP the capture used; --tp is only an argparse abbreviation
+    if cfg.server.dtype != "auto":
+        argv += ["--dtype", cfg.server.dtype]
     if sc is not None:
         argv += speculative_args(str(draft_dir), sc)
     return argv + list(cfg.eval.extra_server_args)
@@ -168,7 +168,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
     else:
         version = None
     check_drafts(drafts, target_dir)
-    threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
+    threshold = near_tie_threshold(cfg.server.dtype, ec.near_tie_logit_gap)
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
 
     def send(url, prompts, max_new, tag, *, top2, speculative):
@@ -189,5 +189,5 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
         with_draft=with_draft, warm_up=warm_up)
     rows = serve_and_measure(cfg, layout, engine, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets,
                              log=log, node=node)
-    return rows, {"sglang_version": version, "concurrency": ec.concurrency, "target_dtype": cfg.capture.dtype,
+    return rows, {"sglang_version": version, "concurrency": ec.concurrency, "target_dtype": cfg.server.dtype,
                   "device": "sglang"}

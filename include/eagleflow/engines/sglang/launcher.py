@@ -90,9 +90,9 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     """sglang 0.5.23's argv for extraction; ``sglang_layer_ids`` are already in sglang's convention for the
     target's family (see ``capture.aux_layers``). Proven against sglang's own parser and resolution in
     tests/node/test_sglang_launch_args.py."""
-    cap = cfg.capture
+    srv = cfg.server
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--tp-size", str(cap.tp), "--dtype", cap.dtype,
+            "--tp-size", str(srv.tp), "--dtype", srv.dtype,
             # one request = one whole prefill = one whole sample: no radix cache (a hit computes only the
             # suffix), no chunked prefill, no CUDA graphs (0.5.23 turns breakable prefill graphs on by default)
             "--disable-radix-cache", "--chunked-prefill-size", "-1",
@@ -100,7 +100,7 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
             # the draft-free capture switch: the algorithm only names the capture convention
             "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
             "--return-aux-hidden-state-layer-ids", *[str(x) for x in sglang_layer_ids]]
-    return argv + list(cap.extra_server_args)
+    return argv + list(srv.extra_server_args)
 
 
 def capture_env(*, dump_dir: str, aux_layers: list[int], model: str,
@@ -138,29 +138,29 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     from eagleflow.durable import atomic_write
 
     from eagleflow.serving.dump_protocol import loopback_host
-    loopback_host(cfg.capture.host)   # it takes no credential: loopback only
+    loopback_host(cfg.server.host)   # it takes no credential: loopback only
     model = str(cfg.resolve(cfg.target_model))
-    port = cfg.generate.port or free_port(cfg.capture.host)
+    port = cfg.generate.port or free_port(cfg.server.host)
     atomic_write(str(layout.generate_server_info_file),
                  json.dumps({"backend": "sglang", "mode": "generate", "model": model,
-                             "url": f"http://{cfg.capture.host}:{port}", "pid": os.getpid()}),
+                             "url": f"http://{cfg.server.host}:{port}", "pid": os.getpid()}),
                  mode=0o644)   # read as ours (phase_jobs.server_url_in): never group-writable
-    os.execv(sys.executable, build_generate_command(cfg, model_path=model, host=cfg.capture.host, port=port))
+    os.execv(sys.executable, build_generate_command(cfg, model_path=model, host=cfg.server.host, port=port))
     return 0
 
 
 def build_generate_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                            python: str = sys.executable) -> list[str]:
-    """sglang's argv for serving the target (generation): its own flags, then ``capture.extra_server_args``."""
+    """sglang's argv for serving the target (generation): its own flags, then ``server.extra_server_args``."""
     return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--tp-size", str(cfg.capture.tp), "--random-seed", str(cfg.generate.seed), "--skip-tokenizer-init",
-            *cfg.capture.extra_server_args]
+            "--tp-size", str(cfg.server.tp), "--random-seed", str(cfg.generate.seed), "--skip-tokenizer-init",
+            *cfg.server.extra_server_args]
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
-    loopback_host(cfg.capture.host)   # first: sglang takes no credential, so it never listens beyond loopback
+    loopback_host(cfg.server.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:
         version = check_supported_version(installed_sglang_version())
         cls_name = check_model_supports_capture(str(cfg.resolve(cfg.target_model)))
@@ -171,12 +171,12 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     except (LaunchError, ValueError, DumpTrustError) as e:
         print(f"eagleflow capture serve (sglang): {e}", file=sys.stderr, flush=True)
         return 2
-    argv = build_command(cfg, model_path=plan.model_path, host=cfg.capture.host, port=plan.port,
+    argv = build_command(cfg, model_path=plan.model_path, host=cfg.server.host, port=plan.port,
                          sglang_layer_ids=sglang_ids)
     print(f"eagleflow capture serve: sglang {version}, {cls_name}, outputs of layers {plan.aux_layers} (sglang ids "
           f"{sglang_ids}): {' '.join(argv)}", file=sys.stderr, flush=True)
     return run_capture_server(
-        argv, env, engine="sglang", url=plan.url, ready_timeout_s=cfg.capture.ready_timeout_s,
+        argv, env, engine="sglang", url=plan.url, ready_timeout_s=cfg.server.ready_timeout_s,
         dump_dir=plan.dump_dir, dump_key=plan.dump_key, appear_within_s=10.0,   # the plugin writes beside the answer
         missing_dump_hint="the capture plugin is not active in the scheduler (is eagleflow installed in sglang's "
                           "venv with its entry point, `pip install -e .`?)",

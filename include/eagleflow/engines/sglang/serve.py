@@ -13,7 +13,7 @@ def serve_command(cfg: PipelineConfig, export_dir: str) -> str:
     argv = ["python3", "-m", "sglang.launch_server", "--model-path", str(cfg.target_model),
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", export_dir,
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-            "--tp-size", str(cfg.capture.tp)]  # --tp is only an argparse abbreviation
-    if cfg.capture.dtype != "auto":
-        argv += ["--dtype", cfg.capture.dtype]
+            "--tp-size", str(cfg.server.tp)]  # --tp is only an argparse abbreviation
+    if cfg.server.dtype != "auto":
+        argv += ["--dtype", cfg.server.dtype]
     return shlex.join(argv)

@@ -76,7 +76,7 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
     when None). Proven against vLLM's own parser in tests/node_vllm/test_vllm_eval.py."""
     from eagleflow.evaluate.lossless import TOP_CANDIDATES
     argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(cfg.capture.tp), "--dtype", cfg.capture.dtype]
+            "--tensor-parallel-size", str(cfg.server.tp), "--dtype", cfg.server.dtype]
     if sc is None:
         argv += ["--max-logprobs", str(TOP_CANDIDATES)]   # the reference's candidates; vLLM allows 20 by default
     else:
@@ -267,7 +267,7 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
     ec = cfg.eval
     version = check_vllm() if command is None else None
     check_drafts(drafts, target_dir)
-    threshold = near_tie_threshold(cfg.capture.dtype, ec.near_tie_logit_gap)
+    threshold = near_tie_threshold(cfg.server.dtype, ec.near_tie_logit_gap)
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
 
     def send(url, prompts, max_new, candidates):
@@ -291,5 +291,5 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
         with_draft=with_draft, warm_up=warm_up)
     rows = serve_and_measure(cfg, layout, engine, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets,
                              log=log, node=node)
-    return rows, {"vllm_version": version, "concurrency": ec.concurrency, "target_dtype": cfg.capture.dtype,
+    return rows, {"vllm_version": version, "concurrency": ec.concurrency, "target_dtype": cfg.server.dtype,
                   "device": "vllm"}

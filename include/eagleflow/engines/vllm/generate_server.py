@@ -54,37 +54,37 @@ def check_vllm() -> str:
 
 
 def server_args(cfg: PipelineConfig) -> list[str]:
-    """``capture.extra_server_args`` are flags for capture.backend's server: passed only when that engine is
+    """``server.extra_server_args`` are flags for capture.backend's server: passed only when that engine is
     this one (vllm), never sglang's flags to vLLM's parser."""
-    return list(cfg.capture.extra_server_args) if cfg.capture.backend == generation_backend(cfg)[0] else []
+    return list(cfg.server.extra_server_args) if cfg.capture.backend == generation_backend(cfg)[0] else []
 
 
 def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                   python: str = sys.executable) -> list[str]:
     """vLLM 0.33's argv for serving the target (proven against vLLM's own ``serve`` parser and config builder in
     tests/node_vllm/test_vllm_generate.py)."""
-    cap = cfg.capture
+    srv = cfg.server
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(cap.tp), "--dtype", cap.dtype, "--seed", str(cfg.generate.seed),
+            "--tensor-parallel-size", str(srv.tp), "--dtype", srv.dtype, "--seed", str(cfg.generate.seed),
             # the project's API (/generate, /health_generate, /get_server_info) on vLLM's server
             "--middleware", GENERATE_MIDDLEWARE, *server_args(cfg)]
 
 
 def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     from eagleflow.durable import atomic_write
-    loopback_host(cfg.capture.host)   # it takes no credential: loopback only
+    loopback_host(cfg.server.host)   # it takes no credential: loopback only
     try:
         version = check_vllm()
     except VllmGenerateError as e:
         print(f"eagleflow generate serve (vllm): {e}", file=sys.stderr, flush=True)
         return 2
     model = str(cfg.resolve(cfg.target_model))
-    port = cfg.generate.port or free_port(cfg.capture.host)
-    url = f"http://{cfg.capture.host}:{port}"
-    argv = build_command(cfg, model_path=model, host=cfg.capture.host, port=port)
-    dropped = len(cfg.capture.extra_server_args) - len(server_args(cfg))
+    port = cfg.generate.port or free_port(cfg.server.host)
+    url = f"http://{cfg.server.host}:{port}"
+    argv = build_command(cfg, model_path=model, host=cfg.server.host, port=port)
+    dropped = len(cfg.server.extra_server_args) - len(server_args(cfg))
     print(f"eagleflow generate serve: vLLM {version} serving {model} at {url}"
-          + (f" (capture.extra_server_args not passed: they are {cfg.capture.backend}'s flags)" if dropped else "")
+          + (f" (server.extra_server_args not passed: they are {cfg.capture.backend}'s flags)" if dropped else "")
           + f": {' '.join(argv)}", file=sys.stderr, flush=True)
     atomic_write(str(layout.generate_server_info_file),
                  json.dumps({"backend": "vllm", "mode": "generate", "model": model, "url": url, "pid": os.getpid(),

@@ -11,7 +11,7 @@ pins; the target is a family whose vLLM numbering of the capture layers we know
 - ``--no-enable-prefix-caching``: a prefix-cache hit would compute only the suffix (the connector refuses
   such a request rather than write a short dump); chunked prefill may stay on: the connector follows a
   request's blocks until its whole prompt is in the cache;
-- host (loopback only), port, TP and dtype from the config, then ``capture.extra_server_args``;
+- host (loopback only), port, TP and dtype from the config, then ``server.extra_server_args``;
 
 - ``--middleware eagleflow.engines.vllm.api.CaptureApi``: the project's capture API (``POST /generate``,
   ``GET /health_generate``, ``GET /get_server_info``) answered through vLLM's own ``/v1/completions``, so
@@ -79,16 +79,16 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                   python: str = sys.executable) -> list[str]:
     """vLLM 0.33's argv for extraction; ``capture_ids`` in vLLM's numbering (aux ids and the last layer).
     Proven against vLLM's own ``serve`` parser and config builders in tests/node_vllm/test_vllm_capture.py."""
-    cap = cfg.capture
+    srv = cfg.server
     argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(cap.tp), "--dtype", cap.dtype,
+            "--tensor-parallel-size", str(srv.tp), "--dtype", srv.dtype,
             # a prefix-cache hit computes only the suffix: its dump would be short (the connector refuses it)
             "--no-enable-prefix-caching",
             "--speculative-config", json.dumps(speculative_config(capture_ids), separators=(",", ":")),
             "--kv-transfer-config", json.dumps(kv_transfer_config(), separators=(",", ":")),
             # the project's capture API (/generate, /health_generate, /get_server_info) on vLLM's server
             "--middleware", MIDDLEWARE]
-    return argv + list(cap.extra_server_args)
+    return argv + list(srv.extra_server_args)
 
 
 def capture_env(*, dump_dir: str, aux_layers: list[int], model: str) -> dict[str, str]:
@@ -112,7 +112,7 @@ def check_connector(env: dict[str, str]) -> None:
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
-    loopback_host(cfg.capture.host)   # first: vLLM's server takes no credential here, loopback only
+    loopback_host(cfg.server.host)   # first: vLLM's server takes no credential here, loopback only
     try:
         version = check_supported_version(installed_vllm_version())
         plan = plan_capture(cfg, layout)
@@ -123,12 +123,12 @@ def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
     except (LaunchError, ValueError, DumpTrustError) as e:
         print(f"eagleflow capture serve (vllm): {e}", file=sys.stderr, flush=True)
         return 2
-    argv = build_command(cfg, model_path=plan.model_path, host=cfg.capture.host, port=plan.port,
+    argv = build_command(cfg, model_path=plan.model_path, host=cfg.server.host, port=plan.port,
                          capture_ids=capture_ids)
     print(f"eagleflow capture serve: vLLM {version}, outputs of layers {plan.aux_layers} (vLLM ids {capture_ids}, the "
           f"last for the final norm): {' '.join(argv)}", file=sys.stderr, flush=True)
     return run_capture_server(
-        argv, env, engine="vLLM", url=plan.url, ready_timeout_s=cfg.capture.ready_timeout_s,
+        argv, env, engine="vLLM", url=plan.url, ready_timeout_s=cfg.server.ready_timeout_s,
         dump_dir=plan.dump_dir, dump_key=plan.dump_key, appear_within_s=0.0,   # written before vLLM answers: no wait
         missing_dump_hint="the capture connector did not write it; read its lines above in this log",
         info_file=str(layout.server_info_file), info=plan.info(cfg, "vllm", version, vllm_layer_ids=capture_ids))

@@ -16,7 +16,7 @@ def vllm_serve_command(cfg: PipelineConfig, speculators_dir: str) -> str:
     SGLang's (``eagleflow.engines.sglang.serve``) (3 draft tokens per round), the same TP and dtype."""
     spec = {"method": "eagle3", "model": speculators_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
     argv = ["vllm", "serve", str(cfg.target_model), "--speculative-config", json.dumps(spec),
-            "--tensor-parallel-size", str(cfg.capture.tp)]
-    if cfg.capture.dtype != "auto":
-        argv += ["--dtype", cfg.capture.dtype]
+            "--tensor-parallel-size", str(cfg.server.tp)]
+    if cfg.server.dtype != "auto":
+        argv += ["--dtype", cfg.server.dtype]
     return shlex.join(argv)
