@@ -323,6 +323,9 @@ class StreamConfig(_Section):
                                 "within this many arrived samples (1 = in arrival order)")
     put_timeout_s: float = Field(default=600.0, gt=0, description="mooncake: a put waits this long for room "
                                  "under buffer_gib before it fails naming the store (nobody consuming)")
+    store_down_timeout_s: float = Field(default=120.0, gt=0, le=86400, description="mooncake: a trainer whose "
+                                        "store went away (its master killed) waits this long for it to run again "
+                                        "(the trainer's watch restarts it) before it fails with StoreUnavailable")
 
     @field_validator("storage")
     @classmethod

@@ -33,6 +33,8 @@ class InFlight:
 # a streaming trainer's heartbeat ``extra``: since when (unix time) it waits for the producer's next sample, None
 # while it has samples (train.data.StreamLoader's on_wait); its watch blames a starved trainer on the producer
 WAITING_FOR_SAMPLES = "waiting_for_samples_since"
+# ... since when it waits for its store to run again (lost mid-run: StreamLoader's on_store_wait): not stuck
+WAITING_FOR_STORE = "waiting_for_store_since"
 
 
 @dataclass

@@ -86,3 +86,64 @@ def test_the_store_branch_check_sees_the_shapes_it_guards_against():
            'match storage:\n    case "disk":\n        pass\n'
            'name = "mooncake"\n')
     assert store_branches(src) == [1, 3, 5]
+
+
+def _streamed_manifest(tmp_path: Path, lines: list[tuple[int, str]]) -> Path:
+    """A Mooncake shard's manifest under a run folder: (index, store_id) per line."""
+    from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
+    shard = tmp_path / "run" / "hidden_states" / "shard_00000"
+    with ManifestWriter(shard / "manifest.jsonl", fsync=False) as w:
+        for i, sid in lines:
+            w.append(ManifestEntry(id=f"src:{i}", index=i, file=f"r/shard_00000/{i:08d}", tokens=5, bytes=10,
+                                   sha256="0" * 64, store_dtype="auto", store_id=sid))
+    return shard
+
+
+def test_a_lost_stores_lines_are_captured_again_unless_the_last_epoch_trained_them(tmp_path, monkeypatch):
+    """The Mooncake resume: a line put into the store running now is done; a line of a dead incarnation is
+    done only when the ledger's last epoch (its plan) trained it; every other one is redone, naming why."""
+    from eagleflow.stores.ledger import EpochLedger
+    from eagleflow.stores.mooncake import store as mstore
+    from eagleflow.stores.mooncake.master import MooncakeEndpoint
+    shard = _streamed_manifest(tmp_path, [(0, "old"), (1, "old"), (2, "old"), (3, "new"), (4, "old")])
+    led = EpochLedger(tmp_path / "run" / "draft" / "stream_ledger.jsonl", fsync=False)
+    led.plan(2)
+    led.taken(0, ["src:0", "src:1", "src:2"])
+    led.trained(0, ["src:0", "src:1"], step=1)     # epoch 0 only: epoch 1 still needs them
+    led.taken(1, ["src:1"])
+    led.trained(1, ["src:1"], step=2)              # the last epoch: needs it no more
+    led.close()
+    running = MooncakeEndpoint(host="127.0.0.1", rpc_port=1, metadata_port=2, metrics_port=3, segment_bytes=1,
+                               store_id="new")
+    seen: list[Path] = []
+    monkeypatch.setattr(mstore, "running_store", lambda f: seen.append(Path(f)) or running)
+    check = STORES["mooncake"].resume_check(str(shard), read_manifest(shard / "manifest.jsonl"))
+    assert seen == [tmp_path / "run" / "store_endpoint.json"]
+    assert check.done == {1, 3}
+    assert sorted(e.index for e, _ in check.broken) == [0, 2, 4]
+    assert all("put into store old, lost with it (the store running now is new)" in why for _, why in check.broken)
+    # no store running (never started, or down again): nothing is proven lost, every recorded line is kept
+    monkeypatch.setattr(mstore, "running_store", lambda f: None)
+    check = STORES["mooncake"].resume_check(str(shard), read_manifest(shard / "manifest.jsonl"))
+    assert check.done == {0, 1, 2, 3, 4} and not check.broken
+
+
+def test_a_ledger_without_a_plan_counts_one_epoch_and_a_bad_plan_is_a_bad_line(tmp_path):
+    from eagleflow.stores.ledger import EpochLedger, read_ledger
+    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    led.trained(0, ["a"], step=1)
+    led.trained(1, ["b"], step=2)
+    led.close()
+    assert read_ledger(tmp_path / "l.jsonl").trained_in_last_epoch() == {"a"}
+    with open(tmp_path / "l.jsonl", "a") as f:
+        f.write('{"event":"plan","epochs":0}\n{"event":"plan","epochs":2}\n')
+    state = read_ledger(tmp_path / "l.jsonl")
+    assert state.bad_lines == [3] and state.planned_epochs == 2 and state.trained_in_last_epoch() == {"b"}
+
+
+def test_a_manifest_line_keeps_its_store_incarnation(tmp_path):
+    shard = _streamed_manifest(tmp_path, [(0, "s1"), (1, None)])
+    text = (shard / "manifest.jsonl").read_text().splitlines()
+    assert '"store_id":"s1"' in text[0] and "store_id" not in text[1]      # disk lines stay as they were
+    entries = read_manifest(shard / "manifest.jsonl").entries
+    assert entries[0].store_id == "s1" and entries[1].store_id is None

@@ -4,11 +4,12 @@ but not trained."""
 from __future__ import annotations
 
 import io
+from typing import Callable
 
 import pytest
 import torch
 
-from eagleflow.stores.contract import SampleRef, SampleSource
+from eagleflow.stores.contract import SampleRef, SampleSource, StoreUnavailable
 from eagleflow.stores.encoding import encode_sample
 from eagleflow.stores.ledger import EpochLedger, LedgerError, check_exactly_once, read_ledger, require_exactly_once
 from eagleflow.train.data import StreamLoader, StreamStarved
@@ -23,6 +24,8 @@ class MemorySource:
         self.data: dict[str, bytes] = {}
         self.refs: list[SampleRef] = []
         self.released: list[str] = []
+        self.down = False                       # lost (its master killed): every call fails
+        self.comes_back: Callable[[], None] | None = None   # what a restart does (its shards re-capture)
 
     def add(self, i: int) -> None:
         enc = encode_sample(index=i, sample_id=f"s{i}", input_ids=torch.arange(3 + i % 4), loss_mask=[1] * (3 + i % 4),
@@ -36,11 +39,31 @@ class MemorySource:
         return list(self.refs)
 
     def open(self, ref):
+        if self.down:
+            raise StoreUnavailable(self.store, f"get {ref.path}: the master does not answer")
         return io.BytesIO(self.data[ref.path])
 
     def release(self, ref):   # as the contract says: a sample already gone is no error
+        if self.down:
+            raise StoreUnavailable(self.store, f"remove {ref.path}: the master does not answer")
         if self.data.pop(ref.path, None) is not None:
             self.released.append(ref.id)
+
+    def lose(self) -> None:
+        """The store is killed: its samples and the lines naming them are gone (scan names a store's own)."""
+        self.down, self.data, self.refs = True, {}, []
+
+    def wait_for_store(self, timeout_s, on_wait=None):
+        if on_wait is not None:
+            on_wait(123.0)
+        if self.down and self.comes_back is None:
+            raise StoreUnavailable(self.store, f"the store did not come back within {timeout_s:g} s")
+        if self.down:
+            self.down = False
+            self.comes_back()
+        if on_wait is not None:
+            on_wait(None)
+        return True
 
     def close(self):
         pass
@@ -143,3 +166,50 @@ def test_a_loader_says_when_it_waits_for_the_producer_and_when_it_stops(tmp_path
     _, refs = loader.next_batch()
     assert sorted(r.id for r in refs) == ["s0", "s1"]
     assert len(calls) == 2 and calls[1] is None and t0 <= calls[0] <= t0 + 0.4
+
+
+def test_a_store_lost_mid_epoch_is_waited_for_and_what_it_lost_trained_once(tmp_path):
+    """Issue 53: the store dies with a batch trained but not committed and the next being read. The loader waits
+    for the new incarnation (saying so), serves the unread batch again first once re-captured, never draws the
+    uncommitted one again (its commit records it), and the epoch ends with every sample trained once."""
+    src = MemorySource()
+    for i in range(8):
+        src.add(i)
+    path = tmp_path / "l.jsonl"
+    waits: list = []
+    loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=3,
+                          starve_after_s=5, on_store_wait=waits.append)
+    _, a = loader.next_batch()
+    loader.commit(1)
+    _, held = loader.next_batch()                 # trained, not committed when the store dies
+    trained = set(read_ledger(path).epoch(0).trained)
+
+    def recapture():                              # the shards' resume: every line not trained is put again
+        for i in range(8):
+            if f"s{i}" not in trained:
+                src.add(i)
+    src.comes_back = recapture
+    src.lose()
+    _, b = loader.next_batch()                    # its first read fails: the store is waited for
+    assert waits == [123.0, None] and loader.stores_lost == 1
+    pending = read_ledger(path).epoch(0).pending
+    assert {r.id for r in held} | {r.id for r in b} <= pending
+    loader.commit(2)
+    step = 2
+    while not loader.finished:
+        _, refs = loader.next_batch()
+        assert not {r.id for r in refs} & {r.id for r in held}     # never drawn again in the epoch
+        step += 1
+        loader.commit(step)
+    require_exactly_once(path, {f"s{i}" for i in range(8)}, epochs=1)
+
+
+def test_a_store_that_does_not_come_back_fails_naming_it(tmp_path):
+    src = MemorySource()
+    for i in range(4):
+        src.add(i)
+    loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=4,
+                          store_down_timeout_s=0.5)
+    src.down = True
+    with pytest.raises(StoreUnavailable, match=r"memory store: the store did not come back within 0.5 s"):
+        loader.next_batch()

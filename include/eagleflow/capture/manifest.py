@@ -33,10 +33,11 @@ class ManifestEntry:
     sha256: str
     mtime_ns: int | None = None
     store_dtype: str | None = None     # capture.store_dtype the file was written with; None (older lines) = auto
+    store_id: str | None = None        # a streaming store's incarnation the sample was put into (None: disk)
 
     def to_line(self) -> str:
         d = asdict(self)
-        for k in ("mtime_ns", "store_dtype"):
+        for k in ("mtime_ns", "store_dtype", "store_id"):
             if d[k] is None:
                 del d[k]
         return json.dumps(d, separators=(",", ":")) + "\n"
@@ -103,7 +104,8 @@ def _read_manifest(path: str | os.PathLike) -> ManifestScan:
             e = ManifestEntry(id=str(d["id"]), index=int(d["index"]), file=str(d["file"]),
                               tokens=int(d["tokens"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]),
                               mtime_ns=None if mt is None else int(mt),
-                              store_dtype=None if d.get("store_dtype") is None else str(d["store_dtype"]))
+                              store_dtype=None if d.get("store_dtype") is None else str(d["store_dtype"]),
+                              store_id=None if d.get("store_id") is None else str(d["store_id"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             bad.append(n)
             continue

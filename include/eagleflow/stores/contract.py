@@ -10,7 +10,7 @@ Mooncake store keeps them in memory under a key namespaced by run and shard. Not
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Callable, Protocol, runtime_checkable
 
 from eagleflow.stores.encoding import EncodedSample
 
@@ -94,5 +94,11 @@ class SampleSource(Protocol):
     def release(self, ref: SampleRef) -> None:
         """The sample's last epoch is done with it: the store may drop it. A sample already gone is no error
         (a resumed trainer releases again what a killed one may have left)."""
+
+    def wait_for_store(self, timeout_s: float, on_wait: Callable[[float | None], None] | None = None) -> bool:
+        """After ``StoreUnavailable``: wait up to ``timeout_s`` for the store to run again and use it; True when it
+        is a new incarnation (the lost one's samples are gone until their shards capture them again: refs taken
+        before are stale). Past the deadline ``StoreUnavailable`` naming the store. ``on_wait``: told the time
+        the wait began, then None."""
 
     def close(self) -> None: ...

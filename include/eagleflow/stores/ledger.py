@@ -7,7 +7,9 @@ them is committed (``at``: the event's wall-clock time, so a run's records say w
 against when capture wrote its manifests; nothing else reads it). A trainer killed between the two leaves
 samples taken but not trained: ``LedgerState.pending`` names them and a resumed loader serves them again
 (0 lost); a sample already trained in an epoch is never served again in it (0 twice). A cut-off last line
-(a crash mid-append) is ignored and sealed.
+(a crash mid-append) is ignored and sealed. ``{"event": "plan", "epochs": E}`` is written each time a trainer
+opens the ledger: how many epochs the run trains (a streaming store's resume keeps a lost store's sample only
+when the run's last epoch trained it).
 """
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ class EpochRecord:
 class LedgerState:
     epochs: dict[int, EpochRecord] = field(default_factory=dict)
     bad_lines: list[int] = field(default_factory=list)
+    planned_epochs: int | None = None    # the last plan line's; None: no trainer has opened the ledger
+
+    def trained_in_last_epoch(self) -> set[str]:
+        """The ids the run's last epoch trained (they need their sample no more); a ledger with no plan (an
+        older trainer's) counts one epoch."""
+        return set(self.epoch((self.planned_epochs or 1) - 1).trained)
 
     def epoch(self, e: int) -> EpochRecord:
         return self.epochs.setdefault(e, EpochRecord())
@@ -66,6 +74,9 @@ class EpochLedger:
     def taken(self, epoch: int, ids: list[str]) -> None:
         self._append({"epoch": epoch, "event": "taken", "ids": list(ids)})
 
+    def plan(self, epochs: int) -> None:
+        self._append({"event": "plan", "epochs": int(epochs)})
+
     def trained(self, epoch: int, ids: list[str], step: int) -> None:
         self._append({"epoch": epoch, "event": "trained", "ids": list(ids), "step": step})
 
@@ -88,8 +99,13 @@ def read_ledger(path: str | os.PathLike) -> LedgerState:
             continue
         try:
             d = bounded_json.loads(raw, source=f"{path} line {n}", max_bytes=len(raw))
+            if d.get("event") == "plan":
+                if int(d["epochs"]) < 1:
+                    raise ValueError("a plan of no epoch")
+                state.planned_epochs = int(d["epochs"])
+                continue
             epoch, event, ids = int(d["epoch"]), str(d["event"]), [str(i) for i in d["ids"]]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             state.bad_lines.append(n)
             continue
         rec = state.epoch(epoch)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from eagleflow.safetensors_format import DTYPES, read_header
-from eagleflow.stores.contract import BadSampleError, SampleRef, SampleSource
+from eagleflow.stores.contract import BadSampleError, SampleRef, SampleSource, StoreUnavailable
 from eagleflow.stores.disk.store import DiskSource, MixedStoreError, scan_samples
 from eagleflow.stores.encoding import QUANTISED_KEYS, SCALE_SUFFIX, dequantise_fp8
 
@@ -401,12 +401,19 @@ class StreamLoader:
     resumes: what the epoch already trained is never served again; what was taken but not trained is served
     first. ``corpus_size`` samples make an epoch. More than one epoch keeps every sample in the store until
     its last epoch, so the corpus must fit the buffer (re-capturing a shard per epoch is not built yet).
+
+    A store lost mid-run (``StoreUnavailable``: its master killed) is waited for, up to ``store_down_timeout_s``
+    (``source.wait_for_store``; ``on_store_wait`` told when, for the heartbeat): the batch being read is handed
+    out again first, and once a new incarnation runs every sample known from the lost one is forgotten, so
+    each is drawn again when its shard has captured it again. Batches trained and not yet committed stay so:
+    their next commit records them (the model has them), and their ids are never drawn again in the epoch.
     """
 
     def __init__(self, source: SampleSource, ledger, *, batch_size: int, corpus_size: int, seed: int = 0,
                  shuffle_window: int = 64, epochs: int = 1, max_length: int | None = None,
                  starve_after_s: float = 300.0, poll_s: float = 0.05,
-                 on_wait: Callable[[float | None], None] | None = None):
+                 on_wait: Callable[[float | None], None] | None = None, store_down_timeout_s: float = 120.0,
+                 on_store_wait: Callable[[float | None], None] | None = None):
         import random as _random
         self.source, self.ledger = source, ledger
         # told when a draw starts waiting for the producer (the wall-clock time) and when it stops (None): the
@@ -415,6 +422,8 @@ class StreamLoader:
         self.batch_size, self.corpus_size, self.epochs = batch_size, corpus_size, epochs
         self.shuffle_window, self.max_length = shuffle_window, max_length
         self.starve_after_s, self.poll_s = starve_after_s, poll_s
+        self.store_down_timeout_s, self.on_store_wait = store_down_timeout_s, on_store_wait
+        self.stores_lost = 0       # new store incarnations this loader went on with
         self.seed = seed
         state = ledger.read()
         done = [e for e in range(epochs) if len(set(state.epoch(e).trained)) >= corpus_size]
@@ -477,12 +486,37 @@ class StreamLoader:
         refs = [self._draw() for _ in range(want)]
         self._served.update(r.id for r in refs)
         self.ledger.taken(self.epoch, [r.id for r in refs])
-        batch = collate((read_sample_keys(r, SAMPLE_KEYS, source=self.source) for r in refs), self.max_length,
-                        lengths=[r.tokens for r in refs])
+        try:
+            batch = collate((read_sample_keys(r, SAMPLE_KEYS, source=self.source) for r in refs), self.max_length,
+                            lengths=[r.tokens for r in refs])
+        except StoreUnavailable:
+            self._store_lost(refs)
+            return self.next_batch()
         self._uncommitted.append((self.epoch, refs))
         if len(self._served) >= self.corpus_size:
             self._next_epoch()
         return batch, refs
+
+    def _store_lost(self, unread: list[SampleRef]) -> None:
+        """The store went away while ``unread`` were read: wait for it (StoreUnavailable past the deadline); they
+        are served again first (taken in the ledger, never trained); a new incarnation drops every ref of the
+        old one (their lines are stale: the shards put them again, and ``scan`` names only the new store's)."""
+        new = self.source.wait_for_store(self.store_down_timeout_s, self.on_store_wait)
+        ids = [r.id for r in unread]
+        self._served.difference_update(ids)
+        self._first = ids + [i for i in self._first if i not in ids]
+        if new:
+            self.stores_lost += 1
+            self._known = {}
+            self._window = []
+
+    def _release(self, ref: SampleRef) -> None:
+        try:
+            self.source.release(ref)
+        except StoreUnavailable:
+            # gone with the store; once it is back, a copy its shard put again (same key) is removed
+            self.source.wait_for_store(self.store_down_timeout_s, self.on_store_wait)
+            self.source.release(ref)
 
     def _next_epoch(self) -> None:
         import random as _random
@@ -521,5 +555,5 @@ class StreamLoader:
             self.ledger.trained(epoch, [r.id for r in refs], step)
             if epoch == self.epochs - 1:
                 for r in refs:
-                    self.source.release(r)
+                    self._release(r)
         self._uncommitted = []

@@ -40,6 +40,7 @@ class StreamRun:
     def __init__(self, cfg, layout, store: Store, log: Callable[[str], None] = print):
         self.cfg, self.layout, self.store, self.log = cfg, layout, store, log
         self.on_wait: Callable[[float | None], None] | None = None   # StreamLoader's (the trainer's heartbeat)
+        self.on_store_wait: Callable[[float | None], None] | None = None
         self.settings = run_store_settings(cfg, layout)
         self.corpus_file = Path(str(layout.corpus_dir)) / CORPUS_FILE
         if not self.corpus_file.is_file():
@@ -106,10 +107,14 @@ class StreamRun:
     def open_loader(self, checkpoint_state: dict[str, Any] | None) -> StreamLoader:
         self.reconcile(checkpoint_state)
         tc = self.cfg.train
-        self.loader = StreamLoader(self.source, EpochLedger(self.ledger_file, fsync=self.settings.fsync),
+        ledger = EpochLedger(self.ledger_file, fsync=self.settings.fsync)
+        ledger.plan(self.epochs)    # a lost store's samples trained in the last epoch are not captured again
+        self.loader = StreamLoader(self.source, ledger,
                                    batch_size=tc.batch_size, corpus_size=self.corpus_size, seed=tc.seed,
                                    shuffle_window=self.cfg.stream.shuffle_window, epochs=self.epochs,
-                                   max_length=None, on_wait=self.on_wait)
+                                   max_length=None, on_wait=self.on_wait,
+                                   store_down_timeout_s=self.cfg.stream.store_down_timeout_s,
+                                   on_store_wait=self.on_store_wait)
         return self.loader
 
     def position(self) -> DataPosition:
@@ -141,6 +146,12 @@ class StreamRun:
         """The exactly-once check over the ledger, written to the run's stream verification record; LedgerError
         (after writing it) when any sample was trained twice, never, or is not in the corpus."""
         from eagleflow.durable import atomic_write
+        if self.loader is not None and self.loader.stores_lost:
+            # a shard that re-captured a sample after the store was lost, once its commit had released the key
+            # already, left that copy behind: the last epoch is done with it
+            n = release_trained(self.ledger_file, self.epochs, self.source)
+            self.log(f"the store was lost {self.loader.stores_lost} time(s) and went on; {n} re-captured sample(s) "
+                     "already trained released at the end")
         state = read_ledger(self.ledger_file)
         check = check_exactly_once(state, self.corpus_ids, self.epochs)
         record = {"ok": check.ok, "kind": "stream", "store": self.store.name, "checked_at": time.time(),
@@ -162,6 +173,18 @@ class StreamRun:
         if self.loader is not None:
             self.loader.ledger.close()
         self.source.close()
+
+
+def release_trained(ledger_file: str | Path, epochs: int, source: Any) -> int:
+    """Release every sample the store holds that the ledger has trained in the last epoch; how many."""
+    last = set(read_ledger(ledger_file).epoch(epochs - 1).trained)
+    done = 0
+    if last:
+        for ref in source.scan():
+            if ref.id in last:
+                source.release(ref)
+                done += 1
+    return done
 
 
 def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] | None, epochs: int, source: Any,
@@ -188,11 +211,7 @@ def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] |
         ledger.close()
     # every sample its last epoch trained leaves the store, including those a trainer killed between its
     # ledger's commit and the releases that follow it had left there (a remove of a gone key is a no-op)
-    last = set(read_ledger(ledger_file).epoch(epochs - 1).trained)
-    if last:
-        for ref in source.scan():
-            if ref.id in last:
-                source.release(ref)
+    release_trained(ledger_file, epochs, source)
     if wrote:
         log(f"the checkpoint at step {step} had trained on {wrote} sample(s) its ledger did not record as trained "
             "(killed between the two): recorded now")

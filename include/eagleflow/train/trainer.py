@@ -33,7 +33,7 @@ import torch
 
 from eagleflow.capture.verify import require_verified
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import WAITING_FOR_SAMPLES, Heartbeat, HeartbeatWriter
+from eagleflow.heartbeat import WAITING_FOR_SAMPLES, WAITING_FOR_STORE, Heartbeat, HeartbeatWriter
 from eagleflow.layout import RunLayout
 from eagleflow.stores import store_for
 
@@ -193,6 +193,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
             writer = hb
             stream.on_wait = lambda since: writer.update(
                 lambda h: h.extra.__setitem__(WAITING_FOR_SAMPLES, since))
+            stream.on_store_wait = lambda since: writer.update(     # a store lost mid-run, waited for
+                lambda h: h.extra.__setitem__(WAITING_FOR_STORE, since))
         remove_leftover_temp_dirs(paths["checkpoints"], log=say)
         ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
         refs = []

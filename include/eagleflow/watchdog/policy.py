@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import WAITING_FOR_SAMPLES
+from eagleflow.heartbeat import WAITING_FOR_SAMPLES, WAITING_FOR_STORE
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
@@ -203,6 +203,15 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
 
     # 4a. a streaming trainer that waits for the producer's next sample is starved, not stuck: said, naming the
     # producer (whose own shards' watch judges it), never a stall of the trainer (its retry would restart it)
+    # 4a'. a streaming trainer whose store was lost and runs again (1b did not fire) is taking up the new one:
+    # waiting (up to stream.store_down_timeout_s), not stuck; a stopped one's or a frozen heartbeat's word is stale
+    store_since = hb.extra.get(WAITING_FOR_STORE) if hb is not None else None
+    if isinstance(store_since, (int, float)) and not isinstance(store_since, bool) and not w.stopped \
+            and not ((late_store := _late_heartbeat(obs, cfg)) is not None and late_store.frozen):
+        return diag("slow", f"waiting {max(0.0, hb_now - float(store_since)):.0f} s for the run's hidden-state "
+                            f"store to come back (lost mid-run; up to stream.store_down_timeout_s), not stuck; "
+                            f"{counts_u}, {last_txt}", cause=_STORE, turns_in_s=stale_after)
+
     waiting_since = hb.extra.get(WAITING_FOR_SAMPLES) if hb is not None else None
     if isinstance(waiting_since, (int, float)) and not isinstance(waiting_since, bool):
         waited = max(0.0, hb_now - float(waiting_since))

@@ -80,6 +80,9 @@ class DiskSource:
     def release(self, ref: SampleRef) -> None:
         pass     # offline: the files stay until the run's data is deleted
 
+    def wait_for_store(self, timeout_s: float, on_wait=None) -> bool:
+        return False     # files have no server to come back: never a new incarnation
+
     def close(self) -> None:
         pass
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -47,6 +48,8 @@ class MooncakeEndpoint:
     segment_bytes: int
     master_pid_file: str = ""
     segment_pid_file: str = ""
+    store_id: str = ""          # this incarnation: each start of the run's store gets a new one (manifest lines say
+                                # which one holds their sample; a sample put into a dead one is lost)
 
     @property
     def master_address(self) -> str:
@@ -70,7 +73,7 @@ class MooncakeEndpoint:
         return cls(host=str(d["host"]), rpc_port=int(d["rpc_port"]), metadata_port=int(d["metadata_port"]),
                    metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
                    master_pid_file=str(d.get("master_pid_file", "")),
-                   segment_pid_file=str(d.get("segment_pid_file", "")))
+                   segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -129,6 +132,12 @@ def _tail(path: Path) -> str:
         return ""
 
 
+def new_store_id() -> str:
+    """A fresh incarnation id: the time it started (readable in a manifest) and random bits (two starts in one
+    second differ)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+
+
 def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int, endpoint_file: str | os.PathLike,
                 host: str = "127.0.0.1", timeout_s: float = 60.0) -> MooncakeEndpoint:
     """Start the run's master and segment holder (recorded), wait until the store has its memory, write the
@@ -139,7 +148,8 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
     master_log, segment_log = logs / f"{run_id}.{MASTER_ROLE}.log", logs / f"{run_id}.{SEGMENT_ROLE}.log"
     ep = MooncakeEndpoint(host=host, rpc_port=free_port(host), metadata_port=free_port(host),
                           metrics_port=free_port(host), segment_bytes=segment_bytes,
-                          master_pid_file=str(master_pid), segment_pid_file=str(segment_pid))
+                          master_pid_file=str(master_pid), segment_pid_file=str(segment_pid),
+                          store_id=new_store_id())
     try:
         _detach(MASTER_ROLE, master_pid, master_log, [
             binary("mooncake_master"), "-rpc_port", str(ep.rpc_port), "-rpc_address", host,
@@ -225,7 +235,14 @@ def run_store_health(settings) -> dict:
     answering = reachable(ep.host, ep.rpc_port)
     detail = "; ".join(down) if down else (f"master {ep.master_address} " + ("answering" if answering else
                                                                                "not answering on its port"))
-    return {"ok": not down, "label": ep.label, "answering": answering, "detail": detail}
+    out = {"ok": not down, "label": ep.label, "answering": answering, "detail": detail,
+           "buffer_bytes": int(settings.buffer_bytes)}
+    if answering and not down:   # how full the buffer is: a stopped consumer leaves it full, the producer waiting
+        try:
+            out["allocated_bytes"] = int(metrics(ep)["master_allocated_bytes"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return out
 
 
 def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.0.0.1",
@@ -235,9 +252,31 @@ def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.
     ep = running_store(settings.endpoint_file)
     if ep is not None:
         return {"started": False, "attached": True, **json.loads(ep.to_json())}
+    # a store lost mid-run (its master killed): what is left of it (the segment holder, dead records) is stopped by
+    # its records only (a PID now someone else's is never signalled: process_record proves it ours first), then a
+    # new incarnation starts (a new store id: the samples of the dead one are captured again, stores.mooncake.store)
+    cleaned = _clean_dead_store(settings.endpoint_file)
     ep = start_store(state_dir=state_dir, run_id=settings.run_id, segment_bytes=segment_bytes_for(settings.buffer_bytes),
                      endpoint_file=settings.endpoint_file, host=host, timeout_s=timeout_s)
-    return {"started": True, "attached": False, **json.loads(ep.to_json())}
+    return {"started": True, "attached": False, **({"replaced": cleaned} if cleaned else {}),
+            **json.loads(ep.to_json())}
+
+
+def _clean_dead_store(endpoint_file: str | os.PathLike) -> list[dict]:
+    """Stop by its records what an endpoint file's store left running (not answering, or one process dead);
+    MooncakeStartError when a record's process cannot be proven gone (a second master would share its ports'
+    records and its memory would be counted twice)."""
+    try:
+        old = MooncakeEndpoint.read(endpoint_file)
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    results = stop_store(old, grace_s=2.0)
+    bad = [r for r in results if r.outcome in ("refused", "unkillable", "survived")]
+    if bad:
+        raise MooncakeStartError("the run's previous store is not running whole but could not be stopped: "
+                                 + "; ".join(f"{r.role or r.record} pid {r.pid}: {r.outcome} ({r.detail})" for r in bad)
+                                 + f" (endpoint {endpoint_file}); stop it by hand, then start the store again")
+    return [{"role": r.role, "pid": r.pid, "outcome": r.outcome, "store_id": old.store_id} for r in results]
 
 
 def stop_run_store(settings, *, grace_s: float = 10.0) -> list[dict]:

@@ -30,8 +30,9 @@ from eagleflow.stores import StoreSettings
 from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, StoreError, StoreFull,
                                        StoreUnavailable)
 from eagleflow.stores.encoding import EncodedSample
+from eagleflow.stores.ledger import read_ledger
 
-from .master import MooncakeEndpoint, metrics, reachable
+from .master import MooncakeEndpoint, metrics, reachable, running_store
 
 STORE = "mooncake"
 OBJECT_NOT_FOUND = -704             # Mooncake's error codes (store_py's ErrorCode)
@@ -168,7 +169,7 @@ class MooncakeSink:
         with self._lock:
             self.manifest.append(ManifestEntry(id=sample.sample_id, index=sample.index, file=key,
                                                tokens=sample.tokens, bytes=len(data), sha256=digest,
-                                               store_dtype=sample.store_dtype))
+                                               store_dtype=sample.store_dtype, store_id=self.ep.store_id or None))
         return PutReceipt(sample.index, sample.sample_id, key, len(data), digest, sample.store_dtype)
 
     def close(self) -> None:
@@ -188,12 +189,16 @@ class MooncakeSource:
         self.log = log
 
     def scan(self) -> list[SampleRef]:
+        """The samples recorded as put into this store (its incarnation): a line of a store lost since (its master
+        killed) names a sample that is gone; its shard captures it again (``completed_indexes``)."""
         refs: list[SampleRef] = []
         for d in sorted(p for p in self.root.glob("shard_*") if p.is_dir()) if self.root.is_dir() else []:
             shard = int(d.name.split("_", 1)[1])
             scan = read_manifest(d / "manifest.jsonl")
             for idx in sorted(scan.entries):
                 e = scan.entries[idx]
+                if not in_incarnation(e, self.ep.store_id):
+                    continue
                 refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
                                       bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
         return refs
@@ -214,16 +219,85 @@ class MooncakeSource:
     def release(self, ref: SampleRef) -> None:
         self.client.remove(ref.path)
 
+    def wait_for_store(self, timeout_s: float, on_wait: Callable[[float | None], None] | None = None) -> bool:
+        """After a ``StoreUnavailable``: wait, up to ``timeout_s``, until the run's store runs again (a new
+        incarnation that ``eagleflow store start`` wrote to the endpoint, or this one answering again), then use
+        it. True when it is a new incarnation (every sample of the old one is gone: its shards capture them again);
+        ``StoreUnavailable`` naming the store past the deadline. ``on_wait`` is told when the wait begins (the
+        time) and ends (None): the trainer's heartbeat says so."""
+        t0 = time.monotonic()
+        if on_wait is not None:
+            on_wait(time.time())
+        try:
+            while True:
+                ep = running_store(self.settings.endpoint_file)
+                if ep is not None:
+                    new = ep.store_id != self.ep.store_id or ep.master_address != self.ep.master_address
+                    if new:
+                        old = self.client
+                        self.client = MooncakeClient(ep)
+                        self.ep = ep
+                        old.close()
+                        self.log(f"the run's store is back as a new incarnation ({ep.label}, store id "
+                                 f"{ep.store_id or '?'}) after {time.monotonic() - t0:.1f} s: the samples of the "
+                                 "lost one are captured again by their shards")
+                    return new
+                if time.monotonic() - t0 > timeout_s:
+                    raise StoreUnavailable(self.client.label, f"the store did not come back within {timeout_s:g} s "
+                                           "(stream.store_down_timeout_s): restart it (`eagleflow store start "
+                                           "--config C --run-id R` on the training node; the trainer's watch does "
+                                           "so) and retry the training; nothing trained is lost (the ledger)")
+                time.sleep(0.5)
+        finally:
+            if on_wait is not None:
+                on_wait(None)
+
     def close(self) -> None:
         self.client.close()
 
 
+def in_incarnation(e: ManifestEntry, store_id: str) -> bool:
+    """A manifest line's sample was put into the store incarnation ``store_id`` (an endpoint with no id, an older
+    one's, holds every line)."""
+    return not store_id or e.store_id == store_id
+
+
 def completed_indexes(shard_dir: str, scan: ManifestScan) -> ResumeCheck:
-    """A restarted capture worker's resume: every sample its manifest records is done. A line is appended only
-    after its put succeeded, and the trainer may already have trained on the sample and removed it, so the
-    store's present keys say nothing about what is left to capture; the trainer refuses (``SampleRefused``) a
-    recorded sample the store lost, naming its key."""
-    return ResumeCheck(done=set(scan.entries), broken=[], hashed=0, refreshed={})
+    """A restarted capture worker's resume: which recorded samples need no capture again.
+
+    A line is appended only after its put succeeded, and the trainer may already have trained on the sample
+    and removed it, so the store's present keys say nothing about what is left. What does: a line is done
+    when its sample was put into the store running now (its incarnation, the endpoint's ``store_id``) or the
+    run's ledger has it trained in the run's last epoch (no epoch needs it again). Any other line names a
+    sample lost with a store killed since (its master died and ``eagleflow store start`` began a new one): it
+    is ``broken``, so the worker rewrites the manifest without it (atomically, the rest kept) and captures it
+    again. The shard's folder is the run's ``hidden_states/shard_NNNNN`` (``RunLayout``): the endpoint and the
+    ledger are found from it, as the run's sinks and sources find them."""
+    run_dir = Path(shard_dir).parent.parent
+    store_id = _current_store_id(run_dir / "store_endpoint.json")
+    if not store_id:       # no store running with an id: nothing proves a line lost (the sink then says why)
+        return ResumeCheck(done=set(scan.entries), broken=[], hashed=0, refreshed={})
+    return resume_rule(scan, store_id, read_ledger(run_dir / "draft" / "stream_ledger.jsonl").trained_in_last_epoch())
+
+
+def resume_rule(scan: ManifestScan, store_id: str, trained: set[str]) -> ResumeCheck:
+    """``completed_indexes`` once it knows the store running now (``store_id``) and the ids the last epoch
+    trained: a line is done when put into that store or trained; the rest are lost (``broken``, with why)."""
+    done: set[int] = set()
+    broken: list[tuple[ManifestEntry, str]] = []
+    for idx, e in scan.entries.items():
+        if in_incarnation(e, store_id) or e.id in trained:
+            done.add(idx)
+        else:
+            broken.append((e, f"put into store {e.store_id or '(no id)'}, lost with it (the store running now is "
+                              f"{store_id}) and not yet trained in the run's last epoch"))
+    return ResumeCheck(done=done, broken=broken, hashed=0, refreshed={})
+
+
+def _current_store_id(endpoint_file: Path) -> str:
+    """The incarnation of the run's store when it runs (records alive, master answering), else ""."""
+    ep = running_store(endpoint_file)
+    return ep.store_id if ep is not None else ""
 
 
 def open_sink(settings: StoreSettings, shard: int) -> MooncakeSink:
