@@ -16,7 +16,7 @@ from typing import Any, Sequence, cast
 
 from eagleflow.health import airflow_health
 from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
-from eagleflow.health.node_activity import TrainingDoc, eta_of_training
+from eagleflow.health.node_activity import StoreDoc, TrainingDoc, eta_of_training
 from eagleflow.health.status_doc import GpuEntry, GpuProcessDoc, GpuSeries, History, StatusDoc, is_held_idle
 from eagleflow.watchdog.incidents import MAX_NODE_TIME
 
@@ -157,18 +157,44 @@ def training_line(t: TrainingDoc, now: float) -> str:
             f"{_e(', '.join(bits))}; {_e(state)}, last step {ago(t.get('last_progress_at'), now)}</span>")
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def store_line(st: StoreDoc) -> str:
+    """A streaming run's store: its server running and answering (or what is down), and how much of its buffer it
+    holds (a full buffer holds capture back: the trainer is not taking samples fast enough)."""
+    label = str(st.get("label") or "store")
+    alloc, buf = st.get("allocated_bytes"), st.get("buffer_bytes")
+    if not st.get("ok"):
+        state, what = "down", f"DOWN: {st.get('detail') or 'not running'}"
+    elif st.get("answering") is False:
+        state, what = "late", f"running, its master not answering ({st.get('detail') or ''})"
+    else:
+        state, what = "ok", "master and segment running"
+    fill = ""
+    if alloc is not None and buf:
+        fill = f"; holds {_mib(alloc)} of its {_mib(buf)} buffer ({100.0 * alloc / buf:.0f} %)"
+    elif buf:
+        fill = f"; buffer {_mib(buf)}"
+    return (f"<span class='store {state}' data-allocated='{'' if alloc is None else int(alloc)}' "
+            f"data-buffer='{int(buf or 0)}'>store: {_e(label)}, {_e(what)}{_e(fill)}</span>")
+
+
 def _activity(doc: StatusDoc, now: float) -> str:
     act = doc.get("activity")
     parts = []
     shards_of = (act.get("shards") if act else None) or {}
     training = (act.get("training") if act else None) or {}
-    for run_id in sorted(set(shards_of) | set(training)):
+    stores = (act.get("stores") if act else None) or {}
+    for run_id in sorted(set(shards_of) | set(training) | set(stores)):
         shards = shards_of.get(run_id) or []
         cells = "".join(f"<span class='shard {_e(s.get('state'))}'>shard {int(s['shard'])}: {int(s['done'])}/"
                         f"{int(s['total'])}</span>" for s in shards)
         train = training_line(training[run_id], now) if run_id in training else ""
+        store = store_line(stores[run_id]) if run_id in stores else ""
         parts.append(f"<div class='run' data-run='{_e(run_id)}'>run {_e(run_id)}: "
-                     f"{cells or ('' if train else 'no shard started yet')}{train}</div>")
+                     f"{cells or ('' if train or store else 'no shard started yet')}{train}{store}</div>")
     for inc in (act.get("incidents") if act else None) or []:
         if inc.get("outcome") == "open":
             parts.append(f"<div class='incident'>open incident {_e(inc.get('id'))}: {_e(inc.get('cause'))} "
@@ -262,7 +288,7 @@ tr.held{background:#ffe0e0}tr.held td:first-child{border-left:6px solid #d00}.he
 .unreachable .status{color:#b00;font-weight:bold}.cpu{color:#555}.ok{color:#2a7a2a}
 .ours{background:#e3f2fd;padding:0 4px}.foreign{background:#ffd8a8;padding:0 4px;font-weight:bold}
 ul.procs{margin:0;padding-left:1em}svg.spark{display:block;stroke:#1565c0;fill:#1565c0;stroke-width:1.2}
-svg.spark polyline{fill:none}.shard{margin-right:.8em}.training{margin-left:.4em;color:#1565c0}.incident{color:#b00}.node{margin-bottom:1.2em}
+svg.spark polyline{fill:none}.shard{margin-right:.8em}.training{margin-left:.4em;color:#1565c0}.store{margin-left:.4em;color:#2e7d32}.store.down,.store.late{color:#b00}.incident{color:#b00}.node{margin-bottom:1.2em}
 .airflow .part{margin-right:.8em}.part.ok{color:#2a7a2a}.part.gone,.airflow.down{color:#b00;font-weight:bold}
 #conn{color:#b00}.incidents{border:1px solid #d00;padding:4px 8px;margin:.4em 0}.incidents.none{border:0;color:#2a7a2a}
 """

@@ -22,6 +22,7 @@ from typing import Any, Mapping, TypedDict, cast
 from eagleflow import bounded_json
 from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
 from eagleflow.phases import EXTRACT, KINDS
+from eagleflow.stores import STORES, StoreSettings
 from eagleflow.watchdog.incidents import history, incident_id, node_time
 
 _SHARD_ROLE = re.compile(re.escape(KINDS[EXTRACT].worker_prefix) + r"(\d{5})")   # an extraction worker
@@ -82,6 +83,19 @@ class TrainProgress:
         return (self.total - self.step) / self.rate
 
 
+@dataclass
+class StoreProgress:
+    """A streaming run's hidden-state store on this node, as its registry entry sees it (``Store.server_health``
+    of the run's frozen ``stream``): its server running (by its pid records) and answering, and how much of
+    ``stream.buffer_gib`` it holds now (None: not read)."""
+    label: str
+    ok: bool
+    detail: str
+    answering: bool | None = None
+    allocated_bytes: int | None = None
+    buffer_bytes: int | None = None
+
+
 class OurProcessDoc(TypedDict):
     """``OurProcess`` in a status document (``NodeActivity.to_dict``)."""
     pid: int
@@ -113,6 +127,16 @@ class TrainingDoc(TypedDict):
     loss: float | None
     acc_0: float | None
     accept_length: float | None
+
+
+class StoreDoc(TypedDict):
+    """``StoreProgress`` in a status document."""
+    label: str
+    ok: bool
+    detail: str
+    answering: bool | None
+    allocated_bytes: int | None
+    buffer_bytes: int | None
 
 
 class SilentJob(TypedDict):
@@ -154,6 +178,7 @@ class ActivityDoc(TypedDict):
     skipped: list[str]
     watch_alarms: list[WatchAlarm]
     training: dict[str, TrainingDoc]
+    stores: dict[str, StoreDoc]
 
 
 def eta_of_training(t: Mapping[str, Any]) -> float | None:
@@ -173,6 +198,7 @@ class NodeActivity:
     skipped: list[str] = field(default_factory=list)   # "<file> line N: why": bad lines left out, never fatal
     watch_alarms: list[dict] = field(default_factory=list)   # sentinels' raised alarms: nothing looks at a job
     training: dict[str, TrainProgress] = field(default_factory=dict)       # run_id -> its trainer's progress
+    stores: dict[str, StoreProgress] = field(default_factory=dict)         # run_id -> its streaming store
 
     def job_pids(self) -> set[int]:
         return {p.pid for p in self.processes} | {p.pgid for p in self.processes}
@@ -221,8 +247,16 @@ class NodeActivity:
                                                  written_at=float(t["written_at"] or 0), **_finite_figures(t))
             except (KeyError, TypeError, ValueError, OverflowError) as e:
                 skipped.append(f"node answer: run {r} training: {type(e).__name__}; left out")
+        stores = {}
+        for r, st in (d.get("stores") or {}).items():
+            st = asdict(st) if isinstance(st, StoreProgress) else st
+            if isinstance(st, dict) and (store := _store_progress(st)) is not None:
+                stores[str(r)] = store
+            else:
+                skipped.append(f"node answer: run {r} store: not a store's state; left out")
         return cls(processes=processes, shards=shards, incidents=incidents, read_at=read_at, skipped=skipped,
-                   watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)], training=training)
+                   watch_alarms=[a for a in d.get("watch_alarms") or [] if isinstance(a, dict)], training=training,
+                   stores=stores)
 
 
 def _times_ok(entry: dict, keys: tuple[str, ...], what: str, skipped: list[str]) -> bool:
@@ -235,10 +269,11 @@ def _times_ok(entry: dict, keys: tuple[str, ...], what: str, skipped: list[str])
     return True
 
 
-def _run_dir(log_file: str) -> Path | None:
-    """A record's log is <run_dir>/logs/<role>.log: its run directory, without needing the run's config."""
+def _run_dir(log_file: str, role: str) -> Path | None:
+    """A record's log is <run_dir>/logs/<role>.log: its run directory, without needing the run's config. A node-wide
+    log (<state_dir>/logs/<run>.<role>.log: the run's store processes) names no run directory."""
     p = Path(log_file) if log_file else None
-    return p.parent.parent if p is not None and p.parent.name == "logs" else None
+    return p.parent.parent if p is not None and p.parent.name == "logs" and p.name == f"{role}.log" else None
 
 
 def _shards(run_dir: Path, skipped: list[str] | None = None) -> list[ShardProgress]:
@@ -296,6 +331,48 @@ def _training(run_dir: Path, skipped: list[str] | None = None) -> TrainProgress 
         if skipped is not None:
             skipped.append(f"{hb}: not a heartbeat ({type(e).__name__}: {str(e)[:200]}); training left out")
         return None
+
+
+def _store_progress(h: Mapping[str, Any]) -> StoreProgress | None:
+    """A store's health answer (or its status document entry) as ``StoreProgress``; None when it is not one."""
+    def count(k: str) -> int | None:
+        v = h.get(k)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 \
+            else None
+    answering = h.get("answering")
+    if not isinstance(h.get("ok"), bool) or not isinstance(h.get("label"), str):
+        return None
+    return StoreProgress(label=str(h["label"]), ok=bool(h["ok"]), detail=str(h.get("detail") or ""),
+                         answering=answering if isinstance(answering, bool) else None,
+                         allocated_bytes=count("allocated_bytes"), buffer_bytes=count("buffer_bytes"))
+
+
+def _store(run_dir: Path, run_id: str, roles: set[str], skipped: list[str] | None = None) -> StoreProgress | None:
+    """The run's streaming store (its frozen config's ``stream.storage``), while the run has one: its endpoint
+    written (started, not yet stopped) or a process of its server alive. None for a store without a server
+    (disk) or a run without a frozen config."""
+    cfg_file = run_dir / "run-config.json"
+    try:
+        stream = bounded_json.read(cfg_file).get("stream") or {}
+        store = STORES.get(str(stream.get("storage") or "disk"))
+        buffer_bytes = int(float(stream.get("buffer_gib") or 0) * (1 << 30))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        return None    # no frozen config yet (or not one): nothing says the run streams
+    endpoint = run_dir / "store_endpoint.json"
+    if store is None or not store.health or not (endpoint.exists() or roles & set(store.roles)):
+        return None
+    settings = StoreSettings(run_id=run_id, root=str(run_dir / "hidden_states"), buffer_bytes=buffer_bytes,
+                             endpoint_file=str(endpoint))
+    try:
+        h = store.server_health(settings) or {}
+    except Exception as e:  # noqa: BLE001 - one run's store probe never makes the node unreadable
+        if skipped is not None:
+            skipped.append(f"run {run_id} store: {type(e).__name__}: {str(e)[:200]}; left out")
+        return None
+    progress = _store_progress({"buffer_bytes": buffer_bytes, **h})
+    if progress is None and skipped is not None:
+        skipped.append(f"run {run_id} store: its health answer is not one ({str(h)[:200]}); left out")
+    return progress
 
 
 def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) -> list[dict]:
@@ -383,6 +460,7 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
     state_dir = Path(state_dir)
     act = NodeActivity(read_at=now)
     run_dirs: dict[str, Path] = {}
+    roles: dict[str, set[str]] = {}     # run_id -> the roles of its live processes
     recs, refused = scan_records(state_dir / "pids")
     act.skipped += [f"{why}; left out" for _, why in refused]
     for rec in recs:
@@ -392,7 +470,8 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
         run_id = Path(rec.pid_file).name[: -len(f".{rec.role}{RECORD_SUFFIX}")]
         act.processes.append(OurProcess(pid=rec.pid, pgid=rec.pgid, run_id=run_id, role=rec.role,
                                         started_at=rec.started_at))
-        rd = _run_dir(rec.log_file)
+        roles.setdefault(run_id, set()).add(rec.role)
+        rd = _run_dir(rec.log_file, rec.role)
         if rd is not None:
             run_dirs[run_id] = rd
     for run_id, rd in sorted(run_dirs.items()):
@@ -400,6 +479,9 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
         train = _training(rd, act.skipped)
         if train is not None:
             act.training[run_id] = train
+        store = _store(rd, run_id, roles.get(run_id, set()), act.skipped)
+        if store is not None:
+            act.stores[run_id] = store
     act.incidents = _incidents(state_dir, now, act.skipped)
     act.watch_alarms = _watch_alarms(state_dir, act.skipped)
     return act
