@@ -229,3 +229,26 @@ def test_a_starved_streaming_trainer_is_told_from_a_stuck_one_and_names_the_prod
     stuck = obs(progress_ago=200, worker=worker)
     stuck.heartbeat.extra["waiting_for_samples_since"] = None      # it has samples: judged as before
     assert decide(stuck, cfg()).cause != "producer"
+
+
+def test_a_stopped_trainer_that_had_said_it_waits_is_a_stuck_consumer_when_the_buffer_is_full():
+    """Issue 53, the buffer full: a trainer SIGSTOPped while its heartbeat said it waited for the producer (its word
+    stale: it cannot clear it) is stalled, not starved; with the store's buffer full the verdict says the consumer
+    is stuck and the producer waits on it; a store with room left only gives its fill."""
+    from eagleflow.watchdog.signals import StoreSignal
+    stopped = ProcessSignal(role="trainer", recorded=True, pid=4242, alive=True, state="T", started_at=NOW - 3600)
+    o = obs(progress_ago=60, written_ago=50, worker=stopped, in_flight=[])
+    o.job = WatchedJob(shard=None)   # the trainer
+    o.heartbeat.extra["waiting_for_samples_since"] = NOW - 55
+    o.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", detail="answering", answering=True,
+                          allocated_bytes=90_000, buffer_bytes=98_304)
+    d = decide(o, cfg())
+    assert d.verdict == "stalled" and d.cause == "worker", d.summary
+    assert d.headline.startswith("the consumer is stuck: the store holds 90,000 of its 98,304-byte buffer (92 %), "
+                                 "so the producer waits for room (backpressure) on this trainer"), d.headline
+    assert "worker pid 4242 is stopped (state T" in d.summary and "starved" not in d.summary
+    o.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", allocated_bytes=10_000,
+                          buffer_bytes=98_304)
+    roomy = decide(o, cfg())
+    assert roomy.verdict == "stalled" and "consumer is stuck" not in roomy.headline
+    assert roomy.headline.endswith("the store holds 10,000 of its 98,304-byte buffer (10 %)"), roomy.headline

@@ -87,6 +87,8 @@ _SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
 # a streaming trainer's own errors that blame another side (issue 53): starved (the producer stalled) and the
 # store lost; the error's type name leads the heartbeat's error text (train/trainer.py)
 _PRODUCER, _STORE = "producer", "store"
+# a streaming store this full is full for the producer: its next sample (any size up to the buffer's rest) waits
+STORE_FULL_FRACTION = 0.75
 _STREAM_BLAME = {"StreamStarved": (_PRODUCER, "starved: no sample arrived from the producer (the capture server and "
                                               "the extraction shards putting into the run's store), so the "
                                               "producer stalled, not the trainer"),
@@ -201,8 +203,6 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}"
                     + (f"; {server_sigstopped}" if server_sigstopped else ""))
 
-    # 4a. a streaming trainer that waits for the producer's next sample is starved, not stuck: said, naming the
-    # producer (whose own shards' watch judges it), never a stall of the trainer (its retry would restart it)
     # 4a'. a streaming trainer whose store was lost and runs again (1b did not fire) is taking up the new one:
     # waiting (up to stream.store_down_timeout_s), not stuck; a stopped one's or a frozen heartbeat's word is stale
     store_since = hb.extra.get(WAITING_FOR_STORE) if hb is not None else None
@@ -212,7 +212,14 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                             f"store to come back (lost mid-run; up to stream.store_down_timeout_s), not stuck; "
                             f"{counts_u}, {last_txt}", cause=_STORE, turns_in_s=stale_after)
 
+    # 4a. a streaming trainer that waits for the producer's next sample is starved, not stuck: said, naming the
+    # producer (whose own shards' watch judges it), never a stall of the trainer (its retry would restart it)
+    # Only from a trainer that can still say so: a stopped one's or a frozen heartbeat's word is stale (issue 53,
+    # the buffer full behind a trainer SIGSTOPped while it waited: it read "starved" for ever).
     waiting_since = hb.extra.get(WAITING_FOR_SAMPLES) if hb is not None else None
+    late_hb = _late_heartbeat(obs, cfg)
+    if w.stopped or (late_hb is not None and late_hb.frozen):
+        waiting_since = None
     if isinstance(waiting_since, (int, float)) and not isinstance(waiting_since, bool):
         waited = max(0.0, hb_now - float(waiting_since))
         return diag("slow", f"starved: waiting {waited:.0f} s for a sample from the producer (the capture server "
@@ -305,7 +312,15 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
 
     if bad:
         ordered = sorted(range(len(bad)), key=lambda i: (bad[i][0], i))
-        return diag("stalled", head, [b[2] for b in bad], with_log=True, cause=bad[ordered[0]][1])
+        cause = bad[ordered[0]][1]
+        fill = obs.store.fill_text() if obs.store is not None else ""
+        if fill and cause in (_WORKER, "trainer") and not obs.job.uses_server:
+            # a streaming trainer that stopped consuming: the store's fill says whether the producer waits on it
+            full = (obs.store is not None and obs.store.allocated_bytes is not None and obs.store.buffer_bytes
+                    and obs.store.allocated_bytes >= STORE_FULL_FRACTION * obs.store.buffer_bytes)
+            head = ((f"the consumer is stuck: {fill}, so the producer waits for room (backpressure) on this "
+                     f"trainer; {head}") if full else f"{head}; {fill}")
+        return diag("stalled", head, [b[2] for b in bad], with_log=True, cause=cause)
     return diag("slow", head, fine or ["no signal says it is stuck"], turns_in_s=min(turns) if turns else None)
 
 

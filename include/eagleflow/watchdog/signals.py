@@ -231,6 +231,15 @@ class StoreSignal:
     label: str = ""
     detail: str = ""
     answering: bool | None = None
+    allocated_bytes: int | None = None   # the store's bytes held now (Mooncake: master_allocated_bytes), when read
+    buffer_bytes: int | None = None      # stream.buffer_gib in bytes: past it the producer waits for room
+
+    def fill_text(self) -> str:
+        """'the store holds A of its B-byte buffer (P %)', or '' when not read."""
+        if self.allocated_bytes is None or not self.buffer_bytes:
+            return ""
+        return (f"the store holds {self.allocated_bytes:,} of its {self.buffer_bytes:,}-byte buffer "
+                f"({100 * self.allocated_bytes / self.buffer_bytes:.0f} %)")
 
 
 def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | None:
@@ -242,8 +251,10 @@ def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | N
         return None
     if h is None:
         return None
+    alloc, buf = h.get("allocated_bytes"), h.get("buffer_bytes")
     return StoreSignal(ok=bool(h.get("ok")), label=str(h.get("label", "")), detail=str(h.get("detail", "")),
-                       answering=h.get("answering"))
+                       answering=h.get("answering"), allocated_bytes=None if alloc is None else int(alloc),
+                       buffer_bytes=None if buf is None else int(buf))
 
 
 @dataclass
