@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.store_operators import StoreAnswer
 from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 
@@ -76,8 +77,24 @@ class TrainDraftOperator(RunOperator):
         self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
 
     def execute_complete(self, context, event):
+        if diag.cause == "store":
+            self._restart_store(ctx, diag.summary)
+            if diag.verdict == "stalled":   # still running: it waits for its store (stream.store_down_timeout_s)
+                self.log.info("retry: the trainer is kept: it takes up the new store and goes on")
+                return
         # the run's context only when there is a next watch: a final event needs no config read
         return self._watch(lambda: RunContext.from_airflow(context), context, event or {})
+
+    def _restart_store(self, ctx: RunContext, why: str) -> None:
+        """The run's store lost mid-run (issue 53): ``eagleflow store start`` on the node starts a new incarnation
+        (what the dead one left stopped by its records); the shards' retries capture again what was lost with it.
+        A start that fails fails this try, naming it."""
+        answer = ctx.node.run_json(ctx.eagleflow_argv("store", "start", "--timeout", "90"), StoreAnswer, timeout=120,
+                                   log=self.log.info)
+        info = answer.model_dump()
+        self.log.warning("retry: %s; the run's store %s on node %s (store id %s)", why,
+                         "was running again (attached)" if info.get("attached") else "restarted", ctx.node.name,
+                         info.get("store_id"))
 
     def _rewatch(self, **kw):
         from eagleflow.airflow.shard_watch import TrainWatchTrigger
