@@ -46,6 +46,8 @@ from eagleflow.phases import kind_of_job, unit_of_job
 from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.incidents import INCIDENT_ID
 from eagleflow.watchdog.protocol import EventPayload, IncidentClose, PendingMail
+from eagleflow.airflow.runtime import RunContext, run_params
+from eagleflow.health.durations import duration
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,6 @@ class Recipients:
     def of_run(cls, context: Context) -> "Recipients":
         """The run's frozen config; its Params only when nothing was frozen (its first task failed), and the
         config file alone when the run refused a Param (the deployment's recipients, not the trigger's)."""
-        from eagleflow.airflow.runtime import RunContext, run_params
         frozen = RunContext.frozen_in(context)
         if frozen is not None:
             return cls.of_config(frozen.cfg)
@@ -436,7 +437,6 @@ def unreachable_mail(context: Context, event: EventPayload, recipients: Recipien
 def incident_over_mail(context: Context, event: EventPayload, close: IncidentClose,
                        recipients: Recipients) -> Mail:
     """The last mail of a stall or outage this task mailed (``close``): samples are stored again / the node answers."""
-    from eagleflow.health.durations import duration
     took = duration(float(event.get("observed_at") or 0) - close.since)
     job, node = event.get("job") or "the job", event.get("node") or "its node"
     if close.kind == "outage":

@@ -24,7 +24,9 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from eagleflow.console import gpu_page, prometheus
+from eagleflow.airflow.status_variables import variable_status_store
 from eagleflow.health.status_store import StatusStore
+from eagleflow.settings import env_positive
 
 HEALTH_DAG_ID = gpu_page.HEALTH_DAG_ID
 _PUBLIC_KEYS = ("node", "has_gpu", "checked_at", "last_seen", "unreachable_since", "error", "interval_s",
@@ -72,7 +74,6 @@ def live_airflow_health() -> dict[str, Any]:
 
 
 def refresh_s() -> float:
-    from eagleflow.settings import env_positive
     return env_positive("EAGLEFLOW_GPU_VIEW_REFRESH_S", 15, unit="seconds")
 
 
@@ -85,7 +86,6 @@ def create_app(store: StatusStore | None = None,
     def the_store() -> StatusStore:
         if store is not None:
             return store
-        from eagleflow.airflow.status_variables import variable_status_store
         return variable_status_store(in_task=False)
 
     def docs() -> list[dict[str, Any]]:
@@ -131,6 +131,7 @@ def create_app(store: StatusStore | None = None,
         from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
         user = await get_user(request, None, bearer)
         requires_access_dag("GET", DagAccessEntity.XCOM)(request, user)  # dag_id from the path
+        # lazy: airflow: the operators' module loads airflow.sdk, which this app (in the API server) never needs
         from eagleflow.airflow.report_operators import REPORT_TASK_ID
         html = stored_report(dag_id, run_id)
         if html is None:
@@ -151,7 +152,7 @@ def stored_report(dag_id: str, run_id: str) -> str | None:
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
 
-    from eagleflow.airflow.report_operators import REPORT_TASK_ID, REPORT_XCOM_KEY
+    from eagleflow.airflow.report_operators import REPORT_TASK_ID, REPORT_XCOM_KEY  # lazy: airflow (airflow.sdk)
     with create_session() as session:
         value = session.scalars(select(XComModel.value).where(
             XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == REPORT_TASK_ID,

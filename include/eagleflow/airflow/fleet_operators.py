@@ -42,18 +42,10 @@ from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
 from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
+from eagleflow.fleet.takeover import hand_over_mark, mark_of
+from eagleflow.fleet.transfer import copy_dir
 
 PREPARE_TASK = "prepare_node"
-
-
-def _copy_dir():
-    """eagleflow.fleet.transfer.copy_dir, or the task fails saying that this install cannot copy."""
-    try:
-        from eagleflow.fleet.transfer import copy_dir
-    except ImportError as e:
-        raise AirflowFailException(f"this eagleflow cannot copy between fleet nodes ({e}): put the nodes' run "
-                                   "roots on one shared filesystem (fleet.storage: shared), or upgrade") from None
-    return copy_dir
 
 
 def handed_over_on_node(ctx, shard: int, kind: ShardKind) -> str | None:
@@ -61,7 +53,6 @@ def handed_over_on_node(ctx, shard: int, kind: ShardKind) -> str | None:
     None while the shard is this node's (always outside a fleet: nothing is handed over there)."""
     if not ctx.cfg.is_fleet:
         return None
-    from eagleflow.fleet.takeover import hand_over_mark, mark_of
     text = ctx.node.read_text(str(hand_over_mark(ctx.layout, shard, kind.phase)))
     return None if text is None else one_line(str(mark_of(text).get("to")))   # the node's text: logs, messages
 
@@ -153,8 +144,8 @@ class ReceiveCorpusOperator(RunOperator):
             return {"node": name, "copied": 0}
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         try:
-            report = _copy_dir()(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
-                                 log=self.log.info)
+            report = copy_dir(home.node, str(home.layout.corpus_dir), ctx.node, str(ctx.layout.corpus_dir),
+                              log=self.log.info)
         finally:
             home.close()
         self.log.info("corpus copied %s -> %s: %s", home.node.name, name, report)
@@ -180,7 +171,6 @@ class CollectShardsOperator(RunOperator):
             self.log.info("node %s shares the training node's storage: its shards are already there", name)
             return {"node": name, "copied": 0}
         kind = kind_of(self.phase)
-        copy_dir = _copy_dir()
         home = ctx.for_node(ctx.cfg.fleet.training_node)
         copied, problems = {}, []
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -19,9 +18,9 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
 from eagleflow.phases import EXTRACT, kind_of
 from eagleflow.stores import store_for
-
-if TYPE_CHECKING:   # imported where used: the DAG's parse does not load the GPU probes
-    from eagleflow.gpu.idle_gate import IdleGate
+from eagleflow.gpu.cleanup import CleanupReport
+from eagleflow.gpu.errors import GpuProbeError, NoGpuError
+from eagleflow.gpu.idle_gate import IdleGate, no_gpu_message
 
 
 class GpusNotIdle(Exception):
@@ -73,9 +72,6 @@ class FreeGpusOperator(RunOperator):
         self.guards = guards
 
     def run(self, ctx: RunContext, context):
-        from eagleflow.gpu.cleanup import CleanupReport
-        from eagleflow.gpu.idle_gate import IdleGate, no_gpu_message
-
         if gate_not_needed(self, ctx.cfg, context):
             return None
         cfg, node = ctx.cfg, ctx.node
@@ -119,7 +115,6 @@ class FreeGpusOperator(RunOperator):
 
     def _wait_for_other_runs(self, ctx: RunContext, report) -> dict:
         """Another run's live jobs hold the selected GPUs: wait for idle GPUs (bounded), else refuse naming them."""
-        from eagleflow.gpu.idle_gate import IdleGate
         cfg, node = ctx.cfg, ctx.node
         jobs = report.other_runs_in_the_way
         names = "\n".join("  " + j.describe() for j in jobs)
@@ -169,9 +164,6 @@ class GpuIdleSensor(RunSensor):
 
     def _check(self, ctx: RunContext, gate=None):
         """One reading through ``gate`` (or a new one on the run's node); errors as task failures."""
-        from eagleflow.gpu.errors import GpuProbeError, NoGpuError
-        from eagleflow.gpu.idle_gate import IdleGate
-        from eagleflow.nodes import NodeError
         try:
             return (gate or IdleGate(ctx.node, ctx.cfg)).check()
         except NoGpuError as e:
@@ -180,7 +172,6 @@ class GpuIdleSensor(RunSensor):
             raise GpuGateError(str(e)) from None
 
     def execute(self, context):
-        from eagleflow.gpu.idle_gate import no_gpu_message
         ctx = RunContext.from_airflow(context)
         try:
             if gate_not_needed(self, ctx.cfg, context):
@@ -212,7 +203,6 @@ class GpuIdleSensor(RunSensor):
             self._gate = None
 
     def poke(self, context) -> bool:
-        from eagleflow.gpu.idle_gate import IdleGate
         if self._gate is None:  # held across pokes in poke mode: one connection for the whole wait
             ctx = RunContext.from_airflow(context)
             self._gate = (ctx, IdleGate(ctx.node, ctx.cfg))

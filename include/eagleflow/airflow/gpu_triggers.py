@@ -20,6 +20,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
+from eagleflow.gpu.errors import GpuProbeError, NoGpuError
+from eagleflow.gpu.idle_gate import IdleGate
+from eagleflow.nodes import NodeError
 
 
 class GpuIdleTrigger(BaseTrigger):
@@ -37,10 +40,6 @@ class GpuIdleTrigger(BaseTrigger):
                 {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s})
 
     async def run(self):
-        from eagleflow.gpu.errors import GpuProbeError, NoGpuError
-        from eagleflow.gpu.idle_gate import IdleGate
-        from eagleflow.nodes import NodeError
-
         try:
             ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
         except (ConfigError, NodeError, OSError) as e:

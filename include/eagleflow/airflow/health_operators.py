@@ -22,6 +22,18 @@ from airflow.sdk.exceptions import AirflowFailException
 from eagleflow.airflow.alerts import (GPU_VIEW_ROUTE, AlreadyMailed, Mail, NotMailed, Recipients, airflow_base_url,
                                       incident_thread, send_mail, task_log_url)
 from eagleflow.airflow.runtime import checked_config_path, deployment_config_files, resolve_config_path
+from eagleflow.airflow.status_variables import variable_status_store
+from eagleflow.config import ConfigError, load_config
+from eagleflow.gpu.probes import probe_for
+from eagleflow.health import incidents as hi
+from eagleflow.health.airflow_health import HEALTH_PATH, fetch
+from eagleflow.health.durations import duration
+from eagleflow.health.node_activity import read_node_activity
+from eagleflow.health.rules import HealthRules, assess
+from eagleflow.health.status_doc import error_kind
+from eagleflow.health.status_store import StatusStore, history_retention_s
+from eagleflow.nodes import node_from_config
+from eagleflow.settings import positive_number
 
 CONFIG_PATHS_FIELD = "gpu_node_health Param config_paths"
 
@@ -43,7 +55,6 @@ class HealthConfigPathRefused(NotMailed):
 def usable_config_path(path: str):
     """The config file a ``config_paths`` entry names, checked before it is read: inside the deployment's config
     folders (or named by the deployment), an existing file this worker may read; else ConfigError naming it."""
-    from eagleflow.config import ConfigError
     full = checked_config_path(path, CONFIG_PATHS_FIELD)
     if not full.is_file():
         raise ConfigError(f"{CONFIG_PATHS_FIELD} entry {str(path)!r}: no config file at {full}; name an existing "
@@ -67,8 +78,6 @@ def named_by_deployment(path: str) -> bool:
 
 def health_rules(params: dict):
     """The check's Params, each checked: 0 or a negative number is refused with its name, never defaulted."""
-    from eagleflow.health.rules import HealthRules
-    from eagleflow.settings import positive_number
     where = "gpu_node_health Params"
     try:
         rules = HealthRules(memory_threshold_mib=int(positive_number(
@@ -104,22 +113,13 @@ class GpuNodeHealthOperator(BaseOperator):
         self.interval_s = interval_s  # the DAG's schedule, so the GPU view can tell when a check is late
 
     def _store(self):
-        from eagleflow.health.status_store import StatusStore
         if self.status_dir:
             return StatusStore(self.status_dir)
-        from eagleflow.airflow.status_variables import variable_status_store
         return variable_status_store()
 
     def _check_node(self, cfg, path, store, rules, status_kw, unreachable_after_s, findings: list, observed: set,
                     recipients: dict, names: set) -> int:
         """One node of a config: its activity and GPUs into the store, its findings added; 1 when its GPUs were read."""
-        from eagleflow.gpu.probes import probe_for
-        from eagleflow.health import incidents as hi
-        from eagleflow.health.node_activity import read_node_activity
-        from eagleflow.health.rules import assess
-        from eagleflow.health.status_doc import error_kind
-        from eagleflow.nodes import node_from_config
-
         name = cfg.node.name
         names.add(name)
         recipients[name] = Recipients.of_config(cfg)
@@ -157,11 +157,6 @@ class GpuNodeHealthOperator(BaseOperator):
         return 1
 
     def execute(self, context):
-        from eagleflow.config import load_config
-        from eagleflow.health import incidents as hi
-        from eagleflow.health.durations import duration
-        from eagleflow.health.status_store import history_retention_s
-
         params = dict(context["params"])
         paths = params.get("config_paths") or []
         if isinstance(paths, str):
@@ -241,7 +236,6 @@ class GpuNodeHealthOperator(BaseOperator):
         """Airflow's health endpoint on this deployment's API server: $EAGLEFLOW_AIRFLOW_HEALTH_URL (where the
         workers reach it, e.g. http://airflow-apiserver:8080 in docker compose), else Airflow's [api] base_url.
         {"error": ...} when neither is set or it does not answer: no part is judged then."""
-        from eagleflow.health.airflow_health import HEALTH_PATH, fetch
         base = os.environ.get("EAGLEFLOW_AIRFLOW_HEALTH_URL") or airflow_base_url("")
         now = time.time()
         if not base:
@@ -286,7 +280,6 @@ def _everyone(rs) -> Recipients | None:
 
 def incident_mail(d, recipients: Recipients | None, context, remind_after_s: float) -> Mail:
     """The mail of one incident step; Message-ID/In-Reply-To keep an incident in one thread."""
-    from eagleflow.health.durations import duration
     inc = d.incident
     recipients = recipients or Recipients((), "smtp_default", "")
     opened_at = time.time() if inc["opened_at"] is None else inc["opened_at"]

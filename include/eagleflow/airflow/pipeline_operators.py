@@ -10,6 +10,7 @@ from eagleflow.airflow.routing import routing_mismatches
 from eagleflow.config import ConfigError, check_run_name
 from eagleflow.phases import ShardKind
 from eagleflow.preflight import PreflightReport
+from eagleflow.fleet.assign import run_assignment
 
 
 def unknown_conf_keys(conf: dict | None, params) -> list[str]:
@@ -83,7 +84,6 @@ def check_inputs_on_node(ctx, log) -> None:
 def plan_node_shards(ctx, kind: ShardKind, log) -> list[int]:
     """This node's share of the phase's shards (eagleflow.fleet.assign): all of them on a single node, logged
     beside the whole plan."""
-    from eagleflow.fleet.assign import run_assignment
     plan = run_assignment(ctx.cfg, kind.phase)
     mine = plan.get(ctx.cfg.node.name, [])
     log.info("%s planned as %d shard(s); node %s takes %d: %s (whole plan: %s)", kind.noun,

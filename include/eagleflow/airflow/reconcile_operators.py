@@ -21,6 +21,9 @@ from eagleflow.nodes import NodeAnswerError, NodeError
 from eagleflow.phases import EXTRACT, KINDS, kind_of
 from eagleflow.protocol import ClaimAnswer, ShardStates
 from eagleflow.watchdog.protocol import EventPayload
+from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url
+from eagleflow.airflow.shard_watch import ShardWatchTrigger
+from eagleflow.watchdog.diagnosis import StallDetected
 
 
 def _reconcile_config_path(ctx: RunContext) -> str:
@@ -115,7 +118,6 @@ class RerunShardOperator(BaseOperator):
         if result.action == "skipped":
             ctx.close()
             return {**self.target, "outcome": "skipped", "reason": result.reason}
-        from eagleflow.airflow.shard_watch import ShardWatchTrigger
         trigger = ShardWatchTrigger(run=ctx.serialize(), shard=shard, phase=phase)
         ctx.close()
         if not self.deferrable:
@@ -134,7 +136,6 @@ class RerunShardOperator(BaseOperator):
                 self.log.warning("the stall is blamed on the phase's server: the retry stops and restarts it")
         finally:
             ctx.close()
-        from eagleflow.watchdog.diagnosis import StallDetected
         raise StallDetected(event.get("subject") or f"rerun of shard {self.target['shard']} {event.get('status')}",
                             event.get("diagnosis") or str(event))
 
@@ -179,7 +180,6 @@ class ReconcileSummaryOperator(RunOperator):
             per_phase[t.get("phase", EXTRACT)] = per_phase.get(t.get("phase", EXTRACT), 0) + 1
         subject = (f"[eagleflow] reconcile on {ctx.node.name}: reran {len(todo)} shard(s) ("
                    + ", ".join(f"{n} {KINDS[p].noun}" for p, n in sorted(per_phase.items())) + ")")
-        from eagleflow.airflow.alerts import Mail, Recipients, send_mail, task_log_url
         recipients = Recipients.of_config(ctx.cfg)
         send_mail(context, Mail(recipients, subject, summary,
                                 where=f"DAG {ti.dag_id}, run {ti.run_id}: incomplete shards with no live worker.",

@@ -18,6 +18,7 @@ from airflow.sdk import BaseOperatorLink
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.runtime import RunContext
+from eagleflow.airflow.status_variables import variable_status_store
 from eagleflow.console.run_report import REPORT_FILE
 
 REPORT_XCOM_KEY = "report_html"
@@ -59,7 +60,6 @@ class RunReportOperator(RunOperator):
 
     def _gpu_history(self, ctx: RunContext) -> dict | None:
         try:
-            from eagleflow.airflow.status_variables import variable_status_store
             return variable_status_store().load(ctx.cfg.node.name) or None
         except Exception as e:
             self.log.warning("GPU history of node %s not available for the report: %s", ctx.cfg.node.name, e)

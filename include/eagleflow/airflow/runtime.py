@@ -40,6 +40,7 @@ from eagleflow.config import ConfigError, PipelineConfig, load_config
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node, node_from_config
 from eagleflow.phases import ShardKind
+from eagleflow.config import NodeConfig
 
 # DAG Param name -> dotted config field. A Param left at None keeps the file's value.
 PARAM_OVERRIDES: dict[str, str] = {
@@ -442,7 +443,6 @@ def _node_for(conn_id: str | None) -> Node:
     """The node behind ``conn_id``, before its config is known (to read the frozen config there)."""
     from types import SimpleNamespace
 
-    from eagleflow.config import NodeConfig
     return node_from_config(SimpleNamespace(node=NodeConfig(name=conn_id or "local", conn_id=conn_id)))
 
 

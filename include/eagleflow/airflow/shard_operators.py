@@ -45,6 +45,10 @@ from eagleflow.nodes.process_record import RecordList
 from eagleflow.phase_jobs import ServerNotReady
 from eagleflow.phases import ShardKind, kind_of
 from eagleflow.watchdog.protocol import EventPayload
+from eagleflow.airflow.pipeline_operators import plan_node_shards
+from eagleflow.airflow.shard_watch import ShardWatchTrigger
+from eagleflow.airflow.watch_handler import fail_with, follow_event, mail_and_recover, watch_to_the_end
+from eagleflow.watchdog.protocol import Complete
 
 
 def off_note(kind: ShardKind) -> str:
@@ -172,7 +176,6 @@ class PlanShardsOperator(PhaseOperator):
     def run(self, ctx, context):
         if not self.kind.enabled(ctx.cfg):
             return [0]
-        from eagleflow.airflow.pipeline_operators import plan_node_shards
         return plan_node_shards(ctx, self.kind, self.log)
 
 
@@ -256,12 +259,10 @@ class ShardOperator(PhaseOperator):
             ctx.close()
 
     def _rewatch(self, **kw):
-        from eagleflow.airflow.shard_watch import ShardWatchTrigger
         return ShardWatchTrigger(shard=int(self.shard), phase=self.phase, **kw)
 
     def _watch(self, ctx: RunContext, context, start):
         """The watch (deferred or here) until its final event, each event through the one handler."""
-        from eagleflow.airflow.watch_handler import follow_event, mail_and_recover, watch_to_the_end
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
             ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch,
             recover=lambda raw, pending: mail_and_recover(ctx, context, raw, pending, shard=int(self.shard),
@@ -270,8 +271,6 @@ class ShardOperator(PhaseOperator):
 
     def _finish(self, ctx: RunContext, final):
         """The watch's final event (its mails already tried): the shard's result, or the task fails."""
-        from eagleflow.airflow.watch_handler import fail_with
-        from eagleflow.watchdog.protocol import Complete
         kind, shard = self.kind, int(self.shard)
         try:
             self._log_progress(ctx, shard)

@@ -18,8 +18,16 @@ from pydantic import BaseModel
 from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.store_operators import StoreAnswer
+from eagleflow.phases import EXTRACT, KINDS
+from eagleflow.protocol import ClaimAnswer
 from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
+from eagleflow.airflow.shard_watch import TrainWatchTrigger
+from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
+from eagleflow.evaluate.approval import PENDING
+from eagleflow.evaluate.run import accept_lengths, acceptance_table, table_lines
+from eagleflow.nodes import NodeError
+from eagleflow.watchdog.protocol import Complete
 
 # a retry waits this long at most for the watch's pending evidence (a late heartbeat's CPU window) before it acts
 RETRY_EVIDENCE_WAIT_S = 60.0
@@ -55,8 +63,6 @@ class TrainDraftOperator(RunOperator):
         watch's verdict stalled, dead or failed stops it. A look that gets no answer stops nothing. A slow verdict
         whose evidence is still pending (a late heartbeat's CPU window not yet covered: the first look has no
         earlier CPU reading) is looked at again when it turns, within RETRY_EVIDENCE_WAIT_S in all."""
-        from eagleflow.airflow.shard_watch import TrainWatchTrigger
-        from eagleflow.nodes import NodeError
         trigger = TrainWatchTrigger(run=ctx.trigger_ref())
         deadline = time.monotonic() + RETRY_EVIDENCE_WAIT_S
         try:
@@ -73,17 +79,13 @@ class TrainDraftOperator(RunOperator):
         if diag.status is None or diag.verdict == "complete":   # as the shard's retry: nothing to stop
             self.log.info("retry: the trainer is kept, nothing stopped: %s", diag.summary)
             return
-        outcome = stop_trainer(ctx, log=self.log.info)
-        self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
-
-    def execute_complete(self, context, event):
         if diag.cause == "store":
             self._restart_store(ctx, diag.summary)
             if diag.verdict == "stalled":   # still running: it waits for its store (stream.store_down_timeout_s)
                 self.log.info("retry: the trainer is kept: it takes up the new store and goes on")
                 return
-        # the run's context only when there is a next watch: a final event needs no config read
-        return self._watch(lambda: RunContext.from_airflow(context), context, event or {})
+        outcome = stop_trainer(ctx, log=self.log.info)
+        self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
 
     def _restart_store(self, ctx: RunContext, why: str) -> None:
         """The run's store lost mid-run (issue 53): ``eagleflow store start`` on the node starts a new incarnation
@@ -95,16 +97,24 @@ class TrainDraftOperator(RunOperator):
         self.log.warning("retry: %s; the run's store %s on node %s (store id %s)", why,
                          "was running again (attached)" if info.get("attached") else "restarted", ctx.node.name,
                          info.get("store_id"))
+        # the extraction shards with no worker now whose samples went with the store: rerun at once by reconcile's
+        # claim (a shard whose task had succeeded has no retry of its own); a complete or attended shard is skipped
+        for shard in range(KINDS[EXTRACT].num_shards(ctx.cfg)):
+            claim = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase",
+                                                         EXTRACT), ClaimAnswer,
+                                      timeout=ctx.cfg.server.ready_timeout_s + 300, log=self.log.info)
+            self.log.info("retry: extraction shard %d: %s (%s)", shard, claim.action, claim.reason)
+
+    def execute_complete(self, context, event):
+        # the run's context only when there is a next watch: a final event needs no config read
+        return self._watch(lambda: RunContext.from_airflow(context), context, event or {})
 
     def _rewatch(self, **kw):
-        from eagleflow.airflow.shard_watch import TrainWatchTrigger
         return TrainWatchTrigger(poll_interval_s=self.poll_interval_s, **kw)
 
     def _watch(self, ctx: RunContext | Callable[[], RunContext], context, start):
         """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
         recovery: a stalled trainer fails the try and the retry restarts it from its last checkpoint)."""
-        from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
-        from eagleflow.watchdog.protocol import Complete
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
             ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch))
         if isinstance(final, Complete):
@@ -190,8 +200,6 @@ class EvaluateDraftOperator(RunOperator):
     def run(self, ctx: RunContext, context):
         from airflow.sdk.exceptions import AirflowFailException
 
-        from eagleflow.evaluate.approval import PENDING
-        from eagleflow.evaluate.run import acceptance_table, accept_lengths, table_lines
         answer = ctx.node.run_json(ctx.eagleflow_argv("evaluate", "--json"), EvalAnswer, timeout=self._timeout(ctx),
                                    answer_codes=(0, 1), log=self.log.info)
         for line in table_lines(answer.model_dump()):

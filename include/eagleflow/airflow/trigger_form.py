@@ -22,6 +22,7 @@ from airflow.sdk import Param
 
 from eagleflow.airflow.project import project_root
 from eagleflow.airflow.routing import default_config_path
+from eagleflow.stores import STORES
 
 FROM_CONFIG = "(from the config)"
 SWITCH_CHOICES = ("on", "off")
@@ -48,7 +49,6 @@ def config_switch(*, title: str, description: str, field: str) -> Param:
 def storage_choice() -> Param:
     """The ``storage`` Param: the hidden-state store of this run (``stream.storage``), one of the stores
     registry's (``eagleflow.stores.STORES``), each shown with its label; empty: the config's."""
-    from eagleflow.stores import STORES
     return optional_choice(list(STORES), title="Hidden-state storage",
                            description="Where the captured hidden states go between capture and training. "
                                        + "; ".join(f"{name}: {store.label}" + (" (streaming: training starts as "

@@ -13,6 +13,8 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleExcept
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.nodes import NodeError
+from eagleflow.airflow.alerts import ConsequentialFailure
+from eagleflow.stores import store_for
 
 
 class VerifyHiddenStatesOperator(RunOperator):
@@ -44,14 +46,12 @@ class VerifyHiddenStatesOperator(RunOperator):
     def execute(self, context):
         ti = context.get("ti")
         if ti is not None and ti.xcom_pull(task_ids=self.plan_task_id) is None:
-            from eagleflow.airflow.alerts import ConsequentialFailure
             raise ConsequentialFailure(f"nothing verified: the capture never ran ({self.plan_task_id} has no result "
                                        "because an earlier task failed; its own alert says why). Nothing is "
                                        "trained or exported for this run")
         return super().execute(context)
 
     def run(self, ctx, context):
-        from eagleflow.stores import store_for
         if store_for(ctx.cfg.stream.storage).streaming:
             return self._stream_verified(ctx, context)
         argv = ctx.eagleflow_argv("capture", "verify", "--json", *([] if self.check_digest else ["--no-digest"]))
@@ -88,7 +88,6 @@ class VerifyHiddenStatesOperator(RunOperator):
     def _stream_verified(self, ctx, context):
         """The streaming run's record from the trainer: judged once it is there; until then the task is
         rescheduled (AirflowRescheduleException), so it holds no worker slot while training runs."""
-        from eagleflow.airflow.alerts import ConsequentialFailure
         path = str(ctx.layout.stream_verified_file)
         try:
             text = ctx.node.read_text(path)

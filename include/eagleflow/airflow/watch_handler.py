@@ -17,6 +17,10 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.phases import ShardKind
 from eagleflow.watchdog.protocol import (EventPayload, IncidentClose, MailDue, PendingMail, Recovering, Resumed, Unreachable,
                                          WatchEvent, next_step, parse_event)
+from eagleflow.airflow.alerts import close_of_outage, close_of_stall, log_unsent, mail_or_keep, send_pending
+from eagleflow.nodes import NodeError
+from eagleflow.watchdog.diagnosis import StallDetected
+from eagleflow.watchdog.recovery import recover_after_stall
 
 # Builds the job's next watch from the keyword arguments every watch trigger takes (run, unreachable_since,
 # close_incidents, pending_mails, clocks; recoveries_left for shards).
@@ -36,10 +40,6 @@ def mail_and_recover(ctx: RunContext, context, event: EventPayload, pending: lis
     mails still pending (a mail that could not be sent never stops the recovery). A failed recovery fails the
     task with the stall (``StallDetected``), after one last try of the pending mails: Airflow's retry is the
     fallback."""
-    from eagleflow.airflow.alerts import close_of_stall, log_unsent, mail_or_keep, send_pending
-    from eagleflow.nodes import NodeError
-    from eagleflow.watchdog.diagnosis import StallDetected
-    from eagleflow.watchdog.recovery import recover_after_stall
     inc = event.get("incident") or {}
     log.warning("%s %s stalled (%s, incident %s, %s it): %s", kind.watch_name, shard, event.get("cause"),
                 inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
@@ -63,7 +63,6 @@ def follow_event(event: EventPayload | Mapping[str, object] | WatchEvent, *, ctx
 
     ``ctx`` may be a callable giving the run's context: it is needed only to watch again (a final event needs
     no run config read)."""
-    from eagleflow.airflow.alerts import close_of_outage, log_unsent, mail_or_keep, send_pending
     ev = parse_event(event)
     raw = ev.payload()   # the mails are rendered from the plain payload
     pending = list(ev.state.pending_mails)     # mails the SMTP server did not take yet
@@ -117,6 +116,5 @@ def watch_to_the_end(operator, context, start: Any, follow: Callable[[dict[str, 
 
 def fail_with(event: WatchEvent, job: str):
     """The task fails with the watch's verdict (a plain Exception: Airflow retries it)."""
-    from eagleflow.watchdog.diagnosis import StallDetected
     d = event.to_dict()
     raise StallDetected(d.get("subject") or f"{job} {event.kind}", d.get("diagnosis") or str(d))

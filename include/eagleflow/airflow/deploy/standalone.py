@@ -41,6 +41,7 @@ from pathlib import Path
 from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
 from eagleflow.nodes import process_record
 from eagleflow.nodes.proc import read_start_ticks, read_stat
+from eagleflow.durable import atomic_replace
 
 
 def free_port() -> int:
@@ -113,7 +114,6 @@ def start(home: str | Path | None = None, port: int = 8080, *, wait_s: float = 2
 
 def _write_state(sf: Path, info: dict) -> None:
     """standalone.json, 0600 from its first byte: it holds the admin password and the group's token."""
-    from eagleflow.durable import atomic_replace
     with atomic_replace(sf, mode=0o600) as tmp:
         tmp.write_text(json.dumps(info))
 
