@@ -10,7 +10,7 @@ export AIRFLOW_HOME := $(CURDIR)/airflow_home
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 AIRFLOW_PORT ?= 8080
 
-.PHONY: venv venv-node venv-node-vllm demo demo-inputs system-deps test test-node test-node-vllm test-fast airflow airflow-stop bench clean-runs
+.PHONY: venv venv-node venv-node-vllm demo demo-stream demo-inputs system-deps test test-node test-node-vllm test-fast airflow airflow-stop bench clean-runs
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 demo: venv
 	$(BIN)/python -m eagleflow.demo --config configs/local-demo.yaml
+
+# The same demo streaming its hidden states through the run's Mooncake store, none on disk (docs/demo.md); the
+# store's wheel needs Debian's libibverbs1 librdmacm1 libnuma1 (`make system-deps`).
+demo-stream: venv
+	$(BIN)/python -m eagleflow.demo --config configs/stream-demo.yaml
 
 # The system packages the tests need (sshd, PostgreSQL, Redis, ip, docker-compose): installed with apt-get
 # when run as root (as .ci/run does), otherwise `make test` stops at once and says what to install.
