@@ -20,6 +20,10 @@ from typing import Any, Callable, Iterable
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
+HEARTBEAT = "heartbeat.json"    # in every shard's folder: its worker's heartbeat (phases.worker.PhaseWorker)
+MANIFEST = "manifest.jsonl"     # in every shard's folder: one line per finished unit (eagleflow.capture.manifest)
+
+
 @dataclass(frozen=True)
 class PhaseLifecycle:
     """What the operators, the recovery and reconcile do to a sharded phase's server and workers: its own
@@ -57,13 +61,11 @@ class ShardKind:
     server_role: str
     worker_prefix: str                          # worker role = prefix + 5-digit shard
     marker: str                                 # <run>.<marker>: reconcile started this phase's server
-    started_dir: str                            # a run dir holding this means the phase started
+    started_dir: str                            # its folder in the run dir (shards inside); there = it started
     shards_field: str                           # the config field that says how many shards (in messages)
     enabled_field: str | None                   # the config switch that turns the phase on (None: always on)
     shards_of: Callable[[PipelineConfig], int]  # reads shards_field
     enabled_of: Callable[[PipelineConfig], bool] | None   # reads enabled_field
-    shard_dir: Callable[[RunLayout, int], PurePosixPath]
-    server_info_file: Callable[[RunLayout], PurePosixPath]
     takeover_key: str                           # its map in a run's takeover.json (fleet.takeover)
     prepared_key: str                           # its list in prepare_node's answer (the shards a node holds)
     shard_task: str                             # the DAG task (mapped over shards) that runs and watches a shard
@@ -81,6 +83,7 @@ class ShardKind:
     free_after_task: str                        # GPUs freed after its server (teardown)
     lifecycle_ref: str                          # "module:attribute" of its PhaseLifecycle (``lifecycle()``)
     command: str                                # its CLI group: ``eagleflow <command> run|serve|stop|...``
+    server_mode: str                            # the mode its server runs in (the engines' ``--mode``, info "mode")
     # its shard task makes sure the server answers before its worker starts (starting it when needed) and clears
     # a server stall on every try (``PhaseLifecycle.before_retry``); otherwise the worker waits for the server
     # by itself and ``before_retry`` runs only when a retry's look found a fault the watch does not recover
@@ -88,6 +91,10 @@ class ShardKind:
     retry_advice: str                           # what a retry of its shard task does, for the retry mail
     # reconcile no longer scans the phase once its stats say every shard is complete (generate.phase)
     done_when_stats_complete: bool = False
+    # where its shards and its server's info file are when not where ``shard_dir``/``server_info_file`` put
+    # them by default (the run layout's own names: ``RunLayout.shard_dir``, ``generate_server_info_file``...)
+    shard_dir_in: Callable[[RunLayout, int], PurePosixPath] | None = None
+    server_info_in: Callable[[RunLayout], PurePosixPath] | None = None
 
     def worker_role(self, shard: int) -> str:
         return f"{self.worker_prefix}{shard:05d}"
@@ -99,6 +106,11 @@ class ShardKind:
     def num_shards(self, cfg: PipelineConfig) -> int:
         return int(self.shards_of(cfg))
 
+    def with_shards(self, cfg: PipelineConfig, n: int) -> PipelineConfig:
+        """``cfg`` with ``shards_field`` set to ``n`` (a worker's ``--of``: its records are split by it)."""
+        section, _, field = self.shards_field.partition(".")
+        return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update={field: n})})
+
     def enabled(self, cfg: PipelineConfig) -> bool:
         return self.enabled_of is None or bool(self.enabled_of(cfg))
 
@@ -106,8 +118,23 @@ class ShardKind:
         """The shards this run has of the phase: none while it is switched off."""
         return self.num_shards(cfg) if self.enabled(cfg) else 0
 
+    def phase_dir(self, layout: RunLayout) -> PurePosixPath:
+        """Its folder in the run dir (``started_dir``): one ``shard_NNNNN`` folder per shard inside."""
+        return layout.run_dir / self.started_dir
+
+    def shard_dir(self, layout: RunLayout, shard: int) -> PurePosixPath:
+        if self.shard_dir_in is not None:
+            return self.shard_dir_in(layout, shard)
+        return self.phase_dir(layout) / f"shard_{shard:05d}"
+
+    def server_info_file(self, layout: RunLayout) -> PurePosixPath:
+        """Written by its server once it listens: ``<server_role>.json`` (tagged on a fleet node: each runs one)."""
+        if self.server_info_in is not None:
+            return self.server_info_in(layout)
+        return layout.run_dir / layout._tagged(self.server_role, ".json")
+
     def heartbeat_file(self, layout: RunLayout, shard: int) -> PurePosixPath:
-        return self.shard_dir(layout, shard) / "heartbeat.json"
+        return self.shard_dir(layout, shard) / HEARTBEAT
 
     def lifecycle(self) -> PhaseLifecycle:
         """Its ``PhaseLifecycle``, imported on first use (the phase's package is heavier than this data)."""

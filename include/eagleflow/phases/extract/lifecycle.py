@@ -21,27 +21,31 @@ from pydantic import BaseModel
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLike
 from eagleflow.nodes import ProcessRecord
-from eagleflow.phase_jobs import (check_server_ready, read_server_info, start_exclusive, start_or_attach_server,
-                                  wait_server_ready)
-from eagleflow.phases import EXTRACT, KINDS
+from eagleflow.phase_jobs import wait_server_ready
+from eagleflow.phases import lifecycle as shared
 from eagleflow.serving.launch import dump_dir  # noqa: F401  (where the capture server dumps; read here too)
+from eagleflow.watchdog.sentinel import ensure_sentinel as start_sentinel
+from eagleflow.watchdog.signals import WatchedJob
 
-SERVER_ROLE = KINDS[EXTRACT].server_role
+from . import KIND
+from .worker import shard_indexes
+
+SERVER_ROLE = KIND.server_role
 
 
 def worker_role(shard: int) -> str:
-    return KINDS[EXTRACT].worker_role(shard)
+    return KIND.worker_role(shard)
 
 
 def worker_role_pattern() -> str:
     """A regular expression matching every ``worker_role`` whole."""
-    return KINDS[EXTRACT].worker_role_pattern()
+    return KIND.worker_role_pattern()
 
 
 # --- the capture server -------------------------------------------------------------
 
 def server_info(ctx: RunLike) -> dict | None:
-    return read_server_info(ctx, str(ctx.layout.server_info_file))
+    return shared.server_info(ctx, KIND)
 
 
 def start_capture_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
@@ -49,14 +53,12 @@ def start_capture_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
 
     Returns (its record, whether it was started now).
     """
-    return start_or_attach_server(ctx, SERVER_ROLE, ctx.eagleflow_argv("capture", "serve"),
-                                  str(ctx.layout.server_info_file), f"capture server ({ctx.cfg.capture.backend})", log)
+    return shared.start_server(ctx, KIND, f"{KIND.server} ({ctx.cfg.capture.backend})", log)
 
 
 def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:
     """The capture server's ``check_server_ready``."""
-    return check_server_ready(ctx, SERVER_ROLE, str(ctx.layout.server_info_file), "capture", "capture server",
-                              health_timeout_s)
+    return shared.check_ready(ctx, KIND, health_timeout_s)
 
 
 def wait_capture_server_ready(ctx: RunLike, timeout_s: float | None = None, poll_s: float = 1.0,
@@ -93,35 +95,14 @@ def stop_capture_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict[s
 # --- extraction workers ---------------------------------------------------------------
 
 def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
-    """Start the detached worker of ``shard``, or return the live one: never two workers on one shard.
-
-    Returns (its record, attached). The start is exclusive on the node: the
-    worker holds ``<state_dir>/locks/<run>.worker_shard_NNNNN.lock`` for its
-    lifetime, taken by detach before the worker starts, so two callers at
-    once start one worker; the other attaches to it. A holder that is not the
-    recorded worker (a hand-started ``capture run``) raises JobAlreadyRunning
-    naming its PID.
-    """
-    role = worker_role(shard)
-    argv = ctx.eagleflow_argv("capture", "run", "--shard", str(shard), "--of", str(ctx.cfg.capture.shards))
-    rec, started = start_exclusive(ctx, role, argv)
-    if started:
-        if log:
-            log(f"shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}")
-        ensure_sentinel(ctx, shard, log)
-        return rec, False
-    if log:
-        log(f"shard {shard}: worker pid {rec.pid} is still running (record {ctx.layout.pid_file(role)}); "
-            f"attaching to it")
-    ensure_sentinel(ctx, shard, log)
-    return rec, True
+    """Start the detached worker of ``shard``, or return the live one: never two workers on one shard
+    (``phases.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
+    return shared.start_or_attach_worker(ctx, KIND, shard, log)
 
 
 def ensure_sentinel(ctx: RunLike, shard: int, log=None) -> ProcessRecord | None:
     """The extraction shard's sentinel (eagleflow.watchdog.sentinel: it alarms when nothing looks at the shard)."""
-    from eagleflow.watchdog.sentinel import ensure_sentinel as start
-    from eagleflow.watchdog.signals import WatchedJob
-    return start(ctx, WatchedJob(shard=shard, num_shards=ctx.cfg.capture.shards), log)
+    return start_sentinel(ctx, WatchedJob(shard=shard, num_shards=KIND.num_shards(ctx.cfg), phase=KIND.phase), log)
 
 
 def stop_worker(ctx: RunLike, shard: int, grace_s: float = 15.0, log=None) -> str:
@@ -134,7 +115,6 @@ def stop_worker(ctx: RunLike, shard: int, grace_s: float = 15.0, log=None) -> st
 def shard_expectation(run, shard: int) -> tuple[int, bool]:
     """(samples shard ``shard`` extracts, True): its share of the corpus; an extraction shard is finished
     when its manifest holds them all (0 before the corpus exists)."""
-    from .worker import shard_indexes
     corpus = str(run.layout.corpus_dir / "corpus.parquet")
     return (len(shard_indexes(corpus, shard, run.cfg.capture.shards)) if os.path.exists(corpus) else 0), True
 

@@ -26,22 +26,26 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from eagleflow.capture.manifest import compact_manifest, read_manifest
+from eagleflow.capture.storage import remove_temp_files
 from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.stop_signal import failure_text, start_helper_thread, stop_arrived
+from eagleflow.phases.descriptor import MANIFEST
+from eagleflow.phases.worker import PhaseWorker
+from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
+from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
+from eagleflow.stop_signal import stop_arrived
 from eagleflow.stores import StoreSettings, store_for
 from eagleflow.stores.contract import SampleSink, StoreError
 from eagleflow.stores.encoding import encode_sample
 
-from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
-from eagleflow.capture.manifest import compact_manifest, read_manifest
-from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
-from eagleflow.capture.storage import remove_temp_files
+from . import KIND
 
 
 HALT_GRACE_S = 3.0   # a stopped worker's samples already being written finish within this, or are redone
@@ -119,7 +123,7 @@ class WorkerSettings:
 
 
 def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | None = None) -> list[int]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow takes 0.19 s to import; the CLI and reconcile load this module
     idx = pq.read_table(corpus_file, columns=["index"]).column("index").to_pylist()
     return sorted(i for i in idx if i % num_shards == shard and (limit is None or i < limit))
 
@@ -127,7 +131,7 @@ def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | No
 def load_samples(corpus_file: str, shard: int, num_shards: int, skip: set[int],
                  limit: int | None = None) -> tuple[int, list[Sample]]:
     """(shard total, samples still to do in index order); input ids are read only for those."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: as in shard_indexes
 
     if not Path(corpus_file).is_file():
         raise ExtractionError(f"corpus file {corpus_file} does not exist; run `eagleflow corpus prepare` first")
@@ -159,7 +163,6 @@ def remove_orphan_dumps(dump_dir: str, run_id: str, shard: int) -> int:
 
 
 def free_space(path: str) -> str:
-    import shutil
     try:
         free = shutil.disk_usage(path).free
     except OSError as e:
@@ -169,52 +172,39 @@ def free_space(path: str) -> str:
 
 def dump_dir_full(dump_dir: str, needed_bytes: int, server_error: str) -> str | None:
     """Why a failed request is the dump dir's fault (full), or None: a full dump_dir is no dead server."""
-    import shutil
     try:
         free = shutil.disk_usage(dump_dir).free
     except OSError:
         return None
     said_enospc = any(t in server_error for t in ("No space left", "ENOSPC", "Errno 28", "Disk quota"))
     if said_enospc or free < max(needed_bytes, 1 << 20):
-        return (f"capture.dump_dir {dump_dir} is full (ENOSPC: {free / 2**20:.1f} MiB free"
+        return (f"server.dump_dir {dump_dir} is full (ENOSPC: {free / 2**20:.1f} MiB free"
                 + (f", this sample's dump needs about {needed_bytes / 2**20:.1f} MiB" if needed_bytes else "")
                 + "); the server could not write the dump")
     return None
 
 
-class ShardWorker:
+class ShardWorker(PhaseWorker):
+    """One extraction shard's worker (the loop around it: ``phases.worker.PhaseWorker``)."""
+    kind = KIND
+    error = ExtractionError
+
     def __init__(self, settings: WorkerSettings, log=print):
+        super().__init__(settings.shard, settings.num_shards, settings.shard_dir, settings.heartbeat_interval_s, log)
         self.s = settings
-        self.log = log
-        self._stop = threading.Event()
         self._halt = threading.Event()     # told to stop (SIGTERM): nothing more is stored
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
         self._dump_bytes_per_token = 0     # learnt from the first dump: what a full dump_dir cannot hold
         self._per_request: list[float] = []  # this run's seconds per request (request time / its queue)
 
-    def run(self) -> Heartbeat:
-        s = self.s
-        shard_dir = Path(s.shard_dir)
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        hb = Heartbeat(job=f"extract shard {s.shard}/{s.num_shards}", pid=os.getpid(),
-                       extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url})
-        writer_hb = HeartbeatWriter(shard_dir / "heartbeat.json", hb, interval_s=s.heartbeat_interval_s)
-        try:
-            writer_hb.start()   # inside: a stop held back while its thread started is raised as the mask lifts
-            self._run(writer_hb)
-        except BaseException as e:
-            writer_hb.stop(state="failed", error=failure_text(e, ExtractionError))
-            raise
-        writer_hb.stop(state="complete")
-        return writer_hb.hb
+    def heartbeat_extra(self) -> dict[str, Any]:
+        return {**super().heartbeat_extra(), "server_url": self.s.server_url}
 
     def _run(self, hbw: HeartbeatWriter) -> None:
         s = self.s
         shard_dir = Path(s.shard_dir)
         removed_tmp = remove_temp_files(shard_dir)
         removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.rid_shard)
-        scan = read_manifest(shard_dir / "manifest.jsonl")
+        scan = read_manifest(shard_dir / MANIFEST)
         store = store_for(s.storage)
         check = store.resume_check(str(shard_dir), scan)   # disk: each file intact; streaming: each line recorded
         done, broken = check.done, check.broken
@@ -230,13 +220,13 @@ class ShardWorker:
             # one clean line per intact sample before anything is appended: a redone sample
             # must not sit beside a damaged, repeated or stale line of itself
             keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
-            compact_manifest(shard_dir / "manifest.jsonl", keep, fsync=s.fsync)
+            compact_manifest(shard_dir / MANIFEST, keep, fsync=s.fsync)
         total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done, s.limit)
         resumed = total - len(todo)
         resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
 
         if s.store_dtype == "fp8_e4m3":
-            import torch  # noqa: F401 - quantising needs it: import now, not inside the first sample's clock
+            import torch  # noqa: F401  # lazy: torch (heavy), only to quantise fp8: now, not in the first sample's clock
 
         def init(hb: Heartbeat) -> None:
             hb.state = "running"
@@ -255,31 +245,16 @@ class ShardWorker:
                     f"{len(scan.duplicates) + len(scan.duplicate_ids)} repeated line(s)" if not scan.clean else ""))
         if not todo:
             return
-        work: queue.Queue[Sample] = queue.Queue()
-        for smp in todo:
-            work.put(smp)
         try:
             sink = store.open_sink(s.store_settings(), s.shard)   # the manifest's writer: after any compaction
         except StoreError as e:
             raise ExtractionError(f"shard {s.shard}: cannot write to the run's store: {e}") from None
         try:
-            threads = [start_helper_thread(self._loop, work, sink, hbw, name=f"capture-{k}")
-                       for k in range(min(s.in_flight, len(todo)))]
-            try:
-                for t in threads:
-                    while t.is_alive() and self._error is None:
-                        # short waits: a signal handler runs only in this thread, and only between them
-                        t.join(0.2)
-            except BaseException:
-                self._abandon(threads)   # told to stop (SIGTERM, Ctrl-C)
-                raise
-            if self._error is not None:
-                # one sample failed: say so now, not after the other requests' own deadlines (up to hours)
-                self._abandon(threads)
+            # in_flight requests at once: while one thread writes a file, the others keep the server busy
+            self._drive(todo, s.in_flight, "capture", lambda: lambda smp: self._one(smp, sink, hbw), self._abandon)
         finally:
             sink.close()
-        if self._error is not None:
-            raise self._error
+        self._raise_failure()
 
     def _abandon(self, threads: list[threading.Thread]) -> None:
         """No new sample, none stored that is not already being written (those get HALT_GRACE_S); the rest of
@@ -289,21 +264,6 @@ class ShardWorker:
         end = time.monotonic() + HALT_GRACE_S
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
-
-    def _loop(self, work: "queue.Queue[Sample]", sink: SampleSink, hbw: HeartbeatWriter) -> None:
-        while not self._stop.is_set():
-            try:
-                smp = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self._one(smp, sink, hbw)
-            except BaseException as e:
-                with self._lock:
-                    if self._error is None:
-                        self._error = e
-                self._stop.set()
-                return
 
     def _pace(self) -> float | None:
         """Median seconds per request over this run's recent completions; None while too few to trust."""
@@ -336,7 +296,7 @@ class ShardWorker:
                 if full:
                     raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}, request {rid}) "
                                           f"failed because {full}. The server is not at fault: free space in "
-                                          f"capture.dump_dir or point it at a bigger filesystem, then re-run this "
+                                          f"server.dump_dir or point it at a bigger filesystem, then re-run this "
                                           f"shard: stored samples are kept") from None
                 late = (f" ({GIVE_UP_FACTOR:g} x its {fl.timeout_s:g} s deadline, which counted {ahead} request(s) "
                         f"ahead of it at this run's pace)" if isinstance(e, CaptureTimeout) else "")
@@ -351,7 +311,7 @@ class ShardWorker:
                 verify_dump(dump, s.dump_key, dpath, rid)   # before its hidden states go anywhere near the store
             except FileNotFoundError:
                 raise ExtractionError(f"shard {s.shard}: the server answered request {rid} but wrote no dump at "
-                                      f"{dpath}; is capture.dump_dir ({s.dump_dir}) the server's dump dir, and is "
+                                      f"{dpath}; is server.dump_dir ({s.dump_dir}) the server's dump dir, and is "
                                       "its capture hook installed?") from None
             except DumpTrustError as e:
                 raise ExtractionError(f"shard {s.shard}: sample {smp.id} (index {smp.index}): {e}") from None

@@ -7,7 +7,6 @@ but the descriptor's data), so every layer can read it without the worker's depe
 """
 from __future__ import annotations
 
-from eagleflow.layout import RunLayout
 from eagleflow.phases.descriptor import ShardKind
 
 GENERATE = "generate"
@@ -20,7 +19,7 @@ KIND = ShardKind(
     marker="reconcile-started-generate_server", started_dir="generated", shards_field="generate.shards",
     enabled_field="generate.enabled",
     shards_of=lambda cfg: cfg.generate.shards, enabled_of=lambda cfg: cfg.generate.enabled,
-    shard_dir=RunLayout.generate_shard_dir, server_info_file=lambda lay: lay.generate_server_info_file,
+    shard_dir_in=lambda lay, s: lay.generate_shard_dir(s), server_info_in=lambda lay: lay.generate_server_info_file,
     takeover_key="generate_shards", prepared_key="generate_shards", shard_task="generate_responses",
     collect_task="collect_generated",
     takeover_task="take_over_generated",
@@ -30,5 +29,6 @@ KIND = ShardKind(
     free_task="free_gpus_before_generation", idle_task="gpus_idle_before_generation",
     start_task="start_generate_server", ready_task=None, plan_task="plan_generate_shards",
     stop_task="stop_generate_server", free_after_task="free_gpus_after_generation",
-    lifecycle_ref="eagleflow.phases.generate.phase_lifecycle:LIFECYCLE", command=GENERATE, shard_starts_server=True,
+    lifecycle_ref="eagleflow.phases.generate.phase_lifecycle:LIFECYCLE", command=GENERATE, server_mode=GENERATE,
+    shard_starts_server=True,
     retry_advice="The retry resumes the shard from its manifest (finished records are kept, never redone).")

@@ -18,11 +18,13 @@ from eagleflow import bounded_json
 from eagleflow.engines import generation_engine
 from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
-from eagleflow.phase_jobs import (ServerNotReady, check_server_ready, read_server_info, start_exclusive,
-                                  start_or_attach_server, wait_server_ready)
-from eagleflow.phases import GENERATE, KINDS, SERVER_STALL
+from eagleflow.nodes.locks import NodeLock
+from eagleflow.phase_jobs import ServerNotReady, wait_server_ready
+from eagleflow.phases import lifecycle as shared
 
-SERVER_ROLE = KINDS[GENERATE].server_role
+from . import KIND, SERVER_STALL
+
+SERVER_ROLE = KIND.server_role
 
 
 class GenerateServerDied(ServerNotReady):
@@ -30,24 +32,21 @@ class GenerateServerDied(ServerNotReady):
 
 
 def worker_role(shard: int) -> str:
-    return KINDS[GENERATE].worker_role(shard)
+    return KIND.worker_role(shard)
 
 
 def server_info(ctx: RunLike) -> dict | None:
-    return read_server_info(ctx, str(ctx.layout.generate_server_info_file))
+    return shared.server_info(ctx, KIND)
 
 
 def start_generate_server(ctx: RunLike, log=None) -> tuple[ProcessRecord, bool]:
     """``eagleflow generate serve`` detached; a live recorded one is kept. (record, started now)."""
-    return start_or_attach_server(ctx, SERVER_ROLE, ctx.eagleflow_argv("generate", "serve"),
-                                  str(ctx.layout.generate_server_info_file),
-                                  f"generation server ({generation_engine(ctx.cfg).name}, serving mode)", log)
+    return shared.start_server(ctx, KIND, f"{KIND.server} ({generation_engine(ctx.cfg).name}, serving mode)", log)
 
 
 def check_ready(ctx: RunLike, health_timeout_s: float = 20.0) -> tuple[str, dict | None, str]:
     """The generation server's ``check_server_ready`` (a SIGSTOP'd server is "stuck", never "loading")."""
-    return check_server_ready(ctx, SERVER_ROLE, str(ctx.layout.generate_server_info_file), "generate",
-                              "generation server", health_timeout_s)
+    return shared.check_ready(ctx, KIND, health_timeout_s)
 
 
 def wait_generate_server_ready(ctx: RunLike, timeout_s: float | None = None, poll_s: float = 1.0, log=None) -> dict:
@@ -61,27 +60,16 @@ def wait_generate_server_ready(ctx: RunLike, timeout_s: float | None = None, pol
 
 def stop_generate_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict:
     stopped = ctx.node.stop_recorded(str(ctx.layout.pid_file(SERVER_ROLE)), grace_s=grace_s)
-    ctx.node.run(["rm", "-f", "--", str(ctx.layout.generate_server_info_file)], timeout=30)
+    ctx.node.run(["rm", "-f", "--", str(KIND.server_info_file(ctx.layout))], timeout=30)
     if log:
         log(f"generation server: {stopped.detail}")
     return {"server": stopped.outcome, "detail": stopped.detail}
 
 
 def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
-    """The detached worker of generation shard ``shard``, or the live one: never two on one shard."""
-    from eagleflow.watchdog.sentinel import ensure_sentinel
-    from eagleflow.watchdog.signals import WatchedJob
-    argv = ctx.eagleflow_argv("generate", "run", "--shard", str(shard), "--of", str(ctx.cfg.generate.shards))
-    # never two workers on a shard: a live one, or the one a concurrent start recorded, is attached to
-    rec, started = start_exclusive(ctx, worker_role(shard), argv)
-    if log:
-        log(f"generate shard {shard}: worker started on node {ctx.node.name}: pid {rec.pid}, log {rec.log_file}"
-            if started else f"generate shard {shard}: worker pid {rec.pid} is still running; attaching to it")
-    # it alarms when nothing looks at this shard while it runs
-    ensure_sentinel(ctx, WatchedJob(shard=shard, num_shards=ctx.cfg.generate.shards, phase="generate"), log)
-    return rec, not started
-
-
+    """The detached worker of generation shard ``shard``, or the live one: never two on one shard
+    (``phases.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
+    return shared.start_or_attach_worker(ctx, KIND, shard, log)
 
 
 def _server_identity(ctx: RunLike) -> dict | None:
@@ -95,7 +83,7 @@ def record_server_stall(ctx: RunLike, shard: int, event: dict) -> bool:
     retry; True when recorded."""
     if event.get("status") != "stalled" or event.get("cause") != "capture_server":
         return False
-    ctx.node.write_text(str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL),
+    ctx.node.write_text(str(KIND.shard_dir(ctx.layout, shard) / SERVER_STALL),
                         json.dumps({"subject": event.get("subject"), "verdict": event.get("verdict"),
                                     "server": _server_identity(ctx), "at": time.time()}) + "\n")
     return True
@@ -108,14 +96,13 @@ def stop_after_server_stall(ctx: RunLike, shard: int, grace_s: float = 30.0, log
     Runs on the node (``eagleflow generate unstall``) under the server's recovery lock, so several shards'
     retries stop one hung server once. True when it stopped the server."""
     if not isinstance(ctx.node, LocalNode):
-        ans = ctx.node.run_json(ctx.eagleflow_argv("generate", "unstall", "--shard", str(shard),
+        ans = ctx.node.run_json(ctx.eagleflow_argv(KIND.command, "unstall", "--shard", str(shard),
                                                    "--grace", str(grace_s)),
                                 UnstallAnswer, timeout=grace_s + 300, log=log)
         return ans.server_stopped
-    marker = str(ctx.layout.generate_shard_dir(shard) / SERVER_STALL)
+    marker = str(KIND.shard_dir(ctx.layout, shard) / SERVER_STALL)
     if not ctx.node.read_text(marker):
         return False
-    from eagleflow.nodes.locks import NodeLock
     with NodeLock(str(ctx.layout.restart_lock_file(SERVER_ROLE)),
                   purpose=f"generation server restart after a stall, shard {shard} of run {ctx.layout.run_id}"):
         text = ctx.node.read_text(marker)

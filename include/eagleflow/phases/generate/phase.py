@@ -12,17 +12,23 @@ line, field, reason), never silently dropped.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from eagleflow import bounded_json
 from eagleflow.config import ConfigError, PipelineConfig
 from eagleflow.durable import atomic_write
+from eagleflow.fleet.assign import run_assignment
+from eagleflow.fleet.takeover import taken_over_in
+from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLayout
 
+from . import KIND
 from .regenerate import (BAD, CUT_AT_CONTEXT, CUT_AT_DIVERGING_CALL, CUT_AT_TRUNCATED, DROPPED_TRUNCATED, FAILED,
                          REGENERATED, RecordResult, Sampling)
-from .worker import GenerateSettings, SourceInput, read_results
+from .worker import GenerateSettings, SourceInput, read_inputs, read_results
 
 STATS_FILE = "stats.json"
 BAD_RECORDS_FILE = "bad_records.jsonl"
@@ -73,12 +79,7 @@ def phase_finished(layout: RunLayout) -> bool:
 def shard_record_count(cfg: PipelineConfig, layout: RunLayout, shard: int) -> int:
     """How many records shard ``shard`` regenerates: its worker's own count (heartbeat total) once it got that
     far, else counted from the sources exactly as the worker reads them (slower: it loads the sources)."""
-    import shutil
-    import tempfile
-
-    from eagleflow.heartbeat import Heartbeat
-    from .worker import read_inputs
-    hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
+    hb = Heartbeat.read(str(KIND.heartbeat_file(layout, shard)))
     if hb is not None and hb.total:
         return hb.total
     work = tempfile.mkdtemp(prefix="eagleflow-generate-count-")
@@ -99,23 +100,19 @@ def _source_stats() -> dict:
 
 def collect(cfg: PipelineConfig, layout: RunLayout, *, require_complete: bool = True) -> dict:
     """Read every shard's results, write stats.json and bad_records.jsonl; refuse an incomplete phase."""
-    from eagleflow.heartbeat import Heartbeat
     n = cfg.generate.shards
     per: dict[str, dict] = {name: _source_stats() for name in regenerated_sources(cfg)}
     bad: list[dict] = []
     incomplete = []
     owners = {}
     if cfg.is_fleet:   # which node generates it: the one to bring back (the training node for one it took over)
-        from eagleflow.fleet.assign import run_assignment
-        from eagleflow.fleet.takeover import taken_over_in
-        from eagleflow.phases import GENERATE
-        owners = {s: f" (node {node})" for node, shards in run_assignment(cfg, "generate").items() for s in shards}
+        owners = {s: f" (node {node})" for node, shards in run_assignment(cfg, KIND.phase).items() for s in shards}
         owners.update({s: f" (node {cfg.node.name}, taken over from {src})"
-                       for s, src in taken_over_in(layout.run_dir, GENERATE).items()})
+                       for s, src in taken_over_in(layout.run_dir, KIND.phase).items()})
     wall_s = 0.0
     for shard in range(n):
         results = read_results(layout.generate_shard_dir(shard), shard, n)
-        hb = Heartbeat.read(str(Path(str(layout.generate_shard_dir(shard))) / "heartbeat.json"))
+        hb = Heartbeat.read(str(KIND.heartbeat_file(layout, shard)))
         if hb is not None and hb.started_at:
             # shards run side by side: the longest one, over all its runs (a resume adds its earlier ones)
             wall_s = max(wall_s, float(hb.extra.get("wall_s_before", 0.0)) + hb.time - hb.started_at)
@@ -210,8 +207,7 @@ def generated_source_rows(cfg: PipelineConfig, layout: RunLayout, source: str) -
 def shard_expectation(run, shard: int) -> tuple[int, bool]:
     """(records shard ``shard`` regenerates, its worker marked it finished): what reconcile compares its
     stored records with; the phase's stats (``collect``) accept a shard only once its heartbeat says complete."""
-    from eagleflow.heartbeat import Heartbeat
-    hb = Heartbeat.read(str(Path(str(run.layout.generate_shard_dir(shard))) / "heartbeat.json"))
+    hb = Heartbeat.read(str(KIND.heartbeat_file(run.layout, shard)))
     return shard_record_count(run.cfg, run.layout, shard), hb is not None and hb.state == "complete"
 
 

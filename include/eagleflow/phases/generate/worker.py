@@ -19,26 +19,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
-import threading
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from eagleflow import bounded_json
-from eagleflow.serving.client import ServerError, ServerTimeout, generate_tokens
 from eagleflow.capture.manifest import (ManifestEntry, ManifestWriter, compact_manifest, completed_indexes,
                                         read_manifest)
 from eagleflow.capture.storage import file_sha256, remove_temp_files
-from eagleflow.corpus.normalise import BadRecord, Conversation
+from eagleflow.config import SourceConfig
+from eagleflow.corpus.normalise import BadRecord, Conversation, normalise_batch
+from eagleflow.corpus.sources import load_source
+from eagleflow.corpus.tokenize import load_tokenizer
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.stop_signal import failure_text, start_helper_thread
+from eagleflow.phases.descriptor import HEARTBEAT, MANIFEST
+from eagleflow.phases.worker import PhaseWorker
+from eagleflow.serving.client import ServerError, ServerTimeout, generate_tokens
 
+from . import KIND
 from .regenerate import BAD, Generation, RecordBuilder, RecordResult, Sampling, TemplateError
 
-MANIFEST = "manifest.jsonl"
-HEARTBEAT = "heartbeat.json"
 IDENTITY = "shard.json"   # {num_shards, shard, inputs_sha256}: what the stored results were generated from
 GIVE_UP_FACTOR = 3.0   # as extraction: past its deadline a request is overdue evidence; the worker gives up later
 
@@ -96,10 +100,6 @@ def result_file_name(index: int) -> str:
 def read_inputs(sources, shard: int, num_shards: int, work_dir: str, *, seed: int = 42,
                 non_text: str = "error") -> list[InputRecord]:
     """This shard's records, in index order, normalised as the corpus phase normalises them."""
-    from eagleflow.config import SourceConfig
-    from eagleflow.corpus.normalise import normalise_batch
-    from eagleflow.corpus.sources import load_source
-
     out: list[InputRecord] = []
     index = 0
     for src in sources:
@@ -193,15 +193,20 @@ def earlier_wall_s(heartbeat_path: Path) -> float:
     return float(prev.extra.get("wall_s_before", 0.0)) + ran
 
 
-class GenerateWorker:
+class GenerateWorker(PhaseWorker):
+    """One generation shard's worker (the loop around it: ``phases.worker.PhaseWorker``)."""
+    kind = KIND
+    error = GenerationError
+
     def __init__(self, settings: GenerateSettings, tokenizer=None, log=print):
+        super().__init__(settings.shard, settings.num_shards, settings.shard_dir, settings.heartbeat_interval_s, log)
         self.s = settings
-        self.log = log
         self._tok = tokenizer
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
         self.bad: list[dict] = []
+
+    def heartbeat_extra(self) -> dict[str, Any]:
+        return {**super().heartbeat_extra(), "server_url": self.s.server_url, "phase": self.kind.phase,
+                "wall_s_before": earlier_wall_s(self.shard_dir / HEARTBEAT)}
 
     def _target(self, fl_ref: list, hbw: HeartbeatWriter, rid_base: str):
         s = self.s
@@ -220,26 +225,7 @@ class GenerateWorker:
             return Generation(ids, finish)
         return target
 
-    def run(self) -> Heartbeat:
-        s = self.s
-        shard_dir = Path(s.shard_dir)
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        hb = Heartbeat(job=f"generate shard {s.shard}/{s.num_shards}", pid=os.getpid(), unit="records",
-                       extra={"shard": s.shard, "tokens_this_run": 0, "server_url": s.server_url,
-                              "phase": "generate", "wall_s_before": earlier_wall_s(shard_dir / HEARTBEAT)})
-        hbw = HeartbeatWriter(shard_dir / HEARTBEAT, hb, interval_s=s.heartbeat_interval_s)
-        try:
-            hbw.start()   # inside: a stop held back while its thread started is raised as the mask lifts
-            self._run(hbw)
-        except BaseException as e:
-            hbw.stop(state="failed", error=failure_text(e, GenerationError))
-            raise
-        hbw.stop(state="complete")
-        return hbw.hb
-
     def _run(self, hbw: HeartbeatWriter) -> None:
-        import shutil
-        import tempfile
         s = self.s
         shard_dir = Path(s.shard_dir)
         removed_tmp = remove_temp_files(shard_dir)
@@ -268,7 +254,6 @@ class GenerateWorker:
             if stored.status == BAD and stored.bad is not None:
                 self.bad.append(stored.bad)
         if self._tok is None:
-            from eagleflow.corpus.tokenize import load_tokenizer
             self._tok = load_tokenizer(s.model_path)
 
         def init(hb: Heartbeat) -> None:
@@ -283,22 +268,27 @@ class GenerateWorker:
         self._check_bad()
         if not todo:
             return
-        q: queue.Queue[InputRecord] = queue.Queue()
-        for r in todo:
-            q.put(r)
         with ManifestWriter(shard_dir / MANIFEST, fsync=s.fsync) as manifest:
-            threads = [start_helper_thread(self._loop, q, manifest, hbw, name=f"generate-{k}")
-                       for k in range(min(s.concurrency, len(todo)))]
-            try:
-                for t in threads:
-                    while t.is_alive() and self._error is None:
-                        t.join(0.2)   # short waits: a signal handler runs only in this thread
-            except BaseException:
-                self._stop.set()
-                raise
+            self._drive(todo, s.concurrency, self.kind.phase, lambda: self._record_loop(manifest, hbw),
+                        lambda threads: self._stop.set())
             self._stop.set()
-        if self._error is not None:
-            raise self._error
+        self._raise_failure()
+
+    def _record_loop(self, manifest: ManifestWriter, hbw: HeartbeatWriter) -> Callable[[InputRecord], None]:
+        """One thread's work on a record: its own builder (a template's state is per thread)."""
+        s = self.s
+        builder: RecordBuilder | None = None
+
+        def one(rec: InputRecord) -> None:
+            nonlocal builder
+            fl_ref: list = []
+            target = self._target(fl_ref, hbw, f"{s.run_id}-g{s.shard:05d}-{rec.index:08d}")
+            if builder is None:
+                builder = RecordBuilder(self._tok, target, s.sampling, max_length=s.max_length,
+                                        keep_truncated=s.keep_truncated, tool_call_format=s.tool_call_format)
+            builder.target = target
+            self._one(rec, builder, manifest, hbw)
+        return one
 
     def _check_bad(self) -> None:
         if len(self.bad) > self.s.max_bad_records:
@@ -306,29 +296,6 @@ class GenerateWorker:
             raise GenerationError(f"generate shard {self.s.shard}: {len(self.bad)} record(s) cannot be regenerated, "
                                   f"generate.max_bad_records is {self.s.max_bad_records}: {shown}. Fix or remove "
                                   "them in the source, or raise generate.max_bad_records to skip them")
-
-    def _loop(self, q, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
-        s = self.s
-        builder = None
-        while not self._stop.is_set():
-            try:
-                rec = q.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fl_ref: list = []
-                target = self._target(fl_ref, hbw, f"{s.run_id}-g{s.shard:05d}-{rec.index:08d}")
-                if builder is None:
-                    builder = RecordBuilder(self._tok, target, s.sampling, max_length=s.max_length,
-                                            keep_truncated=s.keep_truncated, tool_call_format=s.tool_call_format)
-                builder.target = target
-                self._one(rec, builder, manifest, hbw)
-            except BaseException as e:
-                with self._lock:
-                    if self._error is None:
-                        self._error = e
-                self._stop.set()
-                return
 
     def _one(self, rec: InputRecord, builder: RecordBuilder, manifest: ManifestWriter, hbw: HeartbeatWriter) -> None:
         s = self.s
