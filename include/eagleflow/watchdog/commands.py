@@ -16,7 +16,14 @@ import time
 
 from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.phases import EXTRACT, KINDS, kind_of
+from eagleflow.local_run import LocalRun
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, answer_line
+
+from .policy import decide
+from .reconcile import claim, hand_over, release, scan, shard_state
+from .recovery import open_incident, recover_in_watch, recover_server, recovery_budget_s
+from .sentinel import looks_path, record_look, run_sentinel
+from .signals import WatchMemory, WatchedJob, memory_path, observe
 
 
 def register(sub) -> None:
@@ -94,10 +101,6 @@ def _phase_arg(parser, help_text: str) -> None:
 
 
 def _watch(args) -> int:
-    from .signals import WatchMemory, WatchedJob, memory_path, observe
-    from .policy import decide
-    from .sentinel import looks_path, record_look
-
     cfg, layout = run_from_args(args)
     kind = kind_of(args.phase)
     shards, field = kind.num_shards(cfg), kind.shards_field
@@ -125,9 +128,6 @@ def _watch(args) -> int:
 
 
 def _recover(args) -> int:
-    from eagleflow.local_run import LocalRun
-    from .recovery import recover_server
-
     cfg, layout = run_from_args(args)
     run = LocalRun(cfg=cfg, layout=layout, config_path=args.config)
     kind = kind_of(args.phase)   # the phase is its descriptor from here on
@@ -139,18 +139,13 @@ def _recover(args) -> int:
 
     if args.cause and not args.incident_only:
         # the watch at work, not a silent watch: the sentinel allows the recovery its own bound
-        from .recovery import recovery_budget_s
-        from .sentinel import looks_path, record_look
-        from .signals import WatchedJob
         job = WatchedJob(shard=args.shard, num_shards=kind.num_shards(cfg), phase=kind.phase)
         record_look(looks_path(layout, job), {"at": time.time(), "by": "recover", "pid": os.getppid(),
                                               "until": time.time() + recovery_budget_s(cfg),
                                               "summary": f"recovering ({args.cause})"})
     if args.cause and args.incident_only:
-        from .recovery import open_incident
         result = open_incident(run, args.shard, args.cause, args.summary, kind).to_dict()
     elif args.cause:
-        from .recovery import recover_in_watch
         result = recover_in_watch(run, args.shard, args.cause, args.summary, log=log, incident_id=args.incident,
                                   kind=kind)
     else:
@@ -166,9 +161,6 @@ def _recover(args) -> int:
 
 
 def _sentinel(args) -> int:
-    from .sentinel import run_sentinel
-    from .signals import WatchedJob
-
     cfg, layout = run_from_args(args)
     kind = kind_of(args.phase)
     shards, field = kind.num_shards(cfg), kind.shards_field
@@ -182,7 +174,6 @@ def _sentinel(args) -> int:
 
 def _reconcile_scan(args) -> int:
     from dataclasses import asdict
-    from .reconcile import scan
 
     cfg, _ = run_from_args(args)
     states = scan(cfg, args.latest)
@@ -195,9 +186,6 @@ def _reconcile_scan(args) -> int:
 
 
 def _reconcile_claim(args) -> int:
-    from eagleflow.local_run import LocalRun
-    from .reconcile import claim
-
     cfg, layout = run_from_args(args)
     result = claim(LocalRun(cfg=cfg, layout=layout, config_path=args.config), args.shard,
                    log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase,
@@ -229,9 +217,6 @@ def _shards_of_run(args, cfg, prog: str) -> bool:
 
 
 def _reconcile_hand_over(args) -> int:
-    from eagleflow.local_run import LocalRun
-    from .reconcile import hand_over
-
     cfg, layout = run_from_args(args)
     if not _shards_of_run(args, cfg, "hand-over"):
         return 2
@@ -243,8 +228,6 @@ def _reconcile_hand_over(args) -> int:
 def _reconcile_states(args) -> int:
     from dataclasses import asdict
 
-    from eagleflow.local_run import LocalRun
-    from .reconcile import shard_state
 
     cfg, layout = run_from_args(args)
     if not _shards_of_run(args, cfg, "states"):
@@ -257,9 +240,6 @@ def _reconcile_states(args) -> int:
 
 
 def _reconcile_release(args) -> int:
-    from eagleflow.local_run import LocalRun
-    from .reconcile import release
-
     cfg, layout = run_from_args(args)
     result = release(LocalRun(cfg=cfg, layout=layout, config_path=args.config),
                      log=lambda m: print(m, file=sys.stderr, flush=True), phase=args.phase)

@@ -30,6 +30,8 @@ from pydantic import BaseModel, ConfigDict
 
 from eagleflow import bounded_json
 from eagleflow.durable import open_owned
+from eagleflow.gpu import IdlePolicy, probe_for
+from eagleflow.heartbeat import Heartbeat
 from eagleflow.layout import RunLike
 from eagleflow.nodes import NodeError, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
@@ -39,6 +41,8 @@ from eagleflow.phases import EXTRACT, KINDS, ShardKind
 from eagleflow.watchdog.protocol import EventPayload
 
 from .protocol import OpenIncident
+from .incidents import current, open_or_join, record_recovery
+from .signals import WatchedJob, stored_samples
 
 Log = Callable[[str], None]
 # the watch's name for "the job's server", whichever phase's it is (the extraction's server role, kept on the wire)
@@ -154,7 +158,6 @@ def open_incident(run: RunLike, shard: int, cause: str, summary: str,
     ``recover_in_watch`` with its id. Every shard's stored/total count comes back for the mail. The answer
     ``eagleflow recover --incident-only`` prints, read by the watch with the same class.
     """
-    from .incidents import open_or_join
     incident, opened = open_or_join(run.layout.state_dir, node=run.cfg.node.name, cause=cause,
                                     run_id=run.layout.run_id, shard=shard, summary=summary,
                                     join_window_s=run.cfg.watchdog.detection_bound_s)
@@ -173,7 +176,6 @@ def recover_in_watch(run: RunLike, shard: int, cause: str, summary: str, log: Lo
     /health_generate answers (the watch saw /generate hang); then starts the shard's worker again,
     which resumes from its manifest. Opens or joins the incident first unless ``incident_id`` is given.
     """
-    from .incidents import current, record_recovery
     cfg = run.cfg
     lifecycle = kind.lifecycle()
     t0 = time.time()
@@ -273,8 +275,6 @@ def _restart_server(run: RunLike, shard: int, rec: ProcessRecord | None, reason:
 
 def shard_counts(run: RunLike, kind: ShardKind = EXTRACTION) -> dict[str, str]:
     """Every shard's stored units (from its manifest) out of its total (from its heartbeat), of the phase."""
-    from eagleflow.heartbeat import Heartbeat
-    from .signals import WatchedJob, stored_samples
     out = {}
     for i in range(kind.num_shards(run.cfg)):
         try:
@@ -312,7 +312,6 @@ def _free_and_verify_gpus(run: RunLike, log: Log, server: str = "capture server"
     cfg = run.cfg
     if not cfg.node.has_gpu:
         return "not applicable (node.has_gpu is false)"
-    from eagleflow.gpu import IdlePolicy, probe_for
     probe = probe_for(run.node, cfg)
     baseline = None
     if cfg.gpu.baseline_file:

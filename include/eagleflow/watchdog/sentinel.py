@@ -51,6 +51,9 @@ from eagleflow.layout import RunLayout
 from eagleflow.mail_header import header_text
 
 from .signals import WatchedJob, memory_path
+from eagleflow.heartbeat import Heartbeat
+from eagleflow.nodes import JobAlreadyRunning
+from eagleflow.nodes.process_record import leader_state, read_record
 
 SILENT_POLLS = 3                 # no look for this many poll intervals while the job runs: the watch is gone
 LOOKS_MAX_BYTES = 256 * 1024     # the look log moves to .1 past this (two files at most: bounded)
@@ -84,7 +87,6 @@ def ensure_sentinel(ctx, job: WatchedJob, log: Callable[[str], None] | None = No
     """Start the job's sentinel beside it, detached, recorded and locked like a worker; one already there (its
     lock held) follows whichever worker is recorded now. ``ctx``: a RunLike (node, layout, eagleflow_argv).
     A sentinel that cannot start is said, never fatal: the job runs without it. Its record, or None."""
-    from eagleflow.nodes import JobAlreadyRunning
     role = sentinel_role(job)
     try:
         rec = ctx.node.spawn_detached(ctx.eagleflow_argv(*sentinel_args(job)), role=role,
@@ -228,7 +230,6 @@ class Sentinel:
         return min(SENTINEL_CHECK_MAX_S, self.interval_s / 4)
 
     def job_running(self) -> bool:
-        from eagleflow.heartbeat import Heartbeat
         try:
             hb = Heartbeat.read(self.job.heartbeat_path(self.layout))
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -326,7 +327,6 @@ class Sentinel:
 
 def recorded_worker_alive(layout: RunLayout, job: WatchedJob) -> bool:
     """A live process is recorded for the job's role (whichever worker it is now: a recovery may restart it)."""
-    from eagleflow.nodes.process_record import leader_state, read_record
     try:
         rec = read_record(str(layout.pid_file(job.role)))
     except (OSError, ValueError):
@@ -337,7 +337,6 @@ def recorded_worker_alive(layout: RunLayout, job: WatchedJob) -> bool:
 
 def recorded_worker_started_at(layout: RunLayout, job: WatchedJob) -> float | None:
     """When the job's recorded worker started (unix time; None when there is no trusted record)."""
-    from eagleflow.nodes.process_record import read_record
     try:
         rec = read_record(str(layout.pid_file(job.role)))
     except (OSError, ValueError):
@@ -347,7 +346,6 @@ def recorded_worker_started_at(layout: RunLayout, job: WatchedJob) -> float | No
 
 def recorded_worker_pid(layout: RunLayout, job: WatchedJob) -> int | None:
     """The pid in the job's process record (None when there is no trusted record)."""
-    from eagleflow.nodes.process_record import read_record
     try:
         rec = read_record(str(layout.pid_file(job.role)))
     except (OSError, ValueError):

@@ -44,6 +44,13 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import clock_ticks_per_s, group_cpu_ticks, state_phrase, thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
 from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
+from eagleflow.capture.manifest import read_manifest
+from eagleflow.gpu import IdlePolicy, probe_for
+from eagleflow.gpu.idle_policy import select_gpus
+from eagleflow.nodes import LocalNode
+from eagleflow.phase_jobs import server_url_in
+from eagleflow.serving.client import ServerError, ServerTimeout, health_generate
+from eagleflow.stores import run_store_settings, store_for
 
 
 # --------------------------------------------------------------------------- which job
@@ -244,7 +251,6 @@ class StoreSignal:
 
 def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | None:
     """The run's store server's health; None when its store has no server (disk) or the probe itself failed."""
-    from eagleflow.stores import run_store_settings, store_for
     try:
         h = store_for(cfg.stream.storage).server_health(run_store_settings(cfg, layout))
     except Exception:   # noqa: BLE001 - a look never fails on the store's probe: no reading is no evidence
@@ -332,8 +338,6 @@ class ProbeSampler:
     """Adapts eagleflow.gpu (``probe_for(node, cfg).snapshot()`` and ``IdlePolicy``) to GpuReading."""
 
     def __init__(self, cfg: PipelineConfig):
-        from eagleflow.gpu import IdlePolicy, probe_for
-        from eagleflow.nodes import LocalNode
         self.cfg = cfg
         self.probe = probe_for(LocalNode(name=cfg.node.name), cfg)
         baseline_text = None
@@ -345,7 +349,6 @@ class ProbeSampler:
         self.policy = IdlePolicy.from_config(cfg, baseline_text)
 
     def sample(self) -> list[GpuReading]:
-        from eagleflow.gpu.idle_policy import select_gpus
         snaps = select_gpus(self.probe.snapshot(), list(self.cfg.gpu.select), self.cfg.node.name)
         return [GpuReading(index=s.index, name=s.name, memory_used_mib=s.memory_used_mib,
                            memory_total_mib=s.memory_total_mib, utilization_pct=s.utilization_pct,
@@ -535,7 +538,6 @@ def check_health(url: str | None, timeout_s: float) -> HealthSignal:
 def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
     if not url:
         return HealthSignal(checked=False, outcome="no server info")
-    from eagleflow.serving.client import ServerError, ServerTimeout, health_generate
     t0 = time.monotonic()
     try:   # the one client of the server's API: its timeout bounds connect and answer alike
         health_generate(url.rstrip("/"), timeout_s)
@@ -555,7 +557,6 @@ def _check_health(url: str | None, timeout_s: float) -> HealthSignal:
 
 
 def server_url(layout: RunLayout, job: WatchedJob | None = None) -> str | None:
-    from eagleflow.phase_jobs import server_url_in
     try:   # our own file, within bounds: one someone else wrote names no server of ours
         return server_url_in(job.server_info_path(layout) if job else str(layout.server_info_file))
     except (OSError, ValueError):
@@ -695,7 +696,6 @@ def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
 
 def stored_samples(layout: RunLayout, shard: int, job: WatchedJob | None = None) -> int:
     """Distinct samples (records, for a generation shard) in the shard's manifest (a partial last line is not one)."""
-    from eagleflow.capture.manifest import read_manifest
     path = (job or WatchedJob(shard=shard)).kind.shard_dir(layout, shard) / "manifest.jsonl"
     try:
         return len(read_manifest(path).entries)
