@@ -161,7 +161,8 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         what = f"is {w.state_text}"
         hb_txt = f"; last heartbeat at {_clock(hb.time)}" if hb else "; it never wrote a heartbeat"
         server_ev = _server_process_evidence(obs)
-        ev = [_death_cause(obs), f"{counts_u} (from the manifest), {last_txt}{hb_txt}"] + server_ev \
+        source = "from the manifest" if obs.job.shard is not None else "from its heartbeat"   # a trainer has none
+        ev = [_death_cause(obs), f"{counts_u} ({source}), {last_txt}{hb_txt}"] + server_ev \
             + _disk_evidence(obs)
         if obs.heartbeat_error:
             ev.append(obs.heartbeat_error)

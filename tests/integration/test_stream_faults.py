@@ -1,0 +1,396 @@
+"""Faults of a streaming run through the real paths (issue 53): the trainer SIGKILLed mid-epoch, the capture
+server SIGSTOPped mid-stream, the buffer full behind a stopped trainer.
+
+The node side runs as in production while the faults happen: the run's Mooncake store from the wheel
+(`eagleflow store start`, 127.0.0.1 free ports), the tiny hf capture server, capture workers putting into the
+store while `eagleflow train` draws from it. The control plane is the real one: the extraction shards'
+`ShardOperator` and the trainer's `TrainDraftOperator` (non-deferrable: the same watch the triggerer runs, in
+this process, one thread each), the watch's mails and Airflow's retry mail (`EagleflowNotifier("retry")`, the
+task callback Airflow calls when a try fails) to a real SMTP server (aiosmtpd). A task's retry is the same
+operator with try_number 2 (as tests/integration/test_watchdog_retry_attach.py: dag.test() runs one task at a
+time, so training beside the shards cannot happen there). The watch runs at the real-run defaults
+(poll_interval_s 20, stall_after_s 15, health_timeout_s 20, startup_grace_s 120).
+
+Each test asserts the verdict and its cause, the mail and the time from the fault to the mail (at most 60 s),
+the recovery, every sample trained exactly once (the ledger and stream_verified.json), none left in the store.
+Only processes the test started are stopped, by their PIDs or pid records.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from eagleflow.airflow.runtime import RunContext
+from eagleflow.config import load_config
+from eagleflow.engines.hf.server import DELAY_ENV
+from eagleflow.local_run import LocalRun
+from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.stores.ledger import read_ledger, require_exactly_once
+from eagleflow.watchdog.recovery import read_restarts
+from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.processes import kill_recorded
+from tests.fixtures.smtp import SmtpSink, body_text
+
+pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
+
+from eagleflow.stores.mooncake.master import MooncakeEndpoint, metrics  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SAMPLES = 32
+BUFFER_BYTES = 96 << 10      # a few samples (2-21 KiB each): the corpus is several buffers
+MAIL_BOUND_S = 60.0          # issue 53: each fault detected and mailed within 60 s
+CONN = "smtp_stream_faults"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "eagleflow.cli", *args]
+
+
+class Run:
+    """One streaming run: its config (frozen, as the pipeline's first task does), store, capture server."""
+
+    def __init__(self, tmp: Path, assets: dict, smtp: SmtpSink, run_id: str, **train: Any):
+        cfgp = write_run_config(tmp, assets["target_model"], shards=2)
+        data = yaml.safe_load(cfgp.read_text())
+        data["stream"] = {"storage": "mooncake", "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4}
+        data["train"] = {"device": "cpu", "max_steps": SAMPLES // 2, "batch_size": 2, "ttt_length": 2,
+                         "draft_vocab_size": 64, "checkpoint_every": 4, "log_every": 1, "warmup_steps": 1, **train}
+        # the watch at its real-run defaults; only where its mails go is the test's
+        data["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": CONN}
+        cfgp.write_text(yaml.safe_dump(data))
+        self.smtp = smtp
+        self.ctx = RunContext.from_params({"config_path": str(cfgp)}, run_id)
+        self.ctx.write_run_config()
+        self.local = LocalRun(cfg=self.ctx.cfg, layout=self.ctx.layout, config_path=str(cfgp))
+        self.args = ["--config", str(cfgp), "--run-id", self.ctx.layout.run_id]
+        rows = write_corpus(Path(self.ctx.layout.corpus_dir) / "corpus.parquet", SAMPLES, 300)
+        self.ids = {r["id"] for r in rows}
+        self.ledger = Path(self.ctx.layout.stream_ledger_file)
+        self.workers: list[subprocess.Popen] = []
+        self.ep: MooncakeEndpoint | None = None
+        assert load_config(cfgp).watchdog.poll_interval_s == 20 and self.ctx.cfg.watchdog.stall_after_s == 15
+
+    def start(self) -> "Run":
+        started = subprocess.run(_cli("store", "start", *self.args, "--timeout", "120"), capture_output=True,
+                                 text=True, timeout=180)
+        assert started.returncode == 0, started.stderr[-3000:]
+        self.ep = MooncakeEndpoint.read(json.loads(started.stdout.strip().splitlines()[-1])["endpoint_file"])
+        start_capture_server(self.local)
+        wait_capture_server_ready(self.local, timeout_s=120, poll_s=0.3)
+        return self
+
+    def start_workers(self) -> None:
+        self.workers = [subprocess.Popen(_cli("capture", "run", *self.args, "--shard", str(s)),
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                        for s in (0, 1)]
+
+    def wait_workers(self, timeout: float = 400) -> None:
+        for w in self.workers:
+            out, err = w.communicate(timeout=timeout)
+            assert w.returncode == 0, out[-2000:] + err[-3000:]
+
+    def stop(self) -> None:
+        from eagleflow.train.job import stop_trainer
+        for w in self.workers:                       # only ours, by PID
+            if w.poll() is None:
+                w.kill()
+                w.wait(10)
+        for role in ("trainer", "capture_server"):   # a stopped one must take its TERM
+            rec = self.ctx.node.live_record(str(self.ctx.layout.pid_file(role)))
+            if rec is not None:
+                try:
+                    os.kill(rec.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+        stop_trainer(self.ctx, grace_s=5)
+        stop_capture_server(self.local, grace_s=10)
+        stopped = subprocess.run(_cli("store", "stop", *self.args, "--grace", "5"), capture_output=True, text=True,
+                                 timeout=120)
+        kill_recorded(Path(self.ctx.cfg.node.state_dir))   # the trainer's sentinel and anything else recorded
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+    # -- the control plane ------------------------------------------------------------------------------
+    def context(self, task_id: str, try_number: int = 1, map_index: int = -1) -> dict:
+        ti = SimpleNamespace(dag_id="eagle3_pipeline", run_id=self.ctx.layout.run_id, task_id=task_id,
+                             map_index=map_index, try_number=try_number, max_tries=2)
+        return {"ti": ti, "params": {"config_path": self.local.config_path}, "run_id": self.ctx.layout.run_id}
+
+    def trainer_pid(self) -> int | None:
+        rec = self.ctx.node.live_record(str(self.ctx.layout.pid_file("trainer")))
+        return rec.pid if rec is not None else None
+
+    def server_pid(self) -> int:
+        return json.loads(Path(self.ctx.layout.pid_file("capture_server")).read_text())["pid"]
+
+    def stored(self) -> int:
+        n = 0
+        for m in Path(self.ctx.layout.hidden_states_dir).glob("shard_*/manifest.jsonl"):
+            n += sum(1 for x in m.read_text().splitlines() if x.strip())
+        return n
+
+    def assert_exactly_once_and_empty(self) -> None:
+        assert self.ep is not None
+        require_exactly_once(self.ledger, self.ids, epochs=1)           # 0 lost, 0 trained twice
+        record = json.loads(Path(self.ctx.layout.stream_verified_file).read_text())
+        assert record["ok"] and record["samples"] == SAMPLES and record["trained_per_epoch"] == {"0": SAMPLES}
+        assert int(metrics(self.ep)["master_key_count"]) == 0, "every sample left the store after its epoch"
+        hs = Path(self.ctx.layout.hidden_states_dir)
+        assert not list(hs.rglob("*.safetensors")), "no hidden state on disk"
+
+
+class InThread:
+    """An operator's run in a thread: its result or its exception, and when it ended."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+
+        def go():
+            try:
+                self.result = fn()
+            except BaseException as e:   # noqa: BLE001 - handed to the test
+                self.error = e
+            self.ended_at = time.time()
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"still running after {timeout} s"
+
+
+def _train(run: Run, try_number: int) -> InThread:
+    from eagleflow.airflow.train_operators import TrainDraftOperator
+    op = TrainDraftOperator(task_id="train_draft", deferrable=False)
+    return InThread(lambda: op.run(run.ctx, run.context("train_draft", try_number)))
+
+
+def _retry_mail(run: Run, error: BaseException) -> None:
+    """What Airflow does when a try fails with retries left: the task's on_retry_callback with the exception."""
+    from airflow.sdk import DAG
+
+    from eagleflow.airflow.alerts import EagleflowNotifier
+    from eagleflow.airflow.train_operators import TrainDraftOperator
+    with DAG("eagle3_pipeline", schedule=None) as dag:   # no task freezes the config: the Params name it
+        task = TrainDraftOperator(task_id="train_draft", retries=1)
+    EagleflowNotifier("retry")({**run.context("train_draft"), "exception": error, "task": task, "dag": dag})
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(every)
+
+
+def _mid_epoch(run: Run) -> bool:
+    e0 = read_ledger(run.ledger).epoch(0) if run.ledger.exists() else None
+    return bool(e0 and e0.trained and e0.pending)
+
+
+@pytest.fixture
+def smtp(monkeypatch):
+    with SmtpSink() as sink:
+        for k, v in sink.airflow_conn_env(CONN).items():
+            monkeypatch.setenv(k, v)
+        yield sink
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for r in started:
+        r.stop()
+
+
+def test_a_trainer_killed_mid_epoch_is_mailed_and_its_retry_resumes_exactly_once(tmp_path, demo_assets, smtp,
+                                                                                  runs, monkeypatch):
+    monkeypatch.setenv(DELAY_ENV, "0.1")   # capture a little slower than training: the trainer streams
+    run = Run(tmp_path, demo_assets, smtp, "killed")
+    runs.append(run.start())
+    try1 = _train(run, 1)
+    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
+    run.start_workers()
+    _wait(lambda: _mid_epoch(run) or try1.ended_at is not None, 300, "a commit with later batches taken")
+    pid = run.trainer_pid()
+    assert pid is not None and try1.ended_at is None
+    os.kill(pid, signal.SIGKILL)                 # by its recorded PID, mid-epoch
+    killed_at = time.time()
+    killed = read_ledger(run.ledger).epoch(0)
+    try1.join(120)
+    # the watch: dead, the trainer's own fault; the try fails with it (Airflow's retry is the recovery)
+    from eagleflow.watchdog.diagnosis import StallDetected
+    assert isinstance(try1.error, StallDetected), try1.error
+    assert try1.error.subject == "[eagleflow] DEAD training on local", try1.error.subject
+    assert f"worker pid {pid} is" in try1.error.diagnosis and "without completing" in try1.error.diagnosis
+    assert "SIGKILL" in try1.error.diagnosis and "steps done (from its heartbeat)" in try1.error.diagnosis
+    _retry_mail(run, try1.error)
+    mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=30)
+    mailed_s = smtp.received_at[0] - killed_at
+    assert mail["Subject"] == "[eagleflow] DEAD training on local", mail["Subject"]
+    body = body_text(mail)
+    assert f"worker pid {pid} is" in body and "Airflow retries it" in body, body
+    assert mailed_s <= MAIL_BOUND_S, f"kill -> mail {mailed_s:.1f} s"
+    # the retry: its look says dead, it starts the trainer again, which resumes from checkpoint + ledger
+    try2 = _train(run, 2)
+    run.wait_workers()
+    try2.join(400)
+    assert try2.error is None and try2.result["status"] == "complete", try2.error
+    recovered_s = try2.ended_at - killed_at
+    log = Path(run.ctx.layout.log_file("trainer")).read_text()
+    assert "resuming from" in log, log[-3000:]
+    assert killed.pending <= set(read_ledger(run.ledger).epoch(0).trained), "taken, not trained: served again"
+    run.assert_exactly_once_and_empty()
+    print(f"\n(a) trainer SIGKILL -> DEAD mailed {mailed_s:.1f} s -> retry complete {recovered_s:.1f} s; "
+          f"{len(killed.trained)} trained and {len(killed.pending)} taken at the kill")
+
+
+def test_a_stopped_capture_server_is_mailed_and_recovered_while_the_starved_trainer_is_only_slow(
+        tmp_path, demo_assets, smtp, runs, monkeypatch):
+    from eagleflow.airflow.shard_operators import ShardOperator
+    from eagleflow.airflow.shard_watch import TrainWatchTrigger
+    monkeypatch.setenv(DELAY_ENV, "0.3")   # the producer slower than the trainer: the trainer waits on it
+    run = Run(tmp_path, demo_assets, smtp, "frozen")
+    runs.append(run.start())
+    monkeypatch.delenv(DELAY_ENV)          # the restarted server at full speed
+    trainer = _train(run, 1)
+    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
+    shards = [InThread(lambda s=s: ShardOperator(phase="extract", task_id="extract_shard", shard=s,
+                                                 deferrable=False).run(run.ctx, run.context("extract_shard",
+                                                                                            map_index=s)))
+              for s in (0, 1)]
+    hb = Path(run.ctx.layout.train_heartbeat_file)
+    _wait(lambda: run.stored() >= 8 and hb.exists() and json.loads(hb.read_text()).get("done", 0) >= 2, 300,
+          "training under way")
+    server, trainer_pid = run.server_pid(), run.trainer_pid()
+    os.kill(server, signal.SIGSTOP)              # the seeds' case: a server that stops answering
+    stopped_at = time.time()
+    # the trainer's own watch, looked at as the trigger looks, while the producer is stalled
+    looks: list[Any] = []
+    watch = TrainWatchTrigger(run=run.ctx.trigger_ref())
+    while not read_restarts(run.local) and time.time() - stopped_at < 150:
+        looks.append(watch.look_once(run.ctx))
+        time.sleep(5)
+    for s in shards:
+        s.join(400)
+        assert s.error is None, s.error
+    trainer.join(400)
+    assert trainer.error is None and trainer.result["status"] == "complete", trainer.error
+    assert json.loads(hb.read_text())["pid"] == trainer_pid, "the starved trainer was never restarted"
+    # the shards' watch: stalled by the server, one incident, one mail, one restart, RECOVERED
+    restarts = read_restarts(run.local)
+    assert len(restarts) == 1 and restarts[0]["old_pid"] == server, restarts
+    smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=60)
+    subjects = [m["Subject"] for m in smtp.messages]
+    stalled = [m for m in smtp.messages if "STALLED" in m["Subject"]]
+    assert len(stalled) == 1 and stalled[0]["Subject"].startswith("[eagleflow] STALLED shard "), subjects
+    stall_body = body_text(stalled[0])
+    assert f"server pid {server} is stopped (state T" in stall_body, stall_body   # the server named, not a worker
+    mailed_s = smtp.received_at[smtp.messages.index(stalled[0])] - stopped_at
+    assert mailed_s <= MAIL_BOUND_S, f"SIGSTOP -> mail {mailed_s:.1f} s"
+    assert not any("training" in s for s in subjects), f"the starved trainer was mailed: {subjects}"
+    # the trainer's watch: slow, cause producer, never stalled/dead/failed
+    verdicts = [(d.verdict, d.cause) for d in looks]
+    assert all(v in ("healthy", "slow", "starting") for v, _ in verdicts), [d.summary for d in looks]
+    starved = [d for d in looks if d.verdict == "slow"]
+    assert starved and all(d.cause == "producer" for d in starved), verdicts
+    assert "starved: waiting" in starved[-1].headline and "not the trainer" in starved[-1].headline
+    run.assert_exactly_once_and_empty()
+    recovered = next(m for m in smtp.messages if "RECOVERED" in m["Subject"])
+    recovered_s = smtp.received_at[smtp.messages.index(recovered)] - stopped_at
+    print(f"\n(b) server SIGSTOP -> STALLED mailed {mailed_s:.1f} s -> RECOVERED {recovered_s:.1f} s; trainer's "
+          f"watch: {verdicts}; first slow {starved[0].headline[:60]!r}")
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_the_retry_ends_the_run_green(
+        tmp_path, demo_assets, smtp, runs, monkeypatch):
+    run = Run(tmp_path, demo_assets, smtp, "full")
+    runs.append(run.start())
+    assert run.ep is not None
+    ep = run.ep
+    peak = {"bytes": 0, "reads": 0}
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            try:
+                peak["bytes"] = max(peak["bytes"], int(metrics(ep)["master_allocated_bytes"]))
+                peak["reads"] += 1
+            except (OSError, KeyError):
+                pass
+            time.sleep(0.01)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try1 = _train(run, 1)
+    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
+    run.start_workers()
+    _wait(lambda: _mid_epoch(run) or try1.ended_at is not None, 300, "training under way")
+    pid = run.trainer_pid()
+    assert pid is not None and try1.ended_at is None
+    os.kill(pid, signal.SIGSTOP)                 # the consumer stops taking samples
+    stopped_at = time.time()
+    # the producer fills the buffer and waits on it: its stored count stops, its memory does not grow
+    last = {"n": -1, "since": time.monotonic()}
+
+    def settled() -> bool:
+        n = run.stored()
+        if n != last["n"]:
+            last.update(n=n, since=time.monotonic())
+        return time.monotonic() - last["since"] >= 5
+    _wait(settled, 60, "the producer waiting for room", every=0.2)
+    held = run.stored()
+    fill = int(metrics(ep)["master_allocated_bytes"])
+    assert held < SAMPLES and fill > BUFFER_BYTES // 2, (held, fill)
+    rss0 = {w.pid: _rss_kib(w.pid) for w in run.workers}
+    try1.join(120)
+    rss1 = {w.pid: _rss_kib(w.pid) for w in run.workers}
+    assert run.stored() == held, "the producer waits for room while the trainer is stopped"
+    assert all(w.poll() is None for w in run.workers), "the producer waits, it does not fail"
+    growth = max(rss1[p] - rss0[p] for p in rss0)
+    from eagleflow.watchdog.diagnosis import StallDetected
+    assert isinstance(try1.error, StallDetected), try1.error
+    assert try1.error.subject == "[eagleflow] STALLED training on local", try1.error.subject
+    diag = try1.error.diagnosis
+    assert f"worker pid {pid} is stopped (state T" in diag, diag
+    assert "the consumer is stuck" in diag and "the producer waits for room" in diag, diag
+    _retry_mail(run, try1.error)
+    mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=30)
+    mailed_s = smtp.received_at[0] - stopped_at
+    assert mail["Subject"] == "[eagleflow] STALLED training on local" and "the consumer is stuck" in body_text(mail)
+    assert mailed_s <= MAIL_BOUND_S, f"SIGSTOP -> mail {mailed_s:.1f} s"
+    try2 = _train(run, 2)                        # the retry: stalled -> stopped, started again, resumed
+    _wait(lambda: run.stored() > held, 120, "the producer putting again")
+    resumed_s = time.time() - stopped_at
+    run.wait_workers()
+    try2.join(400)
+    sampling.set()
+    sampler.join(5)
+    assert try2.error is None and try2.result["status"] == "complete", try2.error
+    assert peak["reads"] > 100 and 0 < peak["bytes"] <= BUFFER_BYTES, (peak, BUFFER_BYTES)
+    assert growth < 8 << 10, f"a waiting worker's memory grew {growth} KiB"
+    run.assert_exactly_once_and_empty()
+    print(f"\n(c) trainer SIGSTOP -> STALLED mailed {mailed_s:.1f} s -> producer putting again {resumed_s:.1f} s -> "
+          f"green {try2.ended_at - stopped_at:.1f} s; {held} stored and {fill} bytes held while waiting; "
+          f"store peak {peak['bytes']} of {BUFFER_BYTES} bytes "
+          f"({peak['reads']} reads); worker RSS growth while waiting {growth} KiB")
