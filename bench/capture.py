@@ -116,8 +116,8 @@ def bench_throughput(root: Path, n: int, hidden: int, layers: int, tokens: int, 
     cfgp.write_text(yaml.safe_dump({
         "run_root": str(root / "runs"), "target_model": str(model_dir),
         "node": {"has_gpu": False, "state_dir": str(root / "state")},
-        "capture": {"backend": "hf", "port": 0, "dump_dir": "/dev/shm/eagleflow-bench-capture", "shards": 1,
-                    "in_flight": in_flight, "heartbeat_interval_s": 1.0}}))
+        "server": {"port": 0, "dump_dir": "/dev/shm/eagleflow-bench-capture"},
+        "capture": {"backend": "hf", "shards": 1, "in_flight": in_flight, "heartbeat_interval_s": 1.0}}))
     cfg = load_config(cfgp)
     lay = RunLayout.for_run(cfg, "bench")
     rows = write_corpus(Path(lay.corpus_dir) / "corpus.parquet", n, 512, seed=1, min_len=tokens, max_len=tokens)

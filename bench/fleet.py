@@ -39,7 +39,8 @@ NODES = ("n1", "n2")
 
 def fleet_yaml(root: Path, model_dir: Path, shards: int, slots: int) -> dict:
     return {"run_root": str(root / "runs"), "target_model": str(model_dir),
-            "capture": {"backend": "hf", "port": 0, "shards": shards, "in_flight": 2, "heartbeat_interval_s": 1.0},
+            "server": {"port": 0},
+            "capture": {"backend": "hf", "shards": shards, "in_flight": 2, "heartbeat_interval_s": 1.0},
             "fleet": {"training_node": NODES[0], "storage": "shared",
                       "nodes": [{"name": n, "has_gpu": False, "state_dir": str(root / f"state-{n}"),
                                  "dump_dir": f"/dev/shm/eagleflow-bench-fleet-{os.getpid()}-{n}",

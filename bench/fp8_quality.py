@@ -66,7 +66,7 @@ def main() -> int:
     for s in demo["corpus"]["sources"]:
         s["path"] = str((base / s["path"]).resolve())
     demo["corpus"]["eval_fraction"] = a.eval_fraction
-    demo["capture"]["dump_dir"] = str(root / "dumps")
+    demo["server"]["dump_dir"] = str(root / "dumps")
     demo["node"]["state_dir"] = str(root / "state")
     demo["train"]["max_steps"] = a.steps
     demo["eval"].update(max_prompts=a.max_prompts, max_new_tokens=a.max_new_tokens)

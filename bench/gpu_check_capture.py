@@ -68,11 +68,11 @@ def write_config(root: Path, model: Path, engine: CheckEngine) -> Path:
     import yaml
     cfg = {"run_root": str(root / "runs"), "target_model": str(model),
            "node": {"name": "gpu-check", "has_gpu": True, "state_dir": str(root / "state")},
-           "capture": {"backend": engine.name, "port": 0,
-                       "dump_dir": f"/dev/shm/eagleflow-gpu-check-{engine.name}-{os.getpid()}",
-                       "dtype": "bfloat16", "tp": 1, "shards": 1, "in_flight": 4, "ready_timeout_s": 240,
-                       "heartbeat_interval_s": 1, "request_timeout_base_s": 60,
-                       "extra_server_args": engine.config_server_args()}}
+           "server": {"port": 0, "dump_dir": f"/dev/shm/eagleflow-gpu-check-{engine.name}-{os.getpid()}",
+                      "dtype": "bfloat16", "tp": 1, "ready_timeout_s": 240,
+                      "extra_server_args": engine.config_server_args()},
+           "capture": {"backend": engine.name, "shards": 1, "in_flight": 4, "heartbeat_interval_s": 1,
+                       "request_timeout_base_s": 60}}
     p = root / "config.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

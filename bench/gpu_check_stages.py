@@ -368,9 +368,10 @@ def _run_hf_capture(root: Path, on_gpu: bool, samples: int, max_len: int, layers
         "run_root": str(root / "runs"), "target_model": str(model),
         "node": {"name": "gpu-check", "has_gpu": on_gpu, "state_dir": str(root / "state")},
         "corpus": {"sources": [{"name": "fixture", "path": str(source)}]},
-        "capture": {"backend": "hf", "device": "cuda" if on_gpu else "cpu", "dtype": "bfloat16", "port": 0,
-                    "dump_dir": str(root / "dumps"), "shards": 1, "in_flight": 4, "ready_timeout_s": 90,
-                    "heartbeat_interval_s": 1, "request_timeout_base_s": 30}}))
+        "server": {"device": "cuda" if on_gpu else "cpu", "dtype": "bfloat16", "port": 0,
+                   "dump_dir": str(root / "dumps"), "ready_timeout_s": 90},
+        "capture": {"backend": "hf", "shards": 1, "in_flight": 4, "heartbeat_interval_s": 1,
+                    "request_timeout_base_s": 30}}))
     cfg = load_config(cfgp)
     lay = RunLayout.for_run(cfg, "gpucheck")
     rows = write_corpus(Path(lay.corpus_dir) / "corpus.parquet", samples, 512, seed=3, min_len=8, max_len=max_len)

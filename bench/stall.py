@@ -78,8 +78,8 @@ def extract_config(root: Path, model: str, run_id: str, watch: dict, has_gpu: bo
     return {"run_root": str(root / "runs"), "target_model": model,
             "node": {"name": "bench-node", "has_gpu": has_gpu, "state_dir": str(root / "state"), **NODE},
             "gpu": {"probe": "smi"},
-            "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / run_id), "shards": 1,
-                        "in_flight": 2, "ready_timeout_s": 180, "heartbeat_interval_s": 2.0,
+            "server": {"port": 0, "dump_dir": str(root / "dumps" / run_id), "ready_timeout_s": 180},
+            "capture": {"backend": "hf", "shards": 1, "in_flight": 2, "heartbeat_interval_s": 2.0,
                         "request_timeout_base_s": 600},
             "watchdog": watch}
 
@@ -106,8 +106,8 @@ def generate_config(root: Path, model: str, watch: dict, n: int = 2000, shards: 
             "node": {"name": "bench-node", "has_gpu": False, "state_dir": str(root / "state"), **NODE},
             "gpu": {"probe": "smi"},
             "corpus": {"sources": [src], "seed": 1, "max_length": 512},
-            "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps" / name),
-                        "ready_timeout_s": 180, "heartbeat_interval_s": 2.0},
+            "server": {"port": 0, "dump_dir": str(root / "dumps" / name), "ready_timeout_s": 180},
+            "capture": {"backend": "hf", "heartbeat_interval_s": 2.0},
             "generate": {"enabled": True, "shards": shards, "max_new_tokens": 16, "concurrency": 2},
             "watchdog": watch}
 

@@ -654,11 +654,10 @@ class PipelineConfig(_Section):
         for f in moved:
             old = capture.pop(f)
             if f in server and server[f] != old:
-                # a server flag may carry a key (--api-key ...): lists of flags are not shown (docs/safety.md)
-                shown = ("" if f == "extra_server_args"
-                         else f" (capture.{f} = {old!r}, server.{f} = {server[f]!r})")
-                raise ValueError(f"capture.{f} and server.{f} are both set, to different values{shown}: "
-                                 f"capture.{f} is the old name of server.{f}; keep server.{f} only")
+                shown = f" (capture.{f} = {_valid_shown(f, old)}, server.{f} = {_valid_shown(f, server[f])})"
+                raise ValueError(f"capture.{f} and server.{f} are both set, to different values"
+                                 f"{'' if f == 'extra_server_args' else shown}: capture.{f} is the old name of "
+                                 f"server.{f}; keep server.{f} only")
             server[f] = old
         notes = (info.context or {}).get("moved_names") if isinstance(info.context, dict) else None
         if isinstance(notes, list):
@@ -756,6 +755,17 @@ class PipelineConfig(_Section):
         if self.node.state_dir:
             return self.resolve(self.node.state_dir)
         return self.resolve(self.run_root) / ".node-state"
+
+
+def _valid_shown(field: str, value: Any) -> str:
+    """A server field's value for an error: shown when it is a valid value of the field, else only its type (a
+    misplaced value may be a pasted secret, docs/safety.md). Lists of server flags are never shown (a flag may
+    carry a key): the caller leaves them out."""
+    try:
+        ServerConfig.model_validate({field: value})
+    except ValidationError:
+        return f"a value of type {type(value).__name__}, not shown"
+    return repr(value)
 
 
 def _section_data(data: dict[str, Any], key: str) -> dict[str, Any]:

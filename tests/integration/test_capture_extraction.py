@@ -126,7 +126,7 @@ def test_every_sample_matches_a_direct_forward(server, reference):
                              ctx.config_path, "--run-id", "full"], capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "OK: 12/12 samples verified" in verify.stdout
-    assert not [p for p in Path(ctx.cfg.capture.dump_dir).iterdir() if p.name.startswith("full.")]
+    assert not [p for p in Path(ctx.cfg.server.dump_dir).iterdir() if p.name.startswith("full.")]
     # a second run is a no-op resume
     again = _run_worker(ctx, 0)
     assert again.returncode == 0 and "6 already stored, 0 to do" in again.stdout
@@ -161,7 +161,7 @@ def test_held_out_capture_stores_the_first_held_out_samples_apart_and_verifies_t
     assert meta["id"] == "held:3" and t["input_ids"].tolist() == held[3]["input_ids"]
     torch.testing.assert_close(t["hidden_states"], hs[-1][0])
     # request ids of their own (shard 99999): no dump of a training shard's name, none left behind
-    assert not [p for p in Path(ctx.cfg.capture.dump_dir).rglob("heldout.*")]
+    assert not [p for p in Path(ctx.cfg.server.dump_dir).rglob("heldout.*")]
     # a rerun with a larger cap resumes: the 5 stay, 2 more are captured
     res = held_out()
     assert res.returncode == 0 and json.loads(res.stdout)["stored"] == 7, res.stderr

@@ -20,7 +20,7 @@ def target_and_export(tmp_path_factory):
 
 
 def _cfg(target):
-    return load_config(data={"target_model": str(target), "capture": {"tp": 1, "dtype": "bfloat16"},
+    return load_config(data={"target_model": str(target), "server": {"tp": 1, "dtype": "bfloat16"},
                              "eval": {"backend": "sglang",
                                       "extra_server_args": ["--mem-fraction-static", "0.7"]}})
 

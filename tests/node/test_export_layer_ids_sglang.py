@@ -39,7 +39,7 @@ def _layers_sglang_captures(target, export) -> list[int]:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from transformers import LlamaConfig
 
-    cfg = load_config(data={"target_model": str(target), "capture": {"tp": 1, "dtype": "bfloat16"},
+    cfg = load_config(data={"target_model": str(target), "server": {"tp": 1, "dtype": "bfloat16"},
                             "eval": {"backend": "sglang"}})
     argv = build_command(cfg, model_path=str(target), host="127.0.0.1", port=31236, draft_dir=str(export),
                          sc=SpecConfig(steps=3, draft_tokens=4))

@@ -21,7 +21,7 @@ from tests.node.test_plugin_registration import plain_env
 def test_sglang_resolves_the_serve_command_with_our_export(tmp_path):
     target = _target(tmp_path / "target")
     export = _export(tmp_path, target)
-    cfg = load_config(data={"target_model": str(target), "capture": {"backend": "sglang", "tp": 1, "dtype": "bfloat16"}})
+    cfg = load_config(data={"target_model": str(target), "capture": {"backend": "sglang"}, "server": {"tp": 1, "dtype": "bfloat16"}})
     argv = shlex.split(serve_command(cfg, str(export)))
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     server_args = prepare_server_args(argv[3:] + ["--device", "cpu"])   # argparse: an unknown flag exits here
@@ -46,7 +46,7 @@ def test_the_serve_command_loads_every_plugin_and_serves_untouched(tmp_path):
     target = _target(tmp_path / "target")
     export = _export(tmp_path, target)
     cfg = load_config(data={"target_model": str(target),
-                            "capture": {"backend": "sglang", "tp": 1, "dtype": "bfloat16"}})
+                            "capture": {"backend": "sglang"}, "server": {"tp": 1, "dtype": "bfloat16"}})
     argv = shlex.split(serve_command(cfg, str(export)))[3:] + ["--device", "cpu"]
     code = textwrap.dedent("""
         import json, sys

@@ -41,8 +41,8 @@ def _deepseek_v3(d):
 
 def _argv(model_dir, extra=()):
     cfg = load_config(data={"target_model": str(model_dir),
-                            "capture": {"backend": "sglang", "tp": 1, "dtype": "bfloat16",
-                                        "extra_server_args": list(extra)}})
+                            "capture": {"backend": "sglang"},
+                            "server": {"tp": 1, "dtype": "bfloat16", "extra_server_args": list(extra)}})
     archs, n = target_architectures_and_layers(json.loads((model_dir / "config.json").read_text()))
     ids = sglang_aux_layer_ids(AUX, archs, n)
     argv = build_command(cfg, model_path=str(model_dir), host="127.0.0.1", port=31000, sglang_layer_ids=ids,
@@ -78,10 +78,10 @@ def test_an_unknown_flag_is_refused_by_sglang(tmp_path, capsys):
 
 
 def test_a_conflicting_flag_is_refused_by_the_config_and_by_sglang(tmp_path):
-    """A speculative flag is eagleflow's (eagleflow.server_flags): capture.extra_server_args may not set it; one
+    """A speculative flag is eagleflow's (eagleflow.server_flags): server.extra_server_args may not set it; one
     appended past the config anyway is refused by sglang's own resolution too."""
     model = _llama(tmp_path / "t")
-    with pytest.raises(ConfigError, match="capture.extra_server_args sets --speculative-draft-model-path"):
+    with pytest.raises(ConfigError, match="server.extra_server_args sets --speculative-draft-model-path"):
         _argv(model, extra=["--speculative-draft-model-path", str(model)])
     argv, _, _ = _argv(model)
     server_args = prepare_server_args(argv + ["--speculative-draft-model-path", str(model)])

@@ -51,7 +51,7 @@ def trained(tmp_path_factory, demo_assets):
     tmp = tmp_path_factory.mktemp("vllm-export")
     target = demo_assets["target_model"]
     cfg = load_config(data={"run_root": str(tmp / "runs"), "target_model": target,
-                            "capture": {"tp": 1, "dtype": "float32"},
+                            "server": {"tp": 1, "dtype": "float32"},
                             "train": {"device": "cpu", "max_steps": 12, "batch_size": 8, "lr": 3e-3,
                                       "warmup_steps": 2, "ttt_length": 3, "draft_vocab_size": 64,
                                       "checkpoint_every": 1000, "log_every": 1000, "export_dtype": "float32"}})

@@ -55,7 +55,7 @@ def world(tmp_path_factory, demo_assets):
     tmp = tmp_path_factory.mktemp("vllm-capture")
     target = demo_assets["target_model"]
     cfg = load_config(data={"run_root": str(tmp / "runs"), "target_model": target,
-                            "capture": {"tp": 1, "dtype": "float32", "aux_layers": AUX}})
+                            "server": {"tp": 1, "dtype": "float32"}, "capture": {"aux_layers": AUX}})
     from eagleflow.engines.vllm.layers import vllm_aux_layer_ids
     ids = vc_mod.vllm_capture_ids(vllm_aux_layer_ids(AUX, ["LlamaForCausalLM"], 8), 8)
     argv = build_command(cfg, model_path=target, host="127.0.0.1", port=18123, capture_ids=ids)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _cfg(target):
-    return load_config(data={"target_model": str(target), "capture": {"tp": 1, "dtype": "float32"},
+    return load_config(data={"target_model": str(target), "server": {"tp": 1, "dtype": "float32"},
                              "eval": {"backend": "vllm", "configs": [{"steps": 3, "draft_tokens": 4}],
                                       "extra_server_args": ["--max-model-len", "512"]}})
 

@@ -2,7 +2,7 @@
 
 - the generation launcher's argv goes through vLLM's own ``serve`` parser and ``create_engine_config``: the
   VllmConfig serves the target (no speculative method, no KV connector, prefix caching on), with the TP,
-  dtype and seed of the config, loopback, our ``--middleware``; capture.extra_server_args reach vLLM only
+  dtype and seed of the config, loopback, our ``--middleware``; server.extra_server_args reach vLLM only
   when they are vLLM's (capture.backend vllm), never sglang's flags;
 - the generation worker's own client (``client.generate_tokens``, the call ``phases/generate/worker.py`` makes) talks
   over HTTP to a FastAPI app with that ``--middleware`` applied by vLLM's own ``init_entrypoints_middleware``.
@@ -57,9 +57,9 @@ def _parse(argv: list[str]):
     return args, AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-def _cfg(tmp_path, target: str, **capture):
+def _cfg(tmp_path, target: str, backend: str = "hf", **server):
     return load_config(data={"run_root": str(tmp_path / "runs"), "target_model": target, "node": {"has_gpu": True},
-                             "capture": {"tp": 1, "dtype": "float32", **capture},
+                             "server": {"tp": 1, "dtype": "float32", **server}, "capture": {"backend": backend},
                              "generate": {"backend": "vllm", "seed": 7}})
 
 

@@ -67,7 +67,7 @@ def test_the_payload_carries_the_frozen_control_plane_settings(tmp_path, demo_as
     assert ref.control is not None and set(ref.control.to_dict()) == set(CONTROL_PLANE_FIELDS)
     assert ref.control.python == ctx.cfg.node.python
     # anything else a payload might claim is not taken from it
-    forged = {**ctx.serialize(), "control": {"node.python": "/bin/true", "capture.dump_dir": "/"},
+    forged = {**ctx.serialize(), "control": {"node.python": "/bin/true", "server.dump_dir": "/"},
               "watch": {"capture.shards": 2, "node.python": "/bin/true"}}
     control, watch = RunRef.from_dict(forged).control, RunRef.from_dict(forged).watch
     assert control is not None and control.to_dict() == {"node.python": "/bin/true"}

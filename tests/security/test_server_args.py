@@ -1,6 +1,7 @@
 """Issue 52 item 4: extra server args cannot undo what our launchers set, and every server of ours caps bodies.
 
-`server.extra_server_args` (capture.extra_server_args before the server section; also generation's) and `eval.extra_server_args` came after our own flags, so
+`server.extra_server_args` (capture.extra_server_args before the server section; also generation's) and
+`eval.extra_server_args` came after our own flags, so
 `--host 0.0.0.0` or another `--middleware` silently undid the loopback-only launch (argparse takes the last
 value; vLLM appends middlewares). Now the config refuses, when it is loaded, an extra arg that sets a flag one
 of our launchers owns (eagleflow.server_flags.OWNED_FLAGS), however argparse or vLLM's parser would read it:
@@ -141,10 +142,10 @@ def test_each_refused_spelling_sets_that_flag_in_argparse(args, flag):
     assert got[flag.lstrip("-")] is not None, got
 
 
-def _cfg(tmp_path, **capture):
+def _cfg(tmp_path):
     return load_config(data={"target_model": "/models/t", "run_root": str(tmp_path),
-                             "node": {"has_gpu": True},
-                             "capture": {"backend": "sglang", "tp": 2, "dtype": "bfloat16", **capture},
+                             "node": {"has_gpu": True}, "capture": {"backend": "sglang"},
+                             "server": {"tp": 2, "dtype": "bfloat16"},
                              "eval": {"extra_server_args": []}})
 
 

@@ -49,7 +49,7 @@ def test_loopback_addresses_are_accepted(host):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "gpu-node-1", "example.com"])
 def test_other_addresses_are_refused_naming_the_field_and_value(host):
-    with pytest.raises(ConfigError, match=rf"capture\.host = {host!r}: .*loopback address only"):
+    with pytest.raises(ConfigError, match=rf"server\.host = {host!r}: .*loopback address only"):
         loopback_host(host)
 
 
@@ -81,14 +81,15 @@ def test_the_sglang_launcher_refuses_before_starting_sglang(tmp_path, demo_asset
     from eagleflow.engines.sglang import launcher as sglang_launcher
     cfgp = write_run_config(tmp_path, demo_assets["target_model"])
     data = yaml.safe_load(cfgp.read_text())
-    data["capture"].update(backend="sglang", host="0.0.0.0")
+    data["capture"]["backend"] = "sglang"
+    data["server"]["host"] = "0.0.0.0"
     data["node"]["has_gpu"] = True
     cfgp.write_text(yaml.safe_dump(data))
     cfg = load_config(cfgp)
     started = []
     monkeypatch.setattr(server_launch.subprocess, "Popen", lambda *a, **k: started.append(a))
     monkeypatch.setattr(sglang_launcher.os, "execv", lambda *a: started.append(a))
-    with pytest.raises(ConfigError, match=r"capture\.host = '0\.0\.0\.0'"):
+    with pytest.raises(ConfigError, match=r"server\.host = '0\.0\.0\.0'"):
         sglang_launcher.launch(cfg, RunLayout.for_run(cfg, "trust"))
     assert not started
 

@@ -179,7 +179,8 @@ def _fleet(tmp_path: Path, hostile: str):
              for n in "abc"]
     nodes[1]["python"] = hostile
     whole = load_config(data={
-        "target_model": "/m", "run_root": str(tmp_path / "runs-a"), "capture": {"shards": 3, "dump_dir": "/d"},
+        "target_model": "/m", "run_root": str(tmp_path / "runs-a"), "capture": {"shards": 3},
+        "server": {"dump_dir": "/d"},
         "corpus": {"sources": [{"name": "chat", "path": str(SOURCE)}]},
         "generate": {"enabled": True, "shards": 6},
         "fleet": {"training_node": "a", "take_over": True, "storage": "copy", "nodes": nodes}})
@@ -255,7 +256,7 @@ def _one_node(tmp_path: Path, answers: dict):
     from eagleflow.airflow.runtime import RunContext
     from eagleflow.config import load_config
     from eagleflow.layout import RunLayout
-    cfg = load_config(data={"target_model": "/m", "run_root": str(tmp_path / "runs"), "capture": {"dump_dir": "/d"},
+    cfg = load_config(data={"target_model": "/m", "run_root": str(tmp_path / "runs"), "server": {"dump_dir": "/d"},
                             "corpus": {"sources": [{"name": "chat", "path": str(SOURCE)}]},
                             "node": {"name": "gpu-node-7", "python": hostile_python(tmp_path, answers),
                                      "state_dir": str(tmp_path / "state")}})

@@ -16,8 +16,9 @@ from eagleflow.engines.sglang.launcher import SglangLaunchError, build_command, 
 from eagleflow.config import load_config
 
 
-def _cfg(**capture):
-    return load_config(data={"target_model": "/models/t", "capture": {"backend": "sglang", "tp": 4, **capture}})
+def _cfg(**server):
+    return load_config(data={"target_model": "/models/t", "capture": {"backend": "sglang"},
+                             "server": {"tp": 4, **server}})
 
 
 def test_command_line_has_the_extraction_flags():

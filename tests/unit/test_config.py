@@ -109,8 +109,10 @@ def test_old_capture_names_are_read_as_server_with_a_note_naming_the_file(tmp_pa
     for old in ("port", "tp", "dump_dir"):
         (note,) = [n for n in notes if f"capture.{old} " in n]
         assert str(path) in note and f"read as server.{old}" in note and "move it under server:" in note
-    # the same value under both names is one setting, not a conflict
-    assert load_config(data={**BASE, "capture": {"tp": 2}, "server": {"tp": 2}}).server.tp == 2
+    # the same value under both names is one setting, not a conflict; the caller's data is left as it was
+    raw = {**BASE, "capture": {"tp": 2, "shards": 3}, "server": {"tp": 2}}
+    assert load_config(data=raw).server.tp == 2
+    assert raw == {**BASE, "capture": {"tp": 2, "shards": 3}, "server": {"tp": 2}}
     # a fleet's nodes take the old capture.dump_dir as their default dump dir (read before the fleet resolves)
     fleet = load_config(data={**BASE, "capture": {"dump_dir": "/old"},
                               "fleet": {"nodes": [{"name": "a"}, {"name": "b", "dump_dir": "/b"}]}})
@@ -121,6 +123,10 @@ def test_old_and_new_name_with_different_values_is_an_error_naming_both():
     msg = _err({"capture": {"port": 31000}, "server": {"port": 32000}})
     assert "capture.port and server.port are both set" in msg and "31000" in msg and "32000" in msg
     assert "keep server.port only" in msg
+    # a value the field would not take may be a pasted secret: its type only
+    msg = _err({"capture": {"host": "127.0.0.1"}, "server": {"host": ["hunter2"]}})
+    assert "capture.host = '127.0.0.1'" in msg and "server.host = a value of type list, not shown" in msg
+    assert "hunter2" not in msg
     # flags may carry a key: named, never shown
     msg = _err({"capture": {"extra_server_args": ["--api-key", "s3cret"]},
                 "server": {"extra_server_args": ["--api-key", "other"]}})

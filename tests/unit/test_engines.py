@@ -315,7 +315,7 @@ def test_generate_serve_runs_generate_backend_hf_beside_capture_backend_sglang(t
     venv has no sglang: the old choice, capture.backend's engine, could not start at all)."""
     from eagleflow.serving.client import generate_tokens, health_generate
     cfgp = write_short_config(tmp_path, demo_assets, node={"has_gpu": True},
-                              capture={"backend": "sglang", "port": 0}, generate={"backend": "hf", "port": 0})
+                              capture={"backend": "sglang"}, generate={"backend": "hf", "port": 0})
     cfg = load_config(cfgp)
     assert (cfg.capture.backend, generation_engine(cfg).name) == ("sglang", "hf")
     layout = RunLayout.for_run(cfg, "gen-hf")

@@ -119,7 +119,7 @@ def _gap_rule_blind_spot(fired: list):
 
 
 def test_a_bf16_decoder_emitting_wrong_tokens_is_not_lossless_and_not_promoted(tmp_path, corpus, demo_assets):
-    cfg, layout = _run(tmp_path, corpus, demo_assets["target_model"], demo_assets, capture={"dtype": "bfloat16"})
+    cfg, layout = _run(tmp_path, corpus, demo_assets["target_model"], demo_assets, server={"dtype": "bfloat16"})
     export = write_export(tmp_path / "runs" / "ev" / "draft" / "export", demo_assets["target_model"])
     fired: list[int] = []
     logs: list[str] = []
@@ -150,7 +150,7 @@ def test_a_genuine_tie_is_excused_and_the_speedup_is_paired(tmp_path, corpus, de
     w = load_file(str(tied / "model.safetensors"))
     w["lm_head.weight"][7] = w["lm_head.weight"][X]
     save_file(w, str(tied / "model.safetensors"), metadata={"format": "pt"})
-    cfg, layout = _run(tmp_path, corpus, str(tied), demo_assets, capture={"dtype": "bfloat16"})
+    cfg, layout = _run(tmp_path, corpus, str(tied), demo_assets, server={"dtype": "bfloat16"})
     export = write_export(tmp_path / "runs" / "ev" / "draft" / "export", str(tied), propose=7)
     flips: list[int] = []
 

@@ -210,7 +210,7 @@ def test_a_served_backend_asks_mt_bench_s_second_turn_after_the_target_s_own_ans
     from tests.unit.test_evaluate_sglang import _draft, _fake_command
     target = demo_assets["target_model"]
     cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": target,
-                            "capture": {"dtype": "bfloat16"},
+                            "server": {"dtype": "bfloat16"},
                             "eval": {"backend": "sglang", "concurrency": 4, "max_new_tokens": 6, "ready_timeout_s": 30,
                                      "configs": [{"steps": 3, "draft_tokens": 4}]}})
     layout = RunLayout.for_run(cfg, "ev")

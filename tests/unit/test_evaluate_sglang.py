@@ -33,7 +33,7 @@ def _fake_command(extra=()):
 
 def _setup(tmp_path, **eval_cfg):
     cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "target"),
-                            "capture": {"dtype": "bfloat16"},
+                            "server": {"dtype": "bfloat16"},
                             "eval": {"backend": "sglang", "concurrency": 4, "max_new_tokens": 16,
                                      "ready_timeout_s": 30, "configs": [{"steps": 3, "draft_tokens": 4},
                                                                          {"steps": 3, "topk": 4, "draft_tokens": 8}],

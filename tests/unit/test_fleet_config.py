@@ -18,7 +18,8 @@ def fleet_cfg(**fleet):
     fleet.setdefault("nodes", [{"name": "a", "gpu_slots": 8, "conn_id": "node_a"},
                                {"name": "b", "gpu_slots": 4, "conn_id": "node_b", "run_root": "/rb",
                                 "gpus": ["1", "2"]}])
-    return load_config(data={"target_model": "/m", "run_root": "/ra", "capture": {"shards": 6, "dump_dir": "/d"},
+    return load_config(data={"target_model": "/m", "run_root": "/ra", "capture": {"shards": 6},
+                             "server": {"dump_dir": "/d"},
                              "fleet": fleet})
 
 
@@ -59,7 +60,7 @@ def test_the_fleet_is_resolved_as_data_before_validation_never_written_into_a_va
     itself, and asking for one view leaves the config it came from as it was."""
     import ast
     import copy
-    data = {"target_model": "/m", "run_root": "/ra", "capture": {"dump_dir": "/d"},
+    data = {"target_model": "/m", "run_root": "/ra", "server": {"dump_dir": "/d"},
             "fleet": {"nodes": [{"name": "a", "conn_id": "node_a"}, {"name": "b", "run_root": "/rb"}]}}
     before = copy.deepcopy(data)
     cfg = load_config(data=data)

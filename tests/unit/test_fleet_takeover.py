@@ -25,7 +25,8 @@ def node_run(tmp_path: Path, name: str) -> LocalRun:
     """The run ``r`` of a two-node fleet (a: extraction shards 0-1, generation shard 0; b: extraction shards 2-3,
     generation shard 1) as node ``name`` sees it, its config frozen on disk as the pipeline writes it."""
     whole = load_config(data={
-        "target_model": "/m", "run_root": str(tmp_path / "runs-a"), "capture": {"shards": 4, "dump_dir": "/d"},
+        "target_model": "/m", "run_root": str(tmp_path / "runs-a"), "capture": {"shards": 4},
+        "server": {"dump_dir": "/d"},
         "corpus": {"sources": [{"name": "chat", "path": str(SOURCE)}]},
         "generate": {"enabled": True, "shards": 2},
         "fleet": {"training_node": "a", "nodes": [

@@ -16,7 +16,7 @@ from eagleflow.watchdog import incidents
 def _config(tmp_path):
     cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": "/models/Kimi K2.5",
                             "node": {"name": "gpu-node-1", "state_dir": str(tmp_path / "state")},
-                            "capture": {"tp": 8, "dtype": "bfloat16"}})
+                            "server": {"tp": 8, "dtype": "bfloat16"}})
     return cfg, RunLayout.for_run(cfg, "manual__r1")
 
 

@@ -35,7 +35,7 @@ def test_capture_serve_routes_to_the_vllm_launcher_and_names_what_to_install_wit
     import importlib.util
     assert importlib.util.find_spec("vllm") is None, "this test proves the control plane's venv, without vLLM"
     cfgp = write_short_config(tmp_path, demo_assets, node={"has_gpu": True},
-                              capture={"backend": "vllm", "port": 0}, generate={"backend": "hf"})
+                              capture={"backend": "vllm"}, generate={"backend": "hf"})
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "eagleflow.cli", "capture", "serve", "--config", str(cfgp),
                           "--run-id", "r1"], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)

@@ -97,7 +97,7 @@ def _export(d: Path, **quality) -> Path:
 def _setup(tmp_path, **eval_cfg):
     cfg = load_config(data={"run_root": str(tmp_path / "runs"), "target_model": str(tmp_path / "target"),
                             "node": {"has_gpu": True, "state_dir": str(tmp_path / "node-state")},
-                            "capture": {"dtype": "bfloat16"},
+                            "server": {"dtype": "bfloat16"},
                             "eval": {"backend": "vllm", "concurrency": 4, "max_new_tokens": 16,
                                      "ready_timeout_s": 30, "configs": [{"steps": 3, "draft_tokens": 4},
                                                                          {"steps": 7, "draft_tokens": 8}],

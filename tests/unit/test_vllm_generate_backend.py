@@ -40,7 +40,7 @@ def test_generate_serve_routes_to_vllm_and_names_what_to_install_without_vllm(tm
     import importlib.util
     assert importlib.util.find_spec("vllm") is None, "this test proves the control plane's venv, without vLLM"
     cfgp = write_short_config(tmp_path, demo_assets, node={"has_gpu": True},
-                              capture={"backend": "hf", "port": 0}, generate={"backend": "vllm"})
+                              capture={"backend": "hf"}, generate={"backend": "vllm"})
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "eagleflow.cli", "generate", "serve", "--config", str(cfgp),
                           "--run-id", "r1"], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
