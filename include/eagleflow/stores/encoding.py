@@ -103,7 +103,7 @@ def quantise_fp8(x, layers: int):
         amax = xf.abs().amax(dim=-1)
         if not bool(torch.isfinite(amax).all()):
             raise ValueError("holds inf or NaN; fp8 storage cannot scale it (the target produced non-finite "
-                             "hidden states: check capture.dtype, or store with capture.store_dtype: auto)")
+                             "hidden states: check server.dtype, or store with capture.store_dtype: auto)")
         scale = amax / FP8_MAX     # 0 for a zero block: it stores zeros and de-quantises to zeros
         # a non-zero block under 448 x float32's smallest subnormal keeps that subnormal as its scale, not 0
         scale = torch.where((amax > 0) & (scale == 0), torch.full_like(scale, 2.0 ** -149), scale)
