@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
+from eagleflow.phases import EXTRACT, GENERATE, KINDS
 from eagleflow.serving.aux_layers import resolve_aux_layers
 from eagleflow.serving.launch import dump_dir, write_info_file
 from eagleflow.serving.dump_protocol import MAX_BODY_BYTES  # noqa: F401  (the one cap of every server of ours, named here too)
@@ -36,6 +37,8 @@ DELAY_ENV = "EAGLEFLOW_HF_SERVER_FORWARD_DELAY_S"
 DELAY_FILE_ENV = "EAGLEFLOW_HF_SERVER_DELAY_FILE"
 HANG_FILE_ENV = "EAGLEFLOW_HF_SERVER_HANG_FILE"
 HEALTH_INPUT = [1, 2, 3, 4]
+# the server's modes, as each phase's descriptor names its server's: one prefill + dump (capture), serving
+CAPTURE_MODE, SERVING_MODE = KINDS[EXTRACT].server_mode, KINDS[GENERATE].server_mode
 
 
 class CaptureModel:
@@ -161,14 +164,14 @@ class CaptureServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, addr, model: CaptureModel, dump_dir: str | None, dump_key: bytes | None = None,
-                 mode: str = "capture"):
-        if mode == "capture" and dump_dir is None:   # before the port is bound
+                 mode: str = CAPTURE_MODE):
+        if mode == CAPTURE_MODE and dump_dir is None:   # before the port is bound
             raise ValueError("a capture server needs its dump folder: set server.dump_dir")
         super().__init__(addr, CaptureHandler)
         self.capture = model
-        self.mode = mode                                  # "capture" (prefill + dump) | "generate" (serving)
+        self.mode = mode                                  # CAPTURE_MODE (prefill + dump) | SERVING_MODE
         # serving mode writes no dumps: no dump folder is made
-        self.dump_dir = str(private_dump_dir(dump_dir)) if dump_dir is not None and mode == "capture" else ""
+        self.dump_dir = str(private_dump_dir(dump_dir)) if dump_dir is not None and mode == CAPTURE_MODE else ""
         self.dump_key = dump_key                          # the node user's dump key: each dump's MAC (protocol.write_dump)
         self.started_at = time.time()
 
@@ -243,7 +246,7 @@ class CaptureHandler(BaseHTTPRequestHandler):
         hang = os.environ.get(HANG_FILE_ENV)
         while hang and os.path.exists(hang):  # test hook: a hung /generate beside a live /health_generate
             time.sleep(0.2)
-        if self.server.mode == "generate":
+        if self.server.mode == SERVING_MODE:
             self._generate(req, rid, input_ids)
             return
         try:
@@ -285,11 +288,11 @@ class CaptureHandler(BaseHTTPRequestHandler):
 def serve(model_path: str, *, host: str, port: int, dump_dir: str, info_file: str | None,
           aux_layers: list[int] | None = None, dtype: str = "auto", model_name: str | None = None,
           threads: int | None = None, device: str = "cpu", key_file: str | None = None,
-          mode: str = "capture") -> None:
+          mode: str = CAPTURE_MODE) -> None:
     loopback_host(host)   # before the model loads: no credential is asked, so never on a network address
     model = CaptureModel(model_path, dtype=dtype, aux_layers=aux_layers, model_name=model_name, threads=threads,
                          device=device)
-    capture = mode == "capture"
+    capture = mode == CAPTURE_MODE
     dump_key = load_dump_key(key_file, create=True) if key_file and capture else None   # dumps' MACs
     server = CaptureServer((host, port), model, dump_dir if capture else None, dump_key, mode=mode)
     dump_dir = server.dump_dir
@@ -319,7 +322,7 @@ def serve_generation(cfg, layout) -> int:
     model = str(cfg.resolve(cfg.target_model))
     serve(model, host=cfg.server.host, port=cfg.generate.port, dump_dir="",
           info_file=str(layout.generate_server_info_file), dtype=cfg.server.dtype, model_name=model,
-          device=cfg.server.device, mode="generate")
+          device=cfg.server.device, mode=SERVING_MODE)
     return 0
 
 
@@ -329,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--dump-dir", help="where dumps go (capture mode; required there)")
-    ap.add_argument("--mode", default="capture", choices=["capture", "generate"],
-                    help="capture: one prefill + hidden-state dump per request; generate: serving (sampling)")
+    ap.add_argument("--mode", default=CAPTURE_MODE, choices=[CAPTURE_MODE, SERVING_MODE],
+                    help=f"{CAPTURE_MODE}: one prefill + hidden-state dump per request; {SERVING_MODE}: serving "
+                         "(sampling)")
     ap.add_argument("--info-file")
     ap.add_argument("--key-file", help="the dump key file (created if absent): each dump carries its MAC")
     ap.add_argument("--aux-layers", type=int, nargs="*")
@@ -339,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     a = ap.parse_args(argv)
-    if a.mode == "capture" and not a.dump_dir:
+    if a.mode == CAPTURE_MODE and not a.dump_dir:
         ap.error("--dump-dir is required in capture mode")
     try:
         loopback_host(a.host, "--host")

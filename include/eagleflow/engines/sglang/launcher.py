@@ -28,6 +28,7 @@ from typing import Callable
 
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
+from eagleflow.phases import GENERATE, KINDS
 
 from .layers import sglang_aux_layer_ids
 from eagleflow.serving.launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
@@ -142,7 +143,7 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     model = str(cfg.resolve(cfg.target_model))
     port = cfg.generate.port or free_port(cfg.server.host)
     atomic_write(str(layout.generate_server_info_file),
-                 json.dumps({"backend": "sglang", "mode": "generate", "model": model,
+                 json.dumps({"backend": "sglang", "mode": KINDS[GENERATE].server_mode, "model": model,
                              "url": f"http://{cfg.server.host}:{port}", "pid": os.getpid()}),
                  mode=0o644)   # read as ours (phase_jobs.server_url_in): never group-writable
     os.execv(sys.executable, build_generate_command(cfg, model_path=model, host=cfg.server.host, port=port))

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable
 from eagleflow.serving.dump_protocol import MAX_BODY_BYTES, PROTOCOL_VERSION, BodyTooLarge, check_body_size
 from eagleflow.serving.capture_hook import ENV_AUX_LAYERS, ENV_MODEL
 from eagleflow.engines.vllm.connector import KV_PARAM_RID
+from eagleflow.phases import GENERATE, KINDS
 
 MIDDLEWARE = f"{__name__}.CaptureApi"     # what the launcher passes to vLLM's --middleware
 COMPLETIONS = "/v1/completions"
@@ -213,7 +214,7 @@ class CaptureApi:
                                                        **({"model": self.model} if self.model else {})})
             return await _json(send, status, {} if status == 200 else {"error": out})
         if route == ("GET", "/get_server_info"):
-            return await _json(send, 200, server_info(mode="capture" if self.capture else "generate"))
+            return await _json(send, 200, server_info(mode="capture" if self.capture else KINDS[GENERATE].server_mode))
         await self._pass_on(scope, receive, send)
 
     async def _pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -29,6 +29,7 @@ from eagleflow.engines.vllm.launcher import REQUIREMENTS_FILE, SUPPORTED_VERSION
 from eagleflow.config import PipelineConfig
 from eagleflow.engines import generation_backend
 from eagleflow.layout import RunLayout
+from eagleflow.phases import GENERATE, KINDS
 
 INSTALL_HINT = (f"install {REQUIREMENTS_FILE} in the node's vLLM venv (and eagleflow with `pip install --no-deps "
                 "-e .`) and run `eagleflow generate serve` from that venv, or use generate.backend hf or sglang")
@@ -87,7 +88,7 @@ def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
           + (f" (server.extra_server_args not passed: they are {cfg.capture.backend}'s flags)" if dropped else "")
           + f": {' '.join(argv)}", file=sys.stderr, flush=True)
     atomic_write(str(layout.generate_server_info_file),
-                 json.dumps({"backend": "vllm", "mode": "generate", "model": model, "url": url, "pid": os.getpid(),
+                 json.dumps({"backend": "vllm", "mode": KINDS[GENERATE].server_mode, "model": model, "url": url, "pid": os.getpid(),
                              "version": version}), mode=0o644)   # read as ours: never group-writable
     # the middleware's served-model name: the model path, as vLLM names it
     os.environ[ENV_MODEL] = model
