@@ -524,7 +524,7 @@ class EvalConfig(_Section):
 
 
 class GenerateConfig(_Section):
-    """The generation phase: the target rewrites the assistant turns of chosen sources (eagleflow.generate)."""
+    """The generation phase: the target rewrites the assistant turns of chosen sources (eagleflow.phases.generate)."""
     enabled: bool = Field(default=False, description="regenerate assistant turns with the target before tokenising")
     sources: list[str] | None = Field(default=None, description="corpus source names to regenerate; null = all "
                                       "(e.g. keep a source that is already the target's own output as it is)")

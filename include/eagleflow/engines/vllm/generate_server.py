@@ -1,6 +1,6 @@
 """`eagleflow generate serve` with generate.backend vllm: vLLM's own `vllm serve` in serving mode.
 
-The generation worker is the one every engine uses (``generate/worker.py``, through ``client.generate_tokens``):
+The generation worker is the one every engine uses (``phases/generate/worker.py``, through ``client.generate_tokens``):
 ``POST /generate`` with token ids, sampling (temperature, top_p, a seed per turn, the stop ids), answered with
 the token ids the target sampled and its finish reason (stop or length: keep_truncated reads it). vLLM speaks
 OpenAI's completions; ``--middleware eagleflow.engines.vllm.api.GenerateApi`` (the capture server's API,
