@@ -135,6 +135,12 @@ def main() -> int:
     ap.add_argument("--reevaluate", action="store_true", help="with --dir: score the drafts already evaluated "
                     "there again (by default their figures are reused)")
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--stream", action="store_true", help="issue 53: for the largest --fractions and every --seeds, "
+                    "the offline draft beside a streamed one (stream.storage: mooncake: the run's store started, "
+                    "the trainer drawing from it while the capture workers put into it, shuffled within "
+                    "stream.shuffle_window), same corpus, steps and seed; the misnumbered control and fp8 skipped")
+    ap.add_argument("--buffer-gib", type=float, default=None, help="--stream: stream.buffer_gib (default the "
+                    "config's)")
     ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -222,9 +228,71 @@ def main() -> int:
         return evaluated[run_id]
 
     seed0 = a.seeds[0]
-    for fraction in sorted(a.fractions):
+    for fraction in sorted(a.fractions) if not a.stream else ():
         out["sizes"][f"{fraction:g}"] = draft(fraction, seed0)
-    main_draft = out["sizes"][f"{max(a.fractions):g}"]
+    main_draft = out["sizes"][f"{max(a.fractions):g}"] if not a.stream else {}
+
+    if a.stream:      # issue 53: offline against streamed, paired by seed, same corpus and steps
+        from stream_runs import stream_run
+        fraction = max(a.fractions)
+        _, off_store = store_of(fraction)    # the offline store of the same corpus (its digest: the streamed run's check)
+        # a streaming run trains whole epochs (train.max_steps rounded): the offline drafts train the same steps
+        per_epoch = -(-off_store["samples"] // a.batch)
+        whole = max(1, round(a.steps / per_epoch)) * per_epoch
+        if whole != a.steps:
+            print(f"--stream: {a.steps} steps rounded to {whole} ({whole // per_epoch} epoch(s) of "
+                  f"{off_store['samples']} samples at batch {a.batch}), offline and streamed alike", flush=True)
+            a.steps = base["train"]["max_steps"] = base["train"]["checkpoint_every"] = whole
+
+        def streamed(seed: int) -> dict:
+            run_id = f"stream-{fraction:g}-{a.steps}-seed{seed}"
+            if run_id in evaluated and not a.reevaluate:
+                print(f"[stream {fraction:g} seed {seed}] evaluated before in {root}: reused", flush=True)
+                return evaluated[run_id]
+            data = yaml_of(config(f"auto-{fraction:g}", fraction))
+            data["stream"] = {"storage": "mooncake", "put_timeout_s": 1800,
+                              **({"buffer_gib": a.buffer_gib} if a.buffer_gib else {})}
+            cfgp = write_config(root / f"config-stream-{fraction:g}.yaml", data)
+            rdir = Path(str(load_config(cfgp).run_dir(run_id)))
+            if (rdir / "draft" / "export" / "config.json").is_file():
+                run = evaluated_again(cfgp, run_id)
+                fig = evaluated.get(run_id, {}).get("stream", {})
+            else:
+                shutil.rmtree(rdir, ignore_errors=True)    # a streaming run cut short starts again whole
+                t0 = time.time()
+                cli("corpus", "prepare", "--config", str(cfgp), "--run-id", run_id)
+                import hashlib
+                sha = hashlib.sha256((rdir / "corpus" / "corpus.parquet").read_bytes()).hexdigest()
+                offline_sha = stores[f"auto-{fraction:g}"]["corpus_sha256"]
+                if sha != offline_sha:
+                    raise SystemExit(f"the streamed run's corpus {sha[:12]} is not the offline store's "
+                                     f"{offline_sha[:12]}: not the same corpus")
+                fig = stream_run(cfgp, run_id, int(data["capture"]["shards"]), logs=root / "logs",
+                                 train_args=("--set", f"train.seed={seed}"), t0=t0)
+                cli("export", "--config", str(cfgp), "--run-id", run_id, "--set", f"train.seed={seed}")
+                run = _figures_of(rdir, evaluate(cfgp, run_id, "--set", f"train.seed={seed}"), t0)
+                fig |= {"verified": json.loads((rdir / "hidden_states" / "stream_verified.json").read_text()),
+                        "hidden_state_files_on_disk": sum(1 for _ in (rdir / "hidden_states").rglob("*.safetensors")),
+                        "steps_trained": len((rdir / "draft" / "metrics.jsonl").read_text().splitlines())}
+            rows = _fixed(run["rows"])
+            print(f"[stream {fraction:g} seed {seed}] " + ", ".join(
+                f"{c}: accept {r['accept_length']:.3f}" for c, r in rows.items())
+                + f"; loss {run['final_loss']:.3f}, acc_0 {run['final_acc_0']:.3f} ({run['seconds']:.0f} s; "
+                f"{fig.get('steps_trained')} steps, store peak {fig.get('store_peak_bytes', 0) / 2**20:.0f} MiB)",
+                flush=True)
+            evaluated[run_id] = {"samples": stores[f"auto-{fraction:g}"]["samples"], "rows": rows,
+                                 "final_loss": run["final_loss"], "final_acc_0": run["final_acc_0"],
+                                 "run_dir": run["run_dir"], "stream": fig, "seconds": run["seconds"],
+                                 "load_average": os.getloadavg()}
+            runs_file.write_text(json.dumps(evaluated, indent=2))
+            return evaluated[run_id]
+
+        pairs = {}
+        for seed in a.seeds:     # the streamed draft first: a failing streaming run shows before the offline work
+            st = streamed(seed)
+            pairs[str(seed)] = {"offline": draft(fraction, seed), "streamed": st}
+        out["stream_compare"] = stream_table(pairs, fraction, a)
+        return finish(out, t_all, root, a.json, keep=bool(a.dir))
 
     # the control: the full draft's export with every aux layer renamed one lower than what it was trained on
     export = Path(main_draft["run_dir"]) / "draft" / "export"
@@ -250,6 +318,40 @@ def main() -> int:
         out["stores"][store] = {"bytes_per_token": stores[f"{store}-1"]["bytes_per_token"], "runs": runs}
     report(out)
     return finish(out, t_all, root, a.json, keep=bool(a.dir))
+
+
+def yaml_of(path: Path) -> dict:
+    import yaml
+    return yaml.safe_load(path.read_text())
+
+
+def _figures_of(rdir: Path, rows: dict, t0: float) -> dict:
+    metrics = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x]
+    return {"rows": rows, "final_loss": metrics[-1]["loss"], "final_acc_0": metrics[-1]["acc_0"],
+            "seconds": time.time() - t0, "run_dir": str(rdir)}
+
+
+def stream_table(pairs: dict, fraction: float, a: argparse.Namespace) -> dict:
+    """Offline against streamed acceptance per seed: the paired differences beside the offline seed spread."""
+    seeds = sorted(pairs, key=int)
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+    print(f"\noffline vs streamed drafts ({fraction:g} of the corpus, {a.steps} steps asked, seeds "
+          f"{', '.join(seeds)}; held-out acceptance):")
+    table: dict = {"fraction": fraction, "steps": a.steps, "seeds": seeds,
+                   "steps_trained": {s: pairs[s]["streamed"]["stream"].get("steps_trained") for s in seeds}}
+    for c in CONFIGS:
+        off = [pairs[s]["offline"]["rows"][c]["accept_length"] for s in seeds]
+        st = [pairs[s]["streamed"]["rows"][c]["accept_length"] for s in seeds]
+        paired = [y - x for x, y in zip(off, st)]
+        spread = max(off) - min(off)
+        mo, ms = statistics.mean(off), statistics.mean(st)
+        table[c] = {"offline": off, "streamed": st, "paired": paired, "offline_mean": mo, "streamed_mean": ms,
+                    "relative": (ms - mo) / mo, "offline_seed_range": spread, "offline_std": sd(off),
+                    "streamed_std": sd(st), "within_offline_seed_range": abs(ms - mo) <= spread}
+        print(f"  {c}: offline {', '.join(f'{x:.3f}' for x in off)} (mean {mo:.3f}, seed range {spread:.3f}); "
+              f"streamed {', '.join(f'{x:.3f}' for x in st)} (mean {ms:.3f}): {(ms - mo) / mo:+.2%}, paired "
+              f"{', '.join(f'{x:+.3f}' for x in paired)}")
+    return table
 
 
 def _spread(r: dict) -> str:
