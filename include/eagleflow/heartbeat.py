@@ -35,6 +35,10 @@ class InFlight:
 WAITING_FOR_SAMPLES = "waiting_for_samples_since"
 # ... since when it waits for its store to run again (lost mid-run: StreamLoader's on_store_wait): not stuck
 WAITING_FOR_STORE = "waiting_for_store_since"
+# a capture worker's heartbeat ``extra``: since when it waits for room in a streaming store (backpressure: the store
+# holds stream.buffer_gib until the trainer takes samples), None once its sample is put; its watch says the producer
+# is held back by the consumer, never stalled (a restart would redo its samples and hold it back all the same)
+WAITING_FOR_ROOM = "waiting_for_room_since"
 
 
 @dataclass

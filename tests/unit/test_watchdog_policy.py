@@ -252,3 +252,28 @@ def test_a_stopped_trainer_that_had_said_it_waits_is_a_stuck_consumer_when_the_b
     roomy = decide(o, cfg())
     assert roomy.verdict == "stalled" and "consumer is stuck" not in roomy.headline
     assert roomy.headline.endswith("the store holds 10,000 of its 98,304-byte buffer (10 %)"), roomy.headline
+
+
+def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalled():
+    """Issue 53, found under Airflow's scheduler: a worker whose put waits for room (the store holds
+    stream.buffer_gib until the trainer takes samples) says so in its heartbeat (the sink's on_wait); its watch
+    calls it held back by the consumer, never a stall (which restarted a healthy server and worker), however long
+    its progress is stale. The same stale progress without the word, or with another request overdue at the
+    server, or from a stopped worker, is judged as before."""
+    from eagleflow.heartbeat import WAITING_FOR_ROOM
+    held = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200))
+    held.heartbeat.extra[WAITING_FOR_ROOM] = NOW - 190
+    d = decide(held, cfg())
+    assert d.verdict == "slow" and d.cause == "consumer" and d.status is None, d.summary
+    assert "held back: waiting 190 s for room in the run's hidden-state store" in d.summary, d.summary
+    without = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200))
+    assert decide(without, cfg()).verdict == "stalled"
+    overdue = obs(progress_ago=200, gpu=idle_held_gpus(200),
+                  in_flight=[InFlight(id="r.s00003.00018404", since=NOW - 300, tokens=4000, timeout_s=260)])
+    overdue.heartbeat.extra[WAITING_FOR_ROOM] = NOW - 190
+    assert decide(overdue, cfg()).verdict == "stalled"
+    stopped = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200),
+                  worker=ProcessSignal(role="worker_shard_00003", recorded=True, pid=4242, alive=True, state="T",
+                                       started_at=NOW - 3600))
+    stopped.heartbeat.extra[WAITING_FOR_ROOM] = NOW - 190
+    assert decide(stopped, cfg()).verdict == "stalled"

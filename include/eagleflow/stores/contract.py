@@ -67,8 +67,11 @@ class PutReceipt:
 
 @runtime_checkable
 class SampleSink(Protocol):
-    """Where one shard's capture worker puts its samples: stored, then recorded in the shard's manifest."""
+    """Where one shard's capture worker puts its samples: stored, then recorded in the shard's manifest.
+    ``on_wait``, set by the worker: told the time a put begins to wait for room (a streaming store's
+    backpressure), then None once it has room; a store that never waits never calls it."""
     store: str
+    on_wait: Callable[[float | None], None] | None
 
     def put(self, sample: EncodedSample) -> PutReceipt: ...
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import WAITING_FOR_SAMPLES, WAITING_FOR_STORE
+from eagleflow.heartbeat import WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
@@ -87,6 +87,8 @@ _SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
 # a streaming trainer's own errors that blame another side (issue 53): starved (the producer stalled) and the
 # store lost; the error's type name leads the heartbeat's error text (train/trainer.py)
 _PRODUCER, _STORE = "producer", "store"
+# a capture worker held back by a full streaming store: the trainer (the consumer) sets its pace
+_CONSUMER = "consumer"
 # a streaming store this full is full for the producer: its next sample (any size up to the buffer's rest) waits
 STORE_FULL_FRACTION = 0.75
 _STREAM_BLAME = {"StreamStarved": (_PRODUCER, "starved: no sample arrived from the producer (the capture server and "
@@ -227,6 +229,20 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                             f"and the extraction shards putting into the run's store): the producer is behind or "
                             f"stalled, not the trainer (its shards' watch says which); {counts_u}, {last_txt}",
                     cause=_PRODUCER, turns_in_s=stale_after)
+
+    # 4a''. a capture worker whose put waits for room in a streaming store is held back by the consumer, not stuck:
+    # the store holds stream.buffer_gib until the trainer takes samples (whose own watch judges it); restarting the
+    # worker or its server would redo samples and wait all the same. Only from a worker that can still say so, and
+    # none of whose other requests is overdue at the server (a server hung meanwhile is judged below as ever).
+    room_since = hb.extra.get(WAITING_FOR_ROOM) if hb is not None else None
+    overdue = hb is not None and any(hb_now - r.since > (r.timeout_s or cfg.capture.request_timeout_base_s)
+                                     for r in hb.in_flight)
+    if isinstance(room_since, (int, float)) and not isinstance(room_since, bool) and not waiting_since \
+            and not overdue and not w.stopped and not (late_hb is not None and late_hb.frozen):
+        return diag("slow", f"held back: waiting {max(0.0, hb_now - float(room_since)):.0f} s for room in the run's "
+                            f"hidden-state store (its buffer, stream.buffer_gib, is full until the trainer takes "
+                            f"samples): the consumer sets the pace, not stuck (the trainer's watch judges the "
+                            f"trainer); {counts_u}, {last_txt}", cause=_CONSUMER, turns_in_s=stale_after)
 
     # 4. progress is stale: stalled only with independent evidence
     head = f"no {unit[:-1] if unit.endswith('s') else unit} completed for {p_age:.0f} s ({counts}, {last_txt})"

@@ -35,7 +35,7 @@ from typing import Any
 
 from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.capture.storage import remove_temp_files
-from eagleflow.heartbeat import PACE_WINDOW, Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.heartbeat import PACE_WINDOW, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.phases.descriptor import MANIFEST
 from eagleflow.phases.worker import PhaseWorker
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
@@ -249,6 +249,17 @@ class ShardWorker(PhaseWorker):
             sink = store.open_sink(s.store_settings(), s.shard)   # the manifest's writer: after any compaction
         except StoreError as e:
             raise ExtractionError(f"shard {s.shard}: cannot write to the run's store: {e}") from None
+
+        def held_back(since: float | None) -> None:
+            # a put waiting for room in a streaming store: the heartbeat says since when (the watch then blames the
+            # consumer's pace, not this worker or the server); the earliest of the threads that wait
+            def note(hb: Heartbeat) -> None:
+                if since is None:
+                    hb.extra.pop(WAITING_FOR_ROOM, None)
+                else:
+                    hb.extra.setdefault(WAITING_FOR_ROOM, since)
+            hbw.update(note)
+        sink.on_wait = held_back
         try:
             # in_flight requests at once: while one thread writes a file, the others keep the server busy
             self._drive(todo, s.in_flight, "capture", lambda: lambda smp: self._one(smp, sink, hbw), self._abandon)
@@ -326,6 +337,9 @@ class ShardWorker(PhaseWorker):
                 pass
             if self._halt.is_set() or stop_arrived():
                 return   # abandoned: its dump is an orphan the next start removes, the sample is redone then
+            # the server has answered: the request is no longer in flight there (a put held back by a streaming
+            # store's buffer is not the server's delay, and must not read as an overdue request)
+            hbw.update(lambda hb: hb.in_flight.remove(fl) if fl in hb.in_flight else None)
             try:
                 # stored, then recorded in the shard's manifest: the sink's one step (eagleflow.stores)
                 sink.put(encode_sample(index=smp.index, sample_id=smp.id, input_ids=dump.input_ids,

@@ -34,6 +34,7 @@ class DiskSink:
         self.writer = SampleWriter(self.shard_dir, fsync=fsync, store_dtype=store_dtype)
         self.manifest = ManifestWriter(self.shard_dir / "manifest.jsonl", fsync=fsync)
         self._lock = threading.Lock()
+        self.on_wait: Callable[[float | None], None] | None = None   # never called: a disk has no buffer to wait on
 
     def put(self, sample: EncodedSample) -> PutReceipt:
         stored = self.writer.write_encoded(sample)

@@ -140,6 +140,7 @@ class MooncakeSink:
         self._lock = threading.Lock()          # the manifest
         self._put_lock = threading.Lock()      # the room check and the put
         self.waited_s = 0.0             # time spent held back by the buffer
+        self.on_wait: Callable[[float | None], None] | None = None   # told when a put begins to wait, then None
 
     def _room(self, size: int) -> None:
         limit = self.settings.buffer_bytes
@@ -147,12 +148,20 @@ class MooncakeSink:
             raise StoreFull(self.client.label, f"one sample of {size} bytes is larger than stream.buffer_gib "
                             f"({limit} bytes); raise stream.buffer_gib")
         t0 = time.monotonic()
-        while self.client.allocated_bytes() + size > limit:
-            if time.monotonic() - t0 > self.settings.put_timeout_s:
-                raise StoreFull(self.client.label, f"no room for {size} bytes under stream.buffer_gib ({limit} "
-                                f"bytes) for {self.settings.put_timeout_s:g} s: nobody is taking samples (is the "
-                                "trainer running?)")
-            time.sleep(0.05)
+        waiting = False
+        try:
+            while self.client.allocated_bytes() + size > limit:
+                if time.monotonic() - t0 > self.settings.put_timeout_s:
+                    raise StoreFull(self.client.label, f"no room for {size} bytes under stream.buffer_gib ({limit} "
+                                    f"bytes) for {self.settings.put_timeout_s:g} s: nobody is taking samples (is the "
+                                    "trainer running?)")
+                if not waiting and self.on_wait is not None:
+                    self.on_wait(time.time())   # the worker's heartbeat says so: held back, not stuck
+                waiting = True
+                time.sleep(0.05)
+        finally:
+            if waiting and self.on_wait is not None:
+                self.on_wait(None)
         self.waited_s += time.monotonic() - t0
 
     def put(self, sample: EncodedSample) -> PutReceipt:
