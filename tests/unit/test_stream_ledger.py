@@ -213,3 +213,38 @@ def test_a_store_that_does_not_come_back_fails_naming_it(tmp_path):
     src.down = True
     with pytest.raises(StoreUnavailable, match=r"memory store: the store did not come back within 0.5 s"):
         loader.next_batch()
+
+
+def test_after_a_lost_store_the_window_is_drawn_while_a_sample_to_serve_again_is_not_back(tmp_path):
+    """The unread batch is served again first only once re-captured: until then the loader draws from the window
+    (the buffer may be full of later samples, and only a draw makes room for it: waiting would deadlock)."""
+    src = MemorySource()
+    for i in range(8):
+        src.add(i)
+    path = tmp_path / "l.jsonl"
+    loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=3,
+                          starve_after_s=1)
+    loader.next_batch()
+    loader.commit(1)
+    late: set[str] = set()
+
+    def recapture():          # every untrained sample back, except the batch being read when the store died
+        state = read_ledger(path).epoch(0)
+        late.update(state.pending)
+        for i in range(8):
+            if f"s{i}" not in set(state.trained) | late:
+                src.add(i)
+    src.comes_back = recapture
+    src.lose()
+    _, b = loader.next_batch()                    # would starve (1 s) waiting for the late ones
+    assert len(late) == 2 and not {r.id for r in b} & late
+    loader.commit(2)
+    for i in range(8):
+        if f"s{i}" in late:
+            src.add(i)                            # captured again, later
+    step = 2
+    while not loader.finished:
+        loader.next_batch()
+        step += 1
+        loader.commit(step)
+    require_exactly_once(path, {f"s{i}" for i in range(8)}, epochs=1)

@@ -36,3 +36,41 @@ def test_a_stopped_trainers_word_that_it_waits_for_the_store_is_stale():
     o = _waiting_trainer(state="T")
     d = decide(o, cfg())
     assert "come back" not in d.summary and d.cause != "store", d.summary
+
+
+def test_reconcile_counts_a_streaming_shards_samples_by_its_stores_rule(tmp_path, monkeypatch):
+    """A shard complete before its store died is incomplete to reconcile (its claim reruns it); the disk rule
+    (each file intact) would count a streaming shard's keys as missing files, and every shard as empty."""
+    from pathlib import Path
+
+    from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
+    from eagleflow.config import load_config
+    from eagleflow.layout import RunLayout
+    from eagleflow.local_run import LocalRun
+    from eagleflow.stores.ledger import EpochLedger
+    from eagleflow.stores.mooncake import store as mstore
+    from eagleflow.stores.mooncake.master import MooncakeEndpoint
+    from eagleflow.watchdog.reconcile import shard_state
+    from tests.fixtures.capture_corpus import write_corpus
+    cfg = load_config(data={"target_model": "/models/t", "run_root": str(tmp_path / "runs"),
+                            "capture": {"shards": 1}, "node": {"name": "n", "state_dir": str(tmp_path / "state")},
+                            "stream": {"storage": "mooncake"}})
+    layout = RunLayout.for_run(cfg, "r")
+    rows = write_corpus(Path(str(layout.corpus_dir)) / "corpus.parquet", 4, 50)
+    with ManifestWriter(Path(str(layout.shard_dir(0))) / "manifest.jsonl", fsync=False) as w:
+        for i, r in enumerate(rows):
+            w.append(ManifestEntry(id=r["id"], index=i, file=f"r/shard_00000/{i:08d}", tokens=5, bytes=10,
+                                   sha256="0" * 64, store_dtype="auto", store_id="old"))
+    led = EpochLedger(Path(str(layout.stream_ledger_file)), fsync=False)
+    led.plan(1)
+    led.trained(0, [rows[0]["id"]], step=1)
+    led.close()
+    run = LocalRun(cfg=cfg, layout=layout, config_path=str(tmp_path / "c.yaml"))
+    monkeypatch.setattr(mstore, "running_store", lambda f: MooncakeEndpoint(
+        host="127.0.0.1", rpc_port=1, metadata_port=2, metrics_port=3, segment_bytes=1, store_id="old"))
+    st = shard_state(run, 0)
+    assert (st.stored, st.expected, st.incomplete) == (4, 4, False)      # the store that holds them runs
+    monkeypatch.setattr(mstore, "running_store", lambda f: MooncakeEndpoint(
+        host="127.0.0.1", rpc_port=1, metadata_port=2, metrics_port=3, segment_bytes=1, store_id="new"))
+    st = shard_state(run, 0)
+    assert (st.stored, st.expected, st.incomplete) == (1, 4, True)       # lost with it, but the one trained

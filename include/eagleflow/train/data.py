@@ -458,18 +458,21 @@ class StreamLoader:
         t0 = _time.monotonic()
         waiting = False
         while True:
-            if self._first:        # taken before a crash, never trained: served again, first
-                if self._first[0] not in self._known:
+            if self._first:        # taken before a crash (or a lost store), never trained: served again, first
+                ref = self._first_known()
+                if ref is None:
                     self._refill()
-                if self._first[0] in self._known:
-                    return self._known[self._first.pop(0)], waiting
-            else:
-                if len(self._window) < self.shuffle_window:
-                    self._refill()
-                if self._window:
-                    # the window: the first shuffle_window arrived samples not served yet, one drawn at random
-                    k = self._rng.randrange(min(len(self._window), self.shuffle_window))
-                    return self._window.pop(k), waiting
+                    ref = self._first_known()
+                if ref is not None:
+                    return ref, waiting
+            # the window too while one of those is not in the store (yet): after a lost store it is captured again,
+            # and the buffer may be full of later samples that only a draw from the window makes room for
+            if len(self._window) < self.shuffle_window:
+                self._refill()
+            if self._window:
+                # the window: the first shuffle_window arrived samples not served yet, one drawn at random
+                k = self._rng.randrange(min(len(self._window), self.shuffle_window))
+                return self._window.pop(k), waiting
             if _time.monotonic() - t0 > self.starve_after_s:
                 raise StreamStarved(f"{self.source.store}: no new sample for {self.starve_after_s:g} s in epoch "
                                     f"{self.epoch} ({len(self._served)}/{self.corpus_size} served): the producer "
@@ -478,6 +481,14 @@ class StreamLoader:
                 self.on_wait(_time.time())
             waiting = True
             _time.sleep(self.poll_s)
+
+    def _first_known(self) -> SampleRef | None:
+        """The first of the samples to serve again that the store holds now (taken off the list), else None."""
+        for n, i in enumerate(self._first):
+            if i in self._known:
+                del self._first[n]
+                return self._known[i]
+        return None
 
     def next_batch(self) -> tuple[Batch, list[SampleRef]]:
         if self.finished:

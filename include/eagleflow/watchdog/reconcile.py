@@ -51,6 +51,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.phases import EXTRACT, KINDS, RUN_ORDER, ShardKind, kind_of
+from eagleflow.stores import store_for
 from eagleflow.watchdog.recovery import lock_path
 
 
@@ -106,8 +107,11 @@ def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
     lay = run.layout
     shard_dir = str(kind.shard_dir(lay, shard))
     expected, finished = kind.lifecycle().shard_expectation(run, shard)
-    # both phases write capture's manifest: entries whose file is intact are the stored units
-    done = completed_indexes(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
+    # both phases write capture's manifest; the stored units are what the shard's worker would keep at resume:
+    # generation, each intact file; extraction, its run's store's rule (disk: the same; a streaming store: each
+    # sample not lost with a store killed since, so a shard complete before its store died is incomplete now)
+    resume = store_for(run.cfg.stream.storage).resume_check if kind.phase == EXTRACT else completed_indexes
+    done = resume(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
     alive = run.node.live_record(str(lay.pid_file(kind.worker_role(shard)))) is not None
     return ShardState(run_id=lay.run_id, shard=shard, num_shards=kind.num_shards(run.cfg), expected=expected,
                       stored=len(done), worker_alive=alive, run_config=run.config_path, phase=phase,
