@@ -163,6 +163,10 @@ def main() -> int:
     ap.add_argument("--buffer-fraction", type=float, default=0.25, help="stream.buffer_gib as a fraction of the "
                     "corpus's hidden-state bytes (measured on the first offline run; < 1: capture must wait)")
     ap.add_argument("--shuffle-window", type=int, default=64)
+    ap.add_argument("--target-layers", type=int, default=0, help="build a Llama target of this many layers (the "
+                    "demo's tokenizer and vocabulary, --target-hidden wide) in the work dir, so capture costs about "
+                    "what training does; 0 = the demo's tiny target (8 layers, hidden 64)")
+    ap.add_argument("--target-hidden", type=int, default=128)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -176,6 +180,14 @@ def main() -> int:
     target = assets["target_model"]
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     root = Path(a.dir or tempfile.mkdtemp(prefix="eagleflow-stream-vs-offline-"))
+    if a.target_layers:
+        from eagleflow.demo_assets import build_tiny_llama
+        built = root / f"target-{a.target_layers}x{a.target_hidden}"
+        if not (built / "model.safetensors").is_file():
+            shutil.copytree(target, built, dirs_exist_ok=True)     # the tokenizer and chat template
+            build_tiny_llama(built, vocab_size=vocab, hidden_size=a.target_hidden, layers=a.target_layers,
+                             intermediate=2 * a.target_hidden)
+        target = str(built)
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "include")}
