@@ -17,13 +17,14 @@ under is what keeps a forged report from running script (the real one needs none
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from eagleflow.console import gpu_page, prometheus
+from eagleflow.health.airflow_health import AirflowHealth
 from eagleflow.airflow.status_variables import variable_status_store
 from eagleflow.health.status_store import StatusStore
 from eagleflow.settings import env_positive
@@ -49,7 +50,7 @@ async def authorized_user(request: Request, bearer: HTTPAuthorizationCredentials
     return user
 
 
-def health_dag_state() -> dict[str, Any] | None:
+def health_dag_state() -> gpu_page.HealthDagState | None:
     """gpu_node_health as Airflow knows it (paused?), None when it is not loaded."""
     from sqlalchemy import select
 
@@ -63,12 +64,12 @@ def health_dag_state() -> dict[str, Any] | None:
     return {"is_paused": bool(row.is_paused)}
 
 
-def live_airflow_health() -> dict[str, Any]:
+def live_airflow_health() -> AirflowHealth:
     """What this API server's /api/v2/monitor/health answers, read in-process (the same function serves it);
     {"error": ...} when the metadata DB cannot be read."""
     try:
         from airflow.api.common.airflow_health import get_airflow_health
-        return {**get_airflow_health(), "read_at": time.time()}
+        return cast(AirflowHealth, {**get_airflow_health(), "read_at": time.time()})
     except Exception as e:  # noqa: BLE001 - the page must still render the nodes
         return {"error": f"{type(e).__name__}: {e}", "read_at": time.time()}
 
@@ -78,8 +79,8 @@ def refresh_s() -> float:
 
 
 def create_app(store: StatusStore | None = None,
-               dag_state: Callable[[], dict[str, Any] | None] = health_dag_state,
-               airflow_health: Callable[[], dict[str, Any]] = live_airflow_health) -> FastAPI:
+               dag_state: Callable[[], gpu_page.HealthDagState | None] = health_dag_state,
+               airflow_health: Callable[[], AirflowHealth] = live_airflow_health) -> FastAPI:
     app = FastAPI(title="eagleflow console", docs_url=None, redoc_url=None, openapi_url=None)
     refresh = refresh_s()  # a bad setting fails the plugin's load, with the variable named
 

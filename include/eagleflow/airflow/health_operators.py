@@ -26,7 +26,7 @@ from eagleflow.airflow.status_variables import variable_status_store
 from eagleflow.config import ConfigError, load_config
 from eagleflow.gpu.probes import probe_for
 from eagleflow.health import incidents as hi
-from eagleflow.health.airflow_health import HEALTH_PATH, fetch
+from eagleflow.health.airflow_health import HEALTH_PATH, AirflowHealth, fetch
 from eagleflow.health.durations import duration
 from eagleflow.health.node_activity import read_node_activity
 from eagleflow.health.rules import HealthRules, assess
@@ -232,7 +232,7 @@ class GpuNodeHealthOperator(BaseOperator):
         return {"nodes_checked": checked, "incidents_open": 0}
 
 
-    def _airflow_health(self) -> dict:
+    def _airflow_health(self) -> AirflowHealth:
         """Airflow's health endpoint on this deployment's API server: $EAGLEFLOW_AIRFLOW_HEALTH_URL (where the
         workers reach it, e.g. http://airflow-apiserver:8080 in docker compose), else Airflow's [api] base_url.
         {"error": ...} when neither is set or it does not answer: no part is judged then."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import json
 import time
-from typing import Any, Sequence, cast
+from typing import Any, Sequence, TypedDict, cast
 
 from eagleflow.health import airflow_health
 from eagleflow.health.durations import duration  # one way to say how long: the page and the mails
@@ -21,6 +21,12 @@ from eagleflow.health.status_doc import GpuEntry, GpuProcessDoc, GpuSeries, Hist
 from eagleflow.watchdog.incidents import MAX_NODE_TIME
 
 HEALTH_DAG_ID = "gpu_node_health"
+
+
+class HealthDagState(TypedDict, total=False):
+    """gpu_node_health as Airflow knows it (airflow/console_app.py reads it); None where it is not loaded."""
+    is_paused: bool
+    interval_s: float      # its schedule; else the status documents' own
 
 
 def _e(v: Any) -> str:
@@ -56,7 +62,7 @@ def ago(ts: float | None, now: float) -> str:
     return f"<span class='ago' data-ts='{t:.0f}'>{duration(now - t)} ago</span>"
 
 
-def airflow_line(doc: dict[str, Any] | None, now: float) -> str:
+def airflow_line(doc: airflow_health.AirflowHealth | None, now: float) -> str:
     """The "Airflow" line: each part, its status and last heartbeat."""
     if not doc:
         return "<div class='airflow unknown'><b>Airflow</b>: health not read yet</div>"
@@ -225,7 +231,7 @@ def _node(doc: StatusDoc, now: float) -> str:
     return f"<section class='{cls}' data-node='{name}'>{head}{status}{_activity(doc, now)}{table}</section>"
 
 
-def health_warnings(docs: list[dict[str, Any]], dag: dict[str, Any] | None, now: float) -> list[str]:
+def health_warnings(docs: list[dict[str, Any]], dag: HealthDagState | None, now: float) -> list[str]:
     """Why the page may be stale: gpu_node_health missing, paused, or not run within two intervals."""
     if dag is None:
         return [f"the {HEALTH_DAG_ID} DAG is not loaded in Airflow: nothing refreshes this page"]
@@ -264,8 +270,9 @@ def _incidents(book: dict[str, dict[str, Any]] | None, now: float) -> str:
     return f"<div class='incidents'><b>Open incidents ({len(rows)})</b><ul>{''.join(items)}</ul></div>"
 
 
-def render_panel(docs: list[dict[str, Any]], *, dag: dict[str, Any] | None, now: float | None = None,
-                 incidents: dict[str, dict[str, Any]] | None = None, airflow: dict[str, Any] | None = None) -> str:
+def render_panel(docs: list[dict[str, Any]], *, dag: HealthDagState | None, now: float | None = None,
+                 incidents: dict[str, dict[str, Any]] | None = None,
+                 airflow: airflow_health.AirflowHealth | None = None) -> str:
     """``docs``: the status documents as ``StatusStore.all`` reads them back (each a ``StatusDoc``);
     ``airflow``: Airflow's health (its /api/v2/monitor/health answer, eagleflow.health.airflow_health)."""
     now = time.time() if now is None else now

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from datetime import datetime
-from typing import Any
+from typing import Any, Mapping, TypedDict, cast
 
 HEALTH_PATH = "/api/v2/monitor/health"
 # (part, its heartbeat field, what it does for eagleflow: said in the incident)
@@ -31,13 +31,33 @@ PARTS = (("metadatabase", None, "Airflow's metadata DB: every part reads and wri
                                                              "new DAGs are not seen"))
 
 
-def fetch(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+class AirflowPart(TypedDict, total=False):
+    """A part in the answer: its status and (all but the DB) its newest job's heartbeat, ISO-8601 or null."""
+    status: str | None
+    latest_scheduler_heartbeat: str | None
+    latest_triggerer_heartbeat: str | None
+    latest_dag_processor_heartbeat: str | None
+
+
+class AirflowHealth(TypedDict, total=False):
+    """The endpoint's answer (an older API server names no dag_processor) as gpu_node_health keeps it: with
+    ``read_at`` (when) and ``url``; ``error`` instead of the parts when it did not answer."""
+    metadatabase: AirflowPart
+    scheduler: AirflowPart
+    triggerer: AirflowPart
+    dag_processor: AirflowPart
+    read_at: float
+    url: str
+    error: str
+
+
+def fetch(base_url: str, timeout_s: float = 10.0) -> AirflowHealth:
     """The endpoint's answer (no sign-in: Airflow serves it to anyone); OSError or ValueError when it has none."""
     with urllib.request.urlopen(base_url.rstrip("/") + HEALTH_PATH, timeout=timeout_s) as r:
         doc = json.loads(r.read().decode("utf-8"))
     if not isinstance(doc, dict):
         raise ValueError(f"{base_url}{HEALTH_PATH} answered a JSON {type(doc).__name__}, not an object")
-    return doc
+    return cast(AirflowHealth, doc)   # its parts are read with isinstance checks (parts)
 
 
 def _ts(iso: Any) -> float | None:
@@ -47,11 +67,12 @@ def _ts(iso: Any) -> float | None:
         return None
 
 
-def parts(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def parts(doc: AirflowHealth) -> list[dict[str, Any]]:
     """Each part: name, status ("healthy", "unhealthy", "never started", "not reported"), heartbeat_at, role."""
     out = []
+    by_name: Mapping[str, object] = doc   # a part named by a variable; what the server sent is checked below
     for name, hb_field, role in PARTS:
-        d = doc.get(name)
+        d = by_name.get(name)
         if not isinstance(d, dict):
             status = "not reported"   # an older API server has no dag_processor entry
             hb = None
@@ -63,7 +84,7 @@ def parts(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def gone(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def gone(doc: AirflowHealth) -> list[dict[str, Any]]:
     """The parts Airflow itself reports as not healthy (a part the endpoint does not name is not judged)."""
     return [p for p in parts(doc) if not p["healthy"] and p["status"] != "not reported"]
 

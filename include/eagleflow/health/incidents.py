@@ -28,7 +28,7 @@ from eagleflow.gpu.snapshot import GpuSnapshot
 
 from eagleflow.watchdog.incidents import node_time
 
-from .airflow_health import HEALTH_PATH, gone
+from .airflow_health import HEALTH_PATH, AirflowHealth, gone
 from .durations import duration
 from .node_activity import WatchAlarm
 from .rules import GpuHealth, HealthAlert
@@ -175,7 +175,7 @@ def step(book: dict[str, dict[str, Any]], findings: list[Finding], *, observed: 
     return new, due
 
 
-def airflow_findings(doc: dict[str, Any]) -> list[Finding]:
+def airflow_findings(doc: AirflowHealth) -> list[Finding]:
     """One finding per Airflow part its health endpoint reports not healthy (scope "airflow": a check that read
     the endpoint and found the part healthy again resolves it)."""
     out = []
