@@ -22,6 +22,7 @@ import json
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from eagleflow.corpus.normalise import normalise_conversation
 
 if TYPE_CHECKING:
     from eagleflow.corpus.normalise import Conversation
@@ -156,7 +157,6 @@ def chat_ids(tok: Any, conv: Conversation) -> list[int]:
 
 def read_conversations(source_dir: Path) -> list[Conversation]:
     """The JSONL records under ``source_dir``, normalised (messages and tools as the chat template gets them)."""
-    from eagleflow.corpus.normalise import normalise_conversation
     return [normalise_conversation(json.loads(line)) for p in sorted(source_dir.glob("*.jsonl"))
             for line in p.read_text().splitlines()]
 

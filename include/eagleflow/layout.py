@@ -29,6 +29,9 @@ from .config import PipelineConfig, safe_run_id
 if TYPE_CHECKING:
     from .nodes import Node
 
+# the trainer's process role (its pid and log file): train.job starts it, `eagleflow gpu free --keep-trainer` spares it
+TRAINER_ROLE = "trainer"
+
 
 @dataclass(frozen=True)
 class RunLayout:

@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from eagleflow.demo_assets import chat_ids, conversation_texts, read_conversations, train_tokenizer
 
 ASSETS_VERSION = 2   # 2: every record names its function (``metadata.function``), the held-out split's group
 HELP_TOOL = {"name": "help", "description": "Show the docstring of a Python standard-library object.",
@@ -226,7 +227,6 @@ def train_target(model_dir: Path, sequences: list[list[int]], shape: TargetShape
 def ensure_learnable_target(root: str | Path, shape: TargetShape = TargetShape(),
                             log: Callable[[str], None] = print) -> dict:
     """Sources, tokenizer and trained target under ``root``; returns assets.json's content."""
-    from eagleflow.demo_assets import chat_ids, conversation_texts, read_conversations, train_tokenizer
     root = Path(root).resolve()
     marker = root / "assets.json"
     if marker.is_file():

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import ConfigError, PipelineConfig, load_config
+from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
+from .corpus.budget import BudgetError, bytes_per_token, target_shape
 
 # one of these makes a tokenizer AutoTokenizer can load (fast, sentencepiece, tiktoken, BPE vocab)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "spiece.model")
@@ -123,7 +125,6 @@ def _writable_dir(path: Path) -> str | None:
 
 def dump_bytes_in_flight(cfg: PipelineConfig) -> int | None:
     """Worst case of dumps on disk at once: every worker's requests in flight at max_length tokens."""
-    from .corpus.budget import BudgetError, bytes_per_token, target_shape
     cpath = cfg.resolve(cfg.target_model) / "config.json"
     try:
         shape = target_shape(cpath.read_text(), str(cpath), cfg.server.dtype)
@@ -139,7 +140,6 @@ def check_dirs(cfg: PipelineConfig, run_id: str, rep: PreflightReport) -> None:
         rep.add("run_root", root, why)
     else:
         rep.checked.append(f"run_root {root} writable")
-    from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
     dump = expand_dump_dir(cfg.server.dump_dir)   # {uid}: this node user's folder
     try:
         private_dump_dir(dump)                     # 0700, ours, no symlink: nobody else reads or swaps a dump

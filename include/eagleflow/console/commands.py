@@ -6,6 +6,7 @@ import sys
 
 from eagleflow import bounded_json
 from eagleflow.cliargs import add_run_args, run_from_args
+from .run_report import write_report
 
 
 def register(sub) -> None:
@@ -19,7 +20,6 @@ def register(sub) -> None:
 
 
 def _report(args) -> int:
-    from .run_report import write_report
     cfg, layout = run_from_args(args)
     extras: dict = {}
     if args.extras:

@@ -22,6 +22,8 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node
 
 from .prepare import STATS_FILE
+from eagleflow.capture.storage import FP8_SCALING
+from eagleflow.serving.aux_layers import default_aux_layers
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 CAPTURED_LAYERS = 4  # 3 auxiliary layers + the last
@@ -44,7 +46,6 @@ class TargetShape:
         return DTYPE_BYTES[self.dtype]
 
     def default_aux_layers(self) -> list[int]:
-        from eagleflow.serving.aux_layers import default_aux_layers
         return default_aux_layers(self.num_layers)   # the layers capture takes when none are configured
 
 
@@ -77,7 +78,6 @@ def bytes_per_token(shape: TargetShape, store_dtype: str = "auto") -> int:
 def safetensors_header_bytes(sample_tokens: int, shape: TargetShape, aux_layers: list[int], model: str,
                              sample_id: str, index: int, store_dtype: str = "auto") -> int:
     """The exact header a capture writes for one sample (length prefix + padded JSON)."""
-    from eagleflow.capture.storage import FP8_SCALING
     h, l = shape.hidden_size, sample_tokens
     st_dtype = {2: "BF16" if shape.dtype == "bfloat16" else "F16", 4: "F32", 1: "F8_E4M3"}[shape.dtype_bytes]
     meta = {"id": sample_id, "index": str(index), "aux_layers": json.dumps(aux_layers), "model": model,

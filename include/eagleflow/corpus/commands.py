@@ -10,6 +10,12 @@ import json
 import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.nodes import LocalNode
+from .budget import BudgetError, check_budget
+from .caches import CacheDeletionRefused, delete_old_caches
+from .prepare import BadRecordsError, prepare_corpus, read_stats
+from .sources import SourceError
+from .tokenize import TemplateError
 
 EXIT_BAD_INPUT = 2  # a source that cannot be read, a chat template that cannot render the records
 EXIT_BAD_RECORDS = 3
@@ -22,10 +28,6 @@ def _log(line: str) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from .prepare import BadRecordsError, prepare_corpus
-    from .sources import SourceError
-    from .tokenize import TemplateError
-
     cfg, layout = run_from_args(args)
     try:
         stats = prepare_corpus(cfg, layout, num_proc=args.num_proc, mask_method=args.mask_method, log=_log)
@@ -69,8 +71,6 @@ def format_stats(stats: dict) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from .prepare import read_stats
-
     _cfg, layout = run_from_args(args)
     try:
         stats = read_stats(layout)
@@ -82,10 +82,6 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_budget(args: argparse.Namespace) -> int:
-    from eagleflow.nodes import LocalNode
-
-    from .budget import BudgetError, check_budget
-
     cfg, layout = run_from_args(args)
     try:
         verdict = check_budget(cfg, layout, LocalNode(name=cfg.node.name))  # this command runs on the node
@@ -98,8 +94,6 @@ def _cmd_budget(args: argparse.Namespace) -> int:
 
 
 def _cmd_delete_caches(args: argparse.Namespace) -> int:
-    from .caches import CacheDeletionRefused, delete_old_caches
-
     cfg, _layout = run_from_args(args)
     try:
         result = delete_old_caches(cfg, log=_log)

@@ -45,6 +45,8 @@ from .normalise import BAD_KINDS, TEMPLATE_ERROR, BadRecord, control_token_strin
 from .sources import SourceError, load_source
 from .tokenize import (DROP_REASONS, TemplateError, load_tokenizer, mask_method_for, template_label,
                        tokenize_batch)
+from .normalise import Conversation, record_groups
+from .tokenize import render, tokenise_record
 
 CORPUS_FILE = "corpus.parquet"
 EVAL_FILE = "eval.parquet"
@@ -182,7 +184,6 @@ def _missing_group_key(good, key: str, files: dict[str, str]) -> GroupKeyError |
 def _original_groups(src, path: Path, key: str, cache_dir: str) -> dict[int, str | None]:
     """A regenerated source's groups, read from its original records (the generated ones keep only the
     conversation), by row."""
-    from .normalise import record_groups
     raw = load_source(src, path, cache_dir=cache_dir)
     out: dict[int, str | None] = {}
     for s in range(0, len(raw), 4096):
@@ -251,7 +252,6 @@ def _deduplicated_split(conversations, kept_rows, eval_rows: list[int]) -> tuple
 def eval_prompt_ids(tokenizer, conv, max_length: int) -> list[int]:
     """The conversation before its last assistant turn, with the generation prompt; [] when it has
     none before it or the prompt leaves no room to generate within max_length."""
-    from .tokenize import render
     last = max((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), default=0)
     if last == 0:
         return []
@@ -372,8 +372,6 @@ def _check_template(tokenizer, label: str, good, files: dict[str, str], *, max_l
                     policy: str, fail_on_template_error: bool) -> None:
     """Before tokenising everything: render the first record and the first that uses tools in this
     process, so a template that cannot render tools fails in seconds, not after the whole corpus."""
-    from .normalise import Conversation
-    from .tokenize import tokenise_record
     first_tools = _first_true(_column(good, "uses_tools"))
     for i in sorted({0} if first_tools is None else {0, first_tools}):
         row = good[i]
@@ -648,7 +646,6 @@ def _write_eval(path: Path, tokenised, good, eval_rows: list[int], tokenizer, ma
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .normalise import Conversation
     rows = tokenised.select_columns(["id", "source", "input_ids", "loss_mask", "num_tokens"]).with_format("arrow")
     convs = [good[int(r)]["conversation"] for r in eval_rows]   # tokenise's map keeps good's rows 1:1
     prompts = [eval_prompt_ids(tokenizer, Conversation.from_json(c), max_length) for c in convs]

@@ -12,6 +12,8 @@ import sys
 from eagleflow.cliargs import add_run_args, run_from_args
 
 from .approval import DECISIONS
+from .approval import decision_line
+from .run import EvalBackendError, decide, evaluate_run
 
 SUMMARY_KEYS = ("run_id", "passed", "refused", "eval_file", "promoted", "draft", "baseline_draft", "baseline_source",
                 "results", "approval", "elapsed_s")
@@ -40,8 +42,6 @@ def register(sub) -> None:
 
 
 def _evaluate(args) -> int:
-    from .run import EvalBackendError, evaluate_run
-
     cfg, layout = run_from_args(args)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     try:
@@ -55,9 +55,6 @@ def _evaluate(args) -> int:
 
 
 def _decide(args) -> int:
-    from .approval import decision_line
-    from .run import decide
-
     cfg, layout = run_from_args(args)
     try:
         summary = decide(cfg, layout, args.decision, by=args.by, why=args.why)

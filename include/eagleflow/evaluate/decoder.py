@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .lossless import TOP_CANDIDATES, tie_tolerance
+from eagleflow.serving.aux_layers import resolve_aux_layers
+from eagleflow.train.export import load_exported
 
 
 def near_tie_threshold(dtype: torch.dtype, top_logit: float, absolute: float | None = None) -> float:
@@ -63,7 +65,6 @@ class Target:
 
     @torch.no_grad()
     def aux_layers(self, configured: list[int] | None) -> list[int]:
-        from eagleflow.serving.aux_layers import resolve_aux_layers
         return resolve_aux_layers(configured, self.num_layers)
 
     def forward(self, ids: list[int], cache,
@@ -257,7 +258,6 @@ def speculative(target: Target, proposer: DraftProposer, prompt: list[int], max_
 
 def load_draft(export_dir: str | Path, target_dir: str | Path):
     """(draft, aux layer outputs it was trained on) from an export directory."""
-    from eagleflow.train.export import load_exported
     export_dir = Path(export_dir)
     for name in ("config.json", "model.safetensors"):
         if not (export_dir / name).is_file():

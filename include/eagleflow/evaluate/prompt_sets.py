@@ -23,6 +23,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from eagleflow.corpus.normalise import Conversation, RecordError, normalise_conversation
+from eagleflow.corpus.prepare import eval_prompt_ids
+from eagleflow.corpus.tokenize import load_tokenizer, render
 
 # format -> the fields that make a record one of it (checked in this order by `auto`: HumanEval's records
 # also have a "prompt", MT-Bench's and GSM8K's none of the chat fields)
@@ -119,7 +122,6 @@ def _conversation(rec: Any, fmt: str, where: str) -> tuple[str | None, list[dict
     if fmt == "prompt":
         return (str(rec["id"]) if rec.get("id") is not None else None,
                 [{"role": "user", "content": _text(rec, "prompt", where)}], [], None)
-    from eagleflow.corpus.normalise import RecordError, normalise_conversation
     try:
         conv = normalise_conversation(rec)
     except RecordError as e:
@@ -129,8 +131,6 @@ def _conversation(rec: Any, fmt: str, where: str) -> tuple[str | None, list[dict
 
 def prompt_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
     """The conversation rendered with the target's chat template and its generation prompt, as token ids."""
-    from eagleflow.corpus.normalise import Conversation
-    from eagleflow.corpus.tokenize import render
     text = render(tokenizer, Conversation(messages, tools), add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -140,7 +140,6 @@ def read_prompt_set(path, tokenizer, max_records: int, field: str, fmt: str = "a
     """The set's first prompts, ``max_records`` records at most: [{id, prompt_ids}], plus, for a record with
     more user turns (MT-Bench), ``messages`` (the conversation so far) and ``next_turns`` (asked after the
     target's answer: :func:`expand_turns`)."""
-    from eagleflow.corpus.prepare import eval_prompt_ids
     path = Path(str(path))
     if not path.exists():
         raise FileNotFoundError(f"{field}: {path} is not a file; point path at a JSONL file of prompts "
@@ -193,7 +192,6 @@ def expand_turns(prompts: list[dict], answer: Callable[[list[dict]], dict[str, l
     pending = [p for p in prompts if p.get("next_turns")]
     if not pending:
         return out
-    from eagleflow.corpus.tokenize import load_tokenizer
     tokenizer = load_tokenizer(tokenizer_path)
     while pending:
         answers = answer(pending)

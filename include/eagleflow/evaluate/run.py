@@ -29,6 +29,9 @@ from eagleflow.train.export_formats import format_dir
 
 from .approval import (APPROVED, DECISIONS, MAX_BY, MAX_WHY, NOT_NEEDED, PENDING, REJECTED, ApprovalError, clean_text,
                        needs_approval, pending)
+from eagleflow.corpus.prepare import read_eval_records
+from eagleflow.corpus.tokenize import load_tokenizer
+from .prompt_sets import read_prompt_set
 
 EVAL_FILE = "eval.json"
 PROMOTED_FILE = "promoted.json"
@@ -40,7 +43,6 @@ class EvalBackendError(RuntimeError):
 
 
 def prompts_from_corpus(layout: RunLayout, max_prompts: int) -> list[dict]:
-    from eagleflow.corpus.prepare import read_eval_records
     rows = [r for r in read_eval_records(Path(str(layout.corpus_dir))) if r["prompt_ids"]]
     if not rows:
         raise ValueError(f"{layout.corpus_dir}/eval.parquet holds no record with a prompt before an assistant "
@@ -84,9 +86,7 @@ def load_prompt_sets(cfg: PipelineConfig, layout: RunLayout, tokenizer_path: str
     ec = cfg.eval
     sets = {HELD_OUT: prompts_from_corpus(layout, ec.max_prompts)}
     if ec.prompt_sets:
-        from eagleflow.corpus.tokenize import load_tokenizer
 
-        from .prompt_sets import read_prompt_set
         tokenizer = load_tokenizer(tokenizer_path)
         for i, ps in enumerate(ec.prompt_sets):
             sets[ps.name] = read_prompt_set(cfg.resolve(ps.path), tokenizer, ps.max_prompts or ec.max_prompts,

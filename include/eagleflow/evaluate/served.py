@@ -22,6 +22,13 @@ from typing import Callable
 from eagleflow.config import PipelineConfig, SpecConfig
 from eagleflow.engines import EngineError
 from eagleflow.layout import RunLayout
+from eagleflow.nodes import LocalNode
+from eagleflow.serving.client import ServerError, request_json
+from eagleflow.serving.dump_protocol import loopback_host
+from eagleflow.serving.launch import free_port
+from .lossless import SERVER_TOP_LOGIT, first_difference, tie_tolerance
+from .prompt_sets import expand_turns
+from .speed import speed_figures
 
 TARGET_ALONE = "target"
 
@@ -29,7 +36,6 @@ TARGET_ALONE = "target"
 def near_tie_threshold(dtype: str, absolute: float | None) -> float:
     """The lossless rule's tolerance for log-probabilities: the top logit's magnitude is not answered, so
     :data:`.lossless.SERVER_TOP_LOGIT` stands for it ('auto' reads as bfloat16, the widest)."""
-    from .lossless import SERVER_TOP_LOGIT, tie_tolerance
     return tie_tolerance(dtype, SERVER_TOP_LOGIT, absolute)
 
 
@@ -37,8 +43,6 @@ def lossless_and_speed(answers: dict[str, dict], alone: dict[str, dict], secs: f
                        accept_length: float, threshold: float) -> dict:
     """The figures every backend reports the same way: each prompt's output with the draft against the target
     alone (``tokens``; the reference's ``candidates`` per position, best first), and the one timed pair."""
-    from .lossless import first_difference
-    from .speed import speed_figures
     mismatches = []
     for pid, a in answers.items():
         cands = alone[pid].get("candidates", [])
@@ -106,7 +110,6 @@ class Server:
         return self
 
     def _wait_ready(self) -> None:
-        from eagleflow.serving.client import ServerError
         label = self.engine.label
         deadline = time.monotonic() + self.cfg.eval.ready_timeout_s
         while time.monotonic() < deadline:
@@ -130,11 +133,7 @@ def serve_and_measure(cfg: PipelineConfig, layout: RunLayout, engine: ServedEngi
                       drafts: dict[str, Path], prompt_sets: dict[str, list[dict]], log, node=None) -> list[dict]:
     """The result rows (configuration x prompt set, each draft's figures under its role), in the hf backend's
     shape so ``run.gate`` reads them unchanged."""
-    from eagleflow.serving.dump_protocol import loopback_host
-    from eagleflow.serving.launch import free_port
-    from eagleflow.nodes import LocalNode
 
-    from .prompt_sets import expand_turns
     ec = cfg.eval
     node = node or LocalNode(name=cfg.node.name)
     host = loopback_host(cfg.server.host)   # its servers take no credential: loopback only
@@ -178,7 +177,6 @@ def post_all(url: str, path: str, prompts: list[dict], *, body: Callable[[dict],
     the prompt."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eagleflow.serving.client import ServerError, request_json
 
     def one(p: dict) -> tuple[str, dict]:
         where = f"{url}{path} prompt {p['id']}"

@@ -7,6 +7,7 @@ from .errors import GpuProbeError, NoGpuError, SmiParseError
 from .idle_policy import IdlePolicy, IdleReport
 from .probes import probe_for
 from .snapshot import GpuProcess, GpuSnapshot
+from .cleanup import free_recorded_processes as _free
 
 __all__ = ["GpuProbeError", "NoGpuError", "SmiParseError", "IdlePolicy", "IdleReport", "probe_for",
            "GpuProcess", "GpuSnapshot", "free_recorded_processes"]
@@ -14,5 +15,4 @@ __all__ = ["GpuProbeError", "NoGpuError", "SmiParseError", "IdlePolicy", "IdleRe
 
 def free_recorded_processes(*args, **kwargs):
     """See ``eagleflow.gpu.cleanup.free_recorded_processes`` (imported lazily: it reads /proc)."""
-    from .cleanup import free_recorded_processes as _free
     return _free(*args, **kwargs)

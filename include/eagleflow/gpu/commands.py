@@ -14,9 +14,12 @@ import os
 import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args, parse_overrides
-from eagleflow.config import PipelineConfig, load_config
+from eagleflow.config import PipelineConfig, load_config, set_dotted
+from eagleflow.layout import TRAINER_ROLE
 from eagleflow.nodes import LocalNode, Node, NodeError, node_from_config
+from eagleflow.stores import store_for
 
+from .cleanup import free_recorded_processes
 from .errors import GpuProbeError, NoGpuError
 from .idle_gate import IdleGate, no_gpu_message
 from .idle_policy import baseline_document
@@ -72,7 +75,6 @@ def _status_config(args) -> PipelineConfig:
     if args.config:
         return load_config(args.config, overrides)
     data: dict = {"target_model": "(none)"}
-    from eagleflow.config import set_dotted
     for k, v in overrides.items():
         set_dotted(data, k, v)
     return load_config(data=data)
@@ -147,7 +149,6 @@ def node_for_free(cfg, on_node: bool) -> Node:
 
 
 def cmd_free(args) -> int:
-    from .cleanup import free_recorded_processes
     cfg, layout = run_from_args(args)
     node = node_for_free(cfg, args.on_node)
     force = bool(args.force or cfg.gpu.force_free)
@@ -166,8 +167,6 @@ def cmd_free(args) -> int:
         log(note)
     # this run's records only (the state dir is the node's, every run's): another run's live job is named, left.
     # The run's store server is stopped by `eagleflow store stop` only (it lives from start_store to stop_store)
-    from eagleflow.stores import store_for
-    from eagleflow.train.job import TRAINER_ROLE
     keep = set(store_for(cfg.stream.storage).roles)
     if getattr(args, "keep_trainer", False):
         keep |= {TRAINER_ROLE, f"sentinel_{TRAINER_ROLE}"}

@@ -19,6 +19,7 @@ from typing import Any, cast
 from .errors import GpuProbeError, NoGpuError
 from .process_info import describe_pid
 from .smi_probe import NodeReport, apps_query_argv, gpu_query_argv, parse_app_rows
+from .nvml_probe import NvmlProbe
 
 
 def _run(argv: list[str]) -> dict:
@@ -47,7 +48,6 @@ def smi_report(nvidia_smi: str) -> NodeReport:
 
 
 def nvml_report() -> NodeReport:
-    from .nvml_probe import NvmlProbe
     probe = NvmlProbe(node_name="this node")
     try:
         return {"probe": "nvml", "gpus": [s.to_dict() for s in probe.snapshot()]}

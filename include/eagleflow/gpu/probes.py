@@ -15,6 +15,7 @@ from .errors import GpuProbeError, NoGpuError
 from .nvml_probe import NvmlProbe
 from .smi_probe import SmiProbe, read_node_report, snapshots_from_report
 from .snapshot import GpuSnapshot
+from .node_report import smi_report
 
 
 class GpuProbe(Protocol):
@@ -71,5 +72,4 @@ class _LocalSmiProbe(SmiProbe):
     """nvidia-smi on this machine, users and states from this machine's /proc."""
 
     def snapshot(self) -> list[GpuSnapshot]:
-        from .node_report import smi_report
         return snapshots_from_report(self.node.name, smi_report(self.nvidia_smi))

@@ -22,6 +22,7 @@ from eagleflow.nodes import Node, NodeAnswerError, NodeCommandFailed, NodeError
 
 from .errors import GpuProbeError, NoGpuError, SmiParseError
 from .snapshot import GpuProcess, GpuSnapshot, GpuSnapshotDict
+from .snapshot import snapshots_from_json
 
 
 class CommandOutput(TypedDict):
@@ -217,7 +218,6 @@ def snapshots_from_report(node: str, rep: NodeReport) -> list[GpuSnapshot]:
         cls = NoGpuError if rep.get("no_gpu") else GpuProbeError
         raise cls(f"on node {node}: {rep['error']}")
     if rep.get("probe") == "nvml":
-        from .snapshot import snapshots_from_json
         return snapshots_from_json(rep["gpus"])
     smi = rep.get("nvidia_smi", "nvidia-smi")
     for key, argv in (("gpu", gpu_query_argv(smi)), ("apps", apps_query_argv(smi))):

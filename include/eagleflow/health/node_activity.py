@@ -24,6 +24,7 @@ from eagleflow.nodes.process_record import RECORD_SUFFIX, scan_records, status
 from eagleflow.phases import EXTRACT, KINDS
 from eagleflow.stores import STORES, StoreSettings
 from eagleflow.watchdog.incidents import history, incident_id, node_time
+from eagleflow.watchdog.sentinel import look_interval_s, recent_looks
 
 _SHARD_ROLE = re.compile(re.escape(KINDS[EXTRACT].worker_prefix) + r"(\d{5})")   # an extraction worker
 INCIDENT_DAYS = 7  # incidents older than this are history, not something an operator acts on
@@ -434,7 +435,6 @@ def _silent_alongside(state_dir: Path, alarm: dict, raised: set) -> list[SilentJ
     look within one of their own look intervals after the alarm's last look: one triggerer watches them all, so
     a live one would have looked), each {"role", "job", "last_look_at"}. Their own sentinels alarm later, each on
     its own clock; gpu_node_health's mail names them all at once (issue 52: it named shard 0 only)."""
-    from eagleflow.watchdog.sentinel import look_interval_s, recent_looks
     run, since, poll = alarm.get("run_id"), alarm.get("silent_since"), alarm.get("poll_interval_s")
     if not isinstance(run, str) or not run or not isinstance(since, (int, float)) \
             or not isinstance(poll, (int, float)) or poll <= 0:

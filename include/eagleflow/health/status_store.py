@@ -21,6 +21,7 @@ from eagleflow.durable import atomic_write
 
 from .rules import GpuHealth
 from .status_doc import StatusDoc, next_status
+from eagleflow.settings import env_positive
 
 KEY_PREFIX = "eagleflow.gpu_status."
 INCIDENTS_KEY = "eagleflow.gpu_health_incidents"   # gpu_node_health's incident book
@@ -144,5 +145,4 @@ class StatusStore:
 
 def history_retention_s() -> float:
     """How much history each node document keeps: $EAGLEFLOW_GPU_HISTORY_MIN minutes (default 60)."""
-    from eagleflow.settings import env_positive
     return env_positive("EAGLEFLOW_GPU_HISTORY_MIN", 60, upper=24 * 60, unit="minutes") * 60

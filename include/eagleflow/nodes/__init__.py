@@ -3,6 +3,7 @@ from .base import (CommandResult, DetachedProcess, JobAlreadyRunning, Node, Node
                    NodeCommandFailed, NodeCommandTimeout, NodeError, NodeFileRefused, NodeUnreachable)
 from .local import LocalNode
 from .process_record import ProcessRecord, RecordStatus, StopResult
+from .ssh import SSHNode
 
 __all__ = ["CommandResult", "DetachedProcess", "JobAlreadyRunning", "Node", "NodeAnswerError", "NodeAnswerRefused",
            "NodeCommandFailed",
@@ -14,5 +15,4 @@ def node_from_config(cfg) -> Node:
     """LocalNode when ``node.conn_id`` is empty, else SSHNode over that Airflow connection."""
     if not cfg.node.conn_id:
         return LocalNode(name=cfg.node.name, python=cfg.node.python or None)
-    from .ssh import SSHNode  # imports the SSH provider: only when asked for
     return SSHNode(conn_id=cfg.node.conn_id, name=cfg.node.name, python=cfg.node.python or "python3")

@@ -23,6 +23,10 @@ from typing import Any, Mapping
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.layout import RunLayout
+from eagleflow.serving.aux_layers import resolve_aux_layers, target_architectures_and_layers
+from eagleflow.serving.client import ServerError, generate, health_generate
+from eagleflow.serving.dump_protocol import (DumpTrustError, ENV_DUMP_KEY, SELFCHECK_PREFIX, dump_path,
+                                             load_dump_key, private_dump_dir, read_dump, verify_dump)
 
 SELF_CHECK_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 EXIT_NOT_READY = 4
@@ -70,7 +74,6 @@ class CapturePlan:
     def env(self, settings: Mapping[str, str]) -> dict[str, str]:
         """The engine's environment: ours, its capture settings, and the dump key (hex) for the processes that
         write dumps (an environment is readable by its owner only)."""
-        from eagleflow.serving.dump_protocol import ENV_DUMP_KEY
         return {**os.environ, **settings, ENV_DUMP_KEY: self.dump_key.hex()}
 
     def info(self, cfg: PipelineConfig, backend: str, version: str, **layer_ids: list[int]) -> dict[str, Any]:
@@ -86,7 +89,6 @@ def plan_capture(cfg: PipelineConfig, layout: RunLayout) -> CapturePlan:
     """The target read, its aux layers resolved, a port chosen, the dump folder and key made ready. Raises
     LaunchError or ValueError (the target) or ``protocol.DumpTrustError`` (the folder or key), each naming what
     to fix; the caller prints it and exits 2."""
-    from eagleflow.serving.aux_layers import resolve_aux_layers, target_architectures_and_layers
     model_path = str(cfg.resolve(cfg.target_model))
     mcfg = model_config(model_path)
     archs, num_layers = target_architectures_and_layers(mcfg)
@@ -111,12 +113,10 @@ def write_info_file(path: str, info: dict) -> None:
 def prepare_dumps(cfg: PipelineConfig, layout: RunLayout) -> tuple[str, bytes]:
     """(this user's private 0700 dump folder, the run's dump MAC key), created when missing.
     Raises ``protocol.DumpTrustError`` naming the folder or key that is not ours alone."""
-    from eagleflow.serving.dump_protocol import load_dump_key, private_dump_dir
     return str(private_dump_dir(dump_dir(cfg))), load_dump_key(layout.dump_key_file, create=True)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, engine: str) -> None:
-    from eagleflow.serving.client import ServerError, health_generate
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -134,8 +134,6 @@ def self_check(url: str, dump_dir: str, key: bytes, *, engine: str, missing_hint
                appear_within_s: float = 10.0, timeout_s: float = 120) -> Path:
     """One capture request; its dump must appear (within ``appear_within_s`` of the answer), verify under
     ``key`` and hold the request's ids and rows. ``missing_hint``: what an absent dump means for the engine."""
-    from eagleflow.serving.client import generate
-    from eagleflow.serving.dump_protocol import SELFCHECK_PREFIX, DumpTrustError, dump_path, read_dump, verify_dump
     rid = f"{SELFCHECK_PREFIX}{os.getpid()}"
     generate(url, SELF_CHECK_IDS, rid, timeout_s)
     p = dump_path(dump_dir, rid)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from eagleflow.durable import atomic_dir
+from eagleflow.capture.storage import file_sha256
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -170,7 +171,6 @@ def verify_checkpoint_files(path: str | Path) -> dict[str, Any]:
 
 
 def _check_recorded_digests(path: Path, state: dict[str, Any]) -> None:
-    from eagleflow.capture.storage import file_sha256
     for name, digest in (state.get("files") or {}).items():   # older checkpoints recorded none
         try:
             actual = file_sha256(path / name)

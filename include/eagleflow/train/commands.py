@@ -9,6 +9,9 @@ import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.engines import export_formats
+from eagleflow.capture.verify import NotVerifiedError
+from eagleflow.stores.contract import SampleRefused, StoreError
+from eagleflow.stores.ledger import LedgerError
 
 
 def register(sub) -> None:
@@ -41,10 +44,7 @@ def _log(msg: str) -> None:
 def _train(args) -> int:
     from .trainer import train
 
-    from eagleflow.capture.verify import NotVerifiedError
 
-    from eagleflow.stores.contract import SampleRefused, StoreError
-    from eagleflow.stores.ledger import LedgerError
 
     from .checkpoint import CheckpointWriteError
     from .data import MixedStoreError, StreamStarved

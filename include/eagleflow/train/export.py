@@ -32,6 +32,8 @@ from eagleflow.serving.aux_layers import target_architectures_and_layers
 from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
 from .export_formats import EXPORT_FORMATS, format_dir
 from .model import DraftConfig, Eagle3Draft
+from eagleflow import bounded_json
+from .loss import load_target_head_and_embedding
 
 # The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):
 # q/k/v and gate/up are stacked by its loader, d2t becomes the hot-token map, t2d is skipped.
@@ -177,7 +179,6 @@ def layer_ids_problem(export_dir: str | Path, target_dir: str | Path, fmt: str) 
     ``eagle_config``) and, where it is missing or empty, take their own default (vLLM (2, N // 2, N - 3),
     sglang the same layers) without a word: a list dropped on the way (speculators' converter writes null unless
     told) or written for other layers is refused here, before anything is served."""
-    from eagleflow import bounded_json
     path = format_dir(export_dir, fmt) / "config.json"
     conf = bounded_json.read(path)
     serving = engine_serving_format(fmt)
@@ -211,7 +212,6 @@ def load_exported(export_dir: str | Path, target_dir: str | Path) -> Eagle3Draft
     """A draft rebuilt from an export (weights as SGLang reads them) plus the target's embedding."""
     from safetensors.torch import load_file
 
-    from .loss import load_target_head_and_embedding
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / "config.json").read_text())
     dcfg = DraftConfig.from_target(target_dir, int(cfg["draft_vocab_size"]))

@@ -11,10 +11,10 @@ import time
 from typing import Callable
 
 from eagleflow.heartbeat import Heartbeat
-from eagleflow.layout import RunLike
+from eagleflow.layout import TRAINER_ROLE, RunLike
 from eagleflow.nodes import ProcessRecord
-
-TRAINER_ROLE = "trainer"
+from eagleflow.watchdog.sentinel import ensure_sentinel
+from eagleflow.watchdog.signals import WatchedJob
 
 
 def trainer_argv(ctx: RunLike) -> list[str]:
@@ -40,8 +40,6 @@ def read_train_heartbeat(ctx: RunLike) -> Heartbeat | None:
 
 def start_or_attach_trainer(ctx: RunLike, log: Callable[[str], None] | None = None) -> tuple[ProcessRecord, bool]:
     """(pid record, attached): the live trainer of this run, or a newly started one."""
-    from eagleflow.watchdog.sentinel import ensure_sentinel
-    from eagleflow.watchdog.signals import WatchedJob
     pid_file = str(ctx.layout.pid_file(TRAINER_ROLE))
     rec = ctx.node.live_record(pid_file)
     if rec is not None:

@@ -32,6 +32,7 @@ from eagleflow.stores import Store, run_store_settings
 from eagleflow.stores.ledger import EpochLedger, LedgerError, check_exactly_once, read_ledger
 
 from .data import DataPosition, StreamLoader, StreamStarved, read_aux_layers
+from eagleflow.durable import atomic_write
 
 CORPUS_FILE = "corpus.parquet"
 
@@ -145,7 +146,6 @@ class StreamRun:
     def verify(self) -> dict[str, Any]:
         """The exactly-once check over the ledger, written to the run's stream verification record; LedgerError
         (after writing it) when any sample was trained twice, never, or is not in the corpus."""
-        from eagleflow.durable import atomic_write
         if self.loader is not None and self.loader.stores_lost:
             # a shard that re-captured a sample after the store was lost, once its commit had released the key
             # already, left that copy behind: the last epoch is done with it
