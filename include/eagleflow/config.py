@@ -310,6 +310,12 @@ def check_export_format(name: str) -> str:
 ExportFormat = Annotated[str, AfterValidator(check_export_format), Choices(export_formats)]
 
 
+def stream_host_reachable(host: str) -> bool:
+    """An address other machines can connect to: not loopback (127/8, ::1, localhost) nor a wildcard."""
+    h = host.strip("[]").lower()
+    return not (h in ("localhost", "::1", "::", "0.0.0.0", "") or h.startswith("127."))
+
+
 class StreamConfig(_Section):
     """Where the hidden states go between capture and training (eagleflow.stores, docs/streaming.md)."""
     storage: str = Field(default="disk", description="the hidden-state store (eagleflow.stores): disk = one "
@@ -326,6 +332,10 @@ class StreamConfig(_Section):
     store_down_timeout_s: float = Field(default=120.0, gt=0, le=86400, description="mooncake: a trainer whose "
                                         "store went away (its master killed) waits this long for it to run again "
                                         "(the trainer's watch restarts it) before it fails with StoreUnavailable")
+    max_sample_mib: float | None = Field(default=None, gt=0, description="mooncake in a fleet: the largest sample "
+                                         "one capture node puts; each node keeps (nodes - 1) x this free for the "
+                                         "other nodes' puts in flight (their room checks are not serialised with "
+                                         "its own); null = buffer_gib / (4 x nodes); a larger sample is refused")
 
     @field_validator("storage")
     @classmethod
@@ -699,6 +709,22 @@ class PipelineConfig(_Section):
             if fleet.training_node not in fleet.use:
                 raise ValueError(f"fleet.use {fleet.use} leaves out the training node {fleet.training_node!r}, "
                                  "which prepares the corpus and trains; keep it in")
+        return self
+
+    @model_validator(mode="after")
+    def _stream_reaches_fleet(self) -> "PipelineConfig":
+        """A streaming store's capture nodes reach the training node's store at stream.host: a loopback (or
+        wildcard) address there is unreachable from a node behind another connection."""
+        if not (self.fleet.nodes and store_for(self.stream.storage).streaming):
+            return self
+        home = next(n for n in self.fleet.nodes if n.name == self.fleet.training_node)
+        remote = [f"{n.name} (connection {n.conn_id or 'this machine'})" for n in self.nodes_in_use()
+                  if n.name != home.name and n.conn_id != home.conn_id]
+        if remote and not stream_host_reachable(self.stream.host):
+            raise ValueError(f"stream.host {self.stream.host!r} is loopback or a wildcard, but fleet node(s) "
+                             f"{', '.join(remote)} put their samples into the training node {home.name}'s store "
+                             f"over the network: set stream.host to {home.name}'s address reachable from them (the "
+                             "store's master and segment holder bind it), or use stream.storage disk")
         return self
 
     def nodes_in_use(self) -> list[FleetNodeConfig]:

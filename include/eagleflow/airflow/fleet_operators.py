@@ -44,6 +44,7 @@ from eagleflow.phases import EXTRACT, GENERATE, ShardKind, kind_of
 from eagleflow.protocol import ClaimAnswer, HandOverAnswer, ShardStates, one_line
 from eagleflow.fleet.takeover import hand_over_mark, mark_of
 from eagleflow.fleet.transfer import copy_dir
+from eagleflow.stores import store_for
 
 PREPARE_TASK = "prepare_node"
 
@@ -101,6 +102,15 @@ class PrepareNodeOperator(RunOperator):
                 f"({home.layout.fleet_probe_dir}): the run roots are not one filesystem. Mount the same "
                 "storage at both run roots, or set fleet.storage to auto or copy")
         shared = shared and cfg.fleet.storage != "copy"
+        if not shared and shards and store_for(cfg.stream.storage).streaming:
+            # the trainer finds each sample through its shard's manifest in the training node's run dir while
+            # capture runs; a manifest copied only after the node's shards would leave the trainer blind to them
+            # and capture waiting on a full buffer: manifests relayed during capture are not built
+            raise AirflowFailException(
+                f"stream.storage is {cfg.stream.storage!r} (streaming), but node {name}'s run root is not the "
+                f"training node {training}'s (fleet.storage {cfg.fleet.storage!r}): the "
+                "trainer reads every shard's manifest in its own run dir while capture runs. Mount one filesystem "
+                "at every node's run root (fleet.storage: shared), or use stream.storage disk")
         self.log.info("node %s ready: extraction shard(s) %s, generation shard(s) %s; storage %s", name, shards,
                       generate, "shared with the training node" if shared else
                       f"its own (the corpus copied here, its shards to {training})")

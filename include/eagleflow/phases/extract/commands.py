@@ -59,7 +59,8 @@ def _make_worker(cfg: PipelineConfig, layout: RunLayout, job: WorkerJob, url: st
         store = run_store_settings(cfg, layout)
         settings = dict(corpus_file=str(layout.corpus_dir / "corpus.parquet"), storage=cfg.stream.storage,
                         buffer_bytes=store.buffer_bytes, endpoint_file=store.endpoint_file,
-                        put_timeout_s=store.put_timeout_s)
+                        put_timeout_s=store.put_timeout_s, writer_nodes=store.writer_nodes,
+                        max_sample_bytes=store.max_sample_bytes)
     ws = WorkerSettings(
         run_id=layout.run_id, shard=job.shard, num_shards=job.num_shards, shard_dir=job.shard_dir, dump_dir=dumps,
         dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,

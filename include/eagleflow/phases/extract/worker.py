@@ -107,6 +107,8 @@ class WorkerSettings:
     buffer_bytes: int = 0          # stream.buffer_gib, for a streaming store's backpressure
     endpoint_file: str = ""        # a streaming store's endpoint (RunLayout.store_endpoint_file)
     put_timeout_s: float = 600.0   # stream.put_timeout_s
+    writer_nodes: int = 1          # a fleet's nodes putting into one store (StoreSettings.headroom_bytes)
+    max_sample_bytes: int = 0      # stream.max_sample_mib: what each node keeps free for another node's put
 
     @property
     def rid_shard(self) -> int:
@@ -119,7 +121,8 @@ class WorkerSettings:
         """The store settings of this shard's sink: its root is the folder holding ``shard_dir``."""
         return StoreSettings(run_id=self.run_id, root=str(Path(self.shard_dir).parent), store_dtype=self.store_dtype,
                              fsync=self.fsync, buffer_bytes=self.buffer_bytes, endpoint_file=self.endpoint_file,
-                             put_timeout_s=self.put_timeout_s)
+                             put_timeout_s=self.put_timeout_s, writer_nodes=self.writer_nodes,
+                             max_sample_bytes=self.max_sample_bytes)
 
 
 def shard_indexes(corpus_file: str, shard: int, num_shards: int, limit: int | None = None) -> list[int]:

@@ -70,6 +70,9 @@ class MooncakeEndpoint:
     @classmethod
     def read(cls, path: str | os.PathLike) -> "MooncakeEndpoint":
         d = bounded_json.read(path, max_bytes=bounded_json.MAX_ANSWER_BYTES)
+        for f in ("rpc_port", "metadata_port", "metrics_port"):   # a fleet node's copy was handed to it: checked
+            if not 1 <= int(d[f]) <= 65535:
+                raise ValueError(f"{f} {d[f]!r} is not a TCP port")
         return cls(host=str(d["host"]), rpc_port=int(d["rpc_port"]), metadata_port=int(d["metadata_port"]),
                    metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
                    master_pid_file=str(d.get("master_pid_file", "")),

@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import io
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,19 @@ def read_endpoint(settings: StoreSettings) -> MooncakeEndpoint:
                                "--config C --run-id R` on the training node)") from None
 
 
+def local_address(ep: MooncakeEndpoint) -> str:
+    """This process's own address for the client's setup: the one it reaches the master from (a capture node's
+    own address in a fleet, never the training node's); the master's host itself on loopback."""
+    if ep.host.startswith("127.") or ep.host in ("localhost", "::1"):
+        return ep.host
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ep.host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ep.host, ep.rpc_port))      # UDP: no packet sent, only the route chosen
+            return str(s.getsockname()[0])
+    except OSError:
+        return ep.host                              # the setup then fails naming the master, as before
+
+
 class MooncakeClient:
     """One process's connection to the store (one per process: Mooncake clients are heavy)."""
 
@@ -63,7 +77,7 @@ class MooncakeClient:
         os.environ.setdefault("MC_STORE_MEMCPY", "0")   # TCP-only hosts (notes/mooncake.md)
         # imported here: the stream extra is optional, and the wheel ships no type information
         self._s: Any = importlib.import_module("mooncake.store").MooncakeDistributedStore()
-        rc = self._s.setup(ep.host, ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
+        rc = self._s.setup(local_address(ep), ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
         if rc != 0:
             self.unavailable_if_down(f"setup failed ({rc})")
             raise StoreError(self.label, f"client setup failed with code {rc}")
@@ -143,16 +157,29 @@ class MooncakeSink:
         self.on_wait: Callable[[float | None], None] | None = None   # told when a put begins to wait, then None
 
     def _room(self, size: int) -> None:
-        limit = self.settings.buffer_bytes
+        # The bound: master_allocated_bytes <= buffer at every moment. One node's writers check and put one at a
+        # time (the lock file), but writers on other nodes check the same master figure unserialised: up to
+        # (nodes - 1) puts of at most max_sample_bytes each may be in flight elsewhere, not yet counted. So a
+        # node admits a put only while allocated + sample <= buffer - (nodes - 1) x max_sample_bytes: even if
+        # every other node's put lands at once, allocated <= buffer. One node: headroom 0, the plain check.
+        s = self.settings
+        limit = s.buffer_bytes - s.headroom_bytes
+        if s.headroom_bytes and size > s.max_sample_bytes:
+            raise StoreFull(self.client.label, f"one sample of {size} bytes is larger than stream.max_sample_mib "
+                            f"({s.max_sample_bytes} bytes; {s.writer_nodes} nodes put into the store, each keeping "
+                            "room for the others' largest sample): raise stream.max_sample_mib (and "
+                            "stream.buffer_gib, which must hold nodes x max_sample_mib)")
         if size > limit:
             raise StoreFull(self.client.label, f"one sample of {size} bytes is larger than stream.buffer_gib "
-                            f"({limit} bytes); raise stream.buffer_gib")
+                            f"({s.buffer_bytes} bytes, less {s.headroom_bytes} kept for other nodes' puts); "
+                            "raise stream.buffer_gib")
         t0 = time.monotonic()
         waiting = False
         try:
             while self.client.allocated_bytes() + size > limit:
                 if time.monotonic() - t0 > self.settings.put_timeout_s:
                     raise StoreFull(self.client.label, f"no room for {size} bytes under stream.buffer_gib ({limit} "
+                                    f"{f'of {s.buffer_bytes} ' if s.headroom_bytes else ''}"
                                     f"bytes) for {self.settings.put_timeout_s:g} s: nobody is taking samples (is the "
                                     "trainer running?)")
                 if not waiting and self.on_wait is not None:
