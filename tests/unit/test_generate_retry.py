@@ -45,7 +45,8 @@ def _ctx(tmp_path, argv=SLEEP, **cfg):
     layout = _Layout(tmp_path)
     for s in (0, 1):
         layout.generate_shard_dir(s).mkdir(parents=True, exist_ok=True)
-    conf = SimpleNamespace(capture=SimpleNamespace(backend="hf", ready_timeout_s=cfg.get("ready_timeout_s", 2.0)),
+    conf = SimpleNamespace(capture=SimpleNamespace(backend="hf"),
+                           server=SimpleNamespace(ready_timeout_s=cfg.get("ready_timeout_s", 2.0)),
                            generate=SimpleNamespace(enabled=True, shards=2, backend=None),
                            watchdog=SimpleNamespace(health_timeout_s=1.0, recoveries_in_watch=3),
                            node=SimpleNamespace(name="t"), is_fleet=False)
