@@ -81,7 +81,7 @@ class Engine:
     def unsupported(self, role: str, alternatives: Sequence[str] | None = None) -> EngineUnsupported:
         """The refusal of ``role``, naming the engines that fill it (default: the registry's)."""
         if alternatives is None:
-            # the registry's own package: it imports this module first, so this is no circle
+            # lazy: a circle: the registry's package (eagleflow.engines) imports this module first
             from eagleflow.engines import names_for
             alternatives = names_for(role)
         return EngineUnsupported(f"{self.name} has no {ROLES[role]} in eagleflow yet"

@@ -21,19 +21,19 @@ if TYPE_CHECKING:
 
 
 def serve_capture(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .server import serve_capture as serve   # torch, transformers: only on the node that serves
+    from .server import serve_capture as serve   # lazy: torch, transformers: only on the node that serves
     return serve(cfg, layout)
 
 
 def serve_generation(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .server import serve_generation as serve   # torch, transformers: only on the node that serves
+    from .server import serve_generation as serve   # lazy: torch, transformers: only on the node that serves
     return serve(cfg, layout)
 
 
 def evaluate(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict,
              prompt_sets: dict[str, list[dict]], log: Callable[[str], None],
              verify: Any = None) -> tuple[list[dict], dict]:
-    from .evaluator import results   # torch and the decoder: only when evaluating
+    from .evaluator import results   # lazy: torch (the decoder): only when evaluating
     return results(cfg, layout, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets, log=log,
                       verify=verify)
 

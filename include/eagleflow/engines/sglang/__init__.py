@@ -28,30 +28,30 @@ if TYPE_CHECKING:
 
 
 def serve_capture(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .launcher import launch   # imports the config: when called
+    from .launcher import launch   # lazy: a circle: it imports the config, which reads this registry
     return launch(cfg, layout)
 
 
 def serve_generation(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from .launcher import launch_generate   # imports the config: when called
+    from .launcher import launch_generate   # lazy: a circle: it imports the config, which reads this registry
     return launch_generate(cfg, layout)
 
 
 def evaluate(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: dict[str, Path],
              prompt_sets: dict[str, list[dict]], log: Callable[[str], None], node: Any = None,
              command: Any = None) -> tuple[list[dict], dict]:
-    from .evaluator import results   # imports the config and the evaluation: when called
+    from .evaluator import results   # lazy: a circle: the config (which reads this registry)
     return results(cfg, layout, target_dir=target_dir, drafts=drafts, prompt_sets=prompt_sets, log=log,
                    node=node, command=command)
 
 
 def write_draft(src: DraftSource) -> Callable[[Path], None]:
-    from .export import writer   # torch, safetensors: only when exporting
+    from .export import writer   # lazy: torch, safetensors: only when exporting
     return writer(src)
 
 
 def draft_layer_ids(conf: Any) -> Any:
-    from .export import layer_ids   # beside its writer (which imports torch): only when reading an export
+    from .export import layer_ids   # lazy: torch (beside its writer)
     return layer_ids(conf)
 
 

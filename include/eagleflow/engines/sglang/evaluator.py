@@ -42,6 +42,10 @@ from eagleflow.engines import EngineError
 from eagleflow.layout import RunLayout
 
 from eagleflow.evaluate.served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
+from eagleflow.engines import ENGINES
+from eagleflow.engines.sglang.launcher import SglangLaunchError, check_supported_version, installed_sglang_version
+from eagleflow.evaluate.lossless import TOP_CANDIDATES
+from eagleflow.serving.client import health_generate
 
 __all__ = ["SglangEvalError", "build_command", "measure", "near_tie_threshold", "read_answer", "results"]
 
@@ -72,7 +76,6 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
     """Each draft names the target layers it was trained on (SGLang takes its default layers where
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` is missing), before any server starts."""
-    from eagleflow.engines import ENGINES
     from eagleflow.train.export import layer_ids_problem
     for draft_role, d in drafts.items():
         try:
@@ -87,7 +90,6 @@ def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
 
 def generate_body(prompt_ids: list[int], max_new: int, rid: str, top2: bool) -> dict:
     """``top2``: ask for each position's best TOP_CANDIDATES log-probabilities (the reference's candidates)."""
-    from eagleflow.evaluate.lossless import TOP_CANDIDATES
     body: dict[str, object] = {"input_ids": list(prompt_ids), "rid": rid,
                                "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
     if top2:
@@ -156,8 +158,6 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
     ``command`` (build_command's signature) replaces sglang's argv: the control-plane tests start a server
     that answers as sglang does, through the same records, readiness and stop."""
-    from eagleflow.serving.client import health_generate
-    from eagleflow.engines.sglang.launcher import SglangLaunchError, check_supported_version, installed_sglang_version
     ec = cfg.eval
     if command is None:
         try:

@@ -34,6 +34,8 @@ from .layers import sglang_aux_layer_ids
 from eagleflow.serving.launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
 from eagleflow.engines.sglang.plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
                             check_sglang_contract)
+from eagleflow.durable import atomic_write
+from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
 PLUGIN_NAME = "eagleflow_capture"
 # The sglang versions whose classes the capture hook is proven against (`make test-node`).
@@ -136,9 +138,7 @@ def check_capture_plugin(env: dict[str, str]) -> CaptureSettings:
 def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
     """`eagleflow generate serve` with sglang: its own launch_server in serving mode (radix cache and CUDA
     graphs on, no capture hook), exec'd so that the recorded pid stays the server's."""
-    from eagleflow.durable import atomic_write
 
-    from eagleflow.serving.dump_protocol import loopback_host
     loopback_host(cfg.server.host)   # it takes no credential: loopback only
     model = str(cfg.resolve(cfg.target_model))
     port = cfg.generate.port or free_port(cfg.server.host)
@@ -159,8 +159,6 @@ def build_generate_command(cfg: PipelineConfig, *, model_path: str, host: str, p
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
-
     loopback_host(cfg.server.host)   # first: sglang takes no credential, so it never listens beyond loopback
     try:
         version = check_supported_version(installed_sglang_version())

@@ -43,6 +43,11 @@ from eagleflow.engines import ENGINES, EngineError
 from eagleflow.layout import RunLayout
 
 from eagleflow.evaluate.served import ServedEngine, lossless_and_speed, near_tie_threshold, post_all, serve_and_measure
+from eagleflow.engines.vllm.api import completion_body
+from eagleflow.engines.vllm.launcher import VllmLaunchError, check_supported_version, installed_vllm_version
+from eagleflow.evaluate.lossless import TOP_CANDIDATES
+from eagleflow.serving.client import request_json
+from eagleflow.train.export_formats import format_dir
 
 # vLLM 0.33's Prometheus counters (v1/spec_decode/metrics.py, SpecDecodingProm), as families (no _total)
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -61,7 +66,6 @@ class VllmEvalError(EngineError):
 
 def speculators_dir(draft_dir: str | Path) -> Path:
     """The export's folder vLLM serves (the vllm engine's draft format, train.export_formats)."""
-    from eagleflow.train.export_formats import format_dir
     return format_dir(draft_dir, str(ENGINES["vllm"].draft_format))
 
 
@@ -74,7 +78,6 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
                   sc: SpecConfig | None, python: str = sys.executable) -> list[str]:
     """``vllm serve`` for the target, with the draft at ``sc`` (or alone, answering TOP_CANDIDATES log-probs,
     when None). Proven against vLLM's own parser in tests/node_vllm/test_vllm_eval.py."""
-    from eagleflow.evaluate.lossless import TOP_CANDIDATES
     argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path, "--host", host, "--port", str(port),
             "--tensor-parallel-size", str(cfg.server.tp), "--dtype", cfg.server.dtype]
     if sc is None:
@@ -107,9 +110,7 @@ def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
 def completion_request(prompt_ids: list[int], max_new: int, candidates: bool) -> dict:
     """A greedy completion of the token ids (the capture middleware's body); ``candidates``: each position's
     best TOP_CANDIDATES log-probabilities, keyed by token id."""
-    from eagleflow.engines.vllm.api import completion_body
 
-    from eagleflow.evaluate.lossless import TOP_CANDIDATES
     body = completion_body({"input_ids": list(prompt_ids),
                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}, None)
     if candidates:
@@ -247,7 +248,6 @@ def measure(delta: SpecCounters, answers: dict[str, dict], alone: dict[str, dict
 
 def check_vllm() -> str:
     """The installed vLLM, the version the node tier proves (the capture launcher's check, worded for eval)."""
-    from eagleflow.engines.vllm.launcher import VllmLaunchError, check_supported_version, installed_vllm_version
     try:
         return check_supported_version(installed_vllm_version())
     except VllmLaunchError as e:
@@ -263,7 +263,6 @@ def results(cfg: PipelineConfig, layout: RunLayout, *, target_dir: str, drafts: 
 
     ``command`` (build_command's signature) replaces vLLM's argv: a test can start a server that answers as
     vLLM does, through the same records, readiness and stop."""
-    from eagleflow.serving.client import request_json
     ec = cfg.eval
     version = check_vllm() if command is None else None
     check_drafts(drafts, target_dir)

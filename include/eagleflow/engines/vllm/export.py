@@ -35,6 +35,7 @@ from eagleflow.train.export import DraftSource, export_config, layer_ids_for
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS
 
 from .layers import vllm_aux_layer_ids
+from eagleflow.train.loss import load_target_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +96,6 @@ def speculators_weight_name(name: str) -> str:
 
 def target_embedding(target_dir: str | Path, dcfg: DraftConfig) -> torch.Tensor:
     """The target's input embedding [vocab, hidden] (what the draft reads, frozen), checked against the draft."""
-    from eagleflow.train.loss import load_target_tensors
     got = load_target_tensors(target_dir, ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"])
     embed = got.get("model.embed_tokens.weight", got.get("model.language_model.embed_tokens.weight"))
     if embed is None:

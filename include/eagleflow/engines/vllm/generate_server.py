@@ -30,6 +30,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.engines import generation_backend
 from eagleflow.layout import RunLayout
 from eagleflow.phases import GENERATE, KINDS
+from eagleflow.durable import atomic_write
 
 INSTALL_HINT = (f"install {REQUIREMENTS_FILE} in the node's vLLM venv (and eagleflow with `pip install --no-deps "
                 "-e .`) and run `eagleflow generate serve` from that venv, or use generate.backend hf or sglang")
@@ -72,7 +73,6 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 
 
 def launch_generate(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from eagleflow.durable import atomic_write
     loopback_host(cfg.server.host)   # it takes no credential: loopback only
     try:
         version = check_vllm()

@@ -38,6 +38,7 @@ from eagleflow.serving.capture_hook import ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MOD
 from eagleflow.engines.vllm.api import MIDDLEWARE
 from eagleflow.engines.vllm.connector import (CONNECTOR_CLASS, INSTALL_HINT, MODULE_PATH, VllmCaptureError, capture_settings,
                              vllm_capture_ids)
+from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
 
 # The vLLM versions whose classes the connector and the flags are proven against (tests/node_vllm); the
 # pin of requirements-node-vllm.txt (a unit test holds them equal).
@@ -110,8 +111,6 @@ def check_connector(env: dict[str, str]) -> None:
 
 
 def launch(cfg: PipelineConfig, layout: RunLayout) -> int:
-    from eagleflow.serving.dump_protocol import DumpTrustError, loopback_host
-
     loopback_host(cfg.server.host)   # first: vLLM's server takes no credential here, loopback only
     try:
         version = check_supported_version(installed_vllm_version())
