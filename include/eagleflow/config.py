@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from eagleflow.engines import ROLES, UnknownEngine, engine, export_formats, generation_backend, names_for
 from eagleflow.server_flags import check_extra_server_args
 from eagleflow.stores import UnknownStore, store_for
+from eagleflow.deletion_roots import deletion_root_problem as by_identity
 
 log = logging.getLogger(__name__)
 
@@ -926,5 +927,4 @@ def deletion_root_problem(cfg: "PipelineConfig") -> str | None:
     cache_root. Checked again before every deletion: the folder may be created or swapped later."""
     if not cfg.disk.cache_root:
         return None
-    from eagleflow.deletion_roots import deletion_root_problem as by_identity
     return by_identity(str(cfg.resolve(cfg.disk.cache_root)), str(cfg.resolve(cfg.run_root)))

@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagleflow import bounded_json
-from eagleflow.durable import open_owned
+from eagleflow.durable import atomic_write, open_owned
+
+from .storage import file_sha256
 
 
 @dataclass(slots=True)
@@ -185,7 +187,6 @@ def completed_indexes(shard_dir: str | os.PathLike, scan: ManifestScan) -> Resum
     sha256 was taken, so a stat is enough; any other file (a same-size byte flip bumps its mtime,
     an old line has no stamp) is hashed. The 37,312-entry scan stays a stat per file.
     """
-    from .storage import file_sha256
     done: set[int] = set()
     broken: list[tuple[ManifestEntry, str]] = []
     refreshed: dict[int, ManifestEntry] = {}
@@ -214,6 +215,5 @@ def completed_indexes(shard_dir: str | os.PathLike, scan: ManifestScan) -> Resum
 
 def compact_manifest(path: str | os.PathLike, keep: list[ManifestEntry], fsync: bool = True) -> None:
     """Rewrite the manifest whole (atomically) with exactly ``keep``, one line each, by index."""
-    from eagleflow.durable import atomic_write
     data = "".join(e.to_line() for e in sorted(keep, key=lambda e: e.index)).encode()
     atomic_write(path, data, fsync=fsync)

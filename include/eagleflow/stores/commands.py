@@ -12,6 +12,9 @@ import json
 import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
+from eagleflow.local_run import own_run_folders
+from eagleflow.stores import run_store_settings, store_for
+from eagleflow.stores.contract import StoreError
 
 
 def register(sub) -> None:
@@ -32,13 +35,11 @@ def register(sub) -> None:
 
 
 def _settings(args):
-    from eagleflow.stores import run_store_settings, store_for
     cfg, layout = run_from_args(args)
     return cfg, layout, store_for(cfg.stream.storage), run_store_settings(cfg, layout)
 
 
 def _start(args) -> int:
-    from eagleflow.local_run import own_run_folders
     cfg, layout, store, settings = _settings(args)
     if not store.start:
         print(json.dumps({"store": store.name, "started": False, "detail": f"the {store.label} has no server"}))
@@ -62,7 +63,6 @@ def _stop(args) -> int:
 
 
 def _status(args) -> int:
-    from eagleflow.stores.contract import StoreError
     _, _, store, settings = _settings(args)
     if not store.streaming:
         print(json.dumps({"store": store.name, "healthy": True}))

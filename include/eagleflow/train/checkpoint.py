@@ -104,7 +104,6 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
             opt_tensors, opt_meta = optimizer_to_flat(optimizer)
             save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
             save_file({**opt_tensors, **rng_tensors()}, str(tmp / OPTIMIZER_FILE))
-            from eagleflow.capture.storage import file_sha256
             files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
             full_state = dict(state, step=step, optimizer=opt_meta, python_rng=list(random.getstate()), files=files)
             (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))

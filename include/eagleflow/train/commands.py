@@ -42,12 +42,10 @@ def _log(msg: str) -> None:
 
 
 def _train(args) -> int:
-    from .trainer import train
-
-
-
+    # lazy: torch: the trainer, its checkpoints and its data load it; `eagleflow --help` and the other commands do not
     from .checkpoint import CheckpointWriteError
-    from .data import MixedStoreError, StreamStarved
+    from .data import MixedStoreError, StreamStarved  # lazy: torch
+    from .trainer import train  # lazy: torch
 
     cfg, layout = run_from_args(args)
     try:
@@ -62,7 +60,7 @@ def _train(args) -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from .export import export_draft, export_latest
+    from .export import export_draft, export_latest  # lazy: torch
 
     cfg, layout = run_from_args(args)
     dtype = args.dtype or cfg.train.export_dtype

@@ -49,10 +49,12 @@ from eagleflow.config import PipelineConfig, load_config, safe_run_id
 from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
-from eagleflow.nodes.locks import NodeLock
+from eagleflow.nodes.locks import JobLockHeld, NodeLock, lock_exclusive
 from eagleflow.phases import EXTRACT, KINDS, RUN_ORDER, ShardKind, kind_of
 from eagleflow.stores import store_for
 from eagleflow.watchdog.recovery import lock_path
+from eagleflow.durable import atomic_write
+from eagleflow.fleet.assign import shards_of
 
 
 RUN_CONFIG = "run-config.json"
@@ -138,7 +140,6 @@ def own_shards(run: LocalRun, phase: str) -> list[int]:
     over to it (another node's shard has its worker and lock there, out of sight: never a second worker)."""
     if not run.cfg.is_fleet:
         return list(range(kind_of(phase).num_shards(run.cfg)))
-    from eagleflow.fleet.assign import shards_of
     shards = shards_of(run.cfg, run.cfg.node.name, phase)
     return sorted(set(shards) | set(taken_over(run, phase)))
 
@@ -147,8 +148,6 @@ def own_shards(run: LocalRun, phase: str) -> list[int]:
 def hand_over(run: LocalRun, shards: list[int], to_node: str, phase: str = EXTRACT) -> dict:
     """On the shards' owning node: hand each shard of ``phase`` that is proven free of our workers over to
     ``to_node``."""
-    from eagleflow.durable import atomic_write
-    from eagleflow.nodes.locks import JobLockHeld, lock_exclusive
     kind = kind_of(phase)
     lay = run.layout
     handed, kept = [], {}

@@ -76,7 +76,7 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
     """Each draft names the target layers it was trained on (SGLang takes its default layers where
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` is missing), before any server starts."""
-    from eagleflow.train.export import layer_ids_problem
+    from eagleflow.train.export import layer_ids_problem  # lazy: torch (the evaluation's client side needs none)
     for draft_role, d in drafts.items():
         try:
             problem = layer_ids_problem(d, target_dir, str(ENGINES["sglang"].draft_format))

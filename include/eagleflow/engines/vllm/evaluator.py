@@ -90,7 +90,7 @@ def build_command(cfg: PipelineConfig, *, model_path: str, host: str, port: int,
 def check_drafts(drafts: dict[str, Path], target_dir: str | Path) -> None:
     """Each draft has the speculators folder vLLM loads, naming the target layers it was trained on (vLLM takes
     its default layers where the ids are missing), before any server starts."""
-    from eagleflow.train.export import layer_ids_problem
+    from eagleflow.train.export import layer_ids_problem  # lazy: torch (the evaluation's client side needs none)
     for draft_role, d in drafts.items():
         spec = speculators_dir(d)
         if not (spec / "config.json").is_file():
