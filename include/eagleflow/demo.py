@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagleflow.config import load_config
 from eagleflow.demo_assets import ensure_demo_assets
+from eagleflow.evaluate.run import table_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default=None, help="default: demo__<timestamp>")
     a = ap.parse_args(argv)
 
+    # lazy: airflow: only `make demo` drives it (the core imports no Airflow: test_airflow_boundary)
     from eagleflow.airflow.deploy.home import airflow_bin, airflow_env, ensure_db
 
     t0 = time.time()
@@ -120,7 +122,6 @@ def summary_lines(run_dir: Path) -> list[str]:
                              f"{h0['eval_accept_length']:.2f} -> {h1['eval_accept_length']:.2f} simulated")
     eval_file = run_dir / "eval.json"
     if eval_file.is_file():
-        from eagleflow.evaluate.run import table_lines
         ev = json.loads(eval_file.read_text())
         lines.append(f"  held-out evaluation (real speculative decoding, greedy, target {ev['target_dtype']} on "
                      f"{ev['device']}): {'passed the gate' if ev['passed'] else 'REFUSED by the gate'}")
