@@ -22,7 +22,7 @@ _COMMAND_MODULES = [
     *(commands_module(kind) for kind in KINDS.values()),
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",
-    "eagleflow.stores.commands",
+    "eagleflow.store_commands",   # beside, not in, stores/: the registry sits below the config, its CLI above
     "eagleflow.evaluate.commands",
     "eagleflow.console.commands",
 ]

@@ -1,5 +1,8 @@
 """`eagleflow store start|stop|status`: the run's hidden-state store server on the training node.
 
+A top-level module, not ``stores/commands.py``: the store registry (``eagleflow.stores``) sits below the config
+that validates ``stream.storage`` against it, and this CLI sits above the config (tests/unit/test_layers.py).
+
 A streaming store (``stream.storage: mooncake``) runs as recorded processes (the master and its segment
 holder: ``<state_dir>/pids/<run_id>.mooncake-*.json``), started before the capture workers and the trainer
 and stopped, by their records only, once training is done. Its endpoint goes to the run's
