@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.fleet_operators import CollectShardsOperator, PrepareNodeOperator
 from eagleflow.airflow.runtime import RunContext
@@ -290,3 +291,21 @@ def test_two_capture_nodes_stream_into_the_training_nodes_store(tmp_path, demo_a
                      "shard_00001/manifest.jsonl", "stream_verified.json"], files
     stray = [p for p in tmp_path.rglob("*.safetensors") if "draft" not in p.parts]
     assert not stray, stray
+
+
+def test_a_streaming_run_refuses_a_capture_node_off_the_training_nodes_storage(tmp_path, demo_assets):
+    cfgp = _fleet_config(tmp_path, demo_assets)
+    data = yaml.safe_load(cfgp.read_text())
+    data["fleet"]["storage"] = "copy"
+    data["fleet"]["nodes"][1]["run_root"] = str(tmp_path / "runs-n2")
+    cfgp.write_text(yaml.safe_dump(data))
+    home = RunContext.from_frozen({"run_id": "copied", "config": load_config(cfgp).model_dump(mode="json")})
+    home.write_run_config()
+    with pytest.raises(AirflowFailException, match=r"stream\.storage is 'mooncake' \(streaming\), but node n2's run "
+                                                   r"root is not the training node n1's \(fleet\.storage 'copy'\): "
+                                                   r"the trainer reads every shard's manifest in its own run dir"):
+        PrepareNodeOperator(task_id="prepare_node").run(home.for_node("n2"), {})
+    data["stream"]["storage"] = "disk"                                    # offline: copied as before
+    cfgp.write_text(yaml.safe_dump(data))
+    home = RunContext.from_frozen({"run_id": "copied", "config": load_config(cfgp).model_dump(mode="json")})
+    assert PrepareNodeOperator(task_id="prepare_node").run(home.for_node("n2"), {})["shared"] is False

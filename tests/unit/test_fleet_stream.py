@@ -1,0 +1,87 @@
+"""A fleet streams (issue 53), the parts without a store: the config refuses a store capture nodes cannot reach, the
+endpoint handed to a capture node is validated, its file is the node's own, and each node's sink keeps the headroom
+the bound across nodes needs (stores.mooncake.store: MooncakeSink._room)."""
+from __future__ import annotations
+
+import pytest
+
+from eagleflow.config import ConfigError, load_config, stream_host_reachable
+from eagleflow.fleet.stream import EndpointRefused, node_endpoint
+from eagleflow.layout import RunLayout
+from eagleflow.stores import run_store_settings
+
+
+def fleet_cfg(host: str = "127.0.0.1", storage: str = "mooncake", b_conn: str | None = "node_b", **stream):
+    return load_config(data={"target_model": "/m", "run_root": "/ra", "capture": {"shards": 4},
+                             "server": {"dump_dir": "/d"},
+                             "stream": {"storage": storage, "host": host, "buffer_gib": 1.0, **stream},
+                             "fleet": {"nodes": [{"name": "a", "conn_id": "node_a"},
+                                                 {"name": "b", "conn_id": b_conn}]}})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "localhost", "::1", "0.0.0.0"])
+def test_a_loopback_store_host_with_a_capture_node_elsewhere_is_a_config_error(host):
+    with pytest.raises(ConfigError, match=rf"stream\.host '{host}' is loopback or a wildcard, but fleet node\(s\) "
+                                          r"b \(connection node_b\) put their samples into the training node a's "
+                                          r"store over the network: set stream\.host to a's address"):
+        fleet_cfg(host)
+
+
+def test_a_reachable_host_or_no_remote_node_or_an_offline_run_is_fine():
+    assert fleet_cfg("10.0.0.5").stream.host == "10.0.0.5"
+    assert fleet_cfg("127.0.0.1", storage="disk").stream.storage == "disk"      # nothing streams
+    assert fleet_cfg("127.0.0.1", b_conn="node_a").fleet.nodes[1].conn_id == "node_a"   # one machine
+    assert not stream_host_reachable("127.0.0.1") and stream_host_reachable("gpu-node-1.cluster")
+
+
+def answer(**kw):
+    a = {"store": "mooncake", "started": True, "host": "10.0.0.5", "rpc_port": 50001, "metadata_port": 50002,
+         "metrics_port": 50003, "segment_bytes": 1 << 30, "store_id": "20261206T113452-13d63ab5",
+         "master_pid_file": "/state/pids/r.mooncake-master.json", "segment_pid_file": "/x"}
+    a.update(kw)
+    return a
+
+
+def test_the_endpoint_handed_to_a_node_is_what_a_sink_needs_without_the_training_nodes_records():
+    ep = node_endpoint(answer(), "10.0.0.5", source="S", remote=True)
+    assert ep == {"host": "10.0.0.5", "rpc_port": 50001, "metadata_port": 50002, "metrics_port": 50003,
+                  "segment_bytes": 1 << 30, "master_pid_file": "", "segment_pid_file": "",
+                  "store_id": "20261206T113452-13d63ab5"}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"host": "10.6.6.6"}, r"S: host '10\.6\.6\.6' is not the store's configured address stream\.host '10\.0\.0\.5'"),
+    ({"rpc_port": 0}, r"rpc_port 0 is not a TCP port"),
+    ({"metrics_port": "50003"}, r"metrics_port '50003' is not a TCP port"),
+    ({"metadata_port": 70000}, r"metadata_port 70000 is not a TCP port"),
+    ({"metrics_port": True}, r"metrics_port True is not a TCP port"),
+    ({"metrics_port": 50001}, r"rpc_port 50001 and the other ports \[50001, 50001, 50002\] are not distinct"),
+    ({"segment_bytes": -1}, r"segment_bytes -1 is not a positive byte count"),
+    ({"store_id": "../../x"}, r"store_id '\.\./\.\./x' is not a store incarnation id"),
+    ({"store_id": None}, r"store_id None is not a store incarnation id"),
+])
+def test_a_bad_answer_is_refused_naming_the_field_and_value(bad, match):
+    with pytest.raises(EndpointRefused, match=match + ".*restart the run's store"):
+        node_endpoint(answer(**bad), "10.0.0.5", source="S", remote=True)
+
+
+def test_a_loopback_endpoint_is_refused_for_a_remote_node_and_kept_for_one_on_this_machine():
+    with pytest.raises(EndpointRefused, match=r"host '127\.0\.0\.1' is loopback or a wildcard, unreachable"):
+        node_endpoint(answer(host="127.0.0.1"), "127.0.0.1", source="S", remote=True)
+    assert node_endpoint(answer(host="127.0.0.1"), "127.0.0.1", source="S", remote=False)["host"] == "127.0.0.1"
+
+
+def test_each_capture_node_reads_its_own_endpoint_file_and_keeps_room_for_the_other_nodes():
+    cfg = fleet_cfg("10.0.0.5")
+    home, other = RunLayout.for_run(cfg, "r"), RunLayout.for_run(cfg.node_view("b"), "r")
+    assert str(home.store_endpoint_file) == "/ra/r/store_endpoint.json"
+    assert str(other.store_endpoint_file) == "/ra/r/store_endpoint.b.json"       # never the training node's file
+    s = run_store_settings(cfg.node_view("b"), other)
+    # two nodes, max_sample_mib unset: a quarter of the buffer per node share, the other node's kept free
+    assert (s.writer_nodes, s.max_sample_bytes, s.headroom_bytes) == (2, (1 << 30) // 8, (1 << 30) // 8)
+    s = run_store_settings(fleet_cfg("10.0.0.5", max_sample_mib=16), other)
+    assert (s.max_sample_bytes, s.headroom_bytes) == (16 << 20, 16 << 20)
+    one = load_config(data={"target_model": "/m", "run_root": "/ra", "server": {"dump_dir": "/d"},
+                            "stream": {"storage": "mooncake"}})
+    s = run_store_settings(one, RunLayout.for_run(one, "r"))
+    assert (s.writer_nodes, s.headroom_bytes) == (1, 0)                           # one node: the plain check
