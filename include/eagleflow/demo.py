@@ -102,6 +102,14 @@ def summary_lines(run_dir: Path) -> list[str]:
         size = sum(e["bytes"] for e in entries)
         lines.append(f"  hidden states: {len(entries):,} samples in {len(manifests)} shards, {size / 2**20:,.1f} MiB "
                      f"({len({e['id'] for e in entries}):,} distinct ids)")
+    streamed = run_dir / "hidden_states" / "stream_verified.json"
+    if streamed.is_file():   # a streaming run (stream.storage: mooncake): the trainer's exactly-once record
+        sv = json.loads(streamed.read_text())
+        on_disk = len(list((run_dir / "hidden_states").rglob("*.safetensors")))
+        once = "each trained exactly once per epoch" if sv["ok"] else f"NOT exactly once: {sv.get('summary')}"
+        lines.append(f"  streamed, not stored: {sv['samples']:,} samples x {sv['epochs']} epoch(s) through the run's "
+                     f"{sv.get('store', 'streaming')} store, {once} (the ledger, {streamed.name}); {on_disk} hidden-state files on disk, only the "
+                     "manifests")
     metrics = run_dir / "draft" / "metrics.jsonl"
     if metrics.is_file():
         rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip() and '"loss"' in l]
