@@ -332,7 +332,7 @@ class StreamConfig(_Section):
                                  "under buffer_gib before it fails naming the store (nobody consuming)")
     store_down_timeout_s: float = Field(default=120.0, gt=0, le=86400, description="mooncake: a trainer whose "
                                         "store went away (its master killed) waits this long for it to run again "
-                                        "(the trainer's watch restarts it) before it fails with StoreUnavailable")
+                                        "(the training task's retry restarts it) before it fails with StoreUnavailable")
     max_sample_mib: float | None = Field(default=None, gt=0, description="mooncake in a fleet: the largest sample "
                                          "one capture node puts; each node keeps (nodes - 1) x this free for the "
                                          "other nodes' puts in flight (their room checks are not serialised with "
