@@ -39,7 +39,7 @@ class NoNode:
 
 
 def _ctx(storage: str, node, tmp_path):
-    return SimpleNamespace(cfg=SimpleNamespace(stream=SimpleNamespace(storage=storage)), node=node,
+    return SimpleNamespace(cfg=SimpleNamespace(stream=SimpleNamespace(storage=storage), is_fleet=False), node=node,
                            layout=SimpleNamespace(run_id="r1", stream_verified_file=tmp_path / "stream_verified.json"),
                            eagleflow_argv=lambda *a: ["eagleflow", *a, "--config", "c.json", "--run-id", "r1"])
 
