@@ -16,9 +16,9 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
 
 from .config import ConfigError, PipelineConfig, load_config
-from eagleflow.serving.dump_protocol import DumpTrustError, expand_dump_dir, private_dump_dir
 from .corpus.budget import BudgetError, bytes_per_token, target_shape
 
 # one of these makes a tokenizer AutoTokenizer can load (fast, sentencepiece, tiktoken, BPE vocab)

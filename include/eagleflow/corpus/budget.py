@@ -20,10 +20,10 @@ from eagleflow.serving.dump_protocol import expand_dump_dir
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import Node
-
-from .prepare import STATS_FILE
 from eagleflow.capture.storage import FP8_SCALING
 from eagleflow.serving.aux_layers import default_aux_layers
+
+from .prepare import STATS_FILE
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 CAPTURED_LAYERS = 4  # 3 auxiliary layers + the last

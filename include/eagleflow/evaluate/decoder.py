@@ -28,10 +28,10 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from .lossless import TOP_CANDIDATES, tie_tolerance
 from eagleflow.serving.aux_layers import resolve_aux_layers
 from eagleflow.train.export import load_exported
+
+from .lossless import TOP_CANDIDATES, tie_tolerance
 
 
 def near_tie_threshold(dtype: torch.dtype, top_logit: float, absolute: float | None = None) -> float:

@@ -26,11 +26,11 @@ from eagleflow.durable import atomic_write
 from eagleflow.engines import EngineError, eval_engine
 from eagleflow.layout import RunLayout
 from eagleflow.train.export_formats import format_dir
+from eagleflow.corpus.prepare import read_eval_records
+from eagleflow.corpus.tokenize import load_tokenizer
 
 from .approval import (APPROVED, DECISIONS, MAX_BY, MAX_WHY, NOT_NEEDED, PENDING, REJECTED, ApprovalError, clean_text,
                        needs_approval, pending)
-from eagleflow.corpus.prepare import read_eval_records
-from eagleflow.corpus.tokenize import load_tokenizer
 from .prompt_sets import read_prompt_set
 
 EVAL_FILE = "eval.json"

@@ -18,10 +18,10 @@ from typing import Any, Mapping, Protocol, cast
 
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
+from eagleflow.settings import env_positive
 
 from .rules import GpuHealth
 from .status_doc import StatusDoc, next_status
-from eagleflow.settings import env_positive
 
 KEY_PREFIX = "eagleflow.gpu_status."
 INCIDENTS_KEY = "eagleflow.gpu_health_incidents"   # gpu_node_health's incident book

@@ -28,11 +28,11 @@ from eagleflow.durable import atomic_dir
 from eagleflow.engines import engine_serving_format
 from eagleflow.engines.contract import LayerNumberingFn
 from eagleflow.serving.aux_layers import target_architectures_and_layers
+from eagleflow import bounded_json
 
 from .checkpoint import MODEL_FILE, latest_checkpoint, verify_checkpoint_files
 from .export_formats import EXPORT_FORMATS, format_dir
 from .model import DraftConfig, Eagle3Draft
-from eagleflow import bounded_json
 from .loss import load_target_head_and_embedding
 
 # The checkpoint names SGLang's LlamaForCausalLMEagle3 loads (srt/models/llama_eagle3.py):

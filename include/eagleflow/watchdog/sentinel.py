@@ -49,11 +49,11 @@ from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write, open_owned
 from eagleflow.layout import RunLayout
 from eagleflow.mail_header import header_text
-
-from .signals import WatchedJob, memory_path
 from eagleflow.heartbeat import Heartbeat
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.process_record import leader_state, read_record
+
+from .signals import WatchedJob, memory_path
 
 SILENT_POLLS = 3                 # no look for this many poll intervals while the job runs: the watch is gone
 LOOKS_MAX_BYTES = 256 * 1024     # the look log moves to .1 past this (two files at most: bounded)

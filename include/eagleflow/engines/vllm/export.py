@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from eagleflow.serving.aux_layers import target_architectures_and_layers
 from eagleflow.train.export import DraftSource, export_config, layer_ids_for
 from eagleflow.train.export_formats import SPECULATIVE_TOKENS
+from eagleflow.train.loss import load_target_tensors
 
 from .layers import vllm_aux_layer_ids
-from eagleflow.train.loss import load_target_tensors
 
 if TYPE_CHECKING:
     import torch
