@@ -56,7 +56,7 @@ import time
 from typing import Callable
 
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
-from eagleflow.phases.worker import PhaseWorker
+from eagleflow.phases.shared.worker import PhaseWorker
 
 from . import KIND
 
@@ -92,8 +92,8 @@ class StubWorker(PhaseWorker):
 STUB_COMMANDS = '''"""`eagleflow stub ...`: the stub phase's node commands, all from the skeleton."""
 from __future__ import annotations
 
-from eagleflow.phases import commands as skeleton
-from eagleflow.phases.commands import PhaseCommands
+from eagleflow.phases.shared import commands as skeleton
+from eagleflow.phases.shared.commands import PhaseCommands
 
 from . import KIND
 from .worker import StubError, StubWorker
@@ -116,7 +116,7 @@ STUB_LIFECYCLE = '''"""The stub phase's PhaseLifecycle, on the shared lifecycle.
 from __future__ import annotations
 
 from eagleflow.phase_jobs import wait_server_ready
-from eagleflow.phases import lifecycle as shared
+from eagleflow.phases.shared import lifecycle as shared
 from eagleflow.phases.descriptor import PhaseLifecycle
 
 from . import KIND

@@ -43,7 +43,7 @@ def test_no_phase_name_literal_outside_the_descriptors():
     assert {"dags/eagle3_pipeline.py", "include/eagleflow/airflow/shard_operators.py",
             "include/eagleflow/watchdog/recovery.py", "include/eagleflow/protocol.py",
             "include/eagleflow/phases/generate/lifecycle.py", "include/eagleflow/phases/extract/commands.py",
-            "include/eagleflow/phases/commands.py", "include/eagleflow/engines/hf/server.py",
+            "include/eagleflow/phases/shared/commands.py", "include/eagleflow/engines/hf/server.py",
             "include/eagleflow/capture/verify.py", "include/eagleflow/serving/launch.py"} <= rel
     assert len(OWNERS) == len(KINDS) and all(f.is_file() for f in OWNERS), OWNERS
     found = {f.relative_to(REPO).as_posix(): lines for f in scanned

@@ -4,8 +4,8 @@ Past the CLI's parsing a phase is its descriptor, a ``ShardKind`` (``phases.desc
 ``KINDS``: the operators, the DAG, the watch, the recovery, reconcile and the fleet read it and never branch on
 which phase it is (tests/unit/test_phase_names.py). Each phase is a package ``eagleflow.phases.<name>`` whose
 ``__init__`` holds its ``KIND`` and nothing heavier; beside it its worker, node commands and ``PhaseLifecycle``.
-What both phases share is here: the worker skeleton (``phases.worker``) and the node-command skeleton
-(``phases.commands``), each taking the descriptor.
+What both phases share is here: the worker skeleton (``phases.shared.worker``) and the node-command skeleton
+(``phases.shared.commands``), each taking the descriptor.
 
 A new sharded phase is a folder ``phases/<name>/`` plus its line in ``PHASE_MODULES`` and its place in
 ``RUN_ORDER`` (docs/phases.md lists the other files: its DAG placement, its config section). The CLI registers
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .descriptor import PhaseLifecycle, ShardKind, load_phases
 
-__all__ = ["EXTRACT", "GENERATE", "KINDS", "PACKAGES", "PHASE_MODULES", "RUN_ORDER", "SERVER_STALL", "PhaseLifecycle",
+__all__ = ["EXTRACT", "GENERATE", "KINDS", "PACKAGES", "PHASE_MODULES", "RUN_ORDER", "PhaseLifecycle",
            "ShardKind", "commands_module", "kind_of", "kind_of_job", "unit_of_job"]
 
 # The phases' packages, in registration order (the order of every list of phases).
@@ -24,9 +24,11 @@ PHASE_MODULES: tuple[str, ...] = ("eagleflow.phases.extract", "eagleflow.phases.
 KINDS: dict[str, ShardKind] = load_phases(PHASE_MODULES)
 PACKAGES: dict[str, str] = dict(zip(KINDS, PHASE_MODULES))   # a phase's name -> its folder's package
 
-# the names the existing phases' callers default to (a new phase needs no constant: its KIND.phase is its name)
-from .extract import EXTRACT  # noqa: E402  (after the registry: the phase's package is loaded by it)
-from .generate import GENERATE, SERVER_STALL  # noqa: E402
+# the names the existing phases' callers default to (a new phase needs no constant: its KIND.phase is its name),
+# read from the loaded descriptors: an import of the phases' folders here would close a circle (they import this)
+_BY_PACKAGE = {module: kind for module, kind in zip(PHASE_MODULES, KINDS.values())}
+EXTRACT: str = _BY_PACKAGE["eagleflow.phases.extract"].phase
+GENERATE: str = _BY_PACKAGE["eagleflow.phases.generate"].phase
 
 # the sharded phases in the order a run runs them
 RUN_ORDER: tuple[str, ...] = (GENERATE, EXTRACT)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLayout
 
-HEARTBEAT = "heartbeat.json"    # in every shard's folder: its worker's heartbeat (phases.worker.PhaseWorker)
+HEARTBEAT = "heartbeat.json"    # in every shard's folder: its worker's heartbeat (phases.shared.worker.PhaseWorker)
 MANIFEST = "manifest.jsonl"     # in every shard's folder: one line per finished unit (eagleflow.capture.manifest)
 
 

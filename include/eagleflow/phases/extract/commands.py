@@ -1,4 +1,4 @@
-"""`eagleflow capture serve|run|start|wait|stop|health` (the phases' command skeleton, ``phases.commands``) and
+"""`eagleflow capture serve|run|start|wait|stop|health` (the phases' command skeleton, ``phases.shared.commands``) and
 the extraction's own `held-out` and `verify`."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from eagleflow.config import PipelineConfig
 from eagleflow.corpus.prepare import EVAL_FILE
 from eagleflow.engines import engine_for, names_for
 from eagleflow.layout import RunLayout
-from eagleflow.phases import commands as skeleton
-from eagleflow.phases.commands import EXIT_ALREADY_RUNNING, CommandRefused, PhaseCommands, WorkerJob
+from eagleflow.phases.shared import commands as skeleton
+from eagleflow.phases.shared.commands import EXIT_ALREADY_RUNNING, CommandRefused, PhaseCommands, WorkerJob
 from eagleflow.serving.client import ServerError, server_info
 from eagleflow.serving.dump_protocol import DumpTrustError, load_dump_key, private_dump_dir
 from eagleflow.serving.launch import dump_dir

@@ -22,7 +22,7 @@ from eagleflow.config import PipelineConfig
 from eagleflow.layout import RunLike
 from eagleflow.nodes import ProcessRecord
 from eagleflow.phase_jobs import wait_server_ready
-from eagleflow.phases import lifecycle as shared
+from eagleflow.phases.shared import lifecycle as shared
 from eagleflow.serving.launch import dump_dir  # noqa: F401  (where the capture server dumps; read here too)
 from eagleflow.watchdog.sentinel import ensure_sentinel as start_sentinel
 from eagleflow.watchdog.signals import WatchedJob
@@ -96,7 +96,7 @@ def stop_capture_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict[s
 
 def start_or_attach_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
     """Start the detached worker of ``shard``, or return the live one: never two workers on one shard
-    (``phases.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
+    (``phases.shared.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
     return shared.start_or_attach_worker(ctx, KIND, shard, log)
 
 

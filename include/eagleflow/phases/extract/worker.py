@@ -37,7 +37,7 @@ from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.capture.storage import remove_temp_files
 from eagleflow.heartbeat import PACE_WINDOW, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.phases.descriptor import MANIFEST
-from eagleflow.phases.worker import PhaseWorker
+from eagleflow.phases.shared.worker import PhaseWorker
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
 from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from eagleflow.stop_signal import stop_arrived
@@ -188,7 +188,7 @@ def dump_dir_full(dump_dir: str, needed_bytes: int, server_error: str) -> str | 
 
 
 class ShardWorker(PhaseWorker):
-    """One extraction shard's worker (the loop around it: ``phases.worker.PhaseWorker``)."""
+    """One extraction shard's worker (the loop around it: ``phases.shared.worker.PhaseWorker``)."""
     kind = KIND
     error = ExtractionError
 

@@ -1,4 +1,4 @@
-"""`eagleflow generate serve|run|start|wait|stop|health` (the phases' command skeleton, ``phases.commands``) and
+"""`eagleflow generate serve|run|start|wait|stop|health` (the phases' command skeleton, ``phases.shared.commands``) and
 the generation's own `unstall` and `stats`: the generation phase, each step alone."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.config import PipelineConfig
 from eagleflow.engines import generation_engine
 from eagleflow.layout import RunLayout
-from eagleflow.phases import commands as skeleton
-from eagleflow.phases.commands import (EXIT_ALREADY_RUNNING, EXIT_FAILED, PhaseCommands, WorkerJob,
+from eagleflow.phases.shared import commands as skeleton
+from eagleflow.phases.shared.commands import (EXIT_ALREADY_RUNNING, EXIT_FAILED, PhaseCommands, WorkerJob,
                                        local_run)
 
 from . import KIND

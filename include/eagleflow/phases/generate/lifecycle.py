@@ -20,7 +20,7 @@ from eagleflow.layout import RunLike
 from eagleflow.nodes import LocalNode, ProcessRecord
 from eagleflow.nodes.locks import NodeLock
 from eagleflow.phase_jobs import ServerNotReady, wait_server_ready
-from eagleflow.phases import lifecycle as shared
+from eagleflow.phases.shared import lifecycle as shared
 
 from . import KIND, SERVER_STALL
 
@@ -68,7 +68,7 @@ def stop_generate_server(ctx: RunLike, grace_s: float = 30.0, log=None) -> dict:
 
 def start_or_attach_generate_worker(ctx: RunLike, shard: int, log=None) -> tuple[ProcessRecord, bool]:
     """The detached worker of generation shard ``shard``, or the live one: never two on one shard
-    (``phases.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
+    (``phases.shared.lifecycle.start_or_attach_worker``). Returns (its record, attached)."""
     return shared.start_or_attach_worker(ctx, KIND, shard, log)
 
 

@@ -37,7 +37,7 @@ from eagleflow.corpus.tokenize import load_tokenizer
 from eagleflow.durable import atomic_write
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.phases.descriptor import HEARTBEAT, MANIFEST
-from eagleflow.phases.worker import PhaseWorker
+from eagleflow.phases.shared.worker import PhaseWorker
 from eagleflow.serving.client import ServerError, ServerTimeout, generate_tokens
 
 from . import KIND
@@ -194,7 +194,7 @@ def earlier_wall_s(heartbeat_path: Path) -> float:
 
 
 class GenerateWorker(PhaseWorker):
-    """One generation shard's worker (the loop around it: ``phases.worker.PhaseWorker``)."""
+    """One generation shard's worker (the loop around it: ``phases.shared.worker.PhaseWorker``)."""
     kind = KIND
     error = GenerationError
 

@@ -15,7 +15,7 @@ from eagleflow.phase_jobs import check_server_ready, read_server_info, start_exc
 from eagleflow.watchdog.sentinel import ensure_sentinel
 from eagleflow.watchdog.signals import WatchedJob
 
-from .descriptor import ShardKind
+from eagleflow.phases.descriptor import ShardKind
 
 
 def server_info(ctx: RunLike, kind: ShardKind) -> dict | None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar, Iterable, TypeVar
 from eagleflow.heartbeat import Heartbeat, HeartbeatWriter
 from eagleflow.stop_signal import failure_text, start_helper_thread
 
-from .descriptor import HEARTBEAT, ShardKind
+from eagleflow.phases.descriptor import HEARTBEAT, ShardKind
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from eagleflow.nodes.locks import JobLockHeld, hold_for_life
 from eagleflow.phase_jobs import ServerNotReady, read_server_info, server_healthy, server_url_in
 from eagleflow.stop_signal import Stopped, stop_on_term
 
-from .descriptor import ShardKind
+from eagleflow.phases.descriptor import ShardKind
 
 EXIT_BAD_ARGS = 2
 EXIT_FAILED = 3
