@@ -35,13 +35,13 @@ from eagleflow.airflow.store_operators import StartStoreOperator, StopStoreOpera
 from eagleflow.config import load_config
 from eagleflow.fleet.assign import shards_of
 from eagleflow.layout import RunLayout
-from eagleflow.local_run import LocalRun
 from eagleflow.nodes.process_record import status
 from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
 from eagleflow.stores import StoreSettings, store_for
 from eagleflow.stores.encoding import encode_sample
 from eagleflow.stores.ledger import require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.node_host import IP, node_host_fixture  # noqa: F401  (fixture)
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -193,14 +193,15 @@ class _Ti:
         return self.ready
 
 
-def _fleet_config(tmp_path: Path, demo_assets) -> Path:
+def _fleet_config(tmp_path: Path, demo_assets, n2: dict | None = None, host: str = "127.0.0.1") -> Path:
     cfgp = write_run_config(tmp_path, demo_assets["target_model"], shards=2)
     data = yaml.safe_load(cfgp.read_text())
     del data["node"]
     data["fleet"] = {"training_node": "n1", "storage": "shared", "nodes": [
         {"name": n, "has_gpu": False, "state_dir": str(tmp_path / f"state-{n}"),
          "dump_dir": str(tmp_path / f"dumps-{n}"), "gpu_slots": 1} for n in ("n1", "n2")]}
-    data["stream"] = {"storage": "mooncake", "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4,
+    data["fleet"]["nodes"][1].update(n2 or {})
+    data["stream"] = {"storage": "mooncake", "host": host, "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4,
                       "put_timeout_s": 300, "max_sample_mib": MAX_SAMPLE_BYTES / (1 << 20)}
     data["train"] = {"device": "cpu", "max_steps": SAMPLES // 2, "batch_size": 2, "ttt_length": 2,
                      "draft_vocab_size": 64, "checkpoint_every": 3, "log_every": 1, "warmup_steps": 1}
@@ -209,7 +210,24 @@ def _fleet_config(tmp_path: Path, demo_assets) -> Path:
 
 
 def test_two_capture_nodes_stream_into_the_training_nodes_store(tmp_path, demo_assets):
-    cfgp = _fleet_config(tmp_path, demo_assets)
+    _stream_over_two_nodes(tmp_path, _fleet_config(tmp_path, demo_assets), "127.0.0.1", [])
+
+
+def test_a_capture_node_in_its_own_network_namespace_streams_over_its_link(tmp_path, demo_assets, node_host_fixture,
+                                                                           monkeypatch):  # noqa: F811
+    """n2 is the node host (tests/fixtures/node_host.py): reached over its sshd (prepare_node, the endpoint's
+    hand-over, its capture server), its worker in its own network namespace, putting into the store on n1 at
+    the control plane's end of the veth link (stream.host): the real network path."""
+    host = node_host_fixture
+    monkeypatch.setenv("AIRFLOW_CONN_NODE_HOST_STREAM", host.airflow_conn())
+    cfgp = _fleet_config(tmp_path, demo_assets, n2={"conn_id": "node_host_stream", "python": sys.executable},
+                         host=host.host_ip)
+    _stream_over_two_nodes(tmp_path, cfgp, host.host_ip, [IP, "netns", "exec", host.netns])
+
+
+def _stream_over_two_nodes(tmp_path: Path, cfgp: Path, store_host: str, n2_prefix: list[str]) -> None:
+    """The fleet's store tasks driven directly, each node's worker from the node CLI (n2's behind
+    ``n2_prefix``: its network namespace), the trainer on n1; every check of the issue's fleet bullet."""
     run_id = "fleet-stream"
     home = RunContext.from_frozen({"run_id": run_id, "config": load_config(cfgp).model_dump(mode="json")})
     assert home.cfg.node.name == "n1"
@@ -229,11 +247,10 @@ def test_two_capture_nodes_stream_into_the_training_nodes_store(tmp_path, demo_a
         assert info["started"] and info["handed_to"] == {"n2": f"written to {other.layout.store_endpoint_file}"}
         handed = json.loads(Path(other.layout.store_endpoint_file).read_text())
         assert Path(other.layout.store_endpoint_file).name == "store_endpoint.n2.json"
-        assert handed == {"host": "127.0.0.1", "rpc_port": ep.rpc_port, "metadata_port": ep.metadata_port,
+        assert handed == {"host": store_host, "rpc_port": ep.rpc_port, "metadata_port": ep.metadata_port,
                           "metrics_port": ep.metrics_port, "segment_bytes": ep.segment_bytes,
                           "master_pid_file": "", "segment_pid_file": "", "store_id": ep.store_id}
-        views = {"n1": LocalRun(cfg=home.cfg, layout=home.layout, config_path=home.run_config_path),
-                 "n2": LocalRun(cfg=other.cfg, layout=other.layout, config_path=other.run_config_path)}
+        views = {"n1": home, "n2": other}                              # n2's server over its own connection
         procs: list[subprocess.Popen] = []
         try:
             for v in views.values():                                   # each node its own capture server
@@ -244,8 +261,9 @@ def test_two_capture_nodes_stream_into_the_training_nodes_store(tmp_path, demo_a
             trainer = subprocess.Popen(_cli("train", "--config", home.run_config_path, "--run-id", run_id),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(trainer)
-            workers = {n: subprocess.Popen(_cli("capture", "run", "--config", views[n].config_path, "--run-id",
-                                                run_id, "--shard", str(node_shards[n][0])),
+            workers = {n: subprocess.Popen((n2_prefix if n == "n2" else []) + _cli(
+                                               "capture", "run", "--config", views[n].run_config_path, "--run-id",
+                                               run_id, "--shard", str(node_shards[n][0])),
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                        for n in ("n1", "n2")}
             procs.extend(workers.values())

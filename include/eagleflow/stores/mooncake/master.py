@@ -120,12 +120,21 @@ def binary(name: str) -> str:
     return found
 
 
-def _detach(role: str, pid_file: Path, log_file: Path, argv: list[str]) -> None:
+def _detach(role: str, pid_file: Path, log_file: Path, argv: list[str], env: dict[str, str] | None = None) -> None:
     res = subprocess.run([sys.executable, "-m", "eagleflow.nodes.detach", "--role", role, "--pid-file",
                           str(pid_file), "--log-file", str(log_file), "--", *argv],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=env)
     if res.returncode != 0:
         raise MooncakeStartError(f"{role} not started: {(res.stderr or res.stdout).strip()[-500:]}")
+
+
+def tcp_bind_env(host: str) -> dict[str, str] | None:
+    """The environment a Mooncake process needs to be reached at ``host`` from another machine: its TCP transport
+    otherwise advertises the first interface's address (seen: eth0's, unreachable from a capture node on another
+    link, every put failing with -800), whatever ``-host`` says. None on loopback (one machine: as before)."""
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        return None
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": host}
 
 
 def _tail(path: Path) -> str:
@@ -164,7 +173,7 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
         _detach(SEGMENT_ROLE, segment_pid, segment_log, [
             binary("mooncake_client"), "-global_segment_size", f"{max(1, segment_bytes >> 20)}MB",
             "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
-            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))])
+            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
 
         def mounted() -> bool:
             try:

@@ -75,6 +75,8 @@ class MooncakeClient:
         self.label = ep.label
         self.unavailable_if_down("cannot connect", settle_s=0)
         os.environ.setdefault("MC_STORE_MEMCPY", "0")   # TCP-only hosts (notes/mooncake.md)
+        if ep.host != local_address(ep):   # another machine's store: be reached at the address that reaches it
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_address(ep))
         # imported here: the stream extra is optional, and the wheel ships no type information
         self._s: Any = importlib.import_module("mooncake.store").MooncakeDistributedStore()
         rc = self._s.setup(local_address(ep), ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
