@@ -138,7 +138,8 @@ class StorePeak:
 
 
 def stream_run(config: Path, run_id: str, shards: int, *, capture_cores: set[int] | None = None,
-               train_cores: set[int] | None = None, train_args: tuple[str, ...] = (), logs: Path,
+               train_cores: set[int] | None = None, store_cores: set[int] | None = None,
+               train_args: tuple[str, ...] = (), logs: Path,
                env: dict | None = None, timeout: float = 3600, t0: float | None = None) -> dict:
     """One streaming run on a prepared corpus (``corpus prepare`` done): the store started, the trainer and the
     capture workers running together, the store stopped. Returns its figures: seconds from ``t0`` (default now)
@@ -146,8 +147,8 @@ def stream_run(config: Path, run_id: str, shards: int, *, capture_cores: set[int
     and key count; the store's endpoint file."""
     t0 = time.time() if t0 is None else t0
     ra = ["--config", str(config), "--run-id", run_id]
-    # the store lives on the training node: its processes on the training side's cores
-    started = run(["store", "start", *ra, "--timeout", "120"], train_cores, env=env)
+    # the store's master and segment holder: on ``store_cores`` (None: wherever the OS puts them)
+    started = run(["store", "start", *ra, "--timeout", "120"], store_cores, env=env)
     info = json.loads(started.stdout.strip().splitlines()[-1])
     out: dict = {"store_ready_s": time.time() - t0, "endpoint": info}
     peak = StorePeak(info["endpoint_file"])

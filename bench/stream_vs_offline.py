@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 CAPTURE_CORE, TRAIN_CORE = {0}, {1}
+STORE_CORES = {"training": TRAIN_CORE, "capture": CAPTURE_CORE, "any": None}
 
 
 def hidden_state_bytes(hs: Path) -> int:
@@ -125,12 +126,13 @@ def offline_run(cfgp: Path, run_id: str, shards: int, logs: Path, env: dict, rdi
     return out
 
 
-def streaming_run(cfgp: Path, run_id: str, shards: int, logs: Path, env: dict, rdir: Path) -> dict:
+def streaming_run(cfgp: Path, run_id: str, shards: int, logs: Path, env: dict, rdir: Path,
+                  store_on: str = "training") -> dict:
     t0 = time.time()
     disk = DiskPeak(rdir / "hidden_states")
     try:
-        out = stream_run(cfgp, run_id, shards, capture_cores=CAPTURE_CORE, train_cores=TRAIN_CORE, logs=logs,
-                         env=env, t0=t0)
+        out = stream_run(cfgp, run_id, shards, capture_cores=CAPTURE_CORE, train_cores=TRAIN_CORE,
+                         store_cores=STORE_CORES[store_on], logs=logs, env=env, t0=t0)
     finally:
         disk_peak = disk.stop()
     out["disk_peak_bytes"] = disk_peak
@@ -163,6 +165,9 @@ def main() -> int:
     ap.add_argument("--buffer-fraction", type=float, default=0.25, help="stream.buffer_gib as a fraction of the "
                     "corpus's hidden-state bytes (measured on the first offline run; < 1: capture must wait)")
     ap.add_argument("--shuffle-window", type=int, default=64)
+    ap.add_argument("--store-on", choices=sorted(STORE_CORES), default="training", help="the cores of the store's "
+                    "master and segment holder: the training core (the store lives on the training node), the "
+                    "capture core, or any (on a GPU node they run on its host CPUs, neither GPU)")
     ap.add_argument("--target-layers", type=int, default=0, help="build a Llama target of this many layers (the "
                     "demo's tokenizer and vocabulary, --target-hidden wide) in the work dir, so capture costs about "
                     "what training does; 0 = the demo's tiny target (8 layers, hidden 64)")
@@ -240,7 +245,7 @@ def main() -> int:
             else:
                 assert st_cfg is not None
                 rdir = prepared(st_cfg, run_id)
-                fig = streaming_run(st_cfg, run_id, a.shards, logs, env, rdir)
+                fig = streaming_run(st_cfg, run_id, a.shards, logs, env, rdir, a.store_on)
                 fig["buffer_bytes"] = buffer_bytes
             fig["load_after"] = os.getloadavg()
             rnd[mode] = fig
