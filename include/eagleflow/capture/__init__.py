@@ -1,6 +1,8 @@
-"""The extraction phase: sharded resumable extraction of hidden states through a target server, safe storage.
+"""The hidden states' storage side: how a shard's files are written (``storage``), the manifest both sharded
+phases keep per shard (``manifest``) and the verification of every stored file against it (``verify``).
 
-The servers themselves are the engines' (``eagleflow.engines.<name>``); what every server shares (client,
-launch, dump protocol, capture layers) is ``eagleflow.serving``. Never imports Airflow: it runs on the GPU node
-under the CLI.
+The extraction phase itself (its worker, node commands and lifecycle) is ``eagleflow.phases.extract``; the
+servers are the engines' (``eagleflow.engines.<name>``) and what every server shares is ``eagleflow.serving``.
+``sglang_plugin`` is an old entry point's path, kept for node venvs installed before it moved. Never imports
+Airflow: it runs on the GPU node under the CLI.
 """
