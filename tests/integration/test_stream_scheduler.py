@@ -1,0 +1,158 @@
+"""A streaming run under Airflow's scheduler (issue 53): training takes samples while the extraction shards still
+put them, which dag.test() (one task at a time, a deferred task's watch in line) cannot show.
+
+`airflow standalone` as `make airflow` runs it (eagleflow's supervisor: scheduler, DAG processor, API server,
+triggerer; LocalExecutor, parallelism 4) on free 127.0.0.1 ports in the test's own home, stopped by its process
+group at the end (with the node jobs its run detached). The run is triggered as a user would through the REST API,
+with the conf the trigger form sends: ``{"config_path": ..., "storage": "mooncake"}`` on a config that says disk.
+
+The overlap is forced, not a matter of timing: the corpus's hidden states are several times ``stream.buffer_gib``,
+and a put waits while the store holds the buffer, so the shards' last samples can be put only after the trainer
+has taken, trained and released at least (corpus - buffer) bytes; a scheduler that ran train_draft only after
+the shards would leave capture waiting until StoreFull fails the run. The test reads it from the run's records:
+the ledger's ``taken`` and ``trained`` times against the time each shard's manifest was last written (its
+mtime: the last line's append), and Airflow's own task times.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from eagleflow.airflow.deploy import standalone
+from eagleflow.watchdog.incidents import history
+from tests.fixtures.pipeline_config import write_short_config
+from tests.fixtures.processes import kill_recorded
+
+pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
+
+pytestmark = [pytest.mark.slow]
+
+# samples of about 1 KiB a token here (max_length 128: up to ~135 KiB): a step's 4 and one more fit, the corpus
+# (about 65 samples, 2.5 MiB) is several buffers
+BUFFER_BYTES = 704 << 10
+
+
+def rest(base: str, path: str, token: str | None = None, method: str = "GET", body=None):
+    req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read() or b"null")
+
+
+def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except urllib.error.URLError as e:   # the API server busy or restarting under load: ask again
+            last = e
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+
+
+def iso(t: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.timeout(1500)
+def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_assets):
+    cfg = write_short_config(tmp_path, demo_assets,
+                             stream={"storage": "disk", "buffer_gib": BUFFER_BYTES / (1 << 30), "put_timeout_s": 300},
+                             train={"max_steps": 12, "batch_size": 4, "checkpoint_every": 6, "log_every": 1})
+    home, port = tmp_path / "airflow_home", standalone.free_port()
+    info = None
+    t0 = time.time()
+    try:
+        info = standalone.start(home, port, wait_s=300, extra_env={"EAGLEFLOW_CONFIG": str(cfg)})
+        base = f"http://127.0.0.1:{port}"
+        token = rest(base, "/auth/token", method="POST",
+                     body={"username": "admin", "password": info["password"]})["access_token"]
+
+        def parsed():
+            try:
+                return rest(base, "/api/v2/dags/eagle3_pipeline", token)
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
+                return None
+        wait_for("the DAG processor parsed eagle3_pipeline", parsed, 240)
+        rest(base, "/api/v2/dags/eagle3_pipeline", token, "PATCH", {"is_paused": False})
+        run_id = rest(base, "/api/v2/dags/eagle3_pipeline/dagRuns", token, "POST", {
+            "logical_date": None,
+            "conf": {"config_path": str(cfg), "storage": "mooncake", "run_name": "streamed"}})["dag_run_id"]
+        runs = f"/api/v2/dags/eagle3_pipeline/dagRuns/{quote(run_id)}"
+        state = wait_for("the run to finish", lambda: (s := rest(base, runs, token)["state"]) in ("success", "failed")
+                         and s, 1200, 5)
+        tis = {(t["task_id"], t["map_index"]): t
+               for t in rest(base, f"{runs}/taskInstances?limit=100", token)["task_instances"]}
+    finally:
+        stopped = standalone.stop(home, grace_s=20)
+        kill_recorded(tmp_path / "node-state")
+    print(f"[stream-scheduler] the run ended {state} {time.time() - t0:.0f} s after the test began")
+    states = {k: t["state"] for k, t in tis.items()}
+    run_dir = tmp_path / "runs" / "streamed"
+    log = run_dir / "logs" / "trainer.log"
+    assert state == "success", (states, log.read_text()[-3000:] if log.exists() else "no trainer log")
+    assert stopped and info is not None and not standalone._group_alive(info["pgid"])
+
+    # the Param made it a streaming run, which trained beside the shards, not behind the verification
+    assert json.loads((run_dir / "run-config.json").read_text())["stream"]["storage"] == "mooncake"
+    assert states[("train_from_stream", -1)] == "success" and states[("gpus_idle_after_capture", -1)] == "skipped"
+    shards = sorted(k[1] for k in states if k[0] == "extract_shard")
+    assert shards == [0, 1] and all(states[("extract_shard", s)] == "success" for s in shards), states
+
+    # what the capture wrote: manifests only, the corpus several buffers
+    manifests = sorted((run_dir / "hidden_states").glob("shard_*/manifest.jsonl"))
+    assert len(manifests) == 2 and not list((run_dir / "hidden_states").rglob("*.safetensors"))
+    lines = [json.loads(line) for m in manifests for line in m.read_text().splitlines() if line.strip()]
+    size = {e["id"]: int(e["bytes"]) for e in lines}
+    corpus_bytes = sum(size.values())
+    assert len(size) == len(lines) and corpus_bytes > 2 * BUFFER_BYTES, (len(lines), corpus_bytes)
+    last_line_at = max(m.stat().st_mtime for m in manifests)   # the last shard's last line (appended, then closed)
+
+    # the ledger: exactly once, and when each sample was taken and trained
+    events = [json.loads(line) for line in (run_dir / "draft" / "stream_ledger.jsonl").read_text().splitlines()
+              if line.strip()]
+    taken = [(e["at"], i) for e in events if e.get("event") == "taken" for i in e["ids"]]
+    trained = [(e["at"], i) for e in events if e.get("event") == "trained" for i in e["ids"]]
+    assert sorted(i for _, i in taken) == sorted(i for _, i in trained) == sorted(size), "not exactly once"
+    rec = json.loads((run_dir / "hidden_states" / "stream_verified.json").read_text())
+    assert rec["ok"] and rec["epochs"] == 1 and rec["trained_per_epoch"] == {"0": len(size)}, rec
+
+    first_taken = min(t for t, _ in taken)
+    taken_before = sum(1 for t, _ in taken if t < last_line_at)
+    # released before the last put: trained (the ledger's line comes first), and at least what the buffer could
+    # not hold. 10 ms: a file's mtime comes from the kernel's coarse clock, a few ms behind time.time()
+    trained_before = sum(size[i] for t, i in trained if t < last_line_at + 0.01)
+    print(f"[stream-scheduler] corpus {len(size)} samples, {corpus_bytes:,} bytes through a {BUFFER_BYTES:,}-byte "
+          f"buffer; first sample taken {last_line_at - first_taken:.1f} s before the last manifest line; "
+          f"{taken_before} samples taken and {trained_before:,} bytes trained before it")
+    assert first_taken < last_line_at, (first_taken, last_line_at)
+    assert trained_before >= corpus_bytes - BUFFER_BYTES, (trained_before, corpus_bytes, BUFFER_BYTES)
+
+    # Airflow's own records say the same: train_draft ran while the extraction shards ran
+    train_start = iso(tis[("train_draft", -1)]["start_date"])
+    assert train_start < min(iso(tis[("extract_shard", s)]["end_date"]) for s in shards)
+    assert train_start < first_taken
+    # the store was stopped by the run: no endpoint left
+    assert not (run_dir / "store_endpoint.json").exists()
+
+    # the shards' watch saw them held back by the full store and said so, never a stall: no incident, no restart
+    # of the capture server or a worker, each shard done in its first try
+    assert all(tis[("extract_shard", s)]["try_number"] == 1 for s in shards), tis
+    watch = "".join(p.read_text(errors="replace") for p in (home / "logs").rglob("task_id=extract_shard/**/*.log*"))
+    assert "held back: waiting" in watch and "for room in the run's hidden-state store" in watch
+    assert "STALLED" not in watch and "restarted" not in watch
+    assert not [e for e in history(tmp_path / "node-state") if e.get("event") == "opened"]
