@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from eagleflow.config import stream_host_reachable
 from eagleflow.nodes.base import NodeError
@@ -25,8 +25,9 @@ class EndpointRefused(ValueError):
     """The training node's store answer is not a usable endpoint; the message names the field and value."""
 
 
-def node_endpoint(answer: dict[str, Any], stream_host: str, *, source: str, remote: bool) -> dict[str, Any]:
-    """The endpoint a capture node's sinks read, from the training node's ``store start`` answer (``source``
+def node_endpoint(answer: Mapping[str, object], stream_host: str, *, source: str, remote: bool) -> dict[str, Any]:
+    """The endpoint a capture node's sinks read, from the training node's ``store start`` answer (a node's text:
+    every field is checked before use, hence ``Mapping[str, object]``; ``source``
     names it in errors). ``remote``: the node reaches the training node over the network (loopback refused)."""
     def bad(field: str, why: str) -> EndpointRefused:
         return EndpointRefused(f"{source}: {field} {answer.get(field)!r} {why}; restart the run's store "
@@ -55,7 +56,7 @@ def node_endpoint(answer: dict[str, Any], stream_host: str, *, source: str, remo
             "store_id": store_id}
 
 
-def hand_endpoint_to_nodes(ctx, answer: dict[str, Any], nodes: list[str], log) -> dict[str, str]:
+def hand_endpoint_to_nodes(ctx, answer: Mapping[str, object], nodes: list[str], log) -> dict[str, str]:
     """Write the validated endpoint to each of ``nodes`` (their own view of the run); node -> what happened.
     A node not reached is logged and left out: its workers then fail naming the missing endpoint, and the
     training node takes its shards over (``take_over_shards``), so the other nodes go on."""
