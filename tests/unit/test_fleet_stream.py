@@ -3,6 +3,8 @@ endpoint handed to a capture node is validated, its file is the node's own, and 
 the bound across nodes needs (stores.mooncake.store: MooncakeSink._room)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eagleflow.config import ConfigError, load_config, stream_host_reachable
@@ -85,3 +87,19 @@ def test_each_capture_node_reads_its_own_endpoint_file_and_keeps_room_for_the_ot
                             "stream": {"storage": "mooncake"}})
     s = run_store_settings(one, RunLayout.for_run(one, "r"))
     assert (s.writer_nodes, s.headroom_bytes) == (1, 0)                           # one node: the plain check
+
+
+def test_a_capture_node_sharing_the_run_root_shows_no_store_line_of_the_training_nodes_store(tmp_path):
+    """The GPU view: on n2, the run dir it shares holds n1's endpoint, whose records are n1's: no (false DOWN)
+    store line there; on n1 the same endpoint is its own store's (DOWN here: no process runs)."""
+    from eagleflow.health.node_activity import _store
+    rd = tmp_path / "runs" / "r"
+    rd.mkdir(parents=True)
+    (rd / "run-config.json").write_text(json.dumps({"stream": {"storage": "mooncake", "buffer_gib": 0.001}}))
+    (rd / "store_endpoint.json").write_text(json.dumps(
+        {"host": "10.0.0.5", "rpc_port": 1, "metadata_port": 2, "metrics_port": 3, "segment_bytes": 4,
+         "master_pid_file": str(tmp_path / "state-n1" / "pids" / "r.mooncake-master.json"),
+         "segment_pid_file": str(tmp_path / "state-n1" / "pids" / "r.mooncake-segment.json"), "store_id": "s1"}))
+    assert _store(rd, "r", {"worker_shard_00001"}, [], tmp_path / "state-n2") is None
+    home = _store(rd, "r", set(), [], tmp_path / "state-n1")
+    assert home is not None and not home.ok and "mooncake-master is not running" in home.detail

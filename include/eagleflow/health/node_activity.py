@@ -348,10 +348,12 @@ def _store_progress(h: Mapping[str, Any]) -> StoreProgress | None:
                          allocated_bytes=count("allocated_bytes"), buffer_bytes=count("buffer_bytes"))
 
 
-def _store(run_dir: Path, run_id: str, roles: set[str], skipped: list[str] | None = None) -> StoreProgress | None:
+def _store(run_dir: Path, run_id: str, roles: set[str], skipped: list[str] | None = None,
+           state_dir: Path | None = None) -> StoreProgress | None:
     """The run's streaming store (its frozen config's ``stream.storage``), while the run has one: its endpoint
     written (started, not yet stopped) or a process of its server alive. None for a store without a server
-    (disk) or a run without a frozen config."""
+    (disk) or a run without a frozen config, and on a fleet's capture node sharing the run root: the endpoint
+    there is the training node's, its pid records not this node's (``state_dir``), so they would read as dead."""
     cfg_file = run_dir / "run-config.json"
     try:
         stream = bounded_json.read(cfg_file).get("stream") or {}
@@ -360,7 +362,7 @@ def _store(run_dir: Path, run_id: str, roles: set[str], skipped: list[str] | Non
     except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         return None    # no frozen config yet (or not one): nothing says the run streams
     endpoint = run_dir / "store_endpoint.json"
-    if store is None or not store.health or not (endpoint.exists() or roles & set(store.roles)):
+    if store is None or not store.health or not (_endpoint_here(endpoint, state_dir) or roles & set(store.roles)):
         return None
     settings = StoreSettings(run_id=run_id, root=str(run_dir / "hidden_states"), buffer_bytes=buffer_bytes,
                              endpoint_file=str(endpoint))
@@ -374,6 +376,20 @@ def _store(run_dir: Path, run_id: str, roles: set[str], skipped: list[str] | Non
     if progress is None and skipped is not None:
         skipped.append(f"run {run_id} store: its health answer is not one ({str(h)[:200]}); left out")
     return progress
+
+
+def _endpoint_here(endpoint: Path, state_dir: Path | None) -> bool:
+    """A store endpoint whose processes are recorded on this node (its master's pid record under ``state_dir``;
+    any written endpoint when the state dir is not known)."""
+    if not endpoint.exists():
+        return False
+    if state_dir is None:
+        return True
+    try:
+        record = str(bounded_json.read(endpoint).get("master_pid_file") or "")
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        return True          # unreadable: the health read names it
+    return not record or Path(record).parent == state_dir / "pids"   # no record named: the health read says so
 
 
 def _incidents(state_dir: Path, now: float, skipped: list[str] | None = None) -> list[dict]:
@@ -479,7 +495,7 @@ def collect(state_dir: str | Path, now: float | None = None) -> NodeActivity:
         train = _training(rd, act.skipped)
         if train is not None:
             act.training[run_id] = train
-        store = _store(rd, run_id, roles.get(run_id, set()), act.skipped)
+        store = _store(rd, run_id, roles.get(run_id, set()), act.skipped, state_dir)
         if store is not None:
             act.stores[run_id] = store
     act.incidents = _incidents(state_dir, now, act.skipped)
