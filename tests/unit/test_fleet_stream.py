@@ -103,3 +103,29 @@ def test_a_capture_node_sharing_the_run_root_shows_no_store_line_of_the_training
     assert _store(rd, "r", {"worker_shard_00001"}, [], tmp_path / "state-n2") is None
     home = _store(rd, "r", set(), [], tmp_path / "state-n1")
     assert home is not None and not home.ok and "mooncake-master is not running" in home.detail
+
+
+def test_each_capture_node_gets_the_endpoint_and_a_restarted_stores_new_one(tmp_path):
+    """hand_endpoint_to_capture_nodes (start_store, and the trainer's retry after restarting a lost store): every
+    other node with extraction shards gets the store's endpoint in its own file, a new incarnation replacing the
+    old; the training node's own file is never written; outside a fleet, nothing."""
+    from eagleflow.airflow.runtime import RunContext
+    from eagleflow.fleet.stream import hand_endpoint_to_capture_nodes
+    nodes = [{"name": n, "has_gpu": False, "state_dir": str(tmp_path / f"state-{n}")} for n in ("n1", "n2", "n3")]
+    cfg = load_config(data={"target_model": "/m", "run_root": str(tmp_path / "runs"), "capture": {"shards": 2},
+                            "server": {"dump_dir": "/d"}, "stream": {"storage": "mooncake"},
+                            "fleet": {"nodes": nodes, "training_node": "n1"}})
+    ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, "r"))
+    said: list[str] = []
+    got = hand_endpoint_to_capture_nodes(ctx, answer(host="127.0.0.1", store_id="one"), said.append)
+    run_dir = tmp_path / "runs" / "r"
+    assert got == {"n2": f"written to {run_dir / 'store_endpoint.n2.json'}"}     # n3 has no shard of 2
+    assert not (run_dir / "store_endpoint.json").exists() and not (run_dir / "store_endpoint.n3.json").exists()
+    hand_endpoint_to_capture_nodes(ctx, answer(host="127.0.0.1", store_id="two", rpc_port=50011), said.append)
+    assert json.loads((run_dir / "store_endpoint.n2.json").read_text())["store_id"] == "two"
+    assert json.loads((run_dir / "store_endpoint.n2.json").read_text())["rpc_port"] == 50011
+    assert any("store two" in line and "handed to node n2" in line for line in said), said
+    one = load_config(data={"target_model": "/m", "run_root": str(tmp_path / "runs"), "server": {"dump_dir": "/d"},
+                            "stream": {"storage": "mooncake"}})
+    assert hand_endpoint_to_capture_nodes(RunContext(cfg=one, layout=RunLayout.for_run(one, "r")), answer(),
+                                          said.append) == {}

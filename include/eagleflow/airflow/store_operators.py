@@ -27,8 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator
 from eagleflow.airflow.runtime import RunContext
-from eagleflow.fleet.assign import shards_of
-from eagleflow.fleet.stream import EndpointRefused, hand_endpoint_to_nodes
+from eagleflow.fleet.stream import EndpointRefused, hand_endpoint_to_capture_nodes
 from eagleflow.nodes import NodeError
 from eagleflow.stores import Store, store_for
 
@@ -67,10 +66,8 @@ class StartStoreOperator(RunOperator):
         self.log.info("%s of run %s %s on node %s: %s", store.label, ctx.layout.run_id,
                       "attached (already running)" if info.get("attached") else "started", ctx.node.name, info)
         if ctx.cfg.is_fleet:   # the other capture nodes put into this store: each gets its endpoint
-            home = ctx.cfg.fleet.training_node
-            nodes = [n.name for n in ctx.cfg.nodes_in_use() if n.name != home and shards_of(ctx.cfg, n.name)]
             try:
-                info["handed_to"] = hand_endpoint_to_nodes(ctx, info, nodes, self.log.info)
+                info["handed_to"] = hand_endpoint_to_capture_nodes(ctx, info, self.log.info)
             except EndpointRefused as e:
                 raise AirflowFailException(str(e)) from None
         return info

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from eagleflow.airflow.base import RunOperator, default_deferrable
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.airflow.store_operators import StoreAnswer
+from eagleflow.fleet.stream import hand_endpoint_to_capture_nodes
 from eagleflow.phases import EXTRACT, KINDS
 from eagleflow.protocol import ClaimAnswer
 from eagleflow.engines import eval_engine
@@ -97,6 +98,8 @@ class TrainDraftOperator(RunOperator):
         self.log.warning("retry: %s; the run's store %s on node %s (store id %s)", why,
                          "was running again (attached)" if info.get("attached") else "restarted", ctx.node.name,
                          info.get("store_id"))
+        # a fleet's capture nodes put into the new incarnation (new ports, new store id): each gets it again
+        hand_endpoint_to_capture_nodes(ctx, info, self.log.info)
         # the extraction shards with no worker now whose samples went with the store: rerun at once by reconcile's
         # claim (a shard whose task had succeeded has no retry of its own); a complete or attended shard is skipped
         for shard in range(KINDS[EXTRACT].num_shards(ctx.cfg)):

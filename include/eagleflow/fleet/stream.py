@@ -15,6 +15,7 @@ import re
 from typing import Any, Mapping
 
 from eagleflow.config import stream_host_reachable
+from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
 
 PORT_FIELDS = ("rpc_port", "metadata_port", "metrics_port")
@@ -54,6 +55,16 @@ def node_endpoint(answer: Mapping[str, object], stream_host: str, *, source: str
         raise bad("store_id", "is not a store incarnation id (letters, digits, '_.-', at most 64)")
     return {"host": host, **ports, "segment_bytes": seg, "master_pid_file": "", "segment_pid_file": "",
             "store_id": store_id}
+
+
+def hand_endpoint_to_capture_nodes(ctx, answer: Mapping[str, object], log) -> dict[str, str]:
+    """``hand_endpoint_to_nodes`` for every node of the run other than the training node that has extraction
+    shards ({} outside a fleet): after the store's start, and again after a restart (a new incarnation's ports)."""
+    if not ctx.cfg.is_fleet:
+        return {}
+    home = ctx.cfg.fleet.training_node
+    nodes = [n.name for n in ctx.cfg.nodes_in_use() if n.name != home and shards_of(ctx.cfg, n.name)]
+    return hand_endpoint_to_nodes(ctx, answer, nodes, log)
 
 
 def hand_endpoint_to_nodes(ctx, answer: Mapping[str, object], nodes: list[str], log) -> dict[str, str]:
