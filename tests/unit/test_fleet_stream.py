@@ -129,3 +129,23 @@ def test_each_capture_node_gets_the_endpoint_and_a_restarted_stores_new_one(tmp_
                             "stream": {"storage": "mooncake"}})
     assert hand_endpoint_to_capture_nodes(RunContext(cfg=one, layout=RunLayout.for_run(one, "r")), answer(),
                                           said.append) == {}
+
+
+def test_a_capture_node_knows_the_running_store_by_its_master_answering(tmp_path):
+    """The Mooncake resume on a fleet's capture node: the training node's pid records are not provable there (its
+    processes run on another machine), so the store running now is the one whose master answers at the endpoint;
+    a master that does not answer is no store (every line kept, as before)."""
+    import socket
+    from eagleflow.stores.mooncake.store import _current_store_id
+    ep_file = tmp_path / "store_endpoint.json"
+    with socket.socket() as rpc, socket.socket() as met:
+        for s in (rpc, met):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        ep = {"host": "127.0.0.1", "rpc_port": rpc.getsockname()[1], "metadata_port": 1,
+              "metrics_port": met.getsockname()[1], "segment_bytes": 4, "store_id": "B",
+              "master_pid_file": str(tmp_path / "n1-state" / "pids" / "r.mooncake-master.json"),
+              "segment_pid_file": str(tmp_path / "n1-state" / "pids" / "r.mooncake-segment.json")}
+        ep_file.write_text(json.dumps(ep))
+        assert _current_store_id(ep_file) == "B"
+    assert _current_store_id(ep_file) == ""                                     # nothing answers there now

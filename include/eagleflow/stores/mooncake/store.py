@@ -333,9 +333,18 @@ def resume_rule(scan: ManifestScan, store_id: str, trained: set[str]) -> ResumeC
 
 
 def _current_store_id(endpoint_file: Path) -> str:
-    """The incarnation of the run's store when it runs (records alive, master answering), else ""."""
+    """The incarnation of the run's store when it runs (records alive, master answering), else "". A fleet's
+    capture node cannot prove the training node's records alive (its processes are on another machine): then
+    the master answering at the endpoint's address is the proof."""
     ep = running_store(endpoint_file)
-    return ep.store_id if ep is not None else ""
+    if ep is not None:
+        return ep.store_id
+    try:
+        ep = MooncakeEndpoint.read(endpoint_file)
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    # a dead master's ports taken by another process would keep the dead store's lines: no looser than "" (all kept)
+    return ep.store_id if reachable(ep.host, ep.rpc_port) and reachable(ep.host, ep.metrics_port) else ""
 
 
 def open_sink(settings: StoreSettings, shard: int) -> MooncakeSink:
