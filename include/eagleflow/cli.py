@@ -18,7 +18,7 @@ from .phases import KINDS, commands_module
 # come from the phases' registry (eagleflow.phases: its folder's ``commands``), after the corpus
 _COMMAND_MODULES = [
     "eagleflow.gpu.commands",
-    "eagleflow.corpus.commands",
+    "eagleflow.corpus_commands",
     *(commands_module(kind) for kind in KINDS.values()),
     "eagleflow.watchdog.commands",
     "eagleflow.train.commands",

@@ -18,7 +18,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from pydantic import BaseModel, ConfigDict
 
 from eagleflow.airflow.base import RunOperator
-from eagleflow.corpus.commands import EXIT_BAD_INPUT, EXIT_BAD_RECORDS, EXIT_NOT_ENOUGH_DISK, EXIT_REFUSED
+from eagleflow.corpus_commands import EXIT_BAD_INPUT, EXIT_BAD_RECORDS, EXIT_NOT_ENOUGH_DISK, EXIT_REFUSED
 from eagleflow.nodes import NodeCommandFailed
 
 CORPUS_ASSET = Asset(name="eagleflow_corpus", uri="eagleflow://corpus")

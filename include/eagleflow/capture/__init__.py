@@ -3,6 +3,5 @@ phases keep per shard (``manifest``) and the verification of every stored file a
 
 The extraction phase itself (its worker, node commands and lifecycle) is ``eagleflow.phases.extract``; the
 servers are the engines' (``eagleflow.engines.<name>``) and what every server shares is ``eagleflow.serving``.
-``sglang_plugin`` is an old entry point's path, kept for node venvs installed before it moved. Never imports
-Airflow: it runs on the GPU node under the CLI.
+Never imports Airflow: it runs on the GPU node under the CLI.
 """

@@ -1,5 +1,8 @@
 """`eagleflow corpus ...`: prepare, stats, budget, delete-caches.
 
+A top-level module, above both the corpus package and the generation phase: ``prepare`` hands the
+generation phase's results to ``corpus.prepare`` (which must not import the phase: it reads the corpus).
+
 Each command prints human-readable lines and, as its last stdout line, one
 JSON object, which the Airflow operators parse.
 """
@@ -11,11 +14,12 @@ import sys
 
 from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.nodes import LocalNode
-from .budget import BudgetError, check_budget
-from .caches import CacheDeletionRefused, delete_old_caches
-from .prepare import BadRecordsError, prepare_corpus, read_stats
-from .sources import SourceError
-from .tokenize import TemplateError
+from eagleflow.corpus.budget import BudgetError, check_budget
+from eagleflow.corpus.caches import CacheDeletionRefused, delete_old_caches
+from eagleflow.corpus.prepare import BadRecordsError, prepare_corpus, read_stats
+from eagleflow.corpus.sources import SourceError
+from eagleflow.corpus.tokenize import TemplateError
+from eagleflow.phases.generate.phase import GeneratedSources
 
 EXIT_BAD_INPUT = 2  # a source that cannot be read, a chat template that cannot render the records
 EXIT_BAD_RECORDS = 3
@@ -30,7 +34,8 @@ def _log(line: str) -> None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     cfg, layout = run_from_args(args)
     try:
-        stats = prepare_corpus(cfg, layout, num_proc=args.num_proc, mask_method=args.mask_method, log=_log)
+        stats = prepare_corpus(cfg, layout, num_proc=args.num_proc, mask_method=args.mask_method, log=_log,
+                               regenerated=GeneratedSources(cfg, layout))
     except BadRecordsError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_RECORDS
