@@ -151,8 +151,9 @@ class RunLayout:
     @property
     def store_endpoint_file(self) -> PurePosixPath:
         """A streaming store's endpoint (``stream.storage: mooncake``): written by ``eagleflow store start`` on the
-        training node, read by every sink and source of the run."""
-        return self.run_dir / "store_endpoint.json"
+        training node, read by every sink and source of the run; another fleet node's copy is tagged with its
+        name (handed to it by start_store, ``eagleflow.fleet.stream``)."""
+        return self.run_dir / self._tagged("store_endpoint", ".json")
 
     @property
     def stream_ledger_file(self) -> PurePosixPath:

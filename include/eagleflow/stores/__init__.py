@@ -37,6 +37,14 @@ class StoreSettings:
     endpoint_file: str = ""
     put_timeout_s: float = 600.0
     get_timeout_s: float = 60.0
+    # a fleet: ``writer_nodes`` nodes put at once, each serialising only its own writers, so each keeps
+    # (writer_nodes - 1) x ``max_sample_bytes`` of the buffer free for the others' puts in flight (stores.mooncake)
+    writer_nodes: int = 1
+    max_sample_bytes: int = 0
+
+    @property
+    def headroom_bytes(self) -> int:
+        return max(0, self.writer_nodes - 1) * self.max_sample_bytes
 
 
 @dataclass(frozen=True)
@@ -93,9 +101,15 @@ STORES: dict[str, Store] = {s.name: s for s in (
 def run_store_settings(cfg: Any, layout: Any, root: str | None = None) -> StoreSettings:
     """The ``StoreSettings`` of one run, from its config (``stream``, ``capture``) and layout; ``root``: another
     hidden-states folder than the run's training store (the held-out capture's, which is always on disk)."""
+    buffer = int(cfg.stream.buffer_gib * (1 << 30))
+    # every node the run uses may put (its own shards, or the training node's takeover): a conservative count
+    nodes = len(cfg.nodes_in_use()) if cfg.is_fleet else 1
+    largest = cfg.stream.max_sample_mib
+    max_sample = int(largest * (1 << 20)) if largest else buffer // (4 * nodes)
     return StoreSettings(run_id=str(layout.run_id), root=str(root or layout.hidden_states_dir),
-                         store_dtype=cfg.capture.store_dtype, buffer_bytes=int(cfg.stream.buffer_gib * (1 << 30)),
-                         endpoint_file=str(layout.store_endpoint_file), put_timeout_s=cfg.stream.put_timeout_s)
+                         store_dtype=cfg.capture.store_dtype, buffer_bytes=buffer,
+                         endpoint_file=str(layout.store_endpoint_file), put_timeout_s=cfg.stream.put_timeout_s,
+                         writer_nodes=nodes, max_sample_bytes=max_sample if nodes > 1 else 0)
 
 
 def store_for(name: str, field: str = "stream.storage") -> Store:
