@@ -208,6 +208,9 @@ with DAG(
     # when training may start: a streaming run beside the extraction shards (train_from_stream), an offline
     # run behind verification (gpus_idle_after_capture); the path not taken is skipped at once
     train_from_stream = EmptyOperator(task_id="train_from_stream")
+    # streaming, the capture server keeps its GPUs while training starts: the trainer's GPUs only are gated (the
+    # config refuses a trainer on the server's GPUs: PipelineConfig._stream_trainer_beside_server)
+    trainer_idle = GpuIdleSensor(task_id="trainer_gpus_idle", pool=NODE.pool, gpus="trainer")
     choose_start = ChooseTrainingStartOperator(task_id="choose_training_start", stream_task=train_from_stream.task_id,
                                                offline_task=idle_after.task_id)
     # either path: it never runs after a failed one (none_failed), and an offline run's only path is verified
@@ -269,7 +272,7 @@ with DAG(
     # it starts once the capture is ready and the store runs, and verification reads its exactly-once record
     [home["free_after"], verify, home["held_out"]] >> idle_after >> train >> export >> eval_free >> eval_idle >> evaluate
     [start_store, dag.get_task(home["plan_task_id"])] >> choose_start >> [idle_after, train_from_stream]
-    train_from_stream >> train
+    train_from_stream >> trainer_idle >> train
     # the store stopped once nothing uses it any more (the trainer and the verification that reads its record)
     [train, verify] >> stop_store
     evaluate >> eval_free_after.as_teardown(setups=eval_idle)

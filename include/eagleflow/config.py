@@ -311,6 +311,20 @@ def check_export_format(name: str) -> str:
 ExportFormat = Annotated[str, AfterValidator(check_export_format), Choices(export_formats)]
 
 
+def server_flag_int(args: list[str], flag: str) -> int | None:
+    """The integer an engine flag (``--flag N``, ``--flag=N``, ``_`` for ``-``) gets from extra server args; the
+    last one wins, as argparse reads it; None when unset or not an integer."""
+    found: int | None = None
+    toks = [t for a in args for t in str(a).split(None, 1)]
+    for i, tok in enumerate(toks):
+        name, eq, val = tok.partition("=")
+        if name.lstrip("-").replace("_", "-") != flag or not name.startswith("--"):
+            continue
+        val = val if eq else (toks[i + 1] if i + 1 < len(toks) else "")
+        found = int(val) if val.strip().lstrip("-").isdigit() else found
+    return found
+
+
 def stream_host_reachable(host: str) -> bool:
     """An address other machines can connect to: not loopback (127/8, ::1, localhost) nor a wildcard."""
     h = host.strip("[]").lower()
@@ -727,6 +741,65 @@ class PipelineConfig(_Section):
                              f"over the network: set stream.host to {home.name}'s address reachable from them (the "
                              "store's master and segment holder bind it), or use stream.storage disk")
         return self
+
+    def server_gpu_slots(self) -> list[int]:
+        """The capture server's GPUs on this node, as positions in the run's GPU list (``gpu_at``): none on a CPU
+        node or for an engine on the CPU (hf with server.device cpu); else server.tp of them (one for hf) from
+        sglang's ``--base-gpu-id`` (0 unless server.extra_server_args sets it), ``--gpu-id-step`` apart. The
+        engines take CUDA's devices from 0, as the node's environment shows them."""
+        needs_gpu = engine(self.capture.backend, "capture.backend").needs_gpu
+        if not self.node.has_gpu or not (needs_gpu or self.server.device != "cpu"):
+            return []
+        base = server_flag_int(self.server.extra_server_args, "base-gpu-id") or 0
+        step = server_flag_int(self.server.extra_server_args, "gpu-id-step") or 1
+        return [base + i * step for i in range(self.server.tp if needs_gpu else 1)]
+
+    def train_gpu_slots(self) -> list[int]:
+        """The trainer's GPUs on this node, as positions in the run's GPU list: none on a CPU node or with
+        train.device cpu; else the first train.nproc_per_node (each process takes CUDA device LOCAL_RANK)."""
+        if not self.node.has_gpu or self.train.device == "cpu":
+            return []
+        return list(range(self.train.nproc_per_node))
+
+    def gpu_at(self, slots: list[int]) -> list[str]:
+        """The GPUs (as gpu.select names them: UUID or index) at these positions of the run's GPU list: gpu.select
+        in its order (the node's CUDA_VISIBLE_DEVICES is expected to list the same GPUs), or every GPU by index
+        when it is empty."""
+        select = [str(g) for g in self.gpu.select]
+        return [select[i] if select else str(i) for i in slots if not select or i < len(select)]
+
+    @model_validator(mode="after")
+    def _stream_trainer_beside_server(self) -> "PipelineConfig":
+        """A streaming run trains while the capture server still holds its GPUs (gpus_idle_after_capture is
+        skipped): on a GPU node the trainer's GPUs must not be the server's."""
+        if not (store_for(self.stream.storage).streaming and self.node.has_gpu):
+            return self
+        if self.fleet.nodes and self.node.name != self.fleet.training_node:
+            return self                       # a capture node's view: the trainer runs on the training node
+        server, train = self.server_gpu_slots(), self.train_gpu_slots()
+        both = sorted(set(server) & set(train))
+        select = list(self.gpu.select)
+        past = [i for i in server + train if select and i >= len(select)]
+        if not both and not past:
+            return self
+        base = server_flag_int(self.server.extra_server_args, "base-gpu-id")
+        placed = (f"server.tp = {self.server.tp}, --base-gpu-id in server.extra_server_args: "
+                  f"{'unset, 0' if base is None else base}"
+                  if engine(self.capture.backend, "capture.backend").needs_gpu
+                  else f"server.device {self.server.device!r}")
+        where = (f"the capture server's GPU(s) {server} (capture.backend {self.capture.backend!r}, {placed}) and "
+                 f"the trainer's {train} (train.device {self.train.device!r}, "
+                 f"train.nproc_per_node = {self.train.nproc_per_node}), positions in gpu.select "
+                 f"({', '.join(map(str, select)) or 'empty: every GPU by index'})")
+        if past:
+            raise ValueError(f"stream.storage {self.stream.storage!r} trains beside capture on "
+                             f"{where}: position(s) {sorted(set(past))} are past the end of gpu.select; list "
+                             "enough GPUs in gpu.select for both")
+        raise ValueError(f"stream.storage {self.stream.storage!r} trains while the capture server still holds its "
+                         f"GPUs, but {where} share position(s) {both} (GPU(s) {', '.join(self.gpu_at(both))}): "
+                         f"give the server other GPUs (server.extra_server_args ['--base-gpu-id', "
+                         f"'{self.train.nproc_per_node}'] with sglang), set train.device cpu, or use "
+                         "stream.storage disk (offline: training starts once capture freed its GPUs)")
 
     def nodes_in_use(self) -> list[FleetNodeConfig]:
         """The fleet nodes this run uses, in the fleet's order (one implicit node without a fleet)."""

@@ -48,9 +48,10 @@ PIPELINE_UPSTREAM = {
     "verify_hidden_states": {"extract_shard"},
     "choose_training_start": {"start_store", "plan_shards"},
     "train_from_stream": {"choose_training_start"},
+    "trainer_gpus_idle": {"train_from_stream"},
     "gpus_idle_after_capture": {"verify_hidden_states", "free_gpus_after_capture", "capture_held_out",
                                 "choose_training_start"},
-    "train_draft": {"gpus_idle_after_capture", "train_from_stream"},
+    "train_draft": {"gpus_idle_after_capture", "trainer_gpus_idle"},
     "stop_store": {"train_draft", "verify_hidden_states"},
     "export_draft": {"train_draft"},
     # evaluation: GPU gates, its servers freed however it ends
@@ -99,8 +100,12 @@ def test_every_server_and_the_evaluation_start_right_behind_a_free_then_idle_gat
         assert isinstance(idle, GpuIdleSensor) and isinstance(free, FreeGpusOperator), task_id
         assert (idle.phase == "generate") is generation and (free.phase == "generate") is generation, task_id
         assert idle.deferrable, f"{idle.task_id} would hold a worker slot while it waits"
-    # training waits for idle GPUs too (the capture server's memory freed)
+    # training waits for idle GPUs too (the capture server's memory freed); streaming, its own GPUs only (the
+    # capture server still holds the others)
     assert isinstance(pipeline.get_task("gpus_idle_after_capture"), GpuIdleSensor)
+    assert pipeline.get_task("gpus_idle_after_capture").gpus == "run"
+    stream_idle = pipeline.get_task("trainer_gpus_idle")
+    assert isinstance(stream_idle, GpuIdleSensor) and stream_idle.gpus == "trainer" and stream_idle.deferrable
 
 
 @pytest.mark.parametrize("setup, teardowns", [
@@ -140,7 +145,7 @@ def test_verification_runs_after_failed_shards_and_only_its_success_lets_trainin
     # upstream-failed way in stops it (none_failed), and it never runs with both skipped (min_one_success)
     train = pipeline.get_task("train_draft")
     assert train.trigger_rule == "none_failed_min_one_success"
-    assert train.upstream_task_ids == {"gpus_idle_after_capture", "train_from_stream"}
+    assert train.upstream_task_ids == {"gpus_idle_after_capture", "trainer_gpus_idle"}
     choose = pipeline.get_task("choose_training_start")
     assert choose.downstream_task_ids == {"gpus_idle_after_capture", "train_from_stream"}
     assert (choose.offline_task, choose.stream_task) == ("gpus_idle_after_capture", "train_from_stream")

@@ -144,6 +144,10 @@ class GpuIdleSensor(RunSensor):
     (default 5 s) in ``mode`` poke or reschedule, holding one node connection across pokes in poke mode.
     On the deadline it fails with each GPU that is not idle and each process on it (pid, user, command,
     MiB); the failure is retryable, so the task's retries retry it.
+
+    ``gpus``: which GPUs it judges: ``run`` (gpu.select, all when empty) or ``trainer`` (the trainer's only,
+    PipelineConfig.train_gpu_slots: a streaming trainer starts while the capture server still holds its own,
+    so those are left out; a trainer on the CPU has none and the gate passes).
     """
 
     ui_color = "#e8f5e9"
@@ -151,8 +155,11 @@ class GpuIdleSensor(RunSensor):
                     "them (see the processes below) or set force_free_gpus.")
 
     def __init__(self, *, gate_timeout_s: float | None = None, poke_interval: float = 5.0, phase: str | None = None,
-                 guards: str | None = None, **kw):
+                 guards: str | None = None, gpus: str = "run", **kw):
         super().__init__(poke_interval=poke_interval, **kw)
+        if gpus not in ("run", "trainer"):
+            raise ValueError(f"GpuIdleSensor gpus={gpus!r}: 'run' (gpu.select) or 'trainer' (the trainer's GPUs)")
+        self.gpus = gpus
         self.gate_timeout_s = gate_timeout_s
         # phase: the sharded phase (its name) whose server this gate clears the way for (None: none)
         self.phase = kind_of(phase).phase if phase is not None else None
@@ -162,10 +169,14 @@ class GpuIdleSensor(RunSensor):
     def _gate_timeout(self, ctx: RunContext) -> float:
         return float(self.gate_timeout_s if self.gate_timeout_s is not None else ctx.cfg.gpu.idle_timeout_s)
 
+    def _select(self, cfg) -> list[str] | None:
+        """The GPUs this gate judges: None = the run's gpu.select; for ``trainer``, the trainer's (maybe none)."""
+        return cfg.gpu_at(cfg.train_gpu_slots()) if self.gpus == "trainer" else None
+
     def _check(self, ctx: RunContext, gate=None):
         """One reading through ``gate`` (or a new one on the run's node); errors as task failures."""
         try:
-            return (gate or IdleGate(ctx.node, ctx.cfg)).check()
+            return (gate or IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg))).check()
         except NoGpuError as e:
             raise AirflowFailException(f"{e}\n(the config says node.has_gpu: true)") from None
         except (GpuProbeError, NodeError, ValueError) as e:
@@ -179,6 +190,10 @@ class GpuIdleSensor(RunSensor):
             if not ctx.cfg.node.has_gpu:
                 self.log.info(no_gpu_message(ctx.cfg))
                 return None
+            if self.gpus == "trainer" and not self._select(ctx.cfg):
+                self.log.info("train.device is %r: the trainer takes no GPU of node %s, nothing to check",
+                              ctx.cfg.train.device, ctx.cfg.node.name)
+                return None
             timeout = self._gate_timeout(ctx)
             report = self._check(ctx)  # one cheap look before deferring or poking
             if report.all_idle:
@@ -190,7 +205,8 @@ class GpuIdleSensor(RunSensor):
             ctx.close()
         end_at = self.gate_started_at(context) + timeout
         if self.deferrable:
-            self.defer(trigger=GpuIdleTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval),
+            self.defer(trigger=GpuIdleTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval,
+                                              select=self._select(ctx.cfg)),
                        method_name="execute_complete", timeout=timedelta(seconds=timeout + 300))
         try:
             return super().execute(context)
@@ -205,7 +221,7 @@ class GpuIdleSensor(RunSensor):
     def poke(self, context) -> bool:
         if self._gate is None:  # held across pokes in poke mode: one connection for the whole wait
             ctx = RunContext.from_airflow(context)
-            self._gate = (ctx, IdleGate(ctx.node, ctx.cfg))
+            self._gate = (ctx, IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg)))
         ctx, gate = self._gate
         report = self._check(ctx, gate)
         timeout = self._gate_timeout(ctx)

@@ -1,8 +1,9 @@
 """GpuIdleTrigger: waits in the triggerer until every selected GPU of the run's node is idle.
 
 Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), the absolute
-wall-clock deadline ``end_at`` and the sensor's poll interval; the GPU selection, baselines and
-thresholds come from the node's frozen run-config.json.
+wall-clock deadline ``end_at``, the sensor's poll interval, and ``select`` only for a gate on some of the
+run's GPUs (the streaming trainer's); the run's GPU selection, baselines and thresholds come from the node's
+frozen run-config.json.
 
 One node object (so one SSH connection) is held for the trigger's whole run;
 every blocking call (SSH, NVML, reading the baseline) goes through
@@ -28,16 +29,21 @@ from eagleflow.nodes import NodeError
 class GpuIdleTrigger(BaseTrigger):
     MAX_FAILURES = 5  # GPU readings failing in a row before the trigger gives up
 
-    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 5.0):
+    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 5.0,
+                 select: list[str] | None = None):
         super().__init__()
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
+        self.select = None if select is None else [str(g) for g in select]   # None: the run's gpu.select
         self.max_failures = self.MAX_FAILURES
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s})
+        kwargs: dict[str, Any] = {"run": self.run_ref.to_dict(), "end_at": self.end_at,
+                                  "poll_interval_s": self.poll_interval_s}
+        if self.select is not None:           # a gate on some of the run's GPUs (the trainer's)
+            kwargs["select"] = self.select
+        return (f"{type(self).__module__}.{type(self).__qualname__}", kwargs)
 
     async def run(self):
         try:
@@ -52,7 +58,7 @@ class GpuIdleTrigger(BaseTrigger):
             while True:
                 try:
                     if gate is None:
-                        gate = await asyncio.to_thread(IdleGate, ctx.node, ctx.cfg)
+                        gate = await asyncio.to_thread(IdleGate, ctx.node, ctx.cfg, None, self.select)
                     report = await asyncio.to_thread(gate.check)
                     failures = 0
                 except NoGpuError as e:

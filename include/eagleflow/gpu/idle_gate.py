@@ -31,16 +31,18 @@ def load_policy(node: Node, cfg) -> IdlePolicy:
 
 
 class IdleGate:
-    """One node's probe and policy, reused across polls (one SSH connection)."""
+    """One node's probe and policy, reused across polls (one SSH connection). ``select``: the GPUs it judges
+    (UUIDs or indices, as gpu.select names them); None = gpu.select (all when empty)."""
 
-    def __init__(self, node: Node, cfg, probe: GpuProbe | None = None):
+    def __init__(self, node: Node, cfg, probe: GpuProbe | None = None, select: list[str] | None = None):
         self.node = node
         self.cfg = cfg
+        self.select = list(cfg.gpu.select) if select is None else list(select)
         self.probe = probe or probe_for(node, cfg)
         self.policy = load_policy(node, cfg)
 
     def check(self) -> IdleReport:
-        return self.policy.evaluate(self.probe.snapshot(), self.cfg.gpu.select, self.node.name)
+        return self.policy.evaluate(self.probe.snapshot(), self.select, self.node.name)
 
     def wait(self, timeout_s: float, poll_s: float, log: Callable[[str], None] = print,
              sleep: Callable[[float], None] = time.sleep) -> IdleReport:
