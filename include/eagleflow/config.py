@@ -351,6 +351,16 @@ class StreamConfig(_Section):
                                          "one capture node puts; each node keeps (nodes - 1) x this free for the "
                                          "other nodes' puts in flight (their room checks are not serialised with "
                                          "its own); null = buffer_gib / (4 x nodes); a larger sample is refused")
+    master: str = Field(default="", description="mooncake: an existing Mooncake master to use, \"host:rpc_port\" "
+                        "(started by someone else, with its HTTP metadata server and a short -default_kv_lease_ttl); "
+                        "the run then starts no master, only its segment holder against it, and never signals it; "
+                        "\"\" = the run starts and stops its own master")
+    master_metadata_port: int = Field(default=8080, ge=1, le=65535, description="mooncake with master: the "
+                                      "existing master's HTTP metadata server port on its host (mooncake_master "
+                                      "-http_metadata_server_port; its default 8080)")
+    master_metrics_port: int = Field(default=9003, ge=1, le=65535, description="mooncake with master: the "
+                                     "existing master's metrics port on its host (mooncake_master -metrics_port; its "
+                                     "default 9003): the buffer's backpressure reads it")
 
     @field_validator("storage")
     @classmethod
@@ -360,6 +370,47 @@ class StreamConfig(_Section):
         except UnknownStore as e:
             raise ValueError(str(e)) from None
         return v
+
+    @field_validator("master")
+    @classmethod
+    def _master_address(cls, v: str) -> str:
+        if v == "":
+            return v
+        host, sep, port = v.rpartition(":")
+        # what is wrong is said, the value itself only once it is an address (docs/safety.md: a config's errors
+        # never echo a value that may be a secret pasted in the wrong place)
+        wrong = ("has no ':rpc_port'" if not sep else
+                 "has a host with characters other than letters, digits and '_.-'" if not re.fullmatch(
+                     r"[A-Za-z0-9_.-]{1,253}", host) else
+                 "has a port that is not a number" if not port.isdigit() or len(port) > 5 else
+                 f"has port {int(port)}, not a TCP port (1-65535)" if not 1 <= int(port) <= 65535 else "")
+        if wrong:
+            raise ValueError(f"stream.master {wrong} (value not shown): it is \"host:rpc_port\" of an existing "
+                             "Mooncake master, e.g. \"10.0.0.5:50051\"; \"\" = the run starts its own master")
+        return v
+
+    @model_validator(mode="after")
+    def _master_fits(self) -> "StreamConfig":
+        hp = self.master_host_port
+        if hp is None:
+            return self
+        if not store_for(self.storage).start:      # a store with no server has no master to name
+            raise ValueError(f"stream.master {self.master!r} names a Mooncake master, but stream.storage "
+                             f"{self.storage!r} has no server: set storage: mooncake, or master: \"\"")
+        ports = {"rpc port (stream.master)": hp[1], "stream.master_metadata_port": self.master_metadata_port,
+                 "stream.master_metrics_port": self.master_metrics_port}
+        if len(set(ports.values())) != len(ports):
+            raise ValueError("the existing master's ports must differ: " + ", ".join(f"{k} {v}" for k, v in
+                                                                                    ports.items()))
+        return self
+
+    @property
+    def master_host_port(self) -> tuple[str, int] | None:
+        """The existing master ``master`` names, or None when the run starts its own."""
+        if not self.master:
+            return None
+        host, _, port = self.master.rpartition(":")
+        return host, int(port)
 
 
 class TrainConfig(_Section):

@@ -5,7 +5,8 @@ that validates ``stream.storage`` against it, and this CLI sits above the config
 
 A streaming store (``stream.storage: mooncake``) runs as recorded processes (the master and its segment
 holder: ``<state_dir>/pids/<run_id>.mooncake-*.json``), started before the capture workers and the trainer
-and stopped, by their records only, once training is done. Its endpoint goes to the run's
+and stopped, by their records only, once training is done; with ``stream.master`` (an existing master) only the
+segment holder is the run's, and the master is judged by its port and never signalled. Its endpoint goes to the run's
 ``store_endpoint.json``, which every sink and source reads. The disk store has no server: start and stop
 say so and do nothing.
 """
@@ -49,12 +50,20 @@ def _start(args) -> int:
         return 0
     own_run_folders(layout)
     try:
-        info = store.start_server(settings, state_dir=str(layout.state_dir), host=cfg.stream.host)
+        info = store.start_server(settings, state_dir=str(layout.state_dir), host=cfg.stream.host,
+                                  **_master_options(cfg.stream))
     except RuntimeError as e:         # MooncakeStartError: names the process and its log
         print(f"eagleflow store start: {e}", file=sys.stderr, flush=True)
         return 3
     print(json.dumps({"store": store.name, "endpoint_file": settings.endpoint_file, **info}), flush=True)
     return 0
+
+
+def _master_options(stream) -> dict:
+    """An existing master named by ``stream.master`` (the run then starts none); {} when the run starts its own."""
+    hp = stream.master_host_port
+    return {} if hp is None else {"master": hp, "master_metadata_port": stream.master_metadata_port,
+                                  "master_metrics_port": stream.master_metrics_port}
 
 
 def _stop(args) -> int:
@@ -76,5 +85,8 @@ def _status(args) -> int:
     except StoreError as e:
         print(json.dumps({"store": store.name, "healthy": False, "detail": str(e)}))
         return 1
-    print(json.dumps({"store": store.name, "healthy": True}))
+    # how it is judged (an existing master, stream.master: by its port only, no pid record): said, as the watch says it
+    h = store.server_health(settings) or {}
+    said = {k: h[k] for k in ("detail", "foreign_master") if k in h}
+    print(json.dumps({"store": store.name, "healthy": True, **said}))
     return 0

@@ -145,3 +145,34 @@ def test_a_bad_value_is_named_by_the_name_the_config_used():
     assert "server.extra_server_args" not in flag
     # a dotted override by the old name is read the same way
     assert "capture.dtype" in _err(**{"capture.dtype": "float8"})
+
+
+def test_stream_master_names_an_existing_mooncake_master():
+    cfg = load_config(data={**BASE, "stream": {"storage": "mooncake", "master": "10.0.0.5:50051",
+                                               "master_metadata_port": 8081, "master_metrics_port": 9004}})
+    assert cfg.stream.master_host_port == ("10.0.0.5", 50051)
+    assert (cfg.stream.master_metadata_port, cfg.stream.master_metrics_port) == (8081, 9004)
+    assert load_config(data={**BASE, "stream": {"storage": "mooncake"}}).stream.master_host_port is None
+
+
+@pytest.mark.parametrize("value, said", [
+    ("10.0.0.5", "stream.master has no ':rpc_port'"),
+    ("10.0.0.5:0", "stream.master has port 0, not a TCP port (1-65535)"),
+    ("10.0.0.5:65536", "stream.master has port 65536, not a TCP port (1-65535)"),
+    ("10.0.0.5:rpc", "stream.master has a port that is not a number"),
+    (":50051", "stream.master has a host with characters other than letters"),
+    ("hunter 2:50051", "stream.master has a host with characters other than letters"),
+])
+def test_a_bad_stream_master_names_the_field_and_what_is_wrong(value, said):
+    msg = _err({"stream": {"storage": "mooncake", "master": value}})
+    assert "stream.master:" in msg and said in msg and "host:rpc_port" in msg
+    assert "hunter" not in msg          # a value that is no address is never echoed (docs/safety.md)
+
+
+def test_stream_master_needs_a_store_with_a_server_and_distinct_ports():
+    msg = _err({"stream": {"master": "10.0.0.5:50051"}})
+    assert "stream.master '10.0.0.5:50051'" in msg and "stream.storage 'disk' has no server" in msg
+    msg = _err({"stream": {"storage": "mooncake", "master": "10.0.0.5:8080"}})
+    assert "ports must differ" in msg and "stream.master_metadata_port 8080" in msg
+    msg = _err({"stream": {"storage": "mooncake", "master": "h:5", "master_metrics_port": 70000}})
+    assert "stream.master_metrics_port:" in msg and "less than or equal to 65535" in msg

@@ -147,3 +147,43 @@ def test_a_manifest_line_keeps_its_store_incarnation(tmp_path):
     assert '"store_id":"s1"' in text[0] and "store_id" not in text[1]      # disk lines stay as they were
     entries = read_manifest(shard / "manifest.jsonl").entries
     assert entries[0].store_id == "s1" and entries[1].store_id is None
+
+
+def test_an_existing_masters_store_is_judged_by_its_port_and_never_signalled(tmp_path):
+    """stream.master: the endpoint names a master the run did not start (no pid record): its health is its port,
+    its stop leaves it alone (outcome left_running, no PID), and what the run started (its segment) is stopped."""
+    import json
+    import socket
+
+    from eagleflow.stores.mooncake.master import MooncakeEndpoint, run_store_health, running_store
+    from eagleflow.stores.mooncake.store import stop_run_store
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        rpc = listener.getsockname()[1]
+        ep_file = tmp_path / "store_endpoint.json"
+        ep = MooncakeEndpoint("127.0.0.1", rpc, 1, 2, 64 << 20, segment_pid_file=str(tmp_path / "pids" / "seg.json"),
+                              store_id="20261206T120000-abcd1234", foreign_master=True)
+        ep_file.write_text(ep.to_json())
+        assert MooncakeEndpoint.read(ep_file).foreign_master
+        settings = StoreSettings(run_id="r1", root=str(tmp_path / "hs"), buffer_bytes=1 << 20,
+                                 endpoint_file=str(ep_file))
+        h = run_store_health(settings)
+        # the master answers on its port; the run's segment holder has no record: that alone is down
+        assert h["foreign_master"] and h["answering"] and not h["ok"]
+        assert "mooncake-segment is not running" in h["detail"] and "mooncake-master" not in h["detail"]
+        assert running_store(ep_file) is None
+    h = run_store_health(settings)           # the port closed: the master's only evidence is gone
+    assert not h["ok"] and not h["answering"]
+    assert f"existing master 127.0.0.1:{rpc} (stream.master, not started by the run: judged by its port only" \
+        in h["detail"]
+    stopped = stop_run_store(settings, grace_s=0.1)
+    results = {r["role"]: r for r in stopped}
+    assert results["mooncake-master"] == {"role": "mooncake-master", "pid": None, "outcome": "left_running",
+                                          "detail": f"the existing master 127.0.0.1:{rpc} (stream.master) is not "
+                                                    "the run's: not signalled"}
+    assert results["mooncake-keys"]["outcome"] == "not_removed"      # nobody answers: said, not hidden
+    # the run's own process (its segment holder) is stopped by its record only: here there is none
+    assert stopped[-1]["outcome"] == "not_recorded" and "seg.json" in stopped[-1]["detail"]
+    assert len(stopped) == 3 and not ep_file.exists()
+    assert json.loads(ep.to_json())["master_pid_file"] == ""

@@ -70,9 +70,10 @@ class Store:
     def open_source(self, settings: StoreSettings, **options: Any) -> Any:
         return self._function(self.source)(settings, **options)
 
-    def start_server(self, settings: StoreSettings, *, state_dir: str, host: str) -> dict:
-        """Start the run's store (recorded processes on this node); {} when the store has no server."""
-        return self._function(self.start)(settings, state_dir=state_dir, host=host) if self.start else {}
+    def start_server(self, settings: StoreSettings, *, state_dir: str, host: str, **options: Any) -> dict:
+        """Start the run's store (recorded processes on this node); {} when the store has no server. ``options``:
+        the store's own (mooncake: ``master``, an existing master named by ``stream.master``)."""
+        return self._function(self.start)(settings, state_dir=state_dir, host=host, **options) if self.start else {}
 
     def stop_server(self, settings: StoreSettings, grace_s: float = 10.0) -> list[dict]:
         return self._function(self.stop)(settings, grace_s=grace_s) if self.stop else []
@@ -93,7 +94,7 @@ STORES: dict[str, Store] = {s.name: s for s in (
     Store("mooncake", "Mooncake store", streaming=True,
           sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source",
           resume="eagleflow.stores.mooncake.store:completed_indexes",
-          start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.master:stop_run_store",
+          start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.store:stop_run_store",
           roles=("mooncake-master", "mooncake-segment"), health="eagleflow.stores.mooncake.master:run_store_health"),
 )}
 

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
@@ -50,6 +51,8 @@ class MooncakeEndpoint:
     segment_pid_file: str = ""
     store_id: str = ""          # this incarnation: each start of the run's store gets a new one (manifest lines say
                                 # which one holds their sample; a sample put into a dead one is lost)
+    foreign_master: bool = False   # an existing master (stream.master) the run did not start: no pid record, judged
+                                   # by its port only, never signalled
 
     @property
     def master_address(self) -> str:
@@ -76,7 +79,8 @@ class MooncakeEndpoint:
         return cls(host=str(d["host"]), rpc_port=int(d["rpc_port"]), metadata_port=int(d["metadata_port"]),
                    metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
                    master_pid_file=str(d.get("master_pid_file", "")),
-                   segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")))
+                   segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")),
+                   foreign_master=d.get("foreign_master", False) is True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -188,6 +192,54 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
     return ep
 
 
+def start_segment_on_master(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int,
+                            endpoint_file: str | os.PathLike, host: str, rpc_port: int, metadata_port: int,
+                            metrics_port: int, timeout_s: float = 60.0) -> MooncakeEndpoint:
+    """The run's store on an existing master (``stream.master``) it did not start: the master is checked to answer
+    on its three ports (the probe the store uses), then the run's segment holder is started against it (recorded:
+    the samples live in its memory) and waited for until the master's capacity grew by its segment. The endpoint
+    names the master with no pid record (``foreign_master``) and a new store id: this segment holder is the
+    incarnation. MooncakeStartError naming the field when the master does not answer."""
+    state = Path(state_dir)
+    segment_pid = state / "pids" / f"{run_id}.{SEGMENT_ROLE}.json"
+    segment_log = state / "logs" / f"{run_id}.{SEGMENT_ROLE}.log"
+    ep = MooncakeEndpoint(host=host, rpc_port=rpc_port, metadata_port=metadata_port, metrics_port=metrics_port,
+                          segment_bytes=segment_bytes, segment_pid_file=str(segment_pid), store_id=new_store_id(),
+                          foreign_master=True)
+    silent = [f"{what} {port}" for what, port in (("rpc port (stream.master)", rpc_port),
+                                                  ("stream.master_metadata_port", metadata_port),
+                                                  ("stream.master_metrics_port", metrics_port))
+              if not reachable(host, port, timeout_s=2.0)]
+    if silent:
+        raise MooncakeStartError(f"the existing Mooncake master stream.master {ep.master_address!r} does not answer "
+                                 f"on {host}: {', '.join(silent)}; start it (mooncake_master "
+                                 "-enable_http_metadata_server=true ...) or set stream.master: \"\" so the run starts "
+                                 "its own")
+    try:
+        before = int(metrics(ep).get("master_total_capacity_bytes", 0))
+    except OSError as e:
+        raise MooncakeStartError(f"the existing Mooncake master {ep.master_address}: its metrics on "
+                                 f"stream.master_metrics_port {metrics_port} did not answer ({e})") from None
+    try:
+        _detach(SEGMENT_ROLE, segment_pid, segment_log, [
+            binary("mooncake_client"), "-global_segment_size", f"{max(1, segment_bytes >> 20)}MB",
+            "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
+            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
+
+        def mounted() -> bool:
+            try:
+                return metrics(ep).get("master_total_capacity_bytes", 0) >= before + ((segment_bytes >> 20) << 20)
+            except OSError:
+                return False
+        _wait(mounted, timeout_s, segment_pid, f"{SEGMENT_ROLE} did not mount {segment_bytes >> 20} MiB on the "
+              f"existing master {ep.master_address}", segment_log)
+    except BaseException:
+        stop_store(ep, grace_s=2.0)     # the segment holder only: the master has no record here
+        raise
+    atomic_write(endpoint_file, ep.to_json())
+    return ep
+
+
 def _wait(ready, timeout_s: float, pid_file: Path, what: str, log: Path) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -220,10 +272,10 @@ def running_store(endpoint_file: str | os.PathLike) -> MooncakeEndpoint | None:
         ep = MooncakeEndpoint.read(endpoint_file)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not (ep.master_pid_file and ep.segment_pid_file):
+    if not ep.segment_pid_file or not (ep.master_pid_file or ep.foreign_master):
         return None
-    if not (status(ep.master_pid_file).alive and status(ep.segment_pid_file).alive):
-        return None
+    if not status(ep.segment_pid_file).alive or (ep.master_pid_file and not status(ep.master_pid_file).alive):
+        return None     # an existing master (foreign_master) has no record: its port below is the only evidence
     return ep if reachable(ep.host, ep.rpc_port) else None
 
 
@@ -239,15 +291,21 @@ def run_store_health(settings) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return {"ok": False, "label": "Mooncake store", "detail": f"endpoint {settings.endpoint_file} unreadable: {e}"}
     down = []
-    for role, pid_file in ((MASTER_ROLE, ep.master_pid_file), (SEGMENT_ROLE, ep.segment_pid_file)):
+    answering = reachable(ep.host, ep.rpc_port)
+    if ep.foreign_master and not answering:   # no pid record of a master the run did not start: its port is the proof
+        down.append(f"the existing master {ep.master_address} (stream.master, not started by the run: judged by its "
+                    "port only, no pid record) does not answer on its port")
+    for role, pid_file in (((SEGMENT_ROLE, ep.segment_pid_file),) if ep.foreign_master else
+                           ((MASTER_ROLE, ep.master_pid_file), (SEGMENT_ROLE, ep.segment_pid_file))):
         st = status(pid_file) if pid_file else None
         if st is None or not st.alive:
             down.append(f"its {role} is not running ({st.detail if st is not None and st.detail else 'no record'}"
                         f"{'; record ' + pid_file if pid_file else ''})")
-    answering = reachable(ep.host, ep.rpc_port)
     detail = "; ".join(down) if down else (f"master {ep.master_address} " + ("answering" if answering else
                                                                                "not answering on its port"))
-    out = {"ok": not down, "label": ep.label, "answering": answering, "detail": detail,
+    if ep.foreign_master and not down:
+        detail += " (an existing master, stream.master: judged by its port only, no pid record)"
+    out = {"ok": not down, "foreign_master": ep.foreign_master, "label": ep.label, "answering": answering, "detail": detail,
            "buffer_bytes": int(settings.buffer_bytes)}
     if answering and not down:   # how full the buffer is: a stopped consumer leaves it full, the producer waiting
         try:
@@ -258,16 +316,29 @@ def run_store_health(settings) -> dict:
 
 
 def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.0.0.1",
-                    timeout_s: float = 60.0) -> dict:
+                    timeout_s: float = 60.0, master: tuple[str, int] | None = None, master_metadata_port: int = 8080,
+                    master_metrics_port: int = 9003) -> dict:
     """The run's store (``Store.start``): the running one its endpoint names, else a new master and segment
-    holder sized for ``settings.buffer_bytes``. One store per run: never a second master beside a live one."""
+    holder sized for ``settings.buffer_bytes``. One store per run: never a second master beside a live one.
+    ``master`` (``stream.master``, host and rpc port): an existing master the run uses instead of starting one;
+    only the segment holder is started (``start_segment_on_master``)."""
     ep = running_store(settings.endpoint_file)
+    if ep is not None and (ep.foreign_master if master is None else (ep.host, ep.rpc_port) != tuple(master)):
+        ep = None       # the config names another master than the running store's: that store is replaced
     if ep is not None:
         return {"started": False, "attached": True, **json.loads(ep.to_json())}
     # a store lost mid-run (its master killed): what is left of it (the segment holder, dead records) is stopped by
     # its records only (a PID now someone else's is never signalled: process_record proves it ours first), then a
     # new incarnation starts (a new store id: the samples of the dead one are captured again, stores.mooncake.store)
     cleaned = _clean_dead_store(settings.endpoint_file)
+    if master is not None:
+        ep = start_segment_on_master(state_dir=state_dir, run_id=settings.run_id,
+                                     segment_bytes=segment_bytes_for(settings.buffer_bytes),
+                                     endpoint_file=settings.endpoint_file, host=master[0], rpc_port=int(master[1]),
+                                     metadata_port=master_metadata_port, metrics_port=master_metrics_port,
+                                     timeout_s=timeout_s)
+        return {"started": True, "attached": False, "master_started": False,
+                **({"replaced": cleaned} if cleaned else {}), **json.loads(ep.to_json())}
     ep = start_store(state_dir=state_dir, run_id=settings.run_id, segment_bytes=segment_bytes_for(settings.buffer_bytes),
                      endpoint_file=settings.endpoint_file, host=host, timeout_s=timeout_s)
     return {"started": True, "attached": False, **({"replaced": cleaned} if cleaned else {}),
@@ -291,17 +362,25 @@ def _clean_dead_store(endpoint_file: str | os.PathLike) -> list[dict]:
     return [{"role": r.role, "pid": r.pid, "outcome": r.outcome, "store_id": old.store_id} for r in results]
 
 
-def stop_run_store(settings, *, grace_s: float = 10.0) -> list[dict]:
-    """Stop the run's store by the records its endpoint names (``Store.stop``); the endpoint file is removed
-    once both are gone, so no sink reaches for a dead store's ports."""
+def stop_run_store(settings, *, grace_s: float = 10.0,
+                   remove_keys: Callable[[MooncakeEndpoint, str], dict] | None = None) -> list[dict]:
+    """Stop the run's store by the records its endpoint names (``Store.stop``: stores.mooncake.store's, which gives
+    ``remove_keys``, the run's keys removed from an existing master); the endpoint file is removed once both are
+    gone, so no sink reaches for a dead store's ports."""
     try:
         ep = MooncakeEndpoint.read(settings.endpoint_file)
     except FileNotFoundError:
         return []
+    # an existing master outlives the run: the run's keys go first (its objects may sit in other segments of that
+    # master), then the run's segment holder; the master itself is never signalled (it has no record here)
+    kept = {"role": "mooncake-keys", "pid": None, "outcome": "not_removed", "detail": "no client to remove them"}
+    extra = [remove_keys(ep, settings.run_id) if remove_keys is not None else kept,
+             {"role": MASTER_ROLE, "pid": None, "outcome": "left_running", "detail": f"the existing master "
+              f"{ep.master_address} (stream.master) is not the run's: not signalled"}] if ep.foreign_master else []
     results = stop_store(ep, grace_s=grace_s)
     if all(r.outcome in ("terminated", "killed", "already_gone", "not_recorded", "stale_record") for r in results):
         try:
             os.unlink(settings.endpoint_file)
         except FileNotFoundError:
             pass
-    return [{"role": r.role, "pid": r.pid, "outcome": r.outcome, "detail": r.detail} for r in results]
+    return extra + [{"role": r.role, "pid": r.pid, "outcome": r.outcome, "detail": r.detail} for r in results]

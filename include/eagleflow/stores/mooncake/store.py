@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import io
 import os
+import re
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, Sto
 from eagleflow.stores.encoding import EncodedSample
 from eagleflow.stores.ledger import read_ledger
 
+from . import master
 from .master import MooncakeEndpoint, metrics, reachable, running_store
 
 STORE = "mooncake"
@@ -134,6 +136,10 @@ class MooncakeClient:
                 self.unavailable_if_down(f"remove {key}")
                 raise StoreError(self.label, f"remove {key} failed with code {rc} for {timeout_s:g} s")
             time.sleep(0.05)
+
+    def remove_matching(self, pattern: str) -> int:
+        """Remove every key matching the regular expression; how many were removed (negative: Mooncake's error)."""
+        return int(self._s.remove_by_regex(pattern))
 
     def close(self) -> None:
         try:
@@ -345,6 +351,30 @@ def _current_store_id(endpoint_file: Path) -> str:
         return ""
     # a dead master's ports taken by another process would keep the dead store's lines: no looser than "" (all kept)
     return ep.store_id if reachable(ep.host, ep.rpc_port) and reachable(ep.host, ep.metrics_port) else ""
+
+
+def stop_run_store(settings: StoreSettings, *, grace_s: float = 10.0) -> list[dict]:
+    """``Store.stop``: ``master.stop_run_store``, which removes the run's keys from an existing master
+    (``stream.master``) before stopping its segment holder, never that master."""
+    return master.stop_run_store(settings, grace_s=grace_s, remove_keys=remove_run_keys)
+
+
+def remove_run_keys(ep: MooncakeEndpoint, run_id: str) -> dict:
+    """Remove every key of the run (``<run_id>/...``, ``sample_key``) from an existing master: its objects may sit
+    in segments other than the run's, which outlive the run."""
+    prefix = f"{run_id}/"
+    try:
+        client = MooncakeClient(ep)
+    except Exception as e:  # noqa: BLE001 - a master gone takes its keys with it; the stop goes on and says so
+        return {"role": "mooncake-keys", "pid": None, "outcome": "not_removed",
+                "detail": f"keys {prefix}* not removed: {type(e).__name__}: {e}"}
+    try:
+        n = client.remove_matching("^" + re.escape(prefix) + ".*")
+    finally:
+        client.close()
+    return {"role": "mooncake-keys", "pid": None, "outcome": "removed" if n >= 0 else "not_removed",
+            "detail": f"{n if n >= 0 else 0} keys {prefix}* removed from the existing master {ep.master_address}"
+                      + ("" if n >= 0 else f" (code {n})")}
 
 
 def open_sink(settings: StoreSettings, shard: int) -> MooncakeSink:
