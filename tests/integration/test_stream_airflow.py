@@ -41,6 +41,7 @@ def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_ass
     # training went the streaming way: not behind the GPU gate that waits for verification
     assert states[("choose_training_start", -1)] == states[("train_from_stream", -1)] == "success"
     assert states[("gpus_idle_after_capture", -1)] == "skipped"
+    assert states[("trainer_gpus_idle", -1)] == "success"     # the trainer's GPU gate: a CPU node logs and passes
     assert states[("train_draft", -1)] == states[("export_draft", -1)] == "success"
     assert "streaming from the Mooncake store" in log.read_text()
     # verification read the trainer's exactly-once record, after the trainer wrote it
@@ -77,7 +78,7 @@ def test_an_offline_run_still_trains_only_after_verification(tmp_path, airflow_d
     assert dr.state == "success", states
     run_dir = tmp_path / "runs" / "offline"
     assert json.loads((run_dir / "run-config.json").read_text())["stream"]["storage"] == "disk"
-    assert states[("train_from_stream", -1)] == "skipped"
+    assert states[("train_from_stream", -1)] == states[("trainer_gpus_idle", -1)] == "skipped"
     assert states[("gpus_idle_after_capture", -1)] == states[("train_draft", -1)] == "success"
     assert tis[("train_draft", -1)].start_date >= tis[("verify_hidden_states", -1)].end_date
     assert tis[("start_store", -1)].xcom_pull(task_ids="start_store") == {"store": "disk", "started": False}
