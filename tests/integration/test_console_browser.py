@@ -20,13 +20,13 @@ import shutil
 import time
 import re
 import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
 from eagleflow.airflow.deploy import standalone
+from tests.fixtures.api_server import rest, wait_for as api_wait_for
 from tests.fixtures.browser import chromium  # noqa: F401  (fixture)
 from tests.fixtures.console_nodes import HELD, STALLED_CMD, write_console_nodes
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
@@ -39,25 +39,8 @@ NO_COMMAND_LINE = ("--model-path", "sglang.launch_server", "sk-console-test", "/
 
 
 def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
-    deadline = time.time() + timeout_s
-    last = None
-    while time.time() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as e:  # the page is being replaced under us: look again
-            last = e
-        time.sleep(every_s)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
-
-
-def rest(base: str, path: str, token: str | None = None, method: str = "GET", body=None):
-    req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read() or b"null")
+    # any exception: the page is being replaced under us, look again
+    return api_wait_for(what, check, timeout_s, every_s, retry_on=(Exception,))
 
 
 def find(driver, by: str, selector: str, timeout_s: float = 90):

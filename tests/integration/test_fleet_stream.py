@@ -42,6 +42,7 @@ from eagleflow.stores.encoding import encode_sample
 from eagleflow.stores.ledger import require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 from tests.fixtures.node_host import IP, node_host_fixture  # noqa: F401  (fixture)
+from tests.fixtures.stream_run import Peak, cli as _cli, kill_workers
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -54,30 +55,6 @@ SAMPLES = 24
 BUFFER_BYTES = 128 << 10         # a few samples (up to 25 KiB here): both nodes' capture waits for the trainer
 MAX_SAMPLE_BYTES = 32 << 10      # stream.max_sample_mib: each node keeps this free for the other's put
 MAX_LEN = 24                     # tokens a record: its sample stays under MAX_SAMPLE_BYTES
-
-
-class Peak:
-    """The master's own allocated bytes, sampled every few ms until stopped."""
-
-    def __init__(self, ep: MooncakeEndpoint):
-        self.ep, self.peak, self.samples = ep, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, int(metrics(self.ep)["master_allocated_bytes"]))
-                self.samples += 1
-            except (OSError, KeyError):
-                pass
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join(5)
-        return self.peak
 
 
 # -- the bound across nodes, the real master, the worst interleaving forced -----------------------------------
@@ -134,7 +111,7 @@ def test_two_nodes_checking_at_once_never_pass_the_buffer(tmp_path, headroom):
         sinks = {n: store_for("mooncake").open_sink(settings(n), 0 if n == "n1" else 1) for n in ("n1", "n2")}
         sinks["n1"].put(_enc(0))
         sinks["n1"].put(_enc(1))                                       # the store holds two: room for one more
-        peak = Peak(ep)
+        peak = Peak(ep, every=0.005)
         barrier = threading.Barrier(2)
         for s in sinks.values():
             _together(s, barrier)
@@ -178,10 +155,6 @@ def test_two_nodes_checking_at_once_never_pass_the_buffer(tmp_path, headroom):
 
 
 # -- two capture nodes, one store on the training node, the trainer on the stream -------------------------------
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "eagleflow.cli", *args]
-
 
 class _Ti:
     """What collect_shards pulls from its node's prepare_node (the real operator's answer, kept by the test)."""
@@ -257,7 +230,7 @@ def _stream_over_two_nodes(tmp_path: Path, cfgp: Path, store_host: str, n2_prefi
                 start_capture_server(v)
             for v in views.values():
                 wait_capture_server_ready(v, timeout_s=180, poll_s=0.3)
-            peak = Peak(ep)
+            peak = Peak(ep, every=0.005)
             trainer = subprocess.Popen(_cli("train", "--config", home.run_config_path, "--run-id", run_id),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(trainer)
@@ -273,10 +246,7 @@ def _stream_over_two_nodes(tmp_path: Path, cfgp: Path, store_host: str, n2_prefi
             out, err = trainer.communicate(timeout=400)
             top = peak.stop()
         finally:
-            for p in procs:                                            # only ours, by PID
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+            kill_workers(procs)                                        # only ours, by PID
             for v in views.values():
                 stop_capture_server(v, grace_s=10)
         assert trainer.returncode == 0, out[-3000:] + err[-3000:]

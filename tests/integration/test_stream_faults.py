@@ -21,12 +21,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -35,12 +33,14 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.config import load_config
 from eagleflow.engines.hf.server import DELAY_ENV
 from eagleflow.local_run import LocalRun
-from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import stop_capture_server
 from eagleflow.stores.ledger import read_ledger, require_exactly_once
 from eagleflow.watchdog.recovery import read_restarts
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 from tests.fixtures.processes import kill_recorded
 from tests.fixtures.smtp import SmtpSink, body_text
+from tests.fixtures.stream_run import (InThread, Peak, airflow_smtp, kill_workers, retry_mail, run_cli, start_server,
+                                       start_workers, store_start, wait_until as _wait, wait_workers)
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -52,10 +52,6 @@ SAMPLES = 32
 BUFFER_BYTES = 96 << 10      # a few samples (2-21 KiB each): the corpus is several buffers
 MAIL_BOUND_S = 60.0          # issue 53: each fault detected and mailed within 60 s
 CONN = "smtp_stream_faults"
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "eagleflow.cli", *args]
 
 
 class Run:
@@ -83,30 +79,19 @@ class Run:
         assert load_config(cfgp).watchdog.poll_interval_s == 20 and self.ctx.cfg.watchdog.stall_after_s == 15
 
     def start(self) -> "Run":
-        started = subprocess.run(_cli("store", "start", *self.args, "--timeout", "120"), capture_output=True,
-                                 text=True, timeout=180)
-        assert started.returncode == 0, started.stderr[-3000:]
-        self.ep = MooncakeEndpoint.read(json.loads(started.stdout.strip().splitlines()[-1])["endpoint_file"])
-        start_capture_server(self.local)
-        wait_capture_server_ready(self.local, timeout_s=120, poll_s=0.3)
+        self.ep = MooncakeEndpoint.read(store_start(self.args)["endpoint_file"])
+        start_server(self.local)
         return self
 
     def start_workers(self) -> None:
-        self.workers = [subprocess.Popen(_cli("capture", "run", *self.args, "--shard", str(s)),
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                        for s in (0, 1)]
+        self.workers = start_workers(self.args)
 
     def wait_workers(self, timeout: float = 400) -> None:
-        for w in self.workers:
-            out, err = w.communicate(timeout=timeout)
-            assert w.returncode == 0, out[-2000:] + err[-3000:]
+        wait_workers(self.workers, timeout)
 
     def stop(self) -> None:
         from eagleflow.train.job import stop_trainer
-        for w in self.workers:                       # only ours, by PID
-            if w.poll() is None:
-                w.kill()
-                w.wait(10)
+        kill_workers(self.workers)
         for role in ("trainer", "capture_server"):   # a stopped one must take its TERM
             rec = self.ctx.node.live_record(str(self.ctx.layout.pid_file(role)))
             if rec is not None:
@@ -116,8 +101,7 @@ class Run:
                     pass
         stop_trainer(self.ctx, grace_s=5)
         stop_capture_server(self.local, grace_s=10)
-        stopped = subprocess.run(_cli("store", "stop", *self.args, "--grace", "5"), capture_output=True, text=True,
-                                 timeout=120)
+        stopped = run_cli("store", "stop", *self.args, "--grace", "5", timeout=120)
         kill_recorded(Path(self.ctx.cfg.node.state_dir))   # the trainer's sentinel and anything else recorded
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
 
@@ -150,28 +134,6 @@ class Run:
         assert not list(hs.rglob("*.safetensors")), "no hidden state on disk"
 
 
-class InThread:
-    """An operator's run in a thread: its result or its exception, and when it ended."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-
-        def go():
-            try:
-                self.result = fn()
-            except BaseException as e:   # noqa: BLE001 - handed to the test
-                self.error = e
-            self.ended_at = time.time()
-        self.thread = threading.Thread(target=go, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"still running after {timeout} s"
-
-
 def _train(run: Run, try_number: int) -> InThread:
     from eagleflow.airflow.train_operators import TrainDraftOperator
     op = TrainDraftOperator(task_id="train_draft", deferrable=False)
@@ -179,21 +141,7 @@ def _train(run: Run, try_number: int) -> InThread:
 
 
 def _retry_mail(run: Run, error: BaseException) -> None:
-    """What Airflow does when a try fails with retries left: the task's on_retry_callback with the exception."""
-    from airflow.sdk import DAG
-
-    from eagleflow.airflow.alerts import EagleflowNotifier
-    from eagleflow.airflow.train_operators import TrainDraftOperator
-    with DAG("eagle3_pipeline", schedule=None) as dag:   # no task freezes the config: the Params name it
-        task = TrainDraftOperator(task_id="train_draft", retries=1)
-    EagleflowNotifier("retry")({**run.context("train_draft"), "exception": error, "task": task, "dag": dag})
-
-
-def _wait(pred: Callable[[], bool], timeout_s: float, what: str, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(every)
+    retry_mail(run.context("train_draft"), error)
 
 
 def _mid_epoch(run: Run) -> bool:
@@ -201,11 +149,21 @@ def _mid_epoch(run: Run) -> bool:
     return bool(e0 and e0.trained and e0.pending)
 
 
+def _train_mid_epoch(run: Run, what: str) -> tuple[InThread, int]:
+    """train_draft's try 1, the workers started once its trainer runs, until it trained and took later batches:
+    the try (still running) and the trainer's PID."""
+    try1 = _train(run, 1)
+    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
+    run.start_workers()
+    _wait(lambda: _mid_epoch(run) or try1.ended_at is not None, 300, what)
+    pid = run.trainer_pid()
+    assert pid is not None and try1.ended_at is None
+    return try1, pid
+
+
 @pytest.fixture
 def smtp(monkeypatch):
-    with SmtpSink() as sink:
-        for k, v in sink.airflow_conn_env(CONN).items():
-            monkeypatch.setenv(k, v)
+    with airflow_smtp(monkeypatch, CONN) as sink:
         yield sink
 
 
@@ -222,12 +180,7 @@ def test_a_trainer_killed_mid_epoch_is_mailed_and_its_retry_resumes_exactly_once
     monkeypatch.setenv(DELAY_ENV, "0.1")   # capture a little slower than training: the trainer streams
     run = Run(tmp_path, demo_assets, smtp, "killed")
     runs.append(run.start())
-    try1 = _train(run, 1)
-    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
-    run.start_workers()
-    _wait(lambda: _mid_epoch(run) or try1.ended_at is not None, 300, "a commit with later batches taken")
-    pid = run.trainer_pid()
-    assert pid is not None and try1.ended_at is None
+    try1, pid = _train_mid_epoch(run, "a commit with later batches taken")
     os.kill(pid, signal.SIGKILL)                 # by its recorded PID, mid-epoch
     killed_at = time.time()
     killed = read_ledger(run.ledger).epoch(0)
@@ -329,25 +282,8 @@ def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_the_retry_ends_the
     runs.append(run.start())
     assert run.ep is not None
     ep = run.ep
-    peak = {"bytes": 0, "reads": 0}
-    sampling = threading.Event()
-
-    def sample() -> None:
-        while not sampling.is_set():
-            try:
-                peak["bytes"] = max(peak["bytes"], int(metrics(ep)["master_allocated_bytes"]))
-                peak["reads"] += 1
-            except (OSError, KeyError):
-                pass
-            time.sleep(0.01)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try1 = _train(run, 1)
-    _wait(lambda: run.trainer_pid() is not None, 60, "the trainer started")
-    run.start_workers()
-    _wait(lambda: _mid_epoch(run) or try1.ended_at is not None, 300, "training under way")
-    pid = run.trainer_pid()
-    assert pid is not None and try1.ended_at is None
+    peak = Peak(ep)
+    try1, pid = _train_mid_epoch(run, "training under way")
     os.kill(pid, signal.SIGSTOP)                 # the consumer stops taking samples
     stopped_at = time.time()
     # the producer fills the buffer and waits on it: its stored count stops, its memory does not grow
@@ -384,13 +320,12 @@ def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_the_retry_ends_the
     resumed_s = time.time() - stopped_at
     run.wait_workers()
     try2.join(400)
-    sampling.set()
-    sampler.join(5)
+    top = peak.stop()
     assert try2.error is None and try2.result["status"] == "complete", try2.error
-    assert peak["reads"] > 100 and 0 < peak["bytes"] <= BUFFER_BYTES, (peak, BUFFER_BYTES)
+    assert peak.samples > 100 and 0 < top <= BUFFER_BYTES, (top, peak.samples, BUFFER_BYTES)
     assert growth < 8 << 10, f"a waiting worker's memory grew {growth} KiB"
     run.assert_exactly_once_and_empty()
     print(f"\n(c) trainer SIGSTOP -> STALLED mailed {mailed_s:.1f} s -> producer putting again {resumed_s:.1f} s -> "
           f"green {try2.ended_at - stopped_at:.1f} s; {held} stored and {fill} bytes held while waiting; "
-          f"store peak {peak['bytes']} of {BUFFER_BYTES} bytes "
-          f"({peak['reads']} reads); worker RSS growth while waiting {growth} KiB")
+          f"store peak {top} of {BUFFER_BYTES} bytes "
+          f"({peak.samples} reads); worker RSS growth while waiting {growth} KiB")

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -28,12 +27,14 @@ from eagleflow.airflow.runtime import RunContext
 from eagleflow.engines.hf.server import DELAY_ENV
 from eagleflow.local_run import LocalRun
 from eagleflow.nodes.process_record import load_record, status
-from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import stop_capture_server
 from eagleflow.stores.ledger import read_ledger, require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
 from tests.fixtures.processes import kill_recorded
-from tests.fixtures.smtp import SmtpSink, body_text
-from tests.integration.test_stream_run import BUFFER_BYTES, _cli, _run
+from tests.fixtures.smtp import body_text
+from tests.fixtures.stream_run import (InThread, airflow_smtp, kill_workers, retry_mail, run_cli as _run, start_server,
+                                       start_workers, store_start, wait_until as _wait)
+from tests.integration.test_stream_run import BUFFER_BYTES
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -81,16 +82,12 @@ class Run:
         return MooncakeEndpoint.read(self.ctx.layout.store_endpoint_file)
 
     def start(self) -> "Run":
-        started = _run("store", "start", *self.args, "--timeout", "120")
-        assert started.returncode == 0, started.stderr[-3000:]
-        start_capture_server(self.local)
-        wait_capture_server_ready(self.local, timeout_s=120, poll_s=0.3)
+        store_start(self.args)
+        start_server(self.local)
         return self
 
     def start_workers(self) -> None:
-        self.workers = [subprocess.Popen(_cli("capture", "run", *self.args, "--shard", str(s)),
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                        for s in (0, 1)]
+        self.workers = start_workers(self.args)
 
     def end_workers(self, timeout: float = 400) -> list[tuple[int, str]]:
         out = []
@@ -107,10 +104,7 @@ class Run:
 
     def stop(self) -> None:
         from eagleflow.train.job import stop_trainer
-        for w in self.workers:                       # only ours, by PID
-            if w.poll() is None:
-                w.kill()
-                w.wait(10)
+        kill_workers(self.workers)
         stop_trainer(self.ctx, grace_s=5)
         stop_capture_server(self.local, grace_s=10)
         stopped = _run("store", "stop", *self.args, "--grace", "5")
@@ -120,30 +114,8 @@ class Run:
 
 @pytest.fixture
 def smtp(monkeypatch):
-    with SmtpSink() as sink:
-        for k, v in sink.airflow_conn_env(CONN).items():
-            monkeypatch.setenv(k, v)
+    with airflow_smtp(monkeypatch, CONN) as sink:
         yield sink
-
-
-class InThread:
-    """An operator's run in a thread: its result or its exception, and when it ended."""
-
-    def __init__(self, fn):
-        self.result, self.error, self.ended_at = None, None, None
-
-        def go():
-            try:
-                self.result = fn()
-            except BaseException as e:   # noqa: BLE001 - handed to the test
-                self.error = e
-            self.ended_at = time.time()
-        self.thread = threading.Thread(target=go, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"still running after {timeout} s"
 
 
 def _train_try(run: Run, try_number: int) -> InThread:
@@ -153,14 +125,7 @@ def _train_try(run: Run, try_number: int) -> InThread:
 
 
 def _retry_mail(run: Run, error: BaseException) -> None:
-    """What Airflow does when a try fails with retries left: the task's on_retry_callback with the exception."""
-    from airflow.sdk import DAG
-
-    from eagleflow.airflow.alerts import EagleflowNotifier
-    from eagleflow.airflow.train_operators import TrainDraftOperator
-    with DAG("eagle3_pipeline", schedule=None) as dag:
-        task = TrainDraftOperator(task_id="train_draft", retries=1)
-    EagleflowNotifier("retry")({**run.context(1), "exception": error, "task": task, "dag": dag})
+    retry_mail(run.context(1), error)
 
 
 def _gone(pid: int, binary: str) -> bool:
@@ -168,13 +133,6 @@ def _gone(pid: int, binary: str) -> bool:
         return binary not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return True
-
-
-def _wait(pred, timeout_s: float, what: str, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(every)
 
 
 def test_the_master_killed_mid_epoch_is_mailed_restarted_and_loses_no_sample(tmp_path, demo_assets, smtp,

@@ -8,21 +8,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from eagleflow.phases.extract.lifecycle import start_capture_server, stop_capture_server, wait_capture_server_ready
+from eagleflow.phases.extract.lifecycle import stop_capture_server
 from eagleflow.config import load_config
 from eagleflow.layout import RunLayout
 from eagleflow.local_run import LocalRun
 from eagleflow.nodes.process_record import status
 from eagleflow.stores.ledger import read_ledger, require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
+from tests.fixtures.stream_run import (Peak, cli as _cli, kill_workers, run_cli as _run, start_server, start_workers,
+                                       store_start, wait_workers)
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -32,14 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SAMPLES = 24
 BUFFER_BYTES = 96 << 10          # a few samples (each 2-21 KiB here): capture must wait for the trainer
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "eagleflow.cli", *args]
-
-
-def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(_cli(*args), capture_output=True, text=True, timeout=timeout)
 
 
 def _setup(tmp_path, demo_assets, run_id: str, **train):
@@ -56,30 +48,6 @@ def _setup(tmp_path, demo_assets, run_id: str, **train):
     return cfgp, ctx, {r["id"] for r in rows}
 
 
-class Peak:
-    """The master's own allocated bytes, sampled until stopped."""
-
-    def __init__(self, ep: MooncakeEndpoint):
-        self.ep, self.peak, self.samples = ep, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, int(metrics(self.ep)["master_allocated_bytes"]))
-                self.samples += 1
-            except (OSError, KeyError):
-                pass
-            time.sleep(0.01)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join(5)
-        return self.peak
-
-
 class StreamRun:
     """The store, the capture server and the workers of one run, each stopped by the test that started it."""
 
@@ -90,32 +58,22 @@ class StreamRun:
         self.ep: MooncakeEndpoint | None = None
 
     def __enter__(self) -> "StreamRun":
-        started = _run("store", "start", *self.run, "--timeout", "120")
-        assert started.returncode == 0, started.stderr[-3000:]
-        info = json.loads(started.stdout.strip().splitlines()[-1])
+        info = store_start(self.run)
         assert info["started"] and info["host"] == "127.0.0.1"
         self.ep = MooncakeEndpoint.read(info["endpoint_file"])
         again = _run("store", "start", *self.run)          # one store per run: the live one is named, not doubled
         assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["attached"]
-        start_capture_server(self.ctx)
-        wait_capture_server_ready(self.ctx, timeout_s=120, poll_s=0.3)
+        start_server(self.ctx)
         return self
 
     def start_workers(self) -> None:
-        self.workers = [subprocess.Popen(_cli("capture", "run", *self.run, "--shard", str(s)),
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                        for s in (0, 1)]
+        self.workers = start_workers(self.run)
 
     def wait_workers(self, timeout: float = 300) -> None:
-        for w in self.workers:
-            out, err = w.communicate(timeout=timeout)
-            assert w.returncode == 0, out[-2000:] + err[-3000:]
+        wait_workers(self.workers, timeout)
 
     def __exit__(self, *exc) -> None:
-        for w in self.workers:                       # only ours, by PID
-            if w.poll() is None:
-                w.kill()
-                w.wait(10)
+        kill_workers(self.workers)
         stop_capture_server(self.ctx, grace_s=10)
         stopped = _run("store", "stop", *self.run, "--grace", "5")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -19,7 +19,6 @@ import json
 import os
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
@@ -27,6 +26,7 @@ import pytest
 
 from eagleflow.airflow.deploy import standalone
 from eagleflow.watchdog.incidents import history
+from tests.fixtures.api_server import rest, wait_for
 from tests.fixtures.pipeline_config import write_short_config
 from tests.fixtures.processes import kill_recorded
 
@@ -37,28 +37,6 @@ pytestmark = [pytest.mark.slow]
 # samples of about 1 KiB a token here (max_length 128: up to ~135 KiB): a step's 4 and one more fit, the corpus
 # (about 65 samples, 2.5 MiB) is several buffers
 BUFFER_BYTES = 704 << 10
-
-
-def rest(base: str, path: str, token: str | None = None, method: str = "GET", body=None):
-    req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read() or b"null")
-
-
-def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
-    deadline = time.time() + timeout_s
-    last = None
-    while time.time() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except urllib.error.URLError as e:   # the API server busy or restarting under load: ask again
-            last = e
-        time.sleep(every_s)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
 def iso(t: str) -> float:

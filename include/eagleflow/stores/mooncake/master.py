@@ -154,6 +154,25 @@ def new_store_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
 
+def _start_segment(ep: MooncakeEndpoint, segment_pid: Path, segment_log: Path, *, capacity_before: int,
+                   timeout_s: float, where: str = "") -> None:
+    """The run's segment holder (mooncake_client, recorded in ``segment_pid``) against ``ep``'s master on
+    ``ep.host``, waited for until the master's capacity is ``capacity_before`` plus its ``ep.segment_bytes``
+    (whole MiB); MooncakeStartError naming ``where`` and the log when it does not mount in time."""
+    host, mib = ep.host, ep.segment_bytes >> 20
+    _detach(SEGMENT_ROLE, segment_pid, segment_log, [
+        binary("mooncake_client"), "-global_segment_size", f"{max(1, mib)}MB",
+        "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
+        "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
+
+    def mounted() -> bool:
+        try:
+            return metrics(ep).get("master_total_capacity_bytes", 0) >= capacity_before + (mib << 20)
+        except OSError:
+            return False
+    _wait(mounted, timeout_s, segment_pid, f"{SEGMENT_ROLE} did not mount {mib} MiB{where}", segment_log)
+
+
 def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int, endpoint_file: str | os.PathLike,
                 host: str = "127.0.0.1", timeout_s: float = 60.0) -> MooncakeEndpoint:
     """Start the run's master and segment holder (recorded), wait until the store has its memory, write the
@@ -174,17 +193,7 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
             "-default_kv_lease_ttl", LEASE_TTL])
         _wait(lambda: reachable(host, ep.rpc_port) and reachable(host, ep.metadata_port), timeout_s,
               master_pid, f"{MASTER_ROLE} did not listen on {ep.master_address}", master_log)
-        _detach(SEGMENT_ROLE, segment_pid, segment_log, [
-            binary("mooncake_client"), "-global_segment_size", f"{max(1, segment_bytes >> 20)}MB",
-            "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
-            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
-
-        def mounted() -> bool:
-            try:
-                return metrics(ep).get("master_total_capacity_bytes", 0) >= (segment_bytes >> 20) << 20
-            except OSError:
-                return False
-        _wait(mounted, timeout_s, segment_pid, f"{SEGMENT_ROLE} did not mount {segment_bytes >> 20} MiB", segment_log)
+        _start_segment(ep, segment_pid, segment_log, capacity_before=0, timeout_s=timeout_s)
     except BaseException:
         stop_store(ep, grace_s=2.0)
         raise
@@ -221,18 +230,8 @@ def start_segment_on_master(*, state_dir: str | os.PathLike, run_id: str, segmen
         raise MooncakeStartError(f"the existing Mooncake master {ep.master_address}: its metrics on "
                                  f"stream.master_metrics_port {metrics_port} did not answer ({e})") from None
     try:
-        _detach(SEGMENT_ROLE, segment_pid, segment_log, [
-            binary("mooncake_client"), "-global_segment_size", f"{max(1, segment_bytes >> 20)}MB",
-            "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
-            "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
-
-        def mounted() -> bool:
-            try:
-                return metrics(ep).get("master_total_capacity_bytes", 0) >= before + ((segment_bytes >> 20) << 20)
-            except OSError:
-                return False
-        _wait(mounted, timeout_s, segment_pid, f"{SEGMENT_ROLE} did not mount {segment_bytes >> 20} MiB on the "
-              f"existing master {ep.master_address}", segment_log)
+        _start_segment(ep, segment_pid, segment_log, capacity_before=before, timeout_s=timeout_s,
+                       where=f" on the existing master {ep.master_address}")
     except BaseException:
         stop_store(ep, grace_s=2.0)     # the segment holder only: the master has no record here
         raise
