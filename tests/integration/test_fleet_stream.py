@@ -74,10 +74,13 @@ def _together(sink, barrier: threading.Barrier) -> None:
     first = [True]
 
     def allocated() -> int:
+        value = real()
         if first[0]:
             first[0] = False
+            # wait after reading, not before: a node scheduled late would otherwise read the other's put
+            # (seen at load 5-10: the control's second node waited)
             barrier.wait(30)
-        return real()
+        return value
     sink.client.allocated_bytes = allocated
 
 
