@@ -6,7 +6,7 @@ stream_verified.json; no hidden-state file on disk; the draft exported.
 
 dag.test() runs one task at a time (a deferred task's trigger runs in line), so here the shards finish before
 train_draft starts whatever the DAG allows: the buffer holds the whole corpus. That training overlaps the
-shards needs a scheduler running tasks side by side (not proven here; docs/streaming.md says so)."""
+shards needs a scheduler running tasks side by side: tests/integration/test_stream_scheduler.py proves it."""
 from __future__ import annotations
 
 import json
