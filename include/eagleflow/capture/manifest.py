@@ -70,14 +70,20 @@ def read_manifest(path: str | os.PathLike) -> ManifestScan:
 
 
 def _read_manifest(path: str | os.PathLike) -> ManifestScan:
-    entries: dict[int, ManifestEntry] = {}
-    dups: list[int] = []
-    bad: list[int] = []
-    partial = False
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return ManifestScan({}, False, [], [])
+    return parse_manifest_bytes(data, str(path))
+
+
+def parse_manifest_bytes(data: bytes, path: str) -> ManifestScan:
+    """``read_manifest`` of a manifest's bytes (or of the complete lines appended since an earlier read: a
+    reader that keeps its offset merges their ``entries`` over the earlier ones, the last line winning)."""
+    entries: dict[int, ManifestEntry] = {}
+    dups: list[int] = []
+    bad: list[int] = []
+    partial = False
     lines = data.split(b"\n")
     if lines and lines[-1] != b"":
         partial = True          # no newline at the end: a crash mid-append

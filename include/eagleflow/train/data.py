@@ -482,6 +482,21 @@ class StreamLoader:
             waiting = True
             _time.sleep(self.poll_s)
 
+    def _draw_like(self, anchor: SampleRef) -> SampleRef:
+        """The rest of a batch: from the window, the sample whose length is nearest ``anchor``'s (the batch's first
+        sample, drawn at random): the window's length bucketing, as the offline loader sorts each group of batches
+        by length, so a batch pads to about its own length (a batch padded to its longest of random lengths costs
+        the trainer ~1.3x the tokens, more in attention). Samples to serve again first, and an empty window, go
+        through ``_draw`` (waiting for the producer there)."""
+        if not self._first:
+            if len(self._window) < self.shuffle_window:
+                self._refill()
+            if self._window:
+                n = min(len(self._window), self.shuffle_window)
+                k = min(range(n), key=lambda i: abs(self._window[i].tokens - anchor.tokens))
+                return self._window.pop(k)
+        return self._draw()
+
     def _first_known(self) -> SampleRef | None:
         """The first of the samples to serve again that the store holds now (taken off the list), else None."""
         for n, i in enumerate(self._first):
@@ -494,7 +509,9 @@ class StreamLoader:
         if self.finished:
             raise StopIteration("every epoch is served")
         want = min(self.batch_size, self.corpus_size - len(self._served))
-        refs = [self._draw() for _ in range(want)]
+        refs = [self._draw()]
+        while len(refs) < want:
+            refs.append(self._draw_like(refs[0]))
         self._served.update(r.id for r in refs)
         self.ledger.taken(self.epoch, [r.id for r in refs])
         try:

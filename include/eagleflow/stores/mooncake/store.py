@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from eagleflow.capture.manifest import ManifestEntry, ManifestScan, ManifestWriter, ResumeCheck, read_manifest
+from eagleflow.capture.manifest import ManifestEntry, ManifestScan, ManifestWriter, ResumeCheck, parse_manifest_bytes
 from eagleflow.stores import StoreSettings
 from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, StoreError, StoreFull,
                                        StoreUnavailable)
@@ -231,21 +231,42 @@ class MooncakeSource:
         self.ep = read_endpoint(settings)
         self.client = client or MooncakeClient(self.ep)
         self.log = log
+        self._tails: dict[str, ManifestTail] = {}       # by shard folder name: each manifest read so far
+        self._refs: list[SampleRef] | None = None
+        self._refs_store_id = ""
 
     def scan(self) -> list[SampleRef]:
         """The samples recorded as put into this store (its incarnation): a line of a store lost since (its master
-        killed) names a sample that is gone; its shard captures it again (``completed_indexes``)."""
-        refs: list[SampleRef] = []
+        killed) names a sample that is gone; its shard captures it again (``completed_indexes``).
+
+        Incremental (the trainer asks at every draw and step): each shard's manifest is read from where the last
+        scan stopped (``ManifestTail``: only the complete lines appended since), and read whole again when it was
+        replaced or shrank (a resume's ``compact_manifest`` after a lost store rewrites it atomically); the same
+        entries as ``read_manifest`` of the whole file, the last line of an index winning."""
+        changed = False
+        seen: set[str] = set()
         for d in sorted(p for p in self.root.glob("shard_*") if p.is_dir()) if self.root.is_dir() else []:
-            shard = int(d.name.split("_", 1)[1])
-            scan = read_manifest(d / "manifest.jsonl")
-            for idx in sorted(scan.entries):
-                e = scan.entries[idx]
-                if not in_incarnation(e, self.ep.store_id):
-                    continue
-                refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
-                                      bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
-        return refs
+            tail = self._tails.get(d.name)
+            if tail is None:
+                tail = self._tails[d.name] = ManifestTail(d / "manifest.jsonl")
+            seen.add(d.name)
+            changed |= tail.update()
+        for gone in set(self._tails) - seen:
+            del self._tails[gone]
+            changed = True
+        if changed or self._refs is None or self._refs_store_id != self.ep.store_id:
+            refs: list[SampleRef] = []
+            for name in sorted(self._tails):
+                shard = int(name.split("_", 1)[1])
+                entries = self._tails[name].entries
+                for idx in sorted(entries):
+                    e = entries[idx]
+                    if not in_incarnation(e, self.ep.store_id):
+                        continue
+                    refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
+                                          bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
+            self._refs, self._refs_store_id = refs, self.ep.store_id
+        return list(self._refs)
 
     def open(self, ref: SampleRef) -> BinaryIO:
         data = self.client.get(ref.path)
@@ -298,6 +319,53 @@ class MooncakeSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+class ManifestTail:
+    """One shard's manifest as read so far: its entries by index, and the offset up to which its complete lines
+    were parsed. ``update`` parses only the complete lines appended since (a partial tail waits for its newline,
+    as ``read_manifest`` ignores it); it reads the file whole again when it is not the file read before (another
+    inode: rewritten by ``compact_manifest``), is shorter than the offset, or no longer ends the part read with
+    the line last parsed (rewritten in place). True when the entries changed."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: dict[int, ManifestEntry] = {}
+        self.offset = 0
+        self._ident: tuple[int, int] | None = None
+        self._last_line = b""
+
+    def _reset(self) -> bool:
+        had = bool(self.entries) or self.offset > 0
+        self.entries, self.offset, self._ident, self._last_line = {}, 0, None, b""
+        return had
+
+    def update(self) -> bool:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return self._reset()
+        with f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino)
+            changed = False
+            if (ident != self._ident or st.st_size < self.offset
+                    or (self._last_line and os.pread(f.fileno(), len(self._last_line),
+                                                     self.offset - len(self._last_line)) != self._last_line)):
+                changed = self._reset()
+                self._ident = ident
+            if st.st_size == self.offset:
+                return changed
+            f.seek(self.offset)
+            data = f.read(st.st_size - self.offset)
+        end = data.rfind(b"\n") + 1       # complete lines only
+        if end == 0:
+            return changed
+        chunk = data[:end]
+        self.entries.update(parse_manifest_bytes(chunk, str(self.path)).entries)
+        self.offset += end
+        self._last_line = chunk[chunk.rfind(b"\n", 0, end - 1) + 1:]
+        return True
 
 
 def in_incarnation(e: ManifestEntry, store_id: str) -> bool:
