@@ -124,9 +124,9 @@ def test_a_server_that_dies_while_loading_is_named_with_its_log(tmp_path):
 
 
 def test_without_sglang_installed_the_backend_says_what_to_do(tmp_path, monkeypatch):
-    from eagleflow.engines.sglang import launcher as sglang_launcher
     cfg, layout = _setup(tmp_path)
-    monkeypatch.setattr(sglang_launcher, "installed_sglang_version", lambda: "0.4.0")
+    # patched where the evaluator looks it up (it imports the function from the launcher at module level)
+    monkeypatch.setattr(sb, "installed_sglang_version", lambda: "0.4.0")
     with pytest.raises(sb.SglangEvalError, match=r"sglang 0\.4\.0 is not a version.*eval\.backend hf"):
         sb.results(cfg, layout, target_dir=str(tmp_path / "target"), drafts={}, prompt_sets={}, log=print,
                    node=LocalNode(name="local"))
