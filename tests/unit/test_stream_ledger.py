@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import torch
 
-from eagleflow.stores.contract import SampleRef, SampleSource, StoreUnavailable
+from eagleflow.stores.contract import SampleRef, SampleRefused, SampleSource, StoreUnavailable
 from eagleflow.stores.encoding import encode_sample
 from eagleflow.stores.ledger import EpochLedger, LedgerError, check_exactly_once, read_ledger, require_exactly_once
 from eagleflow.train.data import StreamLoader, StreamStarved
@@ -41,6 +41,9 @@ class MemorySource:
     def open(self, ref):
         if self.down:
             raise StoreUnavailable(self.store, f"get {ref.path}: the master does not answer")
+        if ref.path not in self.data:    # as Mooncake's source: a line naming a sample the store does not hold
+            raise SampleRefused(f"{self.store}: sample {ref.id} (key {ref.path}) is recorded in shard "
+                                f"{ref.shard}'s manifest but not in the store")
         return io.BytesIO(self.data[ref.path])
 
     def release(self, ref):   # as the contract says: a sample already gone is no error
@@ -199,6 +202,36 @@ def test_a_store_lost_mid_epoch_is_waited_for_and_what_it_lost_trained_once(tmp_
     while not loader.finished:
         _, refs = loader.next_batch()
         assert not {r.id for r in refs} & {r.id for r in held}     # never drawn again in the epoch
+        step += 1
+        loader.commit(step)
+    require_exactly_once(path, {f"s{i}" for i in range(8)}, epochs=1)
+
+
+def test_a_store_lost_between_reads_and_first_seen_by_a_commit_drops_the_lost_stores_refs(tmp_path):
+    """The race of test_stream_master_killed: the master dies between two reads, so the first call to fail is the
+    commit's release, not a read. The new incarnation holds none of the lost samples until their shards capture
+    them again: the loader must forget the refs it knew from the lost store (its window), waiting for the
+    re-captured ones, never draw a stale ref and fail with SampleRefused ('recorded ... but not in the store')."""
+    src = MemorySource()
+    for i in range(8):
+        src.add(i)
+    path = tmp_path / "l.jsonl"
+    loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=8,
+                          starve_after_s=0.3, poll_s=0.01)
+    loader.next_batch()
+    src.comes_back = lambda: None                 # the new store comes back empty: no shard re-ran yet
+    src.lose()
+    loader.commit(1)                              # its release sees the store lost and waits for the new one
+    with pytest.raises(StreamStarved):            # waits for the re-capture: nothing stale is drawn and opened
+        loader.next_batch()
+    assert loader.stores_lost == 1 and not loader.ready(2)
+    trained = set(read_ledger(path).epoch(0).trained)
+    for i in range(8):                            # the shards' resume: every line not trained is put again
+        if f"s{i}" not in trained:
+            src.add(i)
+    step = 1
+    while not loader.finished:
+        loader.next_batch()
         step += 1
         loader.commit(step)
     require_exactly_once(path, {f"s{i}" for i in range(8)}, epochs=1)

@@ -534,16 +534,26 @@ class StreamLoader:
         self._served.difference_update(ids)
         self._first = ids + [i for i in self._first if i not in ids]
         if new:
-            self.stores_lost += 1
-            self._known = {}
-            self._window = []
+            self._forget_lost_store()
+
+    def _forget_lost_store(self) -> None:
+        """The source took up a new store incarnation: every ref known from the lost one names a sample that is
+        gone (its line is stale), so none may be drawn and opened in the new store (a missing sample there is
+        ``SampleRefused``); ``scan`` names only the new store's, each drawn once its shard captured it again.
+        Whichever call saw the store lost (a read, or a commit's release) must do this."""
+        self.stores_lost += 1
+        self._known = {}
+        self._window = []
 
     def _release(self, ref: SampleRef) -> None:
         try:
             self.source.release(ref)
         except StoreUnavailable:
-            # gone with the store; once it is back, a copy its shard put again (same key) is removed
-            self.source.wait_for_store(self.store_down_timeout_s, self.on_store_wait)
+            # gone with the store; once it is back, a copy its shard put again (same key) is removed. A new
+            # incarnation found here (the store died between reads: a commit saw it first) drops the lost
+            # store's refs as a failed read does: else the window hands out samples the new store does not hold
+            if self.source.wait_for_store(self.store_down_timeout_s, self.on_store_wait):
+                self._forget_lost_store()
             self.source.release(ref)
 
     def _next_epoch(self) -> None:
