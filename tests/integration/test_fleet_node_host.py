@@ -192,6 +192,8 @@ def test_a_partition_mid_shard_and_a_cut_mid_transfer_lose_and_duplicate_nothing
     home = tmp_path / "runs" / "fleet-part"
     # the cut: the first try of n2's collect failed, its retry continued the partial files
     assert transfer_cut.get("sessions"), f"the cut never happened (files of shard 3 seen: {transfer_cut['seen']})"
+    # in 4 MiB pieces the whole file is read before the cut, the dead link reads as its end: nothing fails
+    assert transfer_cut["chunk"] == 8 << 10, f"the cut was not made in 8 KiB pieces: {transfer_cut}"
     assert tis[("n2.collect_shards", -1)].try_number == 2, "the cut should have failed the first try"
     assert "[eagleflow] RETRYING task n2.collect_shards of eagle3_pipeline" in subjects, subjects
     assert not [k for k, t in tis.items() if k[0] == "take_over_shard" and t.state == "success"]  # nothing to take
@@ -224,6 +226,7 @@ def cut_shard_transfer(monkeypatch, host, *, shard: int, nth_file: int) -> dict:
     """Kill the node host's SSH connections once, while the fleet's copy streams the ``nth_file``-th file of
     ``shard``'s folder (one piece of it written first); copies run in 8 KiB pieces so the cut lands inside a
     file. Returns what happened: the files seen, the sessions killed, the bytes written, each copy's report."""
+    from eagleflow.airflow import fleet_operators
     from eagleflow.fleet import transfer
     real_copy, real_stream = transfer.copy_dir, transfer._stream
     cut: dict = {"seen": [], "reports": []}
@@ -242,11 +245,13 @@ def cut_shard_transfer(monkeypatch, host, *, shard: int, nth_file: int) -> dict:
             if len(cut["seen"]) == nth_file:
                 piece = inp.read(chunk_bytes)
                 out.write(piece)
-                cut.update(file=name, sessions=host.drop_connections(), written=len(piece))
+                cut.update(file=name, sessions=host.drop_connections(), written=len(piece), chunk=chunk_bytes)
                 return len(piece) + real_stream(inp, out, chunk_bytes)   # the next read meets a dead link
         return real_stream(inp, out, chunk_bytes)
 
+    # the operators call the copy_dir their module imported: patch that name (transfer's own for other callers)
     monkeypatch.setattr(transfer, "copy_dir", copy_in_small_pieces)
+    monkeypatch.setattr(fleet_operators, "copy_dir", copy_in_small_pieces)
     monkeypatch.setattr(transfer, "_stream", stream_and_cut)
     return cut
 
