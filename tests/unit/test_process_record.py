@@ -128,6 +128,38 @@ def test_stop_terms_a_live_group_and_wakes_a_stopped_one(tmp_path):
     assert node.stop_recorded(rec.pid_file).outcome == "not_recorded"
 
 
+_LEADER_ENDS_FIRST = """
+import ctypes, signal, threading, time, os
+term = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: term.set())
+def teardown():   # what a big server's last thread does after its leader's thread has ended: free memory
+    term.wait()
+    time.sleep(1.5)
+    os._exit(0)
+threading.Thread(target=teardown).start()
+while not term.is_set():
+    time.sleep(0.02)
+ctypes.CDLL(None).pthread_exit(None)   # the leader thread ends first: /proc shows the leader Z
+"""
+
+
+def test_stop_waits_for_the_threads_of_a_zombie_leader_that_still_hold_the_job_lock(tmp_path):
+    """A server's leader thread ends first on TERM (/proc: Z) while a sibling thread still tears the process down,
+    holding its descriptors, the job's life lock among them: stop must not say "terminated" before that, or the
+    restart right after (the generation drill's pre-start recovery) is refused by the lock (JobAlreadyRunning)."""
+    from eagleflow.nodes.locks import JobLockHeld, lock_exclusive
+    node = LocalNode()
+    lock = tmp_path / "locks" / "r.generate_server.lock"
+    rec = node.spawn_detached([sys.executable, "-c", _LEADER_ENDS_FIRST], role="generate_server",
+                              pid_file=str(tmp_path / "pids" / "r.generate_server.json"),
+                              log_file=str(tmp_path / "s.log"), lock_file=str(lock))
+    with pytest.raises(JobLockHeld):
+        os.close(lock_exclusive(lock, "probe"))
+    res = node.stop_recorded(rec.pid_file, grace_s=10)
+    assert res.outcome == "terminated", res.detail
+    os.close(lock_exclusive(lock, "the restart"))   # free the moment stop returns
+
+
 def test_children_without_the_token_are_still_stopped_when_the_leader_exits_first(tmp_path):
     """airflow standalone exits on SIGINT before its children, whose /proc environ a proc title has overwritten:
     what was proven ours at the first look (the whole group of a live leader) stays ours while it runs."""

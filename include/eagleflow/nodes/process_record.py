@@ -506,6 +506,16 @@ def _send(rec: ProcessRecord, sig: int, ours) -> None:
         _kill(p, sig)
 
 
+def _threads_still_exiting(pid: int) -> bool:
+    """A zombie leader whose other threads are still exiting: /proc shows the leader Z as soon as its own thread
+    ends, while a sibling thread still tears down the memory and holds the descriptors (a job's life lock, a
+    GPU's memory) until it ends too. Not gone yet: a restart right after would find the lock still held."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
+
+
 def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
          remove_record: bool = True, term_signal: int = signal.SIGTERM) -> StopResult:
     """TERM what is ours of the record's group, grace, KILL; report a process stuck in D with its wchan.
@@ -554,7 +564,8 @@ def stop(rec: ProcessRecord, *, grace_s: float = 15.0, kill_wait_s: float = 5.0,
     def ours() -> list[int]:
         now = set(members(rec))
         now.update(p for p, ticks in known.items()
-                   if (st := read_stat(p)) is not None and st.alive and st.start_ticks == ticks)
+                   if (st := read_stat(p)) is not None and st.start_ticks == ticks
+                   and (st.alive or _threads_still_exiting(p)))
         return sorted(now)
 
     res.outcome, res.wchan = _term_grace_kill(ours, lambda sig: _send(rec, sig, ours), grace_s, kill_wait_s,
