@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 
 from eagleflow.serving.dump_protocol import request_id
-from eagleflow.phases.extract.worker import (DEADLINE_CAP_S, PACE_MARGIN, ExtractionError, WorkerSettings, load_samples,
-                                     remove_orphan_dumps, request_deadline, shard_indexes)
+from eagleflow.heartbeat import WAITING_FOR_ROOM, Heartbeat
+from eagleflow.phases.extract.worker import (DEADLINE_CAP_S, HELD_BACK, PACE_MARGIN, ExtractionError, WorkerSettings,
+                                     load_samples, note_held_back, remove_orphan_dumps, request_deadline,
+                                     shard_indexes)
 from tests.fixtures.capture_corpus import write_corpus
 
 
@@ -53,3 +55,25 @@ def test_orphaned_dumps_of_this_shard_only_are_removed(tmp_path):
     (tmp_path / f".tmp-{request_id('run1', 3, 15)}.99.safetensors").write_bytes(b"x")
     assert remove_orphan_dumps(str(tmp_path), "run1", 3) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r}.safetensors" for r in others)
+
+
+def test_each_wait_for_room_is_kept_in_the_heartbeat_after_it_ends(tmp_path):
+    hb = Heartbeat(job="extract shard 0/1", pid=1)
+    note_held_back(hb, None, 5.0)          # an end with no wait begun: nothing
+    assert HELD_BACK not in hb.extra and WAITING_FOR_ROOM not in hb.extra
+    note_held_back(hb, 10.0, 10.0)
+    note_held_back(hb, 11.0, 11.0)         # a second thread begins to wait: the earliest is kept
+    assert hb.extra[WAITING_FOR_ROOM] == 10.0 and HELD_BACK not in hb.extra
+    note_held_back(hb, None, 13.5)
+    assert WAITING_FOR_ROOM not in hb.extra
+    assert hb.extra[HELD_BACK] == {"waits": 1, "seconds": 3.5, "longest": [10.0, 13.5]}
+    note_held_back(hb, 20.0, 20.0)
+    note_held_back(hb, None, 21.0)         # shorter: counted, the longest kept
+    assert hb.extra[HELD_BACK] == {"waits": 2, "seconds": 4.5, "longest": [10.0, 13.5]}
+    note_held_back(hb, 30.0, 30.0)
+    note_held_back(hb, None, 40.0)
+    assert hb.extra[HELD_BACK] == {"waits": 3, "seconds": 14.5, "longest": [30.0, 40.0]}
+    # written and read back as the watch and the test read it
+    hb.write(tmp_path / "heartbeat.json")
+    back = Heartbeat.read(tmp_path / "heartbeat.json")
+    assert back is not None and back.extra[HELD_BACK]["waits"] == 3 and back.extra[HELD_BACK]["longest"] == [30.0, 40.0]

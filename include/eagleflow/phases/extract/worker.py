@@ -53,6 +53,24 @@ PACE_SEED_SAMPLES = 3       # completions before the run's own pace replaces the
 PACE_MARGIN = 2.0           # x the observed seconds per request, for each request in the queue
 DEADLINE_CAP_S = 3600.0     # no deadline grows past this (or the config's own figure, if longer)
 GIVE_UP_FACTOR = 3.0        # the worker itself gives up only at this many deadlines: the watch decides first
+HELD_BACK = "held_back"      # heartbeat extra: the puts held back by a full streaming store (waits, seconds, longest)
+
+
+def note_held_back(hb: Heartbeat, since: float | None, now: float) -> None:
+    """A put began to wait for room at ``since`` (the earliest waiting thread's time is kept under
+    WAITING_FOR_ROOM), or (None) the wait ended at ``now``: then added to HELD_BACK (waits, seconds in all, the
+    longest's [since, until])."""
+    if since is not None:
+        hb.extra.setdefault(WAITING_FOR_ROOM, since)
+        return
+    began = hb.extra.pop(WAITING_FOR_ROOM, None)
+    if not isinstance(began, (int, float)) or isinstance(began, bool):
+        return
+    rec = hb.extra.setdefault(HELD_BACK, {"waits": 0, "seconds": 0.0, "longest": None})
+    rec["waits"] += 1
+    rec["seconds"] = round(rec["seconds"] + max(0.0, now - began), 3)
+    if rec["longest"] is None or now - began > rec["longest"][1] - rec["longest"][0]:
+        rec["longest"] = [began, now]
 
 
 def request_deadline(own_s: float, ahead: int, per_request_s: float | None) -> float:
@@ -255,19 +273,21 @@ class ShardWorker(PhaseWorker):
 
         def held_back(since: float | None) -> None:
             # a put waiting for room in a streaming store: the heartbeat says since when (the watch then blames the
-            # consumer's pace, not this worker or the server); the earliest of the threads that wait
-            def note(hb: Heartbeat) -> None:
-                if since is None:
-                    hb.extra.pop(WAITING_FOR_ROOM, None)
-                else:
-                    hb.extra.setdefault(WAITING_FOR_ROOM, since)
-            hbw.update(note)
+            # consumer's pace, not this worker or the server); the earliest of the threads that wait. Each wait
+            # ended is added to the heartbeat's record (HELD_BACK: waits, seconds in all, the longest's [since,
+            # until]), which its last write keeps: the worker's own account of being held back, not a look's
+            hbw.update(lambda hb: note_held_back(hb, since, time.time()))
         sink.on_wait = held_back
         try:
             # in_flight requests at once: while one thread writes a file, the others keep the server busy
             self._drive(todo, s.in_flight, "capture", lambda: lambda smp: self._one(smp, sink, hbw), self._abandon)
         finally:
             sink.close()
+            rec = hbw.hb.extra.get(HELD_BACK)
+            if rec:
+                self.log(f"shard {s.shard}/{s.num_shards}: held back {rec['waits']} time(s), {rec['seconds']:.1f} s "
+                         f"in all (longest {rec['longest'][1] - rec['longest'][0]:.1f} s) waiting for room in the "
+                         "run's hidden-state store")
         self._raise_failure()
 
     def _abandon(self, threads: list[threading.Thread]) -> None:
