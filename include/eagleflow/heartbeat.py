@@ -39,6 +39,9 @@ WAITING_FOR_STORE = "waiting_for_store_since"
 # holds stream.buffer_gib until the trainer takes samples), None once its sample is put; its watch says the producer
 # is held back by the consumer, never stalled (a restart would redo its samples and hold it back all the same)
 WAITING_FOR_ROOM = "waiting_for_room_since"
+# ... and when its last such wait ended: it could not put before then, so its watch counts its progress from then
+# (a look between a wait's end and the put's record would otherwise read a shard stale for the whole wait)
+ROOM_WAIT_ENDED = "room_wait_ended_at"
 
 
 @dataclass

@@ -277,3 +277,17 @@ def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalle
                                        started_at=NOW - 3600))
     stopped.heartbeat.extra[WAITING_FOR_ROOM] = NOW - 190
     assert decide(stopped, cfg()).verdict == "stalled"
+
+
+
+def test_a_wait_for_room_that_just_ended_counts_the_workers_progress_from_its_end():
+    """Between the end of a put's wait for room and that sample's record, the heartbeat says no wait and its last
+    sample is as old as the wait: a look there must not read a shard stale for the whole wait (the scheduler run
+    saw one such look). Progress counts from the wait's end; once that too is older than the limit, as before."""
+    from eagleflow.heartbeat import ROOM_WAIT_ENDED
+    just = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200))
+    just.heartbeat.extra[ROOM_WAIT_ENDED] = NOW - 1
+    assert decide(just, cfg()).verdict == "healthy"
+    long_ago = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200))
+    long_ago.heartbeat.extra[ROOM_WAIT_ENDED] = NOW - 190
+    assert decide(long_ago, cfg()).verdict == "stalled"

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
+from eagleflow.heartbeat import ROOM_WAIT_ENDED, WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
@@ -201,6 +201,11 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     server_sigstopped = _server_sigstopped(obs)
     if server_sigstopped and p_age is not None:
         stale_after = min(stale_after, wd.stall_after_s)
+    # a capture worker's wait for room in a streaming store that ended a moment ago: it could not put before then,
+    # so its progress counts from the wait's end (a look between that end and the put's record saw a stale shard)
+    room_ended = hb.extra.get(ROOM_WAIT_ENDED) if hb is not None else None
+    if p_age is not None and isinstance(room_ended, (int, float)) and not isinstance(room_ended, bool):
+        p_age = min(p_age, max(0.0, hb_now - float(room_ended)))
     if p_age is not None and p_age < stale_after:
         pace_txt = "" if stale_after <= wd.stall_after_s else f"; slow run, judged against {pace.describe()}"
         return diag("healthy", f"{counts_u}{since_txt}{rate_txt}, {last_txt} ({p_age:.0f} s ago){pace_txt}"

@@ -35,7 +35,7 @@ from typing import Any
 
 from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.capture.storage import remove_temp_files
-from eagleflow.heartbeat import PACE_WINDOW, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.heartbeat import PACE_WINDOW, ROOM_WAIT_ENDED, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
 from eagleflow.phases.descriptor import MANIFEST
 from eagleflow.phases.shared.worker import PhaseWorker
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
@@ -66,6 +66,7 @@ def note_held_back(hb: Heartbeat, since: float | None, now: float) -> None:
     began = hb.extra.pop(WAITING_FOR_ROOM, None)
     if not isinstance(began, (int, float)) or isinstance(began, bool):
         return
+    hb.extra[ROOM_WAIT_ENDED] = now
     rec = hb.extra.setdefault(HELD_BACK, {"waits": 0, "seconds": 0.0, "longest": None})
     rec["waits"] += 1
     rec["seconds"] = round(rec["seconds"] + max(0.0, now - began), 3)
