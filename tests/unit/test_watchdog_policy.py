@@ -254,6 +254,23 @@ def test_a_stopped_trainer_that_had_said_it_waits_is_a_stuck_consumer_when_the_b
     assert roomy.headline.endswith("the store holds 10,000 of its 98,304-byte buffer (10 %)"), roomy.headline
 
 
+def test_a_trainer_stopped_before_its_heartbeat_counted_a_step_is_a_stuck_consumer_inside_the_startup_grace():
+    """CI, stop 55: a trainer SIGSTOPped after its log's second step but before its heartbeat counted one (0 done,
+    19 s after the start, inside the startup grace) is stalled by the frozen-process branch; that branch too says
+    the consumer is stuck when the store's buffer is full."""
+    from eagleflow.watchdog.signals import StoreSignal
+    stopped = ProcessSignal(role="trainer", recorded=True, pid=4242, alive=True, state="T", started_at=NOW - 30)
+    o = obs(done=0, total=16, progress_ago=30, written_ago=15, started_ago=30, worker=stopped, in_flight=[])
+    o.job = WatchedJob(shard=None)
+    o.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", detail="answering", answering=True,
+                          allocated_bytes=90_000, buffer_bytes=98_304)
+    d = decide(o, cfg())
+    assert d.verdict == "stalled" and "inside the startup grace" in d.summary, d.summary
+    assert d.headline.startswith("the consumer is stuck: the store holds 90,000 of its 98,304-byte buffer (92 %), "
+                                 "so the producer waits for room (backpressure) on this trainer"), d.headline
+    assert "worker pid 4242 is stopped (state T" in d.summary
+
+
 def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalled():
     """Issue 53, found under Airflow's scheduler: a worker whose put waits for room (the store holds
     stream.buffer_gib until the trainer takes samples) says so in its heartbeat (the sink's on_wait); its watch

@@ -190,7 +190,8 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         frozen = _frozen_evidence(obs, cfg)
         if frozen and p_age is not None and p_age >= wd.stall_after_s:
             head = f"nothing completed {now - started:.0f} s after the start ({counts}), inside the startup grace"
-            return diag("stalled", head, [t for _, t in frozen], with_log=True, cause=frozen[0][0])
+            return diag("stalled", _with_store_fill(obs, head, frozen[0][0]), [t for _, t in frozen], with_log=True,
+                        cause=frozen[0][0])
         late = _late_heartbeat(obs, cfg)   # late but not (yet) frozen: said, and looked at again when it may turn
         return diag("starting", f"{counts_u}; started {now - started:.0f} s ago, within the "
                                 f"{wd.startup_grace_s:.0f} s startup grace" + (f"; {late.text}" if late else ""),
@@ -335,15 +336,21 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
     if bad:
         ordered = sorted(range(len(bad)), key=lambda i: (bad[i][0], i))
         cause = bad[ordered[0]][1]
-        fill = obs.store.fill_text() if obs.store is not None else ""
-        if fill and cause in (_WORKER, "trainer") and not obs.job.uses_server:
-            # a streaming trainer that stopped consuming: the store's fill says whether the producer waits on it
-            full = (obs.store is not None and obs.store.allocated_bytes is not None and obs.store.buffer_bytes
-                    and obs.store.allocated_bytes >= STORE_FULL_FRACTION * obs.store.buffer_bytes)
-            head = ((f"the consumer is stuck: {fill}, so the producer waits for room (backpressure) on this "
-                     f"trainer; {head}") if full else f"{head}; {fill}")
-        return diag("stalled", head, [b[2] for b in bad], with_log=True, cause=cause)
+        return diag("stalled", _with_store_fill(obs, head, cause), [b[2] for b in bad], with_log=True, cause=cause)
     return diag("slow", head, fine or ["no signal says it is stuck"], turns_in_s=min(turns) if turns else None)
+
+
+def _with_store_fill(obs: Observation, head: str, cause: str) -> str:
+    """A streaming trainer stalled by its own process (stopped, frozen, no step): the store's fill says whether the
+    producer waits on it. Said in every stalled branch, the startup grace's too (a trainer stopped before its
+    heartbeat counted its first steps)."""
+    fill = obs.store.fill_text() if obs.store is not None else ""
+    if not fill or cause not in (_WORKER, "trainer") or obs.job.uses_server:
+        return head
+    full = (obs.store is not None and obs.store.allocated_bytes is not None and obs.store.buffer_bytes
+            and obs.store.allocated_bytes >= STORE_FULL_FRACTION * obs.store.buffer_bytes)
+    return (f"the consumer is stuck: {fill}, so the producer waits for room (backpressure) on this trainer; {head}"
+            if full else f"{head}; {fill}")
 
 
 def _hung_generate(obs: Observation, pace: Pace, gpu_busy: bool, hb_now: float,
