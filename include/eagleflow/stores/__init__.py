@@ -41,6 +41,8 @@ class StoreSettings:
     # (writer_nodes - 1) x ``max_sample_bytes`` of the buffer free for the others' puts in flight (stores.mooncake)
     writer_nodes: int = 1
     max_sample_bytes: int = 0
+    # a sink's capture of its shard (``corpus.passes``): 0, or the epoch it is for when the run re-captures
+    capture_pass: int = 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -82,9 +84,10 @@ class Store:
         """The run's store server's health for the watch; None when the store has no server."""
         return self._function(self.health)(settings) if self.health else None
 
-    def resume_check(self, shard_dir: str, scan: Any) -> Any:
-        """Which of a shard's recorded samples a restarted capture worker keeps (the rest it captures again)."""
-        return self._function(self.resume)(shard_dir, scan)
+    def resume_check(self, shard_dir: str, scan: Any, **options: Any) -> Any:
+        """Which of a shard's recorded samples a restarted capture worker keeps (the rest it captures again).
+        ``options``: a streaming store's own (mooncake: ``last_epoch``, for a pass of a run that re-captures)."""
+        return self._function(self.resume)(shard_dir, scan, **options)
 
 
 STORES: dict[str, Store] = {s.name: s for s in (
@@ -97,6 +100,12 @@ STORES: dict[str, Store] = {s.name: s for s in (
           start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.store:stop_run_store",
           roles=("mooncake-master", "mooncake-segment"), health="eagleflow.stores.mooncake.master:run_store_health"),
 )}
+
+
+def pass_manifest(capture_pass: int) -> str:
+    """The manifest of one capture pass in its shard's folder: pass 0's is every store's ``manifest.jsonl``; a
+    later pass (a streaming run that re-captures per epoch, ``corpus.passes``) has its own."""
+    return f"manifest.pass{capture_pass}.jsonl" if capture_pass else "manifest.jsonl"
 
 
 def run_store_settings(cfg: Any, layout: Any, root: str | None = None) -> StoreSettings:

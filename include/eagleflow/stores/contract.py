@@ -52,6 +52,7 @@ class SampleRef:
     bytes: int
     sha256: str
     store_dtype: str = "auto"
+    capture_pass: int = 0     # which capture of its shard: >0 only when a streaming run re-captures per epoch
 
 
 @dataclass(frozen=True)

@@ -400,7 +400,9 @@ class StreamLoader:
     trained, and on the last epoch releases its samples (the store removes them). A loader built on a ledger
     resumes: what the epoch already trained is never served again; what was taken but not trained is served
     first. ``corpus_size`` samples make an epoch. More than one epoch keeps every sample in the store until
-    its last epoch, so the corpus must fit the buffer (re-capturing a shard per epoch is not built yet).
+    its last epoch, unless ``recapture``: then each epoch ``e`` takes only the samples of capture pass ``e``
+    (``SampleRef.capture_pass``: each shard captured once per epoch, ``corpus.passes``), and a sample leaves the
+    store once the epoch that used it is committed.
 
     A store lost mid-run (``StoreUnavailable``: its master killed) is waited for, up to ``store_down_timeout_s``
     (``source.wait_for_store``; ``on_store_wait`` told when, for the heartbeat): the batch being read is handed
@@ -410,7 +412,7 @@ class StreamLoader:
     """
 
     def __init__(self, source: SampleSource, ledger, *, batch_size: int, corpus_size: int, seed: int = 0,
-                 shuffle_window: int = 64, epochs: int = 1, max_length: int | None = None,
+                 shuffle_window: int = 64, epochs: int = 1, recapture: bool = False, max_length: int | None = None,
                  starve_after_s: float = 300.0, poll_s: float = 0.05,
                  on_wait: Callable[[float | None], None] | None = None, store_down_timeout_s: float = 120.0,
                  on_store_wait: Callable[[float | None], None] | None = None):
@@ -419,7 +421,7 @@ class StreamLoader:
         # told when a draw starts waiting for the producer (the wall-clock time) and when it stops (None): the
         # trainer's heartbeat says so, so its watch blames a starved trainer on the producer, not on itself
         self.on_wait = on_wait
-        self.batch_size, self.corpus_size, self.epochs = batch_size, corpus_size, epochs
+        self.batch_size, self.corpus_size, self.epochs, self.recapture = batch_size, corpus_size, epochs, recapture
         self.shuffle_window, self.max_length = shuffle_window, max_length
         self.starve_after_s, self.poll_s = starve_after_s, poll_s
         self.store_down_timeout_s, self.on_store_wait = store_down_timeout_s, on_store_wait
@@ -441,8 +443,9 @@ class StreamLoader:
         return self.epoch >= self.epochs
 
     def _refill(self) -> None:
+        want = self.epoch if self.recapture else 0      # the capture pass this epoch trains on
         for r in self.source.scan():
-            if r.id not in self._known:
+            if r.capture_pass == want and r.id not in self._known:
                 self._known[r.id] = r
                 if r.id not in self._served and r.id not in self._first:
                     self._window.append(r)
@@ -561,6 +564,8 @@ class StreamLoader:
         self.epoch += 1
         self._served = set()
         self._first = []
+        if self.recapture:     # the next epoch's own captures, each drawn as it arrives
+            self._known = {}
         self._window = [] if self.finished else list(self._known.values())
         self._rng = _random.Random(f"eagleflow-stream/{self.seed}/{self.epoch}/0")
 
@@ -591,7 +596,7 @@ class StreamLoader:
         """The optimizer step that used every batch since the last commit is done (checkpointed)."""
         for epoch, refs in self._uncommitted:
             self.ledger.trained(epoch, [r.id for r in refs], step)
-            if epoch == self.epochs - 1:
+            if self.recapture or epoch == self.epochs - 1:   # the last epoch that uses these samples
                 for r in refs:
                     self._release(r)
         self._uncommitted = []

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from eagleflow.corpus.passes import capture_plan
 from eagleflow.stores import Store, run_store_settings
 from eagleflow.stores.ledger import EpochLedger, LedgerError, check_exactly_once, read_ledger
 
@@ -57,7 +58,9 @@ class StreamRun:
         self.record_file = Path(str(layout.stream_verified_file))
         tc = cfg.train
         per_epoch = math.ceil(len(ids) / tc.batch_size)            # micro-batches per epoch
-        self.epochs = max(1, round(tc.max_steps * tc.grad_accum / per_epoch))
+        # the epochs, and whether each re-captures its own samples: the capture workers ask the same plan
+        self.plan = capture_plan(cfg, layout)
+        self.epochs = self.plan.epochs
         self.total_steps = math.ceil(self.epochs * per_epoch / tc.grad_accum)
         self.source = store.open_source(self.settings, log=log)
         self.loader: StreamLoader | None = None
@@ -70,7 +73,8 @@ class StreamRun:
         tc = self.cfg.train
         return (f"streaming from the {self.store.label} ({self.corpus_size} samples in the corpus, shuffle window "
                 f"{self.cfg.stream.shuffle_window}): {self.epochs} epoch(s) = {self.total_steps} steps "
-                f"(train.max_steps {tc.max_steps} rounded to whole epochs), ledger {self.ledger_file}")
+                f"(train.max_steps {tc.max_steps} rounded to whole epochs"
+                + (f"; {self.plan.why}" if self.plan.recapture else "") + f"), ledger {self.ledger_file}")
 
     def loss_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each target id is at a loss position over the corpus prepared (what ``count_loss_tokens``
@@ -103,7 +107,7 @@ class StreamRun:
 
     def reconcile(self, checkpoint_state: dict[str, Any] | None) -> int:
         return reconcile_ledger(self.ledger_file, checkpoint_state, self.epochs, self.source, fsync=self.settings.fsync,
-                                log=self.log)
+                                log=self.log, recapture=self.plan.recapture)
 
     def open_loader(self, checkpoint_state: dict[str, Any] | None) -> StreamLoader:
         self.reconcile(checkpoint_state)
@@ -113,6 +117,7 @@ class StreamRun:
         self.loader = StreamLoader(self.source, ledger,
                                    batch_size=tc.batch_size, corpus_size=self.corpus_size, seed=tc.seed,
                                    shuffle_window=self.cfg.stream.shuffle_window, epochs=self.epochs,
+                                   recapture=self.plan.recapture,
                                    max_length=None, on_wait=self.on_wait,
                                    store_down_timeout_s=self.cfg.stream.store_down_timeout_s,
                                    on_store_wait=self.on_store_wait)
@@ -149,7 +154,7 @@ class StreamRun:
         if self.loader is not None and self.loader.stores_lost:
             # a shard that re-captured a sample after the store was lost, once its commit had released the key
             # already, left that copy behind: the last epoch is done with it
-            n = release_trained(self.ledger_file, self.epochs, self.source)
+            n = release_trained(self.ledger_file, self.epochs, self.source, self.plan.recapture)
             self.log(f"the store was lost {self.loader.stores_lost} time(s) and went on; {n} re-captured sample(s) "
                      "already trained released at the end")
         state = read_ledger(self.ledger_file)
@@ -175,20 +180,20 @@ class StreamRun:
         self.source.close()
 
 
-def release_trained(ledger_file: str | Path, epochs: int, source: Any) -> int:
-    """Release every sample the store holds that the ledger has trained in the last epoch; how many."""
-    last = set(read_ledger(ledger_file).epoch(epochs - 1).trained)
+def release_trained(ledger_file: str | Path, epochs: int, source: Any, recapture: bool = False) -> int:
+    """Release every sample the store holds that the ledger has trained in the last epoch that uses it (the run's
+    last; with ``recapture``, its capture pass's own epoch); how many."""
+    state = read_ledger(ledger_file)
     done = 0
-    if last:
-        for ref in source.scan():
-            if ref.id in last:
-                source.release(ref)
-                done += 1
+    for ref in source.scan():
+        if ref.id in state.epoch(ref.capture_pass if recapture else epochs - 1).trained:
+            source.release(ref)
+            done += 1
     return done
 
 
 def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] | None, epochs: int, source: Any,
-                     fsync: bool = True, log: Callable[[str], None] = print) -> int:
+                     fsync: bool = True, log: Callable[[str], None] = print, recapture: bool = False) -> int:
     """Write as trained the batches a durable checkpoint holds (``state["stream"]["uncommitted"]``) and the
     ledger does not (a trainer killed between the checkpoint and its commit), and release from ``source`` every
     sample the ledger has trained in its last epoch, as the commit would have. Returns how many ids it wrote.
@@ -211,7 +216,7 @@ def reconcile_ledger(ledger_file: str | Path, checkpoint_state: dict[str, Any] |
         ledger.close()
     # every sample its last epoch trained leaves the store, including those a trainer killed between its
     # ledger's commit and the releases that follow it had left there (a remove of a gone key is a no-op)
-    release_trained(ledger_file, epochs, source)
+    release_trained(ledger_file, epochs, source, recapture)
     if wrote:
         log(f"the checkpoint at step {step} had trained on {wrote} sample(s) its ledger did not record as trained "
             "(killed between the two): recorded now")

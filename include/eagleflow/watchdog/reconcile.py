@@ -46,12 +46,13 @@ from pathlib import Path
 from eagleflow.local_run import LocalRun
 from eagleflow.capture.manifest import completed_indexes, read_manifest
 from eagleflow.config import PipelineConfig, load_config, safe_run_id
+from eagleflow.corpus.passes import capture_plan
 from eagleflow.fleet.takeover import hand_over_mark, handed_over_to, record_taken_over, taken_over
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import JobAlreadyRunning
 from eagleflow.nodes.locks import JobLockHeld, NodeLock, lock_exclusive
 from eagleflow.phases import EXTRACT, KINDS, RUN_ORDER, ShardKind, kind_of
-from eagleflow.stores import store_for
+from eagleflow.stores import pass_manifest, store_for
 from eagleflow.watchdog.recovery import lock_path
 from eagleflow.durable import atomic_write
 from eagleflow.fleet.assign import shards_of
@@ -112,12 +113,16 @@ def shard_state(run: LocalRun, shard: int, phase: str = EXTRACT) -> ShardState:
     # both phases write capture's manifest; the stored units are what the shard's worker would keep at resume:
     # generation, each intact file; extraction, its run's store's rule (disk: the same; a streaming store: each
     # sample not lost with a store killed since, so a shard complete before its store died is incomplete now)
-    resume = store_for(run.cfg.stream.storage).resume_check if kind.phase == EXTRACT else completed_indexes
-    done = resume(shard_dir, read_manifest(os.path.join(shard_dir, "manifest.jsonl"))).done
+    store = store_for(run.cfg.stream.storage)
+    resume = store.resume_check if kind.phase == EXTRACT else completed_indexes
+    # a streaming run that re-captures per epoch: a shard is each of its passes (its worker's done/total)
+    passes = capture_plan(run.cfg, lay).passes if kind.phase == EXTRACT and store.streaming and expected else 1
+    stored = sum(len(resume(shard_dir, read_manifest(os.path.join(shard_dir, pass_manifest(cp))),
+                            **({"last_epoch": cp} if passes > 1 else {})).done) for cp in range(passes))
     alive = run.node.live_record(str(lay.pid_file(kind.worker_role(shard)))) is not None
-    return ShardState(run_id=lay.run_id, shard=shard, num_shards=kind.num_shards(run.cfg), expected=expected,
-                      stored=len(done), worker_alive=alive, run_config=run.config_path, phase=phase,
-                      finished=finished)
+    return ShardState(run_id=lay.run_id, shard=shard, num_shards=kind.num_shards(run.cfg),
+                      expected=expected * passes, stored=stored, worker_alive=alive, run_config=run.config_path,
+                      phase=phase, finished=finished)
 
 
 def phases_to_scan(run: LocalRun) -> list[str]:

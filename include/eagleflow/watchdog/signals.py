@@ -695,10 +695,12 @@ def _provably_stuck(worker: ProcessSignal, server: ProcessSignal | None) -> str:
 
 
 def stored_samples(layout: RunLayout, shard: int, job: WatchedJob | None = None) -> int:
-    """Distinct samples (records, for a generation shard) in the shard's manifest (a partial last line is not one)."""
-    path = (job or WatchedJob(shard=shard)).kind.shard_dir(layout, shard) / "manifest.jsonl"
+    """Distinct samples (records, for a generation shard) in the shard's manifest (a partial last line is not one);
+    of a streaming run that re-captures per epoch, in each pass's manifest (as its heartbeat counts done)."""
+    d = Path(str((job or WatchedJob(shard=shard)).kind.shard_dir(layout, shard)))
     try:
-        return len(read_manifest(path).entries)
+        later = sorted(d.glob("manifest.pass*.jsonl")) if d.is_dir() else []
+        return sum(len(read_manifest(path).entries) for path in [d / "manifest.jsonl", *later])
     except OSError:
         return 0
 

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 from eagleflow.capture.verify import quantisation_stats, stats_lines, verify_hidden_states
 from eagleflow.cliargs import add_run_args, run_from_args
 from eagleflow.config import PipelineConfig
+from eagleflow.corpus.passes import capture_plan
 from eagleflow.corpus.prepare import EVAL_FILE
 from eagleflow.engines import engine_for, names_for
 from eagleflow.layout import RunLayout
@@ -21,7 +22,7 @@ from eagleflow.phases.shared.commands import EXIT_ALREADY_RUNNING, CommandRefuse
 from eagleflow.serving.client import ServerError, server_info
 from eagleflow.serving.dump_protocol import DumpTrustError, load_dump_key, private_dump_dir
 from eagleflow.serving.launch import dump_dir
-from eagleflow.stores import run_store_settings
+from eagleflow.stores import run_store_settings, store_for
 
 from . import KIND
 from .worker import ExtractionError, ShardWorker, WorkerSettings, shard_indexes
@@ -57,10 +58,14 @@ def _make_worker(cfg: PipelineConfig, layout: RunLayout, job: WorkerJob, url: st
         pass  # the first request reports the failure with its sample
     if not settings:   # a shard of the phase: its share of the corpus, into the run's store (stream.storage)
         store = run_store_settings(cfg, layout)
-        settings = dict(corpus_file=str(layout.corpus_dir / "corpus.parquet"), storage=cfg.stream.storage,
+        corpus = str(layout.corpus_dir / "corpus.parquet")
+        # a streaming run whose corpus exceeds the buffer captures the shard once per epoch (the trainer agrees)
+        passes = (capture_plan(cfg, layout).passes
+                  if store_for(cfg.stream.storage).streaming and os.path.isfile(corpus) else 1)
+        settings = dict(corpus_file=corpus, storage=cfg.stream.storage,
                         buffer_bytes=store.buffer_bytes, endpoint_file=store.endpoint_file,
                         put_timeout_s=store.put_timeout_s, writer_nodes=store.writer_nodes,
-                        max_sample_bytes=store.max_sample_bytes)
+                        max_sample_bytes=store.max_sample_bytes, passes=passes)
     ws = WorkerSettings(
         run_id=layout.run_id, shard=job.shard, num_shards=job.num_shards, shard_dir=job.shard_dir, dump_dir=dumps,
         dump_key=dump_key, server_url=url, in_flight=cfg.capture.in_flight,

@@ -29,19 +29,18 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.capture.storage import remove_temp_files
 from eagleflow.heartbeat import PACE_WINDOW, ROOM_WAIT_ENDED, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
-from eagleflow.phases.descriptor import MANIFEST
 from eagleflow.phases.shared.worker import PhaseWorker
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
 from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
 from eagleflow.stop_signal import stop_arrived
-from eagleflow.stores import StoreSettings, store_for
+from eagleflow.stores import Store, StoreSettings, pass_manifest, store_for
 from eagleflow.stores.contract import SampleSink, StoreError
 from eagleflow.stores.encoding import encode_sample
 
@@ -128,6 +127,8 @@ class WorkerSettings:
     put_timeout_s: float = 600.0   # stream.put_timeout_s
     writer_nodes: int = 1          # a fleet's nodes putting into one store (StoreSettings.headroom_bytes)
     max_sample_bytes: int = 0      # stream.max_sample_mib: what each node keeps free for another node's put
+    passes: int = 1                # captures of the shard, one per epoch when the corpus exceeds the buffer
+                                   # (corpus.passes.capture_plan)
 
     @property
     def rid_shard(self) -> int:
@@ -226,26 +227,22 @@ class ShardWorker(PhaseWorker):
         shard_dir = Path(s.shard_dir)
         removed_tmp = remove_temp_files(shard_dir)
         removed_dumps = remove_orphan_dumps(s.dump_dir, s.run_id, s.rid_shard)
-        scan = read_manifest(shard_dir / MANIFEST)
         store = store_for(s.storage)
-        check = store.resume_check(str(shard_dir), scan)   # disk: each file intact; streaming: each line recorded
-        done, broken = check.done, check.broken
-        other = sorted(i for i in done if (scan.entries[i].store_dtype or "auto") != s.store_dtype)
-        if other:
-            # one shard, one storage format: training refuses a mix, so never start one
-            was = scan.entries[other[0]].store_dtype or "auto"
-            raise ExtractionError(f"shard {s.shard}: {len(other)} sample(s) in {shard_dir} were stored with "
-                                  f"capture.store_dtype {was} (e.g. {scan.entries[other[0]].file}), the config "
-                                  f"now says {s.store_dtype}; set capture.store_dtype back to {was} to resume, "
-                                  f"or delete {shard_dir} to capture the shard again as {s.store_dtype}")
-        if broken or check.refreshed or not scan.clean:
-            # one clean line per intact sample before anything is appended: a redone sample
-            # must not sit beside a damaged, repeated or stale line of itself
-            keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
-            compact_manifest(shard_dir / MANIFEST, keep, fsync=s.fsync)
-        total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, done, s.limit)
-        resumed = total - len(todo)
-        resumed_tokens = sum(scan.entries[i].tokens for i in done if i in scan.entries)
+        # each pass resumes as the one capture always did (a run that re-captures per epoch has s.passes)
+        dones: list[set[int]] = []
+        broken: list = []
+        hashed = damaged = repeated = resumed_tokens = 0
+        for cp in range(s.passes):
+            scan, check = self._resume(store, shard_dir, cp)
+            dones.append(check.done)
+            broken += check.broken
+            hashed += check.hashed
+            damaged += len(scan.bad_lines) + scan.partial_tail
+            repeated += len(scan.duplicates) + len(scan.duplicate_ids)
+            resumed_tokens += sum(scan.entries[i].tokens for i in check.done if i in scan.entries)
+        total, todo = load_samples(s.corpus_file, s.shard, s.num_shards, dones[0], s.limit)
+        resumed = sum(len(d) for d in dones)
+        left = total * s.passes - resumed
 
         if s.store_dtype == "fp8_e4m3":
             import torch  # noqa: F401  # lazy: torch (heavy), only to quantise fp8: now, not in the first sample's clock
@@ -254,23 +251,23 @@ class ShardWorker(PhaseWorker):
             hb.state = "running"
             # rates count from here: the work, not the interpreter's start and the corpus read
             hb.started_at = hb.last_progress_at = time.time()
-            hb.total, hb.done, hb.resumed, hb.tokens = total, resumed, resumed, resumed_tokens
+            # done/total over every pass: the watch judges a shard that re-captures as any other
+            hb.total, hb.done, hb.resumed, hb.tokens = total * s.passes, resumed, resumed, resumed_tokens
         hbw.update(init)
         hbw.flush()
-        self.log(f"shard {s.shard}/{s.num_shards}: {total} samples, {resumed} already stored, {len(todo)} to do; "
+        self.log(f"shard {s.shard}/{s.num_shards}: {total} samples"
+                 + (f" x {s.passes} capture passes (one per epoch: the corpus exceeds the store's buffer)"
+                    if s.passes > 1 else "")
+                 + f", {resumed} already stored, {left} to do; "
                  f"removed {len(removed_tmp)} temp file(s), {removed_dumps} orphaned dump(s)"
                  + (f"; {len(broken)} stored sample(s) will be redone ("
                     + ", ".join(f"{e.file}: {why}" for e, why in broken[:5])
                     + (f", +{len(broken) - 5} more" if len(broken) > 5 else "") + ")" if broken else "")
-                 + (f"; hashed {check.hashed} file(s) changed since recorded" if check.hashed else "")
-                 + (f"; manifest rewritten without {len(scan.bad_lines) + scan.partial_tail} damaged and "
-                    f"{len(scan.duplicates) + len(scan.duplicate_ids)} repeated line(s)" if not scan.clean else ""))
-        if not todo:
+                 + (f"; hashed {hashed} file(s) changed since recorded" if hashed else "")
+                 + (f"; manifest rewritten without {damaged} damaged and {repeated} repeated line(s)"
+                    if damaged or repeated else ""))
+        if not left:
             return
-        try:
-            sink = store.open_sink(s.store_settings(), s.shard)   # the manifest's writer: after any compaction
-        except StoreError as e:
-            raise ExtractionError(f"shard {s.shard}: cannot write to the run's store: {e}") from None
 
         def held_back(since: float | None) -> None:
             # a put waiting for room in a streaming store: the heartbeat says since when (the watch then blames the
@@ -278,17 +275,83 @@ class ShardWorker(PhaseWorker):
             # ended is added to the heartbeat's record (HELD_BACK: waits, seconds in all, the longest's [since,
             # until]), which its last write keeps: the worker's own account of being held back, not a look's
             hbw.update(lambda hb: note_held_back(hb, since, time.time()))
+        try:
+            for cp in range(s.passes):
+                if cp:
+                    todo = load_samples(s.corpus_file, s.shard, s.num_shards, dones[cp], s.limit)[1]
+                if not todo:
+                    continue
+                if cp:
+                    self._wait_for_pass(store, cp, held_back)
+                self._capture_pass(store, cp, todo, hbw, held_back)
+        finally:
+            rec = hbw.hb.extra.get(HELD_BACK)
+            if rec:
+                self.log(f"shard {s.shard}/{s.num_shards}: held back {rec['waits']} time(s), {rec['seconds']:.1f} s "
+                         f"in all (longest {rec['longest'][1] - rec['longest'][0]:.1f} s) waiting for room in the "
+                         "run's hidden-state store")
+
+    def _resume(self, store: Store, shard_dir: Path, cp: int):
+        """One pass's manifest as a restarted worker keeps it (rewritten when it holds lines to drop)."""
+        s = self.s
+        path = shard_dir / pass_manifest(cp)
+        scan = read_manifest(path)
+        # a pass of a run that re-captures: its samples are needed only by its own epoch
+        check = store.resume_check(str(shard_dir), scan, **({"last_epoch": cp} if s.passes > 1 else {}))
+        done = check.done
+        other = sorted(i for i in done if (scan.entries[i].store_dtype or "auto") != s.store_dtype)
+        if other:
+            # one shard, one storage format: training refuses a mix, so never start one
+            was = scan.entries[other[0]].store_dtype or "auto"
+            raise ExtractionError(f"shard {s.shard}: {len(other)} sample(s) in {shard_dir} were stored with "
+                                  f"capture.store_dtype {was} (e.g. {scan.entries[other[0]].file}), the config "
+                                  f"now says {s.store_dtype}; set capture.store_dtype back to {was} to resume, "
+                                  f"or delete {shard_dir} to capture the shard again as {s.store_dtype}")
+        if check.broken or check.refreshed or not scan.clean:
+            # one clean line per intact sample before anything is appended: a redone sample
+            # must not sit beside a damaged, repeated or stale line of itself
+            keep = [check.refreshed.get(i, scan.entries[i]) for i in sorted(done)]
+            compact_manifest(path, keep, fsync=s.fsync)
+        return scan, check
+
+    def _wait_for_pass(self, store: Store, cp: int, held_back) -> None:
+        """Pass ``cp`` starts once every shard's pass ``cp - 1`` is put: a sample of a later epoch must never hold
+        room the trainer's current epoch still needs from another shard (both sides would wait). Meanwhile the
+        heartbeat says the worker is held back, as a put waiting for room."""
+        s = self.s
+        root = Path(s.shard_dir).parent
+        need = len(shard_indexes(s.corpus_file, 0, 1, s.limit))
+        waiting = False
+        try:
+            while True:
+                have = sum(len(store.resume_check(str(d), read_manifest(d / pass_manifest(cp - 1)),
+                                                  last_epoch=cp - 1).done)
+                           for d in sorted(root.glob("shard_*")) if d.is_dir())
+                if have >= need:
+                    return
+                if not waiting:
+                    self.log(f"shard {s.shard}/{s.num_shards}: pass {cp} waits until every shard's pass {cp - 1} "
+                             f"is put ({have}/{need})")
+                    held_back(time.time())
+                    waiting = True
+                time.sleep(0.5)
+        finally:
+            if waiting:
+                held_back(None)
+
+    def _capture_pass(self, store: Store, cp: int, todo: list[Sample], hbw: HeartbeatWriter, held_back) -> None:
+        s = self.s
+        try:
+            # the manifest's writer: after any compaction; a later pass's sink puts under its own keys and manifest
+            sink = store.open_sink(replace(s.store_settings(), capture_pass=cp), s.shard)
+        except StoreError as e:
+            raise ExtractionError(f"shard {s.shard}: cannot write to the run's store: {e}") from None
         sink.on_wait = held_back
         try:
             # in_flight requests at once: while one thread writes a file, the others keep the server busy
             self._drive(todo, s.in_flight, "capture", lambda: lambda smp: self._one(smp, sink, hbw), self._abandon)
         finally:
             sink.close()
-            rec = hbw.hb.extra.get(HELD_BACK)
-            if rec:
-                self.log(f"shard {s.shard}/{s.num_shards}: held back {rec['waits']} time(s), {rec['seconds']:.1f} s "
-                         f"in all (longest {rec['longest'][1] - rec['longest'][0]:.1f} s) waiting for room in the "
-                         "run's hidden-state store")
         self._raise_failure()
 
     def _abandon(self, threads: list[threading.Thread]) -> None:

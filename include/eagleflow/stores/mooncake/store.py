@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from eagleflow.capture.manifest import ManifestEntry, ManifestScan, ManifestWriter, ResumeCheck, parse_manifest_bytes
-from eagleflow.stores import StoreSettings
+from eagleflow.stores import StoreSettings, pass_manifest
 from eagleflow.stores.contract import (PutReceipt, SampleRef, SampleRefused, StoreError, StoreFull,
                                        StoreUnavailable)
 from eagleflow.stores.encoding import EncodedSample
@@ -42,8 +42,12 @@ OBJECT_NOT_FOUND = -704             # Mooncake's error codes (store_py's ErrorCo
 LOCAL_BUFFER_BYTES = 64 << 20       # the client's own transfer buffer (it contributes no segment: 0 bytes)
 
 
-def sample_key(run_id: str, shard: int, index: int) -> str:
-    return f"{run_id}/shard_{shard:05d}/{index:08d}"
+def sample_key(run_id: str, shard: int, index: int, capture_pass: int = 0) -> str:
+    """A sample's key; a later capture pass of a run that re-captures per epoch has its own (``pass<P>/``)."""
+    return f"{run_id}/shard_{shard:05d}/" + (f"pass{capture_pass}/" if capture_pass else "") + f"{index:08d}"
+
+
+_PASS_MANIFEST = re.compile(r"manifest\.pass([1-9][0-9]*)\.jsonl")     # stores.pass_manifest's later passes
 
 
 def read_endpoint(settings: StoreSettings) -> MooncakeEndpoint:
@@ -157,7 +161,7 @@ class MooncakeSink:
         self.ep = read_endpoint(settings)
         self.client = client or MooncakeClient(self.ep)
         shard_dir = Path(settings.root) / f"shard_{shard:05d}"
-        self.manifest = ManifestWriter(shard_dir / "manifest.jsonl", fsync=settings.fsync)
+        self.manifest = ManifestWriter(shard_dir / pass_manifest(settings.capture_pass), fsync=settings.fsync)
         self._budget_lock = f"{settings.endpoint_file}.budget.lock"
         self._lock = threading.Lock()          # the manifest
         self._put_lock = threading.Lock()      # the room check and the put
@@ -202,7 +206,7 @@ class MooncakeSink:
     def put(self, sample: EncodedSample) -> PutReceipt:
         data = sample.to_bytes()
         digest = hashlib.sha256(data).hexdigest()
-        key = sample_key(self.settings.run_id, self.shard, sample.index)
+        key = sample_key(self.settings.run_id, self.shard, sample.index, self.settings.capture_pass)
         # check-then-put is one step for every writer of this node; the manifest has its own lock, so a put
         # waiting for room never holds back the line of a put already done (the trainer may need that sample
         # to free the room)
@@ -231,7 +235,7 @@ class MooncakeSource:
         self.ep = read_endpoint(settings)
         self.client = client or MooncakeClient(self.ep)
         self.log = log
-        self._tails: dict[str, ManifestTail] = {}       # by shard folder name: each manifest read so far
+        self._tails: dict[tuple[str, int], ManifestTail] = {}   # by (shard folder, pass): each manifest read so far
         self._refs: list[SampleRef] | None = None
         self._refs_store_id = ""
 
@@ -244,27 +248,32 @@ class MooncakeSource:
         replaced or shrank (a resume's ``compact_manifest`` after a lost store rewrites it atomically); the same
         entries as ``read_manifest`` of the whole file, the last line of an index winning."""
         changed = False
-        seen: set[str] = set()
+        seen: set[tuple[str, int]] = set()
         for d in sorted(p for p in self.root.glob("shard_*") if p.is_dir()) if self.root.is_dir() else []:
-            tail = self._tails.get(d.name)
-            if tail is None:
-                tail = self._tails[d.name] = ManifestTail(d / "manifest.jsonl")
-            seen.add(d.name)
-            changed |= tail.update()
+            # pass 0's manifest, and each later pass's of a run that re-captures per epoch
+            passes = [0] + sorted(int(m.group(1)) for m in (_PASS_MANIFEST.fullmatch(f.name)
+                                                             for f in d.glob("manifest.pass*.jsonl")) if m)
+            for cp in passes:
+                tail = self._tails.get((d.name, cp))
+                if tail is None:
+                    tail = self._tails[(d.name, cp)] = ManifestTail(d / pass_manifest(cp))
+                seen.add((d.name, cp))
+                changed |= tail.update()
         for gone in set(self._tails) - seen:
             del self._tails[gone]
             changed = True
         if changed or self._refs is None or self._refs_store_id != self.ep.store_id:
             refs: list[SampleRef] = []
-            for name in sorted(self._tails):
+            for name, cp in sorted(self._tails):
                 shard = int(name.split("_", 1)[1])
-                entries = self._tails[name].entries
+                entries = self._tails[(name, cp)].entries
                 for idx in sorted(entries):
                     e = entries[idx]
                     if not in_incarnation(e, self.ep.store_id):
                         continue
                     refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
-                                          bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto"))
+                                          bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto",
+                                          capture_pass=cp))
             self._refs, self._refs_store_id = refs, self.ep.store_id
         return list(self._refs)
 
@@ -374,7 +383,7 @@ def in_incarnation(e: ManifestEntry, store_id: str) -> bool:
     return not store_id or e.store_id == store_id
 
 
-def completed_indexes(shard_dir: str, scan: ManifestScan) -> ResumeCheck:
+def completed_indexes(shard_dir: str, scan: ManifestScan, last_epoch: int | None = None) -> ResumeCheck:
     """A restarted capture worker's resume: which recorded samples need no capture again.
 
     A line is appended only after its put succeeded, and the trainer may already have trained on the sample
@@ -384,12 +393,16 @@ def completed_indexes(shard_dir: str, scan: ManifestScan) -> ResumeCheck:
     sample lost with a store killed since (its master died and ``eagleflow store start`` began a new one): it
     is ``broken``, so the worker rewrites the manifest without it (atomically, the rest kept) and captures it
     again. The shard's folder is the run's ``hidden_states/shard_NNNNN`` (``RunLayout``): the endpoint and the
-    ledger are found from it, as the run's sinks and sources find them."""
+    ledger are found from it, as the run's sinks and sources find them. ``last_epoch``: the epoch after which
+    ``scan``'s samples are needed no more (a later pass of a run that re-captures per epoch: its own epoch);
+    None: the run's last."""
     run_dir = Path(shard_dir).parent.parent
     store_id = _current_store_id(run_dir / "store_endpoint.json")
     if not store_id:       # no store running with an id: nothing proves a line lost (the sink then says why)
         return ResumeCheck(done=set(scan.entries), broken=[], hashed=0, refreshed={})
-    return resume_rule(scan, store_id, read_ledger(run_dir / "draft" / "stream_ledger.jsonl").trained_in_last_epoch())
+    state = read_ledger(run_dir / "draft" / "stream_ledger.jsonl")
+    trained = state.trained_in_last_epoch() if last_epoch is None else set(state.epoch(last_epoch).trained)
+    return resume_rule(scan, store_id, trained)
 
 
 def resume_rule(scan: ManifestScan, store_id: str, trained: set[str]) -> ResumeCheck:
