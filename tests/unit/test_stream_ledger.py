@@ -169,6 +169,8 @@ def test_a_loader_says_when_it_waits_for_the_producer_and_when_it_stops(tmp_path
     _, refs = loader.next_batch()
     assert sorted(r.id for r in refs) == ["s0", "s1"]
     assert len(calls) == 2 and calls[1] is None and t0 <= calls[0] <= t0 + 0.4
+    # the seconds it waited, for the step's metrics (the benchmark's steps/s when the producer keeps up)
+    assert 0.3 <= loader.waited_s <= 5.0, loader.waited_s
 
 
 def test_a_store_lost_mid_epoch_is_waited_for_and_what_it_lost_trained_once(tmp_path):

@@ -426,6 +426,7 @@ class StreamLoader:
         self.starve_after_s, self.poll_s = starve_after_s, poll_s
         self.store_down_timeout_s, self.on_store_wait = store_down_timeout_s, on_store_wait
         self.stores_lost = 0       # new store incarnations this loader went on with
+        self.waited_s = 0.0        # seconds its draws waited for the producer (the steps' metrics: the producer's cost)
         self.seed = seed
         state = ledger.read()
         done = [e for e in range(epochs) if len(set(state.epoch(e).trained)) >= corpus_size]
@@ -451,9 +452,13 @@ class StreamLoader:
                     self._window.append(r)
 
     def _draw(self) -> SampleRef:
+        import time as _time
+        t0 = _time.monotonic()
         ref, waited = self._draw_waiting()
-        if waited and self.on_wait is not None:
-            self.on_wait(None)
+        if waited:
+            self.waited_s += _time.monotonic() - t0
+            if self.on_wait is not None:
+                self.on_wait(None)
         return ref
 
     def _draw_waiting(self) -> tuple[SampleRef, bool]:

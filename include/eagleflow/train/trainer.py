@@ -276,12 +276,14 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
         next_batch: Callable[[], Batch] = offline.next_batch
         epoch_now: Callable[[], int] = lambda: offline.position.epoch  # noqa: E731
         data_done: Callable[[], bool] = lambda: False  # noqa: E731
+        waited_s: Callable[[], float] | None = None
         n_samples, store_dtype = len(refs), refs[0].store_dtype
     else:
         say(stream.describe())
         sl = stream.open_loader(ck.state if ck is not None else None)
         next_batch = lambda: sl.next_batch()[0]  # noqa: E731  (its refs stay in the loader until the commit)
         epoch_now, data_done = (lambda: sl.epoch), (lambda: sl.finished)
+        waited_s = lambda: sl.waited_s  # noqa: E731  (a step's wait for the producer, in its metrics row)
         n_samples, store_dtype = stream.corpus_size, cfg.capture.store_dtype
     micro = tc.grad_accum
     say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
@@ -305,6 +307,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
     try:
         while step < max_steps and not data_done() and (stop_after_step is None or step < stop_after_step):
             t0 = time.time()
+            w0 = waited_s() if waited_s is not None else 0.0
             lr = lr_at(step, tc.lr, tc.warmup, max_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -344,6 +347,8 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
             row = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
                    "tokens": tokens_all, "tokens_per_s": tokens_all / max(dt, 1e-9),
                    "epoch": epoch_now(), **sm.as_dict()}
+            if waited_s is not None:     # streaming: seconds of this step spent waiting for the producer's samples
+                row["producer_wait_s"] = round(waited_s() - w0, 4)
             end_now = (step == max_steps or data_done()
                        or (stop_after_step is not None and step >= stop_after_step))
             if held and (step % tc.eval_every == 0 or end_now):
