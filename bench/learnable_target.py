@@ -55,8 +55,8 @@ def base_config(root: Path, info: dict, a: argparse.Namespace) -> dict:
         "corpus": {"sources": [dict(s) for s in info["sources"]], "seed": 42, "max_length": a.max_length,
                    "eval_fraction": a.eval_fraction, "eval_group_key": a.group_key or None},
         "generate": {"enabled": False},
-        "capture": {"backend": "hf", "port": 0, "dump_dir": str(root / "dumps"), "shards": 2,
-                    "ready_timeout_s": 300},
+        "capture": {"backend": "hf", "shards": 2},
+        "server": {"port": 0, "dump_dir": str(root / "dumps"), "ready_timeout_s": 300},
         "watchdog": {"poll_interval_s": 2, "stall_after_s": 60, "startup_grace_s": 60},
         "train": {"device": "cpu", "max_steps": a.steps, "batch_size": a.batch, "lr": a.lr, "warmup_steps": 20,
                   "draft_vocab_size": a.draft_vocab, "checkpoint_every": a.steps, "log_every": 50,
@@ -139,6 +139,8 @@ def main() -> int:
                     "the offline draft beside a streamed one (stream.storage: mooncake: the run's store started, "
                     "the trainer drawing from it while the capture workers put into it, shuffled within "
                     "stream.shuffle_window), same corpus, steps and seed; the misnumbered control and fp8 skipped")
+    ap.add_argument("--stream-seeds", type=int, nargs="+", default=None, help="--stream: the seeds that get a "
+                    "streamed draft (default every --seeds); every seed gets its offline draft (the seed spread)")
     ap.add_argument("--buffer-gib", type=float, default=None, help="--stream: stream.buffer_gib (default the "
                     "config's)")
     ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed at the end)")
@@ -288,8 +290,9 @@ def main() -> int:
             return evaluated[run_id]
 
         pairs = {}
+        stream_seeds = a.stream_seeds if a.stream_seeds is not None else a.seeds
         for seed in a.seeds:     # the streamed draft first: a failing streaming run shows before the offline work
-            st = streamed(seed)
+            st = streamed(seed) if seed in stream_seeds else None
             pairs[str(seed)] = {"offline": draft(fraction, seed), "streamed": st}
         out["stream_compare"] = stream_table(pairs, fraction, a)
         return finish(out, t_all, root, a.json, keep=bool(a.dir))
@@ -334,15 +337,17 @@ def _figures_of(rdir: Path, rows: dict, t0: float) -> dict:
 def stream_table(pairs: dict, fraction: float, a: argparse.Namespace) -> dict:
     """Offline against streamed acceptance per seed: the paired differences beside the offline seed spread."""
     seeds = sorted(pairs, key=int)
+    streamed = [s for s in seeds if pairs[s]["streamed"] is not None]     # --stream-seeds: a subset may stream
     sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
-    print(f"\noffline vs streamed drafts ({fraction:g} of the corpus, {a.steps} steps asked, seeds "
-          f"{', '.join(seeds)}; held-out acceptance):")
-    table: dict = {"fraction": fraction, "steps": a.steps, "seeds": seeds,
-                   "steps_trained": {s: pairs[s]["streamed"]["stream"].get("steps_trained") for s in seeds}}
+    print(f"\noffline vs streamed drafts ({fraction:g} of the corpus, {a.steps} steps asked, offline seeds "
+          f"{', '.join(seeds)}, streamed seeds {', '.join(streamed)}; held-out acceptance):")
+    table: dict = {"fraction": fraction, "steps": a.steps, "seeds": seeds, "streamed_seeds": streamed,
+                   "steps_trained": {s: pairs[s]["streamed"]["stream"].get("steps_trained") for s in streamed}}
     for c in CONFIGS:
         off = [pairs[s]["offline"]["rows"][c]["accept_length"] for s in seeds]
-        st = [pairs[s]["streamed"]["rows"][c]["accept_length"] for s in seeds]
-        paired = [y - x for x, y in zip(off, st)]
+        st = [pairs[s]["streamed"]["rows"][c]["accept_length"] for s in streamed]
+        paired = [pairs[s]["streamed"]["rows"][c]["accept_length"] - pairs[s]["offline"]["rows"][c]["accept_length"]
+                  for s in streamed]
         spread = max(off) - min(off)
         mo, ms = statistics.mean(off), statistics.mean(st)
         table[c] = {"offline": off, "streamed": st, "paired": paired, "offline_mean": mo, "streamed_mean": ms,
