@@ -5,9 +5,12 @@ FP8 included) and then appends its manifest line (``file`` is the key, ``sha256`
 put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
 ``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure; the check and the put
 are one step under a lock file beside the endpoint, so the writers of one node never overshoot together);
-past ``put_timeout_s`` it raises ``StoreFull``. The source reads the manifests (``scan``), gets a sample's
-bytes, refuses them (``SampleRefused``, naming the key) when missing or when their sha256 is not the
-manifest's, and removes the sample on ``release`` (its last epoch is done with it).
+past ``put_timeout_s`` it raises ``StoreFull``. The master's figure is an HTTP read (``/metrics``, ~0.6 ms: a
+third of a put, bench/profile_stream_put.py): a single-node run's store (its own master) keeps in the lock file
+an upper bound on it instead (``NodeBound``: the figure last read plus every put of the node since), and reads
+the master again only when that bound leaves no room for the sample. The source reads the manifests (``scan``),
+gets a sample's bytes, refuses them (``SampleRefused``, naming the key) when missing or when their sha256 is not
+the manifest's, and removes the sample on ``release`` (its last epoch is done with it).
 
 A store that does not answer (its master killed) is ``StoreUnavailable`` naming the store, within seconds:
 the master's port is probed before the client's setup (which would otherwise retry for 90 s) and after any
@@ -24,6 +27,7 @@ import re
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -152,6 +156,68 @@ class MooncakeClient:
             pass
 
 
+ALLOC_ALIGN = 4096
+
+
+def charged_bytes(size: int) -> int:
+    """What one put of ``size`` bytes adds to a node's bound on the master's allocated bytes. Measured (0.3.13.post1,
+    its default offset allocator, bench/profile_stream_put.py): ``master_allocated_bytes`` grows by exactly
+    ``size`` per object, and not at all for an upsert of a key held at the same size; counted rounded up to 4 KiB
+    plus 4 KiB, so that an allocator aligning its blocks stays under the bound too (the margin costs only an
+    earlier read of the master, never a put admitted over the buffer)."""
+    return -(-size // ALLOC_ALIGN) * ALLOC_ALIGN + ALLOC_ALIGN
+
+
+class NodeBound:
+    """A node's upper bound on the master's ``master_allocated_bytes``, kept at the start of the node's lock file
+    and read and written only under its flock (every put of the node holds it).
+
+    Removes (the trainer's) only lower the master's figure and every put of the node passes here, so the figure
+    last read plus ``charged_bytes`` of each put since (counted before the put is sent: a put that fails or is
+    killed midway stays counted) is never below the master's. That holds only while nothing else puts into the
+    master: used for a run of one writer node on its own master (``applies``); a fleet's other nodes, or other
+    runs on an existing master (``stream.master``), put unseen, so those read the master at every put. A record
+    names its incarnation (store id and master address): another incarnation's, or one torn, is no bound. A read
+    of the master above the bound (an allocator counting more than ``charged_bytes``) turns the bound off for
+    that incarnation: every later put reads the master, as before."""
+
+    SIZE = 160
+    MAGIC = "eagleflow-bound-v1"
+
+    def __init__(self, fd: int, ep: MooncakeEndpoint):
+        self.fd = fd
+        self.ident = f"{ep.store_id or '-'} {ep.master_address}"
+        self.off = False
+
+    @staticmethod
+    def applies(settings: StoreSettings, ep: MooncakeEndpoint) -> bool:
+        return settings.writer_nodes <= 1 and not ep.foreign_master
+
+    def read(self) -> int | None:
+        """The bound; None when there is none for this incarnation (none yet, another's, torn, or turned off:
+        ``off`` then says so)."""
+        self.off = False
+        try:
+            raw = os.pread(self.fd, self.SIZE, 0).decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            return None
+        body, _, crc = raw.rstrip(" \n").rpartition(" crc=")
+        parts = body.split(" ")
+        if (len(parts) != 4 or parts[0] != self.MAGIC or " ".join(parts[1:3]) != self.ident
+                or crc != f"{zlib.crc32(body.encode()):08x}"):
+            return None
+        self.off = parts[3] == "off"
+        return int(parts[3]) if parts[3].isdigit() else None
+
+    def write(self, bound: int | None) -> None:
+        """Record ``bound`` (None: off for this incarnation)."""
+        body = f"{self.MAGIC} {self.ident} {'off' if bound is None else int(bound)}"
+        line = f"{body} crc={zlib.crc32(body.encode()):08x}".ljust(self.SIZE - 1) + "\n"
+        if len(line) != self.SIZE:
+            raise ValueError(f"bound record of {len(line)} bytes: {line!r}")
+        os.pwrite(self.fd, line.encode("ascii"), 0)
+
+
 class MooncakeSink:
     store = STORE
 
@@ -168,7 +234,7 @@ class MooncakeSink:
         self.waited_s = 0.0             # time spent held back by the buffer
         self.on_wait: Callable[[float | None], None] | None = None   # told when a put begins to wait, then None
 
-    def _room(self, size: int) -> None:
+    def _room(self, size: int, bound: NodeBound | None = None) -> None:
         # The bound: master_allocated_bytes <= buffer at every moment. One node's writers check and put one at a
         # time (the lock file), but writers on other nodes check the same master figure unserialised: up to
         # (nodes - 1) puts of at most max_sample_bytes each may be in flight elsewhere, not yet counted. So a
@@ -185,10 +251,23 @@ class MooncakeSink:
             raise StoreFull(self.client.label, f"one sample of {size} bytes is larger than stream.buffer_gib "
                             f"({s.buffer_bytes} bytes, less {s.headroom_bytes} kept for other nodes' puts); "
                             "raise stream.buffer_gib")
+        charge = charged_bytes(size)
+        cached = bound.read() if bound is not None else None
+        if bound is not None and cached is not None and cached + charge <= limit:
+            bound.write(cached + charge)       # room by the node's bound: the master need not be asked
+            return
         t0 = time.monotonic()
         waiting = False
         try:
-            while self.client.allocated_bytes() + size > limit:
+            while True:
+                allocated = self.client.allocated_bytes()
+                if bound is not None and cached is not None and allocated > cached:
+                    # the master above the bound: its allocator counts more than charged_bytes, or something
+                    # else puts; no bound for this incarnation from now on
+                    bound.write(None)
+                    bound, cached = None, None
+                if allocated + size <= limit:
+                    break
                 if time.monotonic() - t0 > self.settings.put_timeout_s:
                     raise StoreFull(self.client.label, f"no room for {size} bytes under stream.buffer_gib ({limit} "
                                     f"{f'of {s.buffer_bytes} ' if s.headroom_bytes else ''}"
@@ -202,6 +281,8 @@ class MooncakeSink:
             if waiting and self.on_wait is not None:
                 self.on_wait(None)
         self.waited_s += time.monotonic() - t0
+        if bound is not None and not bound.off:
+            bound.write(allocated + charge)    # before the put: the figure read, and this put, counted
 
     def put(self, sample: EncodedSample) -> PutReceipt:
         data = sample.to_bytes()
@@ -210,10 +291,14 @@ class MooncakeSink:
         # check-then-put is one step for every writer of this node; the manifest has its own lock, so a put
         # waiting for room never holds back the line of a put already done (the trainer may need that sample
         # to free the room)
-        with self._put_lock, open(self._budget_lock, "a") as lk:
-            fcntl.flock(lk, fcntl.LOCK_EX)
-            self._room(len(data))
-            self.client.put(key, data)
+        with self._put_lock:
+            lk = os.open(self._budget_lock, os.O_RDWR | os.O_CREAT, 0o644)   # not O_APPEND: the bound is at 0
+            try:
+                fcntl.flock(lk, fcntl.LOCK_EX)
+                self._room(len(data), NodeBound(lk, self.ep) if NodeBound.applies(self.settings, self.ep) else None)
+                self.client.put(key, data)
+            finally:
+                os.close(lk)
         with self._lock:
             self.manifest.append(ManifestEntry(id=sample.sample_id, index=sample.index, file=key,
                                                tokens=sample.tokens, bytes=len(data), sha256=digest,
