@@ -221,3 +221,123 @@ def test_reconcile_counts_a_recapturing_shard_over_its_passes(tmp_path, monkeypa
     write(1, 10)
     st = shard_state(run, 0)
     assert (st.stored, st.expected, st.incomplete) == (20, 20, False)
+
+
+class _PassStore:
+    """The worker's view of a streaming store without a server: every recorded line is kept at resume (as with no
+    store id to prove one lost), a sink appends its pass's manifest line per sample."""
+    streaming = True
+
+    def __init__(self):
+        self.put: list[tuple[int, int]] = []       # (pass, index) in put order
+        self.fail_after: int | None = None         # the worker dies after this many puts (killed mid-pass)
+
+    def resume_check(self, shard_dir, scan, last_epoch=None):
+        from eagleflow.capture.manifest import ResumeCheck
+        return ResumeCheck(done=set(scan.entries), broken=[], hashed=0, refreshed={})
+
+    def open_sink(self, settings, shard):
+        from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
+        store = self
+
+        class Sink:
+            on_wait = None
+            manifest = ManifestWriter(Path(settings.root) / f"shard_{shard:05d}" / pass_manifest(settings.capture_pass),
+                                      fsync=False)
+
+            def put(self, smp):
+                if store.fail_after is not None and len(store.put) >= store.fail_after:
+                    raise RuntimeError("killed")
+                store.put.append((settings.capture_pass, smp.index))
+                self.manifest.append(ManifestEntry(id=smp.id, index=smp.index,
+                                                   file=sample_key("r", shard, smp.index, settings.capture_pass),
+                                                   tokens=smp.tokens, bytes=1, sha256="0" * 64, store_dtype="auto"))
+
+            def close(self):
+                self.manifest.close()
+        return Sink()
+
+
+def _worker(tmp_path, monkeypatch, store: _PassStore, shard: int = 0, num_shards: int = 1):
+    from eagleflow.phases.extract import worker as w
+
+    def one(self, smp, sink, hbw):       # the capture itself is the server's (other tests): here only the put
+        sink.put(smp)
+
+        def progressed(hb):
+            hb.done += 1
+        hbw.update(progressed)
+    monkeypatch.setattr(w, "store_for", lambda name: store)
+    monkeypatch.setattr(w.ShardWorker, "_one", one)
+    s = w.WorkerSettings(run_id="r", shard=shard, num_shards=num_shards, corpus_file=str(tmp_path / "corpus.parquet"),
+                         shard_dir=str(tmp_path / "hs" / f"shard_{shard:05d}"), dump_dir=str(tmp_path / "dumps"),
+                         server_url="http://127.0.0.1:9", in_flight=1, heartbeat_interval_s=0.05, storage="mooncake",
+                         passes=2)
+    (tmp_path / "dumps").mkdir(exist_ok=True)
+    return w.ShardWorker(s, log=lambda m: None)
+
+
+def test_a_worker_captures_its_shard_once_per_pass_and_resumes_at_the_pass_and_sample(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus.parquet", 5, 50)
+    store = _PassStore()
+    store.fail_after = 7                           # pass 0's five, then two of pass 1: killed there
+    try:
+        _worker(tmp_path, monkeypatch, store).run()
+    except RuntimeError:
+        pass
+    assert store.put == [(0, i) for i in range(5)] + [(1, 0), (1, 1)]
+    store.fail_after = None
+    hb = _worker(tmp_path, monkeypatch, store).run()
+    assert store.put[7:] == [(1, 2), (1, 3), (1, 4)]          # resumed at pass 1, sample 2: none redone, none lost
+    assert (hb.state, hb.done, hb.total, hb.resumed) == ("complete", 10, 10, 7)
+    d = tmp_path / "hs" / "shard_00000"
+    assert sorted(p.name for p in d.glob("manifest*")) == ["manifest.jsonl", "manifest.pass1.jsonl"]
+    assert all("/pass1/" in json.loads(x)["file"] for x in (d / "manifest.pass1.jsonl").read_text().splitlines())
+
+
+def test_a_pass_starts_only_once_every_shards_previous_pass_is_put(tmp_path, monkeypatch):
+    """Shard 0's pass 1 would take room the trainer's epoch 0 still needs from shard 1: it waits, held back."""
+    import threading
+    import time
+
+    from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
+    from eagleflow.heartbeat import Heartbeat, WAITING_FOR_ROOM
+    rows = write_corpus(tmp_path / "corpus.parquet", 4, 50)
+    store = _PassStore()
+    worker = _worker(tmp_path, monkeypatch, store, shard=0, num_shards=2)
+    other = tmp_path / "hs" / "shard_00001"
+    seen: dict = {}
+
+    def shard_one_puts_late():
+        try:
+            _puts_late()
+        except BaseException as e:   # noqa: BLE001 - handed to the test; the worker must not wait for ever
+            seen["error"] = e
+            with ManifestWriter(other / "manifest.jsonl", fsync=False) as m:
+                for i in (1, 3):
+                    m.append(ManifestEntry(id=rows[i]["id"], index=i, file=sample_key("r", 1, i), tokens=4, bytes=1,
+                                           sha256="0" * 64, store_dtype="auto"))
+
+    def _puts_late():
+        hb_file = tmp_path / "hs" / "shard_00000" / "heartbeat.json"
+        end = time.monotonic() + 20
+        while time.monotonic() < end and WAITING_FOR_ROOM not in seen:
+            try:
+                hb = Heartbeat.read(str(hb_file))
+                seen.update(hb.extra if hb is not None else {})
+            except (OSError, ValueError, TypeError, KeyError):
+                pass
+            time.sleep(0.02)
+        seen["puts_while_waiting"] = list(store.put)
+        with ManifestWriter(other / "manifest.jsonl", fsync=False) as m:
+            for i in (1, 3):
+                m.append(ManifestEntry(id=rows[i]["id"], index=i, file=sample_key("r", 1, i), tokens=4, bytes=1,
+                                       sha256="0" * 64, store_dtype="auto"))
+    t = threading.Thread(target=shard_one_puts_late, daemon=True)
+    t.start()
+    hb = worker.run()
+    t.join(5)
+    assert "error" not in seen, seen["error"]
+    assert WAITING_FOR_ROOM in seen                              # its heartbeat said held back while it waited
+    assert seen["puts_while_waiting"] == [(0, 0), (0, 2)]        # no pass 1 put before shard 1's pass 0
+    assert store.put == [(0, 0), (0, 2), (1, 0), (1, 2)] and hb.done == hb.total == 4
