@@ -264,6 +264,11 @@ class WatchdogConfig(_Section):
     recoveries_in_watch: int = Field(default=3, ge=0, description="stalls the shard's watch recovers by itself "
                                      "(restart server/worker, one mail per incident) before failing the task; "
                                      "0 = fail the task and let Airflow's retry recover")
+    train_recoveries_in_watch: int = Field(default=2, ge=0, description="faults of the trainer (stopped, dead, "
+                                           "stuck; its store lost) the training task's watch recovers by itself "
+                                           "(mail, restart the store or the trainer from its last checkpoint) "
+                                           "before failing the task; 0 = fail the task and let Airflow's retry "
+                                           "recover")
     alert_emails: list[str] = Field(default_factory=list, description="who is mailed a stall, a failure, a "
                                     "recovery; empty = nobody (the task log only)")
     smtp_conn_id: str = Field(default="smtp_default", description="the Airflow SMTP connection the control plane "
@@ -346,7 +351,11 @@ class StreamConfig(_Section):
                                  "under buffer_gib before it fails naming the store (nobody consuming)")
     store_down_timeout_s: float = Field(default=120.0, gt=0, le=86400, description="mooncake: a trainer whose "
                                         "store went away (its master killed) waits this long for it to run again "
-                                        "(the training task's retry restarts it) before it fails with StoreUnavailable")
+                                        "(the training task's watch, or its retry, restarts it) before it fails with "
+                                        "StoreUnavailable")
+    starve_after_s: float = Field(default=300.0, gt=0, le=86400, description="mooncake: a trainer that got no "
+                                  "new sample from the producer for this long fails with StreamStarved (the "
+                                  "producer's own watch judges the producer meanwhile)")
     max_sample_mib: float | None = Field(default=None, gt=0, description="mooncake in a fleet: the largest sample "
                                          "one capture node puts; each node keeps (nodes - 1) x this free for the "
                                          "other nodes' puts in flight (their room checks are not serialised with "

@@ -1,5 +1,7 @@
-"""Faults of a streaming run through the real paths (issue 53): the trainer SIGKILLed mid-epoch, the capture
-server SIGSTOPped mid-stream, the buffer full behind a stopped trainer.
+"""Faults of a streaming run through the real paths (issue 53): the trainer SIGKILLed mid-epoch (recovered inside
+the watch, in one task try), the capture server SIGSTOPped mid-stream, the buffer full behind a stopped trainer
+(recovered inside the watch, and again with the watch's recoveries set to 0: the try fails and Airflow's retry, the
+last resort, recovers it).
 
 The node side runs as in production while the faults happen: the run's Mooncake store from the wheel
 (`eagleflow store start`, 127.0.0.1 free ports), the tiny hf capture server, capture workers putting into the
@@ -12,7 +14,8 @@ time, so training beside the shards cannot happen there). The watch runs at the 
 (poll_interval_s 20, stall_after_s 15, health_timeout_s 20, startup_grace_s 120).
 
 Each test asserts the verdict and its cause, the mail and the time from the fault to the mail (at most 60 s),
-the recovery, every sample trained exactly once (the ledger and stream_verified.json), none left in the store.
+the recovery (inside the watch: the new trainer's pid recorded at most 60 s after the fault), every sample trained
+exactly once (the ledger and stream_verified.json), none left in the store.
 Only processes the test started are stopped, by their PIDs or pid records.
 """
 from __future__ import annotations
@@ -51,13 +54,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SAMPLES = 32
 BUFFER_BYTES = 96 << 10      # a few samples (2-21 KiB each): the corpus is several buffers
 MAIL_BOUND_S = 60.0          # issue 53: each fault detected and mailed within 60 s
+RECOVERY_BOUND_S = 60.0      # issue 53: "recovered within 60 s" (the fault to the new trainer's pid record)
 CONN = "smtp_stream_faults"
 
 
 class Run:
     """One streaming run: its config (frozen, as the pipeline's first task does), store, capture server."""
 
-    def __init__(self, tmp: Path, assets: dict, smtp: SmtpSink, run_id: str, **train: Any):
+    def __init__(self, tmp: Path, assets: dict, smtp: SmtpSink, run_id: str, train_recoveries: int | None = None,
+                 **train: Any):
         cfgp = write_run_config(tmp, assets["target_model"], shards=2)
         data = yaml.safe_load(cfgp.read_text())
         data["stream"] = {"storage": "mooncake", "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4}
@@ -65,6 +70,8 @@ class Run:
                          "draft_vocab_size": 64, "checkpoint_every": 4, "log_every": 1, "warmup_steps": 1, **train}
         # the watch at its real-run defaults; only where its mails go is the test's
         data["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": CONN}
+        if train_recoveries is not None:   # 0: the trainer's faults fail the try (the retry path)
+            data["watchdog"]["train_recoveries_in_watch"] = train_recoveries
         cfgp.write_text(yaml.safe_dump(data))
         self.smtp = smtp
         self.ctx = RunContext.from_params({"config_path": str(cfgp)}, run_id)
@@ -114,6 +121,9 @@ class Run:
     def trainer_pid(self) -> int | None:
         rec = self.ctx.node.live_record(str(self.ctx.layout.pid_file("trainer")))
         return rec.pid if rec is not None else None
+
+    def trainer_record(self) -> dict[str, Any]:
+        return json.loads(Path(self.ctx.layout.pid_file("trainer")).read_text())
 
     def server_pid(self) -> int:
         return json.loads(Path(self.ctx.layout.pid_file("capture_server")).read_text())["pid"]
@@ -175,41 +185,45 @@ def runs():
         r.stop()
 
 
-def test_a_trainer_killed_mid_epoch_is_mailed_and_its_retry_resumes_exactly_once(tmp_path, demo_assets, smtp,
-                                                                                  runs, monkeypatch):
+def test_a_trainer_killed_mid_epoch_is_mailed_and_restarted_inside_the_watch_exactly_once(tmp_path, demo_assets,
+                                                                                         smtp, runs, monkeypatch):
     monkeypatch.setenv(DELAY_ENV, "0.1")   # capture a little slower than training: the trainer streams
     run = Run(tmp_path, demo_assets, smtp, "killed")
     runs.append(run.start())
+    assert run.ctx.cfg.watchdog.train_recoveries_in_watch == 2      # the default: the watch recovers
     try1, pid = _train_mid_epoch(run, "a commit with later batches taken")
     os.kill(pid, signal.SIGKILL)                 # by its recorded PID, mid-epoch
     killed_at = time.time()
     killed = read_ledger(run.ledger).epoch(0)
-    try1.join(120)
-    # the watch: dead, the trainer's own fault; the try fails with it (Airflow's retry is the recovery)
-    from eagleflow.watchdog.diagnosis import StallDetected
-    assert isinstance(try1.error, StallDetected), try1.error
-    assert try1.error.subject == "[eagleflow] DEAD training on local", try1.error.subject
-    assert f"worker pid {pid} is" in try1.error.diagnosis and "without completing" in try1.error.diagnosis
-    assert "SIGKILL" in try1.error.diagnosis and "steps done (from its heartbeat)" in try1.error.diagnosis
-    _retry_mail(run, try1.error)
+    # the watch: dead, the trainer's own process; mailed at once and started again in the same try (no retry)
+    _wait(lambda: run.trainer_pid() not in (None, pid), 120, "a new trainer started by the watch")
+    restarted_s = run.trainer_record()["started_at"] - killed_at
+    assert try1.ended_at is None, try1.error
     mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=30)
     mailed_s = smtp.received_at[0] - killed_at
-    assert mail["Subject"] == "[eagleflow] DEAD training on local", mail["Subject"]
+    assert mail["Subject"] == "[eagleflow] STALLED training on local (dead: worker)", mail["Subject"]
     body = body_text(mail)
-    assert f"worker pid {pid} is" in body and "Airflow retries it" in body, body
+    assert f"worker pid {pid} is" in body and "without completing" in body, body
+    assert "SIGKILL" in body and "steps done (from its heartbeat)" in body, body
+    assert "in the same task try (no Airflow retry)" in body and "last checkpoint" in body, body
     assert mailed_s <= MAIL_BOUND_S, f"kill -> mail {mailed_s:.1f} s"
-    # the retry: its look says dead, it starts the trainer again, which resumes from checkpoint + ledger
-    try2 = _train(run, 2)
+    assert restarted_s <= RECOVERY_BOUND_S, f"kill -> new trainer {restarted_s:.1f} s"
     run.wait_workers()
-    try2.join(400)
-    assert try2.error is None and try2.result["status"] == "complete", try2.error
-    recovered_s = try2.ended_at - killed_at
+    try1.join(400)
+    assert try1.error is None and try1.result["status"] == "complete", try1.error
+    green_s = try1.ended_at - killed_at
+    # the end of the fault, mailed as a reply to the first once training passed the step it died at
+    over = smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=30)
+    assert over["Subject"].startswith("[eagleflow] RECOVERED training on local: steps done again"), over["Subject"]
+    assert over["In-Reply-To"] == mail["Message-ID"]
+    assert [m["Subject"] for m in smtp.messages if "training" in m["Subject"]] == [mail["Subject"], over["Subject"]]
     log = Path(run.ctx.layout.log_file("trainer")).read_text()
     assert "resuming from" in log, log[-3000:]
     assert killed.pending <= set(read_ledger(run.ledger).epoch(0).trained), "taken, not trained: served again"
     run.assert_exactly_once_and_empty()
-    print(f"\n(a) trainer SIGKILL -> DEAD mailed {mailed_s:.1f} s -> retry complete {recovered_s:.1f} s; "
-          f"{len(killed.trained)} trained and {len(killed.pending)} taken at the kill")
+    print(f"\n(a) trainer SIGKILL -> STALLED (dead) mailed {mailed_s:.1f} s -> new trainer recorded "
+          f"{restarted_s:.1f} s -> the same try green {green_s:.1f} s; {len(killed.trained)} trained and {len(killed.pending)} taken at "
+          f"the kill")
 
 
 def test_a_stopped_capture_server_is_mailed_and_recovered_while_the_starved_trainer_is_only_slow(
@@ -276,9 +290,12 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_the_retry_ends_the_run_green(
-        tmp_path, demo_assets, smtp, runs, monkeypatch):
-    run = Run(tmp_path, demo_assets, smtp, "full")
+@pytest.mark.parametrize("in_watch", [True, False], ids=["in_watch", "retry"])
+def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_recovered_green(tmp_path, demo_assets, smtp, runs,
+                                                                              monkeypatch, in_watch):
+    # in_watch: the watch's default recoveries, all in one try; retry: none, so the try fails and Airflow's retry
+    # (the last resort) recovers it
+    run = Run(tmp_path, demo_assets, smtp, "full", train_recoveries=None if in_watch else 0)
     runs.append(run.start())
     assert run.ep is not None
     ep = run.ep
@@ -299,33 +316,52 @@ def test_a_full_buffer_behind_a_stopped_trainer_is_mailed_and_the_retry_ends_the
     fill = int(metrics(ep)["master_allocated_bytes"])
     assert held < SAMPLES and fill > BUFFER_BYTES // 2, (held, fill)
     rss0 = {w.pid: _rss_kib(w.pid) for w in run.workers}
-    try1.join(120)
-    rss1 = {w.pid: _rss_kib(w.pid) for w in run.workers}
-    assert run.stored() == held, "the producer waits for room while the trainer is stopped"
-    assert all(w.poll() is None for w in run.workers), "the producer waits, it does not fail"
+    restarted = ""
+    if in_watch:   # mailed at once, then the same try stops the trainer and starts it again
+        mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=120)
+        rss1 = {w.pid: _rss_kib(w.pid) for w in run.workers}
+        assert run.stored() == held, "the producer waits for room while the trainer is stopped"
+        assert all(w.poll() is None for w in run.workers), "the producer waits, it does not fail"
+        diag = body_text(mail)
+        assert "in the same task try (no Airflow retry)" in diag, diag
+        _wait(lambda: run.trainer_pid() not in (None, pid), 120, "a new trainer started by the watch")
+        restarted_s = run.trainer_record()["started_at"] - stopped_at
+        assert try1.ended_at is None, try1.error
+        assert restarted_s <= RECOVERY_BOUND_S, f"SIGSTOP -> new trainer {restarted_s:.1f} s"
+        restarted = f"new trainer recorded {restarted_s:.1f} s -> "
+        last_try = try1
+    else:
+        try1.join(120)
+        rss1 = {w.pid: _rss_kib(w.pid) for w in run.workers}
+        assert run.stored() == held, "the producer waits for room while the trainer is stopped"
+        assert all(w.poll() is None for w in run.workers), "the producer waits, it does not fail"
+        from eagleflow.watchdog.diagnosis import StallDetected
+        assert isinstance(try1.error, StallDetected), try1.error
+        assert try1.error.subject == "[eagleflow] STALLED training on local", try1.error.subject
+        diag = try1.error.diagnosis
+        _retry_mail(run, try1.error)
+        mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=30)
+        last_try = _train(run, 2)                # the retry: stalled -> stopped, started again, resumed
     growth = max(rss1[p] - rss0[p] for p in rss0)
-    from eagleflow.watchdog.diagnosis import StallDetected
-    assert isinstance(try1.error, StallDetected), try1.error
-    assert try1.error.subject == "[eagleflow] STALLED training on local", try1.error.subject
-    diag = try1.error.diagnosis
     assert f"worker pid {pid} is stopped (state T" in diag, diag
     assert "the consumer is stuck" in diag and "the producer waits for room" in diag, diag
-    _retry_mail(run, try1.error)
-    mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=30)
     mailed_s = smtp.received_at[0] - stopped_at
     assert mail["Subject"] == "[eagleflow] STALLED training on local" and "the consumer is stuck" in body_text(mail)
     assert mailed_s <= MAIL_BOUND_S, f"SIGSTOP -> mail {mailed_s:.1f} s"
-    try2 = _train(run, 2)                        # the retry: stalled -> stopped, started again, resumed
     _wait(lambda: run.stored() > held, 120, "the producer putting again")
     resumed_s = time.time() - stopped_at
     run.wait_workers()
-    try2.join(400)
+    last_try.join(400)
     top = peak.stop()
-    assert try2.error is None and try2.result["status"] == "complete", try2.error
+    assert last_try.error is None and last_try.result["status"] == "complete", last_try.error
     assert peak.samples > 100 and 0 < top <= BUFFER_BYTES, (top, peak.samples, BUFFER_BYTES)
     assert growth < 8 << 10, f"a waiting worker's memory grew {growth} KiB"
     run.assert_exactly_once_and_empty()
-    print(f"\n(c) trainer SIGSTOP -> STALLED mailed {mailed_s:.1f} s -> producer putting again {resumed_s:.1f} s -> "
-          f"green {try2.ended_at - stopped_at:.1f} s; {held} stored and {fill} bytes held while waiting; "
-          f"store peak {top} of {BUFFER_BYTES} bytes "
+    if in_watch:   # its end mailed as a reply to the first
+        over = smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=30)
+        assert over["Subject"].startswith("[eagleflow] RECOVERED training on local: steps done again"), over["Subject"]
+        assert over["In-Reply-To"] == mail["Message-ID"]
+    print(f"\n(c, {'in the watch' if in_watch else 'the retry'}) trainer SIGSTOP -> STALLED mailed {mailed_s:.1f} s -> "
+          f"{restarted}producer putting again {resumed_s:.1f} s -> green {last_try.ended_at - stopped_at:.1f} s; "
+          f"{held} stored and {fill} bytes held while waiting; store peak {top} of {BUFFER_BYTES} bytes "
           f"({peak.samples} reads); worker RSS growth while waiting {growth} KiB")

@@ -8,7 +8,9 @@ plane is the real one, as tests/integration/test_stream_faults.py runs it: `Trai
 the triggerer's watch in this process) at the watch's real-run defaults (poll_interval_s 20, stall_after_s 15),
 Airflow's retry mail (`EagleflowNotifier("retry")`) to a real SMTP server (aiosmtpd), the retry the same operator
 with try_number 2: it restarts the store and reruns, through `eagleflow reconcile claim`, the extraction shards
-left without a worker (here both: their workers failed on the dead store). The master is killed by the PID its
+left without a worker (here both: their workers failed on the dead store). The watch's own recoveries
+(`watchdog.train_recoveries_in_watch`) are set to 0, so this test keeps the retry path, the last resort; the same
+recovery inside the watch is `TrainDraftOperator._recover` (tests/unit/test_train_watch_recovery.py). The master is killed by the PID its
 record names; only what the test started (and recorded) is stopped.
 """
 from __future__ import annotations
@@ -65,7 +67,8 @@ class Run:
         data["stream"] = {"storage": "mooncake", "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4}
         data["train"] = {"device": "cpu", "max_steps": SAMPLES // 2, "batch_size": 2, "ttt_length": 2,
                          "draft_vocab_size": 64, "checkpoint_every": 4, "log_every": 1, "warmup_steps": 1}
-        data["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": CONN}
+        data["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": CONN,
+                            "train_recoveries_in_watch": 0}   # the try fails: the retry path
         cfgp.write_text(yaml.safe_dump(data))
         self.ctx = RunContext.from_params({"config_path": str(cfgp)}, "master-killed")
         self.ctx.write_run_config()

@@ -1,5 +1,5 @@
 """The one handler of watch events (eagleflow.airflow.watch_handler): what each event kind leads to, the watch
-state handed to the next watch, and the one loop, for a shard (recoveries_left) and the trainer (none).
+state handed to the next watch (recoveries_left only when the event names it), and the one loop.
 No mail is due in these events (mails and their wording: tests/integration/test_watchdog_mail.py)."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_an_outage_is_watched_again_from_its_start_with_the_shards_recoveries(ct
                   "pending_mails": [], "recoveries_left": 2}
 
 
-def test_the_trainers_next_watch_gets_no_recoveries(ctx):
+def test_an_event_naming_no_recoveries_hands_none_to_the_next_watch(ctx):
     _, [kw] = _follow(ctx, MailDue(unreachable_since=None, clocks={"outage_started": 7.0},
                                    state=WatchState(close_incidents=(CLOSE,))))
     assert kw == {"run": ctx.trigger_ref(), "close_incidents": [CLOSE], "unreachable_since": None,

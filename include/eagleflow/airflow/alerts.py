@@ -381,11 +381,18 @@ def stall_subject(event: EventPayload) -> str:
 
 
 def close_of_stall(event: EventPayload) -> IncidentClose:
-    """What the next watch of the shard that mailed a stall needs to mail its end."""
-    inc = event.get("incident") or {}
-    return IncidentClose(kind="stall", id=str(inc.get("incident")), subject=stall_subject(event),
+    """What the next watch of the job that mailed a stall needs to mail its end."""
+    return IncidentClose(kind="stall", id=stall_id(event), subject=stall_subject(event),
                          since=float(event.get("detected_at") or event.get("observed_at") or 0),
                          done=int(event.get("done") or 0))
+
+
+def stall_id(event: EventPayload) -> str:
+    """The stall's thread: a shard's incident on the node; the trainer (one per run, no incident book) its own."""
+    inc = event.get("incident")
+    if inc:
+        return str(inc.get("incident"))
+    return f"stall-{float(event.get('detected_at') or event.get('observed_at') or 0):.3f}"
 
 
 def close_of_outage(event: EventPayload) -> IncidentClose | None:
@@ -401,23 +408,28 @@ def outage_id(event: EventPayload) -> str:
 
 
 def stall_mail(context: Context, event: EventPayload, recipients: Recipients) -> Mail:
-    """The one mail of a stall incident, from the watch's event."""
-    inc = event.get("incident") or {}
-    shards = inc.get("shards") or {}
-    evidence = "\n".join([
-        event.get("diagnosis") or "", "",
-        f"incident {inc.get('incident')} (cause {event.get('cause')}); shards in it so far: "
-        f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
-        "stored samples per shard (from the manifests): "
-        + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))])
+    """The one mail of a stall incident (a shard's) or of a trainer's fault, from the watch's event."""
+    inc = event.get("incident")
+    if inc:
+        shards = inc.get("shards") or {}
+        evidence = "\n".join([
+            event.get("diagnosis") or "", "",
+            f"incident {inc.get('incident')} (cause {event.get('cause')}); shards in it so far: "
+            f"{', '.join(inc.get('incident_shards') or []) or '-'}; shards that join later get no mail",
+            "stored samples per shard (from the manifests): "
+            + ", ".join(f"shard {k}: {v}" for k, v in sorted(shards.items(), key=lambda kv: int(kv[0])))])
+        next_step = ("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
+                     "the cause names (the capture server once per incident, or the worker) and the shard resumes "
+                     "from its manifest; the task log shows the outcome; one more mail when samples are stored again.")
+    else:
+        evidence = event.get("diagnosis") or ""
+        next_step = ("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
+                     "the cause names (the run's store, or the trainer, which resumes from its last checkpoint); "
+                     "the task log shows the outcome; one more mail when training passes this step again.")
     ti = context["ti"]
     return Mail(
-        recipients, stall_subject(event), evidence,
-        headers={"Message-ID": incident_thread(str(inc.get("incident")))},
-        where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.",
-        next_step=("The watchdog is recovering it now, in the same task try (no Airflow retry): it restarts what "
-                   "the cause names (the capture server once per incident, or the worker) and the shard resumes "
-                   "from its manifest; the task log shows the outcome; one more mail when samples are stored again."),
+        recipients, stall_subject(event), evidence, headers={"Message-ID": incident_thread(stall_id(event))},
+        where=f"{_where(ti)} of DAG {ti.dag_id}, run {ti.run_id}.", next_step=next_step,
         links=explaining_links(recipients, context))
 
 
@@ -443,7 +455,9 @@ def incident_over_mail(context: Context, event: EventPayload, close: IncidentClo
         subject = f"[eagleflow] REACHABLE again: {job} on {node}, {took} after it stopped answering"
         next_step = "The outage is over; the watch goes on with the progress made meanwhile."
     else:
-        subject = (f"[eagleflow] RECOVERED {job} on {node}: {unit_of_job(str(job))} stored again "
+        again = (f"{unit_of_job(str(job))} stored again" if kind_of_job(str(job)) is not None
+                 else "steps done again")   # the trainer, past the step where it stalled
+        subject = (f"[eagleflow] RECOVERED {job} on {node}: {again} "
                    f"({event.get('done')}/{event.get('total')}), {took} after the stall was detected")
         next_step = "The incident is over; the watch goes on."
     ti = context["ti"]

@@ -13,13 +13,19 @@ provably stuck (gone, zombie, state T) and otherwise lasts at most the health
 timeout plus the command's cost. Hence ``WatchdogConfig.detection_bound_s`` =
 stall_after + 1 s + 2 x 2 s + health_timeout (40 s with the defaults).
 
-A ShardWatchTrigger with ``recoveries_left`` > 0 does not fail the task on a
-stall blamed on the server or the worker: it opens or joins the incident of
-(node, cause) on the node (``eagleflow recover --incident-only``, quick) and
-yields ``recovering``. The operator then mails at once (only the shard that
-opened the incident does), runs the recovery (``eagleflow recover --incident
-ID``: the server restarted once per incident, the worker started again) and
-watches again. No Airflow retry delay lies on that path.
+A watch with ``recoveries_left`` > 0 does not fail the task on a stall, death
+or failure whose cause its job's recovery handles (``RECOVERS``): it yields
+``recovering`` and the operator mails at once, recovers and watches again with
+one recovery fewer. No Airflow retry delay lies on that path. A shard (blamed:
+the server or the worker) first opens or joins the incident of (node, cause)
+on the node (``eagleflow recover --incident-only``, quick), so eight shards of
+one frozen server mail once; its operator (only the shard that opened the
+incident mails) runs ``eagleflow recover --incident ID`` (the server restarted
+once per incident, the worker started again). The trainer (blamed: itself or
+the run's store) is one per run, so it opens no incident: its operator mails,
+restarts the store or the trainer from its last checkpoint
+(``TrainDraftOperator``). A starved trainer (cause producer) is not its fault
+and is not recovered; the shards' watch judges the producer.
 
 A node that cannot be reached (``NodeUnreachable``: the link, the node's sshd,
 a connection dropped mid-poll) is not a stalled job: its detached workers keep
@@ -114,8 +120,10 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def __init__(self, run: RunPayload | RunRef, poll_interval_s: float | None = None,
                  unreachable_since: float | None = None, close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
-                 pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None):
+                 pending_mails: list[dict[str, Any] | PendingMail] | None = None,
+                 clocks: dict[str, float] | None = None, recoveries_left: int = 0):
         super().__init__()
+        self.recoveries_left = recoveries_left   # faults this watch (and the ones after it) still recovers itself
         # a re-deferral for a due mail must not restart the watch's running clocks: an outage not yet
         # reported ("outage_started") and failing looks ("failing_since"), both unix times
         self.clocks = {k: float(v) for k, v in (clocks or {}).items() if k in ("outage_started", "failing_since")
@@ -297,7 +305,7 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def _state_kwargs(self) -> dict[str, Any]:
         """The watch's own state as the keyword arguments of the next trigger (only those it holds)."""
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"recoveries_left": self.recoveries_left}
         if self.unreachable_since is not None:
             kw["unreachable_since"] = self.unreachable_since
         if self.close_incidents:   # a few plain values each, as Airflow serialises a trigger
@@ -308,12 +316,22 @@ class _NodeJobWatchTrigger(BaseTrigger):
             kw["clocks"] = self.clocks
         return kw
 
-    # -- recovery inside the watch (shards only) -----------------------------
-    def _recoverable(self, diag: StallDiagnosis) -> bool:
-        return False
+    # -- recovery inside the watch -------------------------------------------
+    RECOVERS: tuple[str, ...] = ()   # the causes the job's operator recovers
 
-    def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:  # pragma: no cover
-        return event
+    def _recoverable(self, diag: StallDiagnosis) -> bool:
+        return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") and diag.cause in self.RECOVERS
+
+    def fault_event(self, ctx: RunContext, diag: StallDiagnosis) -> WatchEvent:
+        """A fault found outside this watch's loop (the check before a shard starts, a retry's first look) as the
+        loop's own event: ``recovering`` when the cause is one the watch recovers, else the plain verdict."""
+        event = parse_event({**diag.event_payload(), "detected_at": time.time(),
+                             "close_incidents": self.close_incidents, "pending_mails": self.pending_mails})
+        return self._recover(ctx, diag, event) if self._recoverable(diag) else event
+
+    def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:
+        """The verdict as ``recovering``: the operator mails and recovers (a shard first opens its incident)."""
+        return Recovering.model_validate({**event.to_dict(), "recoveries_left": self.recoveries_left})
 
     async def _observe_async(self, ctx: RunContext) -> StallDiagnosis:
         """One look; over SSH on the trigger's held asynchronous connection, never blocking the event loop."""
@@ -341,7 +359,8 @@ class _NodeJobWatchTrigger(BaseTrigger):
 
     def _state(self) -> WatchState:
         """What the next watch of this job needs (every event carries it)."""
-        return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails))
+        return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails),
+                          recoveries_left=self.recoveries_left)
 
     def _mail_at(self) -> float | None:
         """When the first pending mail may be tried again (they go in order); None: no mail is waiting."""
@@ -373,28 +392,18 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
                  close_incidents: list[dict[str, Any] | IncidentClose] | None = None,
                  pending_mails: list[dict[str, Any] | PendingMail] | None = None, clocks: dict[str, float] | None = None,
                  phase: str = EXTRACT):
-        super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails, clocks)
+        super().__init__(run, poll_interval_s, unreachable_since, close_incidents, pending_mails, clocks,
+                         recoveries_left)
         self.shard = shard
-        self.recoveries_left = recoveries_left
         self.kind = kind_of(phase)
         self.phase = self.kind.phase
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagleflow.airflow.shard_watch.ShardWatchTrigger", {
             "run": self.run_data, "shard": self.shard, "poll_interval_s": self.poll_interval_s,
-            "recoveries_left": self.recoveries_left, "phase": self.phase, **self._state_kwargs()}
+            "phase": self.phase, **self._state_kwargs()}
 
-    def _recoverable(self, diag: StallDiagnosis) -> bool:
-        return self.recoveries_left > 0 and diag.status in ("stalled", "dead", "failed") \
-            and diag.cause in ("capture_server", "worker")
-
-    def fault_event(self, ctx: RunContext, diag: StallDiagnosis) -> WatchEvent:
-        """A fault found outside this watch's loop (the check before a shard starts, a retry's first look) as the
-        loop's own event: ``recovering`` with the incident opened or joined on the node when the cause is one the
-        watch recovers (``eagleflow.airflow.shard_start``), else the plain verdict."""
-        event = parse_event({**diag.event_payload(), "detected_at": time.time(),
-                             "close_incidents": self.close_incidents, "pending_mails": self.pending_mails})
-        return self._recover(ctx, diag, event) if self._recoverable(diag) else event
+    RECOVERS = ("capture_server", "worker")   # the server's name on the wire, whichever phase's (recovery.SERVER_CAUSE)
 
     def _recover(self, ctx: RunContext, diag: StallDiagnosis, event: WatchEvent) -> WatchEvent:
         """One quick node command: open or join the incident of (node, cause); the operator mails and recovers."""
@@ -412,10 +421,6 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
         self.log.info("shard %d: %s", self.shard, one_line(inc.summary))
         return Recovering.model_validate({**event.to_dict(), "incident": inc, "recoveries_left": self.recoveries_left})
 
-    def _state(self) -> WatchState:
-        return WatchState(close_incidents=tuple(self.close_incidents), pending_mails=tuple(self.pending_mails),
-                          recoveries_left=self.recoveries_left)
-
     def _watch_args(self) -> list[str]:
         return ["--shard", str(self.shard), "--phase", self.phase]
 
@@ -425,7 +430,11 @@ class ShardWatchTrigger(_NodeJobWatchTrigger):
 
 
 class TrainWatchTrigger(_NodeJobWatchTrigger):
-    """Watch the draft training job of a run."""
+    """Watch the draft training job of a run. With ``recoveries_left`` > 0 a trainer stopped, dead or stuck, or
+    its store lost, is recovered by the operator at once (see the module docstring); a starved trainer (the
+    producer's fault) or one that failed with its own error is not."""
+
+    RECOVERS = ("worker", "trainer", "store")   # the trainer's process (stopped, gone, no step), its store
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagleflow.airflow.shard_watch.TrainWatchTrigger", {

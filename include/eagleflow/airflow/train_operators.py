@@ -4,8 +4,12 @@
 torchrun when ``train.nproc_per_node`` > 1), or attaches to the run's live
 trainer, then defers to ``TrainWatchTrigger``: the stall watchdog guards
 training as it guards extraction (a step that stops advancing is a stall).
-A retry looks first (one watch look) and restarts the trainer only when the watch finds it
-stalled, dead or failed; it resumes from its last checkpoint.
+A trainer stopped, dead or stuck, or its store lost, is recovered inside the watch
+(``watchdog.train_recoveries_in_watch`` times per try): mailed at once, the store
+or the trainer restarted (it resumes from its last checkpoint), watched again.
+Past those, or on a fault the watch does not recover, the try fails; the retry
+looks first (one watch look) and runs the same recovery only when the watch
+finds the trainer stalled, dead or failed.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ from eagleflow.protocol import ClaimAnswer
 from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 from eagleflow.airflow.shard_watch import TrainWatchTrigger
+from eagleflow.airflow.alerts import close_of_stall, log_unsent, mail_or_keep, send_pending
 from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
 from eagleflow.evaluate.approval import PENDING
 from eagleflow.evaluate.run import accept_lengths, acceptance_table, table_lines
 from eagleflow.nodes import NodeError
-from eagleflow.watchdog.protocol import Complete
+from eagleflow.watchdog.diagnosis import StallDetected
+from eagleflow.watchdog.protocol import Complete, EventPayload, IncidentClose, PendingMail
 
 # a retry waits this long at most for the watch's pending evidence (a late heartbeat's CPU window) before it acts
 RETRY_EVIDENCE_WAIT_S = 60.0
@@ -36,8 +42,9 @@ RETRY_EVIDENCE_WAIT_S = 60.0
 
 class TrainDraftOperator(RunOperator):
     ui_color = "#f3e8fb"
-    retry_advice = ("The retry keeps a live trainer unless the watch finds it stalled, dead or failed; then it "
-                    "starts again from the last checkpoint.")
+    retry_advice = ("The watch's own recoveries of this try are spent or did not apply. The retry keeps a live "
+                    "trainer unless the watch finds it stalled, dead or failed; then it starts again from the last "
+                    "checkpoint.")
 
     def __init__(self, *, deferrable: bool | None = None, poll_interval_s: float | None = None, **kw):
         super().__init__(**kw)
@@ -54,10 +61,14 @@ class TrainDraftOperator(RunOperator):
         try_number = int(getattr(context.get("ti"), "try_number", 1) or 1)
         if try_number > 1:
             self._restart_if_unhealthy(ctx)
+        self._start(ctx)
+        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref(),
+                                                       recoveries_left=ctx.cfg.watchdog.train_recoveries_in_watch))
+
+    def _start(self, ctx: RunContext) -> None:
         rec, attached = start_or_attach_trainer(ctx, log=self.log.info)
         self.log.info("trainer pid %s on node %s (%s); heartbeat %s, log %s", rec.pid, ctx.node.name,
                       "attached" if attached else "started", ctx.layout.train_heartbeat_file, rec.log_file)
-        return self._watch(ctx, context, self._rewatch(run=ctx.trigger_ref()))
 
     def _restart_if_unhealthy(self, ctx: RunContext) -> None:
         """On a retry, the watch's look first: a trainer that is starting, healthy or slow is kept; only the
@@ -80,22 +91,47 @@ class TrainDraftOperator(RunOperator):
         if diag.status is None or diag.verdict == "complete":   # as the shard's retry: nothing to stop
             self.log.info("retry: the trainer is kept, nothing stopped: %s", diag.summary)
             return
-        if diag.cause == "store":
-            self._restart_store(ctx, diag.summary)
-            if diag.verdict == "stalled":   # still running: it waits for its store (stream.store_down_timeout_s)
-                self.log.info("retry: the trainer is kept: it takes up the new store and goes on")
+        self._recover(ctx, diag.verdict, diag.cause, diag.summary, "retry")
+
+    def _recover(self, ctx: RunContext, verdict: str, cause: str | None, why: str, when: str) -> None:
+        """The one recovery of a faulty trainer (the watch's and the retry's; the caller starts it again): the store
+        restarted when it is blamed, the trainer stopped unless it is still running and takes up the new store."""
+        if cause == "store":
+            self._restart_store(ctx, why, when)
+            if verdict == "stalled":   # still running: it waits for its store (stream.store_down_timeout_s)
+                self.log.info("%s: the trainer is kept: it takes up the new store and goes on", when)
                 return
         outcome = stop_trainer(ctx, log=self.log.info)
-        self.log.info("retry: %s; previous trainer %s; starting again from the last checkpoint", diag.summary, outcome)
+        self.log.info("%s: %s; previous trainer %s; starting again from the last checkpoint", when, why, outcome)
 
-    def _restart_store(self, ctx: RunContext, why: str) -> None:
+    def _mail_and_recover(self, ctx: RunContext, context, event: EventPayload, pending: list[PendingMail]
+                          ) -> tuple[int, IncidentClose | None, list[PendingMail]]:
+        """The watch's recovery (a ``watch_handler.Recover``): mail now (a mail that cannot be sent never stops
+        it), recover, start the trainer again; the watch goes on with one recovery fewer. A recovery that fails
+        fails the try with the fault (the retry is the last resort)."""
+        self.log.warning("training %s (%s), recovering in the watch (%s left after this): %s", event.get("verdict"),
+                         event.get("cause"), max(0, int(event.get("recoveries_left") or 0) - 1),
+                         event.get("diagnosis"))
+        pending = mail_or_keep(context, pending, "stall", event)
+        try:
+            first_line = str(event.get("diagnosis") or "").split("\n", 1)[0]
+            self._recover(ctx, str(event.get("verdict")), event.get("cause"), first_line, "watch")
+            self._start(ctx)
+        except (RuntimeError, NodeError) as e:
+            if pending:
+                log_unsent(send_pending(context, list(pending), force=True))
+            raise StallDetected(event.get("subject") or "[eagleflow] STALLED training",
+                                f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
+        return max(0, int(event.get("recoveries_left") or 0) - 1), close_of_stall(event), pending
+
+    def _restart_store(self, ctx: RunContext, why: str, when: str = "retry") -> None:
         """The run's store lost mid-run (issue 53): ``eagleflow store start`` on the node starts a new incarnation
         (what the dead one left stopped by its records); the shards' retries capture again what was lost with it.
         A start that fails fails this try, naming it."""
         answer = ctx.node.run_json(ctx.eagleflow_argv("store", "start", "--timeout", "90"), StoreAnswer, timeout=120,
                                    log=self.log.info)
         info = answer.model_dump()
-        self.log.warning("retry: %s; the run's store %s on node %s (store id %s)", why,
+        self.log.warning("%s: %s; the run's store %s on node %s (store id %s)", when, why,
                          "was running again (attached)" if info.get("attached") else "restarted", ctx.node.name,
                          info.get("store_id"))
         # a fleet's capture nodes put into the new incarnation (new ports, new store id): each gets it again
@@ -106,20 +142,32 @@ class TrainDraftOperator(RunOperator):
             claim = ctx.node.run_json(ctx.eagleflow_argv("reconcile", "claim", "--shard", str(shard), "--phase",
                                                          EXTRACT), ClaimAnswer,
                                       timeout=ctx.cfg.server.ready_timeout_s + 300, log=self.log.info)
-            self.log.info("retry: extraction shard %d: %s (%s)", shard, claim.action, claim.reason)
+            self.log.info("%s: extraction shard %d: %s (%s)", when, shard, claim.action, claim.reason)
 
     def execute_complete(self, context, event):
         # the run's context only when there is a next watch: a final event needs no config read
-        return self._watch(lambda: RunContext.from_airflow(context), context, event or {})
+        made: list[RunContext] = []
+
+        def ctx() -> RunContext:
+            if not made:
+                made.append(RunContext.from_airflow(context))
+            return made[0]
+        try:
+            return self._watch(ctx, context, event or {})
+        finally:
+            for c in made:
+                c.close()
 
     def _rewatch(self, **kw):
         return TrainWatchTrigger(poll_interval_s=self.poll_interval_s, **kw)
 
     def _watch(self, ctx: RunContext | Callable[[], RunContext], context, start):
-        """The watch (deferred or here) until its final event, each event through the one handler (no in-watch
-        recovery: a stalled trainer fails the try and the retry restarts it from its last checkpoint)."""
+        """The watch (deferred or here) until its final event, each event through the one handler; a fault it
+        recovers through ``_mail_and_recover``."""
+        def recover(raw: EventPayload, pending: list[PendingMail]):
+            return self._mail_and_recover(ctx() if callable(ctx) else ctx, context, raw, pending)
         final = watch_to_the_end(self, context, start, lambda ev: follow_event(
-            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch))
+            ev, ctx=ctx, context=context, log=self.log, rewatch=self._rewatch, recover=recover))
         if isinstance(final, Complete):
             self.log.info("%s", final.summary or "training complete")
             return {"status": "complete", "summary": final.summary}

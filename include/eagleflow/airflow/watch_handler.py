@@ -23,9 +23,9 @@ from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.recovery import recover_after_stall
 
 # Builds the job's next watch from the keyword arguments every watch trigger takes (run, unreachable_since,
-# close_incidents, pending_mails, clocks; recoveries_left for shards).
+# close_incidents, pending_mails, clocks, recoveries_left).
 Rewatch = Callable[..., Any]
-# Mails (when this shard opened the incident) and recovers; returns (recoveries left, the stall's close entry
+# Mails (a shard: when it opened the incident; the trainer: always) and recovers; returns (recoveries left, the stall's close entry
 # for the next watch or None, the mails still pending). Raises to fail the task.
 Recover = Callable[[EventPayload, list[PendingMail]], tuple[int, "IncidentClose | None", list[PendingMail]]]
 

@@ -93,8 +93,10 @@ class StreamRun:
         self.log(f"counted loss-position tokens over the {self.corpus_size} records of {self.corpus_file}")
         return counts
 
-    def aux_layers(self, timeout_s: float = 300.0) -> list[int]:
-        """The captured layers, from the first sample the store holds (waits for capture's first sample)."""
+    def aux_layers(self, timeout_s: float | None = None) -> list[int]:
+        """The captured layers, from the first sample the store holds (waits for capture's first sample, up to
+        ``stream.starve_after_s``)."""
+        timeout_s = self.cfg.stream.starve_after_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         while True:
             refs = self.source.scan()
@@ -120,6 +122,7 @@ class StreamRun:
                                    recapture=self.plan.recapture,
                                    max_length=None, on_wait=self.on_wait,
                                    store_down_timeout_s=self.cfg.stream.store_down_timeout_s,
+                                   starve_after_s=self.cfg.stream.starve_after_s,
                                    on_store_wait=self.on_store_wait)
         return self.loader
 

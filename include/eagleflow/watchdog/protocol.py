@@ -8,7 +8,7 @@ unknown keys are ignored, so a payload from a newer or older release still parse
 one documented in ``eagleflow.airflow.shard_watch``.
 
 Every event carries the watch's own state (``WatchState``: the incidents its task mailed and must mail the
-end of, the mails its SMTP server refused, a shard's in-watch recoveries left), flat beside its own fields, so a
+end of, the mails its SMTP server refused, the in-watch recoveries left), flat beside its own fields, so a
 stall or an outage in between loses none of it. No Airflow import: the node side and the tests build and read
 these too.
 """
@@ -124,8 +124,8 @@ class PendingMail(_Wire):
 
 
 class WatchState(_Wire):
-    """What a watch hands to the next one: incidents this task mailed, the mails still pending, and (shards
-    only; None for the trainer) the in-watch recoveries left."""
+    """What a watch hands to the next one: incidents this task mailed, the mails still pending, and the in-watch
+    recoveries left (None: an event that names none, e.g. from a build before the trainer's watch counted them)."""
     close_incidents: tuple[IncidentClose, ...] = ()
     pending_mails: tuple[PendingMail, ...] = ()
     recoveries_left: int | None = None
@@ -219,8 +219,9 @@ class JobVerdict(_Verdict):
 
 
 class Recovering(_Verdict):
-    """A stall the watch can recover in the same task try: the incident it opened or joined on the node; the
-    operator mails (the shard that opened it), recovers, watches again."""
+    """A stall the watch can recover in the same task try: the incident it opened or joined on the node (a shard's;
+    the trainer, one per run, opens none); the operator mails (the shard that opened it, the trainer always),
+    recovers, watches again."""
     status: Literal["recovering"] = "recovering"
     incident: OpenIncident | None = None
 
