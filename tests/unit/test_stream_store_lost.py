@@ -54,7 +54,9 @@ def test_reconcile_counts_a_streaming_shards_samples_by_its_stores_rule(tmp_path
     from tests.fixtures.capture_corpus import write_corpus
     cfg = load_config(data={"target_model": "/models/t", "run_root": str(tmp_path / "runs"),
                             "capture": {"shards": 1}, "node": {"name": "n", "state_dir": str(tmp_path / "state")},
-                            "stream": {"storage": "mooncake"}})
+                            "stream": {"storage": "mooncake"},
+                            # one epoch: one capture pass (several over a buffer they exceed: test_stream_recapture)
+                            "train": {"max_steps": 2, "batch_size": 2}})
     layout = RunLayout.for_run(cfg, "r")
     rows = write_corpus(Path(str(layout.corpus_dir)) / "corpus.parquet", 4, 50)
     with ManifestWriter(Path(str(layout.shard_dir(0))) / "manifest.jsonl", fsync=False) as w:
