@@ -1,8 +1,8 @@
 """The Mooncake store's sink and source: samples in a Mooncake store's memory, manifests on disk.
 
 Keys: ``<run_id>/shard_NNNNN/<index:08d>`` (a later capture pass of a run that re-captures per epoch:
-``.../pass<P>/<index:08d>``, recorded in ``manifest.pass<P>.jsonl``; ``corpus.passes``). The sink puts each sample's encoded bytes (``stores.encoding``,
-FP8 included) and then appends its manifest line (``file`` is the key, ``sha256`` the digest of the bytes
+``.../pass<P>/<index:08d>``, recorded in ``manifest.pass<P>.jsonl``; ``corpus.passes``). The sink puts each
+sample's encoded bytes (``stores.encoding``, FP8 included) and then appends its manifest line (``file`` is the key, ``sha256`` the digest of the bytes
 put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
 ``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure; the check and the put
 are one step under a lock file beside the endpoint, so the writers of one node never overshoot together);
