@@ -2,8 +2,8 @@
 
 Keys: ``<run_id>/shard_NNNNN/<index:08d>`` (a later capture pass of a run that re-captures per epoch:
 ``.../pass<P>/<index:08d>``, recorded in ``manifest.pass<P>.jsonl``; ``corpus.passes``). The sink puts each
-sample's encoded bytes (``stores.encoding``, FP8 included) and then appends its manifest line (``file`` is the key, ``sha256`` the digest of the bytes
-put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
+sample's encoded bytes (``stores.encoding``, FP8 included) and then appends its manifest line (``file`` is the
+key, ``sha256`` the digest of the bytes put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
 ``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure; the check and the put
 are one step under a lock file beside the endpoint, so the writers of one node never overshoot together);
 past ``put_timeout_s`` it raises ``StoreFull``. The master's figure is an HTTP read (``/metrics``, ~0.6 ms: a
