@@ -1,17 +1,17 @@
 """The Mooncake store's sink and source: samples in a Mooncake store's memory, manifests on disk.
 
 Keys: ``<run_id>/shard_NNNNN/<index:08d>`` (a later capture pass of a run that re-captures per epoch:
-``.../pass<P>/<index:08d>``, recorded in ``manifest.pass<P>.jsonl``; ``corpus.passes``). The sink puts each
-sample's encoded bytes (``stores.encoding``, FP8 included) and then appends its manifest line (``file`` is the
-key, ``sha256`` the digest of the bytes put), so a line never names a sample the store does not hold. Before a put it waits while the master's own
-``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure; the check and the put
-are one step under a lock file beside the endpoint, so the writers of one node never overshoot together);
-past ``put_timeout_s`` it raises ``StoreFull``. The master's figure is an HTTP read (``/metrics``, ~0.6 ms: a
-third of a put, bench/profile_stream_put.py): a single-node run's store (its own master) keeps in the lock file
-an upper bound on it instead (``NodeBound``: the figure last read plus every put of the node since), and reads
-the master again only when that bound leaves no room for the sample. The source reads the manifests (``scan``),
-gets a sample's bytes, refuses them (``SampleRefused``, naming the key) when missing or when their sha256 is not
-the manifest's, and removes the sample on ``release`` (its last epoch is done with it).
+``.../pass<P>/<index:08d>``, recorded in ``manifest.pass<P>.jsonl``; ``corpus.passes``). The sink puts each sample's
+encoded bytes (``stores.encoding``, FP8 included) and then appends its manifest line (``file`` is the key,
+``sha256`` the digest of the bytes put), so a line never names a sample the store does not hold. Before a put it
+waits while the master's own ``master_allocated_bytes`` plus the sample would pass ``buffer_bytes`` (backpressure;
+the check and the put are one step under a lock file beside the endpoint, so the writers of one node never overshoot
+together); past ``put_timeout_s`` it raises ``StoreFull``. The master's figure is an HTTP read (``/metrics``, ~0.6
+ms: a third of a put, bench/profile_stream_put.py): a single-node run's store (its own master) keeps in the lock
+file an upper bound on it instead (``NodeBound``: the figure last read plus every put of the node since), and reads
+the master again only when that bound leaves no room for the sample. The source reads the manifests (``scan``), gets
+a sample's bytes, refuses them (``SampleRefused``, naming the key) when missing or when their sha256 is not the
+manifest's, and removes the sample on ``release`` (its last epoch is done with it).
 
 A store that does not answer (its master killed) is ``StoreUnavailable`` naming the store, within seconds:
 the master's port is probed before the client's setup (which would otherwise retry for 90 s) and after any
