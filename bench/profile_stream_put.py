@@ -107,6 +107,7 @@ def mooncake_puts(settings: StoreSettings, shard: int, enc: list[EncodedSample],
     enc_hash = time.perf_counter() - t1
     n = len(enc)
     out = {"puts": n, "ms_per_put": 1e3 * total / n, "bytes": len(enc[0].to_bytes()),
+           "bytes_put": sum(len(e.to_bytes()) for e in enc),
            "parts_ms_per_put": {k: round(1e3 * v / n, 3) for k, v in sorted(totals.items())},
            "calls_per_put": {k: round(v / n, 3) for k, v in sorted(counts.items())},
            "to_bytes_sha256_ms_per_put": round(1e3 * enc_hash / n, 3)}
@@ -188,7 +189,7 @@ def _cpu_jiffies() -> dict[str, tuple[float, float]]:
     return out
 
 
-def watch(seconds: float, match: str, every: float = 1.0) -> dict:
+def watch(seconds: float, match: str, every: float = 1.0, out: str = "") -> dict:
     """Where the cores' time goes while a capture runs (bench/stream_vs_offline.py beside this): over each window in
     which an ``eagleflow capture run`` worker lives, the CPU seconds of each role (capture: the workers and the
     capture server, pinned to core 0 by that bench; store: Mooncake's master and segment holder; trainer; other:
@@ -212,11 +213,20 @@ def watch(seconds: float, match: str, every: float = 1.0) -> dict:
                 a[f"{core}_busy_s"] = a.get(f"{core}_busy_s", 0.0) + busy - prev_cpu[core][0]
                 a[f"{core}_idle_s"] = a.get(f"{core}_idle_s", 0.0) + idle - prev_cpu[core][1]
             a["load_sum"] = a.get("load_sum", 0.0) + os.getloadavg()[0] * every
+            if out:    # so far, every window: the watch may be stopped at any time
+                Path(out).write_text(json.dumps(_summary(acc), indent=1))
         prev, prev_cpu = cur, cpu
-    for a in acc.values():
-        a["load_avg_mean"] = a.pop("load_sum") / a["seconds"]
-        a["core0_not_capture_s"] = a.get("cpu0_busy_s", 0.0) - a.get("cpu_s_capture", 0.0)
-    return {k: {n: round(v, 2) for n, v in a.items()} for k, a in acc.items()}
+    return _summary(acc)
+
+
+def _summary(acc: dict[str, dict[str, float]]) -> dict:
+    res = {}
+    for k, a in acc.items():
+        b = dict(a)
+        b["load_avg_mean"] = b.pop("load_sum") / b["seconds"]
+        b["core0_not_capture_s"] = b.get("cpu0_busy_s", 0.0) - b.get("cpu_s_capture", 0.0)
+        res[k] = {n: round(v, 2) for n, v in b.items()}
+    return res
 
 
 def main() -> None:
@@ -235,7 +245,7 @@ def main() -> None:
                     "lines name it)")
     args = ap.parse_args()
     if args.watch:
-        res = watch(args.watch, args.watch_match)
+        res = watch(args.watch, args.watch_match, out=args.json)
         print(json.dumps(res, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
@@ -259,8 +269,8 @@ def main() -> None:
                 before = metrics(ep)["master_allocated_bytes"]
                 fig[kind] = run_writers(kind, at(len(rounds) * 3 + len(fig)), args)
                 if kind != "disk":
-                    fig[kind + "-growth-per-put"] = ((metrics(ep)["master_allocated_bytes"] - before)
-                                                     / (args.puts * args.writers))
+                    fig[kind + "-growth-over-bytes-put"] = (metrics(ep)["master_allocated_bytes"] - before
+                                                            - sum(w["bytes_put"] for w in fig[kind]))
                     cleaner = MooncakeClient(ep)      # the next mode starts from an empty store
                     cleaner.remove_matching("^bench.*")
                     cleaner.close()
@@ -276,8 +286,8 @@ def main() -> None:
                 parts = (f"  parts {w['parts_ms_per_put']}  calls {w['calls_per_put']}  (to_bytes+sha256 "
                          f"{w['to_bytes_sha256_ms_per_put']} ms)") if kind != "disk" else ""
                 print(f"round {i} {kind:22s} writer {w['writer']}: {w['ms_per_put']:.2f} ms/put{parts}")
-        print(f"round {i}: master_allocated_bytes grew {fig['mooncake-growth-per-put']:.1f} bytes per put of "
-              f"{size}")
+        print(f"round {i}: master_allocated_bytes grew by the bytes put plus {fig['mooncake-growth-over-bytes-put']:g} "
+              f"(every put counted exactly when 0)")
     for kind in ("mooncake-per-put-read", "mooncake", "disk"):
         print(f"median ms/put {kind}: %.2f" % statistics.median(w["ms_per_put"] for f in rounds for w in f[kind]))
     print(f"load {out['load_avg']}")
