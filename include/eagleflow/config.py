@@ -360,6 +360,13 @@ class StreamConfig(_Section):
                                          "one capture node puts; each node keeps (nodes - 1) x this free for the "
                                          "other nodes' puts in flight (their room checks are not serialised with "
                                          "its own); null = buffer_gib / (4 x nodes); a larger sample is refused")
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="mooncake: the transfer engine's transport "
+                                             "(Mooncake's -protocol): tcp (any network; what this project tests) "
+                                             "or rdma (GPU clusters: InfiniBand or RoCE NICs, the CUDA build "
+                                             "mooncake-transfer-engine on every node)")
+    device_names: str = Field(default="", pattern=r"^([A-Za-z0-9_.:-]{1,64}(,[A-Za-z0-9_.:-]{1,64}){0,63})?$",
+                              description="mooncake with rdma: the RDMA NICs to use, comma-separated (Mooncake's "
+                              "-device_names, e.g. \"mlx5_0,mlx5_1\"); \"\" = the transfer engine finds them")
     master: str = Field(default="", description="mooncake: an existing Mooncake master to use, \"host:rpc_port\" "
                         "(started by someone else, with its HTTP metadata server and a short -default_kv_lease_ttl); "
                         "the run then starts no master, only its segment holder against it, and never signals it; "

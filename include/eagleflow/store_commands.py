@@ -60,10 +60,12 @@ def _start(args) -> int:
 
 
 def _master_options(stream) -> dict:
-    """An existing master named by ``stream.master`` (the run then starts none); {} when the run starts its own."""
+    """The transport (``stream.protocol``, ``stream.device_names``), and an existing master named by
+    ``stream.master`` (the run then starts none; none named: the run starts its own)."""
     hp = stream.master_host_port
-    return {} if hp is None else {"master": hp, "master_metadata_port": stream.master_metadata_port,
-                                  "master_metrics_port": stream.master_metrics_port}
+    transport = {"protocol": stream.protocol, "device_names": stream.device_names}
+    return transport if hp is None else {**transport, "master": hp, "master_metadata_port": stream.master_metadata_port,
+                                         "master_metrics_port": stream.master_metrics_port}
 
 
 def _stop(args) -> int:

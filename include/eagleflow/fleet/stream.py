@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from eagleflow.config import stream_host_reachable
 from eagleflow.fleet.assign import shards_of
 from eagleflow.nodes.base import NodeError
+from eagleflow.stores.mooncake.master import DEVICE_NAMES, PROTOCOLS
 
 PORT_FIELDS = ("rpc_port", "metadata_port", "metrics_port")
 STORE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -53,8 +54,14 @@ def node_endpoint(answer: Mapping[str, object], stream_host: str, *, source: str
     store_id = answer.get("store_id")
     if not (isinstance(store_id, str) and STORE_ID.match(store_id)):
         raise bad("store_id", "is not a store incarnation id (letters, digits, '_.-', at most 64)")
+    # the transport the segment holder uses: each node's sinks must speak it (an answer from an older build has none)
+    protocol, devices = answer.get("protocol", "tcp"), answer.get("device_names", "")
+    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
+        raise bad("protocol", f"is not one of {', '.join(PROTOCOLS)}")
+    if not isinstance(devices, str) or (devices and not DEVICE_NAMES.fullmatch(devices)):
+        raise bad("device_names", "is not a comma-separated list of RDMA device names")
     return {"host": host, **ports, "segment_bytes": seg, "master_pid_file": "", "segment_pid_file": "",
-            "store_id": store_id}
+            "store_id": store_id, "protocol": protocol, "device_names": devices}
 
 
 def hand_endpoint_to_capture_nodes(ctx, answer: Mapping[str, object], log) -> dict[str, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -53,6 +54,8 @@ class MooncakeEndpoint:
                                 # which one holds their sample; a sample put into a dead one is lost)
     foreign_master: bool = False   # an existing master (stream.master) the run did not start: no pid record, judged
                                    # by its port only, never signalled
+    protocol: str = "tcp"          # the transfer engine's transport (stream.protocol): every client of the store uses
+    device_names: str = ""         # the segment holder's, so a capture node takes both from the endpoint it is handed
 
     @property
     def master_address(self) -> str:
@@ -76,11 +79,13 @@ class MooncakeEndpoint:
         for f in ("rpc_port", "metadata_port", "metrics_port"):   # a fleet node's copy was handed to it: checked
             if not 1 <= int(d[f]) <= 65535:
                 raise ValueError(f"{f} {d[f]!r} is not a TCP port")
+        protocol, devices = str(d.get("protocol", "tcp")), str(d.get("device_names", ""))
+        check_transport(protocol, devices)
         return cls(host=str(d["host"]), rpc_port=int(d["rpc_port"]), metadata_port=int(d["metadata_port"]),
                    metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
                    master_pid_file=str(d.get("master_pid_file", "")),
                    segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")),
-                   foreign_master=d.get("foreign_master", False) is True)
+                   foreign_master=d.get("foreign_master", False) is True, protocol=protocol, device_names=devices)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,6 +153,19 @@ def _tail(path: Path) -> str:
         return ""
 
 
+PROTOCOLS = ("tcp", "rdma")
+DEVICE_NAMES = re.compile(r"[A-Za-z0-9_.:-]{1,64}(,[A-Za-z0-9_.:-]{1,64}){0,63}")
+
+
+def check_transport(protocol: str, device_names: str) -> None:
+    """A transport the transfer engine takes (Mooncake's ``-protocol``, ``-device_names``); ValueError naming the
+    field otherwise. An endpoint handed to a fleet node is checked as the config is."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    if device_names and not DEVICE_NAMES.fullmatch(device_names):
+        raise ValueError("device_names is not a comma-separated list of RDMA device names (letters, digits, '_.:-')")
+
+
 def new_store_id() -> str:
     """A fresh incarnation id: the time it started (readable in a manifest) and random bits (two starts in one
     second differ)."""
@@ -163,7 +181,8 @@ def _start_segment(ep: MooncakeEndpoint, segment_pid: Path, segment_log: Path, *
     _detach(SEGMENT_ROLE, segment_pid, segment_log, [
         binary("mooncake_client"), "-global_segment_size", f"{max(1, mib)}MB",
         "-master_server_address", ep.master_address, "-metadata_server", ep.metadata_url,
-        "-protocol", "tcp", "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
+        "-protocol", ep.protocol, *(["-device_names", ep.device_names] if ep.device_names else []),
+        "-host", host, "-port", str(free_port(host))], env=tcp_bind_env(host))
 
     def mounted() -> bool:
         try:
@@ -174,7 +193,8 @@ def _start_segment(ep: MooncakeEndpoint, segment_pid: Path, segment_log: Path, *
 
 
 def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int, endpoint_file: str | os.PathLike,
-                host: str = "127.0.0.1", timeout_s: float = 60.0) -> MooncakeEndpoint:
+                host: str = "127.0.0.1", timeout_s: float = 60.0, protocol: str = "tcp",
+                device_names: str = "") -> MooncakeEndpoint:
     """Start the run's master and segment holder (recorded), wait until the store has its memory, write the
     endpoint; on failure stop whatever was started and raise MooncakeStartError naming the log."""
     state = Path(state_dir)
@@ -184,7 +204,7 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
     ep = MooncakeEndpoint(host=host, rpc_port=free_port(host), metadata_port=free_port(host),
                           metrics_port=free_port(host), segment_bytes=segment_bytes,
                           master_pid_file=str(master_pid), segment_pid_file=str(segment_pid),
-                          store_id=new_store_id())
+                          store_id=new_store_id(), protocol=protocol, device_names=device_names)
     try:
         _detach(MASTER_ROLE, master_pid, master_log, [
             binary("mooncake_master"), "-rpc_port", str(ep.rpc_port), "-rpc_address", host,
@@ -203,7 +223,8 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
 
 def start_segment_on_master(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int,
                             endpoint_file: str | os.PathLike, host: str, rpc_port: int, metadata_port: int,
-                            metrics_port: int, timeout_s: float = 60.0) -> MooncakeEndpoint:
+                            metrics_port: int, timeout_s: float = 60.0, protocol: str = "tcp",
+                            device_names: str = "") -> MooncakeEndpoint:
     """The run's store on an existing master (``stream.master``) it did not start: the master is checked to answer
     on its three ports (the probe the store uses), then the run's segment holder is started against it (recorded:
     the samples live in its memory) and waited for until the master's capacity grew by its segment. The endpoint
@@ -214,7 +235,7 @@ def start_segment_on_master(*, state_dir: str | os.PathLike, run_id: str, segmen
     segment_log = state / "logs" / f"{run_id}.{SEGMENT_ROLE}.log"
     ep = MooncakeEndpoint(host=host, rpc_port=rpc_port, metadata_port=metadata_port, metrics_port=metrics_port,
                           segment_bytes=segment_bytes, segment_pid_file=str(segment_pid), store_id=new_store_id(),
-                          foreign_master=True)
+                          foreign_master=True, protocol=protocol, device_names=device_names)
     silent = [f"{what} {port}" for what, port in (("rpc port (stream.master)", rpc_port),
                                                   ("stream.master_metadata_port", metadata_port),
                                                   ("stream.master_metrics_port", metrics_port))
@@ -316,7 +337,7 @@ def run_store_health(settings) -> dict:
 
 def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.0.0.1",
                     timeout_s: float = 60.0, master: tuple[str, int] | None = None, master_metadata_port: int = 8080,
-                    master_metrics_port: int = 9003) -> dict:
+                    master_metrics_port: int = 9003, protocol: str = "tcp", device_names: str = "") -> dict:
     """The run's store (``Store.start``): the running one its endpoint names, else a new master and segment
     holder sized for ``settings.buffer_bytes``. One store per run: never a second master beside a live one.
     ``master`` (``stream.master``, host and rpc port): an existing master the run uses instead of starting one;
@@ -335,11 +356,12 @@ def start_run_store(settings, *, state_dir: str | os.PathLike, host: str = "127.
                                      segment_bytes=segment_bytes_for(settings.buffer_bytes),
                                      endpoint_file=settings.endpoint_file, host=master[0], rpc_port=int(master[1]),
                                      metadata_port=master_metadata_port, metrics_port=master_metrics_port,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, protocol=protocol, device_names=device_names)
         return {"started": True, "attached": False, "master_started": False,
                 **({"replaced": cleaned} if cleaned else {}), **json.loads(ep.to_json())}
     ep = start_store(state_dir=state_dir, run_id=settings.run_id, segment_bytes=segment_bytes_for(settings.buffer_bytes),
-                     endpoint_file=settings.endpoint_file, host=host, timeout_s=timeout_s)
+                     endpoint_file=settings.endpoint_file, host=host, timeout_s=timeout_s, protocol=protocol,
+                     device_names=device_names)
     return {"started": True, "attached": False, **({"replaced": cleaned} if cleaned else {}),
             **json.loads(ep.to_json())}
 

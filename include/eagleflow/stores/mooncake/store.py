@@ -90,7 +90,8 @@ class MooncakeClient:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_address(ep))
         # imported here: the stream extra is optional, and the wheel ships no type information
         self._s: Any = importlib.import_module("mooncake.store").MooncakeDistributedStore()
-        rc = self._s.setup(local_address(ep), ep.metadata_url, 0, LOCAL_BUFFER_BYTES, "tcp", "", ep.master_address)
+        rc = self._s.setup(local_address(ep), ep.metadata_url, 0, LOCAL_BUFFER_BYTES, ep.protocol, ep.device_names,
+                           ep.master_address)
         if rc != 0:
             self.unavailable_if_down(f"setup failed ({rc})")
             raise StoreError(self.label, f"client setup failed with code {rc}")
