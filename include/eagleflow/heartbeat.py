@@ -42,6 +42,9 @@ WAITING_FOR_ROOM = "waiting_for_room_since"
 # ... and when its last such wait ended: it could not put before then, so its watch counts its progress from then
 # (a look between a wait's end and the put's record would otherwise read a shard stale for the whole wait)
 ROOM_WAIT_ENDED = "room_wait_ended_at"
+# ... and, while its wait is at the gate between capture passes (a run that re-captures per epoch), which pass it
+# waits to start: every shard's previous pass must be put first, so the wait is the other shards', not the buffer's
+WAITING_FOR_PASS = "waiting_for_pass"
 
 
 @dataclass

@@ -301,7 +301,7 @@ def test_a_pass_starts_only_once_every_shards_previous_pass_is_put(tmp_path, mon
     import time
 
     from eagleflow.capture.manifest import ManifestEntry, ManifestWriter
-    from eagleflow.heartbeat import Heartbeat, WAITING_FOR_ROOM
+    from eagleflow.heartbeat import WAITING_FOR_PASS, WAITING_FOR_ROOM, Heartbeat
     rows = write_corpus(tmp_path / "corpus.parquet", 4, 50)
     store = _PassStore()
     worker = _worker(tmp_path, monkeypatch, store, shard=0, num_shards=2)
@@ -339,5 +339,6 @@ def test_a_pass_starts_only_once_every_shards_previous_pass_is_put(tmp_path, mon
     t.join(5)
     assert "error" not in seen, seen["error"]
     assert WAITING_FOR_ROOM in seen                              # its heartbeat said held back while it waited
+    assert seen.get(WAITING_FOR_PASS) == 1 and WAITING_FOR_PASS not in hb.extra   # ... at pass 1's gate, then not
     assert seen["puts_while_waiting"] == [(0, 0), (0, 2)]        # no pass 1 put before shard 1's pass 0
     assert store.put == [(0, 0), (0, 2), (1, 0), (1, 2)] and hb.done == hb.total == 4

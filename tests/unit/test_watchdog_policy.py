@@ -296,6 +296,21 @@ def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalle
     assert decide(stopped, cfg()).verdict == "stalled"
 
 
+def test_a_worker_at_the_gate_between_capture_passes_is_said_to_wait_for_the_other_shards_not_for_room():
+    """A run that re-captures per epoch: a worker whose next pass waits for every shard's previous pass is held
+    back as a put waiting for room is (slow, never stalled), but the verdict says what it waits for: the other
+    shards' pass, not a full buffer (which it may not be)."""
+    from eagleflow.heartbeat import WAITING_FOR_PASS, WAITING_FOR_ROOM
+    gate = obs(progress_ago=200, in_flight=[], gpu=idle_held_gpus(200))
+    gate.heartbeat.extra[WAITING_FOR_ROOM] = NOW - 190
+    gate.heartbeat.extra[WAITING_FOR_PASS] = 1
+    d = decide(gate, cfg())
+    assert d.verdict == "slow" and d.status is None, d.summary
+    assert ("held back: waiting 190 s to start capture pass 1 until every shard's pass 0 is in the store"
+            in d.summary), d.summary
+    assert "buffer" not in d.headline.split("(")[0] and "is full" not in d.summary, d.summary
+
+
 
 def test_a_wait_for_room_that_just_ended_counts_the_workers_progress_from_its_end():
     """Between the end of a put's wait for room and that sample's record, the heartbeat says no wait and its last

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import ROOM_WAIT_ENDED, WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
+from eagleflow.heartbeat import ROOM_WAIT_ENDED, WAITING_FOR_PASS, WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
 from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
 
@@ -245,7 +245,16 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
                                      for r in hb.in_flight)
     if isinstance(room_since, (int, float)) and not isinstance(room_since, bool) and not waiting_since \
             and not overdue and not w.stopped and not (late_hb is not None and late_hb.frozen):
-        return diag("slow", f"held back: waiting {max(0.0, hb_now - float(room_since)):.0f} s for room in the run's "
+        waited = max(0.0, hb_now - float(room_since))
+        next_pass = hb.extra.get(WAITING_FOR_PASS) if hb is not None else None
+        if isinstance(next_pass, int) and not isinstance(next_pass, bool):
+            # at the gate between capture passes (re-capture per epoch), not at a full buffer
+            return diag("slow", f"held back: waiting {waited:.0f} s to start capture pass {next_pass} until every "
+                                f"shard's pass {next_pass - 1} is in the store (this run captures its corpus again "
+                                f"for each epoch: a later epoch's samples must not take the room the trainer's "
+                                f"current epoch needs), not stuck (the other shards' watches judge them); "
+                                f"{counts_u}, {last_txt}", cause=_CONSUMER, turns_in_s=stale_after)
+        return diag("slow", f"held back: waiting {waited:.0f} s for room in the run's "
                             f"hidden-state store (its buffer, stream.buffer_gib, is full until the trainer takes "
                             f"samples): the consumer sets the pace, not stuck (the trainer's watch judges the "
                             f"trainer); {counts_u}, {last_txt}", cause=_CONSUMER, turns_in_s=stale_after)

@@ -35,7 +35,8 @@ from typing import Any
 
 from eagleflow.capture.manifest import compact_manifest, read_manifest
 from eagleflow.capture.storage import remove_temp_files
-from eagleflow.heartbeat import PACE_WINDOW, ROOM_WAIT_ENDED, WAITING_FOR_ROOM, Heartbeat, HeartbeatWriter, InFlight, record_pace
+from eagleflow.heartbeat import (PACE_WINDOW, ROOM_WAIT_ENDED, WAITING_FOR_PASS, WAITING_FOR_ROOM, Heartbeat,
+                                 HeartbeatWriter, InFlight, record_pace)
 from eagleflow.phases.shared.worker import PhaseWorker
 from eagleflow.serving.client import CaptureServerError, CaptureTimeout, generate
 from eagleflow.serving.dump_protocol import DumpTrustError, dump_path, read_dump, remove_dumps, request_id, verify_dump
@@ -282,7 +283,7 @@ class ShardWorker(PhaseWorker):
                 if not todo:
                     continue
                 if cp:
-                    self._wait_for_pass(store, cp, held_back)
+                    self._wait_for_pass(store, cp, held_back, hbw)
                 self._capture_pass(store, cp, todo, hbw, held_back)
         finally:
             rec = hbw.hb.extra.get(HELD_BACK)
@@ -314,7 +315,7 @@ class ShardWorker(PhaseWorker):
             compact_manifest(path, keep, fsync=s.fsync)
         return scan, check
 
-    def _wait_for_pass(self, store: Store, cp: int, held_back) -> None:
+    def _wait_for_pass(self, store: Store, cp: int, held_back, hbw: HeartbeatWriter) -> None:
         """Pass ``cp`` starts once every shard's pass ``cp - 1`` is put: a sample of a later epoch must never hold
         room the trainer's current epoch still needs from another shard (both sides would wait). Meanwhile the
         heartbeat says the worker is held back, as a put waiting for room."""
@@ -332,12 +333,14 @@ class ShardWorker(PhaseWorker):
                 if not waiting:
                     self.log(f"shard {s.shard}/{s.num_shards}: pass {cp} waits until every shard's pass {cp - 1} "
                              f"is put ({have}/{need})")
+                    hbw.update(lambda hb: hb.extra.__setitem__(WAITING_FOR_PASS, cp))   # what it waits for: the watch
                     held_back(time.time())
                     waiting = True
                 time.sleep(0.5)
         finally:
             if waiting:
                 held_back(None)
+                hbw.update(lambda hb: hb.extra.pop(WAITING_FOR_PASS, None))
 
     def _capture_pass(self, store: Store, cp: int, todo: list[Sample], hbw: HeartbeatWriter, held_back) -> None:
         s = self.s
