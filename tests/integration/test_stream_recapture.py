@@ -6,10 +6,6 @@ each key leaves the store after its use in that epoch. Through the node CLI as t
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.local_run import LocalRun
 from eagleflow.stores.ledger import read_ledger, require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
-from tests.fixtures.stream_run import Peak, cli as _cli
+from tests.fixtures.stream_run import Peak, kill_trainer_mid_epoch, train_beside_workers
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
@@ -79,18 +75,10 @@ def test_two_epochs_beyond_the_buffer_capture_each_shard_once_per_epoch(tmp_path
     with StreamRun(cfgp, ctx) as sr:
         assert sr.ep is not None
         peak = Peak(sr.ep)
-        trainer = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.start_workers()
-            sr.wait_workers(timeout=600)
-            out, err = trainer.communicate(timeout=600)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-                trainer.wait(10)
+        rc, out, err = train_beside_workers(sr.run, sr.start_workers, lambda: sr.wait_workers(timeout=600),
+                                            timeout=600)
         top = peak.stop()
-        assert trainer.returncode == 0, out[-3000:] + err[-3000:]
+        assert rc == 0, out[-3000:] + err[-3000:]
         assert "2 epoch(s) = 24 steps" in out and "each shard is captured again for each epoch" in out, out[-3000:]
         assert "exactly once: every sample trained exactly once in every epoch" in out
         assert peak.samples > 10 and 0 < top <= BUFFER_BYTES, (top, BUFFER_BYTES)
@@ -117,37 +105,12 @@ def test_a_trainer_killed_in_epoch_two_resumes_with_none_lost_and_none_twice(tmp
     with StreamRun(cfgp, ctx) as sr:
         assert sr.ep is not None
         peak = Peak(sr.ep)
-        trainer = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.start_workers()
-            deadline = time.monotonic() + 600
-            # killed once epoch 1 has a commit and later batches taken, not trained
-            while time.monotonic() < deadline and trainer.poll() is None:
-                e1 = read_ledger(ledger).epoch(1) if ledger.exists() else None
-                if e1 is not None and e1.trained and e1.pending:
-                    os.kill(trainer.pid, signal.SIGKILL)    # its own PID: python running eagleflow.cli
-                    break
-                time.sleep(0.02)
-            trainer.wait(30)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-                trainer.wait(10)
-        assert trainer.returncode == -signal.SIGKILL, trainer.stderr.read()[-3000:] if trainer.stderr else ""
-        killed = read_ledger(ledger).epoch(1)
+        # killed once epoch 1 has a commit and later batches taken, not trained
+        killed = kill_trainer_mid_epoch(sr.run, sr.start_workers, ledger, epoch=1, timeout=600)
         assert 0 < len(killed.trained) < SAMPLES and killed.pending
-        resumed = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.wait_workers(timeout=600)
-            out, err = resumed.communicate(timeout=600)
-        finally:
-            if resumed.poll() is None:
-                resumed.kill()
-                resumed.wait(10)
+        rc, out, err = train_beside_workers(sr.run, lambda: None, lambda: sr.wait_workers(timeout=600), timeout=600)
         top = peak.stop()
-        assert resumed.returncode == 0, out[-3000:] + err[-3000:]
+        assert rc == 0, out[-3000:] + err[-3000:]
         assert "resuming from" in out and "exactly once: every sample trained exactly once" in out, out[-3000:]
         assert 0 < top <= BUFFER_BYTES, (top, BUFFER_BYTES)
         assert int(metrics(sr.ep)["master_key_count"]) == 0

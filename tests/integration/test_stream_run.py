@@ -5,10 +5,7 @@ two `eagleflow capture run` workers writing into the store while `eagleflow trai
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,8 @@ from eagleflow.local_run import LocalRun
 from eagleflow.nodes.process_record import status
 from eagleflow.stores.ledger import read_ledger, require_exactly_once
 from tests.fixtures.capture_corpus import write_corpus, write_run_config
-from tests.fixtures.stream_run import (Peak, cli as _cli, kill_workers, run_cli as _run, start_server, start_workers,
+from tests.fixtures.stream_run import (Peak, kill_trainer_mid_epoch, kill_workers, run_cli as _run,
+                                       start_server, start_workers, train_beside_workers,
                                        store_start, wait_workers)
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
@@ -104,18 +102,9 @@ def test_capture_and_training_run_together_through_the_store(tmp_path, demo_asse
     with StreamRun(cfgp, ctx) as sr:
         assert sr.ep is not None
         peak = Peak(sr.ep)
-        trainer = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.start_workers()                       # the trainer is already waiting for the first sample
-            sr.wait_workers()
-            out, err = trainer.communicate(timeout=300)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-                trainer.wait(10)
+        rc, out, err = train_beside_workers(sr.run, sr.start_workers, sr.wait_workers, timeout=300)
         top = peak.stop()
-        assert trainer.returncode == 0, out[-3000:] + err[-3000:]
+        assert rc == 0, out[-3000:] + err[-3000:]
         assert "streaming from the Mooncake store" in out and "1 epoch(s) = 12 steps" in out, out[-3000:]
         assert "exactly once: every sample trained exactly once in every epoch" in out
         # the store never held more than its buffer, though the corpus is several buffers
@@ -141,36 +130,10 @@ def test_a_trainer_killed_mid_epoch_resumes_from_its_checkpoint_and_ledger(tmp_p
     cfgp, ctx, ids = _setup(tmp_path, demo_assets, "killed", checkpoint_every=4)
     ledger = Path(ctx.layout.stream_ledger_file)
     with StreamRun(cfgp, ctx) as sr:
-        trainer = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.start_workers()
-            deadline = time.monotonic() + 300
-            # killed once a checkpoint is committed and later batches are taken, not trained: mid-epoch
-            while time.monotonic() < deadline and trainer.poll() is None:
-                e0 = read_ledger(ledger).epoch(0)
-                if e0.trained and e0.pending:
-                    os.kill(trainer.pid, signal.SIGKILL)    # its own PID: python running eagleflow.cli
-                    break
-                time.sleep(0.02)
-            trainer.wait(30)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
-                trainer.wait(10)
-        assert trainer.returncode == -signal.SIGKILL, trainer.stderr.read()[-3000:] if trainer.stderr else ""
-        killed = read_ledger(ledger).epoch(0)
+        killed = kill_trainer_mid_epoch(sr.run, sr.start_workers, ledger, epoch=0, timeout=300)
         assert 0 < len(killed.trained) < SAMPLES and killed.pending
-        resumed = subprocess.Popen(_cli("train", *sr.run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        try:
-            sr.wait_workers()
-            out, err = resumed.communicate(timeout=300)
-        finally:
-            if resumed.poll() is None:
-                resumed.kill()
-                resumed.wait(10)
-        assert resumed.returncode == 0, out[-3000:] + err[-3000:]
+        rc, out, err = train_beside_workers(sr.run, lambda: None, sr.wait_workers, timeout=300)
+        assert rc == 0, out[-3000:] + err[-3000:]
         assert "resuming from" in out and "exactly once: every sample trained exactly once" in out, out[-3000:]
         assert int(metrics(sr.ep)["master_key_count"]) == 0
     state = read_ledger(ledger)
