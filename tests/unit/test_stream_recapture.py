@@ -52,11 +52,16 @@ def _drain_epoch(sl: StreamLoader, step: int) -> tuple[int, list[SampleRef]]:
     return step, refs
 
 
-def test_each_epoch_takes_only_its_own_pass_and_each_key_leaves_after_that_epoch(tmp_path):
+
+def _pass_zero_of_six(tmp_path):
+    """A source holding capture pass 0 of six samples, and an empty ledger."""
     src = PassSource()
     for i in range(6):
         src.add(i, 0)
-    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    return src, EpochLedger(tmp_path / "l.jsonl", fsync=False)
+
+def test_each_epoch_takes_only_its_own_pass_and_each_key_leaves_after_that_epoch(tmp_path):
+    src, led = _pass_zero_of_six(tmp_path)
     waits: list = []
     sl = _loader(src, led, on_wait=waits.append)
     step, first = _drain_epoch(sl, 0)
@@ -74,10 +79,7 @@ def test_each_epoch_takes_only_its_own_pass_and_each_key_leaves_after_that_epoch
 
 
 def test_an_epoch_waits_for_the_next_pass_as_for_any_sample(tmp_path):
-    src = PassSource()
-    for i in range(6):
-        src.add(i, 0)
-    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    src, led = _pass_zero_of_six(tmp_path)
     waits: list = []
     sl = _loader(src, led, on_wait=waits.append)
     _drain_epoch(sl, 0)
@@ -90,10 +92,7 @@ def test_an_epoch_waits_for_the_next_pass_as_for_any_sample(tmp_path):
 
 
 def test_a_loader_killed_in_epoch_two_resumes_with_none_lost_and_none_twice(tmp_path):
-    src = PassSource()
-    for i in range(6):
-        src.add(i, 0)
-    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    src, led = _pass_zero_of_six(tmp_path)
     sl = _loader(src, led)
     step, _ = _drain_epoch(sl, 0)
     for i in range(6):
@@ -117,10 +116,7 @@ def test_a_loader_killed_in_epoch_two_resumes_with_none_lost_and_none_twice(tmp_
 
 
 def test_without_recapture_every_epoch_trains_on_pass_zero_kept_to_the_last(tmp_path):
-    src = PassSource()
-    for i in range(6):
-        src.add(i, 0)
-    led = EpochLedger(tmp_path / "l.jsonl", fsync=False)
+    src, led = _pass_zero_of_six(tmp_path)
     sl = StreamLoader(src, led, batch_size=2, corpus_size=6, epochs=2, poll_s=0.001, starve_after_s=0.5)
     step, _ = _drain_epoch(sl, 0)
     assert len(src.data) == 6                           # kept for the last epoch
