@@ -52,13 +52,13 @@ def _drain_epoch(sl: StreamLoader, step: int) -> tuple[int, list[SampleRef]]:
     return step, refs
 
 
-
 def _pass_zero_of_six(tmp_path):
     """A source holding capture pass 0 of six samples, and an empty ledger."""
     src = PassSource()
     for i in range(6):
         src.add(i, 0)
     return src, EpochLedger(tmp_path / "l.jsonl", fsync=False)
+
 
 def test_each_epoch_takes_only_its_own_pass_and_each_key_leaves_after_that_epoch(tmp_path):
     src, led = _pass_zero_of_six(tmp_path)
