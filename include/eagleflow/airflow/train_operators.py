@@ -28,12 +28,10 @@ from eagleflow.protocol import ClaimAnswer
 from eagleflow.engines import eval_engine
 from eagleflow.train.job import read_train_heartbeat, start_or_attach_trainer, stop_trainer
 from eagleflow.airflow.shard_watch import TrainWatchTrigger
-from eagleflow.airflow.alerts import close_of_stall, log_unsent, mail_or_keep, send_pending
-from eagleflow.airflow.watch_handler import fail_with, follow_event, watch_to_the_end
+from eagleflow.airflow.watch_handler import fail_with, follow_event, mail_then_recover, watch_to_the_end
 from eagleflow.evaluate.approval import PENDING
 from eagleflow.evaluate.run import accept_lengths, acceptance_table, table_lines
 from eagleflow.nodes import NodeError
-from eagleflow.watchdog.diagnosis import StallDetected
 from eagleflow.watchdog.protocol import Complete, EventPayload, IncidentClose, PendingMail
 
 # a retry waits this long at most for the watch's pending evidence (a late heartbeat's CPU window) before it acts
@@ -112,17 +110,12 @@ class TrainDraftOperator(RunOperator):
         self.log.warning("training %s (%s), recovering in the watch (%s left after this): %s", event.get("verdict"),
                          event.get("cause"), max(0, int(event.get("recoveries_left") or 0) - 1),
                          event.get("diagnosis"))
-        pending = mail_or_keep(context, pending, "stall", event)
-        try:
+        def recover() -> None:
             first_line = str(event.get("diagnosis") or "").split("\n", 1)[0]
             self._recover(ctx, str(event.get("verdict")), event.get("cause"), first_line, "watch")
             self._start(ctx)
-        except (RuntimeError, NodeError) as e:
-            if pending:
-                log_unsent(send_pending(context, list(pending), force=True))
-            raise StallDetected(event.get("subject") or "[eagleflow] STALLED training",
-                                f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
-        return max(0, int(event.get("recoveries_left") or 0) - 1), close_of_stall(event), pending
+        return mail_then_recover(context, event, pending, mail=True, recover=recover,
+                                 subject="[eagleflow] STALLED training")
 
     def _restart_store(self, ctx: RunContext, why: str, when: str = "retry") -> None:
         """The run's store lost mid-run (issue 53): ``eagleflow store start`` on the node starts a new incarnation

@@ -43,16 +43,28 @@ def mail_and_recover(ctx: RunContext, context, event: EventPayload, pending: lis
     inc = event.get("incident") or {}
     log.warning("%s %s stalled (%s, incident %s, %s it): %s", kind.watch_name, shard, event.get("cause"),
                 inc.get("incident"), "opened" if inc.get("opened") else "joined", event.get("diagnosis"))
+    return mail_then_recover(context, event, pending, mail=bool(inc.get("opened")),
+                             recover=lambda: recover_after_stall(ctx, shard, event, log, kind=kind),
+                             subject=f"{kind.watch_name} {shard} stalled")
+
+
+def mail_then_recover(context, event: EventPayload, pending: list[PendingMail], *, mail: bool,
+                      recover: Callable[[], object], subject: str
+                      ) -> tuple[int, "IncidentClose | None", list[PendingMail]]:
+    """The skeleton of every in-watch recovery (a shard's, the trainer's): the stall mailed first when ``mail``
+    (a mail that cannot be sent is kept pending, never stops the recovery), then ``recover``; one recovery fewer
+    left. A recovery that fails fails the task with the stall (``StallDetected``, ``subject`` when the event has
+    none), after one last try of the pending mails: Airflow's retry is the fallback."""
     close = None
-    if inc.get("opened"):
+    if mail:
         pending = mail_or_keep(context, pending, "stall", event)
         close = close_of_stall(event)
     try:
-        recover_after_stall(ctx, shard, event, log, kind=kind)
+        recover()
     except (RuntimeError, NodeError) as e:
         if pending:
             log_unsent(send_pending(context, list(pending), force=True))
-        raise StallDetected(event.get("subject") or f"{kind.watch_name} {shard} stalled",
+        raise StallDetected(event.get("subject") or subject,
                             f"{event.get('diagnosis')}\n\nin-watch recovery failed: {e}") from None
     return max(0, int(event.get("recoveries_left") or 0) - 1), close, pending
 
