@@ -25,7 +25,8 @@ from tests.fixtures.capture_corpus import write_run_config
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
 from eagleflow.stores.encoding import encode_sample  # noqa: E402
-from eagleflow.stores.mooncake.master import MooncakeEndpoint, binary, free_port, metrics, reachable  # noqa: E402
+from eagleflow.stores.mooncake.master import MooncakeEndpoint, binary, metrics, reachable  # noqa: E402
+from eagleflow.ports import free_ports  # noqa: E402
 from eagleflow.stores.mooncake.store import MooncakeClient  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -43,12 +44,12 @@ def _last_json(res: subprocess.CompletedProcess) -> dict:
 @pytest.fixture
 def existing_master(tmp_path):
     """A master the test starts and stops itself (the run must never signal it)."""
-    rpc, meta, mets = free_port(), free_port(), free_port()
+    rpc, meta, mets = free_ports(3)
     log = open(tmp_path / "existing-master.log", "w")
     proc = subprocess.Popen([binary("mooncake_master"), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
                              "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
                              "-http_metadata_server_port", str(meta), "-metrics_port", str(mets),
-                             "-default_kv_lease_ttl", "100ms"], stdout=log, stderr=subprocess.STDOUT)
+                             "-metrics_host", "127.0.0.1", "-default_kv_lease_ttl", "100ms"], stdout=log, stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 60
         while not all(reachable("127.0.0.1", p) for p in (rpc, meta, mets)):
@@ -150,7 +151,7 @@ def test_store_start_uses_the_existing_master_and_stop_leaves_it_running(tmp_pat
 
 
 def test_store_start_refuses_an_existing_master_that_does_not_answer(tmp_path, demo_assets):
-    rpc, meta, mets = free_port(), free_port(), free_port()      # nothing listens there
+    rpc, meta, mets = free_ports(3)      # nothing listens there
     cfgp, ctx = _run_config(tmp_path, demo_assets, rpc, meta, mets)
     res = _cli("store", "start", "--config", str(cfgp), "--run-id", ctx.layout.run_id)
     assert res.returncode == 3

@@ -25,7 +25,7 @@ from eagleflow.layout import RunLayout
 from eagleflow.nodes import LocalNode
 from eagleflow.serving.client import ServerError, request_json
 from eagleflow.serving.dump_protocol import loopback_host
-from eagleflow.serving.launch import free_port
+from eagleflow.ports import free_port
 from .lossless import SERVER_TOP_LOGIT, first_difference, tie_tolerance
 from .prompt_sets import expand_turns
 from .speed import speed_figures

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any, Mapping
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
 from eagleflow.layout import RunLayout
+from eagleflow.ports import free_port
 from eagleflow.serving.aux_layers import resolve_aux_layers, target_architectures_and_layers
 from eagleflow.serving.client import ServerError, generate, health_generate
 from eagleflow.serving.dump_protocol import (DumpTrustError, ENV_DUMP_KEY, SELFCHECK_PREFIX, dump_path,
@@ -34,12 +34,6 @@ EXIT_NOT_READY = 4
 
 class LaunchError(RuntimeError):
     """A capture server that cannot start or failed its checks; the message says what to do."""
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def model_config(model_path: str) -> dict[str, Any]:

@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,12 +41,7 @@ from eagleflow.airflow.deploy.home import airflow_bin, airflow_env
 from eagleflow.nodes import process_record
 from eagleflow.nodes.proc import read_start_ticks, read_stat
 from eagleflow.durable import atomic_replace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from eagleflow.ports import free_port
 
 
 def standalone_env(home: str | Path | None, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -31,7 +31,8 @@ from eagleflow.layout import RunLayout
 from eagleflow.phases import GENERATE, KINDS
 
 from .layers import sglang_aux_layer_ids
-from eagleflow.serving.launch import LaunchError, free_port, model_config, plan_capture, run_capture_server
+from eagleflow.ports import free_port
+from eagleflow.serving.launch import LaunchError, model_config, plan_capture, run_capture_server
 from eagleflow.engines.sglang.plugin import (ENV_AUX_LAYERS, ENV_DUMP_DIR, ENV_MODEL, CaptureHookError, CaptureSettings,
                             check_sglang_contract)
 from eagleflow.durable import atomic_write

@@ -22,7 +22,7 @@ import os
 import sys
 
 from eagleflow.serving.dump_protocol import loopback_host
-from eagleflow.serving.launch import free_port
+from eagleflow.ports import free_port
 from eagleflow.serving.capture_hook import ENV_MODEL
 from eagleflow.engines.vllm.api import GENERATE_MIDDLEWARE
 from eagleflow.engines.vllm.launcher import REQUIREMENTS_FILE, SUPPORTED_VERSIONS

@@ -31,6 +31,7 @@ from typing import Callable
 from eagleflow import bounded_json
 from eagleflow.durable import atomic_write
 from eagleflow.nodes.process_record import StopResult, status, stop_file
+from eagleflow.ports import free_port, free_ports
 
 MASTER_ROLE = "mooncake-master"
 SEGMENT_ROLE = "mooncake-segment"
@@ -86,12 +87,6 @@ class MooncakeEndpoint:
                    master_pid_file=str(d.get("master_pid_file", "")),
                    segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")),
                    foreign_master=d.get("foreign_master", False) is True, protocol=protocol, device_names=devices)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -201,8 +196,9 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
     pids, logs = state / "pids", state / "logs"
     master_pid, segment_pid = pids / f"{run_id}.{MASTER_ROLE}.json", pids / f"{run_id}.{SEGMENT_ROLE}.json"
     master_log, segment_log = logs / f"{run_id}.{MASTER_ROLE}.log", logs / f"{run_id}.{SEGMENT_ROLE}.log"
-    ep = MooncakeEndpoint(host=host, rpc_port=free_port(host), metadata_port=free_port(host),
-                          metrics_port=free_port(host), segment_bytes=segment_bytes,
+    rpc_port, metadata_port, metrics_port = free_ports(3, host)
+    ep = MooncakeEndpoint(host=host, rpc_port=rpc_port, metadata_port=metadata_port,
+                          metrics_port=metrics_port, segment_bytes=segment_bytes,
                           master_pid_file=str(master_pid), segment_pid_file=str(segment_pid),
                           store_id=new_store_id(), protocol=protocol, device_names=device_names)
     try:
@@ -210,7 +206,7 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
             binary("mooncake_master"), "-rpc_port", str(ep.rpc_port), "-rpc_address", host,
             "-enable_http_metadata_server=true", "-http_metadata_server_host", host,
             "-http_metadata_server_port", str(ep.metadata_port), "-metrics_port", str(ep.metrics_port),
-            "-default_kv_lease_ttl", LEASE_TTL])
+            "-metrics_host", host, "-default_kv_lease_ttl", LEASE_TTL])
         _wait(lambda: reachable(host, ep.rpc_port) and reachable(host, ep.metadata_port), timeout_s,
               master_pid, f"{MASTER_ROLE} did not listen on {ep.master_address}", master_log)
         _start_segment(ep, segment_pid, segment_log, capacity_before=0, timeout_s=timeout_s)
