@@ -225,7 +225,8 @@ def _stream_over_two_nodes(tmp_path: Path, cfgp: Path, store_host: str, n2_prefi
         assert Path(other.layout.store_endpoint_file).name == "store_endpoint.n2.json"
         assert handed == {"host": store_host, "rpc_port": ep.rpc_port, "metadata_port": ep.metadata_port,
                           "metrics_port": ep.metrics_port, "segment_bytes": ep.segment_bytes,
-                          "master_pid_file": "", "segment_pid_file": "", "store_id": ep.store_id,
+                          "master_pid_file": "", "segment_pid_file": "", "metadata_pid_file": "",
+                          "store_id": ep.store_id,
                           "protocol": "tcp", "device_names": ""}
         views = {"n1": home, "n2": other}                              # n2's server over its own connection
         procs: list[subprocess.Popen] = []

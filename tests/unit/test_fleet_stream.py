@@ -48,7 +48,7 @@ def test_the_endpoint_handed_to_a_node_is_what_a_sink_needs_without_the_training
     ep = node_endpoint(answer(), "10.0.0.5", source="S", remote=True)
     assert ep == {"host": "10.0.0.5", "rpc_port": 50001, "metadata_port": 50002, "metrics_port": 50003,
                   "segment_bytes": 1 << 30, "master_pid_file": "", "segment_pid_file": "",
-                  "store_id": "20261206T113452-13d63ab5", "protocol": "tcp", "device_names": ""}
+                  "metadata_pid_file": "", "store_id": "20261206T113452-13d63ab5", "protocol": "tcp", "device_names": ""}
 
 
 @pytest.mark.parametrize("bad, match", [

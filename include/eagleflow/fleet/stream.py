@@ -61,7 +61,7 @@ def node_endpoint(answer: Mapping[str, object], stream_host: str, *, source: str
     if not isinstance(devices, str) or (devices and not DEVICE_NAMES.fullmatch(devices)):
         raise bad("device_names", "is not a comma-separated list of RDMA device names")
     return {"host": host, **ports, "segment_bytes": seg, "master_pid_file": "", "segment_pid_file": "",
-            "store_id": store_id, "protocol": protocol, "device_names": devices}
+            "metadata_pid_file": "", "store_id": store_id, "protocol": protocol, "device_names": devices}
 
 
 def hand_endpoint_to_capture_nodes(ctx, answer: Mapping[str, object], log) -> dict[str, str]:

@@ -98,7 +98,7 @@ STORES: dict[str, Store] = {s.name: s for s in (
           sink="eagleflow.stores.mooncake.store:open_sink", source="eagleflow.stores.mooncake.store:open_source",
           resume="eagleflow.stores.mooncake.store:completed_indexes",
           start="eagleflow.stores.mooncake.master:start_run_store", stop="eagleflow.stores.mooncake.store:stop_run_store",
-          roles=("mooncake-master", "mooncake-segment"), health="eagleflow.stores.mooncake.master:run_store_health"),
+          roles=("mooncake-master", "mooncake-segment", "mooncake-metadata"), health="eagleflow.stores.mooncake.master:run_store_health"),
 )}
 
 

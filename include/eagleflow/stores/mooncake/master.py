@@ -1,12 +1,16 @@
-"""The run's Mooncake store on the training node: a master and a segment holder, each a recorded process.
+"""The run's Mooncake store on the training node: a metadata server, a master and a segment holder, each a
+recorded process.
 
 ``start_store`` starts, through ``eagleflow.nodes.detach`` (own session, pid record written before it is
-reported), the wheel's ``mooncake_master`` with its own HTTP metadata server, then the wheel's
-``mooncake_client`` as the segment holder: the store's memory (``segment_bytes``) belongs to that
+reported), the wheel's HTTP metadata server (``mooncake.http_metadata_server``), the wheel's ``mooncake_master``,
+then the wheel's ``mooncake_client`` as the segment holder: the store's memory (``segment_bytes``) belongs to that
 long-lived process, because a writer's own segment, and every object in it, vanishes when the writer exits
-(notes/mooncake.md). Both bind ``host`` (loopback on one machine) on free ports. The endpoint (addresses,
-ports, the two records) is written atomically to ``endpoint_file``, which sinks and sources read.
-``stop_store`` stops both by their records (``process_record.stop``: TERM, grace, KILL; PIDs only).
+(notes/mooncake.md). All bind ``host`` (loopback on one machine) on free ports. The master's own metadata server
+(``-enable_http_metadata_server``) is not used: in the 0.3.13 wheel it listens on 0.0.0.0 whatever
+``-http_metadata_server_host`` says (seen in /proc/net/tcp), and anyone who reaches it can rewrite where a
+segment's bytes go. The endpoint (addresses, ports, the records) is written atomically to ``endpoint_file``, which
+sinks and sources read. ``stop_store`` stops them by their records (``process_record.stop``: TERM, grace, KILL;
+PIDs only).
 
 The master runs with a short object lease (``-default_kv_lease_ttl``): Mooncake refuses to remove an
 object for its lease after a read, and the trainer removes each sample right after its last epoch.
@@ -35,6 +39,7 @@ from eagleflow.ports import free_port, free_ports
 
 MASTER_ROLE = "mooncake-master"
 SEGMENT_ROLE = "mooncake-segment"
+METADATA_ROLE = "mooncake-metadata"
 LEASE_TTL = "100ms"
 
 
@@ -57,6 +62,7 @@ class MooncakeEndpoint:
                                    # by its port only, never signalled
     protocol: str = "tcp"          # the transfer engine's transport (stream.protocol): every client of the store uses
     device_names: str = ""         # the segment holder's, so a capture node takes both from the endpoint it is handed
+    metadata_pid_file: str = ""    # the run's metadata server (none on an existing master: it serves its own)
 
     @property
     def master_address(self) -> str:
@@ -86,7 +92,13 @@ class MooncakeEndpoint:
                    metrics_port=int(d["metrics_port"]), segment_bytes=int(d["segment_bytes"]),
                    master_pid_file=str(d.get("master_pid_file", "")),
                    segment_pid_file=str(d.get("segment_pid_file", "")), store_id=str(d.get("store_id", "")),
-                   foreign_master=d.get("foreign_master", False) is True, protocol=protocol, device_names=devices)
+                   foreign_master=d.get("foreign_master", False) is True, protocol=protocol, device_names=devices,
+                   metadata_pid_file=str(d.get("metadata_pid_file", "")))
+
+    def recorded(self) -> list[tuple[str, str]]:
+        """(role, pid record) of every process of this store the run started, in the order they are stopped."""
+        return [(role, f) for role, f in ((SEGMENT_ROLE, self.segment_pid_file), (MASTER_ROLE, self.master_pid_file),
+                                          (METADATA_ROLE, self.metadata_pid_file)) if f]
 
 
 def reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -190,26 +202,29 @@ def _start_segment(ep: MooncakeEndpoint, segment_pid: Path, segment_log: Path, *
 def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int, endpoint_file: str | os.PathLike,
                 host: str = "127.0.0.1", timeout_s: float = 60.0, protocol: str = "tcp",
                 device_names: str = "") -> MooncakeEndpoint:
-    """Start the run's master and segment holder (recorded), wait until the store has its memory, write the
-    endpoint; on failure stop whatever was started and raise MooncakeStartError naming the log."""
+    """Start the run's metadata server, master and segment holder (recorded), wait until the store has its memory,
+    write the endpoint; on failure stop whatever was started and raise MooncakeStartError naming the log."""
     state = Path(state_dir)
-    pids, logs = state / "pids", state / "logs"
-    master_pid, segment_pid = pids / f"{run_id}.{MASTER_ROLE}.json", pids / f"{run_id}.{SEGMENT_ROLE}.json"
-    master_log, segment_log = logs / f"{run_id}.{MASTER_ROLE}.log", logs / f"{run_id}.{SEGMENT_ROLE}.log"
+    pid, log = ({role: state / sub / f"{run_id}.{role}.{ext}" for role in (MASTER_ROLE, SEGMENT_ROLE, METADATA_ROLE)}
+                for sub, ext in (("pids", "json"), ("logs", "log")))
     rpc_port, metadata_port, metrics_port = free_ports(3, host)
     ep = MooncakeEndpoint(host=host, rpc_port=rpc_port, metadata_port=metadata_port,
                           metrics_port=metrics_port, segment_bytes=segment_bytes,
-                          master_pid_file=str(master_pid), segment_pid_file=str(segment_pid),
+                          master_pid_file=str(pid[MASTER_ROLE]), segment_pid_file=str(pid[SEGMENT_ROLE]),
+                          metadata_pid_file=str(pid[METADATA_ROLE]),
                           store_id=new_store_id(), protocol=protocol, device_names=device_names)
     try:
-        _detach(MASTER_ROLE, master_pid, master_log, [
+        _detach(METADATA_ROLE, pid[METADATA_ROLE], log[METADATA_ROLE], [
+            sys.executable, "-m", "mooncake.http_metadata_server", "--host", host, "--port", str(metadata_port),
+            "--log-level", "WARNING"])
+        _wait(lambda: reachable(host, metadata_port), timeout_s, pid[METADATA_ROLE],
+              f"{METADATA_ROLE} did not listen on {host}:{metadata_port}", log[METADATA_ROLE])
+        _detach(MASTER_ROLE, pid[MASTER_ROLE], log[MASTER_ROLE], [
             binary("mooncake_master"), "-rpc_port", str(ep.rpc_port), "-rpc_address", host,
-            "-enable_http_metadata_server=true", "-http_metadata_server_host", host,
-            "-http_metadata_server_port", str(ep.metadata_port), "-metrics_port", str(ep.metrics_port),
-            "-metrics_host", host, "-default_kv_lease_ttl", LEASE_TTL])
-        _wait(lambda: reachable(host, ep.rpc_port) and reachable(host, ep.metadata_port), timeout_s,
-              master_pid, f"{MASTER_ROLE} did not listen on {ep.master_address}", master_log)
-        _start_segment(ep, segment_pid, segment_log, capacity_before=0, timeout_s=timeout_s)
+            "-metrics_port", str(ep.metrics_port), "-metrics_host", host, "-default_kv_lease_ttl", LEASE_TTL])
+        _wait(lambda: reachable(host, ep.rpc_port), timeout_s,
+              pid[MASTER_ROLE], f"{MASTER_ROLE} did not listen on {ep.master_address}", log[MASTER_ROLE])
+        _start_segment(ep, pid[SEGMENT_ROLE], log[SEGMENT_ROLE], capacity_before=0, timeout_s=timeout_s)
     except BaseException:
         stop_store(ep, grace_s=2.0)
         raise
@@ -268,8 +283,8 @@ def _wait(ready, timeout_s: float, pid_file: Path, what: str, log: Path) -> None
 
 
 def stop_store(ep: MooncakeEndpoint, grace_s: float = 10.0) -> list[StopResult]:
-    """Stop the segment holder, then the master, each by its pid record only."""
-    return [stop_file(f, grace_s=grace_s) for f in (ep.segment_pid_file, ep.master_pid_file) if f]
+    """Stop the segment holder, then the master, then the metadata server, each by its pid record only."""
+    return [stop_file(f, grace_s=grace_s) for _, f in ep.recorded()]
 
 
 SEGMENT_MARGIN_BYTES = 32 << 20
@@ -290,7 +305,7 @@ def running_store(endpoint_file: str | os.PathLike) -> MooncakeEndpoint | None:
         return None
     if not ep.segment_pid_file or not (ep.master_pid_file or ep.foreign_master):
         return None
-    if not status(ep.segment_pid_file).alive or (ep.master_pid_file and not status(ep.master_pid_file).alive):
+    if not all(status(f).alive for _, f in ep.recorded()):
         return None     # an existing master (foreign_master) has no record: its port below is the only evidence
     return ep if reachable(ep.host, ep.rpc_port) else None
 
@@ -312,7 +327,8 @@ def run_store_health(settings) -> dict:
         down.append(f"the existing master {ep.master_address} (stream.master, not started by the run: judged by its "
                     "port only, no pid record) does not answer on its port")
     for role, pid_file in (((SEGMENT_ROLE, ep.segment_pid_file),) if ep.foreign_master else
-                           ((MASTER_ROLE, ep.master_pid_file), (SEGMENT_ROLE, ep.segment_pid_file))):
+                           ((MASTER_ROLE, ep.master_pid_file), (SEGMENT_ROLE, ep.segment_pid_file),
+                            *(((METADATA_ROLE, ep.metadata_pid_file),) if ep.metadata_pid_file else ()))):
         st = status(pid_file) if pid_file else None
         if st is None or not st.alive:
             down.append(f"its {role} is not running ({st.detail if st is not None and st.detail else 'no record'}"
