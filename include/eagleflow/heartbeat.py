@@ -45,6 +45,11 @@ ROOM_WAIT_ENDED = "room_wait_ended_at"
 # ... and, while its wait is at the gate between capture passes (a run that re-captures per epoch), which pass it
 # waits to start: every shard's previous pass must be put first, so the wait is the other shards', not the buffer's
 WAITING_FOR_PASS = "waiting_for_pass"
+# a trainer's heartbeat ``extra``: what its main thread is busy with ("step", "eval" or "checkpoint") and since when
+# (unix time; a step's clock restarts when a wait for samples or for the store ends), and its last steps' compute
+# times: its watch judges a step running far past this run's own step time as stuck (a hung collective or transfer
+# keeps the heartbeat thread, and an NCCL hang the GPU, busy); an evaluation or a checkpoint has the no-step limit
+BUSY_WITH, BUSY_SINCE, STEP_TIMES = "busy_with", "busy_since", "recent_step_s"
 
 
 @dataclass
@@ -130,6 +135,18 @@ def record_pace(hb: Heartbeat, *, gap_s: float, request_s: float | None = None) 
         hist = hb.extra.setdefault(key, [])
         hist.append(round(max(0.0, value), 3))
         del hist[:-PACE_WINDOW]
+
+
+def set_busy(hb: Heartbeat, what: str, since: float | None = None) -> None:
+    """The trainer's word on what it is busy with, from now (or ``since``)."""
+    hb.extra[BUSY_WITH], hb.extra[BUSY_SINCE] = what, time.time() if since is None else since
+
+
+def record_step_time(hb: Heartbeat, seconds: float) -> None:
+    """One step's compute time (its waits for samples left out), for the watch's step pace."""
+    hist = hb.extra.setdefault(STEP_TIMES, [])
+    hist.append(round(max(0.0, seconds), 3))
+    del hist[:-PACE_WINDOW]
 
 
 class HeartbeatWriter:

@@ -170,6 +170,51 @@ def test_a_trainer_that_makes_no_step_for_too_long_is_stalled_even_with_busy_gpu
     assert "no step for 401 s, over the 400 s limit for one step" in d.summary
 
 
+def _trainer_in(busy_with, running_s, step_times, *, progress_ago=None, gpu=None):
+    """A trainer's look: its main thread busy with ``busy_with`` for ``running_s``, its heartbeat thread fresh."""
+    from eagleflow.heartbeat import BUSY_SINCE, BUSY_WITH, STEP_TIMES
+    o = obs(progress_ago=running_s if progress_ago is None else progress_ago, in_flight=[], gpu=gpu or busy_gpus())
+    o.job, o.server = WatchedJob(shard=None), None
+    o.heartbeat.unit = "steps"
+    o.heartbeat.extra.update({BUSY_WITH: busy_with, BUSY_SINCE: NOW - running_s, STEP_TIMES: step_times})
+    return o
+
+
+def test_a_trainer_hung_inside_a_step_is_stalled_past_its_own_step_time_not_after_the_no_step_limit():
+    """A collective or a transfer that never returns: the trainer's process runs, its heartbeat thread writes, an
+    NCCL hang keeps the GPU busy; only the step's own clock says it. Judged against this run's step time
+    (slow_factor x p95, at least 2 x stall_after_s: 40 s here), not after the 400 s no-step limit."""
+    steps = [0.8, 0.9, 1.1, 0.9]
+    assert decide(_trainer_in("step", 39, steps), cfg()).verdict == "slow"
+    d = decide(_trainer_in("step", 41, steps), cfg())
+    assert d.verdict == "stalled" and d.job == "training" and d.cause == "trainer", d.summary
+    assert "step 18403 has run for 41 s while the trainer's heartbeat thread runs on, over its 40 s limit " \
+           "(3 x this run's step time, 1.10 s p95, at least 2 x watchdog.stall_after_s)" in d.summary, d.summary
+    # a slow run's own pace moves the limit: 3 x 20 s steps
+    assert decide(_trainer_in("step", 59, [20.0, 18.0, 19.5]), cfg()).verdict == "slow"
+    assert decide(_trainer_in("step", 61, [20.0, 18.0, 19.5]), cfg()).verdict == "stalled"
+
+
+@pytest.mark.parametrize("case", ["eval", "checkpoint", "no pace yet", "compiled", "progress since"])
+def test_a_long_evaluation_checkpoint_first_steps_or_compiled_layer_keep_the_no_step_limit(case):
+    """What may run long in a healthy trainer is not judged by the step's clock: an evaluation, a checkpoint, the
+    first steps (no pace: fewer than 3 step times), a compiled layer (a new shape recompiles); a wait for the
+    producer that just ended restarts the step's clock (the trainer's heartbeat: busy_since)."""
+    busy, steps, config = "step", [0.8, 0.9, 1.1], cfg()
+    if case in ("eval", "checkpoint"):
+        busy = case
+    elif case == "no pace yet":
+        steps = [0.8, 0.9]
+    elif case == "compiled":
+        config = load_config(data={**config.model_dump(mode="json"), "train": {"compile": True}})
+    o = _trainer_in(busy, 120, steps)
+    if case == "progress since":
+        o = _trainer_in("step", 10, steps, progress_ago=120)        # the step began 10 s ago, after a long wait
+    d = decide(o, config)
+    assert d.verdict == "slow", d.summary
+    assert decide(_trainer_in(busy, 401, steps), config).verdict == "stalled"      # the no-step limit, 400 s
+
+
 def test_a_predecessors_failed_heartbeat_does_not_fail_the_worker_that_replaced_it():
     # A retry stopped the old worker (it wrote "failed: stopped by SIGTERM") and started a new one
     # that has not written its first heartbeat yet: that is a start, not a failure.
@@ -269,6 +314,27 @@ def test_a_trainer_stopped_before_its_heartbeat_counted_a_step_is_a_stuck_consum
     assert d.headline.startswith("the consumer is stuck: the store holds 90,000 of its 98,304-byte buffer (92 %), "
                                  "so the producer waits for room (backpressure) on this trainer"), d.headline
     assert "worker pid 4242 is stopped (state T" in d.summary
+
+
+def test_a_store_whose_room_is_under_one_and_a_half_samples_is_full_below_three_quarters():
+    """CI, stop 56: the producer waited for room with the store at 73,453 of 98,304 bytes (75 %, just under 3/4)
+    holding 25 KiB samples; the watch judged the buffer not full and did not say the consumer is stuck. The
+    mean sample held (allocated / keys) now says whether the next one fits; small samples at the same fill do."""
+    from eagleflow.watchdog.signals import StoreSignal
+    stopped = ProcessSignal(role="trainer", recorded=True, pid=4242, alive=True, state="T", started_at=NOW - 30)
+    o = obs(done=0, total=16, progress_ago=30, written_ago=15, started_ago=30, worker=stopped, in_flight=[])
+    o.job = WatchedJob(shard=None)
+    o.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", answering=True,
+                          allocated_bytes=73_453, buffer_bytes=98_304, key_count=3)
+    assert o.store.full()
+    assert decide(o, cfg()).headline.startswith("the consumer is stuck: the store holds 73,453 of its 98,304-byte "
+                                                "buffer (75 %)")
+    o.store = StoreSignal(ok=True, label="Mooncake store (master 127.0.0.1:5)", answering=True,
+                          allocated_bytes=73_453, buffer_bytes=98_304, key_count=30)
+    assert not o.store.full() and "consumer is stuck" not in decide(o, cfg()).headline
+    unknown = StoreSignal(ok=True, allocated_bytes=73_453, buffer_bytes=98_304)       # keys not read: 3/4 only
+    assert not unknown.full() and StoreSignal(ok=True, allocated_bytes=73_728, buffer_bytes=98_304).full()
+    assert not StoreSignal(ok=True, allocated_bytes=None, buffer_bytes=98_304, key_count=3).full()
 
 
 def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalled():

@@ -33,7 +33,8 @@ import torch
 
 from eagleflow.capture.verify import require_verified
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import WAITING_FOR_SAMPLES, WAITING_FOR_STORE, Heartbeat, HeartbeatWriter
+from eagleflow.heartbeat import (BUSY_WITH, WAITING_FOR_SAMPLES, WAITING_FOR_STORE, Heartbeat, HeartbeatWriter,
+                                 record_step_time, set_busy)
 from eagleflow.layout import RunLayout
 from eagleflow.stores import store_for
 
@@ -150,6 +151,35 @@ class TrainResult:
     stream_check: dict[str, Any] | None = None    # streaming: the exactly-once record (StreamRun.verify)
 
 
+# A fault for the tests (tests/integration/test_stream_faults.py): the first trainer to find this file takes it and
+# hangs inside its step, its heartbeat thread running on, as a collective or a transfer that never returns does
+HANG_FILE_ENV = "EAGLEFLOW_TRAIN_HANG_FILE"
+
+
+def _hang_if_asked() -> None:
+    path = os.environ.get(HANG_FILE_ENV)
+    if not path:
+        return
+    try:
+        os.rename(path, path + ".taken")     # taken once: the trainer started after it does not hang
+    except OSError:
+        return
+    while True:
+        time.sleep(3600)
+
+
+def _say_wait(hb: HeartbeatWriter, key: str) -> Callable[[float | None], None]:
+    """The heartbeat's word on a wait inside a step (since when, or None once it ended): the step's own clock
+    starts again at the wait's end, so its watch judges the step's compute, not the producer's pace."""
+    def said(since: float | None) -> None:
+        def mark(h: Heartbeat) -> None:
+            h.extra[key] = since
+            if since is None and h.extra.get(BUSY_WITH) == "step":
+                set_busy(h, "step")
+        hb.update(mark)
+    return said
+
+
 def train(cfg: PipelineConfig, layout: RunLayout, *, stop_after_step: int | None = None,
           log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume) the draft of this run; returns where it stopped."""
@@ -190,11 +220,8 @@ def _train(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[str,
                              "train.nproc_per_node: 1 (several streaming trainers are not built)")
         stream = StreamRun(cfg, layout, store, say)
         if hb is not None:   # the heartbeat says when the trainer waits for the producer (its watch reads it)
-            writer = hb
-            stream.on_wait = lambda since: writer.update(
-                lambda h: h.extra.__setitem__(WAITING_FOR_SAMPLES, since))
-            stream.on_store_wait = lambda since: writer.update(     # a store lost mid-run, waited for
-                lambda h: h.extra.__setitem__(WAITING_FOR_STORE, since))
+            stream.on_wait = _say_wait(hb, WAITING_FOR_SAMPLES)
+            stream.on_store_wait = _say_wait(hb, WAITING_FOR_STORE)    # a store lost mid-run, waited for
         remove_leftover_temp_dirs(paths["checkpoints"], log=say)
         ck = load_newest_intact_checkpoint(paths["checkpoints"], log=say)
         refs = []
@@ -308,6 +335,8 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
         while step < max_steps and not data_done() and (stop_after_step is None or step < stop_after_step):
             t0 = time.time()
             w0 = waited_s() if waited_s is not None else 0.0
+            if hb is not None:
+                hb.update(lambda h: set_busy(h, "step"))
             lr = lr_at(step, tc.lr, tc.warmup, max_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -326,6 +355,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
                     with autocast():
                         loss, stats = module(batch.input_ids, batch.aux_hidden_states, tb.probs, tb.top, tb.valid)
                     (loss / micro).backward()
+                _hang_if_asked()
                 stats_sum = stats if stats_sum is None else stats_sum + stats
                 tokens += batch.num_tokens
             if stats_sum is None:
@@ -352,6 +382,8 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
             end_now = (step == max_steps or data_done()
                        or (stop_after_step is not None and step >= stop_after_step))
             if held and (step % tc.eval_every == 0 or end_now):
+                if hb is not None:
+                    hb.update(lambda h: set_busy(h, "eval"))
                 row.update(evaluate_held_out(ttt, head_t, held, batch_size=tc.batch_size, device=d.device,
                                              dtype=data_dtype, mask_alignment=tc.loss_mask_alignment,
                                              autocast=autocast))
@@ -365,6 +397,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
                     def bump(h: Heartbeat, row=row) -> None:
                         h.done = step
                         h.tokens += tokens_all
+                        record_step_time(h, dt - row.get("producer_wait_s", 0.0))
                         h.extra.update(tokens_this_run=tokens_this_run, loss=row["loss"], acc_0=row["acc_0"],
                                        accept_length=row["accept_length"])
                     hb.update(bump)
@@ -374,6 +407,8 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
                         f"accept_len {sm.accept_length:.2f} lr {lr:.2e} {row['tokens_per_s']:,.0f} tok/s")
             commit_now = stream is not None and stream.must_commit(tc.batch_size * micro)
             if step % tc.checkpoint_every == 0 or end_now or commit_now:
+                if hb is not None:
+                    hb.update(lambda h: set_busy(h, "checkpoint"))
                 if d.is_main:
                     data_position = (stream.position() if stream is not None
                                      else loader.position if loader is not None else DataPosition()).to_json()

@@ -34,9 +34,10 @@ import time
 from dataclasses import dataclass
 
 from eagleflow.config import PipelineConfig
-from eagleflow.heartbeat import ROOM_WAIT_ENDED, WAITING_FOR_PASS, WAITING_FOR_ROOM, WAITING_FOR_SAMPLES, WAITING_FOR_STORE
+from eagleflow.heartbeat import (BUSY_SINCE, BUSY_WITH, ROOM_WAIT_ENDED, STEP_TIMES, WAITING_FOR_PASS, WAITING_FOR_ROOM,
+                                 WAITING_FOR_SAMPLES, WAITING_FOR_STORE, Heartbeat)
 from eagleflow.watchdog.diagnosis import GpuRow, StallDiagnosis, Verdict
-from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, pace_of, progress_at
+from eagleflow.watchdog.signals import Observation, Pace, ProcessSignal, p95, pace_of, progress_at
 
 
 def heartbeat_stale_after_s(cfg: PipelineConfig) -> float:
@@ -82,6 +83,35 @@ def no_step_limit_s(cfg: PipelineConfig) -> float:
     return max(20 * cfg.watchdog.stall_after_s, 300.0)
 
 
+def step_limit_s(cfg: PipelineConfig, step_p95_s: float) -> float:
+    """How long one training step may run, against this run's own step time: slow_factor x its p95, and never
+    under 2 x stall_after_s (a loaded host's step; 30 s at the real-run defaults, so a hung step is mailed
+    within 60 s of the hang at a 20 s poll)."""
+    return max(2 * cfg.watchdog.stall_after_s, cfg.watchdog.slow_factor * step_p95_s)
+
+
+def _stuck_step(hb: Heartbeat, cfg: PipelineConfig, hb_now: float) -> tuple[str, float | None]:
+    """A trainer whose step runs far past its own step time while its heartbeat thread runs on (a hung collective
+    or transfer: its process alive and not stopped, the GPU even busy): the evidence, or ('', in how many seconds
+    the step reaches its limit). Only a step: an evaluation or a checkpoint, a step before the run has a pace
+    (its first ones compile kernels and warm caches) and a compiled layer (train.compile: a new shape recompiles
+    for minutes) keep the no-step limit."""
+    since = hb.extra.get(BUSY_SINCE)
+    if hb.extra.get(BUSY_WITH) != "step" or cfg.train.compile or not isinstance(since, (int, float)) \
+            or isinstance(since, bool):
+        return "", None
+    usual = p95(hb.extra.get(STEP_TIMES) or [])
+    if usual is None:
+        return "", None
+    limit, running = step_limit_s(cfg, usual), max(0.0, hb_now - float(since))
+    if running < limit:
+        return "", limit - running
+    return (f"step {hb.done + 1} has run for {running:.0f} s while the trainer's heartbeat thread runs on, over "
+            f"its {limit:.0f} s limit ({cfg.watchdog.slow_factor:g} x this run's step time, {usual:.2f} s p95, "
+            f"at least 2 x watchdog.stall_after_s): stuck inside the step (a collective or a transfer that does "
+            f"not return)"), None
+
+
 # Evidence is tagged with what it blames, so one frozen server seen by eight shards is one incident.
 _SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
 # a streaming trainer's own errors that blame another side (issue 53): starved (the producer stalled) and the
@@ -89,8 +119,6 @@ _SERVER, _WORKER, _DISK = "capture_server", "worker", "disk"
 _PRODUCER, _STORE = "producer", "store"
 # a capture worker held back by a full streaming store: the trainer (the consumer) sets its pace
 _CONSUMER = "consumer"
-# a streaming store this full is full for the producer: its next sample (any size up to the buffer's rest) waits
-STORE_FULL_FRACTION = 0.75
 _STREAM_BLAME = {"StreamStarved": (_PRODUCER, "starved: no sample arrived from the producer (the capture server and "
                                               "the extraction shards putting into the run's store), so the "
                                               "producer stalled, not the trainer"),
@@ -337,7 +365,12 @@ def decide(obs: Observation, cfg: PipelineConfig) -> StallDiagnosis:
         bad.append((0, _WORKER, f"worker pid {w.pid} in D state for {now - w.d_since:.0f} s"
                                 + (f" (waiting in {w.wchan})" if w.wchan else "")))
 
-    if not obs.job.uses_server and p_age is not None and p_age >= no_step_limit_s(cfg):
+    stuck, stuck_in = _stuck_step(hb, cfg, hb_now) if hb is not None and not obs.job.uses_server else ("", None)
+    if stuck:
+        bad.append((1, "trainer", stuck))
+    elif stuck_in is not None:
+        turns.append(stuck_in)
+    if not stuck and not obs.job.uses_server and p_age is not None and p_age >= no_step_limit_s(cfg):
         # a trainer has no per-request timeout: a deadlock that keeps its heartbeat thread and the GPU
         # spinning (an NCCL hang reads 100 %) would otherwise stay "slow" for ever
         bad.append((1, "trainer", f"no step for {p_age:.0f} s, over the {no_step_limit_s(cfg):.0f} s limit for one step"))
@@ -356,8 +389,7 @@ def _with_store_fill(obs: Observation, head: str, cause: str) -> str:
     fill = obs.store.fill_text() if obs.store is not None else ""
     if not fill or cause not in (_WORKER, "trainer") or obs.job.uses_server:
         return head
-    full = (obs.store is not None and obs.store.allocated_bytes is not None and obs.store.buffer_bytes
-            and obs.store.allocated_bytes >= STORE_FULL_FRACTION * obs.store.buffer_bytes)
+    full = obs.store is not None and obs.store.full()
     return (f"the consumer is stuck: {fill}, so the producer waits for room (backpressure) on this trainer; {head}"
             if full else f"{head}; {fill}")
 

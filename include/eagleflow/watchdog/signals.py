@@ -210,7 +210,7 @@ class Pace:
                 f"stale after {self.stale_after_s:.0f} s")
 
 
-def _p95(values: list) -> float | None:
+def p95(values: list) -> float | None:
     vals = sorted(float(v) for v in values if isinstance(v, (int, float)))
     if len(vals) < MIN_PACE_SAMPLES:
         return None
@@ -221,13 +221,16 @@ def pace_of(hb: Heartbeat | None, cfg: PipelineConfig) -> Pace:
     wd = cfg.watchdog
     extra = hb.extra if hb is not None and isinstance(hb.extra, dict) else {}
     gaps = extra.get("recent_gaps_s") or []
-    gap = _p95(gaps)
-    req = _p95(extra.get("recent_request_s") or [])
+    gap = p95(gaps)
+    req = p95(extra.get("recent_request_s") or [])
     stale = max(wd.stall_after_s, wd.slow_factor * gap) if gap is not None else wd.stall_after_s
     # without a pace yet, a request is hung only past the stall bound itself (a first sample may be long)
     limit = max(wd.stall_after_s, wd.slow_factor * req) if req is not None else wd.detection_bound_s
     return Pace(samples=len(gaps), gap_p95_s=gap, request_p95_s=req, stale_after_s=stale,
                 request_limit_s=max(limit, stale))
+
+
+FULL_FRACTION = 0.75
 
 
 @dataclass
@@ -240,6 +243,18 @@ class StoreSignal:
     answering: bool | None = None
     allocated_bytes: int | None = None   # the store's bytes held now (Mooncake: master_allocated_bytes), when read
     buffer_bytes: int | None = None      # stream.buffer_gib in bytes: past it the producer waits for room
+    key_count: int | None = None         # the objects it holds (master_key_count): their mean is a sample's size
+
+    def full(self) -> bool:
+        """Full for the producer: its next sample waits for room. So at 3/4 of the buffer (a sample may be any size
+        up to the rest), or sooner when the room left is under 1.5 samples of the mean size held (samples large
+        against the buffer: a put waited at 75 % of a 96 KiB buffer holding 25 KiB samples, CI stop 56)."""
+        if self.allocated_bytes is None or not self.buffer_bytes:
+            return False
+        if self.allocated_bytes >= FULL_FRACTION * self.buffer_bytes:
+            return True
+        mean = self.allocated_bytes / self.key_count if self.key_count else 0
+        return bool(mean) and self.buffer_bytes - self.allocated_bytes < 1.5 * mean
 
     def fill_text(self) -> str:
         """'the store holds A of its B-byte buffer (P %)', or '' when not read."""
@@ -257,10 +272,10 @@ def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | N
         return None
     if h is None:
         return None
-    alloc, buf = h.get("allocated_bytes"), h.get("buffer_bytes")
+    alloc, buf, keys = h.get("allocated_bytes"), h.get("buffer_bytes"), h.get("key_count")
     return StoreSignal(ok=bool(h.get("ok")), label=str(h.get("label", "")), detail=str(h.get("detail", "")),
                        answering=h.get("answering"), allocated_bytes=None if alloc is None else int(alloc),
-                       buffer_bytes=None if buf is None else int(buf))
+                       buffer_bytes=None if buf is None else int(buf), key_count=None if keys is None else int(keys))
 
 
 @dataclass

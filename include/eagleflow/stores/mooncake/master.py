@@ -341,7 +341,9 @@ def run_store_health(settings) -> dict:
            "buffer_bytes": int(settings.buffer_bytes)}
     if answering and not down:   # how full the buffer is: a stopped consumer leaves it full, the producer waiting
         try:
-            out["allocated_bytes"] = int(metrics(ep)["master_allocated_bytes"])
+            figures = metrics(ep)
+            out["allocated_bytes"] = int(figures["master_allocated_bytes"])
+            out["key_count"] = int(figures["master_key_count"])
         except (OSError, KeyError, ValueError):
             pass
     return out
