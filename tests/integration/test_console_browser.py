@@ -26,7 +26,7 @@ from urllib.parse import quote
 import pytest
 
 from eagleflow.airflow.deploy import standalone
-from tests.fixtures.api_server import rest, wait_for as api_wait_for
+from tests.fixtures.api_server import rest, trigger_run, wait_for as api_wait_for
 from tests.fixtures.browser import chromium  # noqa: F401  (fixture)
 from tests.fixtures.console_nodes import HELD, STALLED_CMD, write_console_nodes
 from tests.fixtures.gpu_scenarios import gpu, write_scenario
@@ -120,7 +120,7 @@ def check_training_in_gpu_view(driver, base: str, token: str, run_id: str, run_n
             asked = time.time()
             active = rest(base, "/api/v2/dags/gpu_node_health/dagRuns?state=queued&state=running", token)
             if not active["total_entries"]:
-                rest(base, "/api/v2/dags/gpu_node_health/dagRuns", token, "POST", {"logical_date": None})
+                trigger_run(base, token, "gpu_node_health", {"logical_date": None})
         try:
             spans = driver.find_elements(By.CSS_SELECTOR, f"[data-node='{node}'] [data-run='{run_name}'] span.training")
             line = next((e.text for e in spans if int(e.get_attribute("data-step") or 0) > 0
@@ -320,9 +320,9 @@ def test_operator_console_in_a_real_browser(tmp_path, demo_assets, chromium):  #
         mail = check_incident_mails(smtp, nodes["scenario"], f"http://localhost:{port}", chromium, base, "local")
 
         # a second run, its draft rejected in the UI: the draft in service stays
-        second = rest(base, "/api/v2/dags/eagle3_pipeline/dagRuns", token, "POST",
-                      {"logical_date": None, "conf": {"run_name": "browser_reject", "max_train_steps": 12}}
-                      )["dag_run_id"]   # its training is not looked at: short
+        second = trigger_run(base, token, "eagle3_pipeline",
+                             {"logical_date": None, "conf": {"run_name": "browser_reject", "max_train_steps": 12}}
+                             )["dag_run_id"]   # its training is not looked at: short
         seen = answer_in_ui(chromium, base, token, second, "Reject", "keep the one in service",
                             shots / "rejection.png")
         assert str(tmp_path / "runs" / "browser_run" / "draft" / "export") in seen, seen   # against it

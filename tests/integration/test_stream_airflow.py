@@ -58,7 +58,7 @@ def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_ass
     starts = [ti.xcom_pull(task_ids="start_store") for ti in [tis[("start_store", -1)]]]
     assert starts[0]["started"] and starts[0]["master_pid_file"]
     stopped = tis[("stop_store", -1)].xcom_pull(task_ids="stop_store")["stopped"]
-    assert len(stopped) == 2 and all(r["outcome"] in ("terminated", "killed") for r in stopped), stopped
+    assert len(stopped) == 3 and all(r["outcome"] in ("terminated", "killed") for r in stopped), stopped
     assert not [r["pid"] for r in stopped if alive(r["pid"])]
     assert not (run_dir / "store_endpoint.json").exists()
     export = run_dir / "draft" / "export"

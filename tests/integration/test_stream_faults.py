@@ -226,6 +226,49 @@ def test_a_trainer_killed_mid_epoch_is_mailed_and_restarted_inside_the_watch_exa
           f"the kill")
 
 
+def test_a_trainer_hung_inside_a_step_is_mailed_and_restarted_inside_the_watch_within_60_s(tmp_path, demo_assets,
+                                                                                           smtp, runs, monkeypatch):
+    """A step that never returns (a hung collective or transfer: eagleflow.train.trainer's HANG_FILE_ENV, the main
+    thread asleep inside the step) while the trainer's process runs and its heartbeat thread writes: no signal but
+    the step's own clock. Judged against the run's step time (at least 2 x stall_after_s, 30 s here), mailed and
+    recovered in the same try, not after the no-step limit (300 s)."""
+    from eagleflow.heartbeat import STEP_TIMES
+    from eagleflow.train.trainer import HANG_FILE_ENV
+    hang = tmp_path / "hang-a-step"
+    monkeypatch.setenv(DELAY_ENV, "0.1")
+    monkeypatch.setenv(HANG_FILE_ENV, str(hang))
+    run = Run(tmp_path, demo_assets, smtp, "hung")
+    runs.append(run.start())
+    try1, pid = _train_mid_epoch(run, "a commit with later batches taken")
+
+    def paced() -> bool:
+        extra = json.loads(Path(run.ctx.layout.train_heartbeat_file).read_text()).get("extra") or {}
+        return len(extra.get(STEP_TIMES) or []) >= 3
+    _wait(paced, 60, "three steps in the trainer's heartbeat (its pace)", every=0.2)
+    hang.write_text("")
+    _wait(lambda: Path(f"{hang}.taken").exists(), 60, "the trainer hung inside a step", every=0.1)
+    hung_at = time.time()
+    assert run.trainer_pid() == pid
+    mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=MAIL_BOUND_S + 30)
+    mailed_s = smtp.received_at[0] - hung_at
+    assert mail["Subject"] == "[eagleflow] STALLED training on local", mail["Subject"]
+    body = body_text(mail)
+    assert "while the trainer's heartbeat thread runs on" in body and "stuck inside the step" in body, body
+    assert "in the same task try (no Airflow retry)" in body, body
+    assert mailed_s <= MAIL_BOUND_S, f"hang -> mail {mailed_s:.1f} s"
+    _wait(lambda: run.trainer_pid() not in (None, pid), 120, "a new trainer started by the watch")
+    restarted_s = run.trainer_record()["started_at"] - hung_at
+    assert restarted_s <= RECOVERY_BOUND_S, f"hang -> new trainer {restarted_s:.1f} s"
+    run.wait_workers()
+    try1.join(400)
+    assert try1.error is None and try1.result["status"] == "complete", try1.error
+    over = smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=30)
+    assert over["In-Reply-To"] == mail["Message-ID"]
+    run.assert_exactly_once_and_empty()
+    print(f"\n(d) trainer hung inside a step -> STALLED mailed {mailed_s:.1f} s -> new trainer recorded "
+          f"{restarted_s:.1f} s -> the same try green {try1.ended_at - hung_at:.1f} s")
+
+
 def test_a_stopped_capture_server_is_mailed_and_recovered_while_the_starved_trainer_is_only_slow(
         tmp_path, demo_assets, smtp, runs, monkeypatch):
     from eagleflow.airflow.shard_operators import ShardOperator

@@ -8,10 +8,11 @@ plane is the real one, as tests/integration/test_stream_faults.py runs it: `Trai
 the triggerer's watch in this process) at the watch's real-run defaults (poll_interval_s 20, stall_after_s 15),
 Airflow's retry mail (`EagleflowNotifier("retry")`) to a real SMTP server (aiosmtpd), the retry the same operator
 with try_number 2: it restarts the store and reruns, through `eagleflow reconcile claim`, the extraction shards
-left without a worker (here both: their workers failed on the dead store). The watch's own recoveries
-(`watchdog.train_recoveries_in_watch`) are set to 0, so this test keeps the retry path, the last resort; the same
-recovery inside the watch is `TrainDraftOperator._recover` (tests/unit/test_train_watch_recovery.py). The master is killed by the PID its
-record names; only what the test started (and recorded) is stopped.
+left without a worker (here both: their workers failed on the dead store). Run twice: with the watch's own
+recoveries (`watchdog.train_recoveries_in_watch`, default 2) the same recovery (`TrainDraftOperator._recover`)
+runs inside the first try, which ends green with no retry; with them set to 0 the try fails and the retry, the
+last resort, recovers. The master is killed by the PID its record names; only what the test started (and
+recorded) is stopped.
 """
 from __future__ import annotations
 
@@ -61,14 +62,14 @@ def _manifest_lines(hs: Path) -> dict[str, dict]:
 
 
 class Run:
-    def __init__(self, tmp: Path, assets: dict):
+    def __init__(self, tmp: Path, assets: dict, in_watch: bool):
         cfgp = write_run_config(tmp, assets["target_model"], shards=2)
         data = yaml.safe_load(cfgp.read_text())
         data["stream"] = {"storage": "mooncake", "buffer_gib": BUFFER_BYTES / (1 << 30), "shuffle_window": 4}
         data["train"] = {"device": "cpu", "max_steps": SAMPLES // 2, "batch_size": 2, "ttt_length": 2,
                          "draft_vocab_size": 64, "checkpoint_every": 4, "log_every": 1, "warmup_steps": 1}
         data["watchdog"] = {"alert_emails": ["oncall@example.test"], "smtp_conn_id": CONN,
-                            "train_recoveries_in_watch": 0}   # the try fails: the retry path
+                            **({} if in_watch else {"train_recoveries_in_watch": 0})}   # 0: the retry path
         cfgp.write_text(yaml.safe_dump(data))
         self.ctx = RunContext.from_params({"config_path": str(cfgp)}, "master-killed")
         self.ctx.write_run_config()
@@ -138,14 +139,43 @@ def _gone(pid: int, binary: str) -> bool:
         return True
 
 
+def _in_watch(run: Run, smtp, try1: InThread, killed_at: float) -> tuple[float, float, list]:
+    """The watch's own recovery: mailed, the store restarted and the shards rerun inside the first try, which
+    ends green; then the end of the fault is mailed as a reply."""
+    mail = smtp.wait_for(lambda m: "training" in m["Subject"], timeout_s=BOUND_S + 30)
+    mailed_s = smtp.received_at[0] - killed_at
+    assert mail["Subject"] == "[eagleflow] STALLED training on local", mail["Subject"]
+    body = body_text(mail)
+    assert "hidden-state store is down" in body and "mooncake-master is not running" in body, body
+    assert mailed_s <= BOUND_S, mailed_s
+    _wait(lambda: _store_id(run) not in ("", run.first.store_id), 120, "the store restarted by the watch")
+    restarted_s = time.time() - killed_at
+    assert try1.ended_at is None, try1.error                  # the same try: no retry
+    ended = run.end_workers()
+    try1.join(400)
+    assert try1.error is None and try1.result["status"] == "complete", try1.error
+    over = smtp.wait_for(lambda m: "RECOVERED" in m["Subject"], timeout_s=30)
+    assert over["Subject"].startswith("[eagleflow] RECOVERED training on local"), over["Subject"]
+    assert over["In-Reply-To"] == mail["Message-ID"]
+    return mailed_s, restarted_s, ended
+
+
+def _store_id(run: Run) -> str:
+    try:
+        return run.endpoint().store_id
+    except (OSError, ValueError, KeyError):
+        return ""                  # between the dead store's cleanup and the new endpoint
+
+
+@pytest.mark.parametrize("in_watch", [True, False], ids=["in_watch", "retry"])
 def test_the_master_killed_mid_epoch_is_mailed_restarted_and_loses_no_sample(tmp_path, demo_assets, smtp,
-                                                                              monkeypatch):
+                                                                              monkeypatch, in_watch):
     from eagleflow.watchdog.diagnosis import StallDetected
     monkeypatch.setenv(DELAY_ENV, "0.1")   # capture a little slower than training: the trainer streams
-    run = Run(tmp_path, demo_assets)
+    run = Run(tmp_path, demo_assets, in_watch)
     try:
         run.start()
-        first = run.endpoint()
+        first = run.first = run.endpoint()
         try1 = _train_try(run, 1)
         _wait(lambda: Path(run.ctx.layout.train_heartbeat_file).exists(), 120, "the trainer started")
         run.start_workers()
@@ -161,6 +191,22 @@ def test_the_master_killed_mid_epoch_is_mailed_restarted_and_loses_no_sample(tmp
         os.kill(master_pid, signal.SIGKILL)          # the PID its record names
         killed_at = time.time()
         at_kill = read_ledger(run.ledger).epoch(0)
+        if in_watch:
+            mailed_s, restarted_s, ended = _in_watch(run, smtp, try1, killed_at)
+            second = run.endpoint()
+            assert all(status(f).alive for _, f in second.recorded()), second
+            assert load_record(second.master_pid_file).pid != master_pid and _gone(segment_pid, "mooncake_client")
+            log = Path(run.ctx.layout.log_file("trainer")).read_text()
+            assert "back as a new incarnation" in log and "resuming from" not in log, log[-3000:]
+            require_exactly_once(run.ledger, run.ids, epochs=1)      # 0 lost, 0 trained twice
+            record = json.loads(Path(run.ctx.layout.stream_verified_file).read_text())
+            assert record["ok"] and record["trained_per_epoch"] == {"0": SAMPLES}
+            assert int(metrics(second)["master_key_count"]) == 0 and not list(run.hs.rglob("*.safetensors"))
+            print(f"\nmaster SIGKILL -> mailed by the watch {mailed_s:.1f} s -> store restarted by the watch "
+                  f"{restarted_s:.1f} s -> the same try green {try1.ended_at - killed_at:.1f} s; at the kill "
+                  f"{len(at_kill.trained)} trained, {len(at_kill.pending)} taken; workers at the kill: "
+                  f"{[rc for rc, _ in ended]}")
+            return
         # the watch: the store is down, not the trainer; the try fails with it
         try1.join(120)
         assert isinstance(try1.error, StallDetected), try1.error

@@ -28,7 +28,7 @@ from eagleflow.airflow.deploy import standalone
 from eagleflow.phases.descriptor import HEARTBEAT
 from eagleflow.phases.extract.worker import HELD_BACK
 from eagleflow.watchdog.incidents import history
-from tests.fixtures.api_server import rest, wait_for
+from tests.fixtures.api_server import rest, trigger_run, wait_for
 from tests.fixtures.pipeline_config import write_short_config
 from tests.fixtures.processes import kill_recorded
 
@@ -69,7 +69,7 @@ def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_a
                 return None
         wait_for("the DAG processor parsed eagle3_pipeline", parsed, 240)
         rest(base, "/api/v2/dags/eagle3_pipeline", token, "PATCH", {"is_paused": False})
-        run_id = rest(base, "/api/v2/dags/eagle3_pipeline/dagRuns", token, "POST", {
+        run_id = trigger_run(base, token, "eagle3_pipeline", {
             "logical_date": None,
             "conf": {"config_path": str(cfg), "storage": "mooncake", "run_name": "streamed"}})["dag_run_id"]
         runs = f"/api/v2/dags/eagle3_pipeline/dagRuns/{quote(run_id)}"
