@@ -181,6 +181,50 @@ def test_backpressure_holds_the_store_under_its_buffer(tmp_path, store):
     source.close()
 
 
+def test_a_second_writer_behind_the_node_lock_of_a_put_waiting_for_room_says_it_is_held_back(tmp_path, store):
+    """Two shards' sinks on one node, the buffer full: the first's put waits for room holding the node's put lock,
+    the second's waits for that lock. Both are held back by the consumer, and both say so (on_wait, the worker's
+    heartbeat): the second had said nothing, and its watch read it as stalled with no request in flight."""
+    ep, ep_file = store
+    one = _enc(0).size
+    settings = _settings(tmp_path, ep_file, buffer_bytes=one + one // 2)     # room for one sample
+    first, second = (store_for("mooncake").open_sink(settings, shard) for shard in (0, 1))
+    said: dict[int, list] = {0: [], 1: []}
+    first.on_wait = lambda since: said[0].append(since)
+    second.on_wait = lambda since: said[1].append(since)
+    first.put(_enc(0))                                    # the buffer is full
+    t0 = time.time()
+    waiting = [threading.Thread(target=first.put, args=(_enc(1),))]
+    waiting[0].start()
+    deadline = time.monotonic() + 30
+    while not said[0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiting.append(threading.Thread(target=second.put, args=(_enc(2, n=32),)))
+    waiting[1].start()
+    while not said[1] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert said[0] and said[1], said                      # both held back, said within LOCK_WAIT_SAID_S
+    assert all(t0 - 1 <= s[0] <= time.time() for s in said.values()), said
+    source = MooncakeSource(settings)
+    taken: set[tuple[int, int]] = set()                   # the consumer takes them: both puts go through
+    deadline = time.monotonic() + 60
+    while len(taken) < 3 and time.monotonic() < deadline:
+        refs = [r for r in source.scan() if (r.shard, r.index) not in taken]
+        for ref in refs[:1]:
+            source.open(ref).read()
+            source.release(ref)
+            taken.add((ref.shard, ref.index))
+        time.sleep(0.02)
+    assert len(taken) == 3, taken
+    for t in waiting:
+        t.join(30)
+        assert not t.is_alive()
+    assert said[0][-1] is None and said[1][-1] is None, said     # each wait's end said too
+    first.close()
+    second.close()
+    source.close()
+
+
 def test_the_master_killed_is_a_clear_error_naming_the_store(tmp_path, store):
     ep, ep_file = store
     settings = _settings(tmp_path, ep_file)

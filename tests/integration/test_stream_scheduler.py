@@ -46,16 +46,20 @@ def iso(t: str) -> float:
     return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
 
 
-@pytest.mark.timeout(1500)
-def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_assets):
+def _streamed_run(tmp_path: Path, demo_assets: dict, *, watchdog: dict | None = None, extra_env: dict | None = None,
+                  while_running=None) -> tuple[str, dict, Path]:
+    """The streaming pipeline under `airflow standalone`, triggered over REST as a user would; ``while_running()``
+    is asked every 5 s until the run ends (a fault's moment). The run's state, its task instances, the Airflow home.
+    The deployment is stopped by its process group, the node jobs by their records."""
     cfg = write_short_config(tmp_path, demo_assets,
                              stream={"storage": "disk", "buffer_gib": BUFFER_BYTES / (1 << 30), "put_timeout_s": 300},
-                             train={"max_steps": 12, "batch_size": 4, "checkpoint_every": 6, "log_every": 1})
+                             train={"max_steps": 12, "batch_size": 4, "checkpoint_every": 6, "log_every": 1},
+                             **({"watchdog": watchdog} if watchdog else {}))
     home, port = tmp_path / "airflow_home", standalone.free_port()
     info = None
     t0 = time.time()
     try:
-        info = standalone.start(home, port, wait_s=300, extra_env={"EAGLEFLOW_CONFIG": str(cfg)})
+        info = standalone.start(home, port, wait_s=300, extra_env={"EAGLEFLOW_CONFIG": str(cfg), **(extra_env or {})})
         base = f"http://127.0.0.1:{port}"
         token = rest(base, "/auth/token", method="POST",
                      body={"username": "admin", "password": info["password"]})["access_token"]
@@ -73,8 +77,12 @@ def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_a
             "logical_date": None,
             "conf": {"config_path": str(cfg), "storage": "mooncake", "run_name": "streamed"}})["dag_run_id"]
         runs = f"/api/v2/dags/eagle3_pipeline/dagRuns/{quote(run_id)}"
-        state = wait_for("the run to finish", lambda: (s := rest(base, runs, token)["state"]) in ("success", "failed")
-                         and s, 1200, 5)
+
+        def ended():
+            if while_running is not None:
+                while_running()
+            return (s := rest(base, runs, token)["state"]) in ("success", "failed") and s
+        state = wait_for("the run to finish", ended, 1200, 5)
         tis = {(t["task_id"], t["map_index"]): t
                for t in rest(base, f"{runs}/taskInstances?limit=100", token)["task_instances"]}
     finally:
@@ -82,10 +90,32 @@ def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_a
         kill_recorded(tmp_path / "node-state")
     print(f"[stream-scheduler] the run ended {state} {time.time() - t0:.0f} s after the test began")
     states = {k: t["state"] for k, t in tis.items()}
-    run_dir = tmp_path / "runs" / "streamed"
-    log = run_dir / "logs" / "trainer.log"
+    log = tmp_path / "runs" / "streamed" / "logs" / "trainer.log"
     assert state == "success", (states, log.read_text()[-3000:] if log.exists() else "no trainer log")
     assert stopped and info is not None and not standalone._group_alive(info["pgid"])
+    return state, tis, home
+
+
+def _exactly_once(run_dir: Path) -> dict[str, int]:
+    """Every sample of the run's manifests taken and trained once (the ledger, stream_verified.json): their sizes."""
+    manifests = sorted((run_dir / "hidden_states").glob("shard_*/manifest.jsonl"))
+    size = {e["id"]: int(e["bytes"]) for m in manifests for line in m.read_text().splitlines() if line.strip()
+            for e in [json.loads(line)]}
+    events = [json.loads(line) for line in (run_dir / "draft" / "stream_ledger.jsonl").read_text().splitlines()
+              if line.strip()]
+    taken = sorted(i for e in events if e.get("event") == "taken" for i in e["ids"])
+    trained = sorted(i for e in events if e.get("event") == "trained" for i in e["ids"])
+    assert sorted(set(trained)) == trained == sorted(size) and set(taken) == set(size), "not exactly once"
+    rec = json.loads((run_dir / "hidden_states" / "stream_verified.json").read_text())
+    assert rec["ok"] and rec["epochs"] == 1 and rec["trained_per_epoch"] == {"0": len(size)}, rec
+    return size
+
+
+@pytest.mark.timeout(1500)
+def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_assets):
+    state, tis, home = _streamed_run(tmp_path, demo_assets)
+    states = {k: t["state"] for k, t in tis.items()}
+    run_dir = tmp_path / "runs" / "streamed"
 
     # the Param made it a streaming run, which trained beside the shards, not behind the verification
     assert json.loads((run_dir / "run-config.json").read_text())["stream"]["storage"] == "mooncake"
@@ -153,3 +183,60 @@ def test_training_takes_samples_while_the_shards_still_put_them(tmp_path, demo_a
     assert "STALLED" not in watch and "restarted" not in watch, \
         [watch[max(0, i - 600):i + 600] for w in ("STALLED", "restarted") if (i := watch.find(w)) >= 0]
     assert not [e for e in history(tmp_path / "node-state") if e.get("event") == "opened"]
+
+
+@pytest.mark.timeout(1500)
+def test_a_trainer_hung_inside_a_step_is_recovered_by_the_deferred_watch_in_the_same_try(tmp_path, demo_assets):
+    """The trainer's in-watch recovery under the scheduler (issue 53): train_draft deferred to the triggerer, whose
+    TrainWatchTrigger sees a step hung past its limit (eagleflow.train.trainer's HANG_FILE_ENV: the first trainer to
+    take the file hangs inside its step, its heartbeat thread running on); the task resumes on a worker, mails
+    STALLED, starts the trainer again from its checkpoint and defers again: one try, a RECOVERED mail as a reply,
+    the run green, every sample trained once."""
+    from eagleflow.heartbeat import STEP_TIMES
+    from eagleflow.train.trainer import HANG_FILE_ENV
+    from tests.fixtures.smtp import SmtpSink, body_text
+    hang = tmp_path / "hang-a-step"
+    heartbeat = tmp_path / "runs" / "streamed" / "draft" / "heartbeat.json"
+    hung: dict[str, float] = {}
+
+    def hang_once_paced() -> None:
+        """Once the trainer has its pace (3 steps), its next step hangs; once only (the file taken: renamed)."""
+        taken = Path(f"{hang}.taken")
+        if taken.exists():
+            hung.setdefault("at", taken.stat().st_ctime)      # the rename's time
+            return
+        if hang.exists():
+            return
+        try:
+            extra = json.loads(heartbeat.read_text()).get("extra") or {}
+        except (OSError, ValueError):
+            return
+        if len(extra.get(STEP_TIMES) or []) >= 3:
+            hang.write_text("")
+
+    with SmtpSink() as smtp:
+        _, tis, home = _streamed_run(
+            tmp_path, demo_assets, watchdog={"alert_emails": ["oncall@example.test"], "smtp_conn_id": "smtp_sched"},
+            extra_env={HANG_FILE_ENV: str(hang), **smtp.airflow_conn_env("smtp_sched")}, while_running=hang_once_paced)
+        assert hung, "the trainer never took the hang file (training ended first)"
+        stalled = smtp.wait_for(lambda m: "STALLED training" in m["Subject"], timeout_s=30)
+        recovered = smtp.wait_for(lambda m: "RECOVERED training" in m["Subject"], timeout_s=30)
+    # the shards, held back by the full store behind the hung trainer, are never called stalled (the second shard
+    # waits for the node's put lock, not for room: its heartbeat says held back all the same)
+    # (a task's RETRYING mail may come from elsewhere: once, capture_server_ready's resume from its deferral was
+    # killed by Airflow, "Server indicated the task shouldn't be running anymore", and retried green)
+    subjects = [m["Subject"] for m in smtp.messages]
+    watched = [s for s in subjects if " shard " in s or " training " in s]
+    assert watched == [stalled["Subject"], recovered["Subject"]], subjects
+    body = body_text(stalled)
+    assert "stuck inside the step" in body and "in the same task try (no Airflow retry)" in body, body
+    assert recovered["In-Reply-To"] == stalled["Message-ID"]
+    mailed_s = smtp.received_at[smtp.messages.index(stalled)] - hung["at"]
+    assert tis[("train_draft", -1)]["try_number"] == 1 and tis[("train_draft", -1)]["state"] == "success", tis
+    log = (tmp_path / "runs" / "streamed" / "logs" / "trainer.log").read_text()
+    assert "resuming from" in log, log[-3000:]
+    _exactly_once(tmp_path / "runs" / "streamed")
+    watch = "".join(p.read_text(errors="replace") for p in (home / "logs").rglob("task_id=train_draft/**/*.log*"))
+    assert "recovering in the watch" in watch, watch[-3000:]
+    print(f"[stream-scheduler] a step hung -> STALLED mailed {mailed_s:.1f} s after (stall_after_s 20: limit 40 s); "
+          f"mails: {[m['Subject'] for m in smtp.messages]}")

@@ -45,6 +45,7 @@ from .master import MooncakeEndpoint, metrics, reachable, running_store
 STORE = "mooncake"
 OBJECT_NOT_FOUND = -704             # Mooncake's error codes (store_py's ErrorCode)
 LOCAL_BUFFER_BYTES = 64 << 20       # the client's own transfer buffer (it contributes no segment: 0 bytes)
+LOCK_WAIT_SAID_S = 0.5              # a wait this long for the node's put lock is a wait for room (said in the heartbeat)
 
 
 def sample_key(run_id: str, shard: int, index: int, capture_pass: int = 0) -> str:
@@ -286,6 +287,28 @@ class MooncakeSink:
         if bound is not None and not bound.off:
             bound.write(allocated + charge)    # before the put: the figure read, and this put, counted
 
+    def _lock_node(self, fd: int) -> None:
+        """The node's lock on its writers' room check and put. Another writer holds it while its put waits for room
+        (the buffer full), so a wait for the lock past LOCK_WAIT_SAID_S is a wait for room too, and the worker's
+        heartbeat says so (on_wait): without it, a second shard on the node read as stalled, no request in flight,
+        its watch restarting a healthy worker every stall_after_s (seen under the scheduler, a trainer hung)."""
+        t0, said = time.monotonic(), False
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    pass
+                waited = time.monotonic() - t0
+                if not said and waited >= LOCK_WAIT_SAID_S and self.on_wait is not None:
+                    self.on_wait(time.time() - waited)
+                    said = True
+                time.sleep(0.02)
+        finally:
+            if said and self.on_wait is not None:
+                self.on_wait(None)
+
     def put(self, sample: EncodedSample) -> PutReceipt:
         data = sample.to_bytes()
         digest = hashlib.sha256(data).hexdigest()
@@ -296,7 +319,7 @@ class MooncakeSink:
         with self._put_lock:
             lk = os.open(self._budget_lock, os.O_RDWR | os.O_CREAT, 0o644)   # not O_APPEND: the bound is at 0
             try:
-                fcntl.flock(lk, fcntl.LOCK_EX)
+                self._lock_node(lk)
                 self._room(len(data), NodeBound(lk, self.ep) if NodeBound.applies(self.settings, self.ep) else None)
                 self.client.put(key, data)
             finally:
