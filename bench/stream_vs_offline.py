@@ -19,6 +19,13 @@ time to the first training step (its ``metrics.jsonl`` row), training steps per 
 loader cannot have waited for the producer, and the checkpoints taken), and wall time of capture plus training.
 Rounds alternate (offline, streaming, offline, ...); the ratios streaming / offline are per round and their median.
 
+``--control``: per round a third run, **offline beside a capture**: the offline run's verified hidden states
+(hard links) trained again while a capture of the same corpus (to disk, a run of its own) runs on the capture
+core. A streaming trainer always trains beside its capture; offline trains alone. On this 2-core machine the two
+cores share a cache and the memory bus, which separate GPUs do not, so the control says how much of the streaming
+trainer's steps/s goes to the neighbour's work, not to streaming: its steps/s over the steps that ended while the
+capture ran, and the ratio of the streaming trainer's (producer kept up) to it.
+
     .venv/bin/python bench/stream_vs_offline.py [--rounds 2] [--samples 960] [--json bench/results/stream_vs_offline.json]
 """
 from __future__ import annotations
@@ -153,6 +160,38 @@ def streaming_run(cfgp: Path, run_id: str, shards: int, logs: Path, env: dict, r
     return out
 
 
+def offline_beside_capture(cfgp: Path, src: Path, run_id: str, neighbour_id: str, shards: int, logs: Path,
+                           env: dict, prepared) -> dict:
+    """The control: ``src``'s hidden states (an offline run's, hard-linked, verified again) trained on the training
+    core while a capture of the same corpus into another run writes to disk on the capture core."""
+    rdir, ndir = prepared(cfgp, run_id), prepared(cfgp, neighbour_id)
+    shutil.copytree(src / "hidden_states", rdir / "hidden_states", copy_function=os.link)
+    ra, na = ["--config", str(cfgp), "--run-id", run_id], ["--config", str(cfgp), "--run-id", neighbour_id]
+    run(["capture", "verify", *ra], CAPTURE_CORE, env=env)
+    from eagleflow.config import load_config
+    from eagleflow.layout import RunLayout
+    info_file = Path(str(RunLayout.for_run(load_config(cfgp), neighbour_id).server_info_file))
+    t0 = time.time()
+    with CaptureServer(na, info_file, CAPTURE_CORE, logs / f"{neighbour_id}.server.log", env) as srv:
+        srv.wait_ready()
+        procs = {f"shard {s}": popen(["capture", "run", *na, "--shard", str(s)], CAPTURE_CORE,
+                                     logs / f"{neighbour_id}.shard{s}.log", env) for s in range(shards)}
+        tlog = logs / f"{run_id}.train.log"
+        train = popen(["train", *ra], TRAIN_CORE, tlog, env)
+        wait_all(procs, 3600, {k: logs / f"{neighbour_id}.shard{k.split()[1]}.log" for k in procs})
+    capture_done = time.time()
+    wait_all({"train": train}, 3600, {"train": tlog})
+    shutil.rmtree(ndir / "hidden_states", ignore_errors=True)
+    rows = [json.loads(x) for x in (rdir / "draft" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    during = [r["time"] for r in rows if r["time"] <= capture_done]
+    out = {"neighbour_capture_s": capture_done - t0, "train_done_s": time.time() - t0, "steps": len(rows),
+           "steps_beside_capture": len(during),
+           "steps_per_s_beside_capture": (len(during) - 1) / (during[-1] - during[0]) if len(during) > 2 else None}
+    out |= {k: v for k, v in training_figures(rdir / "draft" / "metrics.jsonl", t0, None).items()
+            if k in ("steps_per_s",)}
+    return out
+
+
 RATIOS = {"steps_per_s_kept_up": "training steps/s when the producer keeps up (its waits left out)",
           "steps_per_s": "training steps/s (all steps, waits for the producer included)",
           "first_step_s": "time to the first step", "wall_s": "wall time, capture + training"}
@@ -179,6 +218,8 @@ def main() -> int:
                     "demo's tokenizer and vocabulary, --target-hidden wide) in the work dir, so capture costs about "
                     "what training does; 0 = the demo's tiny target (8 layers, hidden 64)")
     ap.add_argument("--target-hidden", type=int, default=128)
+    ap.add_argument("--control", action="store_true", help="per round also offline training beside a capture of "
+                    "the same corpus on the capture core (the machine's own interference; see above)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -259,9 +300,24 @@ def main() -> int:
             print(f"round {r} {mode}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in fig.items() if not isinstance(v, (dict, list, tuple))),
                   flush=True)
+        if a.control:
+            from eagleflow.config import load_config
+            src = Path(str(load_config(off_cfg).run_dir(f"offline-r{r}")))
+            fig = offline_beside_capture(off_cfg, src, f"control-r{r}", f"neighbour-r{r}", a.shards, logs, env,
+                                         prepared)
+            fig["load_after"] = os.getloadavg()
+            rnd["offline_beside_capture"] = fig
+            print(f"round {r} offline beside a capture: " + ", ".join(
+                f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in fig.items()
+                if not isinstance(v, (dict, list, tuple))), flush=True)
         rnd["ratios"] = {k: rnd["streaming"][k] / rnd["offline"][k] for k in RATIOS}
         rnd["ratios"]["steps_per_s_after_capture"] = (rnd["streaming"].get("steps_per_s_after_capture", float("nan"))
                                                       / rnd["offline"]["steps_per_s"])
+        if a.control and rnd["offline_beside_capture"]["steps_per_s_beside_capture"]:
+            c = rnd["offline_beside_capture"]
+            rnd["ratios"]["offline_beside_capture"] = c["steps_per_s_beside_capture"] / rnd["offline"]["steps_per_s"]
+            rnd["ratios"]["steps_per_s_kept_up_vs_beside_capture"] = (rnd["streaming"]["steps_per_s_kept_up"]
+                                                                     / c["steps_per_s_beside_capture"])
         results["rounds"].append(rnd)
     report(results)
     results["seconds"] = round(time.time() - t_all, 1)
@@ -294,6 +350,13 @@ def report(results: dict) -> None:
         ratios = [r["ratios"][key] for r in rounds]
         print(f"  {label}: offline {_join([x[key] for x in o])}; streaming {_join([x[key] for x in s])}; ratio "
               f"{_join(ratios, '{:.3f}')} (median {med(ratios):.3f})")
+    if all("offline_beside_capture" in r["ratios"] for r in rounds):
+        c = [r["offline_beside_capture"] for r in rounds]
+        print(f"  control, offline training beside a capture of the same corpus on the other core: steps/s "
+              f"{_join([x['steps_per_s_beside_capture'] for x in c])} over {_join([x['steps_beside_capture'] for x in c], '{}')} "
+              f"steps, ratio to offline alone {_join([r['ratios']['offline_beside_capture'] for r in rounds], '{:.3f}')}; "
+              f"streaming (kept up) against it {_join([r['ratios']['steps_per_s_kept_up_vs_beside_capture'] for r in rounds], '{:.3f}')} "
+              f"(median {med([r['ratios']['steps_per_s_kept_up_vs_beside_capture'] for r in rounds]):.3f})")
     print(f"  streaming steps/s over the steps after capture ended (the loader never waited): "
           f"{_join([x.get('steps_per_s_after_capture', float('nan')) for x in s])} over "
           f"{_join([x.get('steps_after_capture') for x in s], '{}')} steps; ratio to offline "
