@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -335,6 +336,33 @@ def test_a_store_whose_room_is_under_one_and_a_half_samples_is_full_below_three_
     unknown = StoreSignal(ok=True, allocated_bytes=73_453, buffer_bytes=98_304)       # keys not read: 3/4 only
     assert not unknown.full() and StoreSignal(ok=True, allocated_bytes=73_728, buffer_bytes=98_304).full()
     assert not StoreSignal(ok=True, allocated_bytes=None, buffer_bytes=98_304, key_count=3).full()
+
+
+def test_a_store_is_full_when_a_capture_worker_says_its_put_waits_for_room(tmp_path):
+    """CI stop 56 again (a later run): the put waited at 75 % with samples of 2-21 KiB, the mean held too small to
+    say the next one would not fit. The worker's own word (its heartbeat's waiting_for_room_since) is read by the
+    trainer's watch: full whatever the fill; a worker that stopped waiting, or is not running, says nothing."""
+    import json as _json
+    from eagleflow.heartbeat import WAITING_FOR_ROOM
+    from eagleflow.layout import RunLayout
+    from eagleflow.watchdog.signals import StoreSignal, _producer_waits_for_room
+    assert StoreSignal(ok=True, allocated_bytes=40_000, buffer_bytes=98_304, key_count=8, producer_waits=True).full()
+    assert not StoreSignal(ok=True, allocated_bytes=40_000, buffer_bytes=98_304, key_count=8).full()
+    config = load_config(data={"target_model": "/m", "run_root": str(tmp_path / "runs"), "capture": {"shards": 2}})
+    layout = RunLayout.for_run(config, "r")
+    assert not _producer_waits_for_room(config, layout)                 # no heartbeat yet
+    hb = Heartbeat(job="extract shard 1/2", pid=1, state="running", time=NOW, started_at=NOW, done=3, total=9,
+                   last_progress_at=NOW, extra={WAITING_FOR_ROOM: NOW - 12})
+    path = Path(str(layout.heartbeat_file(1)))
+    path.parent.mkdir(parents=True)
+    hb.write(path)
+    assert _producer_waits_for_room(config, layout)
+    data = _json.loads(path.read_text())
+    for change in ({"extra": {}}, {"state": "complete"}):
+        path.write_text(_json.dumps({**data, **change}))
+        assert not _producer_waits_for_room(config, layout), change
+    path.write_text("{not json")
+    assert not _producer_waits_for_room(config, layout)
 
 
 def test_a_capture_worker_held_back_by_a_full_streaming_store_is_slow_not_stalled():

@@ -39,7 +39,7 @@ from typing import Callable, Protocol
 from eagleflow import bounded_json
 from eagleflow.config import PipelineConfig
 from eagleflow.durable import atomic_write
-from eagleflow.heartbeat import Heartbeat
+from eagleflow.heartbeat import WAITING_FOR_ROOM, Heartbeat
 from eagleflow.layout import RunLayout
 from eagleflow.nodes.proc import clock_ticks_per_s, group_cpu_ticks, state_phrase, thread_wchan
 from eagleflow.nodes.process_record import RecordRefused, leader_state, load_record
@@ -244,13 +244,17 @@ class StoreSignal:
     allocated_bytes: int | None = None   # the store's bytes held now (Mooncake: master_allocated_bytes), when read
     buffer_bytes: int | None = None      # stream.buffer_gib in bytes: past it the producer waits for room
     key_count: int | None = None         # the objects it holds (master_key_count): their mean is a sample's size
+    producer_waits: bool = False         # a capture worker of this node says (its heartbeat) its put waits for room
 
     def full(self) -> bool:
-        """Full for the producer: its next sample waits for room. So at 3/4 of the buffer (a sample may be any size
-        up to the rest), or sooner when the room left is under 1.5 samples of the mean size held (samples large
-        against the buffer: a put waited at 75 % of a 96 KiB buffer holding 25 KiB samples, CI stop 56)."""
+        """Full for the producer: its next sample waits for room. So when a capture worker says its put waits (its
+        own word: the next sample's size is its to know), at 3/4 of the buffer (a sample may be any size up to the
+        rest), or when the room left is under 1.5 samples of the mean size held (samples large against the
+        buffer: a put waited at 75 % of a 96 KiB buffer, CI stops 55 and 56)."""
         if self.allocated_bytes is None or not self.buffer_bytes:
             return False
+        if self.producer_waits:
+            return True
         if self.allocated_bytes >= FULL_FRACTION * self.buffer_bytes:
             return True
         mean = self.allocated_bytes / self.key_count if self.key_count else 0
@@ -275,7 +279,23 @@ def read_store_signal(cfg: PipelineConfig, layout: RunLayout) -> StoreSignal | N
     alloc, buf, keys = h.get("allocated_bytes"), h.get("buffer_bytes"), h.get("key_count")
     return StoreSignal(ok=bool(h.get("ok")), label=str(h.get("label", "")), detail=str(h.get("detail", "")),
                        answering=h.get("answering"), allocated_bytes=None if alloc is None else int(alloc),
-                       buffer_bytes=None if buf is None else int(buf), key_count=None if keys is None else int(keys))
+                       buffer_bytes=None if buf is None else int(buf), key_count=None if keys is None else int(keys),
+                       producer_waits=_producer_waits_for_room(cfg, layout))
+
+
+def _producer_waits_for_room(cfg: PipelineConfig, layout: RunLayout) -> bool:
+    """Whether an extraction shard's worker on this node says, in its heartbeat, that its put waits for room in
+    the store now (a heartbeat unreadable or absent says nothing)."""
+    for shard in range(kind_of(EXTRACT).num_shards(cfg)):
+        try:
+            hb = Heartbeat.read(str(layout.heartbeat_file(shard)))
+        except (OSError, ValueError, TypeError):
+            continue
+        since = hb.extra.get(WAITING_FOR_ROOM) if hb is not None and isinstance(hb.extra, dict) else None
+        if hb is not None and hb.state == "running" and isinstance(since, (int, float)) \
+                and not isinstance(since, bool):
+            return True
+    return False
 
 
 @dataclass
