@@ -156,10 +156,7 @@ class TrainResult:
 HANG_FILE_ENV = "EAGLEFLOW_TRAIN_HANG_FILE"
 
 
-def _hang_if_asked() -> None:
-    path = os.environ.get(HANG_FILE_ENV)
-    if not path:
-        return
+def _hang_if_asked(path: str) -> None:
     try:
         os.rename(path, path + ".taken")     # taken once: the trainer started after it does not hang
     except OSError:
@@ -330,6 +327,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
     step = start_step
     tokens_this_run = 0
     t_start = time.time()
+    hang_file = os.environ.get(HANG_FILE_ENV)      # read once, not on every micro-batch
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
     try:
         while step < max_steps and not data_done() and (stop_after_step is None or step < stop_after_step):
@@ -355,7 +353,8 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
                     with autocast():
                         loss, stats = module(batch.input_ids, batch.aux_hidden_states, tb.probs, tb.top, tb.valid)
                     (loss / micro).backward()
-                _hang_if_asked()
+                if hang_file:
+                    _hang_if_asked(hang_file)
                 stats_sum = stats if stats_sum is None else stats_sum + stats
                 tokens += batch.num_tokens
             if stats_sum is None:

@@ -205,8 +205,9 @@ def start_store(*, state_dir: str | os.PathLike, run_id: str, segment_bytes: int
     """Start the run's metadata server, master and segment holder (recorded), wait until the store has its memory,
     write the endpoint; on failure stop whatever was started and raise MooncakeStartError naming the log."""
     state = Path(state_dir)
-    pid, log = ({role: state / sub / f"{run_id}.{role}.{ext}" for role in (MASTER_ROLE, SEGMENT_ROLE, METADATA_ROLE)}
-                for sub, ext in (("pids", "json"), ("logs", "log")))
+    roles = (MASTER_ROLE, SEGMENT_ROLE, METADATA_ROLE)
+    pid = {role: state / "pids" / f"{run_id}.{role}.json" for role in roles}
+    log = {role: state / "logs" / f"{run_id}.{role}.log" for role in roles}
     rpc_port, metadata_port, metrics_port = free_ports(3, host)
     ep = MooncakeEndpoint(host=host, rpc_port=rpc_port, metadata_port=metadata_port,
                           metrics_port=metrics_port, segment_bytes=segment_bytes,
