@@ -183,7 +183,7 @@ def test_a_store_lost_mid_epoch_is_waited_for_and_what_it_lost_trained_once(tmp_
     path = tmp_path / "l.jsonl"
     waits: list = []
     loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=3,
-                          starve_after_s=5, on_store_wait=waits.append)
+                          starve_after_s=5, on_store_wait=waits.append, read_ahead=False)   # the read in line
     _, a = loader.next_batch()
     loader.commit(1)
     _, held = loader.next_batch()                 # trained, not committed when the store dies
@@ -219,7 +219,7 @@ def test_a_store_lost_between_reads_and_first_seen_by_a_commit_drops_the_lost_st
         src.add(i)
     path = tmp_path / "l.jsonl"
     loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=8,
-                          starve_after_s=0.3, poll_s=0.01)
+                          starve_after_s=0.3, poll_s=0.01, read_ahead=False)
     loader.next_batch()
     src.comes_back = lambda: None                 # the new store comes back empty: no shard re-ran yet
     src.lose()
@@ -258,7 +258,7 @@ def test_after_a_lost_store_the_window_is_drawn_while_a_sample_to_serve_again_is
         src.add(i)
     path = tmp_path / "l.jsonl"
     loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=3,
-                          starve_after_s=1)
+                          starve_after_s=1, read_ahead=False)
     loader.next_batch()
     loader.commit(1)
     late: set[str] = set()

@@ -409,13 +409,19 @@ class StreamLoader:
     out again first, and once a new incarnation runs every sample known from the lost one is forgotten, so
     each is drawn again when its shard has captured it again. Batches trained and not yet committed stay so:
     their next commit records them (the model has them), and their ids are never drawn again in the epoch.
+
+    With ``read_ahead`` (the trainer's default, as the offline loader's prefetch) each ``next_batch`` also chooses
+    the next micro-batch, from samples already in the store only, and reads and collates it on a thread while the
+    caller trains: the store's gets (the segment holder answering over TCP or RDMA) overlap the step instead of
+    adding to it. The batch read ahead is neither served nor taken until it is handed out, so a trainer killed
+    meanwhile serves it as if never chosen; a store lost under it hands it out again from the new store.
     """
 
     def __init__(self, source: SampleSource, ledger, *, batch_size: int, corpus_size: int, seed: int = 0,
                  shuffle_window: int = 64, epochs: int = 1, recapture: bool = False, max_length: int | None = None,
                  starve_after_s: float = 300.0, poll_s: float = 0.05,
                  on_wait: Callable[[float | None], None] | None = None, store_down_timeout_s: float = 120.0,
-                 on_store_wait: Callable[[float | None], None] | None = None):
+                 on_store_wait: Callable[[float | None], None] | None = None, read_ahead: bool = True):
         import random as _random
         self.source, self.ledger = source, ledger
         # told when a draw starts waiting for the producer (the wall-clock time) and when it stops (None): the
@@ -438,6 +444,9 @@ class StreamLoader:
         self._known: dict[str, SampleRef] = {}
         self._window: list[SampleRef] = []
         self._uncommitted: list[tuple[int, list[SampleRef]]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stream-read-ahead") if read_ahead else None
+        # the next micro-batch: its refs (chosen, not yet served or taken) and its read and collate
+        self._ahead: tuple[list[SampleRef], Future] | None = None
 
     @property
     def finished(self) -> bool:
@@ -513,25 +522,62 @@ class StreamLoader:
                 return self._known[i]
         return None
 
-    def next_batch(self) -> tuple[Batch, list[SampleRef]]:
-        if self.finished:
-            raise StopIteration("every epoch is served")
+    def _choose(self) -> list[SampleRef]:
         want = min(self.batch_size, self.corpus_size - len(self._served))
         refs = [self._draw()]
         while len(refs) < want:
             refs.append(self._draw_like(refs[0]))
+        return refs
+
+    def _read(self, refs: list[SampleRef]) -> Batch:
+        return collate((read_sample_keys(r, SAMPLE_KEYS, source=self.source) for r in refs), self.max_length,
+                       lengths=[r.tokens for r in refs])
+
+    def next_batch(self) -> tuple[Batch, list[SampleRef]]:
+        if self.finished:
+            raise StopIteration("every epoch is served")
+        ahead, self._ahead = self._ahead, None
+        refs = ahead[0] if ahead is not None else self._choose()
         self._served.update(r.id for r in refs)
         self.ledger.taken(self.epoch, [r.id for r in refs])
         try:
-            batch = collate((read_sample_keys(r, SAMPLE_KEYS, source=self.source) for r in refs), self.max_length,
-                            lengths=[r.tokens for r in refs])
+            batch = ahead[1].result() if ahead is not None else self._read(refs)
         except StoreUnavailable:
             self._store_lost(refs)
             return self.next_batch()
         self._uncommitted.append((self.epoch, refs))
         if len(self._served) >= self.corpus_size:
             self._next_epoch()
+        self._read_next()
         return batch, refs
+
+    def _read_next(self) -> None:
+        """Choose the next micro-batch and read it on the thread, when the store holds all of it now (never waits
+        for the producer here: a starved draw waits in ``next_batch``, where the heartbeat says so)."""
+        if self._pool is None or self.finished:
+            return
+        want = min(self.batch_size, self.corpus_size - len(self._served))
+        if not self.ready(want):
+            return
+        refs = self._choose()
+        self._ahead = (refs, self._pool.submit(self._read, refs))
+
+    def _drop_ahead(self) -> None:
+        """Forget the batch read ahead (its store was lost): its read is waited out, whatever it raised; its
+        samples are drawn again as their shards put them into the new store (they were never served or taken)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].cancel()
+            try:
+                ahead[1].result()
+            except Exception:    # noqa: BLE001  (the lost store's error: the caller is handling it)
+                pass
+
+    def close(self) -> None:
+        """Wait out the read ahead (before the source's client closes under it) and stop its thread."""
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _store_lost(self, unread: list[SampleRef]) -> None:
         """The store went away while ``unread`` were read: wait for it (StoreUnavailable past the deadline); they
@@ -550,6 +596,7 @@ class StreamLoader:
         ``SampleRefused``); ``scan`` names only the new store's, each drawn once its shard captured it again.
         Whichever call saw the store lost (a read, or a commit's release) must do this."""
         self.stores_lost += 1
+        self._drop_ahead()
         self._known = {}
         self._window = []
 
@@ -589,7 +636,8 @@ class StreamLoader:
         if self.finished:
             return True
         self._refill()
-        avail = sum(1 for i in self._first if i in self._known) + len(self._window)
+        avail = (sum(1 for i in self._first if i in self._known) + len(self._window)
+                 + (len(self._ahead[0]) if self._ahead is not None else 0))
         return avail >= min(n, self.corpus_size - len(self._served))
 
     @property

@@ -179,6 +179,7 @@ class StreamRun:
 
     def close(self) -> None:
         if self.loader is not None:
+            self.loader.close()       # its read ahead first: it uses the source's client
             self.loader.ledger.close()
         self.source.close()
 
