@@ -19,6 +19,7 @@ from eagleflow.config import load_config
 from eagleflow.gpu.snapshot import GpuProcess, GpuSnapshot
 from eagleflow.layout import RunLayout
 from eagleflow.nodes import NodeUnreachable
+from eagleflow.airflow import defer_settle
 from tests.fixtures.fake_node import FakeFleet, FakeNode, task_context
 
 RUN_ID = "manual__2026-12-04T10:00:00+00:00"
@@ -45,6 +46,8 @@ def gate(monkeypatch, request):
     FakeFleet().install(monkeypatch).add(node)
     ctx = RunContext(cfg=cfg, layout=RunLayout.for_run(cfg, RUN_ID), _node=node)
     ctx.write_run_config()   # as write_run_config does: the trigger reads it on the node
+    # one look before deferring, no hold after (the settle window has its own tests below)
+    monkeypatch.setattr(defer_settle, "DEFER_SETTLE_S", 0.0)
     return ctx, node
 
 
@@ -183,3 +186,34 @@ def test_a_gate_that_guards_nothing_this_run_passes_without_asking_the_node(gate
     with pytest.raises(TaskDeferred):
         takeover.execute(task_context(ctx, takeover, xcoms={("take_over_shards", "return_value"): [{"shard": 2}]}))
     assert len(node.commands("eagleflow.gpu.node_report")) == 1
+
+
+def test_a_gate_looks_for_the_settle_window_before_deferring_and_its_trigger_holds_an_early_event(gate, monkeypatch):
+    """defer_settle (apache/airflow#72716): GPUs freed within the window pass without a deferral; a deferral says
+    when, and its trigger's event waits until the window after it, while a trigger not from a deferral does not."""
+    ctx, node = gate
+    monkeypatch.setattr(defer_settle, "DEFER_SETTLE_S", 0.6)
+    seen: list = []
+
+    def report(call):      # held at the first look, idle from the second
+        seen.append(call)
+        return {"probe": "nvml", "gpus": [s.to_dict() for s in (HELD if len(seen) == 1 else IDLE)]}
+    node.on("eagleflow.gpu.node_report", report)
+    sensor = GpuIdleSensor(task_id="gpus_idle", deferrable=True, gate_timeout_s=120, poke_interval=0.1)
+    assert sensor.execute(task_context(ctx, sensor)) is None and len(seen) == 2      # no deferral
+    node.on("eagleflow.gpu.node_report", lambda call: {"probe": "nvml", "gpus": [s.to_dict() for s in HELD]})
+    t0 = time.time()
+    with pytest.raises(TaskDeferred) as d:
+        sensor.execute(task_context(ctx, sensor))
+    assert 0.5 <= time.time() - t0 < 5               # it looked for the window first
+    trigger = d.value.trigger
+    assert t0 + 0.5 <= trigger.deferred_at <= time.time()
+    assert GpuIdleTrigger(**trigger.serialize()[1]).deferred_at == trigger.deferred_at   # as the triggerer rebuilds it
+    node.on("eagleflow.gpu.node_report", lambda call: {"probe": "nvml", "gpus": [s.to_dict() for s in IDLE]})
+    t1 = time.time()
+    assert _first_event(trigger)["status"] == "idle"
+    assert time.time() >= trigger.deferred_at + 0.6 and time.time() - t1 >= 0.3      # held to the window
+    t2 = time.time()
+    assert _first_event(GpuIdleTrigger(run=ctx.serialize(), end_at=time.time() + 30))["status"] == "idle"
+    assert time.time() - t2 < 0.5                    # not from a deferral: not held
+

@@ -47,12 +47,15 @@ def test_new_payloads_carry_only_what_finds_the_run(tmp_path):
     from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
     from eagleflow.airflow.shard_watch import ShardWatchTrigger, TrainWatchTrigger
     run = {"conn_id": "gpu_node", "run_config": "/data/runs/r1/run-config.json", "run_id": "r1"}
-    for trig in (ServerReadyTrigger(run=run, end_at=1.8e9), GpuIdleTrigger(run=run, end_at=1.8e9),
+    for trig in (ServerReadyTrigger(run=run, end_at=1.8e9, deferred_at=1.7e9),
+                 GpuIdleTrigger(run=run, end_at=1.8e9, deferred_at=1.7e9),
                  ShardWatchTrigger(run=run, shard=2), TrainWatchTrigger(run=run)):
         _, kwargs = trig.serialize()
         assert kwargs["run"] == run
         # the watch's own counter (recoveries_left) is state, not config; phase names the shard's kind
-        assert set(kwargs) <= {"run", "shard", "end_at", "poll_interval_s", "recoveries_left", "phase"}, kwargs
+        # ... deferred_at: when a gate deferred (its event held a moment: defer_settle)
+        assert set(kwargs) <= {"run", "shard", "end_at", "poll_interval_s", "recoveries_left", "phase",
+                               "deferred_at"}, kwargs
         assert len(json.dumps(kwargs)) < 300
 
 

@@ -13,6 +13,7 @@ from datetime import timedelta
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, RunSensor
+from eagleflow.airflow.defer_settle import look_before_deferring
 from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
 from eagleflow.airflow.runtime import RunContext
 from eagleflow.nodes import NodeError
@@ -195,7 +196,13 @@ class GpuIdleSensor(RunSensor):
                               ctx.cfg.train.device, ctx.cfg.node.name)
                 return None
             timeout = self._gate_timeout(ctx)
-            report = self._check(ctx)  # one cheap look before deferring or poking
+            # one cheap look before poking; deferring, a few (defer_settle: GPUs idle right after would race)
+            if self.deferrable:
+                gate = IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg))
+                report = look_before_deferring(lambda: self._check(ctx, gate), lambda r: r.all_idle,
+                                               self.poke_interval)
+            else:
+                report = self._check(ctx)
             if report.all_idle:
                 self.log.info(report.message())
                 return None
@@ -206,7 +213,7 @@ class GpuIdleSensor(RunSensor):
         end_at = self.gate_started_at(context) + timeout
         if self.deferrable:
             self.defer(trigger=GpuIdleTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval,
-                                              select=self._select(ctx.cfg)),
+                                              select=self._select(ctx.cfg), deferred_at=time.time()),
                        method_name="execute_complete", timeout=timedelta(seconds=timeout + 300))
         try:
             return super().execute(context)

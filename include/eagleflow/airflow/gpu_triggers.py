@@ -3,7 +3,8 @@
 Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), the absolute
 wall-clock deadline ``end_at``, the sensor's poll interval, and ``select`` only for a gate on some of the
 run's GPUs (the streaming trainer's); the run's GPU selection, baselines and thresholds come from the node's
-frozen run-config.json.
+frozen run-config.json; ``deferred_at``, when the task deferred: its event is held until
+``defer_settle.DEFER_SETTLE_S`` after (Airflow's stale-report race).
 
 One node object (so one SSH connection) is held for the trigger's whole run;
 every blocking call (SSH, NVML, reading the baseline) goes through
@@ -19,6 +20,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from eagleflow.airflow.defer_settle import hold_until_settled
 from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.gpu.errors import GpuProbeError, NoGpuError
@@ -30,8 +32,9 @@ class GpuIdleTrigger(BaseTrigger):
     MAX_FAILURES = 5  # GPU readings failing in a row before the trigger gives up
 
     def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 5.0,
-                 select: list[str] | None = None):
+                 select: list[str] | None = None, deferred_at: float | None = None):
         super().__init__()
+        self.deferred_at = None if deferred_at is None else float(deferred_at)
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
@@ -43,9 +46,20 @@ class GpuIdleTrigger(BaseTrigger):
                                   "poll_interval_s": self.poll_interval_s}
         if self.select is not None:           # a gate on some of the run's GPUs (the trainer's)
             kwargs["select"] = self.select
+        if self.deferred_at is not None:
+            kwargs["deferred_at"] = self.deferred_at
         return (f"{type(self).__module__}.{type(self).__qualname__}", kwargs)
 
     async def run(self):
+        looks = self._look()
+        try:
+            event = await anext(looks)     # its one event; then its connection is closed before the hold
+        finally:
+            await looks.aclose()
+        await hold_until_settled(self.deferred_at)
+        yield event
+
+    async def _look(self):
         try:
             ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
         except (ConfigError, NodeError, OSError) as e:

@@ -2,8 +2,9 @@
 
 Payload: the run's ``RunRef`` (connection, run-config.json on the node, run id), an absolute wall-clock
 deadline ``end_at`` (epoch seconds, so a triggerer restart neither extends nor resets it), the
-sensor's poll interval and the phase (its name; its descriptor's lifecycle says how to look). The config itself
-is read from the node's frozen run-config.json.
+sensor's poll interval, the phase (its name; its descriptor's lifecycle says how to look) and when the task
+deferred (``deferred_at``: its event is held until ``defer_settle.DEFER_SETTLE_S`` after, Airflow's stale-report
+race). The config itself is read from the node's frozen run-config.json.
 
 One event: {"status": "ready", "info": {...}} | {"status": "dead" | "stuck", "detail": str}
 | {"status": "timeout", "detail": str} ("stuck": ours but SIGSTOP'd or a zombie, told at once). Each poll is one ``check_ready`` (pid
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Literal, TypedDict
+from typing import Any, AsyncGenerator, AsyncIterator, Literal, TypedDict
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from eagleflow.airflow.defer_settle import hold_until_settled
 from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.nodes import NodeError
@@ -31,8 +33,10 @@ class ServerReadyEvent(TypedDict, total=False):
 
 
 class ServerReadyTrigger(BaseTrigger):
-    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 2.0, phase: str = EXTRACT):
+    def __init__(self, run: RunPayload | RunRef, end_at: float, poll_interval_s: float = 2.0, phase: str = EXTRACT,
+                 deferred_at: float | None = None):
         super().__init__()
+        self.deferred_at = None if deferred_at is None else float(deferred_at)
         self.run_ref = RunRef.from_dict(run)
         self.end_at = float(end_at)
         self.poll_interval_s = float(poll_interval_s)
@@ -41,9 +45,18 @@ class ServerReadyTrigger(BaseTrigger):
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
                 {"run": self.run_ref.to_dict(), "end_at": self.end_at, "poll_interval_s": self.poll_interval_s,
-                 "phase": self.kind.phase})
+                 "phase": self.kind.phase, **({"deferred_at": self.deferred_at} if self.deferred_at is not None else {})})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        looks = self._look()
+        try:
+            event = await anext(looks)     # its one event; then its connection is closed before the hold
+        finally:
+            await looks.aclose()
+        await hold_until_settled(self.deferred_at)
+        yield event
+
+    async def _look(self) -> AsyncGenerator[TriggerEvent, None]:
         try:
             ctx = await asyncio.to_thread(RunContext.from_ref, self.run_ref)
         except (ConfigError, NodeError, OSError) as e:

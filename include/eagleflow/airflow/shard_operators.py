@@ -34,6 +34,7 @@ from airflow.sdk import PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from eagleflow.airflow.base import RunOperator, RunSensor, default_deferrable
+from eagleflow.airflow.defer_settle import look_before_deferring
 from eagleflow.airflow.fleet_operators import PREPARE_TASK, CollectShardsOperator, skip_if_handed_over
 from eagleflow.airflow.gpu_operators import FreeGpusOperator, GpuIdleSensor
 from eagleflow.airflow.runtime import RunContext
@@ -118,7 +119,9 @@ class ServerReadySensor(RunSensor):
     def execute(self, context):
         ctx = RunContext.from_airflow(context)
         try:
-            done = self._look(ctx)              # one cheap look first
+            # one cheap look first; deferring, a few (defer_settle: a server ready right after would race)
+            done = (look_before_deferring(lambda: self._look(ctx), lambda d: d.is_done, self.poke_interval)
+                    if self.deferrable else self._look(ctx))
             timeout_s = ctx.cfg.server.ready_timeout_s
             ref = ctx.trigger_ref()
         finally:
@@ -130,7 +133,7 @@ class ServerReadySensor(RunSensor):
         end_at = self.gate_started_at(context) + timeout_s
         self.log.info("%s loading; deferring for up to %.0f s", self.kind.server, timeout_s)
         self.defer(trigger=ServerReadyTrigger(run=ref, end_at=end_at, poll_interval_s=self.poke_interval,
-                                              phase=self.phase),
+                                              phase=self.phase, deferred_at=time.time()),
                    method_name="execute_complete", timeout=timedelta(seconds=timeout_s + 120))
 
     def poke(self, context):
