@@ -57,3 +57,63 @@ def test_tail_follows_appends_partial_lines_and_rewrites(tmp_path):
     assert sorted(tail.entries) == [5, 6, 7, 8]
     os.unlink(path)
     assert tail.update() is True and tail.entries == {}
+
+
+def test_appended_says_what_only_extends_and_none_when_a_line_was_replaced(tmp_path):
+    """What the source's scan extends its list by (``appended``): the new indexes in order, else None (rebuild)."""
+    path = tmp_path / "manifest.jsonl"
+    tail = ManifestTail(path)
+    with open(path, "ab") as f:
+        f.write(entry(1).to_line().encode() + entry(0).to_line().encode())
+    assert tail.update() and [e.index for e in tail.appended] == [0, 1]
+    assert not tail.update() and tail.appended == []
+    with open(path, "ab") as f:
+        f.write(entry(2).to_line().encode())
+    assert tail.update() and [e.index for e in tail.appended] == [2]
+    with open(path, "ab") as f:                                      # a redone index: its old line replaced
+        f.write(entry(1, tokens=77).to_line().encode() + entry(3).to_line().encode())
+    assert tail.update() and tail.appended is None
+    compact_manifest(path, [entry(0, "s2")], fsync=False)           # read whole again
+    assert tail.update() and tail.appended is None and sorted(tail.entries) == [0]
+    os.unlink(path)
+    assert tail.update() and tail.appended is None
+
+
+def test_the_sources_scan_extends_its_last_list_and_rebuilds_on_a_replaced_line(tmp_path):
+    """MooncakeSource.scan while capture appends returns the refs it returned before (the same objects) and the new
+    ones after them: the loader reads only that tail. A redone line or a new incarnation rebuilds the list, the
+    last line of an index winning, only the incarnation's lines."""
+    from eagleflow.stores import StoreSettings
+    from eagleflow.stores.mooncake.master import MooncakeEndpoint
+    from eagleflow.stores.mooncake.store import MooncakeSource
+
+    class NoClient:          # scan never asks the store: the manifests say what was put
+        label = "test store"
+
+        def close(self) -> None:
+            pass
+    root = tmp_path / "hs"
+    for s in (0, 1):
+        (root / f"shard_{s:05d}").mkdir(parents=True)
+    ep_file = tmp_path / "endpoint.json"
+    ep_file.write_text(MooncakeEndpoint("127.0.0.1", 1, 2, 3, 1 << 20, store_id="s1").to_json())
+    src = MooncakeSource(StoreSettings(run_id="r", root=str(root), fsync=False, buffer_bytes=1 << 30,
+                                       endpoint_file=str(ep_file)), client=NoClient())   # type: ignore[arg-type]
+
+    def append(shard: int, *entries: ManifestEntry) -> None:
+        with open(root / f"shard_{shard:05d}" / "manifest.jsonl", "ab") as f:
+            f.write(b"".join(e.to_line().encode() for e in entries))
+    append(0, entry(0), entry(1))
+    first = src.scan()
+    assert [(r.shard, r.index) for r in first] == [(0, 0), (0, 1)]
+    append(1, entry(10))
+    append(0, entry(2), entry(3, store_id="old"))                    # another incarnation's line: never a ref
+    second = src.scan()
+    assert second[:2] == first and all(a is b for a, b in zip(second, first))
+    assert sorted((r.shard, r.index) for r in second[2:]) == [(0, 2), (1, 10)]
+    append(0, entry(1, tokens=77))                                   # redone: the list is rebuilt
+    third = src.scan()
+    assert [(r.shard, r.index) for r in third] == [(0, 0), (0, 1), (0, 2), (1, 10)]
+    assert third[1].tokens == 77 and third[0] is not first[0]
+    src.ep = MooncakeEndpoint("127.0.0.1", 1, 2, 3, 1 << 20, store_id="old")   # a new incarnation: its lines only
+    assert [(r.shard, r.index) for r in src.scan()] == [(0, 3)]

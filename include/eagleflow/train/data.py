@@ -443,6 +443,7 @@ class StreamLoader:
         self._rng = _random.Random(f"eagleflow-stream/{seed}/{self.epoch}/{len(self._served)}")
         self._known: dict[str, SampleRef] = {}
         self._window: list[SampleRef] = []
+        self._scanned: tuple[int, SampleRef | None] = (0, None)   # the last scan's length and last ref
         self._uncommitted: list[tuple[int, list[SampleRef]]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stream-read-ahead") if read_ahead else None
         # the next micro-batch: its refs (chosen, not yet served or taken) and its read and collate
@@ -454,7 +455,13 @@ class StreamLoader:
 
     def _refill(self) -> None:
         want = self.epoch if self.recapture else 0      # the capture pass this epoch trains on
-        for r in self.source.scan():
+        refs = self.source.scan()
+        # a scan that only extended the last one (the same ref objects first: capture appending) is read from
+        # where that one ended: a draw costs the samples that arrived since, not the corpus
+        n, last = self._scanned
+        start = n if n and len(refs) >= n and refs[n - 1] is last else 0
+        self._scanned = (len(refs), refs[-1] if refs else None)
+        for r in refs[start:] if start else refs:
             if r.capture_pass == want and r.id not in self._known:
                 self._known[r.id] = r
                 if r.id not in self._served and r.id not in self._first:
@@ -599,6 +606,7 @@ class StreamLoader:
         self._drop_ahead()
         self._known = {}
         self._window = []
+        self._scanned = (0, None)
 
     def _release(self, ref: SampleRef) -> None:
         try:
@@ -618,6 +626,7 @@ class StreamLoader:
         self._first = []
         if self.recapture:     # the next epoch's own captures, each drawn as it arrives
             self._known = {}
+            self._scanned = (0, None)
         self._window = [] if self.finished else list(self._known.values())
         self._rng = _random.Random(f"eagleflow-stream/{self.seed}/{self.epoch}/0")
 

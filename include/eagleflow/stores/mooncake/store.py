@@ -356,8 +356,11 @@ class MooncakeSource:
         Incremental (the trainer asks at every draw and step): each shard's manifest is read from where the last
         scan stopped (``ManifestTail``: only the complete lines appended since), and read whole again when it was
         replaced or shrank (a resume's ``compact_manifest`` after a lost store rewrites it atomically); the same
-        entries as ``read_manifest`` of the whole file, the last line of an index winning."""
-        changed = False
+        entries as ``read_manifest`` of the whole file, the last line of an index winning. New lines only extend
+        the list returned before (the same ref objects first, in the order read: the loader reads just the tail);
+        anything else rebuilds it, by shard, pass and index."""
+        rebuild = self._refs is None or self._refs_store_id != self.ep.store_id
+        appended: list[SampleRef] = []
         seen: set[tuple[str, int]] = set()
         for d in sorted(p for p in self.root.glob("shard_*") if p.is_dir()) if self.root.is_dir() else []:
             # pass 0's manifest, and each later pass's of a run that re-captures per epoch
@@ -368,24 +371,33 @@ class MooncakeSource:
                 if tail is None:
                     tail = self._tails[(d.name, cp)] = ManifestTail(d / pass_manifest(cp))
                 seen.add((d.name, cp))
-                changed |= tail.update()
+                if tail.update():
+                    if tail.appended is None:
+                        rebuild = True
+                    elif not rebuild:
+                        appended += self._refs_of(d.name, cp, tail.appended)
         for gone in set(self._tails) - seen:
             del self._tails[gone]
-            changed = True
-        if changed or self._refs is None or self._refs_store_id != self.ep.store_id:
-            refs: list[SampleRef] = []
-            for name, cp in sorted(self._tails):
-                shard = int(name.split("_", 1)[1])
-                entries = self._tails[(name, cp)].entries
-                for idx in sorted(entries):
-                    e = entries[idx]
-                    if not in_incarnation(e, self.ep.store_id):
-                        continue
-                    refs.append(SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens,
-                                          bytes=e.bytes, sha256=e.sha256, store_dtype=e.store_dtype or "auto",
-                                          capture_pass=cp))
-            self._refs, self._refs_store_id = refs, self.ep.store_id
+            rebuild = True
+        if rebuild:
+            # every line again (a replaced or redone line, a new incarnation): by shard, pass and index
+            self._refs = [r for name, cp in sorted(self._tails)
+                          for r in self._refs_of(name, cp, sorted(self._tails[(name, cp)].entries.values(),
+                                                                  key=lambda e: e.index))]
+            self._refs_store_id = self.ep.store_id
+        elif appended:
+            # only new lines (capture appending, as it does all the time): appended in the order read, so a scan
+            # costs the lines since the last one, not the corpus (it was ~4 ms a draw at 4,000 samples)
+            assert self._refs is not None
+            self._refs.extend(appended)
+        assert self._refs is not None
         return list(self._refs)
+
+    def _refs_of(self, shard_dir: str, capture_pass: int, entries: list[ManifestEntry]) -> list[SampleRef]:
+        shard = int(shard_dir.split("_", 1)[1])
+        return [SampleRef(shard=shard, index=e.index, id=e.id, path=e.file, tokens=e.tokens, bytes=e.bytes,
+                          sha256=e.sha256, store_dtype=e.store_dtype or "auto", capture_pass=capture_pass)
+                for e in entries if in_incarnation(e, self.ep.store_id)]
 
     def open(self, ref: SampleRef) -> BinaryIO:
         data = self.client.get(ref.path)
@@ -453,6 +465,9 @@ class ManifestTail:
         self.offset = 0
         self._ident: tuple[int, int] | None = None
         self._last_line = b""
+        # what the last update changed: the entries of new indexes only, in the order appended; None when it
+        # replaced or dropped any (a redone index, a file read whole again): the caller rebuilds from ``entries``
+        self.appended: list[ManifestEntry] | None = []
 
     def _reset(self) -> bool:
         had = bool(self.entries) or self.offset > 0
@@ -460,10 +475,14 @@ class ManifestTail:
         return had
 
     def update(self) -> bool:
+        self.appended = []
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
-            return self._reset()
+            if self._reset():
+                self.appended = None
+                return True
+            return False
         with f:
             st = os.fstat(f.fileno())
             ident = (st.st_dev, st.st_ino)
@@ -472,6 +491,8 @@ class ManifestTail:
                     or (self._last_line and os.pread(f.fileno(), len(self._last_line),
                                                      self.offset - len(self._last_line)) != self._last_line)):
                 changed = self._reset()
+                if changed:
+                    self.appended = None
                 self._ident = ident
             if st.st_size == self.offset:
                 return changed
@@ -481,7 +502,13 @@ class ManifestTail:
         if end == 0:
             return changed
         chunk = data[:end]
-        self.entries.update(parse_manifest_bytes(chunk, str(self.path)).entries)
+        new = parse_manifest_bytes(chunk, str(self.path)).entries
+        if self.appended is not None:
+            if any(i in self.entries for i in new):
+                self.appended = None          # a redone index replaces its line: rebuilt
+            else:
+                self.appended = sorted(new.values(), key=lambda e: e.index)
+        self.entries.update(new)
         self.offset += end
         self._last_line = chunk[chunk.rfind(b"\n", 0, end - 1) + 1:]
         return True
