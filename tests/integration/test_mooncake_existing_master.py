@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +19,12 @@ from eagleflow.local_run import LocalRun
 from eagleflow.nodes.process_record import status
 from eagleflow.stores import run_store_settings, store_for
 from tests.fixtures.capture_corpus import write_run_config
+from tests.fixtures.mooncake_master import existing_master as start_existing_master
 
 pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfer-engine-non-cuda) is not installed")
 
 from eagleflow.stores.encoding import encode_sample  # noqa: E402
-from eagleflow.stores.mooncake.master import MooncakeEndpoint, binary, metrics, reachable  # noqa: E402
+from eagleflow.stores.mooncake.master import MooncakeEndpoint, metrics, reachable  # noqa: E402
 from eagleflow.ports import free_ports  # noqa: E402
 from eagleflow.stores.mooncake.store import MooncakeClient  # noqa: E402
 
@@ -44,28 +43,8 @@ def _last_json(res: subprocess.CompletedProcess) -> dict:
 @pytest.fixture
 def existing_master(tmp_path):
     """A master the test starts and stops itself (the run must never signal it)."""
-    rpc, meta, mets = free_ports(3)
-    log = open(tmp_path / "existing-master.log", "w")
-    proc = subprocess.Popen([binary("mooncake_master"), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
-                             "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-                             "-http_metadata_server_port", str(meta), "-metrics_port", str(mets),
-                             "-metrics_host", "127.0.0.1", "-default_kv_lease_ttl", "100ms"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        end = time.monotonic() + 60
-        while not all(reachable("127.0.0.1", p) for p in (rpc, meta, mets)):
-            assert proc.poll() is None, (tmp_path / "existing-master.log").read_text()[-2000:]
-            assert time.monotonic() < end, "the test's master did not listen within 60 s"
-            time.sleep(0.1)
-        yield proc, rpc, meta, mets
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log.close()
+    with start_existing_master(tmp_path) as m:
+        yield m
 
 
 def _run_config(tmp_path, demo_assets, rpc: int, meta: int, mets: int):

@@ -22,10 +22,13 @@ pytest.importorskip("mooncake.store", reason="the stream extra (mooncake-transfe
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_assets, monkeypatch):
+def _streamed_dag_run(tmp_path, demo_assets, monkeypatch, **stream):
+    """The pipeline DAG's streaming run under dag.test(), checked as every streaming run must end: green, trained
+    from the store, exactly once, verified after training, no hidden state on disk, the draft exported. Its task
+    instances and run folder."""
     monkeypatch.delenv("EAGLEFLOW_CONFIG", raising=False)   # the demo's one node, as the DAG is parsed
     cfgp = write_short_config(tmp_path, demo_assets, stream={"storage": "disk", "buffer_gib": 0.0625,
-                                                             "put_timeout_s": 120},
+                                                             "put_timeout_s": 120, **stream},
                               train={"max_steps": 4, "batch_size": 4, "checkpoint_every": 2, "log_every": 1})
     dag = pipeline_dag().partial_subset(task_ids=["export_draft", "stop_store"], include_upstream=True)
     dr = dag.test(run_conf={"config_path": str(cfgp), "run_name": "streamed", "storage": "mooncake"})
@@ -54,15 +57,50 @@ def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_ass
     assert shards and not list((run_dir / "hidden_states").rglob("*.safetensors"))
     assert sum(len(p.read_text().splitlines()) for p in (run_dir / "hidden_states").glob("shard_*/manifest.jsonl")) \
         == rec["samples"]
-    # the store was started by the run and stopped at its end: both processes gone, the endpoint removed
+    export = run_dir / "draft" / "export"
+    assert (export / "config.json").is_file() and (export / "model.safetensors").stat().st_size > 0
+    return tis, run_dir
+
+
+def test_a_streaming_run_through_the_pipeline_dag(tmp_path, airflow_db, demo_assets, monkeypatch):
+    tis, run_dir = _streamed_dag_run(tmp_path, demo_assets, monkeypatch)
+    # the store was started by the run and stopped at its end: its processes gone, the endpoint removed
     starts = [ti.xcom_pull(task_ids="start_store") for ti in [tis[("start_store", -1)]]]
     assert starts[0]["started"] and starts[0]["master_pid_file"]
     stopped = tis[("stop_store", -1)].xcom_pull(task_ids="stop_store")["stopped"]
     assert len(stopped) == 3 and all(r["outcome"] in ("terminated", "killed") for r in stopped), stopped
     assert not [r["pid"] for r in stopped if alive(r["pid"])]
     assert not (run_dir / "store_endpoint.json").exists()
-    export = run_dir / "draft" / "export"
-    assert (export / "config.json").is_file() and (export / "model.safetensors").stat().st_size > 0
+
+
+def test_a_streaming_run_on_an_existing_master_through_the_pipeline_dag(tmp_path, airflow_db, demo_assets,
+                                                                       monkeypatch):
+    """``stream.master`` names a master the operator runs (the test's own): the run starts only its segment holder
+    against it, streams through it, and at its end removes its keys and its segment holder, never signalling the
+    master, which still answers."""
+    from eagleflow.stores.mooncake.master import MooncakeEndpoint, reachable
+    from eagleflow.stores.mooncake.store import MooncakeClient
+    from tests.fixtures.mooncake_master import existing_master
+    with existing_master(tmp_path) as master:
+        tis, run_dir = _streamed_dag_run(tmp_path, demo_assets, monkeypatch, **master.stream_settings())
+        start = tis[("start_store", -1)].xcom_pull(task_ids="start_store")
+        assert start["started"] and start["master_started"] is False and not start["master_pid_file"], start
+        stopped = {r["role"]: r for r in tis[("stop_store", -1)].xcom_pull(task_ids="stop_store")["stopped"]}
+        assert stopped["mooncake-master"]["outcome"] == "left_running" and stopped["mooncake-master"]["pid"] is None
+        assert stopped["mooncake-keys"]["outcome"] == "removed", stopped
+        assert stopped["mooncake-segment"]["outcome"] in ("terminated", "killed"), stopped
+        assert "mooncake-metadata" not in stopped      # the master serves its own metadata: none was started
+        assert not alive(stopped["mooncake-segment"]["pid"])
+        assert master.proc.poll() is None and reachable("127.0.0.1", master.rpc)   # never signalled
+        # it still serves clients, and none of the run's samples is left in it
+        keys = [json.loads(line)["file"] for m in sorted((run_dir / "hidden_states").glob("shard_*/manifest.jsonl"))
+                for line in m.read_text().splitlines() if line.strip()]
+        client = MooncakeClient(MooncakeEndpoint("127.0.0.1", master.rpc, master.meta, master.mets, 0))
+        try:
+            assert keys and all(client.get(k, tries=1) == b"" for k in keys[:5])
+        finally:
+            client.close()
+        assert not (run_dir / "store_endpoint.json").exists()
 
 
 def test_an_offline_run_still_trains_only_after_verification(tmp_path, airflow_db, demo_assets, monkeypatch):
