@@ -140,11 +140,12 @@ class StorePeak:
 def stream_run(config: Path, run_id: str, shards: int, *, capture_cores: set[int] | None = None,
                train_cores: set[int] | None = None, store_cores: set[int] | None = None,
                train_args: tuple[str, ...] = (), logs: Path,
-               env: dict | None = None, timeout: float = 3600, t0: float | None = None) -> dict:
+               env: dict | None = None, timeout: float = 3600, t0: float | None = None, head_start: int = 0) -> dict:
     """One streaming run on a prepared corpus (``corpus prepare`` done): the store started, the trainer and the
     capture workers running together, the store stopped. Returns its figures: seconds from ``t0`` (default now)
     to the store ready, the capture server ready, capture done, training done; the store's peak allocated bytes
-    and key count; the store's endpoint file."""
+    and key count; the store's endpoint file. ``head_start``: the trainer starts only once the shards' manifests
+    record that many samples (the producer ahead of the trainer from the start; ``train_start_s`` says when)."""
     t0 = time.time() if t0 is None else t0
     ra = ["--config", str(config), "--run-id", run_id]
     # the store's master and segment holder: on ``store_cores`` (None: wherever the OS puts them)
@@ -160,13 +161,25 @@ def stream_run(config: Path, run_id: str, shards: int, *, capture_cores: set[int
         info_file = Path(str(RunLayout.for_run(load_config(config), run_id).server_info_file))
         with CaptureServer(ra, info_file, capture_cores, logs / f"{run_id}.server.log", env) as srv:
             plogs["train"] = logs / f"{run_id}.train.log"
-            procs["train"] = popen(["train", *ra, *train_args], train_cores, plogs["train"], env)
+
+            def start_trainer() -> None:
+                procs["train"] = popen(["train", *ra, *train_args], train_cores, plogs["train"], env)
+                out["train_start_s"] = time.time() - t0
+            if not head_start:
+                start_trainer()
             srv.wait_ready()
             out["server_ready_s"] = time.time() - t0
             for s in range(shards):
                 plogs[f"shard {s}"] = logs / f"{run_id}.shard{s}.log"
                 procs[f"shard {s}"] = popen(["capture", "run", *ra, "--shard", str(s)], capture_cores,
                                             plogs[f"shard {s}"], env)
+            if head_start:
+                hs = Path(str(RunLayout.for_run(load_config(config), run_id).hidden_states_dir))
+                while sum(m.read_bytes().count(b"\n") for m in hs.glob("shard_*/manifest.jsonl")) < head_start:
+                    if any(p.poll() is not None for p in procs.values()):
+                        break           # a shard ended (or died): wait_all below says which
+                    time.sleep(0.2)
+                start_trainer()
             wait_all({k: v for k, v in procs.items() if k != "train"}, timeout, plogs)
             out["capture_done_s"] = time.time() - t0
         wait_all({"train": procs["train"]}, timeout, plogs)

@@ -172,3 +172,20 @@ def test_a_read_ahead_error_other_than_a_lost_store_reaches_the_trainer(tmp_path
             loader.next_batch()
     finally:
         loader.close()
+
+
+def test_window_low_says_how_many_samples_a_batch_was_chosen_from(tmp_path):
+    """The step's metrics carry it (stream_window): under the shuffle window the producer was not ahead, however
+    little the trainer waited; the benchmark's "producer keeps up" counts only the steps drawn from a full one."""
+    src = MemorySource()
+    for i in range(3):
+        src.add(i)
+    loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=10,
+                          shuffle_window=8, read_ahead=False)
+    loader.next_batch()
+    assert loader.window_low() == 3 and loader.window_low() is None     # asked again: no batch chosen since
+    for i in range(3, 10):
+        src.add(i)
+    loader.next_batch()                                  # 1 left + 7 arrived: a full window of 8
+    loader.next_batch()
+    assert loader.window_low() == 6                      # the fewer of the two (8, then 6)

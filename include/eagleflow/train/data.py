@@ -433,6 +433,9 @@ class StreamLoader:
         self.store_down_timeout_s, self.on_store_wait = store_down_timeout_s, on_store_wait
         self.stores_lost = 0       # new store incarnations this loader went on with
         self.waited_s = 0.0        # seconds its draws waited for the producer (the steps' metrics: the producer's cost)
+        # the fewest samples it could choose a batch from since the trainer last asked (``window_low``): under
+        # ``shuffle_window`` the producer is not ahead (the batches are drawn from what just arrived)
+        self._window_low: int | None = None
         self.seed = seed
         state = ledger.read()
         done = [e for e in range(epochs) if len(set(state.epoch(e).trained)) >= corpus_size]
@@ -529,8 +532,17 @@ class StreamLoader:
                 return self._known[i]
         return None
 
+    def window_low(self) -> int | None:
+        """The fewest samples a batch was chosen from since the last call (None: none chosen); reset."""
+        low, self._window_low = self._window_low, None
+        return low
+
     def _choose(self) -> list[SampleRef]:
         want = min(self.batch_size, self.corpus_size - len(self._served))
+        if len(self._window) < self.shuffle_window:
+            self._refill()
+        avail = len(self._window) + sum(1 for i in self._first if i in self._known)
+        self._window_low = avail if self._window_low is None else min(self._window_low, avail)
         refs = [self._draw()]
         while len(refs) < want:
             refs.append(self._draw_like(refs[0]))

@@ -301,6 +301,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
         epoch_now: Callable[[], int] = lambda: offline.position.epoch  # noqa: E731
         data_done: Callable[[], bool] = lambda: False  # noqa: E731
         waited_s: Callable[[], float] | None = None
+        window_low: Callable[[], int | None] | None = None
         n_samples, store_dtype = len(refs), refs[0].store_dtype
     else:
         say(stream.describe())
@@ -308,6 +309,7 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
         next_batch = lambda: sl.next_batch()[0]  # noqa: E731  (its refs stay in the loader until the commit)
         epoch_now, data_done = (lambda: sl.epoch), (lambda: sl.finished)
         waited_s = lambda: sl.waited_s  # noqa: E731  (a step's wait for the producer, in its metrics row)
+        window_low = sl.window_low      # the fewest samples a batch of the step was drawn from, in its row
         n_samples, store_dtype = stream.corpus_size, cfg.capture.store_dtype
     micro = tc.grad_accum
     say(f"training draft: hidden {dcfg.hidden_size}, draft vocab {dcfg.draft_vocab_size}, ttt {tc.ttt_length}, "
@@ -373,11 +375,14 @@ def _train_on(cfg: PipelineConfig, layout: RunLayout, d: DistInfo, paths: dict[s
             sm = summarize(packed[:-1], tc.ttt_length, used * d.world_size)
             tokens_this_run += tokens_all
             dt = time.time() - t0
-            row = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
+            row: dict[str, Any] = {"step": step, "time": time.time(), "lr": lr, "grad_norm": float(grad_norm),
                    "tokens": tokens_all, "tokens_per_s": tokens_all / max(dt, 1e-9),
                    "epoch": epoch_now(), **sm.as_dict()}
             if waited_s is not None:     # streaming: seconds of this step spent waiting for the producer's samples
                 row["producer_wait_s"] = round(waited_s() - w0, 4)
+                # and the fewest samples its batches were drawn from (under stream.shuffle_window: the producer
+                # was not ahead; the batches came from what had just arrived)
+                row["stream_window"] = window_low() if window_low is not None else None
             end_now = (step == max_steps or data_done()
                        or (stop_after_step is not None and step >= stop_after_step))
             if held and (step % tc.eval_every == 0 or end_now):
