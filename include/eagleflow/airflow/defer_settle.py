@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
 DEFER_SETTLE_S = 15.0
 
@@ -38,3 +38,14 @@ async def hold_until_settled(deferred_at: float | None) -> None:
         wait = deferred_at + DEFER_SETTLE_S - time.time()
         if wait > 0:
             await asyncio.sleep(wait)
+
+
+async def first_event_settled(looks: AsyncGenerator[Any, None], deferred_at: float | None) -> Any:
+    """A gate trigger's one event: the first ``looks`` yields (then it is closed, and its connection with it),
+    held until settled."""
+    try:
+        event = await anext(looks)
+    finally:
+        await looks.aclose()
+    await hold_until_settled(deferred_at)
+    return event

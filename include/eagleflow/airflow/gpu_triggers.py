@@ -20,7 +20,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.defer_settle import hold_until_settled
+from eagleflow.airflow.defer_settle import first_event_settled
 from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.gpu.errors import GpuProbeError, NoGpuError
@@ -51,13 +51,7 @@ class GpuIdleTrigger(BaseTrigger):
         return (f"{type(self).__module__}.{type(self).__qualname__}", kwargs)
 
     async def run(self):
-        looks = self._look()
-        try:
-            event = await anext(looks)     # its one event; then its connection is closed before the hold
-        finally:
-            await looks.aclose()
-        await hold_until_settled(self.deferred_at)
-        yield event
+        yield await first_event_settled(self._look(), self.deferred_at)
 
     async def _look(self):
         try:

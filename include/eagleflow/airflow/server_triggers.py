@@ -18,7 +18,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Literal, TypedDict
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.airflow.defer_settle import hold_until_settled
+from eagleflow.airflow.defer_settle import first_event_settled
 from eagleflow.airflow.runtime import RunContext, RunPayload, RunRef
 from eagleflow.config import ConfigError
 from eagleflow.nodes import NodeError
@@ -48,13 +48,7 @@ class ServerReadyTrigger(BaseTrigger):
                  "phase": self.kind.phase, **({"deferred_at": self.deferred_at} if self.deferred_at is not None else {})})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        looks = self._look()
-        try:
-            event = await anext(looks)     # its one event; then its connection is closed before the hold
-        finally:
-            await looks.aclose()
-        await hold_until_settled(self.deferred_at)
-        yield event
+        yield await first_event_settled(self._look(), self.deferred_at)
 
     async def _look(self) -> AsyncGenerator[TriggerEvent, None]:
         try:
