@@ -159,7 +159,9 @@ def test_the_deferred_gate_hands_the_trainers_gpus_to_its_trigger(tmp_path, monk
 
     from airflow.sdk.exceptions import TaskDeferred
 
+    from eagleflow.airflow import defer_settle
     from eagleflow.airflow.gpu_triggers import GpuIdleTrigger
+    monkeypatch.setattr(defer_settle, "DEFER_SETTLE_S", 0.0)   # one look, no hold: test_fake_node_gpu_gate tests those
     other = proc(4242, 0, 9_000, "python3 other_job.py")
     ctx, _, _ = _gate(tmp_path, monkeypatch, [gpu(0, 9_010), gpu(1, 70_400), gpu(2, 70_400)], [other, *SERVER_PROCS])
     ctx.write_run_config()                    # the trigger reads the run's frozen config on the node
