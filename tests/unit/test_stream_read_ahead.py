@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from eagleflow.stores.contract import SampleRefused
 from eagleflow.stores.ledger import EpochLedger, read_ledger, require_exactly_once
 from eagleflow.train.data import StreamLoader
 from tests.unit.test_stream_ledger import MemorySource
@@ -18,6 +21,14 @@ class GatedSource(MemorySource):
         self.gate = threading.Event()
         self.gate.set()
         self.read_on: dict[str, str] = {}
+
+    @classmethod
+    def holding(cls, n: int) -> "GatedSource":
+        """A source whose first ``n`` samples have arrived."""
+        src = cls()
+        for i in range(n):
+            src.add(i)
+        return src
 
     def open(self, ref):
         name = threading.current_thread().name
@@ -35,9 +46,7 @@ def _drain(loader: StreamLoader, step: int) -> None:
 
 
 def test_the_next_batch_is_read_on_the_thread_and_taken_only_when_handed_out(tmp_path):
-    src = GatedSource()
-    for i in range(10):
-        src.add(i)
+    src = GatedSource.holding(10)
     path = tmp_path / "l.jsonl"
     loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=10, shuffle_window=4)
     try:
@@ -77,9 +86,7 @@ def test_read_ahead_never_waits_for_the_producer(tmp_path):
 
 
 def test_a_trainer_killed_with_a_batch_read_ahead_trains_it_once_after_resume(tmp_path):
-    src = GatedSource()
-    for i in range(9):
-        src.add(i)
+    src = GatedSource.holding(9)
     path = tmp_path / "l.jsonl"
     first = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=9, shuffle_window=3)
     first.next_batch()
@@ -106,9 +113,7 @@ def test_a_trainer_killed_with_a_batch_read_ahead_trains_it_once_after_resume(tm
 def test_a_store_lost_under_the_read_ahead_is_waited_for_and_every_sample_trained_once(tmp_path):
     """The store dies while the batch ahead is being read: its read fails on the thread, the next draw waits for
     the new incarnation, and the batch's samples are drawn again once their shards put them back."""
-    src = GatedSource()
-    for i in range(8):
-        src.add(i)
+    src = GatedSource.holding(8)
     path = tmp_path / "l.jsonl"
     waits: list = []
     loader = StreamLoader(src, EpochLedger(path, fsync=False), batch_size=2, corpus_size=8, shuffle_window=3,
@@ -141,9 +146,7 @@ def test_a_store_lost_under_the_read_ahead_is_waited_for_and_every_sample_traine
 
 
 def test_close_waits_out_a_read_in_flight(tmp_path):
-    src = GatedSource()
-    for i in range(6):
-        src.add(i)
+    src = GatedSource.holding(6)
     loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=6)
     src.gate.clear()
     loader.next_batch()
@@ -155,11 +158,7 @@ def test_close_waits_out_a_read_in_flight(tmp_path):
 
 def test_a_read_ahead_error_other_than_a_lost_store_reaches_the_trainer(tmp_path):
     """A sample the store does not hold (SampleRefused) fails the next_batch that hands the batch out, as in line."""
-    import pytest
-    from eagleflow.stores.contract import SampleRefused
-    src = GatedSource()
-    for i in range(4):
-        src.add(i)
+    src = GatedSource.holding(4)
     loader = StreamLoader(src, EpochLedger(tmp_path / "l.jsonl", fsync=False), batch_size=2, corpus_size=4,
                           shuffle_window=4)
     try:

@@ -7,8 +7,10 @@ they are just ``FreeGpusOperator(task_id=...)`` and
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
+from typing import Iterator
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -136,6 +138,17 @@ class FreeGpusOperator(RunOperator):
         return report.to_dict()
 
 
+@contextlib.contextmanager
+def _gate_errors_as_task_failures() -> Iterator[None]:
+    """A GPU gate's errors as task failures: no GPU fails at once, a reading that failed retries."""
+    try:
+        yield
+    except NoGpuError as e:
+        raise AirflowFailException(f"{e}\n(the config says node.has_gpu: true)") from None
+    except (GpuProbeError, NodeError, ValueError) as e:
+        raise GpuGateError(str(e)) from None
+
+
 class GpuIdleSensor(RunSensor):
     """Succeeds when every selected GPU is at its idle baseline with no compute process.
 
@@ -176,12 +189,8 @@ class GpuIdleSensor(RunSensor):
 
     def _check(self, ctx: RunContext, gate=None):
         """One reading through ``gate`` (or a new one on the run's node); errors as task failures."""
-        try:
+        with _gate_errors_as_task_failures():
             return (gate or IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg))).check()
-        except NoGpuError as e:
-            raise AirflowFailException(f"{e}\n(the config says node.has_gpu: true)") from None
-        except (GpuProbeError, NodeError, ValueError) as e:
-            raise GpuGateError(str(e)) from None
 
     def execute(self, context):
         ctx = RunContext.from_airflow(context)
@@ -197,12 +206,10 @@ class GpuIdleSensor(RunSensor):
                 return None
             timeout = self._gate_timeout(ctx)
             # one cheap look before poking; deferring, a few (defer_settle: GPUs idle right after would race)
-            if self.deferrable:
-                gate = IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg))
-                report = look_before_deferring(lambda: self._check(ctx, gate), lambda r: r.all_idle,
-                                               self.poke_interval)
-            else:
-                report = self._check(ctx)
+            with _gate_errors_as_task_failures():
+                gate = IdleGate(ctx.node, ctx.cfg, select=self._select(ctx.cfg))      # one for every look
+            report = look_before_deferring(lambda: self._check(ctx, gate), lambda r: r.all_idle, self.poke_interval,
+                                           window_s=None if self.deferrable else 0.0)
             if report.all_idle:
                 self.log.info(report.message())
                 return None

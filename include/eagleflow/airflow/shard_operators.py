@@ -120,8 +120,8 @@ class ServerReadySensor(RunSensor):
         ctx = RunContext.from_airflow(context)
         try:
             # one cheap look first; deferring, a few (defer_settle: a server ready right after would race)
-            done = (look_before_deferring(lambda: self._look(ctx), lambda d: d.is_done, self.poke_interval)
-                    if self.deferrable else self._look(ctx))
+            done = look_before_deferring(lambda: self._look(ctx), lambda d: d.is_done, self.poke_interval,
+                                         window_s=None if self.deferrable else 0.0)
             timeout_s = ctx.cfg.server.ready_timeout_s
             ref = ctx.trigger_ref()
         finally:

@@ -537,11 +537,15 @@ class StreamLoader:
         low, self._window_low = self._window_low, None
         return low
 
-    def _choose(self) -> list[SampleRef]:
+    def _available(self) -> int:
+        """Samples a batch can be chosen from now (the window, and those to serve again that are back)."""
+        return len(self._window) + sum(1 for i in self._first if i in self._known)
+
+    def _choose(self, refilled: bool = False) -> list[SampleRef]:
         want = min(self.batch_size, self.corpus_size - len(self._served))
-        if len(self._window) < self.shuffle_window:
+        if not refilled and len(self._window) < self.shuffle_window:
             self._refill()
-        avail = len(self._window) + sum(1 for i in self._first if i in self._known)
+        avail = self._available()
         self._window_low = avail if self._window_low is None else min(self._window_low, avail)
         refs = [self._draw()]
         while len(refs) < want:
@@ -575,10 +579,10 @@ class StreamLoader:
         for the producer here: a starved draw waits in ``next_batch``, where the heartbeat says so)."""
         if self._pool is None or self.finished:
             return
-        want = min(self.batch_size, self.corpus_size - len(self._served))
-        if not self.ready(want):
+        self._refill()
+        if self._available() < min(self.batch_size, self.corpus_size - len(self._served)):
             return
-        refs = self._choose()
+        refs = self._choose(refilled=True)
         self._ahead = (refs, self._pool.submit(self._read, refs))
 
     def _drop_ahead(self) -> None:
@@ -657,8 +661,7 @@ class StreamLoader:
         if self.finished:
             return True
         self._refill()
-        avail = (sum(1 for i in self._first if i in self._known) + len(self._window)
-                 + (len(self._ahead[0]) if self._ahead is not None else 0))
+        avail = self._available() + (len(self._ahead[0]) if self._ahead is not None else 0)
         return avail >= min(n, self.corpus_size - len(self._served))
 
     @property
